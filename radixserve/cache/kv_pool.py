@@ -1,0 +1,105 @@
+"""KV memory: per-layer K/V buffers of token slots, a page allocator and the req_to_token table.
+
+Slots are grouped in pages of `page_size` tokens; page 0 is never handed out, so padded rows of
+a batch (CUDA-graph buckets) can write there harmlessly. A token at position i of a request lives
+at `req_to_token[req_index, i]`; with pages, the slots of positions in one page are consecutive.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PageAllocator:
+    """Free list of KV pages. Sizes are counted in tokens (pages x page_size)."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 1:
+            raise ValueError("the KV pool holds no page")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        # Pages 1..num_pages; popping from the end hands out low pages first.
+        self._free_pages: list[int] = list(range(num_pages, 0, -1))
+
+    @property
+    def total_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def free_tokens(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    def alloc_pages(self, n: int) -> list[int] | None:
+        """n pages, or None (and nothing taken) when fewer are free."""
+        if n > len(self._free_pages):
+            return None
+        if n == 0:
+            return []
+        taken = self._free_pages[-n:]
+        del self._free_pages[-n:]
+        return taken
+
+    def free_pages(self, pages: list[int]) -> None:
+        self._free_pages.extend(pages)
+
+    def free_slots(self, slots: torch.Tensor) -> None:
+        """Free whole pages given as their token slots (length a multiple of page_size)."""
+        if slots.numel() == 0:
+            return
+        assert slots.numel() % self.page_size == 0, "slots must cover whole pages"
+        self._free_pages.extend((slots[:: self.page_size] // self.page_size).tolist())
+
+    def free_page_list(self) -> list[int]:
+        return list(self._free_pages)
+
+    def pages_to_slots(self, pages: list[int]) -> torch.Tensor:
+        p = torch.tensor(pages, dtype=torch.int64)
+        return (p[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+
+
+class KVPool:
+    """K and V buffers per layer, indexed by token slot: [num_slots, num_kv_heads, head_dim]."""
+
+    def __init__(self, num_tokens: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        num_pages = num_tokens // page_size
+        self.allocator = PageAllocator(num_pages, page_size)
+        self.page_size = page_size
+        self.num_slots = (num_pages + 1) * page_size  # + the reserved page 0
+        shape = (self.num_slots, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffers[layer_id][slots] = k.to(self.k_buffers[layer_id].dtype)
+        self.v_buffers[layer_id][slots] = v.to(self.v_buffers[layer_id].dtype)
+
+
+class ReqToTokenPool:
+    """Rows of slot indices, one row per running request, `max_context` positions each."""
+
+    def __init__(self, max_requests: int, max_context: int, device: torch.device | str):
+        self.table = torch.zeros((max_requests, max_context), dtype=torch.int64, device=device)
+        self._free_rows: list[int] = list(range(max_requests - 1, -1, -1))
+        self.max_requests = max_requests
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def write(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
+        """table[rows[i], cols[i]] = slots[i] for all i, as one device operation."""
+        device = self.table.device
+        index = (torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
+                 torch.tensor(cols, dtype=torch.int64).to(device, non_blocking=True))
+        self.table.index_put_(index, torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True))

@@ -1,0 +1,331 @@
+"""The radix tree of cached token prefixes and their KV slots.
+
+Each node holds a run of tokens (a whole number of pages) and the KV slot of each token.
+Running requests lock the path to the node their prefix ends in; unlocked leaves are
+evictable, in the order of the eviction policy, from a heap that is never rebuilt by a full
+tree scan per eviction. Sizes are kept as counters so `free + evictable + protected + held ==
+total` can be checked at any time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+
+from radixserve.cache.kv_pool import PageAllocator
+
+_EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two token lists (slice comparisons run in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] holds, a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class TreeNode:
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "hit_count", "created",
+                 "node_id", "removed")
+
+    def __init__(self, key: list[int], value: torch.Tensor, parent: Optional["TreeNode"], tick: int, node_id: int):
+        self.key = key
+        self.value = value  # int64 slots, len(value) == len(key)
+        self.children: dict = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = tick
+        self.hit_count = 0
+        self.created = tick
+        self.node_id = node_id
+        self.removed = False
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __lt__(self, other: "TreeNode") -> bool:  # heap ties
+        return self.node_id < other.node_id
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.node_id}, len={len(self.key)}, lock={self.lock_ref})"
+
+
+@dataclass
+class MatchResult:
+    length: int
+    slots: torch.Tensor  # int64, the cached KV slots of tokens[:length]
+    last_node: TreeNode  # the node the match ends in (exactly at its end)
+
+
+@dataclass
+class CacheCounters:
+    prompt_tokens: int = 0  # prompt tokens of admitted requests
+    cached_prompt_tokens: int = 0  # of which were found in the cache
+    inserted_tokens: int = 0  # tokens newly added to the tree
+    evicted_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+EVICTION_KEYS: dict[str, Callable[[TreeNode], tuple]] = {
+    "lru": lambda n: (n.last_access,),
+    "lfu": lambda n: (n.hit_count, n.last_access),
+    "fifo": lambda n: (n.created,),
+}
+
+
+class RadixCache:
+    def __init__(self, allocator: PageAllocator, *, page_size: int = 1, eviction_policy: str = "lru",
+                 disable: bool = False):
+        if eviction_policy not in EVICTION_KEYS:
+            raise ValueError(f"unknown eviction policy {eviction_policy!r}; use one of {sorted(EVICTION_KEYS)}")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.disabled = disable
+        self._priority = EVICTION_KEYS[eviction_policy]
+        self._ids = itertools.count()
+        self._tick = 0
+        self.counters = CacheCounters()
+        self.touched: set[TreeNode] = set()  # nodes whose matches may have changed; drained by the scheduler
+        self._reset()
+
+    # ------------------------------------------------------------------ basics
+    def _reset(self) -> None:
+        self.root = TreeNode([], _EMPTY_SLOTS, None, 0, next(self._ids))
+        self.root.lock_ref = 1  # the root is never evicted
+        self.evictable_size = 0
+        self.protected_size = 0
+        self.num_nodes = 1
+        self._heap: list[tuple[tuple, TreeNode]] = []
+
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    def _child_key(self, tokens: Sequence[int], pos: int):
+        return tokens[pos] if self.page_size == 1 else tuple(tokens[pos:pos + self.page_size])
+
+    def _page_floor(self, n: int) -> int:
+        return n - n % self.page_size
+
+    @property
+    def total_cached(self) -> int:
+        return self.evictable_size + self.protected_size
+
+    # ------------------------------------------------------------------ lookup
+    def _walk(self, tokens: Sequence[int]) -> Iterator[tuple[TreeNode, int, int]]:
+        """Yield (node, matched tokens within node, position before node) along the match path."""
+        node, pos = self.root, 0
+        end = self._page_floor(len(tokens))
+        while pos < end:
+            child = node.children.get(self._child_key(tokens, pos))
+            if child is None:
+                return
+            n = self._page_floor(common_prefix_len(child.key, tokens[pos:pos + len(child.key)]))
+            n = min(n, end - pos)
+            if n == 0:
+                return
+            yield child, n, pos
+            if n < len(child.key):
+                return
+            node, pos = child, pos + n
+
+    def peek(self, tokens: Sequence[int]) -> tuple[int, TreeNode]:
+        """Matched length (page-aligned) and the deepest node touched; never changes the tree."""
+        if self.disabled:
+            return 0, self.root
+        length, last = 0, self.root
+        for node, n, pos in self._walk(tokens):
+            length, last = pos + n, node
+        return length, last
+
+    def match(self, tokens: Sequence[int]) -> MatchResult:
+        """Longest cached prefix; splits the last node so the match ends at a node boundary."""
+        if self.disabled:
+            return MatchResult(0, _EMPTY_SLOTS, self.root)
+        tick = self._next_tick()
+        pieces: list[torch.Tensor] = []
+        last, length = self.root, 0
+        for node, n, pos in self._walk(tokens):
+            if n < len(node.key):
+                node = self._split(node, n)
+            node.last_access = tick
+            node.hit_count += 1
+            pieces.append(node.value)
+            last, length = node, pos + n
+        if last is not self.root and last.is_leaf and last.lock_ref == 0:
+            self._push(last)  # its access time changed
+        slots = torch.cat(pieces) if pieces else _EMPTY_SLOTS
+        return MatchResult(length, slots, last)
+
+    # ------------------------------------------------------------------ mutation
+    def _split(self, node: TreeNode, n: int) -> TreeNode:
+        """Cut node after n tokens; returns the new upper part. Keys and values are copied, not viewed."""
+        parent = node.parent
+        assert parent is not None
+        upper = TreeNode(node.key[:n], node.value[:n].clone(), parent, node.created, next(self._ids))
+        upper.lock_ref, upper.last_access, upper.hit_count = node.lock_ref, node.last_access, node.hit_count
+        parent.children[self._child_key(node.key, 0)] = upper
+        node.key = node.key[n:]
+        node.value = node.value[n:].clone()
+        node.parent = upper
+        upper.children[self._child_key(node.key, 0)] = node
+        self.num_nodes += 1
+        self.touched.add(node)
+        return upper
+
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
+        """Add tokens (whole pages) with their slots; returns how many leading tokens were already cached.
+
+        The caller owns slots[:returned length] only where it did not get them from the tree: those
+        are duplicates it must free. The tree takes ownership of slots[returned length:].
+        """
+        if self.disabled:
+            return 0
+        assert len(tokens) % self.page_size == 0 and len(tokens) == len(slots)
+        tick = self._next_tick()
+        node, pos = self.root, 0
+        for child, n, child_pos in self._walk(tokens):
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = tick
+            node, pos = child, child_pos + n
+        if pos < len(tokens):
+            leaf = TreeNode(list(tokens[pos:]), slots[pos:].clone(), node, tick, next(self._ids))
+            node.children[self._child_key(tokens, pos)] = leaf
+            self.num_nodes += 1
+            self.evictable_size += len(leaf.key)
+            self.counters.inserted_tokens += len(leaf.key)
+            self._push(leaf)
+            self.touched.add(node)
+        elif node is not self.root and node.is_leaf and node.lock_ref == 0:
+            self._push(node)  # its access time changed
+        return pos
+
+    # ------------------------------------------------------------------ locking
+    def inc_lock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_size -= len(node.key)
+                self.protected_size += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            assert node.lock_ref > 0, f"unlock of unlocked {node}"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_size += len(node.key)
+                self.protected_size -= len(node.key)
+                if node.is_leaf:
+                    self._push(node)
+            node = node.parent
+
+    # ------------------------------------------------------------------ eviction
+    def _push(self, node: TreeNode) -> None:
+        heapq.heappush(self._heap, (self._priority(node), node))
+        if len(self._heap) > 4 * self.num_nodes + 1024:
+            self._compact_heap()
+
+    def _compact_heap(self) -> None:
+        self._heap = [e for e in self._heap if self._is_current(e)]
+        heapq.heapify(self._heap)
+
+    def _is_current(self, entry: tuple[tuple, TreeNode]) -> bool:
+        prio, node = entry
+        return (not node.removed and node.is_leaf and node.lock_ref == 0 and node is not self.root
+                and prio == self._priority(node))
+
+    def evict(self, num_tokens: int) -> int:
+        """Evict unlocked leaves in policy order until num_tokens are freed (or nothing is left)."""
+        freed = 0
+        while freed < num_tokens and self._heap:
+            entry = heapq.heappop(self._heap)
+            if not self._is_current(entry):
+                continue
+            node = entry[1]
+            self.allocator.free_slots(node.value)
+            freed += len(node.key)
+            self.evictable_size -= len(node.key)
+            parent = node.parent
+            del parent.children[self._child_key(node.key, 0)]
+            node.removed = True
+            self.num_nodes -= 1
+            self.touched.add(node)
+            self.touched.add(parent)
+            if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
+                self._push(parent)
+        self.counters.evicted_tokens += freed
+        return freed
+
+    def flush(self) -> bool:
+        """Drop the whole tree and free its slots; refused (False) while any request holds a lock."""
+        if self.protected_size:
+            return False
+        for node in self._iter_nodes():
+            if node is not self.root:
+                self.allocator.free_slots(node.value)
+                node.removed = True
+                self.touched.add(node)
+        self.touched.add(self.root)
+        self._reset()
+        return True
+
+    def drain_touched(self) -> set[TreeNode]:
+        touched, self.touched = self.touched, set()
+        return touched
+
+    # ------------------------------------------------------------------ checks
+    def _iter_nodes(self) -> Iterator[TreeNode]:
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def all_slots(self) -> list[torch.Tensor]:
+        return [n.value for n in self._iter_nodes() if n is not self.root]
+
+    def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = ()) -> None:
+        """Sizes add up to the pool, no slot is owned twice, locks and pages are consistent."""
+        evictable = protected = 0
+        for node in self._iter_nodes():
+            if node is self.root:
+                continue
+            assert not node.removed, f"{node} is in the tree but marked removed"
+            assert len(node.key) == len(node.value) > 0, f"{node}: key/value length mismatch"
+            assert len(node.key) % self.page_size == 0, f"{node}: not whole pages"
+            assert node.parent.children.get(self._child_key(node.key, 0)) is node, f"{node}: bad parent link"
+            if node.parent is not self.root:
+                assert node.parent.lock_ref >= node.lock_ref, f"{node}: locked more than its parent"
+            if node.lock_ref:
+                protected += len(node.key)
+            else:
+                evictable += len(node.key)
+        assert evictable == self.evictable_size, f"evictable counter {self.evictable_size} != {evictable}"
+        assert protected == self.protected_size, f"protected counter {self.protected_size} != {protected}"
+        total = self.allocator.total_tokens
+        free = self.allocator.free_tokens
+        assert free + evictable + protected + held_by_running == total, (
+            f"free {free} + evictable {evictable} + protected {protected} + held {held_by_running} != {total}")
+        owned = [s for s in self.all_slots()] + [self.allocator.pages_to_slots(self.allocator.free_page_list())]
+        owned += list(running_slots)
+        every = torch.cat(owned) if owned else _EMPTY_SLOTS
+        assert every.numel() == torch.unique(every).numel(), "a KV slot is owned twice"
+        assert every.numel() == total, f"{every.numel()} slots owned, pool has {total}"

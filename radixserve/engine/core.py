@@ -1,0 +1,241 @@
+"""The engine: model, KV memory, radix cache and scheduler, driven one step at a time.
+
+`EngineCore.step()` is the whole loop body: schedule a batch, run it, turn the sampled tokens into
+`RequestOutput`s. The offline `Engine` and the server's engine process both drive it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
+from radixserve.cache.radix_cache import RadixCache
+from radixserve.engine.io_struct import GenerateRequest, RequestOutput, SamplingParams
+from radixserve.engine.model_runner import ModelRunner
+from radixserve.model.config import ModelConfig
+from radixserve.scheduler.request import Req
+from radixserve.scheduler.scheduler import ScheduledBatch, Scheduler
+from radixserve.settings import ServerSettings
+
+logger = logging.getLogger("radixserve")
+
+CPU_DEFAULT_POOL_TOKENS = 65536
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def default_model_dir() -> str:
+    """Where the built-in tiny random Qwen2 lives (built on first use, a few seconds on a CPU)."""
+    root = os.environ.get("RADIXSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "radixserve"))
+    return os.path.join(root, "tiny-qwen2")
+
+
+def ensure_model_path(model_path: Optional[str]) -> str:
+    if model_path:
+        return model_path
+    from radixserve.testing.tiny_model import build_tiny_model
+
+    path = default_model_dir()
+    if not os.path.exists(os.path.join(path, "config.json")):
+        build_tiny_model(path)
+    return path
+
+
+def load_tokenizer(path: str):
+    """The model directory's Hugging Face tokenizer, or None when it has none (input_ids only)."""
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+@dataclass
+class StepInfo:
+    """What the last step did, for batch log lines and metrics."""
+    batch: Optional[ScheduledBatch]
+    seconds: float
+
+
+class EngineCore:
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        self.device = torch.device(settings.resolved_device())
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device=cuda was asked for, but no CUDA GPU is visible")
+        self.dtype = DTYPES.get(settings.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.model_path = ensure_model_path(settings.model_path)
+        self.model_config = ModelConfig.from_dir(self.model_path)
+        self.tokenizer = load_tokenizer(settings.tokenizer_path or self.model_path)
+        self.context_len = settings.context_length or self.model_config.max_position_embeddings
+
+        self.attn_backend = self._make_attention_backend()
+        from radixserve.model.loader import load_model
+
+        self.model, _ = load_model(self.model_path, load_format=settings.load_format, dtype=self.dtype,
+                                   device=self.device, attn_backend=self.attn_backend, seed=settings.random_seed)
+        cfg = self.model_config
+        pool_tokens = self._pool_tokens()
+        self.kv_pool = KVPool(pool_tokens, settings.page_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                              cfg.head_dim, self.dtype, self.device)
+        default_running = 1024 if self.device.type == "cuda" else 256
+        max_running = settings.max_running_requests or default_running
+        self.req_to_token = ReqToTokenPool(max_running, self.context_len + 1, self.device)
+        self.cache = RadixCache(self.kv_pool.allocator, page_size=settings.page_size,
+                                eviction_policy=settings.radix_eviction_policy, disable=settings.disable_radix_cache)
+        eos = list(cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.append(self.tokenizer.eos_token_id)
+        self.scheduler = Scheduler(settings, self.cache, self.req_to_token, context_len=self.context_len,
+                                   eos_token_ids=eos, decode_text=self._decode_tail if self.tokenizer else None)
+        self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, self.device, settings.random_seed)
+        self.last_step = StepInfo(None, 0.0)
+        logger.info("engine ready: model=%s device=%s dtype=%s kv_pool=%d tokens page_size=%d max_running=%d",
+                    self.model_path, self.device, self.dtype, self.pool_size, settings.page_size, max_running)
+
+    # ------------------------------------------------------------------ setup helpers
+    def _make_attention_backend(self):
+        backend = self.settings.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        if backend == "triton":
+            if self.device.type != "cuda":
+                raise ValueError("attention_backend=triton needs a CUDA device")
+            try:
+                from radixserve.attention.triton_backend import TritonAttentionBackend
+            except ImportError:
+                if self.settings.attention_backend == "triton":
+                    raise
+                backend = "torch"  # auto and the Triton backend is not available here
+            else:
+                return TritonAttentionBackend()
+        from radixserve.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+
+    def _pool_tokens(self) -> int:
+        s, cfg = self.settings, self.model_config
+        if s.max_total_tokens is not None:
+            tokens = s.max_total_tokens
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                               self.dtype)
+            budget = total * s.mem_fraction_static - (total - free)
+            tokens = int(budget // per_token)
+            if tokens < s.page_size:
+                raise ValueError(f"mem_fraction_static={s.mem_fraction_static} leaves no room for a KV pool")
+        else:
+            tokens = CPU_DEFAULT_POOL_TOKENS
+        return tokens - tokens % s.page_size
+
+    @property
+    def pool_size(self) -> int:
+        return self.kv_pool.allocator.total_tokens
+
+    def _decode_tail(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    # ------------------------------------------------------------------ requests
+    def make_req(self, request: GenerateRequest) -> Req:
+        """Validate a request and turn it into engine state; ValueError names what is wrong."""
+        ids = request.input_ids
+        params = request.sampling_params
+        params.validate()
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.context_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context length is {self.context_len}")
+        if len(ids) + params.max_new_tokens > self.context_len:
+            raise ValueError(f"max_new_tokens={params.max_new_tokens} plus the prompt's {len(ids)} tokens "
+                             f"exceeds the context length {self.context_len}")
+        if len(ids) + params.max_new_tokens > self.pool_size:
+            raise ValueError(f"the prompt ({len(ids)} tokens) plus max_new_tokens={params.max_new_tokens} "
+                             f"does not fit in the KV pool of {self.pool_size} tokens")
+        if request.rid in self.scheduler.reqs:
+            raise ValueError(f"request id {request.rid!r} is already in use")
+        return Req(rid=request.rid, origin_input_ids=list(ids), sampling_params=params,
+                   arrival_time=request.arrival_time or time.monotonic(), arrival_seq=-1, log=request.log)
+
+    def add_request(self, request: GenerateRequest) -> None:
+        self.scheduler.add_request(self.make_req(request))
+
+    def abort(self, rid: str) -> Optional[RequestOutput]:
+        req = self.scheduler.abort(rid)
+        return self._output(req) if req is not None else None
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step and forward pass; outputs for every request that got a token."""
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            self.last_step = StepInfo(None, time.perf_counter() - start)
+            return []
+        next_ids = self.runner.forward(batch)
+        updated = self.scheduler.process_results(batch, next_ids)
+        self.last_step = StepInfo(batch, time.perf_counter() - start)
+        return [self._output(r) for r in updated]
+
+    def _output(self, req: Req) -> RequestOutput:
+        new = req.output_ids[req.sent_len:]
+        first = req.sent_len == 0 and bool(new)
+        req.sent_len = len(req.output_ids)
+        return RequestOutput(
+            rid=req.rid, new_token_ids=new, finished=req.finish_reason is not None,
+            finish_reason=req.finish_reason, prompt_tokens=len(req.origin_input_ids),
+            cached_tokens=max(req.cached_tokens, 0), completion_tokens=len(req.output_ids),
+            ttft=(req.first_token_time - req.arrival_time) if first and req.first_token_time else None,
+            queue_time=(req.admitted_time - req.arrival_time) if first and req.admitted_time else None)
+
+    def flush_cache(self) -> bool:
+        if self.scheduler.has_work:
+            return False
+        return self.cache.flush()
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+
+    def stats(self) -> dict[str, Any]:
+        c, s = self.cache.counters, self.scheduler.stats
+        free = self.kv_pool.allocator.free_tokens
+        held = self.scheduler.held_by_running()
+        used_by_tokens = sum(r.kv_len - r.prefix_len for r in self.scheduler.running)
+        return {
+            "pool_tokens": self.pool_size,
+            "free_tokens": free,
+            "evictable_tokens": self.cache.evictable_size,
+            "protected_tokens": self.cache.protected_size,
+            "held_by_running_tokens": held,
+            # Slots a running request reserved (whole pages) but holds no token in.
+            "fragmentation": (held - used_by_tokens) / held if held else 0.0,
+            "token_usage": 1.0 - (free + self.cache.evictable_size) / self.pool_size,
+            "tree_nodes": self.cache.num_nodes,
+            "running_requests": len(self.scheduler.running),
+            "queued_requests": len(self.scheduler.waiting),
+            "prompt_tokens": c.prompt_tokens,
+            "cached_prompt_tokens": c.cached_prompt_tokens,
+            "inserted_tokens": c.inserted_tokens,
+            "evicted_tokens": c.evicted_tokens,
+            "hit_rate": c.hit_rate,
+            "retractions": s.num_retractions,
+            "in_batch_deferrals": s.in_batch_deferrals,
+            "new_token_ratio": self.scheduler.new_token_ratio,
+        }
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex

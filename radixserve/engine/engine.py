@@ -1,0 +1,106 @@
+"""The offline, in-process engine: `Engine(model_path=..., **settings).generate(...)`.
+
+It drives the same scheduler as the server and returns the same shape as the server's native
+`/generate` endpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Sequence, Union
+
+from radixserve.engine.core import EngineCore, new_request_id
+from radixserve.engine.detokenize import decode_output
+from radixserve.engine.io_struct import GenerateRequest, RequestOutput, sampling_params_from_dict
+from radixserve.settings import ServerSettings
+
+Prompt = Union[str, Sequence[str], None]
+InputIds = Union[Sequence[int], Sequence[Sequence[int]], None]
+
+
+class Engine:
+    def __init__(self, model_path: Optional[str] = None, **settings: Any):
+        self.settings = ServerSettings.from_kwargs(model_path=model_path, **settings)
+        self.core = EngineCore(self.settings)
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    def _requests(self, prompt: Prompt, input_ids: InputIds, sampling_params) -> tuple[list[GenerateRequest], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            prompts = [prompt] if single else list(prompt)
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer: pass input_ids")
+            if any(not isinstance(p, str) for p in prompts):
+                raise ValueError("prompt must be a string or a list of strings")
+            ids_list = [self.tokenizer.encode(p) for p in prompts]
+        else:
+            single = len(input_ids) == 0 or isinstance(input_ids[0], int)
+            ids_list = [list(input_ids)] if single else [list(x) for x in input_ids]
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(ids_list):
+                raise ValueError(f"{len(sampling_params)} sampling_params for {len(ids_list)} prompts")
+            params = [sampling_params_from_dict(p) for p in sampling_params]
+        else:
+            params = [sampling_params_from_dict(sampling_params) for _ in ids_list]
+        now = time.monotonic()
+        reqs = [GenerateRequest(rid=new_request_id(), input_ids=ids, sampling_params=p, arrival_time=now)
+                for ids, p in zip(ids_list, params)]
+        return reqs, single
+
+    def generate(self, prompt: Prompt = None, input_ids: InputIds = None,
+                 sampling_params: Union[dict, Sequence[dict], None] = None) -> Union[dict, list[dict]]:
+        """Generate for one request or a list; every request is validated before any is queued."""
+        reqs, single = self._requests(prompt, input_ids, sampling_params)
+        engine_reqs = [self.core.make_req(r) for r in reqs]  # raises before anything is allocated
+        for r in engine_reqs:
+            self.core.scheduler.add_request(r)
+        start = {r.rid: time.perf_counter() for r in reqs}
+        results: dict[str, dict] = {}
+        outputs: dict[str, list[int]] = {r.rid: [] for r in reqs}
+        while len(results) < len(reqs):
+            for out in self.core.step():
+                if out.rid not in outputs:
+                    continue
+                outputs[out.rid].extend(out.new_token_ids)
+                if out.finished:
+                    results[out.rid] = self._result(out, outputs[out.rid], reqs, start[out.rid])
+        ordered = [results[r.rid] for r in reqs]
+        return ordered[0] if single else ordered
+
+    def _result(self, out: RequestOutput, output_ids: list[int], reqs: list[GenerateRequest], t0: float) -> dict:
+        params = next(r.sampling_params for r in reqs if r.rid == out.rid)
+        return {
+            "text": decode_output(self.tokenizer, output_ids, params, out.finish_reason),
+            "output_ids": output_ids,
+            "meta_info": {
+                "id": out.rid,
+                "finish_reason": out.finish_reason,
+                "prompt_tokens": out.prompt_tokens,
+                "completion_tokens": out.completion_tokens,
+                "cached_tokens": out.cached_tokens,
+                "e2e_latency": time.perf_counter() - t0,
+            },
+        }
+
+    def cache_stats(self) -> dict[str, Any]:
+        return self.core.stats()
+
+    def flush_cache(self) -> bool:
+        return self.core.flush_cache()
+
+    def check_invariants(self) -> None:
+        self.core.check_invariants()
+
+    def shutdown(self) -> None:
+        self.core = None  # type: ignore[assignment]
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

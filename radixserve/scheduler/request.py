@@ -1,0 +1,72 @@
+"""A request's state inside the engine, from arrival to finish."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from radixserve.cache.radix_cache import TreeNode
+from radixserve.engine.io_struct import SamplingParams
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)  # identity equality: requests live in sets and dicts
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    arrival_seq: int
+    log: bool = False
+
+    state: ReqState = ReqState.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    # Positions [0, kv_len) have slots in req_to_token; after the step that computes them, their KV.
+    kv_len: int = 0
+    # Positions [0, prefix_len) are shared with the radix tree through the locked `last_node`.
+    prefix_len: int = 0
+    last_node: Optional[TreeNode] = None
+    req_pool_idx: Optional[int] = None
+    # KV slot of each position with a slot (whole pages: len(slots) == page_ceil(kv_len)).
+    slots: list[int] = field(default_factory=list)
+    # Cached prompt tokens found when first admitted (reported to the user).
+    cached_tokens: int = -1
+    # The scheduler's view while waiting: length of the cached prefix and the node it reaches.
+    peek_len: int = 0
+    peek_node: Optional[TreeNode] = None
+    finish_reason: Optional[dict] = None
+    num_retractions: int = 0
+    admitted_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    generator: Optional[torch.Generator] = None
+    # Output tokens already sent to the caller.
+    sent_len: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens whose KV is still to be computed before the next token can be sampled."""
+        return self.seq_len - self.kv_len
+
+    def match_target(self) -> list[int]:
+        """Tokens looked up in the cache: all but the last, which must be computed to get logits."""
+        ids = self.fill_ids
+        return ids[: len(ids) - 1]
+
+    def remaining_new_tokens(self) -> int:
+        return self.sampling_params.max_new_tokens - len(self.output_ids)

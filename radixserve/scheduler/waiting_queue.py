@@ -1,0 +1,104 @@
+"""The waiting queue and its orderings.
+
+Each waiting request remembers how much of its prompt the radix tree holds (`peek_len`) and the
+node where that match ends (`peek_node`). Requests are indexed by that node, so after the tree
+changes only the requests parked at the nodes an insert, split or eviction touched are looked up
+again: the cost per step follows what changed, not the queue length times the prompt length.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from radixserve.cache.radix_cache import RadixCache, TreeNode
+from radixserve.scheduler.request import Req
+
+
+class WaitingQueue:
+    def __init__(self, cache: RadixCache, policy: str, *, aging_tokens_per_s: float, seed: int = 0):
+        self.cache = cache
+        self.policy = policy
+        # LPM aging: one second of earlier arrival is worth this many matched tokens.
+        self.aging_tokens_per_s = aging_tokens_per_s
+        self._rng = random.Random(seed)
+        self._reqs: dict[int, Req] = {}  # arrival_seq -> req, in arrival order
+        self._parked: dict[TreeNode, set[Req]] = defaultdict(set)
+        self.repeeks = 0  # lookups redone after tree changes (exposed for tests)
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def __iter__(self):
+        return iter(self._reqs.values())
+
+    def add(self, req: Req) -> None:
+        self._reqs[req.arrival_seq] = req
+        self._peek(req)
+
+    def remove(self, req: Req) -> None:
+        del self._reqs[req.arrival_seq]
+        self._unpark(req)
+
+    def _unpark(self, req: Req) -> None:
+        node = req.peek_node
+        if node is not None:
+            parked = self._parked.get(node)
+            if parked is not None:
+                parked.discard(req)
+                if not parked:
+                    del self._parked[node]
+            req.peek_node = None
+
+    def _peek(self, req: Req) -> None:
+        self._unpark(req)
+        req.peek_len, req.peek_node = self.cache.peek(req.match_target())
+        self._parked[req.peek_node].add(req)
+
+    def refresh(self) -> None:
+        """Redo the lookups of requests parked at nodes the tree touched since the last refresh."""
+        for node in self.cache.drain_touched():
+            parked = self._parked.get(node)
+            if not parked:
+                continue
+            for req in list(parked):
+                self._peek(req)
+                self.repeeks += 1
+
+    def ordered(self) -> list[Req]:
+        """Waiting requests in the order the policy wants them admitted."""
+        reqs = list(self._reqs.values())  # already in arrival order
+        if self.policy == "fcfs":
+            return reqs
+        if self.policy == "lpm":
+            rate = self.aging_tokens_per_s
+            # Aging: priority = matched tokens + rate x waiting time; arrival order breaks ties.
+            return sorted(reqs, key=lambda r: (r.arrival_time * rate - r.peek_len, r.arrival_seq))
+        if self.policy == "lof":
+            return sorted(reqs, key=lambda r: (-r.sampling_params.max_new_tokens, r.arrival_seq))
+        if self.policy == "random":
+            self._rng.shuffle(reqs)
+            return reqs
+        if self.policy == "dfs-weight":
+            return self._dfs_weight_order()
+        raise ValueError(f"unknown schedule policy {self.policy!r}")
+
+    def _dfs_weight_order(self) -> list[Req]:
+        """Depth-first over the tree, heavier subtrees (more waiting requests) first."""
+        weight: dict[TreeNode, int] = defaultdict(int)
+        for node, parked in self._parked.items():
+            n = node
+            while n is not None:
+                weight[n] += len(parked)
+                n = n.parent
+        out: list[Req] = []
+        stack = [self.cache.root]
+        while stack:
+            node = stack.pop()
+            out.extend(sorted(self._parked.get(node, ()), key=lambda r: r.arrival_seq))
+            children = [c for c in node.children.values() if weight.get(c)]
+            children.sort(key=lambda c: weight[c])  # the heaviest is popped first
+            stack.extend(children)
+        # Requests parked at nodes evicted since the last refresh come last.
+        seen = set(map(id, out))
+        out.extend(r for r in self._reqs.values() if id(r) not in seen)
+        return out

@@ -1,0 +1,168 @@
+"""All settings in one typed dataclass; the command line is generated from it.
+
+SGLang's flag names are the canonical spellings; the seed article's spellings
+(`--chunk-prefill-size`, `--radix-cache-policy`, `--mem-fraction`) are aliases.
+The offline `Engine(**settings)` takes the same names with underscores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+SCHEDULE_POLICIES = ("lpm", "fcfs", "lof", "random", "dfs-weight")
+EVICTION_POLICIES = ("lru", "lfu", "fifo")
+
+
+def _opt(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None,
+         cli: bool = True) -> Any:
+    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices, "cli": cli})
+
+
+@dataclass
+class ServerSettings:
+    # --- model -------------------------------------------------------------
+    model_path: Optional[str] = _opt(
+        None, "Hugging Face model directory (config.json + *.safetensors). Without it the built-in tiny "
+        "random Qwen2 is built and used (CPU demo).")
+    tokenizer_path: Optional[str] = _opt(None, "Tokenizer directory (defaults to --model-path).")
+    load_format: str = _opt("auto", "auto: read safetensors; dummy: random weights from config.json alone.",
+                            choices=("auto", "safetensors", "dummy"))
+    trust_remote_code: bool = _opt(
+        False, "Accepted for compatibility with SGLang/vLLM command lines. Qwen2 models run on built-in "
+        "code, so no code from the model directory is ever executed.")
+    served_model_name: Optional[str] = _opt(None, "Model name reported by /v1/models (default: the path).")
+    context_length: Optional[int] = _opt(None, "Override the model's max_position_embeddings.")
+    dtype: str = _opt("auto", "Weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU).",
+                      choices=("auto", "float32", "float16", "bfloat16"))
+    device: str = _opt("auto", "auto: cuda when present, else cpu.", choices=("auto", "cpu", "cuda"))
+    random_seed: int = _opt(0, "Seed for dummy weights and for sampling without a per-request seed.")
+
+    # --- KV memory ---------------------------------------------------------
+    page_size: int = _opt(1, "Tokens per KV page; the allocator and the radix cache work in whole pages.")
+    max_total_tokens: Optional[int] = _opt(
+        None, "KV pool size in tokens (default: what --mem-fraction-static of GPU memory holds after "
+        "the weights; on the CPU 65536).")
+    mem_fraction_static: float = _opt(0.85, "Fraction of GPU memory for weights plus KV pool.",
+                                      aliases=("--mem-fraction",))
+
+    # --- radix cache -------------------------------------------------------
+    radix_eviction_policy: str = _opt("lru", "Which unlocked leaves of the radix tree are evicted first.",
+                                      aliases=("--radix-cache-policy",), choices=EVICTION_POLICIES)
+    disable_radix_cache: bool = _opt(False, "Reuse nothing: every request computes its whole prompt and "
+                                     "frees its KV at finish.")
+
+    # --- scheduling --------------------------------------------------------
+    schedule_policy: str = _opt(
+        "lpm", "Order of the waiting queue: lpm (longest cached prefix first), fcfs, lof (longest output "
+        "first), random, dfs-weight (depth-first over the radix tree).", choices=SCHEDULE_POLICIES)
+    lpm_max_overtake_s: float = _opt(
+        10.0, "LPM aging: a request is never overtaken by requests that arrived more than this many "
+        "seconds after it, however long their cached prefix (bounds starvation).")
+    max_running_requests: Optional[int] = _opt(
+        None, "Most requests decoding at once (default: 1024 on CUDA, 256 on the CPU).")
+    max_queued_requests: Optional[int] = _opt(
+        None, "Most requests waiting; beyond it the server answers 503 with Retry-After.")
+    max_prefill_tokens: int = _opt(16384, "Most new prompt tokens computed in one step.")
+    chunked_prefill_size: int = _opt(
+        8192, "Longest prompt piece computed in one step; longer prompts are split and each finished "
+        "chunk goes into the radix tree. -1 disables chunking.", aliases=("--chunk-prefill-size",))
+    in_batch_prefix_min_len: int = _opt(
+        32, "Of waiting requests that share an uncached prefix at least this long, one is admitted "
+        "first so the prefix is computed once.")
+
+    # --- model runner ------------------------------------------------------
+    attention_backend: str = _opt("auto", "auto: triton on CUDA, torch elsewhere.",
+                                  choices=("auto", "torch", "triton"))
+    cuda_graph_max_bs: int = _opt(256, "Largest decode batch replayed from a CUDA graph.")
+    disable_cuda_graph: bool = _opt(False, "Run decode steps eagerly.")
+    disable_overlap_schedule: bool = _opt(False, "Do not prepare step N+1 on the CPU while the GPU runs step N.")
+
+    # --- server ------------------------------------------------------------
+    host: str = _opt("127.0.0.1", "Address the HTTP server binds.")
+    port: int = _opt(30000, "HTTP port.")
+    api_key: Optional[str] = _opt(None, "Require 'Authorization: Bearer <key>' on every endpoint but /health.")
+    log_requests: bool = _opt(False, "Log each request's arrival and finish.")
+    log_file: Optional[str] = _opt(None, "Also write the log to this file.")
+    log_level: str = _opt("info", "Logging level.", choices=("debug", "info", "warning", "error"))
+    log_interval: int = _opt(40, "Write a decode batch line every this many decode steps.")
+    dp_size: int = _opt(1, "Data-parallel engine workers behind a built-in cache-aware router.")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting that makes no sense."""
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ValueError(f"{f.name}={value!r} is not one of {', '.join(choices)}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"max_total_tokens={self.max_total_tokens} holds no page")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError(f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.lpm_max_overtake_s <= 0:
+            raise ValueError(f"lpm_max_overtake_s must be > 0, got {self.lpm_max_overtake_s}")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"context_length must be >= 2, got {self.context_length}")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "ServerSettings":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown setting(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, cls: type = ServerSettings) -> None:
+    """One argparse option per dataclass field, with its help, aliases and choices."""
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("cli", True):
+            continue
+        flags = [_flag(f.name), *f.metadata.get("aliases", ())]
+        default = f.default
+        help_text = f.metadata.get("help", "")
+        if f.type in ("bool", bool):
+            parser.add_argument(*flags, dest=f.name, action="store_true", default=default, help=help_text)
+            continue
+        kind = str if "str" in str(f.type) else int if "int" in str(f.type) else float
+        help_text += f" (default: {default})"
+        parser.add_argument(*flags, dest=f.name, type=kind, default=default,
+                            choices=f.metadata.get("choices"), help=help_text)
+
+
+def settings_from_args(args: argparse.Namespace, cls: type = ServerSettings) -> ServerSettings:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    return cls(**values)
