@@ -1,0 +1,168 @@
+"""The model's shape and constants, read from a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
+SUPPORTED_MODEL_TYPES = ("qwen2",)
+# RoPE variants the model implements; anything else would silently give wrong positions.
+SUPPORTED_ROPE_TYPES = (None, "default")
+
+_DTYPE_NAMES = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
+                "bfloat16": "bfloat16"}
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: Optional[int] = None
+    pad_token_id: Optional[int] = None
+    # Checkpoint dtype name ("bfloat16", ...) or None when the config does not say.
+    dtype: Optional[str] = None
+    model_type: str = "qwen2"
+    # The parsed config.json, for settings this dataclass does not model.
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def torch_dtype(self) -> Any:
+        """The checkpoint dtype as a torch.dtype, or None."""
+        if self.dtype is None:
+            return None
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @classmethod
+    def from_dir(cls, path: Union[str, os.PathLike]) -> "ModelConfig":
+        directory = Path(path)
+        if not directory.is_dir():
+            raise FileNotFoundError(f"model directory {str(directory)!r} does not exist or is not a directory")
+        config_file = directory / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{str(config_file)!r} is missing: a model directory needs a Hugging Face "
+                                    "config.json")
+        try:
+            data = json.loads(config_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{str(config_file)!r} is not valid JSON: {e}") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"{str(config_file)!r} must hold a JSON object")
+        return cls.from_dict(data, source=str(config_file))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> "ModelConfig":
+        architecture = _architecture(data, source)
+
+        def need(key: str) -> Any:
+            if data.get(key) is None:
+                raise ValueError(f"{source}: required key {key!r} is missing")
+            return data[key]
+
+        hidden_size = int(need("hidden_size"))
+        num_heads = int(need("num_attention_heads"))
+        num_kv_heads = int(data.get("num_key_value_heads") or num_heads)
+        head_dim = data.get("head_dim")
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"{source}: hidden_size {hidden_size} is not divisible by "
+                                 f"num_attention_heads {num_heads} and no head_dim is given")
+            head_dim = hidden_size // num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{source}: num_attention_heads {num_heads} is not a multiple of "
+                             f"num_key_value_heads {num_kv_heads}")
+        if int(head_dim) % 2:
+            raise ValueError(f"{source}: head_dim {head_dim} must be even for rotary embeddings")
+        hidden_act = data.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"{source}: hidden_act {hidden_act!r} is not supported (only 'silu')")
+        if data.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported (only full attention)")
+
+        return cls(
+            architecture=architecture,
+            hidden_size=hidden_size,
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=int(head_dim),
+            intermediate_size=int(need("intermediate_size")),
+            vocab_size=int(need("vocab_size")),
+            max_position_embeddings=int(need("max_position_embeddings")),
+            rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(data, source),
+            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+            eos_token_ids=_int_list(data.get("eos_token_id")),
+            bos_token_id=data.get("bos_token_id"),
+            pad_token_id=data.get("pad_token_id"),
+            dtype=_dtype_name(data.get("dtype", data.get("torch_dtype"))),
+            model_type=str(data.get("model_type", "qwen2")),
+            raw=data,
+        )
+
+
+def _architecture(data: dict[str, Any], source: str) -> str:
+    architectures = data.get("architectures") or []
+    for arch in architectures:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    if not architectures and data.get("model_type") in SUPPORTED_MODEL_TYPES:
+        return SUPPORTED_ARCHITECTURES[0]
+    found = ", ".join(architectures) if architectures else f"model_type={data.get('model_type')!r}"
+    raise ValueError(f"{source}: unsupported architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)} "
+                     f"(model_type {', '.join(SUPPORTED_MODEL_TYPES)})")
+
+
+def _rope_theta(data: dict[str, Any], source: str) -> float:
+    # transformers 5 writes rope_parameters = {rope_theta, rope_type}; older configs write a
+    # top-level rope_theta and an optional rope_scaling dict.
+    params = data.get("rope_parameters") or {}
+    scaling = data.get("rope_scaling") or {}
+    for spec in (params, scaling):
+        rope_type = spec.get("rope_type", spec.get("type"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"{source}: RoPE scaling type {rope_type!r} is not supported "
+                             "(only the default RoPE without scaling)")
+    theta = params.get("rope_theta", data.get("rope_theta", 10000.0))
+    return float(theta)
+
+
+def _int_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _dtype_name(value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.")
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {value!r} in config (float32, float16 or bfloat16)")
+    return _DTYPE_NAMES[name]

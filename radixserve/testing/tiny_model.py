@@ -1,0 +1,163 @@
+"""A tiny random Qwen2 checkpoint written by `transformers` itself: the correctness oracle.
+
+The tokenizer is a byte-level BPE trained on a corpus embedded here, so any text tokenizes and
+nothing is downloaded. Weights come from `transformers.Qwen2ForCausalLM` with a fixed seed, so
+the same arguments always give the same files.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Union
+
+import torch
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
+
+# Qwen2-Instruct's ChatML template: a default system turn when none is given.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Plain English, numbers and punctuation, so common words and digits get their own merges.
+CORPUS = """\
+The river ran past the old mill every morning, and the miller listened to it while he worked.
+He counted the sacks of grain, wrote the numbers in a small book, and checked them twice.
+When the sun was high, children came to the bridge to watch the water turn the great wheel.
+They asked him how the stones could grind so fine, and he told them about patience and care.
+
+A server answers many questions at once. Each question arrives as a request with a prompt,
+and each prompt is turned into tokens. Many prompts begin with the same instructions, so a
+careful system keeps the work it has already done and reuses it for the next request.
+That is why a tree of shared prefixes saves time: the common part is computed only once.
+
+Numbers matter too: 0 1 2 3 4 5 6 7 8 9 10 11 12 20 25 50 64 100 128 256 512 1000 1024 2048.
+Prices were 3.50, 12.99 and 100.00; the date was 2024-05-17 and the time was 09:45:30.
+Lists look like (a), [b], {c}; paths like /tmp/data.txt; mail like user@example.com.
+Math: 2 + 2 = 4, 10 - 3 = 7, 6 * 7 = 42, 9 / 3 = 3, 5 % 2 = 1, x < y, y > z, a & b | c ^ d.
+Quotes: "hello", 'world', `code`; marks: ! ? ; : , . - _ ~ # $ % ^ * + = \\ / | < > @.
+
+What is the capital of France? Paris is the capital of France, and it is a large city.
+Please write a short story about a cat who learns to read. The cat found a book one day.
+Translate the following sentence into simple words. Summarize the text in three points.
+You are a helpful assistant. Answer the question as clearly and briefly as you can.
+Once upon a time there was a small village near the sea, where fishermen told long tales.
+The weather today is sunny with a light wind from the west, and tomorrow it may rain.
+
+Good software is written slowly and read many times. Engineers measure before they change
+anything, keep their tests fast, and explain the reason behind each choice in plain words.
+A queue holds the requests that wait; a scheduler decides which one runs next, and memory
+for the keys and values of attention is lent out in pages and returned when work is done.
+Questions, answers, stories, letters and notes: every kind of writing becomes a sequence.
+"""
+
+
+def _train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    # Keep offsets byte-exact without adding BOS/EOS (Qwen2 adds none either).
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        # Every byte gets a token, so any text (not only the corpus) tokenizes.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    return tok
+
+
+def _qwen2_config(vocab_size: int, *, hidden: int, layers: int, num_heads: int, num_kv_heads: int,
+                  intermediate: int, tie_word_embeddings: bool, eos_id: int, dtype: torch.dtype):
+    import transformers
+    from transformers import Qwen2Config
+
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        # Large random weights: greedy argmax margins are wide and outputs vary with the prompt.
+        initializer_range=0.1,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        use_sliding_window=False,
+        architectures=["Qwen2ForCausalLM"],
+    )
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    else:  # transformers 4.x spells it as a top-level key
+        kwargs["rope_theta"] = 10000.0
+    config = Qwen2Config(**kwargs)
+    config.dtype = dtype
+    return config
+
+
+def build_tiny_model(path: Union[str, os.PathLike], *, tie_word_embeddings: bool = False, num_kv_heads: int = 2,
+                     num_heads: int = 4, hidden: int = 64, layers: int = 2, intermediate: int = 128, seed: int = 0,
+                     dtype: torch.dtype = torch.float32, vocab_size: int = 512, shard: bool = False) -> Path:
+    """Write tokenizer + config.json + safetensors of a random Qwen2 into `path`; returns the path.
+
+    `shard=True` saves in several small shards with a model.safetensors.index.json.
+    """
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(vocab_size),
+        eos_token=ENDOFTEXT,
+        pad_token=ENDOFTEXT,
+        additional_special_tokens=[IM_START, IM_END],
+        model_max_length=512,
+        clean_up_tokenization_spaces=False,
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.save_pretrained(out)
+
+    eos_id = hf_tok.convert_tokens_to_ids(ENDOFTEXT)
+    config = _qwen2_config(len(hf_tok), hidden=hidden, layers=layers, num_heads=num_heads,
+                           num_kv_heads=num_kv_heads, intermediate=intermediate,
+                           tie_word_embeddings=tie_word_embeddings, eos_id=eos_id, dtype=dtype)
+
+    # A private RNG stream: the caller's global torch RNG state is left as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+        with torch.no_grad():
+            # HF initialises biases to 0 and norms to 1; random values make the equivalence
+            # tests check that both are loaded into the right places.
+            for name, param in model.named_parameters():
+                if name.endswith("bias"):
+                    param.normal_(0.0, 0.1)
+                elif "norm" in name:
+                    param.copy_(1.0 + 0.1 * torch.randn_like(param))
+    model = model.to(dtype)
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = eos_id
+    model.generation_config.bos_token_id = eos_id
+    # A tiny checkpoint is well under a megabyte; 100KB shards give an index and several files.
+    model.save_pretrained(out, max_shard_size="100KB" if shard else "50GB")
+    return out
