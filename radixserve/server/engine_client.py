@@ -1,0 +1,335 @@
+"""The API process's handle on the engine process: spawn, ZMQ plumbing, per-request streams.
+
+Requests go out on a PUSH socket (no high-water mark, so a send never blocks the event loop);
+outputs come back on a PULL socket read by one task that routes them to per-request queues.
+A watchdog notices when the engine process exits and fails everything that waits on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Optional
+
+import zmq
+import zmq.asyncio
+
+from radixserve.engine.io_struct import AbortRequest, GenerateRequest, RequestOutput
+from radixserve.server import messages as m
+from radixserve.settings import ServerSettings
+
+logger = logging.getLogger("radixserve")
+
+WATCHDOG_INTERVAL_S = 0.2
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is not running; the request cannot be served (HTTP 503)."""
+
+
+class QueueFullError(RuntimeError):
+    """The engine's waiting queue is at --max-queued-requests (HTTP 503 with Retry-After)."""
+
+
+class EngineRequestError(ValueError):
+    """The engine refused a request as invalid (HTTP 400)."""
+
+
+@dataclass
+class RequestGroup:
+    """Engine requests answered together (the `n` choices and prompts of one HTTP request)."""
+
+    client: "EngineClient"
+    rids: list[str]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    unfinished: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.unfinished = set(self.rids)
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+    async def outputs(self, is_disconnected: Optional[Callable[[], Any]] = None,
+                      check_every_s: float = 0.5) -> AsyncIterator[RequestOutput]:
+        """Yield outputs until every request finished; raise the engine's error for any of them.
+
+        `is_disconnected` (an async callable) is polled while no output arrives, so a caller that
+        is gone stops the requests even when nothing is being written to it.
+        """
+        try:
+            while self.unfinished:
+                try:
+                    item = await asyncio.wait_for(self.queue.get(), check_every_s) if is_disconnected \
+                        else await self.queue.get()
+                except asyncio.TimeoutError:
+                    if await is_disconnected():
+                        return
+                    continue
+                if isinstance(item, BaseException):
+                    self.unfinished.discard(getattr(item, "rid", None))
+                    raise item
+                if item.finished:
+                    self.unfinished.discard(item.rid)
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Abort whatever has not finished and stop routing outputs here. Safe to call twice."""
+        for rid in self.unfinished:
+            self.client.abort(rid)
+        self.unfinished.clear()
+        for rid in self.rids:
+            self.client.groups.pop(rid, None)
+
+
+class EngineClient:
+    def __init__(self, settings: ServerSettings, startup_timeout_s: float = 600.0):
+        self.settings = settings
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: Optional[subprocess.Popen] = None
+        self.ready: Optional[m.EngineReady] = None
+        self.groups: dict[str, RequestGroup] = {}
+        self.replies: dict[str, asyncio.Future] = {}
+        self.latest_stats: Optional[m.EngineStats] = None
+        self.on_stats: Optional[Callable[[m.EngineStats], None]] = None
+        self.dead_reason: Optional[str] = None
+        self.ipc_dir: Optional[str] = None
+        self._ctx: Optional[zmq.asyncio.Context] = None
+        self._push: Optional[zmq.Socket] = None
+        self._pull: Optional[zmq.asyncio.Socket] = None
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def alive(self) -> bool:
+        return self.ready is not None and self.dead_reason is None
+
+    @property
+    def engine_pid(self) -> Optional[int]:
+        return self.proc.pid if self.proc else None
+
+    async def start(self) -> m.EngineReady:
+        self.ipc_dir = tempfile.mkdtemp(prefix="radixserve-ipc-")
+        in_addr = f"ipc://{os.path.join(self.ipc_dir, 'to_engine')}"
+        out_addr = f"ipc://{os.path.join(self.ipc_dir, 'from_engine')}"
+        self._ctx = zmq.asyncio.Context()
+        # Sends use a plain socket: with no high-water mark they complete at once, and an abort
+        # can be sent from a `finally` of a cancelled task without awaiting.
+        self._push = zmq.Context.instance().socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.bind(in_addr)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(out_addr)
+
+        # The child finds this package the way this process did, however it was installed.
+        env = dict(os.environ)
+        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+        cmd = [sys.executable, "-m", "radixserve.server.engine_process",
+               "--settings-json", json.dumps(self.settings.to_dict()), "--in-addr", in_addr,
+               "--out-addr", out_addr, "--parent-pid", str(os.getpid())]
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        logger.info("engine process %d starting", self.proc.pid)
+
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if await self._pull.poll(200):
+                msg = m.decode(await self._pull.recv_multipart())
+                if isinstance(msg, m.EngineReady):
+                    self.ready = msg
+                    break
+                if isinstance(msg, m.EngineFailed):
+                    await self._reap(5.0)
+                    raise RuntimeError(f"the engine failed to start: {msg.message}")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the engine process exited during startup (code {self.proc.returncode})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the engine did not start within {self.startup_timeout_s:.0f} s")
+        self._tasks = [asyncio.create_task(self._receive_loop(), name="engine-receive"),
+                       asyncio.create_task(self._watchdog(), name="engine-watchdog")]
+        logger.info("engine process %d ready: kv_pool=%d tokens context=%d device=%s", self.ready.pid,
+                    self.ready.pool_size, self.ready.context_len, self.ready.device)
+        return self.ready
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the engine to exit, kill it if it does not, and remove the socket files."""
+        self._stopping = True
+        if self.proc is not None and self.proc.poll() is None and self._push is not None:
+            try:
+                self._push.send_multipart(m.encode(m.Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        await self._reap(timeout_s)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._mark_dead("the server is shutting down")
+        self.close_sockets()
+
+    async def _reap(self, timeout_s: float) -> None:
+        if self.proc is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.kill_now()
+
+    def kill_now(self) -> None:
+        """Synchronous last resort (also used from atexit): the engine is gone when this returns."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(3.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def close_sockets(self) -> None:
+        for sock in (self._push, self._pull):
+            if sock is not None and not sock.closed:
+                sock.close(0)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            self.ipc_dir = None
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+            if not self._stopping:
+                logger.error("engine unavailable: %s", reason)
+        err = EngineDeadError(self.dead_reason)
+        for group in list(self.groups.values()):
+            group.queue.put_nowait(err)
+        self.groups.clear()
+        for fut in self.replies.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self.replies.clear()
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            code = self.proc.poll() if self.proc else None
+            if code is not None:
+                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                self._mark_dead(f"the engine process {self.proc.pid} exited ({how})")
+                return
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frames = await self._pull.recv_multipart()
+            try:
+                msg = m.decode(frames)
+            except Exception as e:
+                logger.error("dropping undecodable engine message: %s", e)
+                continue
+            if isinstance(msg, m.OutputBatch):
+                if msg.stats is not None:
+                    self.latest_stats = msg.stats
+                    if self.on_stats is not None:
+                        self.on_stats(msg.stats)
+                for err in msg.errors:
+                    group = self.groups.pop(err.rid, None)
+                    if group is not None:
+                        exc = QueueFullError(err.message) if err.queue_full else EngineRequestError(err.message)
+                        exc.rid = err.rid
+                        group.queue.put_nowait(exc)
+                for out in msg.outputs:
+                    group = self.groups.get(out.rid)
+                    if group is not None:
+                        group.queue.put_nowait(out)
+                        if out.finished:
+                            self.groups.pop(out.rid, None)
+            elif isinstance(msg, m.ControlReply):
+                fut = self.replies.pop(msg.reply_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+
+    # ------------------------------------------------------------------ requests
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if self.ready is None:
+            raise EngineDeadError("the engine is not running")
+
+    def _send(self, msg) -> None:
+        self._push.send_multipart(m.encode(msg))
+
+    def submit(self, requests: list[GenerateRequest]) -> RequestGroup:
+        """Queue requests in the engine; iterate `group.outputs()` for their tokens."""
+        self._check_alive()
+        group = RequestGroup(self, [r.rid for r in requests])
+        encoded = [m.encode(r) for r in requests]  # raises before anything is sent
+        for rid in group.rids:
+            self.groups[rid] = group
+        for frames in encoded:
+            self._push.send_multipart(frames)
+        return group
+
+    def abort(self, rid: str) -> None:
+        self.groups.pop(rid, None)
+        if self.alive:
+            try:
+                self._send(AbortRequest(rid=rid))
+            except zmq.ZMQError:
+                pass
+
+    async def probe(self, input_ids: list[int], timeout_s: float) -> float:
+        """Generate one token through the engine; returns seconds taken or raises."""
+        self._check_alive()
+        rid = f"health-{uuid.uuid4().hex}"
+        group = RequestGroup(self, [rid])
+        self.groups[rid] = group
+        start = time.perf_counter()
+        self._send(m.HealthProbe(rid=rid, input_ids=input_ids))
+
+        async def run() -> None:
+            async for out in group.outputs():
+                if out.finished and not out.new_token_ids and out.completion_tokens < 1:
+                    raise EngineRequestError(f"health probe finished without a token: {out.finish_reason}")
+
+        try:
+            await asyncio.wait_for(run(), timeout_s)
+        finally:
+            group.close()
+        return time.perf_counter() - start
+
+    async def control(self, msg, timeout_s: float = 10.0) -> m.ControlReply:
+        self._check_alive()
+        fut = asyncio.get_running_loop().create_future()
+        self.replies[msg.reply_id] = fut
+        self._send(msg)
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self.replies.pop(msg.reply_id, None)
+
+    async def flush_cache(self) -> m.ControlReply:
+        return await self.control(m.FlushCache(reply_id=uuid.uuid4().hex))
+
+    async def get_stats(self) -> dict[str, Any]:
+        reply = await self.control(m.GetStats(reply_id=uuid.uuid4().hex))
+        return reply.data or {}
+

@@ -1,0 +1,298 @@
+"""The engine process: one loop that reads requests from ZMQ, steps the engine and pushes outputs.
+
+The loop never waits on the API process: while it has work it only drains messages that are
+already there (a zero-timeout poll) and steps; when idle it blocks in a poll with a short timeout.
+It is started by `EngineProcess` in the API process as `python -m radixserve.server.engine_process`
+and exits when told to, when its parent dies, or when a step raises (the API then answers 503).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any, Optional
+
+import zmq
+
+from radixserve.engine.io_struct import AbortRequest, GenerateRequest, RequestOutput, SamplingParams
+from radixserve.server import messages as m
+from radixserve.server.logging_setup import setup_logging
+from radixserve.settings import ServerSettings
+
+logger = logging.getLogger("radixserve")
+
+IDLE_POLL_MS = 50
+# With work in flight, a stats snapshot rides along with the outputs at least this often.
+STATS_INTERVAL_S = 0.5
+HIT_RATE_WINDOW_S = 60.0
+PARENT_CHECK_S = 1.0
+
+
+class HitRateWindow:
+    """Prefix hit rate over the last `window_s` seconds, from the cumulative counters."""
+
+    def __init__(self, window_s: float = HIT_RATE_WINDOW_S):
+        self.window_s = window_s
+        self.samples: collections.deque[tuple[float, int, int]] = collections.deque()
+
+    def update(self, now: float, prompt: int, cached: int) -> float:
+        self.samples.append((now, prompt, cached))
+        start = now - self.window_s
+        # Keep the newest sample at or before the window start as the baseline. Counters do not
+        # move while no sample is taken, so an old baseline is still exact.
+        while len(self.samples) > 1 and self.samples[1][0] <= start:
+            self.samples.popleft()
+        t0, prompt0, cached0 = self.samples[0]
+        if t0 > start:  # younger than the window: everything since the engine started
+            prompt0, cached0 = 0, 0
+        d_prompt = prompt - prompt0
+        return (cached - cached0) / d_prompt if d_prompt > 0 else 0.0
+
+
+class BatchLogger:
+    """SGLang-style batch lines; every line ends with the cumulative `prefix_hit_rate`."""
+
+    def __init__(self, log_interval: int):
+        self.log_interval = max(1, log_interval)
+        self.decode_steps = 0
+        self.decode_tokens = 0
+        self.decode_since = time.perf_counter()
+
+    def after_step(self, core, stats_fn) -> None:
+        info = core.last_step
+        batch = info.batch
+        if batch is None:
+            return
+        if not batch.is_decode_only:
+            s = stats_fn()
+            seconds = max(info.seconds, 1e-9)
+            logger.info(
+                "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                "#running-req: %d, #queue-req: %d, input throughput (token/s): %.1f, prefix_hit_rate: %.3f",
+                batch.num_new_seqs, batch.num_new_tokens, batch.num_cached_tokens, s["token_usage"],
+                s["running_requests"], s["queued_requests"], batch.num_new_tokens / seconds, s["hit_rate"])
+            return
+        self.decode_steps += 1
+        self.decode_tokens += len(batch.reqs)
+        if self.decode_steps % self.log_interval:
+            return
+        s = stats_fn()
+        now = time.perf_counter()
+        throughput = self.decode_tokens / max(now - self.decode_since, 1e-9)
+        self.decode_tokens, self.decode_since = 0, now
+        logger.info(
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.1f, "
+            "#queue-req: %d, prefix_hit_rate: %.3f",
+            s["running_requests"], s["held_by_running_tokens"] + s["protected_tokens"], s["token_usage"],
+            throughput, s["queued_requests"], s["hit_rate"])
+
+
+class EngineLoop:
+    def __init__(self, core, settings: ServerSettings, pull: zmq.Socket, push: zmq.Socket, parent_pid: int):
+        self.core = core
+        self.settings = settings
+        self.pull = pull
+        self.push = push
+        self.parent_pid = parent_pid
+        self.poller = zmq.Poller()
+        self.poller.register(pull, zmq.POLLIN)
+        self.batch_logger = BatchLogger(settings.log_interval)
+        self.window = HitRateWindow()
+        self.pending_outputs: list[RequestOutput] = []
+        self.pending_errors: list[m.RequestError] = []
+        self.stats_due = True
+        self.last_stats = 0.0
+        self.last_parent_check = time.monotonic()
+        self.checked_idle = True
+        self.running = True
+        self.steps = 0
+
+    # ------------------------------------------------------------------ messages
+    def drain(self, timeout_ms: int) -> None:
+        if not self.poller.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frames = self.pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = m.decode(frames)
+            except Exception as e:  # a bug on the sending side; never fatal here
+                logger.error("engine: dropping undecodable message: %s", e)
+                continue
+            self.handle(msg)
+
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, GenerateRequest):
+            limit = self.settings.max_queued_requests
+            if limit is not None and len(self.core.scheduler.waiting) >= limit:
+                self.pending_errors.append(m.RequestError(
+                    rid=msg.rid, queue_full=True,
+                    message=f"the waiting queue is full ({limit} requests); retry later"))
+                return
+            self._add(msg)
+        elif isinstance(msg, AbortRequest):
+            out = self.core.abort(msg.rid)
+            if out is not None:
+                self.pending_outputs.append(out)
+                self.stats_due = True
+        elif isinstance(msg, m.HealthProbe):
+            self._add(GenerateRequest(
+                rid=msg.rid, input_ids=msg.input_ids, arrival_time=time.monotonic(),
+                sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)))
+        elif isinstance(msg, m.FlushCache):
+            ok = self.core.flush_cache()
+            self.send(m.ControlReply(reply_id=msg.reply_id, ok=ok,
+                                     message="" if ok else "requests are running; flush refused"))
+            self.stats_due = True
+        elif isinstance(msg, m.GetStats):
+            self.send(m.ControlReply(reply_id=msg.reply_id, ok=True, data=self.stats()))
+        elif isinstance(msg, m.Shutdown):
+            self.running = False
+
+    def _add(self, req: GenerateRequest) -> None:
+        try:
+            self.core.add_request(req)
+        except ValueError as e:
+            self.pending_errors.append(m.RequestError(rid=req.rid, message=str(e)))
+
+    def send(self, msg) -> None:
+        self.push.send_multipart(m.encode(msg))
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, Any]:
+        s = self.core.stats()
+        now = time.monotonic()
+        s["hit_rate_window"] = self.window.update(now, s["prompt_tokens"], s["cached_prompt_tokens"])
+        s["engine_steps"] = self.steps
+        return s
+
+    def flush(self) -> None:
+        now = time.monotonic()
+        if self.core.has_work and now - self.last_stats >= STATS_INTERVAL_S:
+            self.stats_due = True
+        if not (self.pending_outputs or self.pending_errors or self.stats_due):
+            return
+        stats = None
+        if self.stats_due:
+            stats = m.EngineStats(time=time.time(), values=self.stats())
+            self.stats_due = False
+            self.last_stats = now
+        self.send(m.OutputBatch(outputs=self.pending_outputs, errors=self.pending_errors, stats=stats))
+        self.pending_outputs = []
+        self.pending_errors = []
+
+    # ------------------------------------------------------------------ loop
+    def parent_alive(self) -> bool:
+        now = time.monotonic()
+        if now - self.last_parent_check < PARENT_CHECK_S:
+            return True
+        self.last_parent_check = now
+        return os.getppid() == self.parent_pid
+
+    def run(self) -> None:
+        while self.running:
+            if not self.parent_alive():
+                logger.warning("engine: the API process is gone; exiting")
+                break
+            self.drain(0 if self.core.has_work else IDLE_POLL_MS)
+            if self.core.has_work:
+                self.checked_idle = False
+                outputs = self.core.step()
+                self.steps += 1
+                self.batch_logger.after_step(self.core, self.core.stats)
+                if outputs:
+                    self.pending_outputs.extend(outputs)
+                    if any(o.finished for o in outputs):
+                        self.stats_due = True
+                if not self.core.has_work:
+                    self.stats_due = True
+            elif not self.checked_idle:
+                self.core.check_invariants()
+                self.checked_idle = True
+            self.flush()
+        # Shutdown: whatever is left is aborted, so the API side can close its streams.
+        for rid in list(self.core.scheduler.reqs):
+            out = self.core.abort(rid)
+            if out is not None:
+                self.pending_outputs.append(out)
+        self.stats_due = True
+        self.flush()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL us when the parent dies (the loop also checks, elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except Exception:  # best effort
+        pass
+
+
+def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pid: int) -> int:
+    # Ctrl-C in a terminal reaches the whole process group; the API process drains and then
+    # stops us, so the engine must not die first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    setup_logging(settings.log_level, settings.log_file)
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    pull.connect(in_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.setsockopt(zmq.LINGER, 5000)
+    push.connect(out_addr)
+    code = 0
+    try:
+        try:
+            from radixserve.engine.core import EngineCore
+
+            core = EngineCore(settings)
+        except Exception as e:
+            logger.error("engine failed to start: %s\n%s", e, traceback.format_exc())
+            push.send_multipart(m.encode(m.EngineFailed(message=f"{type(e).__name__}: {e}")))
+            return 1
+        push.send_multipart(m.encode(m.EngineReady(
+            pid=os.getpid(), model_path=core.model_path, pool_size=core.pool_size, context_len=core.context_len,
+            vocab_size=core.model_config.vocab_size, max_running_requests=core.scheduler.max_running,
+            device=str(core.device), dtype=str(core.dtype).replace("torch.", ""))))
+        loop = EngineLoop(core, settings, pull, push, parent_pid)
+        try:
+            loop.run()
+        except Exception:
+            logger.error("engine loop crashed:\n%s", traceback.format_exc())
+            code = 1
+    finally:
+        pull.close(0)
+        push.close()
+        ctx.term()
+    return code
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="radixserve engine process (started by the API server)")
+    parser.add_argument("--settings-json", required=True)
+    parser.add_argument("--in-addr", required=True)
+    parser.add_argument("--out-addr", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    settings = ServerSettings(**json.loads(args.settings_json))
+    return engine_main(settings, args.in_addr, args.out_addr, args.parent_pid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
