@@ -1,0 +1,165 @@
+"""The Triton attention backend (CUDA): KV store, split-K decode and ragged extend kernels.
+
+Triton is imported when the backend is constructed, never when this module is imported, so
+the package imports on machines without triton.
+
+Per forward pass, `init_forward` prepares everything the layers share (decode: the number of
+splits and views of a float32 workspace; extend: the tile list, copied to the device once).
+Each layer's `forward` then launches the KV store and the attention kernels with no host sync
+and no allocation beyond its output.
+
+CUDA graphs (decode): the launches depend only on the batch size, the head shape and the
+number of splits, which is a function of the batch size alone; seq_lens, req_pool_indices,
+out_cache_loc and req_to_token are read from device memory. A runner that captures graphs
+must (1) call `reserve_decode_workspace(max_batch_size, num_q_heads, head_dim, device)` before
+capturing, so no workspace is allocated inside a capture, and (2) hand the captured
+ForwardBatch's tensors (seq_lens, req_pool_indices, out_cache_loc, positions, input_ids) as
+static buffers whose contents it rewrites before each replay. Padded rows may have any
+seq_len >= 0 (0 gives a zero output) and must point out_cache_loc at a harmless slot (0).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from radixserve.attention.base import ForwardBatch, ForwardMode
+
+
+
+@dataclass
+class TritonDecodeMeta:
+    num_splits: int
+    mid_o: Optional[torch.Tensor]  # [B, Hq, num_splits, D] float32, set by the first layer
+    mid_lse: Optional[torch.Tensor]  # [B, Hq, num_splits] float32
+
+
+@dataclass
+class TritonExtendMeta:
+    plan: object  # extend_attention.ExtendPlan
+
+
+class TritonAttentionBackend:
+    """Attention for Qwen2-style GQA on CUDA. Optional tuning knobs; the defaults suit an H200.
+
+    decode_block_n / decode_num_warps / decode_num_stages: stage-1 tile of positions and launch
+    shape; max_splits caps split-K; programs_per_sm: how many stage-1 programs per streaming
+    multiprocessor the split count aims for (a few waves); extend_block_m / extend_block_n / extend_num_warps /
+    extend_num_stages: the extend kernel's tiles.
+    """
+
+    def __init__(self, *, decode_block_n: int = 64, decode_num_warps: int = 4, decode_num_stages: int = 2,
+                 max_splits: int = 64, programs_per_sm: int = 4, extend_block_m: int = 128, extend_block_n: int = 64,
+                 extend_num_warps: Optional[int] = None, extend_num_stages: int = 2,
+                 num_sms: Optional[int] = None):
+        # Imported here so that merely importing this module needs no triton.
+        from radixserve.attention.triton_kernels import decode_attention, extend_attention, kv_store
+
+        self._decode = decode_attention
+        self._extend = extend_attention
+        self._kv_store = kv_store
+        if extend_block_m % extend_block_n:
+            raise ValueError(f"extend_block_m {extend_block_m} must be a multiple of extend_block_n {extend_block_n}")
+        self.decode_block_n = decode_block_n
+        self.decode_num_warps = decode_num_warps
+        self.decode_num_stages = decode_num_stages
+        self.max_splits = max_splits
+        self.programs_per_sm = programs_per_sm
+        self.extend_block_m = extend_block_m
+        self.extend_block_n = extend_block_n
+        self.extend_num_warps = extend_num_warps
+        self.extend_num_stages = extend_num_stages
+        self._num_sms = num_sms
+        self._ws_o: Optional[torch.Tensor] = None
+        self._ws_lse: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------------ decode workspace
+
+    def num_sms(self, device: torch.device) -> int:
+        if self._num_sms is None:
+            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return self._num_sms
+
+    def num_splits(self, batch_size: int, num_kv_heads: int, device: torch.device) -> int:
+        """Splits per (request, KV head): enough programs to fill the GPU, a function of B only."""
+        target = self.programs_per_sm * self.num_sms(device)
+        return max(1, min(self.max_splits, math.ceil(target / max(1, batch_size * num_kv_heads))))
+
+    def reserve_decode_workspace(self, max_batch_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                                 device: torch.device | str) -> None:
+        """Allocate the split-K workspace for every batch size up to max_batch_size (before graph capture)."""
+        device = torch.device(device)
+        need_o = need_lse = 0
+        for bs in range(1, max_batch_size + 1):
+            o, lse = self._decode.workspace_numel(bs, num_q_heads, self.num_splits(bs, num_kv_heads, device), head_dim)
+            need_o, need_lse = max(need_o, o), max(need_lse, lse)
+        self._ensure_workspace(need_o, need_lse, device)
+
+    def _ensure_workspace(self, numel_o: int, numel_lse: int, device: torch.device) -> None:
+        if self._ws_o is None or self._ws_o.numel() < numel_o or self._ws_o.device != device:
+            self._ws_o = torch.empty(numel_o, dtype=torch.float32, device=device)
+        if self._ws_lse is None or self._ws_lse.numel() < numel_lse or self._ws_lse.device != device:
+            self._ws_lse = torch.empty(numel_lse, dtype=torch.float32, device=device)
+
+    # ------------------------------------------------------------------ the protocol
+
+    def init_forward(self, batch: ForwardBatch) -> None:
+        one_token_each = batch.mode is ForwardMode.DECODE or all(e == 1 for e in batch.extend_lens_cpu)
+        k_buf = batch.kv_pool.k_buffers[0]
+        device = k_buf.device
+        if one_token_each:
+            bs = int(batch.req_pool_indices.shape[0])
+            # The number of query heads is first seen by forward: the first layer makes the
+            # workspace views (no allocation once reserve_decode_workspace ran).
+            batch.attn_meta = TritonDecodeMeta(self.num_splits(bs, k_buf.shape[1], device), None, None)
+        else:
+            block_m, _ = self._extend_blocks(k_buf.dtype)
+            plan = self._extend.plan_extend_tiles(batch.extend_lens_cpu, batch.prefix_lens_cpu, block_m, device)
+            batch.attn_meta = TritonExtendMeta(plan)
+
+    def _extend_blocks(self, dtype: torch.dtype) -> tuple[int, int]:
+        # float32 tiles take twice the shared memory: halve both sides.
+        if dtype == torch.float32:
+            return max(16, self.extend_block_m // 2), max(16, self.extend_block_n // 2)
+        return self.extend_block_m, self.extend_block_n
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        k_buf = batch.kv_pool.k_buffers[layer_id]
+        v_buf = batch.kv_pool.v_buffers[layer_id]
+        self._kv_store.store_kv(k, v, k_buf, v_buf, batch.out_cache_loc)
+        meta = batch.attn_meta
+        num_tokens, num_q_heads, head_dim = q.shape
+        out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+        if q.dtype != k_buf.dtype:
+            # The dots take operands of one dtype: the pool's. The output keeps q's.
+            q = q.to(k_buf.dtype)
+        if q.stride(2) != 1:
+            q = q.contiguous()
+
+        if isinstance(meta, TritonDecodeMeta):
+            if meta.mid_o is None:
+                numel_o, numel_lse = self._decode.workspace_numel(num_tokens, num_q_heads, meta.num_splits, head_dim)
+                self._ensure_workspace(numel_o, numel_lse, q.device)
+                meta.mid_o = self._ws_o[:numel_o].view(num_tokens, num_q_heads, meta.num_splits, head_dim)
+                meta.mid_lse = self._ws_lse[:numel_lse].view(num_tokens, num_q_heads, meta.num_splits)
+            self._decode.decode_attention(
+                q, k_buf, v_buf, batch.req_to_token, batch.req_pool_indices, batch.seq_lens, out,
+                meta.mid_o, meta.mid_lse, meta.num_splits, block_n=self.decode_block_n,
+                num_warps=self.decode_num_warps, num_stages=self.decode_num_stages)
+        elif isinstance(meta, TritonExtendMeta):
+            if k_buf.dtype != k.dtype:
+                # Phase 2 reads the new k/v directly: give it the values the pool holds.
+                k, v = k.to(k_buf.dtype), v.to(v_buf.dtype)
+            if k.stride(2) != 1 or v.stride(2) != 1:
+                k, v = k.contiguous(), v.contiguous()
+            self._extend.extend_attention(
+                q, k, v, out, k_buf, v_buf, batch.req_to_token, batch.req_pool_indices,
+                batch.prefix_lens, batch.extend_lens, meta.plan, block_n=self._extend_blocks(k_buf.dtype)[1],
+                num_warps=self.extend_num_warps, num_stages=self.extend_num_stages)
+        else:
+            raise RuntimeError("init_forward must run before forward")
+        return out.view(num_tokens, num_q_heads * head_dim)

@@ -1,0 +1,445 @@
+"""One static batch on the GPU, each time printed beside its floor.
+
+    python -m radixserve.bench_one_batch --model-path benchmarks/configs/qwen2-7b --load-format dummy
+
+Measures, in the same run: the device's copy bandwidth (bytes read + written) and its bf16
+matmul rate (8192^3 on random data); then, for the model's shape,
+  * decode attention alone (one layer: KV store + split-K decode) at each batch size and context,
+    against the floor of reading that layer's live KV once;
+  * the full model decode step (eager, and replayed from a CUDA graph), against
+    (weight bytes + live KV bytes) / bandwidth;
+  * prefill of `--prefill-batch` x `--prefill-len` tokens (model, and attention alone), against
+    FLOPs / matmul rate.
+Times are medians of CUDA-event timings after warm-up, with the L2 cache flushed before each
+run (triton.testing.do_bench). K/V, weights and inputs are random, never zeros; slots are a
+random permutation of the pool, so every request's KV is scattered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from radixserve.attention.base import ForwardBatch, ForwardMode
+from radixserve.cache.kv_pool import KVPool
+from radixserve.model.config import ModelConfig
+
+
+def _bench(fn: Callable[[], object], rep_ms: int = 200, warmup_ms: int = 50) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def measure_copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+    n = int(gib * (1 << 30)) // 2
+    src = torch.randn(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src), rep_ms=300)
+    nbytes = 2 * src.numel() * src.element_size()
+    del src, dst
+    torch.cuda.empty_cache()
+    return nbytes / (ms * 1e-3)
+
+
+def measure_matmul_rate(device: torch.device, n: int = 8192) -> float:
+    """FLOP/s of an n^3 bf16 matmul on random data."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    out = torch.empty(n, n, dtype=torch.bfloat16, device=device)
+    ms = _bench(lambda: torch.matmul(a, b, out=out), rep_ms=500)
+    del a, b, out
+    torch.cuda.empty_cache()
+    return 2 * n ** 3 / (ms * 1e-3)
+
+
+@dataclass
+class ModelCost:
+    """Bytes and FLOPs of the model's shape (bf16)."""
+
+    cfg: ModelConfig
+    elem: int = 2
+
+    @property
+    def layer_params(self) -> int:
+        c = self.cfg
+        qkv = c.hidden_size * (c.q_size + 2 * c.kv_size) + (c.q_size + 2 * c.kv_size)
+        o = c.q_size * c.hidden_size
+        mlp = 3 * c.hidden_size * c.intermediate_size
+        return qkv + o + mlp + 2 * c.hidden_size
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters multiplied per token in the layers (no embedding, no lm_head)."""
+        return self.cfg.num_hidden_layers * self.layer_params
+
+    @property
+    def decode_weight_bytes(self) -> int:
+        """Weights read per decode step: all layers, final norm, lm_head (the embedding is gathered)."""
+        c = self.cfg
+        return (self.matmul_params + c.hidden_size + c.vocab_size * c.hidden_size) * self.elem
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.cfg
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.elem
+
+    def kv_bytes_per_token_layer(self) -> int:
+        return self.kv_bytes_per_token // self.cfg.num_hidden_layers
+
+    def attention_flops_layer(self, prefix: int, extend: int) -> float:
+        """QK^T and PV FLOPs of one layer for `extend` new tokens over `prefix` cached + causal."""
+        c = self.cfg
+        pairs = extend * prefix + extend * (extend + 1) / 2
+        return 4.0 * c.num_attention_heads * c.head_dim * pairs
+
+    def prefill_flops(self, batch: int, length: int) -> float:
+        c = self.cfg
+        linear = 2.0 * self.matmul_params * batch * length
+        attn = c.num_hidden_layers * batch * self.attention_flops_layer(0, length)
+        lm_head = 2.0 * c.hidden_size * c.vocab_size * batch  # logits of the last token only
+        return linear + attn + lm_head
+
+
+class Workload:
+    """A KV pool filled with random values, and a req_to_token table of randomly scattered slots."""
+
+    def __init__(self, cfg: ModelConfig, max_rows: int, max_tokens_per_row: int, row_stride: int,
+                 total_tokens: int, device: torch.device, seed: int, dtype: torch.dtype = torch.bfloat16):
+        self.cfg = cfg
+        self.device = device
+        self.pool = KVPool(total_tokens, 1, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                           dtype, device)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        for buf in self.pool.k_buffers + self.pool.v_buffers:
+            buf.normal_(generator=gen)
+        perm = torch.randperm(self.pool.num_slots - 1, device=device, generator=gen) + 1
+        self.max_tokens_per_row = max_tokens_per_row
+        # Row i, position j -> perm[i * row_stride + j] (wrapping): the first row_stride positions
+        # of different rows never share a slot; longer rows (prefill) may alias other rows' slots,
+        # which is harmless for timing as long as one batch does not use both.
+        n = perm.numel()
+        assert max(row_stride, max_tokens_per_row) <= n, "the pool is smaller than one request"
+        index = (torch.arange(max_rows, device=device)[:, None] * row_stride
+                 + torch.arange(max_tokens_per_row, device=device)[None, :]) % n
+        self.req_to_token = perm[index].contiguous()
+        self.gen = gen
+
+    def decode_batch(self, bs: int, ctx: int) -> ForwardBatch:
+        """bs requests with ctx-1 cached tokens each, decoding the token at position ctx-1."""
+        dev = self.device
+        rows = torch.arange(bs, device=dev)
+        seq_lens = torch.full((bs,), ctx, dtype=torch.int64, device=dev)
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=torch.randint(0, self.cfg.vocab_size, (bs,), device=dev, generator=self.gen),
+            positions=seq_lens - 1, out_cache_loc=self.req_to_token[rows, ctx - 1].clone(),
+            req_pool_indices=rows, seq_lens=seq_lens,
+            extend_lens=torch.ones(bs, dtype=torch.int64, device=dev),
+            prefix_lens=seq_lens - 1, seq_lens_cpu=[ctx] * bs, extend_lens_cpu=[1] * bs,
+            prefix_lens_cpu=[ctx - 1] * bs, req_to_token=self.req_to_token, kv_pool=self.pool,
+            logits_indices=torch.arange(bs, device=dev))
+
+    def set_decode_context(self, batch: ForwardBatch, ctx: int) -> None:
+        """Rewrite a decode batch's device tensors in place for another context (graph replay)."""
+        bs = batch.seq_lens.shape[0]
+        rows = torch.arange(bs, device=self.device)
+        batch.seq_lens.fill_(ctx)
+        batch.positions.fill_(ctx - 1)
+        batch.prefix_lens.fill_(ctx - 1)
+        batch.out_cache_loc.copy_(self.req_to_token[rows, ctx - 1])
+        batch.seq_lens_cpu[:] = [ctx] * bs
+        batch.prefix_lens_cpu[:] = [ctx - 1] * bs
+
+    def extend_batch(self, bs: int, prefix: int, extend: int) -> ForwardBatch:
+        dev = self.device
+        rows = torch.arange(bs, device=dev)
+        seq = prefix + extend
+        positions = torch.arange(prefix, seq, device=dev).repeat(bs)
+        loc = self.req_to_token[:bs, prefix:seq].reshape(-1).clone()
+        t = lambda v: torch.full((bs,), v, dtype=torch.int64, device=dev)  # noqa: E731
+        return ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=torch.randint(0, self.cfg.vocab_size, (bs * extend,), device=dev, generator=self.gen),
+            positions=positions, out_cache_loc=loc, req_pool_indices=rows, seq_lens=t(seq), extend_lens=t(extend),
+            prefix_lens=t(prefix), seq_lens_cpu=[seq] * bs, extend_lens_cpu=[extend] * bs,
+            prefix_lens_cpu=[prefix] * bs, req_to_token=self.req_to_token, kv_pool=self.pool,
+            logits_indices=(torch.arange(bs, device=dev) + 1) * extend - 1)
+
+
+def _graph(fn: Callable[[], object], pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
+class Report:
+    def __init__(self, json_path: Optional[str]):
+        self.rows: list[dict] = []
+        self.meta: dict = {}
+        self.json_path = json_path
+
+    def add(self, kind: str, label: str, ms: Optional[float], floor_ms: Optional[float], **extra) -> None:
+        ratio = (ms / floor_ms) if (ms and floor_ms) else None
+        row = {"kind": kind, "label": label, "ms": ms, "floor_ms": floor_ms, "ratio": ratio, **extra}
+        self.rows.append(row)
+        extras = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in extra.items())
+        ms_s = f"{ms:9.4f} ms" if ms is not None else "     n/a   "
+        fl_s = f"{floor_ms:9.4f} ms" if floor_ms is not None else "     n/a   "
+        r_s = f"{ratio:6.2f}x" if ratio is not None else "    n/a"
+        print(f"{kind:<18} {label:<34} {ms_s}  floor {fl_s}  ratio {r_s}  {extras}", flush=True)
+
+    def note(self, text: str) -> None:
+        self.meta.setdefault("notes", []).append(text)
+        print(f"# {text}", flush=True)
+
+    def save(self) -> None:
+        if self.json_path:
+            with open(self.json_path, "w") as f:
+                json.dump({"meta": self.meta, "rows": self.rows}, f, indent=1)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:  # no git on the machine, or no repository
+        return os.environ.get("RADIXSERVE_COMMIT", "unknown")
+
+
+def bench_decode_attention(args, work: Workload, cost: ModelCost, rep: Report, bw: float) -> None:
+    from radixserve.attention.triton_backend import TritonAttentionBackend
+
+    cfg = work.cfg
+    backend = TritonAttentionBackend()
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    backend.reserve_decode_workspace(max(args.batch_sizes), hq, hkv, d, work.device)
+    per_tok = cost.kv_bytes_per_token_layer()
+    for bs in args.batch_sizes:
+        batch = work.decode_batch(bs, max(args.contexts))
+        q = torch.randn(bs, hq, d, dtype=torch.bfloat16, device=work.device)
+        k = torch.randn(bs, hkv, d, dtype=torch.bfloat16, device=work.device)
+        v = torch.randn(bs, hkv, d, dtype=torch.bfloat16, device=work.device)
+
+        def step():
+            backend.init_forward(batch)
+            return backend.forward(q, k, v, 0, batch)
+
+        graph, _ = _graph(step)
+        for ctx in args.contexts:
+            work.set_decode_context(batch, ctx)
+            floor = bs * ctx * per_tok / bw * 1e3
+            eager = _bench(step)
+            replay = _bench(graph.replay)
+            rep.add("decode-attn", f"bs={bs} ctx={ctx}", replay, floor, eager_ms=eager,
+                    splits=backend.num_splits(bs, hkv, work.device),
+                    gbps=bs * ctx * per_tok / (replay * 1e-3) / 1e9)
+        del graph
+
+
+def sweep_decode_attention(args, work: Workload, cost: ModelCost, rep: Report, bw: float) -> None:
+    from radixserve.attention.triton_backend import TritonAttentionBackend
+
+    cfg = work.cfg
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    per_tok = cost.kv_bytes_per_token_layer()
+    variants = [dict(decode_block_n=64, decode_num_warps=4, decode_num_stages=2),
+                dict(decode_block_n=32, decode_num_warps=4, decode_num_stages=2),
+                dict(decode_block_n=64, decode_num_warps=4, decode_num_stages=3),
+                dict(decode_block_n=128, decode_num_warps=4, decode_num_stages=2),
+                dict(decode_block_n=64, decode_num_warps=8, decode_num_stages=2),
+                dict(decode_block_n=64, decode_num_warps=4, decode_num_stages=2, programs_per_sm=8),
+                dict(decode_block_n=64, decode_num_warps=4, decode_num_stages=2, programs_per_sm=2)]
+    shapes = [(bs, ctx) for bs in (16, 64, 256) if bs in args.batch_sizes for ctx in (4096,)]
+    for variant in variants:
+        backend = TritonAttentionBackend(**variant)
+        name = ",".join(f"{k.replace('decode_', '')}={v}" for k, v in variant.items())
+        for bs, ctx in shapes:
+            batch = work.decode_batch(bs, ctx)
+            q = torch.randn(bs, hq, d, dtype=torch.bfloat16, device=work.device)
+            k = torch.randn(bs, hkv, d, dtype=torch.bfloat16, device=work.device)
+            v = torch.randn(bs, hkv, d, dtype=torch.bfloat16, device=work.device)
+
+            def step():
+                backend.init_forward(batch)
+                return backend.forward(q, k, v, 0, batch)
+
+            graph, _ = _graph(step)
+            ms = _bench(graph.replay)
+            rep.add("sweep-decode", f"{name} bs={bs} ctx={ctx}", ms, bs * ctx * per_tok / bw * 1e3)
+            del graph
+
+
+def bench_extend_attention(args, work: Workload, cost: ModelCost, rep: Report, flops: float,
+                           variants: list[dict]) -> None:
+    from radixserve.attention.triton_backend import TritonAttentionBackend
+
+    cfg = work.cfg
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    length = args.prefill_len
+    shapes = [(args.prefill_batch, 0, length), (1, max(0, length - 1024), 1024), (16, 1024, 128)]
+    for variant in variants:
+        backend = TritonAttentionBackend(**variant)
+        name = ",".join(f"{k.replace('extend_', '')}={v}" for k, v in variant.items()) or "default"
+        for bs, prefix, ext in shapes:
+            if prefix + ext > work.max_tokens_per_row or bs > work.req_to_token.shape[0]:
+                continue
+            batch = work.extend_batch(bs, prefix, ext)
+            t = bs * ext
+            q = torch.randn(t, hq, d, dtype=torch.bfloat16, device=work.device)
+            k = torch.randn(t, hkv, d, dtype=torch.bfloat16, device=work.device)
+            v = torch.randn(t, hkv, d, dtype=torch.bfloat16, device=work.device)
+            backend.init_forward(batch)
+            ms = _bench(lambda: backend.forward(q, k, v, 0, batch))
+            fl = bs * cost.attention_flops_layer(prefix, ext)
+            rep.add("extend-attn", f"{name} bs={bs} prefix={prefix} ext={ext}", ms, fl / flops * 1e3,
+                    tflops=fl / (ms * 1e-3) / 1e12)
+
+
+def bench_model(args, work: Workload, cost: ModelCost, rep: Report, bw: float, flops: float) -> None:
+    from radixserve.attention.triton_backend import TritonAttentionBackend
+    try:
+        from radixserve.model.loader import load_model
+    except Exception as e:  # the model layer is not there (yet)
+        rep.note(f"model pieces not importable ({e!r}): attention-only results")
+        return
+    backend = TritonAttentionBackend()
+    try:
+        model, cfg = load_model(args.model_path, load_format=args.load_format, dtype=torch.bfloat16,
+                                device=work.device, attn_backend=backend, seed=args.seed)
+    except Exception as e:
+        rep.note(f"load_model failed ({e!r}): attention-only results")
+        return
+    cfg = work.cfg
+    backend.reserve_decode_workspace(max(args.batch_sizes), cfg.num_attention_heads, cfg.num_key_value_heads,
+                                     cfg.head_dim, work.device)
+    weight_ms = cost.decode_weight_bytes / bw * 1e3
+    rep.meta["decode_weight_bytes"] = cost.decode_weight_bytes
+    rep.meta["kv_bytes_per_token"] = cost.kv_bytes_per_token
+
+    # Prefill first (it needs no graph); one request per row, from position 0.
+    bs, length = args.prefill_batch, args.prefill_len
+    if length <= work.max_tokens_per_row:
+        batch = work.extend_batch(bs, 0, length)
+        model(batch)  # compile + warm up
+        torch.cuda.synchronize()
+        ms = _bench(lambda: model(batch), rep_ms=1500, warmup_ms=200)
+        fl = cost.prefill_flops(bs, length)
+        rep.add("prefill", f"bs={bs} len={length}", ms, fl / flops * 1e3,
+                tok_s=bs * length / (ms * 1e-3), mfu=fl / (ms * 1e-3) / flops)
+        del batch
+    pool = torch.cuda.graph_pool_handle()
+    for bs in args.batch_sizes:
+        batch = work.decode_batch(bs, max(args.contexts))
+        graph = None
+        if not args.disable_cuda_graph:
+            try:
+                graph, _ = _graph(lambda: model(batch), pool=pool)
+            except Exception as e:
+                rep.note(f"CUDA graph capture failed at bs={bs}: {e!r}")
+                graph = None
+        for ctx in args.contexts:
+            work.set_decode_context(batch, ctx)
+            floor = weight_ms + bs * ctx * cost.kv_bytes_per_token / bw * 1e3
+            eager = _bench(lambda: model(batch), rep_ms=300)
+            replay = _bench(graph.replay, rep_ms=300) if graph is not None else None
+            best = replay if replay is not None else eager
+            rep.add("decode-step", f"bs={bs} ctx={ctx}", best, floor, eager_ms=eager,
+                    tok_s=bs / (best * 1e-3), graph=graph is not None)
+        del graph, batch
+    del model
+    torch.cuda.empty_cache()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m radixserve.bench_one_batch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", required=True, help="directory with the model's config.json")
+    p.add_argument("--load-format", default="dummy", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 1536, 4096])
+    p.add_argument("--prefill-batch", type=int, default=1)
+    p.add_argument("--prefill-len", type=int, default=8192)
+    p.add_argument("--skip-model", action="store_true", help="attention kernels only")
+    p.add_argument("--skip-attention", action="store_true", help="model steps only")
+    p.add_argument("--sweep", action="store_true", help="also time kernel tuning variants")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write every row here")
+    args = p.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("bench_one_batch needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    torch.manual_seed(args.seed)
+    rep = Report(args.json)
+    props = torch.cuda.get_device_properties(device)
+    rep.meta.update(device=props.name, sms=props.multi_processor_count, commit=_commit(),
+                    date=datetime.date.today().isoformat(), torch=torch.__version__, args=vars(args))
+    import triton
+
+    rep.meta["triton"] = triton.__version__
+    print(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}, "
+          f"commit {rep.meta['commit']}", flush=True)
+
+    bw = measure_copy_bandwidth(device)
+    flops = measure_matmul_rate(device)
+    rep.meta.update(copy_bandwidth=bw, matmul_flops=flops)
+    rep.add("ceiling", "copy bandwidth (read+write)", None, None, tb_s=bw / 1e12)
+    rep.add("ceiling", "bf16 matmul 8192^3", None, None, tflop_s=flops / 1e12)
+
+    cfg = ModelConfig.from_dir(args.model_path)
+    cost = ModelCost(cfg)
+    max_bs, max_ctx = max(args.batch_sizes), max(args.contexts)
+    row_len = max(max_ctx, args.prefill_len, 1024 + 128) + 1
+    rows = max(max_bs, args.prefill_batch, 16)
+    total = max(max_bs * max_ctx, args.prefill_batch * args.prefill_len, 16 * (1024 + 128)) + 64
+    need = total * cost.kv_bytes_per_token
+    free, _ = torch.cuda.mem_get_info(device)
+    weights = 0 if args.skip_model else (cost.decode_weight_bytes + cfg.vocab_size * cfg.hidden_size * 2)
+    if need + weights + (6 << 30) > free:
+        print(f"the KV pool ({need / 1e9:.1f} GB) and weights ({weights / 1e9:.1f} GB) do not fit in "
+              f"{free / 1e9:.1f} GB free: use fewer or smaller --batch-sizes/--contexts", file=sys.stderr)
+        return 2
+    work = Workload(cfg, rows, row_len, max_ctx, total, device, args.seed)
+    rep.note(f"{args.model_path}: KV pool {total} tokens ({total * cost.kv_bytes_per_token / 1e9:.1f} GB), "
+             f"weights read per decode step {cost.decode_weight_bytes / 1e9:.2f} GB, "
+             f"KV {cost.kv_bytes_per_token} B/token")
+
+    if not args.skip_attention:
+        bench_decode_attention(args, work, cost, rep, bw)
+        extend_variants = [{}]
+        if args.sweep:
+            sweep_decode_attention(args, work, cost, rep, bw)
+            extend_variants += [dict(extend_block_m=128, extend_block_n=128, extend_num_warps=8),
+                                dict(extend_block_m=64, extend_block_n=64, extend_num_warps=4),
+                                dict(extend_block_m=64, extend_block_n=64, extend_num_warps=4, extend_num_stages=3),
+                                dict(extend_block_m=128, extend_block_n=64, extend_num_stages=3)]
+        bench_extend_attention(args, work, cost, rep, flops, extend_variants)
+    if not args.skip_model:
+        bench_model(args, work, cost, rep, bw, flops)
+    rep.save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
