@@ -128,6 +128,12 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     served_name = settings.served_model_name or settings.model_path or model_path
     ctx = ServingContext(settings, tokenizer, engine, metrics, model_path, served_name)
     health = HealthChecker(engine, [0])
+
+    def count_abort(out) -> None:
+        if (out.finish_reason or {}).get("type") == "abort" and not out.rid.startswith("health-"):
+            metrics.requests.labels(finish_reason="abort").inc()
+
+    engine.on_untracked_finish = count_abort
     created = int(time.time())
 
     @asynccontextmanager
@@ -470,7 +476,8 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
                 "max_running_requests": ready.max_running_requests if ready else None,
                 "device": ready.device if ready else None, "dtype": ready.dtype if ready else None,
                 "vocab_size": ready.vocab_size if ready else None,
-                "in_flight_requests": len(engine.groups), "stats": stats, "version": app.version}
+                "in_flight_requests": len(engine.groups), "ipc_dir": engine.ipc_dir, "stats": stats,
+                "version": app.version}
 
     @app.post("/flush_cache")
     async def flush_cache():

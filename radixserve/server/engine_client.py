@@ -104,6 +104,8 @@ class EngineClient:
         self.replies: dict[str, asyncio.Future] = {}
         self.latest_stats: Optional[m.EngineStats] = None
         self.on_stats: Optional[Callable[[m.EngineStats], None]] = None
+        # Final outputs of requests nobody waits for any more (the engine confirming an abort).
+        self.on_untracked_finish: Optional[Callable[[RequestOutput], None]] = None
         self.dead_reason: Optional[str] = None
         self.ipc_dir: Optional[str] = None
         self._ctx: Optional[zmq.asyncio.Context] = None
@@ -262,6 +264,8 @@ class EngineClient:
                         group.queue.put_nowait(out)
                         if out.finished:
                             self.groups.pop(out.rid, None)
+                    elif out.finished and self.on_untracked_finish is not None:
+                        self.on_untracked_finish(out)
             elif isinstance(msg, m.ControlReply):
                 fut = self.replies.pop(msg.reply_id, None)
                 if fut is not None and not fut.done():

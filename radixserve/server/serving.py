@@ -149,16 +149,16 @@ class ServingContext:
         now = time.monotonic()
         reqs = [GenerateRequest(rid=t.rid, input_ids=t.input_ids, sampling_params=t.params, arrival_time=now,
                                 log=self.settings.log_requests) for t in trackers]
+        if self.settings.log_requests:
+            for t in trackers:
+                logger.info("Request arrived. id: %s, #prompt-token: %d, max-new-tokens: %d, temperature: %g",
+                            t.rid, len(t.input_ids), t.params.max_new_tokens, t.params.temperature)
         try:
             group = self.engine.submit(reqs)
         except EngineDeadError as e:
             raise engine_unavailable(str(e)) from None
         except (OverflowError, TypeError, ValueError) as e:  # not encodable: a value out of range
             raise bad_request(f"a request value is out of range: {e}") from None
-        if self.settings.log_requests:
-            for t in trackers:
-                logger.info("Request arrived. id: %s, #prompt-token: %d, max-new-tokens: %d, temperature: %g",
-                            t.rid, len(t.input_ids), t.params.max_new_tokens, t.params.temperature)
         self.metrics.running_http.inc()
         return group
 

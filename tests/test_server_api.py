@@ -1,0 +1,330 @@
+"""The server started with the seed's command, driven by the openai SDK, AsyncClient and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from radixserve.client import AsyncClient
+
+pytestmark = pytest.mark.timeout(300)
+
+SYSTEM_PROMPT = ("You are a helpful assistant. Answer the question as clearly and briefly as you can. "
+                 "A server answers many questions at once, and many prompts begin with the same instructions, "
+                 "so a careful system keeps the work it has already done and reuses it for the next request.")
+
+
+def metric_values(base_url: str, headers=None) -> dict[str, float]:
+    text = httpx.get(f"{base_url}/metrics", headers=headers or {}, timeout=10).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return values
+
+
+def wait_idle(server, timeout_s: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = server.server_info()["stats"]
+        if stats["running_requests"] == 0 and stats["queued_requests"] == 0:
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine still busy: {stats}")
+        time.sleep(0.05)
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------- SDKs
+def test_openai_sync_client(server):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+    models = client.models.list()
+    model = models.data[0].id
+    completion = client.completions.create(model=model, prompt="The river ran past", max_tokens=8, temperature=0)
+    assert completion.choices[0].finish_reason in ("length", "stop")
+    assert completion.usage.completion_tokens >= 1
+    assert completion.usage.prompt_tokens_details.cached_tokens >= 0
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=6,
+                                          temperature=0, seed=3)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens > 0 and chat.usage.prompt_tokens_details.cached_tokens >= 0
+    # n choices, each with its own index; greedy choices agree.
+    many = client.completions.create(model=model, prompt=[1, 2, 3, 4], n=3, max_tokens=5, temperature=0)
+    assert sorted(c.index for c in many.choices) == [0, 1, 2]
+    assert len({c.text for c in many.choices}) == 1
+    assert many.usage.prompt_tokens == 4 and many.usage.completion_tokens > 0
+
+
+def test_openai_async_streaming_with_usage(server):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+        model = (await client.models.list()).data[0].id
+        plain = await client.completions.create(model=model, prompt="Numbers matter too", max_tokens=12,
+                                                temperature=0)
+        stream = await client.completions.create(model=model, prompt="Numbers matter too", max_tokens=12,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True})
+        pieces, usage, reasons = [], None, []
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for c in chunk.choices:
+                pieces.append(c.text)
+                if c.finish_reason:
+                    reasons.append(c.finish_reason)
+        assert "".join(pieces) == plain.choices[0].text
+        assert reasons == [plain.choices[0].finish_reason]
+        assert usage is not None and usage.completion_tokens == plain.usage.completion_tokens
+        assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt ran just before
+
+        chat_stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=10,
+            temperature=0, stream=True, stream_options={"include_usage": True})
+        content, roles, usage = [], [], None
+        async for chunk in chat_stream:
+            usage = chunk.usage or usage
+            for c in chunk.choices:
+                if c.delta.role:
+                    roles.append(c.delta.role)
+                if c.delta.content:
+                    content.append(c.delta.content)
+        chat = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=10,
+            temperature=0)
+        assert roles == ["assistant"]
+        assert "".join(content) == chat.choices[0].message.content
+        assert usage.completion_tokens == chat.usage.completion_tokens
+        await client.close()
+
+    asyncio.run(main())
+
+
+def test_async_client_seed_script(server):
+    """The seed's client script: chat template via client.tokenizer, streaming completions, TTFT."""
+
+    async def session(client: AsyncClient, model: str, session_id: int, history: list[dict]) -> float:
+        messages = history + [{"role": "user", "content": "Continue the analysis..."}]
+        start = asyncio.get_running_loop().time()
+        stream = await client.completions(
+            model=model, prompt=client.tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+            stream=True, temperature=0.7, max_tokens=8)
+        first_token_time = None
+        async for chunk in stream:
+            if first_token_time is None:
+                first_token_time = asyncio.get_running_loop().time()
+            assert chunk["object"] == "text_completion"
+        return first_token_time - start
+
+    async def main():
+        async with AsyncClient(server.base_url) as client:
+            model = (await client.models())["data"][0]["id"]
+            tok = await client.load_tokenizer()
+            assert tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False).startswith("<|im_start|>")
+            history = [{"role": "system", "content": SYSTEM_PROMPT}]
+            ttfts = await asyncio.gather(*(session(client, model, i, history) for i in range(4)))
+            assert all(t > 0 for t in ttfts)
+            chat = await client.chat(model=model, messages=history + [{"role": "user", "content": "hi"}],
+                                     max_tokens=4, temperature=0)
+            assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            native = await client.generate(text="Hello", sampling_params={"max_new_tokens": 3, "temperature": 0})
+            assert set(native["meta_info"]) >= {"id", "finish_reason", "prompt_tokens", "completion_tokens",
+                                                "cached_tokens", "e2e_latency"}
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------------------------- oracle
+def test_32_concurrent_streams_match_offline_engine(server, server_model_dir):
+    from radixserve.engine.engine import Engine
+
+    prompts = [f"Request {i}: " + " ".join(["The river ran past the old mill", "Numbers matter too",
+                                             "Please write a short story about a cat", "A queue holds requests",
+                                             "What is the capital of France?"][i % 5:]) + f" ({i * 7})"
+               for i in range(32)]
+    max_tokens = 16
+
+    async def one(client, model, prompt):
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                 stream=True)
+        text, reason = [], None
+        async for chunk in stream:
+            for c in chunk.choices:
+                text.append(c.text)
+                reason = c.finish_reason or reason
+        return "".join(text), reason
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        model = (await client.models.list()).data[0].id
+        results = await asyncio.gather(*(one(client, model, p) for p in prompts))
+        await client.close()
+        return results
+
+    results = asyncio.run(main())
+    engine = Engine(model_path=str(server_model_dir), device="cpu", max_total_tokens=32768)
+    expected = engine.generate(prompt=prompts, sampling_params={"max_new_tokens": max_tokens, "temperature": 0})
+    for i, ((text, reason), exp) in enumerate(zip(results, expected)):
+        assert text == exp["text"], f"prompt {i}: server {text!r} != offline {exp['text']!r}"
+        assert reason == exp["meta_info"]["finish_reason"]["type"]
+
+
+def test_generate_native_and_sse(server):
+    with server.client() as http:
+        body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+        plain = http.post("/generate", json=body).json()
+        assert len(plain["output_ids"]) == plain["meta_info"]["completion_tokens"] == 6
+        assert plain["meta_info"]["finish_reason"]["type"] == "length"
+        events = []
+        with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        assert events[-1] == "[DONE]"
+        decoded = [json.loads(e) for e in events[:-1]]
+        texts = [e["text"] for e in decoded]
+        assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))  # cumulative
+        assert texts[-1] == plain["text"] and decoded[-1]["output_ids"] == plain["output_ids"]
+        assert decoded[-1]["meta_info"]["cached_tokens"] > 0
+        batch = http.post("/generate", json={"input_ids": [[5, 6, 7], [8, 9]],
+                                             "sampling_params": {"max_new_tokens": 2, "temperature": 0}}).json()
+        assert isinstance(batch, list) and len(batch) == 2
+
+
+# ---------------------------------------------------------------------------------------------- prefix cache
+def test_shared_system_prompt_cached_tokens_metrics_and_log(server):
+    with server.client() as http:
+        assert http.post("/flush_cache").status_code == 200
+    tok = httpx.get(f"{server.base_url}/tokenizer").json()
+    assert "tokenizer.json" in tok["files"]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(server.server_info()["model_path"]))
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+    before = metric_values(server.base_url)
+    questions = ["What is the capital of France?", "Summarize the text in three points.",
+                 "Translate the following sentence into simple words.", "How do stones grind grain?"]
+    seen: list[list[int]] = []
+    cached, prompt_tokens = [], []
+    system_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT}],
+                                                                tokenize=False), add_special_tokens=False)
+    for q in questions:
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}]
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                               add_special_tokens=False)
+        reply = client.chat.completions.create(model=server.server_info()["served_model_name"], messages=messages,
+                                               max_tokens=4, temperature=0)
+        assert reply.usage.prompt_tokens == len(ids)
+        expected = max((lcp(ids, prev) for prev in seen), default=0)
+        assert reply.usage.prompt_tokens_details.cached_tokens == expected
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+        prompt_tokens.append(reply.usage.prompt_tokens)
+        seen.append(ids)
+    assert cached[0] == 0 and all(c >= len(system_ids) for c in cached[1:])
+
+    after = metric_values(server.base_url)
+    delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
+    assert delta("radixserve:cached_prompt_tokens_total") == sum(cached)
+    assert delta("radixserve:prompt_tokens_total") == sum(prompt_tokens)
+    assert delta("radixserve:request_cached_tokens_total") == sum(cached)
+    hit_rate = after["radixserve:prefix_hit_rate"]
+    assert hit_rate == pytest.approx(after["radixserve:cached_prompt_tokens_total"]
+                                     / after["radixserve:prompt_tokens_total"])
+    assert 0 <= after["radixserve:prefix_hit_rate_window"] <= 1
+
+    # The seed's monitoring pipeline prints the hit rate, and the newest value is the metric's.
+    pipeline = f"grep \"prefix_hit_rate\" {server.log_file} | tail -n 10 | awk '{{print $NF}}' | sort -n"
+    printed = subprocess.run(["bash", "-c", pipeline], capture_output=True, text=True, check=True).stdout.split()
+    assert printed and all(0.0 <= float(x) <= 1.0 for x in printed)
+    last = subprocess.run(["bash", "-c", f"grep prefix_hit_rate {server.log_file} | tail -n 1 | awk '{{print $NF}}'"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert last == f"{hit_rate:.3f}"
+    log = server.log_file.read_text()
+    assert "Prefill batch. #new-seq:" in log and "#cached-token:" in log
+    assert "Request finished. id: chatcmpl-" in log and "ttft:" in log and "finish_reason: length" in log
+
+
+# ---------------------------------------------------------------------------------------------- flow control
+def _start_long_stream(http: httpx.Client, max_new_tokens: int = 4000):
+    body = {"text": "The weather today is sunny", "stream": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    ctx = http.stream("POST", "/generate", json=body)
+    response = ctx.__enter__()
+    lines = response.iter_lines()
+    got = 0
+    for line in lines:
+        if line.startswith("data: "):
+            got += 1
+            if got == 2:
+                break
+    ctx.lines = lines  # closing the line iterator would close the response too
+    return ctx
+
+
+def test_client_disconnect_frees_kv(server):
+    wait_idle(server)
+    before = metric_values(server.base_url)
+    with server.client() as http:
+        ctx = _start_long_stream(http)
+        running = server.server_info()["stats"]
+        ctx.__exit__(None, None, None)  # the client goes away mid-stream
+    assert running["running_requests"] == 1 and running["held_by_running_tokens"] > 0, running
+    stats = wait_idle(server, 5.0)
+    assert stats["held_by_running_tokens"] == 0 and stats["protected_tokens"] == 0
+    assert stats["free_tokens"] + stats["evictable_tokens"] == stats["pool_tokens"]
+    deadline = time.monotonic() + 5
+    while True:  # the engine confirms the abort: it did not run to max_new_tokens
+        after = metric_values(server.base_url)
+        aborted = after.get('radixserve:requests_total{finish_reason=abort}', 0) - \
+            before.get('radixserve:requests_total{finish_reason=abort}', 0)
+        if aborted == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert aborted == 1
+    assert "Request aborted. id:" in server.log_file.read_text()
+
+
+def test_flush_cache_refused_while_running(server):
+    with server.client() as http:
+        ctx = _start_long_stream(http)
+        refused = http.post("/flush_cache")
+        ctx.__exit__(None, None, None)
+        assert refused.status_code == 409
+        assert refused.json()["error"]["code"] == "requests_running"
+        wait_idle(server)
+        assert http.post("/flush_cache").status_code == 200
+        stats = server.server_info()["stats"]
+        assert stats["evictable_tokens"] == 0 and stats["free_tokens"] == stats["pool_tokens"]
+
+
+def test_info_endpoints(server):
+    with server.client() as http:
+        info = http.get("/server_info").json()
+        assert info["pool_size"] == 32768 and info["settings"]["schedule_policy"] == "lpm"
+        assert info["settings"]["radix_eviction_policy"] == "fifo" and info["settings"]["chunked_prefill_size"] == 1024
+        assert info["engine_alive"] and info["engine_pid"] != info["api_pid"]
+        health = http.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        metrics = http.get("/metrics").text
+        for name in ("radixserve:time_to_first_token_seconds_bucket", "radixserve:inter_token_latency_seconds",
+                     "radixserve:e2e_request_latency_seconds", "radixserve:queue_time_seconds",
+                     "radixserve:kv_fragmentation", "radixserve:prefix_hit_rate_window", "radixserve:num_queue_reqs",
+                     "radixserve:kv_free_tokens", "radixserve:kv_evictable_tokens", "radixserve:kv_protected_tokens",
+                     "radixserve:radix_tree_nodes", "radixserve:evicted_tokens_total", "radixserve:retractions_total",
+                     "radixserve:generation_tokens_total", "radixserve:requests_total"):
+            assert name in metrics, name
