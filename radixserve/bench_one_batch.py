@@ -57,7 +57,8 @@ def measure_matmul_rate(device: torch.device, n: int = 8192) -> float:
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     out = torch.empty(n, n, dtype=torch.bfloat16, device=device)
-    ms = _bench(lambda: torch.matmul(a, b, out=out), rep_ms=500)
+    _bench(lambda: torch.matmul(a, b, out=out), rep_ms=1000, warmup_ms=1000)  # let the clocks settle
+    ms = _bench(lambda: torch.matmul(a, b, out=out), rep_ms=1000)
     del a, b, out
     torch.cuda.empty_cache()
     return 2 * n ** 3 / (ms * 1e-3)
@@ -178,7 +179,7 @@ class Workload:
             logits_indices=(torch.arange(bs, device=dev) + 1) * extend - 1)
 
 
-def _graph(fn: Callable[[], object], pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+def _graph(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -186,7 +187,7 @@ def _graph(fn: Callable[[], object], pool=None) -> tuple[torch.cuda.CUDAGraph, o
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph):
         out = fn()
     return graph, out
 
@@ -261,13 +262,13 @@ def sweep_decode_attention(args, work: Workload, cost: ModelCost, rep: Report, b
     cfg = work.cfg
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     per_tok = cost.kv_bytes_per_token_layer()
-    variants = [dict(decode_block_n=64, decode_num_warps=4, decode_num_stages=2),
-                dict(decode_block_n=32, decode_num_warps=4, decode_num_stages=2),
-                dict(decode_block_n=64, decode_num_warps=4, decode_num_stages=3),
+    variants = [dict(decode_block_n=64, decode_num_warps=4, decode_num_stages=3),
+                dict(decode_block_n=64, decode_num_warps=4, decode_num_stages=4),
+                dict(decode_block_n=32, decode_num_warps=4, decode_num_stages=3),
+                dict(decode_block_n=32, decode_num_warps=4, decode_num_stages=4),
                 dict(decode_block_n=128, decode_num_warps=4, decode_num_stages=2),
-                dict(decode_block_n=64, decode_num_warps=8, decode_num_stages=2),
-                dict(decode_block_n=64, decode_num_warps=4, decode_num_stages=2, programs_per_sm=8),
-                dict(decode_block_n=64, decode_num_warps=4, decode_num_stages=2, programs_per_sm=2)]
+                dict(decode_block_n=128, decode_num_warps=4, decode_num_stages=3),
+                dict(decode_block_n=64, decode_num_warps=4, decode_num_stages=3, programs_per_sm=8)]
     shapes = [(bs, ctx) for bs in (16, 64, 256) if bs in args.batch_sizes for ctx in (4096,)]
     for variant in variants:
         backend = TritonAttentionBackend(**variant)
@@ -346,27 +347,95 @@ def bench_model(args, work: Workload, cost: ModelCost, rep: Report, bw: float, f
         rep.add("prefill", f"bs={bs} len={length}", ms, fl / flops * 1e3,
                 tok_s=bs * length / (ms * 1e-3), mfu=fl / (ms * 1e-3) / flops)
         del batch
-    pool = torch.cuda.graph_pool_handle()
-    for bs in args.batch_sizes:
-        batch = work.decode_batch(bs, max(args.contexts))
-        graph = None
-        if not args.disable_cuda_graph:
+    variants = [("decode-step", False)] + ([("decode-step-fused", True)] if args.fused else [])
+    for kind, fused in variants:
+        if fused:
             try:
-                graph, _ = _graph(lambda: model(batch), pool=pool)
-            except Exception as e:
-                rep.note(f"CUDA graph capture failed at bs={bs}: {e!r}")
-                graph = None
-        for ctx in args.contexts:
-            work.set_decode_context(batch, ctx)
-            floor = weight_ms + bs * ctx * cost.kv_bytes_per_token / bw * 1e3
-            eager = _bench(lambda: model(batch), rep_ms=300)
-            replay = _bench(graph.replay, rep_ms=300) if graph is not None else None
-            best = replay if replay is not None else eager
-            rep.add("decode-step", f"bs={bs} ctx={ctx}", best, floor, eager_ms=eager,
-                    tok_s=bs / (best * 1e-3), graph=graph is not None)
-        del graph, batch
+                use_fused_kernels(model)
+            except Exception as e:  # the model's structure moved on
+                rep.note(f"could not swap in the fused kernels ({e!r})")
+                break
+            if length <= work.max_tokens_per_row:
+                batch = work.extend_batch(bs, 0, length)
+                model(batch)
+                torch.cuda.synchronize()
+                ms = _bench(lambda: model(batch), rep_ms=1500, warmup_ms=200)
+                fl = cost.prefill_flops(bs, length)
+                rep.add("prefill-fused", f"bs={bs} len={length}", ms, fl / flops * 1e3,
+                        tok_s=bs * length / (ms * 1e-3), mfu=fl / (ms * 1e-3) / flops)
+                del batch
+        for dbs in args.batch_sizes:
+            batch = work.decode_batch(dbs, max(args.contexts))
+            graph = None
+            if not args.disable_cuda_graph:
+                try:
+                    graph, _ = _graph(lambda: model(batch))
+                except Exception as e:
+                    rep.note(f"CUDA graph capture failed at bs={dbs}: {e!r}")
+                    graph = None
+            for ctx in args.contexts:
+                work.set_decode_context(batch, ctx)
+                floor = weight_ms + dbs * ctx * cost.kv_bytes_per_token / bw * 1e3
+                eager = _bench(lambda: model(batch), rep_ms=300)
+                replay = _bench(graph.replay, rep_ms=300) if graph is not None else None
+                best = replay if replay is not None else eager
+                rep.add(kind, f"bs={dbs} ctx={ctx}", best, floor, eager_ms=eager,
+                        tok_s=dbs / (best * 1e-3), graph=graph is not None)
+            del graph, batch
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
     del model
     torch.cuda.empty_cache()
+
+
+def use_fused_kernels(model: torch.nn.Module) -> None:
+    """Swap the model's element-wise steps for the fused Triton kernels, on this instance only.
+
+    What `radixserve.model.qwen2` would run with radixserve.kernels: RMSNorm -> rms_norm, the
+    residual add + post-attention norm -> add_rms_norm, RoPE -> apply_rope_ on views of the qkv
+    output, SiLU * up -> silu_and_mul. Lets the benchmark show the gain before the model adopts it.
+    """
+    from radixserve.kernels.activation import silu_and_mul
+    from radixserve.kernels.norm import add_rms_norm, rms_norm
+    from radixserve.kernels.rope import apply_rope_
+
+    cos_table, sin_table = model.rope_cos, model.rope_sin
+
+    def norm_forward(m):
+        return lambda x: rms_norm(x, m.weight, m.eps)
+
+    def mlp_forward(m):
+        return lambda x: m.down_proj(silu_and_mul(m.gate_up_proj(x)))
+
+    def attn_forward(m):
+        def forward(x, cos, sin, batch):
+            t = x.shape[0]
+            qkv = m.qkv_proj(x)
+            q = qkv[:, :m.q_size].view(t, m.num_heads, m.head_dim)
+            k = qkv[:, m.q_size:m.q_size + m.kv_size].view(t, m.num_kv_heads, m.head_dim)
+            v = qkv[:, m.q_size + m.kv_size:].view(t, m.num_kv_heads, m.head_dim)
+            apply_rope_(q, k, batch.positions, cos_table, sin_table)
+            return m.o_proj(m._backend.forward(q, k, v, m.layer_id, batch).reshape(t, m.q_size))
+        return forward
+
+    def layer_forward(m):
+        def forward(x, cos, sin, batch):
+            a = m.self_attn(m.input_layernorm(x), cos, sin, batch)
+            # x is this layer's own residual (the embedding or the previous layer's sum): updated in place.
+            normed, x = add_rms_norm(a, x, m.post_attention_layernorm.weight, m.post_attention_layernorm.eps)
+            return x + m.mlp(normed)
+        return forward
+
+    for mod in model.modules():
+        name = type(mod).__name__
+        if name == "RMSNorm":
+            mod.forward = norm_forward(mod)
+        elif name == "Qwen2MLP":
+            mod.forward = mlp_forward(mod)
+        elif name == "Qwen2Attention":
+            mod.forward = attn_forward(mod)
+        elif name == "Qwen2DecoderLayer":
+            mod.forward = layer_forward(mod)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -382,6 +451,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--skip-attention", action="store_true", help="model steps only")
     p.add_argument("--sweep", action="store_true", help="also time kernel tuning variants")
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--fused", action="store_true",
+                   help="also time the model with the fused RMSNorm/RoPE/SiLU kernels swapped in")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write every row here")
     args = p.parse_args(argv)
@@ -430,10 +501,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         extend_variants = [{}]
         if args.sweep:
             sweep_decode_attention(args, work, cost, rep, bw)
-            extend_variants += [dict(extend_block_m=128, extend_block_n=128, extend_num_warps=8),
-                                dict(extend_block_m=64, extend_block_n=64, extend_num_warps=4),
+            extend_variants += [dict(extend_block_m=128, extend_block_n=64, extend_num_stages=4),
+                                dict(extend_block_m=128, extend_block_n=128, extend_num_stages=2),
                                 dict(extend_block_m=64, extend_block_n=64, extend_num_warps=4, extend_num_stages=3),
-                                dict(extend_block_m=128, extend_block_n=64, extend_num_stages=3)]
+                                dict(extend_block_m=64, extend_block_n=64, extend_num_warps=4, extend_num_stages=4)]
         bench_extend_attention(args, work, cost, rep, flops, extend_variants)
     if not args.skip_model:
         bench_model(args, work, cost, rep, bw, flops)

@@ -51,9 +51,9 @@ class TritonAttentionBackend:
     extend_num_stages: the extend kernel's tiles.
     """
 
-    def __init__(self, *, decode_block_n: int = 64, decode_num_warps: int = 4, decode_num_stages: int = 2,
+    def __init__(self, *, decode_block_n: int = 64, decode_num_warps: int = 4, decode_num_stages: int = 3,
                  max_splits: int = 64, programs_per_sm: int = 4, extend_block_m: int = 128, extend_block_n: int = 64,
-                 extend_num_warps: Optional[int] = None, extend_num_stages: int = 2,
+                 extend_num_warps: Optional[int] = None, extend_num_stages: int = 3,
                  num_sms: Optional[int] = None):
         # Imported here so that merely importing this module needs no triton.
         from radixserve.attention.triton_kernels import decode_attention, extend_attention, kv_store
