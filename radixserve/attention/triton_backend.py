@@ -3,8 +3,9 @@
 Triton is imported when the backend is constructed, never when this module is imported, so
 the package imports on machines without triton.
 
-Per forward pass, `init_forward` prepares everything the layers share (decode: the number of
-splits and views of a float32 workspace; extend: the tile list, copied to the device once).
+Per forward pass, `init_forward` (and, for what needs the number of query heads, the first
+layer) prepares everything the layers share (decode: the number of splits and views of a float32
+workspace; extend: the tile shape and the tile list, copied to the device once).
 Each layer's `forward` then launches the KV store and the attention kernels with no host sync
 and no allocation beyond its output.
 
@@ -38,8 +39,20 @@ class TritonDecodeMeta:
 
 
 @dataclass
+class ExtendConfig:
+    block_m: int
+    block_n: int
+    num_warps: Optional[int]
+    num_stages: int
+
+
+@dataclass
 class TritonExtendMeta:
-    plan: object  # extend_attention.ExtendPlan
+    extend_lens: list[int]
+    prefix_lens: list[int]
+    # Made by the first layer, which knows the number of query heads.
+    config: Optional[ExtendConfig] = None
+    plan: Optional[object] = None  # extend_attention.ExtendPlan
 
 
 class TritonAttentionBackend:
@@ -48,12 +61,16 @@ class TritonAttentionBackend:
     decode_block_n / decode_num_warps / decode_num_stages: stage-1 tile of positions and launch
     shape; max_splits caps split-K; programs_per_sm: how many stage-1 programs per streaming
     multiprocessor the split count aims for (a few waves); extend_block_m / extend_block_n / extend_num_warps /
-    extend_num_stages: the extend kernel's tiles.
+    extend_num_stages: the extend kernel's tiles; extend_small_block_m / extend_small_num_warps: the
+    tiles used instead when the big ones would give fewer than programs_per_sm programs per SM
+    (short extends: chunks over a long prefix, many small requests). Defaults from sweeps on an H200
+    (docs/gpu_notes.md).
     """
 
-    def __init__(self, *, decode_block_n: int = 64, decode_num_warps: int = 4, decode_num_stages: int = 3,
+    def __init__(self, *, decode_block_n: int = 128, decode_num_warps: int = 4, decode_num_stages: int = 3,
                  max_splits: int = 64, programs_per_sm: int = 4, extend_block_m: int = 128, extend_block_n: int = 64,
                  extend_num_warps: Optional[int] = None, extend_num_stages: int = 3,
+                 extend_small_block_m: Optional[int] = 64, extend_small_num_warps: int = 4,
                  num_sms: Optional[int] = None):
         # Imported here so that merely importing this module needs no triton.
         from radixserve.attention.triton_kernels import decode_attention, extend_attention, kv_store
@@ -72,6 +89,11 @@ class TritonAttentionBackend:
         self.extend_block_n = extend_block_n
         self.extend_num_warps = extend_num_warps
         self.extend_num_stages = extend_num_stages
+        if extend_small_block_m is not None and extend_small_block_m % extend_block_n:
+            raise ValueError(f"extend_small_block_m {extend_small_block_m} must be a multiple of extend_block_n "
+                             f"{extend_block_n}")
+        self.extend_small_block_m = extend_small_block_m
+        self.extend_small_num_warps = extend_small_num_warps
         self._num_sms = num_sms
         self._ws_o: Optional[torch.Tensor] = None
         self._ws_lse: Optional[torch.Tensor] = None
@@ -116,15 +138,23 @@ class TritonAttentionBackend:
             # workspace views (no allocation once reserve_decode_workspace ran).
             batch.attn_meta = TritonDecodeMeta(self.num_splits(bs, k_buf.shape[1], device), None, None)
         else:
-            block_m, _ = self._extend_blocks(k_buf.dtype)
-            plan = self._extend.plan_extend_tiles(batch.extend_lens_cpu, batch.prefix_lens_cpu, block_m, device)
-            batch.attn_meta = TritonExtendMeta(plan)
+            batch.attn_meta = TritonExtendMeta(list(batch.extend_lens_cpu), list(batch.prefix_lens_cpu))
 
-    def _extend_blocks(self, dtype: torch.dtype) -> tuple[int, int]:
-        # float32 tiles take twice the shared memory: halve both sides.
+    def extend_config(self, dtype: torch.dtype, extend_lens: list[int], num_q_heads: int,
+                      device: torch.device) -> ExtendConfig:
+        """Tiles for one extend batch: the big ones unless they would leave the GPU under-filled."""
         if dtype == torch.float32:
-            return max(16, self.extend_block_m // 2), max(16, self.extend_block_n // 2)
-        return self.extend_block_m, self.extend_block_n
+            # float32 tiles take twice the shared memory: halve both sides.
+            return ExtendConfig(max(16, self.extend_block_m // 2), max(16, self.extend_block_n // 2),
+                                self.extend_num_warps, self.extend_num_stages)
+        big = ExtendConfig(self.extend_block_m, self.extend_block_n, self.extend_num_warps, self.extend_num_stages)
+        if self.extend_small_block_m is None or self.extend_small_block_m >= self.extend_block_m:
+            return big
+        programs = num_q_heads * sum(-(-e // self.extend_block_m) for e in extend_lens)
+        if programs >= self.programs_per_sm * self.num_sms(device):
+            return big
+        return ExtendConfig(self.extend_small_block_m, self.extend_block_n, self.extend_small_num_warps,
+                            self.extend_num_stages)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -156,10 +186,15 @@ class TritonAttentionBackend:
                 k, v = k.to(k_buf.dtype), v.to(v_buf.dtype)
             if k.stride(2) != 1 or v.stride(2) != 1:
                 k, v = k.contiguous(), v.contiguous()
+            if meta.plan is None:
+                meta.config = self.extend_config(k_buf.dtype, meta.extend_lens, num_q_heads, q.device)
+                meta.plan = self._extend.plan_extend_tiles(meta.extend_lens, meta.prefix_lens, meta.config.block_m,
+                                                           q.device)
+            cfg = meta.config
             self._extend.extend_attention(
                 q, k, v, out, k_buf, v_buf, batch.req_to_token, batch.req_pool_indices,
-                batch.prefix_lens, batch.extend_lens, meta.plan, block_n=self._extend_blocks(k_buf.dtype)[1],
-                num_warps=self.extend_num_warps, num_stages=self.extend_num_stages)
+                batch.prefix_lens, batch.extend_lens, meta.plan, block_n=cfg.block_n,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         else:
             raise RuntimeError("init_forward must run before forward")
         return out.view(num_tokens, num_q_heads * head_dim)

@@ -148,6 +148,15 @@ def _decode_cases():
 
 @pytest.mark.parametrize("batch,seq_lens,hq,hkv,head_dim,page_size,splits", _decode_cases())
 def test_decode_attention(batch, seq_lens, hq, hkv, head_dim, page_size, splits):
+    _run_decode(batch, seq_lens, hq, hkv, head_dim, page_size, splits, 128 if FULL else 16)
+
+
+@pytest.mark.parametrize("block_n", [32, 64] if FULL else [32])
+def test_decode_attention_block_n(block_n):
+    _run_decode(5, [1, 63, 64, 65, 700], 28, 4, 128 if FULL else 64, 1, 3, block_n)
+
+
+def _run_decode(batch, seq_lens, hq, hkv, head_dim, page_size, splits, block_n):
     gen = random.Random(batch * 1000 + hq + head_dim + page_size)
     torch.manual_seed(gen.randint(0, 1 << 30))
     cache = Cache(hkv, head_dim, seq_lens, page_size, LOW, gen)
@@ -158,7 +167,7 @@ def test_decode_attention(batch, seq_lens, hq, hkv, head_dim, page_size, splits)
     mid_o = torch.full((batch, hq, num_splits, head_dim), float("nan"), device=DEVICE)
     mid_lse = torch.full((batch, hq, num_splits), float("nan"), device=DEVICE)
     decode_attention(q, cache.k_buf, cache.v_buf, cache.req_to_token, cache.req_pool_indices, seq, out,
-                     mid_o, mid_lse, num_splits)
+                     mid_o, mid_lse, num_splits, block_n=block_n)
     ref = reference(q, cache, [s - 1 for s in seq_lens], [1] * batch)
     check(out, ref, BF16_TOL)
 
@@ -228,6 +237,12 @@ def _run_extend(prefix_lens, extend_lens, hq, hkv, head_dim, page_size, dtype, b
 def test_extend_attention(prefix_lens, extend_lens, hq, hkv, head_dim, page_size):
     block_m, block_n = (128, 64) if FULL else (32, 16)
     out, ref = _run_extend(prefix_lens, extend_lens, hq, hkv, head_dim, page_size, LOW, block_m, block_n)
+    check(out, ref, BF16_TOL)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(64, 64), (64, 32), (128, 128)] if FULL else [(16, 16)])
+def test_extend_attention_tile_shapes(block_m, block_n):
+    out, ref = _run_extend([300, 0, 77], [250, 129, 1], 28, 4, 128 if FULL else 64, 1, LOW, block_m, block_n)
     check(out, ref, BF16_TOL)
 
 

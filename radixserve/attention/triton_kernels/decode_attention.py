@@ -130,8 +130,8 @@ def workspace_numel(batch_size: int, num_q_heads: int, num_splits: int, head_dim
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
                      mid_o: torch.Tensor, mid_lse: torch.Tensor, num_splits: int, *,
-                     sm_scale: float | None = None, block_n: int = 64, num_warps: int = 4,
-                     num_stages: int = 2) -> torch.Tensor:
+                     sm_scale: float | None = None, block_n: int = 128, num_warps: int = 4,
+                     num_stages: int = 3) -> torch.Tensor:
     """out[b, h] = softmax(q[b, h] . K[b]^T * scale) V[b] over positions 0..seq_lens[b]-1.
 
     q [B, Hq, D] (any strides with unit last stride); k_buf, v_buf [num_slots, Hkv, D];
@@ -146,6 +146,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else sm_scale
     assert q.stride(2) == 1 and k_buf.stride(2) == 1 and v_buf.stride(2) == 1 and out.stride(2) == 1
     block_g = max(16, triton.next_power_of_2(group))
+    if q.dtype == torch.float32:
+        block_n = min(block_n, 64)  # float32 tiles take twice the shared memory
     _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         q.stride(0), q.stride(1),

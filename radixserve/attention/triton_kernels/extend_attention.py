@@ -143,7 +143,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                      k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                      plan: ExtendPlan, *, sm_scale: float | None = None, block_n: int = 64,
-                     num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
     """out [T, Hq, D] = attention of the new tokens q [T, Hq, D] (requests concatenated).
 
     k, v [T, Hkv, D] are the new tokens' keys/values (already stored in the pool too); the prefix
