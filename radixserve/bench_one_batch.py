@@ -464,7 +464,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--prefill-len", type=int, default=8192)
     p.add_argument("--skip-model", action="store_true", help="attention kernels only")
     p.add_argument("--skip-attention", action="store_true", help="model steps only")
-    p.add_argument("--sweep", action="store_true", help="also time kernel tuning variants")
+    p.add_argument("--sweep", nargs="*", choices=["decode", "extend"], default=None,
+                   help="also time kernel tuning variants (of decode, extend, or both when none is named)")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--fused", action="store_true",
                    help="also time the model with the fused RMSNorm/RoPE/SiLU kernels swapped in")
@@ -517,8 +518,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.skip_attention:
         bench_decode_attention(args, work, cost, rep, bw)
         extend_variants = [{}]
-        if args.sweep:
+        sweep = set() if args.sweep is None else (set(args.sweep) or {"decode", "extend"})
+        if "decode" in sweep:
             sweep_decode_attention(args, work, cost, rep, bw)
+        if "extend" in sweep:
             fixed = dict(extend_small_block_m=None)  # one tile shape whatever the batch
             extend_variants += [dict(extend_block_m=128, extend_block_n=64, extend_num_stages=3, **fixed),
                                 dict(extend_block_m=64, extend_block_n=64, extend_num_warps=4, extend_num_stages=3,
