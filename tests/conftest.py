@@ -20,6 +20,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVER_START_TIMEOUT_S = 180.0
+SERVER_MODEL_POSITIONS = 4096
 
 
 def free_port() -> int:
@@ -86,9 +87,18 @@ class ServerProcess:
 
 @pytest.fixture(scope="session")
 def server_model_dir(tmp_path_factory) -> Path:
+    import json
+
     from radixserve.testing.tiny_model import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("server-tiny-qwen2"))
+    path = build_tiny_model(tmp_path_factory.mktemp("server-tiny-qwen2"))
+    # More positions than the oracle model's 512 (RoPE has no learned weights), so a stream can
+    # run long enough for a client to walk away from it mid-way.
+    config_path = path / "config.json"
+    config = json.loads(config_path.read_text())
+    config["max_position_embeddings"] = SERVER_MODEL_POSITIONS
+    config_path.write_text(json.dumps(config, indent=2))
+    return path
 
 
 def seed_launch_args(model_dir: Path) -> list[str]:
@@ -107,22 +117,9 @@ def server_workdir(tmp_path_factory) -> Path:
 def server(server_model_dir, server_workdir):
     """The seed's command plus a log file, on CPU; shared by the read-mostly server tests."""
     log_file = server_workdir / "server.log"
-    # A longer context than the tiny model's 512 positions, so a stream can outlive a client.
-    proc = ServerProcess([*seed_launch_args(server_model_dir), "--device", "cpu", "--log-file", str(log_file),
-                          "--context-length", "4096"], server_workdir)
+    proc = ServerProcess([*seed_launch_args(server_model_dir), "--device", "cpu", "--log-file", str(log_file)],
+                         server_workdir)
     proc.log_file = log_file
-    try:
-        yield proc.wait_ready()
-    finally:
-        proc.stop()
-
-
-@pytest.fixture(scope="session")
-def limited_server(server_model_dir, server_workdir):
-    """--api-key, a one-request engine with a two-request queue and a short context."""
-    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu", "--api-key", "sk-test-key",
-                          "--max-running-requests", "1", "--max-queued-requests", "2", "--context-length", "96",
-                          "--served-model-name", "tiny"], server_workdir, api_key="sk-test-key")
     try:
         yield proc.wait_ready()
     finally:

@@ -44,10 +44,14 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     if not errors:
         return "invalid request body", None
     first: dict[str, Any] = errors[0]
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    # Union members show up as loc parts like "str" or "list[int]": keep the field path only.
-    fields = [x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "float", "bool")]
-    param = ".".join(fields) or None
+    # Union members show up in loc as "str" or "list[int]": keep field names and list indices.
+    param = ""
+    for part in first.get("loc", ()):
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part != "body" and not any(c in part for c in "[]-") and part not in ("str", "int", "float", "bool"):
+            param += f".{part}" if param else part
+    param = param or None
     kind = first.get("type", "")
     if kind == "json_invalid":
         return "the body is not valid JSON", None

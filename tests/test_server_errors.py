@@ -1,0 +1,230 @@
+"""Bad input, --api-key, --max-queued-requests and schema fuzzing: 4xx with OpenAI bodies, never 5xx or a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def auth_server(server_model_dir, server_workdir):
+    """--api-key with a short context (fuzzed requests stay short)."""
+    from conftest import ServerProcess
+
+    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu", "--api-key", "sk-test-key",
+                          "--context-length", "64", "--max-running-requests", "16", "--served-model-name", "tiny"],
+                         server_workdir, api_key="sk-test-key")
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def queue_server(server_model_dir, server_workdir):
+    """One request at a time, at most two waiting."""
+    from conftest import ServerProcess
+
+    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu", "--max-running-requests", "1",
+                          "--max-queued-requests", "2", "--context-length", "128"], server_workdir)
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def assert_error_body(response: httpx.Response, status: int, param=None, code=None) -> dict:
+    assert response.status_code == status, (response.status_code, response.text)
+    body = response.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:  # a field, or an element of it: "messages[0].role"
+        assert err["param"] == param or err["param"].startswith((param + "[", param + ".")), err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+C, CH, G = "/v1/completions", "/v1/chat/completions", "/generate"
+USER = [{"role": "user", "content": "hi"}]
+# (path, body (a dict, or raw bytes), status, param, code)
+BAD_INPUTS = [
+    (C, b"{not json", 400, None, None),
+    (C, b"", 400, None, None),
+    (C, b"[]", 400, None, None),
+    (C, b'{"prompt": "x", "temperature": NaN}', 400, "temperature", None),
+    (C, {}, 400, "prompt", None),
+    (C, {"prompt": 5}, 400, "prompt", None),
+    (C, {"prompt": ""}, 400, "prompt", None),
+    (C, {"prompt": []}, 400, "prompt", None),
+    (C, {"prompt": [1, "a"]}, 400, "prompt", None),
+    (C, {"prompt": [-1]}, 400, "prompt", None),
+    (C, {"prompt": [10**6]}, 400, "prompt", None),
+    (C, {"prompt": [5] * 5000}, 400, "prompt", "context_length_exceeded"),
+    (C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
+    (C, {"prompt": "x", "max_tokens": -3}, 400, "max_tokens", None),
+    (C, {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", None),
+    (C, {"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens", "context_length_exceeded"),
+    (C, {"prompt": "x", "max_tokens": 10**30}, 400, "max_tokens", None),
+    (C, {"prompt": "x", "model": "no-such-model"}, 404, "model", "model_not_found"),
+    (C, {"prompt": "x", "temperature": -1}, 400, "temperature", None),
+    (C, {"prompt": "x", "top_p": 0}, 400, "top_p", None),
+    (C, {"prompt": "x", "top_p": 1.5}, 400, "top_p", None),
+    (C, {"prompt": "x", "top_k": 0}, 400, None, None),
+    (C, {"prompt": "x", "n": 0}, 400, "n", None),
+    (C, {"prompt": "x", "n": 100000}, 400, "n", None),
+    (C, {"prompt": "x", "stop": [""]}, 400, None, None),
+    (C, {"prompt": "x", "stop": 7}, 400, "stop", None),
+    (C, {"prompt": "x", "seed": 2**70}, 400, "seed", None),
+    (C, {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids", None),
+    (C, {"prompt": "x", "logprobs": 3}, 400, "logprobs", "unsupported_parameter"),
+    (C, {"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty", "unsupported_parameter"),
+    (C, {"prompt": "x", "stream": "yes please"}, 400, "stream", None),
+    (C, {"prompt": "x", "stream_options": {"include_usage": "x"}}, 400, None, None),
+    (CH, {}, 400, "messages", None),
+    (CH, {"messages": []}, 400, "messages", None),
+    (CH, {"messages": "hi"}, 400, "messages", None),
+    (CH, {"messages": [{"content": "no role"}]}, 400, None, None),
+    (CH, {"messages": [{"role": "alien", "content": "x"}]}, 400, "messages[0].role", None),
+    (CH, {"messages": [{"role": "user", "content": 42}]}, 400, None, None),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, None, "unsupported_parameter"),
+    (CH, {"messages": USER, "model": "gpt-4"}, 404, "model", "model_not_found"),
+    (CH, {"messages": USER, "max_tokens": 0}, 400, "max_tokens", None),
+    (CH, {"messages": USER, "max_completion_tokens": 10**6}, 400, "max_completion_tokens", None),
+    (CH, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
+    (CH, {"messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format", None),
+    (CH, {"messages": USER, "logprobs": True}, 400, "logprobs", None),
+    (CH, {"messages": [{"role": "user", "content": "word " * 5000}]}, 400, "messages", "context_length_exceeded"),
+    (G, {}, 400, None, None),
+    (G, {"text": "x", "input_ids": [1]}, 400, None, None),
+    (G, {"text": "x", "sampling_params": {"bogus": 1}}, 400, "sampling_params", None),
+    (G, {"text": "x", "sampling_params": {"max_new_tokens": -5}}, 400, "sampling_params", None),
+    (G, {"text": "x", "sampling_params": {"max_new_tokens": "x"}}, 400, "sampling_params", None),
+    (G, {"text": "x", "sampling_params": {"seed": 2**70}}, 400, None, None),
+    (G, {"text": "x", "sampling_params": {"temperature": -2}}, 400, "sampling_params", None),
+    (G, {"text": "x", "sampling_params": [{}, {}]}, 400, "sampling_params", None),
+    (G, {"text": ["a", "b"], "stream": True}, 400, "stream", None),
+    (G, {"text": []}, 400, None, None),
+    (G, {"input_ids": []}, 400, None, None),
+    (G, {"input_ids": [[1], []]}, 400, None, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,code", BAD_INPUTS,
+                         ids=[f"{i}-{p.strip('/').replace('/', '_')}" for i, (p, *_rest) in enumerate(BAD_INPUTS)])
+def test_bad_input(server, path, body, status, param, code):
+    with server.client(timeout=30) as http:
+        if isinstance(body, bytes):
+            r = http.post(path, content=body, headers={"content-type": "application/json"})
+        else:
+            r = http.post(path, json=body)
+        assert_error_body(r, status, param, code)
+
+
+def test_server_still_serves_after_bad_inputs(server):
+    with server.client(timeout=30) as http:
+        assert_error_body(http.get("/v1/completions"), 405)
+        assert_error_body(http.get("/no/such/path"), 404)
+        ok = http.post("/v1/completions", json={"prompt": "still here?", "max_tokens": 3, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        assert http.get("/health").status_code == 200
+        stats = http.get("/server_info").json()["stats"]
+        assert stats["running_requests"] == 0 and stats["queued_requests"] == 0
+
+
+def test_openai_sdk_errors(server):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=client.models.list().data[0].id, prompt="x", max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+
+
+# ---------------------------------------------------------------------------------------------- --api-key
+def test_api_key(auth_server):
+    base = auth_server.base_url
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                         ("POST", "/generate"), ("GET", "/metrics"), ("GET", "/server_info"), ("GET", "/tokenizer"),
+                         ("POST", "/flush_cache"), ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/nowhere")]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-test-key"}):
+            r = httpx.request(method, base + path, headers=headers, json={"prompt": "x"}, timeout=10)
+            err = assert_error_body(r, 401, code="invalid_api_key")
+            assert "sk-test-key" not in r.text and "tiny" not in r.text
+    assert httpx.get(base + "/health", timeout=30).status_code == 200  # open for load balancers
+    good = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test-key", max_retries=0)
+    assert good.models.list().data[0].id == "tiny"
+    assert good.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens >= 1
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base}/v1", api_key="sk-wrong", max_retries=0).models.list()
+    info = httpx.get(base + "/server_info", headers=auth_server.headers, timeout=10).json()
+    assert info["settings"]["api_key"] == "***"
+    del err
+
+
+# ---------------------------------------------------------------------------------------------- queue limit
+def test_queue_limit_503_then_recovers(queue_server):
+    body = {"prompt": "The river ran past the old mill", "max_tokens": 100, "temperature": 0, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=queue_server.base_url, timeout=60) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(12)))
+
+    responses = asyncio.run(main())
+    codes = [r.status_code for r in responses]
+    assert codes.count(200) >= 3 and codes.count(503) >= 1, codes
+    assert set(codes) <= {200, 503}
+    for r in responses:
+        if r.status_code == 503:
+            assert_error_body(r, 503, code="queue_full")
+            assert int(r.headers["retry-after"]) >= 1
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 100
+    # Recovers: the queue drained, a new request is served.
+    again = httpx.post(f"{queue_server.base_url}/v1/completions", json=body, timeout=60)
+    assert again.status_code == 200
+    metrics = httpx.get(f"{queue_server.base_url}/metrics").text
+    assert 'radixserve:rejected_requests_total{status="503"}' in metrics
+
+
+# ---------------------------------------------------------------------------------------------- fuzzing
+FUZZ_OPERATIONS = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/generate", "POST"),
+                   ("/v1/models", "GET"), ("/server_info", "GET"), ("/flush_cache", "POST"), ("/health", "GET")]
+
+
+@pytest.mark.parametrize("path,method", FUZZ_OPERATIONS)
+def test_fuzz_openapi_no_5xx(auth_server, path, method):
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    spec = httpx.get(f"{auth_server.base_url}/openapi.json", headers=auth_server.headers, timeout=10).json()
+    schema = schemathesis.openapi.from_dict(spec)
+    operation = schema[path][method]
+    modes = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
+    strategy = st.one_of(*(operation.as_strategy(generation_mode=mode) for mode in modes))
+    examples = 100 if method == "POST" and path != "/flush_cache" else 5
+    seen = []
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(case=strategy)
+    def run(case):
+        response = case.call(base_url=auth_server.base_url, headers=auth_server.headers, timeout=60)
+        seen.append(response.status_code)
+        assert response.status_code < 500, (case.body, response.status_code, response.text[:500])
+        if response.status_code >= 400:
+            assert set(json.loads(response.text)) == {"error"}
+
+    run()
+    assert seen
+    assert httpx.get(f"{auth_server.base_url}/health", timeout=30).status_code == 200

@@ -1,0 +1,107 @@
+"""Process lifecycle: engine death turns the server red within seconds; SIGTERM drains and leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import ServerProcess, seed_launch_args
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                pass
+    return out
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def test_engine_death_gives_503_and_red_health(server_model_dir, server_workdir):
+    # Started through the console script's entry point: `radixserve serve <the seed's flags>`.
+    proc = ServerProcess(["serve", *seed_launch_args(server_model_dir), "--device", "cpu"],
+                         server_workdir, module="radixserve.cli").wait_ready()
+    try:
+        info = proc.server_info()
+        engine_pid, ipc_dir = info["engine_pid"], info["ipc_dir"]
+        assert children_of(proc.proc.pid) == [engine_pid]
+        assert os.path.isdir(ipc_dir)
+        with httpx.Client(base_url=proc.base_url, timeout=30) as http:
+            body = {"text": "The weather today is sunny", "stream": True,
+                    "sampling_params": {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}}
+            with http.stream("POST", "/generate", json=body) as stream:
+                lines = stream.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))
+                os.kill(engine_pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+                tail = [line for line in lines if line.startswith("data: ")]  # ends, does not hang
+            assert tail[-1] == "data: [DONE]" and '"engine_unavailable"' in tail[-2]
+            wait_until(lambda: http.get("/health").status_code == 503, 5.0, "/health turns red")
+            assert time.monotonic() - killed_at < 5.0
+            r = http.post("/v1/completions", json={"prompt": "anyone there?", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+            r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
+            assert r.status_code == 503
+            assert http.get("/health").json()["error"]["code"] == "engine_unavailable"
+            assert "radixserve:engine_alive 0.0" in http.get("/metrics").text
+            assert http.get("/server_info").json()["engine_alive"] is False
+    finally:
+        code = proc.stop(timeout_s=20)
+    assert code in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after its graceful shutdown
+    assert not pid_alive(engine_pid) and not os.path.exists(ipc_dir)
+
+
+def test_sigterm_drains_in_flight_requests(server_model_dir, server_workdir):
+    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu"],
+                         server_workdir).wait_ready()
+    info = proc.server_info()
+    engine_pid, ipc_dir = info["engine_pid"], info["ipc_dir"]
+    result: dict = {}
+
+    def long_request():
+        body = {"prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+        result["response"] = httpx.post(f"{proc.base_url}/v1/completions", json=body, timeout=120)
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    try:
+        wait_until(lambda: proc.server_info()["stats"]["running_requests"] == 1, 10.0, "the request runs")
+        proc.proc.send_signal(signal.SIGTERM)
+        worker.join(60)
+        assert proc.proc.wait(60) in (0, -signal.SIGTERM)
+    finally:
+        proc.stop()
+    response = result["response"]
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 1500  # finished, not cut
+    assert not pid_alive(engine_pid), "the engine process outlived the server"
+    assert not os.path.exists(ipc_dir), "socket files left behind"
