@@ -522,11 +522,12 @@ def run_server(settings: ServerSettings) -> int:
     from radixserve.engine.core import ensure_model_path, load_tokenizer
 
     model_path = ensure_model_path(settings.model_path)
-    tokenizer = load_tokenizer(settings.tokenizer_path or model_path)
     engine = EngineClient(settings.__class__(**{**settings.to_dict(), "model_path": model_path}))
-    app = create_app(settings, model_path, tokenizer, engine)
-    atexit.register(engine.kill_now)
     atexit.register(engine.close_sockets)
+    atexit.register(engine.kill_now)  # atexit runs last-registered first
+    engine.spawn()  # the engine loads the model while this process loads the tokenizer
+    tokenizer = load_tokenizer(settings.tokenizer_path or model_path)
+    app = create_app(settings, model_path, tokenizer, engine)
     try:
         import uvloop  # noqa: F401
 

@@ -108,8 +108,8 @@ class EngineClient:
         self.on_untracked_finish: Optional[Callable[[RequestOutput], None]] = None
         self.dead_reason: Optional[str] = None
         self.ipc_dir: Optional[str] = None
-        self._ctx: Optional[zmq.asyncio.Context] = None
         self._push: Optional[zmq.Socket] = None
+        self._pull_sync: Optional[zmq.Socket] = None
         self._pull: Optional[zmq.asyncio.Socket] = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -123,20 +123,24 @@ class EngineClient:
     def engine_pid(self) -> Optional[int]:
         return self.proc.pid if self.proc else None
 
-    async def start(self) -> m.EngineReady:
+    def spawn(self) -> None:
+        """Bind the sockets and start the engine process (it loads the model while we go on)."""
+        if self.proc is not None:
+            return
         self.ipc_dir = tempfile.mkdtemp(prefix="radixserve-ipc-")
         in_addr = f"ipc://{os.path.join(self.ipc_dir, 'to_engine')}"
         out_addr = f"ipc://{os.path.join(self.ipc_dir, 'from_engine')}"
-        self._ctx = zmq.asyncio.Context()
+        ctx = zmq.Context.instance()
         # Sends use a plain socket: with no high-water mark they complete at once, and an abort
         # can be sent from a `finally` of a cancelled task without awaiting.
-        self._push = zmq.Context.instance().socket(zmq.PUSH)
+        self._push = ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.bind(in_addr)
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.RCVHWM, 0)
-        self._pull.bind(out_addr)
+        self._pull_sync = ctx.socket(zmq.PULL)
+        self._pull_sync.setsockopt(zmq.RCVHWM, 0)
+        self._pull_sync.setsockopt(zmq.LINGER, 0)
+        self._pull_sync.bind(out_addr)
 
         # The child finds this package the way this process did, however it was installed.
         env = dict(os.environ)
@@ -148,6 +152,11 @@ class EngineClient:
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
         logger.info("engine process %d starting", self.proc.pid)
 
+    async def start(self) -> m.EngineReady:
+        """Spawn the engine if `spawn()` was not called yet and wait until it is ready."""
+        self.spawn()
+        # The receiving side is read by the event loop that serves HTTP, so it is wrapped here.
+        self._pull = zmq.asyncio.Socket.from_socket(self._pull_sync)
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             if await self._pull.poll(200):
@@ -206,12 +215,9 @@ class EngineClient:
                 self.proc.wait()
 
     def close_sockets(self) -> None:
-        for sock in (self._push, self._pull):
+        for sock in (self._push, self._pull, self._pull_sync):
             if sock is not None and not sock.closed:
                 sock.close(0)
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
         if self.ipc_dir:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
             self.ipc_dir = None
