@@ -298,6 +298,25 @@ def test_client_disconnect_frees_kv(server):
     assert aborted == 1
     assert "Request aborted. id:" in server.log_file.read_text()
 
+    # A non-streaming client that gives up is noticed too.
+    body = {"prompt": "The weather today is sunny", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+    stats = wait_idle(server, 5.0)
+    assert stats["held_by_running_tokens"] == 0 and stats["protected_tokens"] == 0
+
+
+def test_duplicate_request_id_is_refused(server):
+    body = {"text": "The weather today is sunny", "rid": "my-request", "stream": True,
+            "sampling_params": {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}}
+    with server.client() as http:
+        with http.stream("POST", "/generate", json=body) as first:
+            lines = first.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            second = http.post("/generate", json={**body, "stream": False})
+            assert second.status_code == 400 and "already in use" in second.json()["error"]["message"]
+    wait_idle(server, 5.0)
+
 
 def test_flush_cache_refused_while_running(server):
     with server.client() as http:

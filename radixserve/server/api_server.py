@@ -167,7 +167,8 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
                 ctx.done(trackers)
 
         by_rid = {t.rid: t for t in trackers}
-        outputs = group.outputs(is_disconnected=request.is_disconnected)
+        group.is_disconnected = request.is_disconnected
+        outputs = group.outputs()
         try:
             if not stream:
                 async for out in outputs:
@@ -176,6 +177,7 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
                     return Response(status_code=499)
                 return JSONResponse(render_final(trackers))
             first, rest = await first_then_rest(outputs)
+            group.is_disconnected = None  # from here the streaming response watches the client
         except ENGINE_ERRORS as e:
             close()
             err = map_engine_error(e)

@@ -52,6 +52,7 @@ class RequestGroup:
     rids: list[str]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     unfinished: set[str] = field(default_factory=set)
+    is_disconnected: Optional[Callable[[], Any]] = None
 
     def __post_init__(self) -> None:
         self.unfinished = set(self.rids)
@@ -60,22 +61,32 @@ class RequestGroup:
     def finished(self) -> bool:
         return not self.unfinished
 
-    async def outputs(self, is_disconnected: Optional[Callable[[], Any]] = None,
-                      check_every_s: float = 0.5) -> AsyncIterator[RequestOutput]:
+    async def outputs(self, check_every_s: float = 0.5) -> AsyncIterator[RequestOutput]:
         """Yield outputs until every request finished; raise the engine's error for any of them.
 
-        `is_disconnected` (an async callable) is polled while no output arrives, so a caller that
-        is gone stops the requests even when nothing is being written to it.
+        While `self.is_disconnected` (an async callable) is set, it is polled every
+        `check_every_s`, so a caller that is gone stops the requests even when nothing is being
+        written to it. Clear it once something else listens for the disconnect (a streaming
+        response does), since two readers of one ASGI channel would steal each other's messages.
         """
+        next_check = time.monotonic() + check_every_s
         try:
             while self.unfinished:
-                try:
-                    item = await asyncio.wait_for(self.queue.get(), check_every_s) if is_disconnected \
-                        else await self.queue.get()
-                except asyncio.TimeoutError:
-                    if await is_disconnected():
+                if self.is_disconnected is not None and time.monotonic() >= next_check:
+                    if await self.is_disconnected():
                         return
-                    continue
+                    next_check = time.monotonic() + check_every_s
+                try:
+                    item = self.queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    if self.is_disconnected is None:
+                        item = await self.queue.get()
+                    else:
+                        try:
+                            item = await asyncio.wait_for(self.queue.get(),
+                                                          max(next_check - time.monotonic(), 0.001))
+                        except asyncio.TimeoutError:
+                            continue
                 if isinstance(item, BaseException):
                     self.unfinished.discard(getattr(item, "rid", None))
                     raise item
@@ -290,6 +301,9 @@ class EngineClient:
     def submit(self, requests: list[GenerateRequest]) -> RequestGroup:
         """Queue requests in the engine; iterate `group.outputs()` for their tokens."""
         self._check_alive()
+        taken = next((r.rid for r in requests if r.rid in self.groups), None)
+        if taken is not None or len({r.rid for r in requests}) < len(requests):
+            raise EngineRequestError(f"request id {taken!r} is already in use")
         group = RequestGroup(self, [r.rid for r in requests])
         encoded = [m.encode(r) for r in requests]  # raises before anything is sent
         for rid in group.rids:

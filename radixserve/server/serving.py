@@ -157,6 +157,8 @@ class ServingContext:
             group = self.engine.submit(reqs)
         except EngineDeadError as e:
             raise engine_unavailable(str(e)) from None
+        except EngineRequestError as e:
+            raise bad_request(str(e), "rid") from None
         except (OverflowError, TypeError, ValueError) as e:  # not encodable: a value out of range
             raise bad_request(f"a request value is out of range: {e}") from None
         self.metrics.running_http.inc()
