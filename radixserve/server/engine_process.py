@@ -202,7 +202,7 @@ class EngineLoop:
         while self.running:
             if not self.parent_alive():
                 logger.warning("engine: the API process is gone; exiting")
-                break
+                return
             self.drain(0 if self.core.has_work else IDLE_POLL_MS)
             if self.core.has_work:
                 self.checked_idle = False
@@ -229,7 +229,7 @@ class EngineLoop:
 
 
 def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL us when the parent dies (the loop also checks, elsewhere)."""
+    """Ask Linux to SIGTERM us when the parent dies (the loop also checks, elsewhere)."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -237,15 +237,31 @@ def _die_with_parent() -> None:
 
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except Exception:  # best effort
         pass
+
+
+def _orphan_cleanup(in_addr: str, parent_pid: int) -> None:
+    """When the API process died without cleaning up (SIGKILL), remove its socket directory."""
+    if os.getppid() == parent_pid:
+        return
+    ipc_dir = os.path.dirname(in_addr[len("ipc://"):])
+    if os.path.basename(ipc_dir).startswith("radixserve-ipc-"):
+        import shutil
+
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pid: int) -> int:
     # Ctrl-C in a terminal reaches the whole process group; the API process drains and then
     # stops us, so the engine must not die first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     _die_with_parent()
     setup_logging(settings.log_level, settings.log_file)
     ctx = zmq.Context()
@@ -278,8 +294,9 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
             code = 1
     finally:
         pull.close(0)
-        push.close()
+        push.close(0 if os.getppid() != parent_pid else None)
         ctx.term()
+        _orphan_cleanup(in_addr, parent_pid)
     return code
 
 
