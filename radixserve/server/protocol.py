@@ -7,7 +7,7 @@ at their neutral values and refused (400) otherwise; unknown fields are ignored,
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -92,5 +92,4 @@ class GenerateBody(_Body):
     rid: Optional[str] = Field(None, max_length=256, description="Request id (default: a random one).")
 
 
-Role = Literal["system", "user", "assistant", "tool", "developer"]
 ROLES = ("system", "user", "assistant", "tool", "developer")

@@ -261,5 +261,3 @@ async def first_then_rest(agen: AsyncIterator[RequestOutput]) -> tuple[Optional[
 def finish_reason_name(reason: Optional[dict]) -> Optional[str]:
     return None if reason is None else reason.get("type")
 
-
-Disconnected = Callable[[], Any]
