@@ -530,12 +530,9 @@ def run_server(settings: ServerSettings) -> int:
     engine.spawn()  # the engine loads the model while this process loads the tokenizer
     tokenizer = load_tokenizer(settings.tokenizer_path or model_path)
     app = create_app(settings, model_path, tokenizer, engine)
-    try:
-        import uvloop  # noqa: F401
+    import importlib.util
 
-        loop = "uvloop"
-    except ImportError:
-        loop = "asyncio"
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop=loop, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=DRAIN_TIMEOUT_S, lifespan="on")
     server = uvicorn.Server(config)

@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Optional
 
 from radixserve.engine.io_struct import GenerateRequest, RequestOutput, SamplingParams, sampling_params_from_dict
 from radixserve.server.detokenizer import IncrementalDetokenizer
