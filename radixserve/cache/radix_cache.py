@@ -140,8 +140,9 @@ class RadixCache:
             n = min(n, end - pos)
             if n == 0:
                 return
+            partial = n < len(child.key)  # decided before the caller may split child
             yield child, n, pos
-            if n < len(child.key):
+            if partial:
                 return
             node, pos = child, pos + n
 
