@@ -102,6 +102,9 @@ class RadixCache:
         self._tick = 0
         self.counters = CacheCounters()
         self.touched: set[TreeNode] = set()  # nodes whose matches may have changed; drained by the scheduler
+        # Called with ("insert" | "evict", tokens from the root to the end of the node) or ("flush", []),
+        # so a router can mirror what this cache really holds.
+        self.event_listener: Optional[Callable[[str, list[int]], None]] = None
         self._reset()
 
     # ------------------------------------------------------------------ basics
@@ -214,6 +217,8 @@ class RadixCache:
             self.counters.inserted_tokens += len(leaf.key)
             self._push(leaf)
             self.touched.add(node)
+            if self.event_listener is not None:
+                self.event_listener("insert", list(tokens))
         elif node is not self.root and node.is_leaf and node.lock_ref == 0:
             self._push(node)  # its access time changed
         return pos
@@ -261,6 +266,8 @@ class RadixCache:
             if not self._is_current(entry):
                 continue
             node = entry[1]
+            if self.event_listener is not None:
+                self.event_listener("evict", self._path_tokens(node))
             self.allocator.free_slots(node.value)
             freed += len(node.key)
             self.evictable_size -= len(node.key)
@@ -286,11 +293,20 @@ class RadixCache:
                 self.touched.add(node)
         self.touched.add(self.root)
         self._reset()
+        if self.event_listener is not None:
+            self.event_listener("flush", [])
         return True
 
     def drain_touched(self) -> set[TreeNode]:
         touched, self.touched = self.touched, set()
         return touched
+
+    def _path_tokens(self, node: TreeNode) -> list[int]:
+        keys = []
+        while node is not self.root:
+            keys.append(node.key)
+            node = node.parent
+        return [t for key in reversed(keys) for t in key]
 
     # ------------------------------------------------------------------ checks
     def _iter_nodes(self) -> Iterator[TreeNode]:

@@ -10,7 +10,7 @@ from typing import Optional, Union
 import msgspec
 
 
-class SamplingParams(msgspec.Struct, kw_only=True):
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
@@ -38,6 +38,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -50,7 +52,7 @@ def sampling_params_from_dict(values: Optional[dict]) -> SamplingParams:
     if isinstance(values.get("stop"), str):
         values["stop"] = [values["stop"]]
     try:
-        params = msgspec.convert(values, SamplingParams, strict=False, forbid_unknown_fields=True)
+        params = msgspec.convert(values, SamplingParams, strict=False)
     except msgspec.ValidationError as e:  # unknown field, wrong type
         raise ValueError(f"invalid sampling_params: {e}") from None
     params.validate()

@@ -169,6 +169,8 @@ class Scheduler:
         req.prefix_len = match.length
         req.slots = match.slots.tolist()
         req.kv_len = match.length
+        if req.slots:  # the row may hold a previous request's slots
+            self._queue_table_write(req.req_pool_idx, 0, req.slots)
 
     def _release(self, req: Req) -> None:
         """Give back what req holds: its computed KV goes into the tree, the rest is freed."""
