@@ -95,7 +95,9 @@ class EngineCore:
             eos.append(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(settings, self.cache, self.req_to_token, context_len=self.context_len,
                                    eos_token_ids=eos, decode_text=self._decode_tail if self.tokenizer else None)
-        self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, self.device, settings.random_seed)
+        self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, self.device, settings.random_seed,
+                                  cuda_graph_max_bs=min(settings.cuda_graph_max_bs, max_running),
+                                  disable_cuda_graph=settings.disable_cuda_graph)
         self.last_step = StepInfo(None, 0.0)
         logger.info("engine ready: model=%s device=%s dtype=%s kv_pool=%d tokens page_size=%d max_running=%d",
                     self.model_path, self.device, self.dtype, self.pool_size, settings.page_size, max_running)

@@ -78,6 +78,18 @@ class Qwen2Attention(nn.Module):
         out = self._backend.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(out.reshape(t, self.q_size))
 
+    def forward_fused(self, x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                      batch: ForwardBatch, kernels) -> torch.Tensor:
+        """The same function with RoPE applied in place on views of the qkv output (one launch)."""
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        kernels.apply_rope_(q, k, batch.positions, cos_table, sin_table)
+        out = self._backend.forward(q, k, v, self.layer_id, batch)
+        return self.o_proj(out.reshape(t, self.q_size))
+
 
 class Qwen2MLP(nn.Module):
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype):
@@ -89,6 +101,9 @@ class Qwen2MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def forward_fused(self, x: torch.Tensor, kernels) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class Qwen2DecoderLayer(nn.Module):
@@ -103,6 +118,26 @@ class Qwen2DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, h: torch.Tensor, residual: Optional[torch.Tensor], cos_table: torch.Tensor,
+                      sin_table: torch.Tensor, batch: ForwardBatch, kernels
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output not yet added to the residual, the residual stream).
+
+        The residual add of each sub-block is fused into the next RMSNorm (this layer's
+        post-attention norm, the next layer's input norm, or the final norm), so a layer runs
+        two norm launches and no separate add. Same rounding as `forward`: x + residual is
+        rounded to the activation dtype before it is normalised.
+        """
+        if residual is None:
+            residual = h
+            normed = kernels.rms_norm(h, self.input_layernorm.weight, self.input_layernorm.eps)
+        else:
+            normed, residual = kernels.add_rms_norm(h, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        a = self.self_attn.forward_fused(normed, cos_table, sin_table, batch, kernels)
+        normed, residual = kernels.add_rms_norm(a, residual, self.post_attention_layernorm.weight,
+                                                self.post_attention_layernorm.eps)
+        return self.mlp.forward_fused(normed, kernels), residual
+
 
 class Qwen2ForCausalLM(nn.Module):
     """Parameters are allocated uninitialised on `device`; `load_model` fills every one of them.
@@ -112,7 +147,8 @@ class Qwen2ForCausalLM(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", max_positions: Optional[int] = None):
+                 device: torch.device | str = "cpu", max_positions: Optional[int] = None,
+                 fused_kernels: Optional[bool] = None):
         super().__init__()
         self.config = config
         object.__setattr__(self, "attn_backend", attn_backend)  # see Qwen2Attention._backend
@@ -133,6 +169,23 @@ class Qwen2ForCausalLM(nn.Module):
         # HF computes cos/sin in fp32 and casts them to the activation dtype before rotating.
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+        # None: the fused Triton kernels on CUDA in bf16/fp16, the pure-torch path elsewhere.
+        # The torch path stays the reference (CPU, fp32) and can be forced with False.
+        self._kernels = None
+        self.use_fused_kernels = fused_kernels
+
+    @property
+    def use_fused_kernels(self) -> bool:
+        return self._kernels is not None
+
+    @use_fused_kernels.setter
+    def use_fused_kernels(self, value: Optional[bool]) -> None:
+        device = self.rope_cos.device
+        if value is None:
+            value = device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16) and _triton_available()
+        if value and device.type != "cuda":
+            raise ValueError("the fused kernels need a CUDA device")
+        self._kernels = _load_kernels() if value else None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -147,6 +200,8 @@ class Qwen2ForCausalLM(nn.Module):
         """Logits [len(batch.logits_indices), vocab] in fp32 for the selected token rows."""
         self.attn_backend.init_forward(batch)
         h = self.embed_tokens(batch.input_ids)
+        if self._kernels is not None:
+            return self._forward_fused(h, batch, self._kernels)
         cos = self.rope_cos[batch.positions]
         sin = self.rope_sin[batch.positions]
         for layer in self.layers:
@@ -155,3 +210,37 @@ class Qwen2ForCausalLM(nn.Module):
         # a [T, vocab] matmul on every prefill.
         h = self.norm(h[batch.logits_indices])
         return F.linear(h, self.lm_head_weight).float()
+
+    def _forward_fused(self, h: torch.Tensor, batch: ForwardBatch, kernels) -> torch.Tensor:
+        residual: Optional[torch.Tensor] = None
+        for layer in self.layers:
+            h, residual = layer.forward_fused(h, residual, self.rope_cos, self.rope_sin, batch, kernels)
+        rows = batch.logits_indices
+        h, _ = kernels.add_rms_norm(h[rows], residual[rows], self.norm.weight, self.norm.eps)
+        return F.linear(h, self.lm_head_weight).float()
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class _FusedKernels:
+    """The fused element-wise kernels, imported on first use (they import triton)."""
+
+    def __init__(self):
+        from radixserve.kernels.activation import silu_and_mul
+        from radixserve.kernels.norm import add_rms_norm, rms_norm
+        from radixserve.kernels.rope import apply_rope_
+
+        self.rms_norm = rms_norm
+        self.add_rms_norm = add_rms_norm
+        self.silu_and_mul = silu_and_mul
+        self.apply_rope_ = apply_rope_
+
+
+def _load_kernels() -> _FusedKernels:
+    return _FusedKernels()

@@ -1,57 +1,120 @@
 """Token sampling on the logits' device: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
-The whole batch is filtered with tensor operations (no per-request Python loop unless a request
-brings its own seed); the chosen ids come back to the host in one copy.
+Which filters run is decided on the host from the SamplingParams list (never from device values,
+which would stall the host until the GPU catches up). The per-row parameters travel to the device
+in one copy, the whole batch is filtered with tensor operations (no per-request Python loop unless
+a request brings its own seed), and the chosen ids come back to the host in one copy.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from radixserve.engine.io_struct import SamplingParams
 
+# Smallest exponential noise value: keeps p / E finite (E == 0 would turn a filtered-out 0 into NaN).
+_MIN_NOISE = 1e-20
 
-def _filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p and min-p, row by row."""
-    device = logits.device
-    temps = torch.tensor([max(p.temperature, 1e-6) for p in params], device=device, dtype=torch.float32)
+
+@dataclass
+class FilterPlan:
+    """What the host knows about a batch of sampling rows before anything runs on the device."""
+
+    top_k: bool
+    top_p: bool
+    min_p: bool
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], vocab: int) -> "FilterPlan":
+        return cls(top_k=any(0 < p.top_k < vocab for p in params),
+                   top_p=any(p.top_p < 1.0 for p in params),
+                   min_p=any(p.min_p > 0.0 for p in params))
+
+
+def _row_params(params: Sequence[SamplingParams], vocab: int, device: torch.device) -> torch.Tensor:
+    """[S, 4] float32 on the device: temperature, top_k (vocab when off), top_p, min_p. One copy."""
+    # top_p >= 1 keeps everything: 2.0 stays above any rounded cumulative sum.
+    rows = [(max(p.temperature, 1e-6), float(p.top_k if 0 < p.top_k < vocab else vocab),
+             p.top_p if p.top_p < 1.0 else 2.0, p.min_p) for p in params]
+    host = torch.tensor(rows, dtype=torch.float32)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def filter_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p, row by row (rows sum to 1).
+
+    top-k keeps the k most likely tokens; top-p keeps the most likely tokens up to and including
+    the first one at which the cumulative probability reaches top_p; min-p drops tokens less likely
+    than min_p times the most likely one. Each filter acts on the temperature-scaled distribution,
+    in that order, and the survivors are renormalised.
+    """
+    vocab = logits.shape[-1]
+    plan = FilterPlan.of(params, vocab)
+    values = _row_params(params, vocab, logits.device)
+    temps, top_ks, top_ps, min_ps = values.unbind(dim=1)
     probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
-    vocab = probs.shape[-1]
-    top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-    top_ps = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
-    min_ps = torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32)
-    if bool((top_ks < vocab).any()) or bool((top_ps < 1.0).any()):
+    if plan.top_k or plan.top_p:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=device)[None, :]
-        cum_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop = (ranks >= top_ks[:, None]) | (cum_before > top_ps[:, None])
+        drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
+        if plan.top_k:
+            ranks = torch.arange(vocab, device=logits.device, dtype=torch.float32)[None, :]
+            drop |= ranks >= top_ks[:, None]
+        if plan.top_p:
+            cum_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop |= cum_before >= top_ps[:, None]
+            drop[:, 0] = False  # the most likely token always survives
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    if bool((min_ps > 0).any()):
+    if plan.min_p:
         floor = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[Optional[torch.Generator]], default_generator: Optional[torch.Generator] = None) -> list[int]:
-    """One token id per row of logits [S, V]."""
-    greedy = torch.tensor([p.is_greedy for p in params])
-    if bool(greedy.all()):
-        return logits.argmax(dim=-1).tolist()
+# Kept for callers of the earlier name.
+_filter_logits = filter_probs
+
+
+def sample_tensor(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  generators: Sequence[Optional[torch.Generator]],
+                  default_generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One token id per row of logits [S, V], as an int64 tensor on the logits' device (no host sync)."""
+    greedy = [p.is_greedy for p in params]
     choice = logits.argmax(dim=-1)
-    rows = torch.nonzero(~greedy).flatten().tolist()
-    probs = _filter_logits(logits[rows], [params[i] for i in rows])
+    if all(greedy):
+        return choice
+    rows = [i for i, g in enumerate(greedy) if not g]
+    every_row = len(rows) == len(params)
+    sub = logits if every_row else logits[torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)]
+    probs = filter_probs(sub, [params[i] for i in rows])
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, batched and branch-free.
+    vocab = probs.shape[-1]
     noise = torch.empty_like(probs)
     unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
-    if unseeded:
-        noise[unseeded] = torch.empty((len(unseeded), probs.shape[-1]), device=probs.device).exponential_(
-            generator=default_generator)
-    for j, i in enumerate(rows):
-        if generators[i] is not None:
-            noise[j] = torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=generators[i])
-    choice[rows] = (probs / noise).argmax(dim=-1)
-    return choice.tolist()
+    if len(unseeded) == len(rows):
+        noise.exponential_(generator=default_generator)
+    else:
+        if unseeded:
+            idx = torch.tensor(unseeded, dtype=torch.int64).to(probs.device, non_blocking=True)
+            noise[idx] = torch.empty((len(unseeded), vocab), device=probs.device).exponential_(
+                generator=default_generator)
+        for j, i in enumerate(rows):
+            if generators[i] is not None:
+                # A seeded request draws from its own stream only: its tokens do not depend on
+                # what else shares the batch.
+                noise[j] = torch.empty(vocab, device=probs.device).exponential_(generator=generators[i])
+    drawn = (probs / noise.clamp_min_(_MIN_NOISE)).argmax(dim=-1)
+    if every_row:
+        return drawn
+    return choice.index_copy_(0, torch.tensor(rows, dtype=torch.int64).to(choice.device, non_blocking=True), drawn)
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[Optional[torch.Generator]], default_generator: Optional[torch.Generator] = None) -> list[int]:
+    """One token id per row of logits [S, V]; one device-to-host copy."""
+    return sample_tensor(logits, params, generators, default_generator).tolist()

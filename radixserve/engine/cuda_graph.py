@@ -1,0 +1,130 @@
+"""Decode steps replayed from CUDA graphs, one graph per padded batch-size bucket.
+
+A decode step's launches depend only on the batch size (the Triton backend's split count is a
+function of it, and it reads seq_lens, req_pool_indices, out_cache_loc and req_to_token from
+device memory), so one graph per bucket serves every context length. The inputs live in one
+static device buffer [5, max_bs] (input_ids, positions, out_cache_loc, req_pool_indices,
+seq_lens) that each step overwrites with one host-to-device copy of a pinned buffer before the
+replay. Rows past the real batch are padding: token 0 at position 0 written to the reserved
+slot 0 (page 0 is never handed out), request row 0 with seq_len 0, which attends to nothing.
+
+Each graph gets its own memory pool: graphs sharing one pool hit an allocator assert when an
+earlier graph's outputs are freed while a later one still maps the blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Sequence
+
+import torch
+
+from radixserve.attention.base import ForwardBatch, ForwardMode
+from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
+
+logger = logging.getLogger("radixserve")
+
+# Fine steps where a step's cost changes fastest (small batches), coarser ones above.
+_BASE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256)
+
+# Rows of the static input buffer.
+INPUT_IDS, POSITIONS, OUT_CACHE_LOC, REQ_POOL_INDICES, SEQ_LENS = range(5)
+NUM_INPUT_ROWS = 5
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    """Padded batch sizes to capture, ascending, the last one max_bs."""
+    sizes = [b for b in _BASE_BUCKETS if b <= max_bs]
+    b = 256 + 32
+    while b <= max_bs:
+        sizes.append(b)
+        b += 32
+    if not sizes or sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sizes
+
+
+def supports_cuda_graphs(model: torch.nn.Module, device: torch.device) -> bool:
+    """Graphs need CUDA and a backend whose decode path reads no host-side lists (the Triton one)."""
+    backend = getattr(model, "attn_backend", None)
+    return device.type == "cuda" and hasattr(backend, "reserve_decode_workspace")
+
+
+class DecodeCudaGraphs:
+    """Captures the model's decode step at each bucket and replays the smallest bucket that fits."""
+
+    def __init__(self, model: torch.nn.Module, kv_pool: KVPool, req_to_token: ReqToTokenPool,
+                 device: torch.device, max_bs: int):
+        self.model = model
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.device = device
+        self.batch_sizes = graph_batch_sizes(max_bs)
+        self.max_bs = self.batch_sizes[-1]
+        self.inputs = torch.zeros((NUM_INPUT_ROWS, self.max_bs), dtype=torch.int64, device=device)
+        self.host_inputs = torch.zeros((NUM_INPUT_ROWS, self.max_bs), dtype=torch.int64).pin_memory()
+        self._ones = torch.ones(self.max_bs, dtype=torch.int64, device=device)
+        self._arange = torch.arange(self.max_bs, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+
+    def _batch(self, bs: int) -> ForwardBatch:
+        x = self.inputs
+        seq_lens = x[SEQ_LENS, :bs]
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=x[INPUT_IDS, :bs], positions=x[POSITIONS, :bs],
+            out_cache_loc=x[OUT_CACHE_LOC, :bs], req_pool_indices=x[REQ_POOL_INDICES, :bs], seq_lens=seq_lens,
+            extend_lens=self._ones[:bs], prefix_lens=x[POSITIONS, :bs],
+            # Never read in DECODE mode by the Triton backend or the model.
+            seq_lens_cpu=[0] * bs, extend_lens_cpu=[1] * bs, prefix_lens_cpu=[0] * bs,
+            req_to_token=self.req_to_token.table, kv_pool=self.kv_pool, logits_indices=self._arange[:bs])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        cfg = self.model.config
+        self.model.attn_backend.reserve_decode_workspace(self.max_bs, cfg.num_attention_heads,
+                                                         cfg.num_key_value_heads, cfg.head_dim, self.device)
+        start = time.perf_counter()
+        self.inputs.zero_()  # every row is a padded row while capturing
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        # Largest first: its pool is the biggest, and the later, smaller captures then find the
+        # allocator's free blocks already split.
+        for bs in reversed(self.batch_sizes):
+            batch = self._batch(bs)
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile Triton kernels and let cuBLAS pick its algorithms
+                    self.model(batch)
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=stream):
+                out = self.model(batch)
+            self.graphs[bs] = graph
+            self.outputs[bs] = out
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - start
+        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.graphs),
+                    self.batch_sizes[0], self.max_bs, self.capture_seconds)
+
+    def can_run(self, batch_size: int) -> bool:
+        return 0 < batch_size <= self.max_bs and bool(self.graphs)
+
+    def bucket(self, batch_size: int) -> int:
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch_size)]
+
+    def replay(self, input_ids: Sequence[int], positions: Sequence[int], out_cache_loc: Sequence[int],
+               req_pool_indices: Sequence[int], seq_lens: Sequence[int]) -> torch.Tensor:
+        """Logits [n, vocab] (a view of the graph's output, valid until the next replay)."""
+        n = len(input_ids)
+        bs = self.bucket(n)
+        pad = [0] * (bs - n)
+        packed = torch.tensor([*input_ids, *pad, *positions, *pad, *out_cache_loc, *pad, *req_pool_indices, *pad,
+                               *seq_lens, *pad], dtype=torch.int64)
+        # The previous step's copy has finished: its sampled tokens were read back (a sync).
+        self.host_inputs[:, :bs].copy_(packed.view(NUM_INPUT_ROWS, bs))
+        self.inputs.copy_(self.host_inputs, non_blocking=True)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]
