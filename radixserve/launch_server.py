@@ -35,9 +35,12 @@ def parse_settings(argv: Optional[list[str]] = None, prog: Optional[str] = None)
 
 def main(argv: Optional[list[str]] = None) -> int:
     settings = parse_settings(argv, prog="radixserve serve" if argv is not None else None)
-    if settings.dp_size > 1:
-        print("--dp-size > 1 runs several engines behind the router: use `radixserve route`.", file=sys.stderr)
-        return 2
+    if settings.dp_size > 1:  # N workers behind the cache-aware router, on settings.host:port
+        from radixserve.launch_router import run_data_parallel
+        from radixserve.server.logging_setup import setup_logging
+
+        setup_logging(settings.log_level, settings.log_file)
+        return run_data_parallel(settings)
     from radixserve.server.api_server import run_server
     from radixserve.server.logging_setup import setup_logging
 

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from radixserve.engine.io_struct import SamplingParams
 from radixserve.server.engine_client import EngineClient, EngineDeadError, EngineRequestError, QueueFullError
 from radixserve.server.errors import APIError, bad_request, error_body, error_response, install_error_handlers
+from radixserve.server.kv_events import install_kv_events
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.protocol import ROLES, ChatCompletionRequest, CompletionRequest, GenerateBody
 from radixserve.server.serving import (SSE_DONE, ServingContext, Tracker, finish_reason_name, first_then_rest,
@@ -490,6 +491,8 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
         if not reply.ok:
             raise APIError(409, f"cannot flush the cache: {reply.message}", code="requests_running")
         return {"status": "ok", "message": "the radix cache was flushed"}
+
+    install_kv_events(app, engine)
 
     @app.get("/metrics")
     async def prometheus_metrics():

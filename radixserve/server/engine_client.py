@@ -115,6 +115,8 @@ class EngineClient:
         self.replies: dict[str, asyncio.Future] = {}
         self.latest_stats: Optional[m.EngineStats] = None
         self.on_stats: Optional[Callable[[m.EngineStats], None]] = None
+        # Radix cache events ([seq, kind, tokens] lists), for the /kv_events stream.
+        self.on_kv_events: Optional[Callable[[list], None]] = None
         # Final outputs of requests nobody waits for any more (the engine confirming an abort).
         self.on_untracked_finish: Optional[Callable[[RequestOutput], None]] = None
         self.dead_reason: Optional[str] = None
@@ -269,6 +271,8 @@ class EngineClient:
                     self.latest_stats = msg.stats
                     if self.on_stats is not None:
                         self.on_stats(msg.stats)
+                if msg.kv_events and self.on_kv_events is not None:
+                    self.on_kv_events(msg.kv_events)
                 for err in msg.errors:
                     group = self.groups.pop(err.rid, None)
                     if group is not None:
@@ -352,6 +356,10 @@ class EngineClient:
 
     async def flush_cache(self) -> m.ControlReply:
         return await self.control(m.FlushCache(reply_id=uuid.uuid4().hex))
+
+    async def kv_snapshot(self) -> dict[str, Any]:
+        reply = await self.control(m.GetKvSnapshot(reply_id=uuid.uuid4().hex))
+        return reply.data or {}
 
     async def get_stats(self) -> dict[str, Any]:
         reply = await self.control(m.GetStats(reply_id=uuid.uuid4().hex))

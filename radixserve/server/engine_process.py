@@ -113,6 +113,29 @@ class EngineLoop:
         self.checked_idle = True
         self.running = True
         self.steps = 0
+        # KV events are recorded only once someone asked for a snapshot (a router subscribed).
+        self.kv_events_on = False
+        self.kv_seq = 0
+        self.pending_kv_events: list[tuple[int, str, list[int]]] = []
+        core.cache.event_listener = self.on_kv_event
+
+    # ------------------------------------------------------------------ kv events
+    def on_kv_event(self, kind: str, tokens: list[int]) -> None:
+        if self.kv_events_on:
+            self.kv_seq += 1
+            self.pending_kv_events.append((self.kv_seq, kind, tokens))
+
+    def kv_snapshot(self) -> dict[str, Any]:
+        """The tree as [parent index, token run] edges in parent-first order (index 0 is the root)."""
+        cache = self.core.cache
+        edges: list[list] = []
+        stack = [(cache.root, 0)]
+        while stack:
+            node, index = stack.pop()
+            for child in node.children.values():
+                edges.append([index, list(child.key)])
+                stack.append((child, len(edges)))
+        return {"seq": self.kv_seq, "edges": edges}
 
     # ------------------------------------------------------------------ messages
     def drain(self, timeout_ms: int) -> None:
@@ -153,6 +176,9 @@ class EngineLoop:
             self.send(m.ControlReply(reply_id=msg.reply_id, ok=ok,
                                      message="" if ok else "requests are running; flush refused"))
             self.stats_due = True
+        elif isinstance(msg, m.GetKvSnapshot):
+            self.kv_events_on = True
+            self.send(m.ControlReply(reply_id=msg.reply_id, ok=True, data=self.kv_snapshot()))
         elif isinstance(msg, m.GetStats):
             self.send(m.ControlReply(reply_id=msg.reply_id, ok=True, data=self.stats()))
         elif isinstance(msg, m.Shutdown):
@@ -179,16 +205,18 @@ class EngineLoop:
         now = time.monotonic()
         if self.core.has_work and now - self.last_stats >= STATS_INTERVAL_S:
             self.stats_due = True
-        if not (self.pending_outputs or self.pending_errors or self.stats_due):
+        if not (self.pending_outputs or self.pending_errors or self.stats_due or self.pending_kv_events):
             return
         stats = None
         if self.stats_due:
             stats = m.EngineStats(time=time.time(), values=self.stats())
             self.stats_due = False
             self.last_stats = now
-        self.send(m.OutputBatch(outputs=self.pending_outputs, errors=self.pending_errors, stats=stats))
+        self.send(m.OutputBatch(outputs=self.pending_outputs, errors=self.pending_errors, stats=stats,
+                                kv_events=self.pending_kv_events))
         self.pending_outputs = []
         self.pending_errors = []
+        self.pending_kv_events = []
 
     # ------------------------------------------------------------------ loop
     def parent_alive(self) -> bool:

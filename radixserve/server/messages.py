@@ -29,6 +29,12 @@ class GetStats(msgspec.Struct, kw_only=True):
     reply_id: str
 
 
+class GetKvSnapshot(msgspec.Struct, kw_only=True):
+    """Reply with the radix tree's token runs and the KV event sequence number they reflect, and
+    start publishing insert/evict/flush events (routers mirror the tree from them)."""
+    reply_id: str
+
+
 class Shutdown(msgspec.Struct, kw_only=True):
     """Abort what is left and exit (sent after the API process has drained)."""
 
@@ -67,6 +73,8 @@ class OutputBatch(msgspec.Struct, kw_only=True):
     outputs: list[RequestOutput] = []
     errors: list[RequestError] = []
     stats: Optional[EngineStats] = None
+    # Radix cache events of this step, each [seq, "insert" | "evict" | "flush", token path].
+    kv_events: list[tuple[int, str, list[int]]] = []
 
 
 class ControlReply(msgspec.Struct, kw_only=True):
@@ -76,12 +84,12 @@ class ControlReply(msgspec.Struct, kw_only=True):
     data: Optional[dict[str, Any]] = None
 
 
-ToEngine = Union[GenerateRequest, AbortRequest, HealthProbe, FlushCache, GetStats, Shutdown]
+ToEngine = Union[GenerateRequest, AbortRequest, HealthProbe, FlushCache, GetStats, GetKvSnapshot, Shutdown]
 FromEngine = Union[EngineReady, EngineFailed, OutputBatch, ControlReply]
 
 _TYPES: dict[bytes, type] = {
     cls.__name__.encode(): cls
-    for cls in (GenerateRequest, AbortRequest, HealthProbe, FlushCache, GetStats, Shutdown,
+    for cls in (GenerateRequest, AbortRequest, HealthProbe, FlushCache, GetStats, GetKvSnapshot, Shutdown,
                 EngineReady, EngineFailed, OutputBatch, ControlReply)
 }
 _ENCODER = msgspec.msgpack.Encoder()

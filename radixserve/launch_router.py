@@ -1,0 +1,176 @@
+"""Start the cache-aware router: `python -m radixserve.launch_router --worker-urls URL... [flags]`.
+
+Also `radixserve route ...`. `launch_server --dp-size N` uses `run_data_parallel` from here to
+start N workers (one per GPU when there are enough, else CPU workers) behind one router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional
+
+from radixserve.router.app import RouterSettings
+from radixserve.router.policies import POLICIES
+
+
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    d = RouterSettings()
+    p = argparse.ArgumentParser(prog=prog, description="radixserve router: cache-aware placement over workers.")
+    p.add_argument("--worker-urls", nargs="*", default=[], metavar="URL",
+                   help="Workers at start (more can be added with POST /workers).")
+    p.add_argument("--policy", default=d.policy, choices=POLICIES, help=f"Routing policy (default: {d.policy}).")
+    p.add_argument("--host", default=d.host, help=f"Address to bind (default: {d.host}).")
+    p.add_argument("--port", type=int, default=d.port, help=f"Port (default: {d.port}).")
+    p.add_argument("--api-key", default=None,
+                   help="The workers' API key: the router requires it from clients (except /health), passes "
+                        "the client's Authorization header through, and uses it for its own calls to workers.")
+    p.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
+                   help="Route to the best-matching worker when its match covers at least this fraction of the "
+                        f"prompt, else to the least-loaded one (default: {d.cache_threshold}).")
+    p.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
+                   help=f"Balance first when max load - min load exceeds this ... (default: {d.balance_abs_threshold})")
+    p.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
+                   help=f"... and max load > min load x this (default: {d.balance_rel_threshold}).")
+    p.add_argument("--max-tree-size", type=int, default=d.max_tree_size,
+                   help=f"Symbols per worker's approximate tree; least-recently-used leaves are trimmed "
+                        f"(default: {d.max_tree_size}).")
+    p.add_argument("--health-check-interval", type=float, default=d.health_check_interval,
+                   help=f"Seconds between health checks of each worker (default: {d.health_check_interval}).")
+    p.add_argument("--health-check-timeout", type=float, default=d.health_check_timeout,
+                   help=f"Seconds a health check may take (default: {d.health_check_timeout}).")
+    p.add_argument("--health-failure-threshold", type=int, default=d.health_failure_threshold,
+                   help=f"Consecutive failures that take a worker out of rotation "
+                        f"(default: {d.health_failure_threshold}).")
+    p.add_argument("--health-success-threshold", type=int, default=d.health_success_threshold,
+                   help=f"Consecutive successes that bring it back (default: {d.health_success_threshold}).")
+    p.add_argument("--max-retries", type=int, default=d.max_retries,
+                   help=f"Other workers tried when one fails before any byte is sent (default: {d.max_retries}).")
+    p.add_argument("--tokenizer-path", default=None,
+                   help="Tokenizer for kv_aware (default: fetched from a worker's /tokenizer).")
+    p.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
+    p.add_argument("--seed", type=int, default=None, help="Seed for the random and power_of_two policies.")
+    return p
+
+
+def settings_from_argv(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> RouterSettings:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(RouterSettings) if hasattr(args, f.name)}
+    values["worker_urls"] = tuple(args.worker_urls)
+    settings = RouterSettings(**values)
+    try:
+        settings.validate()
+        from radixserve.router.workers import normalize_url
+
+        for url in settings.worker_urls:
+            normalize_url(url)
+    except ValueError as e:
+        parser.error(str(e))
+    return settings
+
+
+def run_router(settings: RouterSettings) -> int:
+    import importlib.util
+
+    import uvicorn
+
+    from radixserve.router.app import create_router_app
+
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    app = create_router_app(settings)
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, loop=loop, log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=30, lifespan="on")
+    server = uvicorn.Server(config)
+    logging.getLogger("radixserve.router").info(
+        "router (%s) on http://%s:%d over %d worker(s)", settings.policy, settings.host, settings.port,
+        len(settings.worker_urls))
+    server.run()
+    return 0 if server.started else 1
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    settings = settings_from_argv(argv, prog="radixserve route" if argv is not None else None)
+    try:
+        return run_router(settings)
+    except KeyboardInterrupt:
+        return 130
+
+
+# ----------------------------------------------------------------------------- data parallel
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _settings_argv(settings) -> list[str]:
+    """The non-default fields of a ServerSettings as command-line flags."""
+    argv: list[str] = []
+    default = type(settings)()
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        if f.name in ("host", "port", "dp_size") or value == getattr(default, f.name):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                argv.append(flag)
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def run_data_parallel(settings, policy: str = "cache_aware") -> int:
+    """Start `settings.dp_size` workers on loopback ports and a router on settings.host:port."""
+    n = settings.dp_size
+    gpus = 0
+    if settings.resolved_device() == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+    worker_argv = _settings_argv(settings)
+    procs: list[subprocess.Popen] = []
+    urls = []
+    log = logging.getLogger("radixserve")
+    for i in range(n):
+        port = _free_port("127.0.0.1")
+        env = dict(os.environ)
+        if gpus >= n:
+            env["CUDA_VISIBLE_DEVICES"] = str(i)
+        cmd = [sys.executable, "-m", "radixserve.launch_server", *worker_argv, "--host", "127.0.0.1",
+               "--port", str(port)]
+        procs.append(subprocess.Popen(cmd, env=env))
+        urls.append(f"http://127.0.0.1:{port}")
+        log.info("dp worker %d: pid %d at %s", i, procs[-1].pid, urls[-1])
+    router = RouterSettings(worker_urls=tuple(urls), policy=policy, host=settings.host, port=settings.port,
+                            api_key=settings.api_key, health_check_interval=2.0, log_level=settings.log_level)
+
+    def stop_workers(*_args) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 40
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    try:
+        return run_router(router)
+    finally:
+        stop_workers()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

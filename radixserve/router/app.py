@@ -1,0 +1,449 @@
+"""The router: an HTTP front for many workers that places each request where its prefix is cached.
+
+Generation endpoints (`/generate`, `/v1/completions`, `/v1/chat/completions`) are proxied to
+the worker the policy picks. A request is retried on another worker while nothing has been sent
+to the client (connection refused or reset, a worker answering 5xx); once a stream has started,
+a failing worker ends it with an OpenAI-style error event and `data: [DONE]`. Streams pass
+through chunk by chunk, never buffered.
+
+Control: `GET /workers`, `POST /workers {"url": ...}`, `DELETE /workers/{id}`, `GET /health`
+(200 while a worker is healthy), `GET /metrics`, `POST /flush_cache` (every worker),
+`GET /v1/models` (from a healthy worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import json
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from radixserve.router.keys import load_tokenizer_dir, routing_keys, tokenizer_from_files
+from radixserve.router.kv_sync import kv_sync_loop
+from radixserve.router.metrics import RouterMetrics
+from radixserve.router.policies import BalanceConfig, make_policy
+from radixserve.router.workers import Worker, WorkerRegistry
+from radixserve.server.errors import error_body, error_response
+
+logger = logging.getLogger("radixserve.router")
+
+GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+FORWARD_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+FORWARD_RESPONSE_HEADERS = ("content-type", "retry-after", "cache-control", "x-accel-buffering")
+
+
+@dataclass
+class RouterSettings:
+    worker_urls: tuple[str, ...] = ()
+    policy: str = "cache_aware"
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: Optional[str] = None
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    max_tree_size: int = 2 ** 24
+    health_check_interval: float = 5.0
+    health_check_timeout: float = 10.0
+    health_failure_threshold: int = 3
+    health_success_threshold: int = 2
+    max_retries: int = 3
+    connect_timeout: float = 5.0
+    request_timeout: Optional[float] = None
+    tokenizer_path: Optional[str] = None
+    log_level: str = "info"
+    seed: Optional[int] = None
+
+    def validate(self) -> None:
+        from radixserve.router.policies import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r} is not one of {', '.join(POLICIES)}")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
+        if self.max_tree_size < 1:
+            raise ValueError(f"max_tree_size must be >= 1, got {self.max_tree_size}")
+        if self.health_check_interval <= 0 or self.health_check_timeout <= 0:
+            raise ValueError("health check interval and timeout must be > 0")
+        if self.health_failure_threshold < 1 or self.health_success_threshold < 1:
+            raise ValueError("health thresholds must be >= 1")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+
+
+class RetryableError(Exception):
+    """The worker failed before anything reached the client."""
+
+
+class Router:
+    def __init__(self, settings: RouterSettings):
+        settings.validate()
+        self.settings = settings
+        self.registry = WorkerRegistry(settings.max_tree_size)
+        self.policy = make_policy(settings.policy, BalanceConfig(
+            settings.cache_threshold, settings.balance_abs_threshold, settings.balance_rel_threshold), settings.seed)
+        self.metrics = RouterMetrics(self)
+        self.client: Optional[httpx.AsyncClient] = None
+        self.tokenizer = None
+        self.tokenizer_state = "not needed" if settings.policy != "kv_aware" else "loading"
+        self._tokens = itertools.count()
+        self._health_task: Optional[asyncio.Task] = None
+        self._tokenizer_task: Optional[asyncio.Task] = None
+        for url in settings.worker_urls:
+            self.registry.add(url)
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def worker_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
+
+    async def start(self) -> None:
+        timeout = httpx.Timeout(self.settings.request_timeout, connect=self.settings.connect_timeout)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
+                                        max_keepalive_connections=256))
+        await self.check_all()
+        for worker in self.registry:
+            self._start_worker_tasks(worker)
+        self._health_task = asyncio.create_task(self._health_loop(), name="router-health")
+        if self.settings.policy == "kv_aware":
+            self._tokenizer_task = asyncio.create_task(self._load_tokenizer(), name="router-tokenizer")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._health_task, self._tokenizer_task) if t is not None]
+        tasks += [w.kv_task for w in self.registry if w.kv_task is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self.client is not None:
+            await self.client.aclose()
+
+    def _start_worker_tasks(self, worker: Worker) -> None:
+        if self.settings.policy == "kv_aware" and worker.kv_task is None:
+            worker.kv_task = asyncio.create_task(kv_sync_loop(self, worker), name=f"kv-sync-{worker.id}")
+
+    async def _load_tokenizer(self) -> None:
+        if self.settings.tokenizer_path:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer_dir, self.settings.tokenizer_path)
+            self.tokenizer_state = "loaded"
+            return
+        while True:
+            for worker in self.registry.healthy():
+                try:
+                    r = await self.client.get(worker.url + "/tokenizer", headers=self.worker_headers, timeout=30.0)
+                except httpx.HTTPError:
+                    continue
+                if r.status_code == 404:
+                    self.tokenizer_state = "none (workers serve token ids only)"
+                    return
+                if r.status_code == 200:
+                    try:
+                        self.tokenizer = await asyncio.to_thread(tokenizer_from_files, r.json()["files"])
+                        self.tokenizer_state = "loaded"
+                        logger.info("router: tokenizer loaded from %s", worker.url)
+                        return
+                    except Exception as e:
+                        logger.warning("router: tokenizer from %s unusable: %s", worker.url, e)
+            await asyncio.sleep(1.0)
+
+    @property
+    def ready(self) -> bool:
+        return self.tokenizer_state != "loading"
+
+    # ------------------------------------------------------------------ workers
+    def add_worker(self, url: object) -> Worker:
+        worker = self.registry.add(url)
+        logger.info("router: worker %s added at %s", worker.id, worker.url)
+        if self.client is not None:
+            self._start_worker_tasks(worker)
+            asyncio.ensure_future(self.check(worker))
+        return worker
+
+    def remove_worker(self, worker_id: str) -> Worker:
+        worker = self.registry.remove(worker_id)
+        if worker.kv_task is not None:
+            worker.kv_task.cancel()
+        self.metrics.forget(worker)
+        logger.info("router: worker %s (%s) removed", worker.id, worker.url)
+        return worker
+
+    # ------------------------------------------------------------------ health
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_check_interval)
+            await self.check_all()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in self.registry), return_exceptions=True)
+
+    async def check(self, worker: Worker) -> None:
+        try:
+            r = await self.client.get(worker.url + "/health", timeout=self.settings.health_check_timeout)
+            ok = r.status_code == 200
+            error = None if ok else f"/health answered {r.status_code}"
+        except httpx.HTTPError as e:
+            ok, error = False, f"{type(e).__name__}: {e}"
+        if worker.id not in self.registry.workers:
+            return
+        if ok:
+            self.record_success(worker)
+        else:
+            self.record_failure(worker, error or "unhealthy")
+
+    def record_success(self, worker: Worker) -> None:
+        worker.consecutive_failures = 0
+        worker.consecutive_successes += 1
+        first = not worker.ever_checked
+        worker.ever_checked = True
+        if not worker.healthy and (first or worker.consecutive_successes >= self.settings.health_success_threshold):
+            self._set_health(worker, True, "health checks pass")
+
+    def record_failure(self, worker: Worker, error: str, definitive: bool = False) -> None:
+        worker.consecutive_successes = 0
+        worker.consecutive_failures += 1
+        worker.last_error = error
+        worker.ever_checked = True
+        if worker.healthy and (definitive or worker.consecutive_failures >= self.settings.health_failure_threshold):
+            self._set_health(worker, False, error)
+
+    def _set_health(self, worker: Worker, healthy: bool, why: str) -> None:
+        worker.healthy = healthy
+        self.metrics.health_transitions.labels(worker=worker.id, to="healthy" if healthy else "unhealthy").inc()
+        log = logger.info if healthy else logger.warning
+        log("router: worker %s (%s) is %s: %s", worker.id, worker.url, "healthy" if healthy else "unhealthy", why)
+
+    # ------------------------------------------------------------------ proxying
+    async def proxy(self, path: str, request: Request):
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = None
+        stream = isinstance(body, dict) and bool(body.get("stream"))
+        want_tokens = self.settings.policy == "kv_aware"
+        keys = routing_keys(path, body, self.tokenizer, want_tokens)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_REQUEST_HEADERS}
+        if self.settings.api_key and "authorization" not in {k.lower() for k in headers}:
+            headers.update(self.worker_headers)
+        tried: set[str] = set()
+        last_error = "no worker is registered"
+        for attempt in range(self.settings.max_retries + 1):
+            candidates = [w for w in self.registry.healthy() if w.id not in tried]
+            if not candidates:
+                break
+            worker, decision = self.policy.choose(candidates, keys)
+            tried.add(worker.id)
+            self.metrics.decisions.labels(policy=self.policy.name, decision=decision).inc()
+            if attempt:
+                self.metrics.retries.inc()
+            token = next(self._tokens)
+            worker.start_request(token, self.policy.key_of(keys))
+            self.metrics.requests.labels(worker=worker.id).inc()
+            released = False
+
+            def release(w=worker, t=token) -> None:
+                nonlocal released
+                if not released:
+                    released = True
+                    w.end_request(t)
+
+            try:
+                return await self._forward(worker, path, raw, headers, stream, release)
+            except RetryableError as e:
+                release()
+                last_error = str(e)
+                logger.warning("router: %s on %s failed before any byte was sent (%s); retrying elsewhere",
+                               path, worker.id, e)
+            except BaseException:
+                release()
+                raise
+        if not self.registry.healthy():
+            last_error = "no healthy worker" + (f" ({last_error})" if tried else "")
+        self.metrics.errors.labels(kind="no_worker").inc()
+        return error_response(503, f"no worker could serve the request: {last_error}", code="no_healthy_worker",
+                              headers={"Retry-After": "1"})
+
+    async def _forward(self, worker: Worker, path: str, raw: bytes, headers: dict, stream: bool, release):
+        req = self.client.build_request("POST", worker.url + path, content=raw, headers=headers)
+        try:
+            resp = await self.client.send(req, stream=True)
+        except httpx.ConnectError as e:
+            self.record_failure(worker, f"connect failed: {e}", definitive=True)
+            raise RetryableError(f"connect failed: {e}") from None
+        except httpx.HTTPError as e:
+            self.record_failure(worker, f"{type(e).__name__}: {e}")
+            raise RetryableError(f"{type(e).__name__}: {e}") from None
+        out_headers = {k: v for k, v in resp.headers.items() if k.lower() in FORWARD_RESPONSE_HEADERS}
+        if resp.status_code >= 500:
+            try:
+                detail = (await resp.aread()).decode(errors="replace")[:300]
+            except httpx.HTTPError:
+                detail = ""
+            await resp.aclose()
+            if resp.status_code == 503 and "queue is full" not in detail:
+                self.record_failure(worker, f"answered {resp.status_code}")
+            raise RetryableError(f"worker answered {resp.status_code}: {detail}")
+        is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        if not (stream and is_sse):
+            try:
+                content = await resp.aread()
+            except httpx.HTTPError as e:
+                self.record_failure(worker, f"{type(e).__name__}: {e}")
+                raise RetryableError(f"{type(e).__name__} while reading the answer") from None
+            finally:
+                await resp.aclose()
+            release()
+            return Response(content, status_code=resp.status_code, headers=out_headers)
+
+        async def passthrough() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as e:
+                self.record_failure(worker, f"stream broke: {type(e).__name__}")
+                self.metrics.errors.labels(kind="stream_broken").inc()
+                logger.warning("router: stream from %s broke: %s", worker.id, e)
+                err = error_body(503, f"the worker {worker.id} failed while streaming: {type(e).__name__}",
+                                 code="worker_failed")
+                yield f"\n\ndata: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+            finally:
+                await resp.aclose()
+                release()
+
+        return StreamingResponse(passthrough(), status_code=resp.status_code, headers=out_headers)
+
+    async def any_worker_get(self, path: str) -> Response:
+        for worker in self.registry.healthy():
+            try:
+                r = await self.client.get(worker.url + path, headers=self.worker_headers, timeout=30.0)
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        return error_response(503, "no healthy worker", code="no_healthy_worker")
+
+
+class APIKeyMiddleware:
+    OPEN_PATHS = ("/health",)
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        response = error_response(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+def create_router_app(settings: RouterSettings) -> FastAPI:
+    router = Router(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="radixserve router", version="0.1.0", lifespan=lifespan)
+    from radixserve.server.errors import install_error_handlers
+
+    install_error_handlers(app)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.state.router = router
+
+    for path in GENERATION_PATHS:
+        async def endpoint(request: Request, _path: str = path):
+            return await router.proxy(_path, request)
+        app.add_api_route(path, endpoint, methods=["POST"])
+
+    @app.get("/health")
+    async def health():
+        healthy = router.registry.healthy()
+        if not healthy:
+            return error_response(503, "no healthy worker", code="no_healthy_worker")
+        if not router.ready:
+            return error_response(503, "the router is loading the tokenizer", code="router_starting")
+        return {"status": "ok", "healthy_workers": len(healthy), "workers": len(router.registry)}
+
+    @app.get("/workers")
+    async def list_workers():
+        return {"policy": router.policy.name, "tokenizer": router.tokenizer_state,
+                "workers": [w.describe() for w in router.registry]}
+
+    @app.post("/workers", status_code=201)
+    async def add_worker(request: Request):
+        raw = await request.body()
+        try:
+            body: Any = json.loads(raw) if raw else None
+        except ValueError:
+            return error_response(400, "the body is not valid JSON", code="invalid_request")
+        if not isinstance(body, dict) or "url" not in body:
+            return error_response(400, 'the body must be a JSON object like {"url": "http://host:port"}',
+                                  param="url", code="invalid_request")
+        try:
+            worker = router.add_worker(body["url"])
+        except ValueError as e:
+            return error_response(400, str(e), param="url", code="invalid_value")
+        except KeyError:
+            return error_response(409, f"a worker at {body['url']!r} is already registered", param="url",
+                                  code="worker_exists")
+        return JSONResponse(worker.describe(), status_code=201)
+
+    @app.delete("/workers/{worker_id}")
+    async def delete_worker(worker_id: str):
+        try:
+            worker = router.remove_worker(worker_id)
+        except KeyError:
+            known = ", ".join(router.registry.workers) or "none"
+            return error_response(404, f"unknown worker {worker_id!r} (registered: {known})",
+                                  param="worker_id", code="worker_not_found")
+        return {"id": worker.id, "url": worker.url, "removed": True, "in_flight": worker.load}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        results = {}
+        for worker in router.registry:
+            worker.tree.clear()
+            try:
+                r = await router.client.post(worker.url + "/flush_cache", headers=router.worker_headers, timeout=30.0)
+                results[worker.id] = r.status_code
+            except httpx.HTTPError as e:
+                results[worker.id] = f"{type(e).__name__}"
+        ok = all(v == 200 for v in results.values())
+        return JSONResponse({"status": "ok" if ok else "partial", "workers": results}, status_code=200 if ok else 409)
+
+    @app.get("/v1/models")
+    async def models():
+        return await router.any_worker_get("/v1/models")
+
+    @app.get("/get_model_info")
+    async def model_info():
+        return await router.any_worker_get("/get_model_info")
+
+    return app

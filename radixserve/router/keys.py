@@ -1,0 +1,103 @@
+"""What the router matches a request on.
+
+- `cache_aware` matches on **text**, as SGLang's router does: the prompt string of `/generate`
+  and `/v1/completions`, and for chat a plain serialisation of the messages (role and content of
+  each, in order). Both keep the property that matters: a conversation's next turn extends the
+  previous turn's key. No tokenizer is needed. Requests that carry token ids are matched on ids.
+- `kv_aware` matches on **token ids**, because the workers' cache events are token ids. The
+  router tokenizes exactly as the server does: `encode(text, add_special_tokens=False)`, and for
+  chat the model's chat template applied to the messages first. The tokenizer is read from
+  `--tokenizer-path` or fetched once from a worker's `/tokenizer` endpoint.
+
+A batch (a list of prompts) is routed as a whole on its first prompt.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import tempfile
+from typing import Any, Optional
+
+from radixserve.router.policies import RoutingKeys
+
+
+def _first_prompt(value: Any) -> Any:
+    """str | list[int] | None from a prompt field that may be a batch."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        head = value[0]
+        if isinstance(head, int):
+            return value if all(isinstance(t, int) for t in value) else None
+        if isinstance(head, (str, list)):
+            return _first_prompt(head)
+    return None
+
+
+def _chat_messages(body: dict) -> Optional[list[dict]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    out = []
+    for msg in messages:
+        if not isinstance(msg, dict):
+            return None
+        content = msg.get("content")
+        if isinstance(content, list):
+            content = "\n".join(p.get("text") or "" for p in content if isinstance(p, dict))
+        out.append({"role": str(msg.get("role", "")), "content": content if isinstance(content, str) else ""})
+    return out
+
+
+def chat_text(messages: list[dict]) -> str:
+    return "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
+
+
+def routing_keys(path: str, body: Any, tokenizer=None, want_tokens: bool = False) -> RoutingKeys:
+    if not isinstance(body, dict):
+        return RoutingKeys(None, None)
+    text: Any = None
+    tokens: Optional[list[int]] = None
+    chat_template_text: Optional[str] = None
+    if path == "/generate":
+        text = _first_prompt(body.get("text")) if body.get("text") is not None else _first_prompt(body.get("input_ids"))
+    elif path == "/v1/completions":
+        text = _first_prompt(body.get("prompt"))
+    elif path == "/v1/chat/completions":
+        messages = _chat_messages(body)
+        if messages is not None:
+            text = chat_text(messages)
+            if want_tokens and tokenizer is not None and getattr(tokenizer, "chat_template", None):
+                try:
+                    chat_template_text = tokenizer.apply_chat_template(
+                        messages, tokenize=False, add_generation_prompt=body.get("add_generation_prompt", True))
+                except Exception:  # the worker will answer 400; route anywhere
+                    chat_template_text = None
+    if isinstance(text, list):
+        tokens = text
+    elif want_tokens and tokenizer is not None:
+        source = chat_template_text if path == "/v1/chat/completions" else text
+        if isinstance(source, str):
+            try:
+                tokens = list(tokenizer.encode(source, add_special_tokens=False))
+            except Exception:
+                tokens = None
+    return RoutingKeys(text, tokens)
+
+
+def load_tokenizer_dir(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def tokenizer_from_files(files: dict[str, str]):
+    """Build a tokenizer from a worker's `/tokenizer` answer (file name -> base64 content)."""
+    directory = tempfile.mkdtemp(prefix="radixserve-router-tok-")
+    for name, data in files.items():
+        if os.path.basename(name) != name:
+            continue
+        with open(os.path.join(directory, name), "wb") as f:
+            f.write(base64.b64decode(data))
+    return load_tokenizer_dir(directory)

@@ -1,0 +1,81 @@
+"""Keep a worker's mirror tree in step with its radix cache, from the worker's `GET /kv_events`.
+
+Each connection begins with a snapshot (so a late or reconnecting router is exact again), then
+event batches with consecutive sequence numbers; a gap means events were lost, and the router
+reconnects for a fresh snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import TYPE_CHECKING
+
+import httpx
+
+if TYPE_CHECKING:
+    from radixserve.router.app import Router
+    from radixserve.router.workers import Worker
+
+logger = logging.getLogger("radixserve.router")
+
+RECONNECT_S = 1.0
+
+
+class SequenceGap(Exception):
+    pass
+
+
+def apply_events(worker: "Worker", events: list) -> None:
+    for seq, kind, tokens in events:
+        if seq <= worker.kv_seq:
+            continue
+        if seq != worker.kv_seq + 1:
+            raise SequenceGap(f"expected event {worker.kv_seq + 1}, got {seq}")
+        worker.kv_seq = seq
+        worker.kv_events += 1
+        if kind == "insert":
+            worker.mirror.insert(tokens)
+        elif kind == "evict":
+            worker.mirror.remove_path(tokens)
+        elif kind == "flush":
+            worker.mirror.clear()
+
+
+async def kv_sync_loop(router: "Router", worker: "Worker") -> None:
+    while True:
+        try:
+            if worker.healthy or not worker.ever_checked:
+                await _follow(router, worker)
+        except asyncio.CancelledError:
+            raise
+        except (httpx.HTTPError, SequenceGap, ValueError, KeyError) as e:
+            logger.info("router: kv events of %s interrupted (%s); resynchronising", worker.id, e)
+        worker.kv_synced = False
+        await asyncio.sleep(RECONNECT_S)
+
+
+async def _follow(router: "Router", worker: "Worker") -> None:
+    timeout = httpx.Timeout(None, connect=router.settings.connect_timeout)
+    async with router.client.stream("GET", worker.url + "/kv_events", headers=router.worker_headers,
+                                    timeout=timeout) as resp:
+        if resp.status_code != 200:
+            raise ValueError(f"/kv_events answered {resp.status_code}")
+        event = None
+        async for line in resp.aiter_lines():
+            if line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:"):
+                data = json.loads(line[5:])
+                if event == "snapshot":
+                    worker.mirror.load_edges(data["edges"])
+                    worker.kv_seq = int(data["seq"])
+                    worker.kv_synced = True
+                    router.metrics.kv_resyncs.labels(worker=worker.id).inc()
+                elif event == "kv" and worker.kv_synced:
+                    before = worker.kv_events
+                    apply_events(worker, data["events"])
+                    router.metrics.kv_events.labels(worker=worker.id).inc(worker.kv_events - before)
+            elif not line:
+                event = None

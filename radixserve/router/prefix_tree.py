@@ -1,0 +1,178 @@
+"""Prefix trees the router matches prompts against, one per worker.
+
+`PrefixTree` is a radix tree over a sequence of symbols: characters of a `str` or token ids of a
+list. Keys of both kinds may live in one tree (a character never equals an int, so they never
+share a node). It serves two uses:
+
+- the *approximate* tree of `cache_aware`: what was routed to a worker, bounded by `max_size`
+  symbols with least-recently-used leaves trimmed first;
+- the *mirror* of `kv_aware`: what a worker's radix cache really holds, kept in step by the
+  worker's insert/evict/flush events (`remove_path` undoes an eviction).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional, Sequence, Union
+
+Key = Union[str, list[int], tuple[int, ...]]
+
+
+def common_prefix_len(a: Sequence, b: Sequence) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class _Node:
+    __slots__ = ("key", "children", "parent", "last_access", "is_end")
+
+    def __init__(self, key: Key, parent: Optional["_Node"], tick: int):
+        self.key = key
+        self.children: dict = {}
+        self.parent = parent
+        self.last_access = tick
+        # True where an inserted sequence ends here (a boundary the worker's tree also has).
+        self.is_end = False
+
+
+class PrefixTree:
+    def __init__(self, max_size: Optional[int] = None):
+        self.max_size = max_size
+        self.root = _Node("", None, 0)
+        self.size = 0  # symbols held
+        self._tick = itertools.count(1)
+
+    # ------------------------------------------------------------------ queries
+    def match_len(self, key: Key, touch: bool = False) -> int:
+        """Length of the longest prefix of `key` held in the tree."""
+        node, pos = self.root, 0
+        tick = next(self._tick) if touch else 0
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            n = common_prefix_len(child.key, key[pos:pos + len(child.key)])
+            if touch:
+                child.last_access = tick
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return pos
+
+    def __len__(self) -> int:
+        return self.size
+
+    # ------------------------------------------------------------------ updates
+    def insert(self, key: Key) -> int:
+        """Add `key`; returns how many of its symbols were new. Trims to `max_size` afterwards."""
+        if not len(key):
+            return 0
+        tick = next(self._tick)
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                leaf = _Node(key[pos:], node, tick)
+                leaf.is_end = True
+                node.children[key[pos]] = leaf
+                self.size += len(leaf.key)
+                added = len(key) - pos
+                self._trim(protect=leaf)
+                return added
+            n = common_prefix_len(child.key, key[pos:pos + len(child.key)])
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = tick
+            node, pos = child, pos + n
+        node.is_end = True
+        return 0
+
+    def _split(self, child: _Node, n: int) -> _Node:
+        """Cut `child` after n symbols; returns the new upper node."""
+        parent = child.parent
+        upper = _Node(child.key[:n], parent, child.last_access)
+        parent.children[child.key[0]] = upper
+        child.key = child.key[n:]
+        child.parent = upper
+        upper.children[child.key[0]] = child
+        return upper
+
+    def remove_path(self, key: Key) -> int:
+        """Undo an eviction of the leaf that ends at `key`: drop the tail of that path back to the
+        nearest branch or inserted end above it. Returns symbols removed."""
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None or common_prefix_len(child.key, key[pos:pos + len(child.key)]) < len(child.key):
+                return 0  # not held (already gone)
+            node, pos = child, pos + len(child.key)
+        if node is self.root or node.children:  # the worker only evicts leaves; nothing to undo
+            return 0
+        removed = 0
+        while node is not self.root and not node.children:
+            parent = node.parent
+            del parent.children[node.key[0]]
+            self.size -= len(node.key)
+            removed += len(node.key)
+            node = parent
+            if node.is_end:
+                break
+        return removed
+
+    def clear(self) -> None:
+        self.root = _Node("", None, 0)
+        self.size = 0
+
+    def load_edges(self, edges: list) -> None:
+        """Replace the tree by a snapshot of [parent index, run] edges (index 0 is the root)."""
+        self.clear()
+        nodes = [self.root]
+        tick = next(self._tick)
+        for parent_index, run in edges:
+            parent = nodes[parent_index]
+            node = _Node(list(run), parent, tick)
+            if run:
+                parent.children[run[0]] = node
+                self.size += len(run)
+            nodes.append(node)
+        for node in nodes[1:]:
+            if not node.children:
+                node.is_end = True
+
+    # ------------------------------------------------------------------ LRU trimming
+    def _trim(self, protect: Optional[_Node] = None) -> None:
+        if self.max_size is None or self.size <= self.max_size:
+            return
+        # Trim to 90% so a full tree is not trimmed again on every insert.
+        target = int(self.max_size * 0.9)
+        leaves = sorted((n for n in self._iter_nodes() if not n.children and n is not protect),
+                        key=lambda n: n.last_access)
+        for leaf in leaves:
+            if self.size <= target:
+                break
+            node = leaf
+            while node is not self.root and not node.children and node is not protect:
+                parent = node.parent
+                del parent.children[node.key[0]]
+                self.size -= len(node.key)
+                node = parent
+                if self.size <= target or node.last_access > leaf.last_access:
+                    break
+
+    def _iter_nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node is not self.root:
+                yield node
+            stack.extend(node.children.values())

@@ -1,0 +1,123 @@
+"""Workers the router knows: address, health, load, and the prefix trees it routes on."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+from urllib.parse import urlsplit
+
+from radixserve.router.prefix_tree import Key, PrefixTree, common_prefix_len
+
+# A finished request's prompt still counts as "about to be cached" this long, to cover the time
+# between its response and the worker's insert event reaching the router.
+RECENT_KEEP_S = 2.0
+MAX_RECENT = 256
+
+
+def normalize_url(url: object) -> str:
+    """`http(s)://host:port[/prefix]` without a trailing slash; ValueError says what is wrong."""
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError("url must be a non-empty string like http://10.0.0.5:30000")
+    url = url.strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"url {url!r} must start with http:// or https://")
+    if not parts.hostname:
+        raise ValueError(f"url {url!r} has no host")
+    try:
+        parts.port
+    except ValueError:
+        raise ValueError(f"url {url!r} has an invalid port") from None
+    if parts.query or parts.fragment:
+        raise ValueError(f"url {url!r} must not have a query or fragment")
+    return url
+
+
+@dataclass
+class Worker:
+    id: str
+    url: str
+    max_tree_size: Optional[int] = None
+    healthy: bool = False
+    ever_checked: bool = False
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    load: int = 0  # requests the router has in flight on this worker
+    requests: int = 0
+    last_error: Optional[str] = None
+    # cache_aware: what was routed here (approximate, LRU-trimmed)
+    tree: PrefixTree = field(init=False)
+    # kv_aware: what the worker's radix cache holds, from its /kv_events stream
+    mirror: PrefixTree = field(init=False)
+    kv_synced: bool = False
+    kv_seq: int = 0
+    kv_events: int = 0
+    kv_resyncs: int = 0
+    inflight: dict[int, Key] = field(default_factory=dict)
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_RECENT))
+    kv_task: Optional[asyncio.Task] = None
+
+    def __post_init__(self) -> None:
+        self.tree = PrefixTree(self.max_tree_size)
+        self.mirror = PrefixTree()
+
+    # ------------------------------------------------------------------ kv_aware helpers
+    def pending_match(self, key: Key) -> int:
+        """Longest prefix shared with prompts in flight here (or just finished): soon cached."""
+        best = 0
+        now = time.monotonic()
+        while self.recent and self.recent[0][0] < now:
+            self.recent.popleft()
+        for other in itertools.chain(self.inflight.values(), (k for _, k in self.recent)):
+            if isinstance(other, str) == isinstance(key, str):
+                best = max(best, common_prefix_len(other, key))
+        return best
+
+    def start_request(self, token: int, key: Optional[Key]) -> None:
+        self.load += 1
+        self.requests += 1
+        if key is not None:
+            self.inflight[token] = key
+
+    def end_request(self, token: int) -> None:
+        self.load = max(0, self.load - 1)
+        key = self.inflight.pop(token, None)
+        if key is not None:
+            self.recent.append((time.monotonic() + RECENT_KEEP_S, key))
+
+    def describe(self) -> dict:
+        return {"id": self.id, "url": self.url, "healthy": self.healthy, "load": self.load,
+                "requests": self.requests, "consecutive_failures": self.consecutive_failures,
+                "last_error": self.last_error, "approx_tree_size": len(self.tree),
+                "kv_synced": self.kv_synced, "kv_tree_size": len(self.mirror), "kv_events": self.kv_events}
+
+
+class WorkerRegistry:
+    def __init__(self, max_tree_size: Optional[int] = None):
+        self.max_tree_size = max_tree_size
+        self.workers: dict[str, Worker] = {}
+        self._ids = itertools.count()
+
+    def add(self, url: object) -> Worker:
+        url = normalize_url(url)
+        if any(w.url == url for w in self.workers.values()):
+            raise KeyError(url)
+        worker = Worker(id=f"worker-{next(self._ids)}", url=url, max_tree_size=self.max_tree_size)
+        self.workers[worker.id] = worker
+        return worker
+
+    def remove(self, worker_id: str) -> Worker:
+        return self.workers.pop(worker_id)
+
+    def healthy(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.healthy]
+
+    def __iter__(self):
+        return iter(list(self.workers.values()))
+
+    def __len__(self) -> int:
+        return len(self.workers)
