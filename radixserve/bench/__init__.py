@@ -1,0 +1,1 @@
+"""Benchmark client pieces: datasets, backends, statistics, the oracle hit rate, reports."""

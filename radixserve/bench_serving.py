@@ -1,0 +1,418 @@
+"""Benchmark a running server: `python -m radixserve.bench_serving` (or `radixserve bench`).
+
+The seed article's command works as written with the package name swapped:
+
+    python -m radixserve.bench_serving --backend radixserve --model /path/to/Qwen2-7B-Instruct \\
+        --num-prompts 1000 --request-rate 5 --random-input 1024 --random-output 512 \\
+        --host 127.0.0.1 --port 8000
+
+It prints SGLang's report (throughput, latency / TTFT / TPOT / ITL percentiles) plus the prefix
+cache: the hit rate measured from the responses, the same from the server's `/metrics` counters
+before and after the run, and the oracle hit rate (radixserve/bench/oracle.py) with unlimited
+capacity and with the server's KV pool, as achieved / oracle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Optional
+
+from radixserve.bench.client import (BACKENDS, RequestResult, ServerUnreachable, api_path, check_reachable,
+                                     fetch_json, fetch_metrics, fetch_tokenizer_dir, send_request)
+from radixserve.bench.datasets import (DATASETS, WORDS, BenchRequest, DatasetArgs, DatasetError, build_dataset,
+                                       dataset_summary)
+from radixserve.bench.metrics import BenchMetrics, compute_metrics
+from radixserve.bench.oracle import OracleRequest, oracle_hit_rate
+from radixserve.bench.report import format_report
+
+
+class BenchError(RuntimeError):
+    """A run that cannot start: the message says why, without a traceback."""
+
+
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Benchmark the online serving throughput, latency and "
+                                "prefix-cache hit rate of a running server.")
+    p.add_argument("--backend", default="radixserve", choices=BACKENDS,
+                   help="radixserve/sglang: POST /generate; vllm/openai: /v1/completions; openai-chat: "
+                        "/v1/chat/completions.")
+    p.add_argument("--base-url", default=None, help="Server URL (overrides --host/--port).")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=None, help="Default 30000 (radixserve/sglang) or 8000.")
+    p.add_argument("--model", default=None, help="Model name sent to OpenAI endpoints (default: the served one).")
+    p.add_argument("--tokenizer", default=None,
+                   help="Local tokenizer directory (default: fetched from the server's /tokenizer).")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None)
+    p.add_argument("--dataset-name", default="random", choices=DATASETS)
+    p.add_argument("--dataset-path", default=None, help="Local ShareGPT JSON file for --dataset-name sharegpt.")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--random-input-len", "--random-input", dest="random_input_len", type=int, default=1024)
+    p.add_argument("--random-output-len", "--random-output", dest="random_output_len", type=int, default=512)
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="Lengths drawn uniformly from [len * (1 - ratio), len].")
+    p.add_argument("--sharegpt-output-len", type=int, default=None)
+    p.add_argument("--gsp-num-groups", type=int, default=64)
+    p.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    p.add_argument("--gsp-system-prompt-len", type=int, default=2048)
+    p.add_argument("--gsp-question-len", type=int, default=128)
+    p.add_argument("--gsp-output-len", type=int, default=256)
+    p.add_argument("--agent-num-sessions", type=int, default=0, help="0: num-prompts / agent-turns.")
+    p.add_argument("--agent-turns", type=int, default=4)
+    p.add_argument("--agent-num-system-prompts", type=int, default=3)
+    p.add_argument("--agent-system-prompt-len", type=int, default=160)
+    p.add_argument("--agent-user-len", type=int, default=24)
+    p.add_argument("--agent-assistant-len", type=int, default=24)
+    p.add_argument("--agent-output-len", type=int, default=16)
+    p.add_argument("--agent-think-time", dest="agent_think_time_s", type=float, default=0.5,
+                   help="Mean seconds (exponential) a session waits after a turn finished.")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Poisson arrivals per second; inf sends everything at once.")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--warmup-requests", type=int, default=1)
+    p.add_argument("--flush-cache", action="store_true", help="POST /flush_cache after warm-up.")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="Seconds one request may take.")
+    p.add_argument("--oracle-capacity", type=int, default=None,
+                   help="KV tokens for the capacity-limited oracle (default: the server's pool size).")
+    p.add_argument("--output-file", default=None, help="Append one JSON record per run (JSON lines).")
+    p.add_argument("--disable-tqdm", action="store_true")
+    return p
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    if args.num_prompts < 1:
+        raise BenchError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if math.isnan(args.request_rate) or args.request_rate <= 0:
+        raise BenchError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise BenchError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.warmup_requests < 0:
+        raise BenchError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
+    if args.request_timeout <= 0:
+        raise BenchError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    if args.oracle_capacity is not None and args.oracle_capacity < 0:
+        raise BenchError(f"--oracle-capacity must be >= 0, got {args.oracle_capacity}")
+    if args.port is not None and not 0 < args.port < 65536:
+        raise BenchError(f"--port must be in 1..65535, got {args.port}")
+    if args.tokenizer and not os.path.isdir(args.tokenizer):
+        raise BenchError(f"--tokenizer {args.tokenizer!r}: no such directory")
+    if args.dataset_name == "sharegpt" and not args.dataset_path:
+        raise BenchError("--dataset-name sharegpt needs --dataset-path (a local ShareGPT JSON file)")
+    if args.dataset_path and not os.path.isfile(args.dataset_path):
+        raise BenchError(f"--dataset-path {args.dataset_path!r}: no such file")
+    dataset_args(args).validate()
+
+
+def dataset_args(args: argparse.Namespace) -> DatasetArgs:
+    return DatasetArgs(
+        name=args.dataset_name, num_prompts=args.num_prompts, seed=args.seed,
+        random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio, dataset_path=args.dataset_path,
+        sharegpt_output_len=args.sharegpt_output_len, gsp_num_groups=args.gsp_num_groups,
+        gsp_prompts_per_group=args.gsp_prompts_per_group, gsp_system_prompt_len=args.gsp_system_prompt_len,
+        gsp_question_len=args.gsp_question_len, gsp_output_len=args.gsp_output_len,
+        agent_num_sessions=args.agent_num_sessions, agent_turns=args.agent_turns,
+        agent_num_system_prompts=args.agent_num_system_prompts,
+        agent_system_prompt_len=args.agent_system_prompt_len, agent_user_len=args.agent_user_len,
+        agent_assistant_len=args.agent_assistant_len, agent_output_len=args.agent_output_len,
+        agent_think_time_s=args.agent_think_time_s)
+
+
+def base_url_of(args: argparse.Namespace) -> str:
+    if args.base_url:
+        return args.base_url.rstrip("/")
+    port = args.port if args.port is not None else (30000 if args.backend in ("radixserve", "sglang") else 8000)
+    return f"http://{args.host}:{port}"
+
+
+@dataclass
+class BenchOutcome:
+    record: dict[str, Any]
+    metrics: BenchMetrics
+    results: list[RequestResult]
+    requests: list[BenchRequest]
+    t0: float
+    report: str = ""
+    oracle_per_request: dict[str, list[int]] = field(default_factory=dict)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # a directory without usable tokenizer files
+        raise BenchError(f"cannot load a tokenizer from {path!r}: {e}") from None
+
+
+async def _issue_all(session, url: str, args: argparse.Namespace, requests: list[BenchRequest], model: Optional[str],
+                     use_ids: bool, headers: dict[str, str], progress) -> tuple[list[RequestResult], float]:
+    rng = random.Random(args.seed)
+    gaps = [0.0 if math.isinf(args.request_rate) else rng.expovariate(args.request_rate) for _ in requests]
+    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    finished: dict[tuple[int, int], asyncio.Event] = {}
+    for r in requests:
+        if r.session_id is not None:
+            finished[(r.session_id, r.turn)] = asyncio.Event()
+    results: list[Optional[RequestResult]] = [None] * len(requests)
+    t0 = time.perf_counter()
+
+    async def one(i: int, req: BenchRequest, at: float) -> None:
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if req.session_id is not None and req.turn > 0:
+            prev = finished.get((req.session_id, req.turn - 1))
+            if prev is not None:
+                await prev.wait()
+            if req.think_time_s > 0:
+                await asyncio.sleep(req.think_time_s)
+        try:
+            if sem is not None:
+                async with sem:
+                    res = await send_request(session, url, args.backend, req, i, model, use_ids, headers)
+            else:
+                res = await send_request(session, url, args.backend, req, i, model, use_ids, headers)
+        finally:
+            if req.session_id is not None:
+                finished[(req.session_id, req.turn)].set()
+        results[i] = res
+        if progress is not None:
+            progress.update(1)
+
+    at = 0.0
+    tasks = []
+    for i, req in enumerate(requests):
+        at += gaps[i]
+        tasks.append(asyncio.create_task(one(i, req, at)))
+    await asyncio.gather(*tasks)
+    return [r for r in results if r is not None], t0
+
+
+def _oracle(requests: list[BenchRequest], results: list[RequestResult], capacity: Optional[int], tokenizer):
+    by_index = {r.index: r for r in results}
+    seq = []
+    for i, req in enumerate(requests):
+        res = by_index.get(i)
+        output: list[int] = []
+        if res is not None and res.success:
+            if res.output_ids is not None:
+                output = list(res.output_ids)
+            elif tokenizer is not None and res.output_text:
+                output = list(tokenizer.encode(res.output_text, add_special_tokens=False))
+        seq.append(OracleRequest(prompt=req.prompt_ids, output=output))
+    counted = [i for i in range(len(requests)) if i in by_index and by_index[i].success]
+
+    def rate(hits: list[int]) -> Optional[float]:
+        total = sum(requests[i].prompt_len for i in counted)
+        return sum(hits[i] for i in counted) / total if total else None
+
+    unlimited = oracle_hit_rate(seq)
+    limited = oracle_hit_rate(seq, capacity=capacity) if capacity else None
+    return (rate(unlimited.per_request_hits), rate(limited.per_request_hits) if limited else None,
+            {"unlimited": unlimited.per_request_hits, "capacity": limited.per_request_hits if limited else []})
+
+
+async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False) -> BenchOutcome:
+    """One run against a server; raises BenchError when it cannot start."""
+    import aiohttp
+
+    validate_args(args)
+    base_url = base_url_of(args)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout, sock_connect=10)
+    connector = aiohttp.TCPConnector(limit=0)
+    tokenizer_dir = None
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, trust_env=False) as session:
+        try:
+            await check_reachable(session, base_url, headers)
+        except ServerUnreachable as e:
+            raise BenchError(str(e)) from None
+        info = await fetch_json(session, base_url + "/server_info", headers) or \
+            await fetch_json(session, base_url + "/get_server_info", headers) or {}
+        vocab_size = info.get("vocab_size")
+        capacity = args.oracle_capacity if args.oracle_capacity is not None else \
+            info.get("pool_size") or info.get("max_total_num_tokens")
+        model = args.model
+        if args.backend in ("vllm", "openai", "openai-chat") and model is None:
+            models = await fetch_json(session, base_url + "/v1/models", headers) or {}
+            data = models.get("data") or []
+            model = data[0].get("id") if data else None
+        # The tokenizer: a local path, else the served one.
+        tokenizer = None
+        if args.tokenizer:
+            tokenizer = load_tokenizer(args.tokenizer)
+        else:
+            tokenizer_dir = await fetch_tokenizer_dir(session, base_url, headers)
+            if tokenizer_dir:
+                tokenizer = load_tokenizer(tokenizer_dir)
+        try:
+            try:
+                requests = build_dataset(dataset_args(args), tokenizer, vocab_size)
+            except DatasetError as e:
+                raise BenchError(str(e)) from None
+            summary = dataset_summary(requests)
+            use_ids = args.dataset_name == "random-ids"
+            if use_ids and args.backend == "openai-chat":
+                raise BenchError("--dataset-name random-ids sends token ids, which openai-chat cannot carry")
+            url = base_url + api_path(args.backend)
+            say(f"#requests: {len(requests)}  prompt tokens: {summary['prompt_tokens']}  "
+                f"system-prompt share: {summary['system_prompt_fraction']:.3f}  server: {base_url}")
+            tokenizer_agrees = await _warmup(session, url, args, requests, model, headers, vocab_size,
+                                             tokenizer, say)
+            if args.flush_cache:
+                try:
+                    async with session.post(base_url + "/flush_cache", headers=headers) as resp:
+                        if resp.status != 200:
+                            say(f"warning: /flush_cache answered HTTP {resp.status}; the cache was not flushed")
+                except aiohttp.ClientError as e:
+                    say(f"warning: /flush_cache failed: {e}")
+            before = await fetch_metrics(session, base_url, headers)
+            progress = None
+            if not args.disable_tqdm and not quiet:
+                from tqdm.auto import tqdm
+
+                progress = tqdm(total=len(requests), desc="requests", unit="req")
+            start = time.perf_counter()
+            results, t0 = await _issue_all(session, url, args, requests, model, use_ids, headers, progress)
+            duration = time.perf_counter() - start
+            if progress is not None:
+                progress.close()
+            metrics = compute_metrics(results, duration)
+            after = await _settled_metrics(session, base_url, headers, before, metrics)
+        finally:
+            if tokenizer_dir:
+                shutil.rmtree(tokenizer_dir, ignore_errors=True)
+    _fill_metrics_delta(metrics, before, after)
+    oracle, oracle_cap, per_request = _oracle(requests, results, capacity, tokenizer)
+    metrics.oracle_hit_rate = oracle
+    metrics.oracle_hit_rate_capacity = oracle_cap
+    metrics.oracle_capacity_tokens = capacity
+    if metrics.hit_rate is not None:
+        metrics.achieved_over_oracle = metrics.hit_rate / oracle if oracle else None
+        metrics.achieved_over_oracle_capacity = metrics.hit_rate / oracle_cap if oracle_cap else None
+    settings = {k: (None if isinstance(v, float) and math.isinf(v) and k != "request_rate" else v)
+                for k, v in vars(args).items() if k != "api_key"}
+    settings["request_rate"] = "inf" if math.isinf(args.request_rate) else args.request_rate
+    record = {"timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"), "base_url": base_url,
+              "settings": settings, "dataset": summary,
+              "server": {k: info.get(k) for k in ("pool_size", "context_length", "max_running_requests", "device",
+                                                  "dtype", "model_path", "served_model_name", "version")},
+              "server_settings": info.get("settings"), "tokenizer_matches_server": tokenizer_agrees,
+              **metrics.to_dict()}
+    report = format_report(metrics, backend=args.backend, request_rate=args.request_rate,
+                           max_concurrency=args.max_concurrency, dataset=args.dataset_name)
+    if args.output_file:
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(args.output_file)), exist_ok=True)
+            with open(args.output_file, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            raise BenchError(f"cannot write --output-file {args.output_file!r}: {e}") from None
+    return BenchOutcome(record=record, metrics=metrics, results=results, requests=requests, t0=t0,
+                        report=report, oracle_per_request=per_request)
+
+
+async def _warmup(session, url, args, requests, model, headers, vocab_size, tokenizer, say) -> Optional[bool]:
+    """Short requests unrelated to the workload (they leave nothing it could reuse).
+
+    With a tokenizer and a text backend, the warm-up is text, and the server's prompt token count
+    is compared with ours: returns whether they agree (None when not checked).
+    """
+    if args.warmup_requests == 0:
+        return None
+    rng = random.Random(args.seed + 7919)
+    check_text = tokenizer is not None and args.backend != "openai-chat" and args.dataset_name != "random-ids"
+    special = set(getattr(tokenizer, "all_special_ids", []) or []) if tokenizer is not None else set()
+    vocab = vocab_size or (len(tokenizer) if tokenizer is not None else 256)
+    ids = [t for t in range(vocab) if t not in special]
+    failures, agree = [], None
+    for i in range(args.warmup_requests):
+        if check_text or args.backend == "openai-chat":
+            text = f"warm-up {rng.randrange(10**9)}: " + " ".join(rng.choice(WORDS) for _ in range(12))
+            prompt = list(tokenizer.encode(text, add_special_tokens=False)) if tokenizer is not None else [0]
+        else:
+            text, prompt = None, [rng.choice(ids) for _ in range(8)]
+        req = BenchRequest(prompt_ids=prompt, output_len=2, prompt_text=text,
+                           messages=[{"role": "user", "content": text or "hi"}])
+        res = await send_request(session, url, args.backend, req, -1, model, text is None, headers)
+        if not res.success:
+            failures.append(res.error)
+        elif check_text:
+            same = res.prompt_len == len(prompt)
+            agree = same if agree is None else (agree and same)
+    if failures:
+        say(f"warning: {len(failures)} of {args.warmup_requests} warm-up requests failed: {failures[0]}")
+    if agree is False:
+        say("warning: the server counts prompt tokens differently from the local tokenizer; prompt lengths and "
+            "the oracle use the local count (pass --tokenizer with the served model's directory)")
+    return agree
+
+
+async def _settled_metrics(session, base_url, headers, before, metrics: BenchMetrics):
+    """/metrics after the run; engine counters arrive with the engine's stats, so wait for them a little."""
+    after = await fetch_metrics(session, base_url, headers)
+    if before is None or after is None or metrics.cached_tokens is None:
+        return after
+    want = metrics.total_input_tokens
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        if after and after.get("engine_prompt") is not None and before.get("engine_prompt") is not None \
+                and after["engine_prompt"] - before["engine_prompt"] >= want:
+            break
+        await asyncio.sleep(0.1)
+        after = await fetch_metrics(session, base_url, headers) or after
+    return after
+
+
+def _fill_metrics_delta(m: BenchMetrics, before, after) -> None:
+    if not before or not after:
+        return
+    if before.get("engine_prompt") is not None and after.get("engine_prompt") is not None:
+        m.metrics_prompt_tokens = after["engine_prompt"] - before["engine_prompt"]
+        m.metrics_cached_tokens = after["engine_cached"] - before["engine_cached"]
+        m.metrics_source = after.get("source")
+        if m.metrics_prompt_tokens > 0:
+            m.metrics_hit_rate = m.metrics_cached_tokens / m.metrics_prompt_tokens
+    if before.get("request_prompt") is not None and after.get("request_prompt") is not None:
+        rp = after["request_prompt"] - before["request_prompt"]
+        rc = after["request_cached"] - before["request_cached"]
+        m.request_metrics_hit_rate = rc / rp if rp > 0 else None
+    if m.metrics_hit_rate is not None and m.hit_rate is not None:
+        m.hit_rate_matches_metrics = (int(m.metrics_prompt_tokens) == m.total_input_tokens
+                                      and int(m.metrics_cached_tokens) == m.cached_tokens)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser(prog="radixserve bench" if argv is not None else None)
+    args = parser.parse_args(argv)
+    try:
+        validate_args(args)
+    except (BenchError, DatasetError) as e:
+        parser.error(str(e))
+    try:
+        outcome = asyncio.run(run_benchmark(args))
+    except BenchError as e:
+        print(f"bench_serving: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    print(outcome.report)
+    if args.output_file:
+        print(f"record appended to {args.output_file}")
+    return 0 if outcome.metrics.completed > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
