@@ -50,6 +50,7 @@ def hf_greedy(path: str, dtype: torch.dtype, batch: list[list[int]]) -> list[lis
 
 
 def engine_greedy(path: str, dtype: str, batch: list[list[int]], **settings) -> tuple[list[list[int]], Engine]:
+    settings.setdefault("cuda_graph_max_bs", 16)  # fewer captures: the buckets used here
     engine = Engine(path, device="cuda", dtype=dtype, max_total_tokens=8192, **settings)
     res = engine.generate(input_ids=batch, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0,
                                                             "ignore_eos": True})
@@ -93,7 +94,7 @@ def test_bf16_close_to_hf(tiny_dir):
 
 
 def test_sampling_on_gpu_seeded_reproducible(tiny_dir):
-    engine = Engine(tiny_dir, device="cuda", dtype="bfloat16", max_total_tokens=8192)
+    engine = Engine(tiny_dir, device="cuda", dtype="bfloat16", max_total_tokens=8192, cuda_graph_max_bs=8)
     params = {"max_new_tokens": 16, "temperature": 0.8, "top_p": 0.9, "top_k": 50, "min_p": 0.01, "seed": 1234,
               "ignore_eos": True}
     a = engine.generate(input_ids=[5, 6, 7, 8], sampling_params=params)["output_ids"]
