@@ -166,6 +166,13 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
             except subprocess.TimeoutExpired:
                 p.kill()
 
+    def exit_on_signal(signum, frame) -> None:
+        raise SystemExit(0)
+
+    # uvicorn restores this handler and re-raises the signal once it has drained; exiting through
+    # it runs the `finally` below, so the workers are stopped too.
+    signal.signal(signal.SIGTERM, exit_on_signal)
+    signal.signal(signal.SIGINT, exit_on_signal)
     try:
         return run_router(router)
     finally:

@@ -207,7 +207,8 @@ class Router:
     def record_success(self, worker: Worker) -> None:
         worker.consecutive_failures = 0
         worker.consecutive_successes += 1
-        first = not worker.ever_checked
+        # A worker that was never in rotation joins on its first success (it is starting up).
+        first = not worker.ever_healthy
         worker.ever_checked = True
         if not worker.healthy and (first or worker.consecutive_successes >= self.settings.health_success_threshold):
             self._set_health(worker, True, "health checks pass")
@@ -222,6 +223,7 @@ class Router:
 
     def _set_health(self, worker: Worker, healthy: bool, why: str) -> None:
         worker.healthy = healthy
+        worker.ever_healthy = worker.ever_healthy or healthy
         self.metrics.health_transitions.labels(worker=worker.id, to="healthy" if healthy else "unhealthy").inc()
         log = logger.info if healthy else logger.warning
         log("router: worker %s (%s) is %s: %s", worker.id, worker.url, "healthy" if healthy else "unhealthy", why)

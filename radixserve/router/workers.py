@@ -44,6 +44,7 @@ class Worker:
     max_tree_size: Optional[int] = None
     healthy: bool = False
     ever_checked: bool = False
+    ever_healthy: bool = False
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     load: int = 0  # requests the router has in flight on this worker
