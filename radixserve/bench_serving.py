@@ -223,7 +223,8 @@ def _oracle(requests: list[BenchRequest], results: list[RequestResult], capacity
             {"unlimited": unlimited.per_request_hits, "capacity": limited.per_request_hits if limited else []})
 
 
-async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False) -> BenchOutcome:
+async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False,
+                        progress_desc: str = "requests") -> BenchOutcome:
     """One run against a server; raises BenchError when it cannot start."""
     import aiohttp
 
@@ -283,7 +284,7 @@ async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False) -> Ben
             if not args.disable_tqdm and not quiet:
                 from tqdm.auto import tqdm
 
-                progress = tqdm(total=len(requests), desc="requests", unit="req")
+                progress = tqdm(total=len(requests), desc=progress_desc, unit="req")
             start = time.perf_counter()
             results, t0 = await _issue_all(session, url, args, requests, model, use_ids, headers, progress)
             duration = time.perf_counter() - start

@@ -1,0 +1,375 @@
+"""The seed's experiment, one command: `python -m radixserve.experiment` (or `radixserve experiment`).
+
+For each configuration it starts a fresh server (a `radixserve.launch_server` subprocess on a
+free port), runs the same benchmark workload with the same seed against it, and stops it. Then it
+writes into `--output-dir`:
+
+- `results.json`: every configuration's full benchmark record plus per-request TTFT/latency and the
+  hit rate over time;
+- `table.md`: the seed's table (throughput, P50/P99 latency, TTFT, hit rate, achieved / oracle);
+- `throughput_p99.png`, `ttft_cdf.png`, `hit_rate_over_time.png`;
+- `server-<config>.log`: each server's log.
+
+Configurations: LPM vs FCFS, radix cache on vs off, and, with a KV pool small enough to force
+evictions, LPM vs FCFS and LRU vs FIFO eviction (eviction order only matters under pressure).
+Without `--model-path` the built-in tiny random Qwen2 is served (a CPU demo in a few minutes);
+on a GPU give `--model-path` (with `--load-format dummy`, a directory with only config.json and
+tokenizer files is enough). Flags not listed here are benchmark flags (see
+`python -m radixserve.bench_serving --help`), for example `--dataset-name gsp --num-prompts 1000`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional
+
+from radixserve.bench.oracle import SimRadixCache
+from radixserve.bench.report import console_table, experiment_row, markdown_table
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Config:
+    name: str
+    server_args: list[str]
+    small_pool: bool = False
+    description: str = ""
+
+
+def all_configs() -> list[Config]:
+    return [
+        Config("lpm", ["--schedule-policy", "lpm", "--radix-eviction-policy", "lru"],
+               description="LPM scheduling, radix cache on (LRU)"),
+        Config("fcfs", ["--schedule-policy", "fcfs", "--radix-eviction-policy", "lru"],
+               description="FCFS scheduling, radix cache on (LRU)"),
+        Config("no-radix", ["--schedule-policy", "fcfs", "--disable-radix-cache"],
+               description="radix cache off (every prompt computed in full)"),
+        Config("lpm-small-pool", ["--schedule-policy", "lpm", "--radix-eviction-policy", "lru"], small_pool=True,
+               description="LPM, LRU eviction, small KV pool"),
+        Config("fcfs-small-pool", ["--schedule-policy", "fcfs", "--radix-eviction-policy", "lru"], small_pool=True,
+               description="FCFS, LRU eviction, small KV pool"),
+        Config("lpm-fifo-small-pool", ["--schedule-policy", "lpm", "--radix-eviction-policy", "fifo"],
+               small_pool=True, description="LPM, FIFO eviction, small KV pool"),
+    ]
+
+
+# Benchmark defaults for the experiment: a small agent workload that runs in minutes on a CPU.
+BENCH_DEFAULTS = ["--dataset-name", "agent", "--num-prompts", "120", "--request-rate", "8", "--seed", "1",
+                  "--warmup-requests", "1"]
+
+
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                epilog="Any other flag is passed to the benchmark (bench_serving).")
+    p.add_argument("--model-path", default=None, help="Model directory (default: the built-in tiny Qwen2).")
+    p.add_argument("--load-format", default=None, choices=("auto", "safetensors", "dummy"))
+    p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--output-dir", default=None, help="Default runs/experiment-<timestamp>.")
+    p.add_argument("--configs", default=None,
+                   help="Comma-separated subset of: " + ", ".join(c.name for c in all_configs()))
+    p.add_argument("--small-pool-tokens", type=int, default=0,
+                   help="KV pool of the small-pool configurations (0: a third of the workload's distinct "
+                        "tokens, at least 4 of its longest requests).")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="Extra flag for every server, e.g. --server-arg=--chunked-prefill-size=256 (repeatable).")
+    p.add_argument("--server-start-timeout", type=float, default=300.0)
+    p.add_argument("--disable-plots", action="store_true")
+    return p
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A launch_server subprocess on a free port, logging to a file."""
+
+    def __init__(self, args: list[str], log_path: Path):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self.cmd = [sys.executable, "-m", "radixserve.launch_server", *args, "--port", str(self.port),
+                    "--log-file", str(log_path)]
+        self._out = open(log_path.with_suffix(".out"), "wb")
+        self.proc = subprocess.Popen(self.cmd, env=env, stdout=self._out, stderr=subprocess.STDOUT)
+
+    def tail(self, n: int = 2000) -> str:
+        self._out.flush()
+        try:
+            return self.log_path.with_suffix(".out").read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with code {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=10.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s:\n{self.tail()}")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._out.close()
+
+
+@dataclass
+class ConfigResult:
+    config: Config
+    record: Optional[dict[str, Any]] = None
+    error: Optional[str] = None
+    ttft_s: list[float] = field(default_factory=list)
+    latency_s: list[float] = field(default_factory=list)
+    hit_rate_curve: list[tuple[float, float]] = field(default_factory=list)
+    server_args: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def auto_small_pool(requests) -> int:
+    """A third of the workload's distinct tokens (prompts + outputs), room for 4 of its longest requests."""
+    cache = SimRadixCache()
+    longest = 0
+    for r in requests:
+        cache.insert(list(r.prompt_ids) + [-1 - i for i in range(r.output_len)])  # outputs never shared
+        longest = max(longest, r.prompt_len + r.output_len)
+    return max(4 * longest, cache.size // 3)
+
+
+def run_config(cfg: Config, base_server_args: list[str], bench_argv: list[str], out_dir: Path,
+               small_pool: int, start_timeout: float, label: str) -> tuple[ConfigResult, Any]:
+    from radixserve.bench.metrics import hit_rate_over_time
+    from radixserve.bench_serving import BenchError, build_parser as bench_parser, run_benchmark
+
+    server_args = [*base_server_args, *cfg.server_args]
+    if cfg.small_pool:
+        server_args += ["--max-total-tokens", str(small_pool)]
+    result = ConfigResult(cfg, server_args=server_args)
+    t0 = time.monotonic()
+    server = Server(server_args, out_dir / f"server-{cfg.name}.log")
+    outcome = None
+    try:
+        print(f"{label} {cfg.name}: starting server ({' '.join(cfg.server_args)}"
+              f"{f' --max-total-tokens {small_pool}' if cfg.small_pool else ''})", flush=True)
+        server.wait_ready(start_timeout)
+        args = bench_parser().parse_args([*bench_argv, "--base-url", server.base_url])
+        outcome = asyncio.run(run_benchmark(args, quiet=False, progress_desc=f"{label} {cfg.name}"))
+        result.record = outcome.record
+        ok = [r for r in outcome.results if r.success]
+        result.ttft_s = [r.ttft for r in ok]
+        result.latency_s = [r.latency for r in ok]
+        result.hit_rate_curve = hit_rate_over_time(outcome.results, outcome.t0)
+    except (BenchError, RuntimeError) as e:
+        result.error = str(e).splitlines()[0][:200]
+        print(f"{label} {cfg.name}: FAILED: {e}", flush=True)
+    finally:
+        server.stop()
+        result.wall_s = time.monotonic() - t0
+    return result, outcome
+
+
+def summary_rows(results: list[ConfigResult]) -> list[list[str]]:
+    return [experiment_row(r.config.name, r.record, r.error) for r in results]
+
+
+def write_plots(results: list[ConfigResult], out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    done = [r for r in results if r.record is not None]
+    if not done:
+        return []
+    names = [r.config.name for r in done]
+    files = []
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax1.bar(names, [r.record["total_throughput"] for r in done], color="tab:blue")
+    ax1.set_title("Total token throughput (tok/s)")
+    ax2.bar(names, [r.record["e2e_latency_ms"]["p99"] / 1000 for r in done], color="tab:red")
+    ax2.set_title("P99 end-to-end latency (s)")
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", rotation=30)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
+    fig.tight_layout()
+    fig.savefig(out_dir / "throughput_p99.png", dpi=110)
+    plt.close(fig)
+    files.append("throughput_p99.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in done:
+        xs = np.sort(np.asarray(r.ttft_s) * 1000)
+        if len(xs):
+            ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=r.config.name)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "ttft_cdf.png", dpi=110)
+    plt.close(fig)
+    files.append("ttft_cdf.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in done:
+        if r.hit_rate_curve:
+            xs, ys = zip(*r.hit_rate_curve)
+            ax.plot(xs, ys, label=r.config.name)
+    oracle = done[0].record.get("oracle_hit_rate")
+    if oracle is not None:
+        ax.axhline(oracle, color="black", linestyle="--", linewidth=1, label="oracle (unlimited)")
+    ax.set_xlabel("seconds since the first request")
+    ax.set_ylabel("cumulative prefix hit rate")
+    ax.set_ylim(0, 1)
+    ax.set_title("Prefix hit rate over time")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "hit_rate_over_time.png", dpi=110)
+    plt.close(fig)
+    files.append("hit_rate_over_time.png")
+    return files
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser(prog="radixserve experiment" if argv is not None else None)
+    args, bench_rest = parser.parse_known_args(argv)
+    from radixserve.bench_serving import BenchError, build_parser as bench_parser, validate_args
+
+    for bad in ("--base-url", "--host", "--port", "--output-file"):
+        if any(a == bad or a.startswith(bad + "=") for a in bench_rest):
+            parser.error(f"{bad} is chosen by the experiment itself")
+    bench_argv = [*BENCH_DEFAULTS, *bench_rest]
+    bp = bench_parser(prog="radixserve experiment")
+    try:
+        bench_args = bp.parse_args(bench_argv)
+        validate_args(bench_args)
+    except SystemExit as e:  # argparse already printed the reason
+        return int(e.code or 2)
+    except BenchError as e:
+        parser.error(str(e))
+    if args.small_pool_tokens < 0:
+        parser.error(f"--small-pool-tokens must be >= 0, got {args.small_pool_tokens}")
+    if args.model_path and not os.path.isdir(args.model_path):
+        parser.error(f"--model-path {args.model_path!r}: no such directory")
+    configs = all_configs()
+    if args.configs:
+        wanted = [c.strip() for c in args.configs.split(",") if c.strip()]
+        known = {c.name: c for c in configs}
+        unknown = [w for w in wanted if w not in known]
+        if unknown or not wanted:
+            parser.error(f"unknown configuration(s) {', '.join(unknown) or '(none given)'}; "
+                         f"choose from {', '.join(known)}")
+        configs = [known[w] for w in wanted]
+
+    out_dir = Path(args.output_dir or f"runs/experiment-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"cannot create --output-dir {str(out_dir)!r}: {e}")
+    base_server_args = ["--device", args.device]
+    if args.model_path:
+        base_server_args += ["--model-path", args.model_path]
+    if args.load_format:
+        base_server_args += ["--load-format", args.load_format]
+    for extra in args.server_arg:
+        base_server_args += extra.split("=", 1) if extra.startswith("--") and "=" in extra else [extra]
+
+    print(f"experiment: {len(configs)} configurations, workload: {' '.join(bench_argv)}", flush=True)
+    print(f"experiment: writing to {out_dir}", flush=True)
+    started = time.monotonic()
+    results: list[ConfigResult] = []
+    small_pool = args.small_pool_tokens
+    # Without a given size, the first configuration's workload decides the small pool, so a
+    # small-pool configuration must not run first.
+    if not small_pool and configs and configs[0].small_pool:
+        configs = [c for c in configs if not c.small_pool] + [c for c in configs if c.small_pool]
+    for i, cfg in enumerate(configs):
+        label = f"[{i + 1}/{len(configs)}]"
+        if cfg.small_pool and not small_pool:
+            small_pool = 2048
+        res, outcome = run_config(cfg, base_server_args, bench_argv, out_dir, small_pool,
+                                  args.server_start_timeout, label)
+        if outcome is not None and not args.small_pool_tokens and i == 0:
+            small_pool = auto_small_pool(outcome.requests)
+        results.append(res)
+        if res.record is not None:
+            r = res.record
+            print(f"{label} {cfg.name}: {r['completed']} ok, {r['failed']} failed, "
+                  f"{r['total_throughput']:.0f} tok/s, P99 {r['e2e_latency_ms']['p99'] / 1000:.2f} s, "
+                  f"hit rate {r['hit_rate'] if r['hit_rate'] is not None else float('nan'):.3f} "
+                  f"({res.wall_s:.0f} s)", flush=True)
+
+    rows = summary_rows(results)
+    first = next((r.record for r in results if r.record is not None), None)
+    meta = {"command": " ".join(["python -m radixserve.experiment", *(argv if argv is not None else sys.argv[1:])]),
+            "bench_argv": bench_argv, "server_args": base_server_args, "small_pool_tokens": small_pool,
+            "dataset": first.get("dataset") if first else None,
+            "oracle_hit_rate": first.get("oracle_hit_rate") if first else None,
+            "wall_s": round(time.monotonic() - started, 1)}
+    payload = {"meta": meta, "configs": [
+        {"name": r.config.name, "description": r.config.description, "server_args": r.server_args,
+         "error": r.error, "wall_s": round(r.wall_s, 2), "record": r.record, "ttft_s": r.ttft_s,
+         "latency_s": r.latency_s, "hit_rate_curve": r.hit_rate_curve} for r in results]}
+    (out_dir / "results.json").write_text(json.dumps(payload, indent=1))
+    table = markdown_table(rows)
+    legend = "\n".join(f"- `{r.config.name}`: {r.config.description}"
+                       + (f" ({small_pool} tokens)" if r.config.small_pool else "") for r in results)
+    dataset = meta["dataset"] or {}
+    header = (f"Workload: `{' '.join(bench_argv)}`; {dataset.get('num_requests', '?')} requests, "
+              f"{dataset.get('prompt_tokens', '?')} prompt tokens, system-prompt share "
+              f"{dataset.get('system_prompt_fraction', '?')}; oracle hit rate (unlimited) "
+              f"{meta['oracle_hit_rate'] if meta['oracle_hit_rate'] is None else round(meta['oracle_hit_rate'], 3)}.")
+    (out_dir / "table.md").write_text(f"{header}\n\n{table}\n\n{legend}\n")
+    plots = [] if args.disable_plots else write_plots(results, out_dir)
+
+    print()
+    print(header)
+    print()
+    print(console_table(rows))
+    print()
+    print(f"latency in s, TTFT in ms; 'oracle (capacity)' simulates the server's KV pool; achieved/oracle = hit rate / "
+          f"that oracle")
+    print(f"results: {out_dir / 'results.json'}, table: {out_dir / 'table.md'}"
+          + (f", plots: {', '.join(str(out_dir / p) for p in plots)}" if plots else ""))
+    print(f"total time {meta['wall_s']:.0f} s")
+    return 0 if any(r.record is not None for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
