@@ -270,10 +270,11 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def render_chat(tokenizer, messages: list[dict[str, str]]) -> str:
+def render_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    return text + "assistant: " if add_generation_prompt else text
 
 
 def _agent(args: DatasetArgs, source: TokenSource, tokenizer) -> list[BenchRequest]:
@@ -282,7 +283,7 @@ def _agent(args: DatasetArgs, source: TokenSource, tokenizer) -> list[BenchReque
     systems = [source.words_text(rng, args.agent_system_prompt_len) for _ in range(args.agent_num_system_prompts)]
     system_prefix_ids = []
     for s in systems:
-        bare = render_chat(tokenizer, [{"role": "system", "content": s}])
+        bare = render_chat(tokenizer, [{"role": "system", "content": s}], add_generation_prompt=False)
         system_prefix_ids.append(source.encode(bare))
     n_sessions = args.agent_num_sessions or -(-args.num_prompts // args.agent_turns)
     sessions: list[list[BenchRequest]] = []
