@@ -1,0 +1,162 @@
+"""bench_serving against a real CPU server: records, token counts, hit rate vs /metrics, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+from radixserve.bench_serving import build_parser, main, run_benchmark
+from tests.conftest import ServerProcess, free_port, seed_launch_args
+
+RECORD_KEYS = {
+    "timestamp", "settings", "dataset", "server", "duration_s", "completed", "failed", "failure_reasons",
+    "total_input_tokens", "total_output_tokens", "request_throughput", "input_throughput", "output_throughput",
+    "total_throughput", "concurrency", "e2e_latency_ms", "ttft_ms", "tpot_ms", "itl_ms", "cached_tokens",
+    "hit_rate", "metrics_prompt_tokens", "metrics_cached_tokens", "metrics_hit_rate", "hit_rate_matches_metrics",
+    "oracle_hit_rate", "oracle_hit_rate_capacity", "oracle_capacity_tokens", "achieved_over_oracle",
+    "achieved_over_oracle_capacity", "tokenizer_matches_server",
+}
+
+
+def bench(server, *argv):
+    args = build_parser().parse_args([*argv, "--base-url", server.base_url, "--disable-tqdm"])
+    return asyncio.run(run_benchmark(args, quiet=True))
+
+
+AGENT = ["--dataset-name", "agent", "--num-prompts", "16", "--agent-turns", "4", "--agent-output-len", "4",
+         "--agent-think-time", "0.02", "--request-rate", "inf", "--flush-cache"]
+
+
+def test_seed_command_record_and_token_counts(server, tmp_path):
+    """The seed's command as written (package swapped), small sizes; the JSON record carries every figure."""
+    out = tmp_path / "runs.jsonl"
+    code = main(["--backend", "radixserve", "--model", "qwen2", "--num-prompts", "6", "--request-rate", "5",
+                 "--random-input", "48", "--random-output", "6", "--host", "127.0.0.1", "--port", str(server.port),
+                 "--disable-tqdm", "--output-file", str(out)])
+    assert code == 0
+    main(["--num-prompts", "3", "--random-input-len", "20", "--random-output-len", "3", "--port", str(server.port),
+          "--disable-tqdm", "--output-file", str(out)])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 2
+    rec = records[0]
+    assert RECORD_KEYS <= set(rec), RECORD_KEYS - set(rec)
+    assert rec["completed"] == 6 and rec["failed"] == 0
+    # token counts match the server's usage: 6 x 48 in, 6 x 6 out, counted by the server
+    assert rec["total_input_tokens"] == 6 * 48 and rec["total_output_tokens"] == 6 * 6
+    assert rec["tokenizer_matches_server"] is True
+    assert rec["settings"]["random_input_len"] == 48 and rec["settings"]["request_rate"] == 5
+    assert rec["server"]["pool_size"] == rec["oracle_capacity_tokens"] > 0
+    for key in ("e2e_latency_ms", "ttft_ms", "tpot_ms", "itl_ms"):
+        assert set(rec[key]) == {"mean", "median", "p90", "p99", "max"}
+        assert rec[key]["p99"] >= rec[key]["median"] > 0
+    assert rec["metrics_prompt_tokens"] == rec["total_input_tokens"]
+
+
+def test_per_request_counts_equal_the_server_usage(server):
+    out = bench(server, "--num-prompts", "5", "--random-input-len", "33", "--random-output-len", "7")
+    for res, req in zip(sorted(out.results, key=lambda r: r.index), out.requests):
+        assert res.success, res.error
+        assert res.prompt_len == req.prompt_len == 33
+        assert res.output_len == 7 == len(res.output_ids)
+        assert len(res.itl) >= 1 and res.ttft > 0 and res.latency >= res.ttft
+
+
+def test_hit_rate_from_responses_equals_metrics_and_respects_the_oracle(server):
+    out = bench(server, *AGENT)
+    m = out.metrics
+    assert m.completed == 16 and m.failed == 0
+    assert m.hit_rate is not None and m.hit_rate > 0.3
+    assert m.metrics_prompt_tokens == m.total_input_tokens
+    assert m.metrics_cached_tokens == m.cached_tokens
+    assert m.metrics_hit_rate == pytest.approx(m.hit_rate, abs=1e-12)
+    assert m.request_metrics_hit_rate == pytest.approx(m.hit_rate, abs=1e-12)
+    assert m.hit_rate_matches_metrics is True
+    # with the cache flushed and a pool far larger than the workload, the server cannot beat the oracle
+    assert m.oracle_hit_rate_capacity == pytest.approx(m.oracle_hit_rate)
+    assert m.hit_rate <= m.oracle_hit_rate + 1e-9
+    assert m.achieved_over_oracle == pytest.approx(m.hit_rate / m.oracle_hit_rate)
+    assert "Prefix Cache" in out.report and "Oracle hit rate" in out.report
+
+
+@pytest.mark.parametrize("backend", ["openai", "openai-chat", "sglang"])
+def test_other_backends(server, backend):
+    out = bench(server, "--backend", backend, *AGENT[:-1], "--num-prompts", "8")
+    m = out.metrics
+    assert m.completed == 8 and m.failed == 0, m.failure_reasons
+    assert m.total_output_tokens == 8 * 4
+    assert m.cached_tokens is not None and m.hit_rate_matches_metrics is True
+    # the server tokenized the text (or chat messages) itself; the local count agrees
+    assert m.total_input_tokens == sum(r.prompt_len for r in out.requests)
+
+
+def test_random_ids_and_max_concurrency(server):
+    out = bench(server, "--dataset-name", "random-ids", "--num-prompts", "6", "--random-input-len", "25",
+                "--random-output-len", "3", "--max-concurrency", "2")
+    assert out.metrics.completed == 6 and out.metrics.total_input_tokens == 150
+    assert out.metrics.concurrency <= 2.05
+
+
+def test_unreachable_server_says_so(capsys):
+    code = main(["--port", str(free_port()), "--num-prompts", "2", "--disable-tqdm"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "cannot connect to http://127.0.0.1:" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--request-rate", "0"], "--request-rate must be > 0"),
+    (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
+    (["--dataset-name", "sharegpt"], "needs --dataset-path"),
+    (["--dataset-name", "sharegpt", "--dataset-path", "/nonexistent/sg.json"], "no such file"),
+    (["--random-range-ratio", "1.5"], "range-ratio"),
+    (["--backend", "tgi"], "invalid choice"),
+    (["--request-rate", "fast"], "invalid float value"),
+])
+def test_bad_arguments(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_malformed_dataset_file(server, tmp_path, capsys):
+    path = tmp_path / "sg.json"
+    path.write_text("[{\"conversations\": 3}]")
+    code = main(["--dataset-name", "sharegpt", "--dataset-path", str(path), "--port", str(server.port),
+                 "--num-prompts", "1", "--disable-tqdm"])
+    assert code == 2
+    assert "no 'conversations' list" in capsys.readouterr().err
+
+
+def test_requests_the_server_rejects_are_counted_with_reasons(server):
+    # prompts longer than the model's context: every request gets a 400, the run still finishes
+    out = bench(server, "--dataset-name", "random-ids", "--num-prompts", "3", "--random-input-len", "5000",
+                "--random-output-len", "2")
+    assert out.metrics.completed == 0 and out.metrics.failed == 3
+    (reason, count), = out.metrics.failure_reasons.items()
+    assert count == 3 and reason.startswith("HTTP 400") and "context length" in reason
+    assert "Failures" in out.report and "HTTP 400" in out.report
+
+
+def test_server_dying_mid_run(server_model_dir, tmp_path):
+    proc = ServerProcess([*seed_launch_args(server_model_dir), "--device", "cpu"], tmp_path).wait_ready()
+    try:
+        killer = threading.Timer(2.0, proc.proc.kill)
+        killer.start()
+        t0 = time.monotonic()
+        out = bench(proc, "--dataset-name", "random-ids", "--num-prompts", "40", "--random-input-len", "16",
+                    "--random-output-len", "48", "--request-rate", "10", "--warmup-requests", "0")
+        killer.join()
+    finally:
+        proc.stop()
+    m = out.metrics
+    assert m.completed + m.failed == 40
+    assert m.completed >= 1 and m.failed >= 1
+    assert all(r.startswith(("connection", "stream ended")) for r in m.failure_reasons), m.failure_reasons
+    assert m.metrics_hit_rate is None  # /metrics was gone after the run
+    assert time.monotonic() - t0 < 60
