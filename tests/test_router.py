@@ -426,3 +426,17 @@ def test_launch_server_dp_size_starts_workers_behind_a_router(server_model_dir, 
             _complete(c, "dp")
     finally:
         assert proc.stop(60) == 0, proc.output()[-3000:]
+
+
+def test_agent_workload_hit_rate_by_policy(workers, router_workdir):
+    """The bench_routing comparison, small: cache_aware beats round_robin, kv_aware keeps up."""
+    from radixserve.router.bench_routing import Workload, compare
+
+    workload = Workload(sessions=8, turns=4, concurrency=4, agent_types=2, system_words=120, max_tokens=8)
+    results = {r.policy: r for r in compare([w.base_url for w in workers],
+                                            ["round_robin", "cache_aware", "kv_aware"], workload)}
+    for r in results.values():
+        assert r.failed == 0 and r.requests == 32, r.summary()
+    rr, ca, kv = (results[p].hit_rate for p in ("round_robin", "cache_aware", "kv_aware"))
+    assert ca > rr + 0.1, (rr, ca, kv)
+    assert kv >= ca - 0.02, (rr, ca, kv)
