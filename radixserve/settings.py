@@ -69,6 +69,9 @@ class ServerSettings:
     chunked_prefill_size: int = _opt(
         8192, "Longest prompt piece computed in one step; longer prompts are split and each finished "
         "chunk goes into the radix tree. -1 disables chunking.", aliases=("--chunk-prefill-size",))
+    schedule_conservativeness: float = _opt(
+        1.0, "Scales the decode tokens reserved for running requests at admission: lower admits more "
+        "and retracts more often, higher admits less.")
     in_batch_prefix_min_len: int = _opt(
         32, "Of waiting requests that share an uncached prefix at least this long, one is admitted "
         "first so the prefix is computed once.")
@@ -116,6 +119,8 @@ class ServerSettings:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.lpm_max_overtake_s <= 0:
             raise ValueError(f"lpm_max_overtake_s must be > 0, got {self.lpm_max_overtake_s}")
+        if self.schedule_conservativeness < 0:
+            raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
         if self.dp_size < 1:

@@ -19,6 +19,10 @@ import torch
 from radixserve.cache.kv_pool import PageAllocator
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
+# Park keys: a lookup that ends inside a node waits on PARTIAL (a split can lengthen it); one that
+# ends at a node's end waits on the child key of its next token; ALL marks a removed node.
+PARTIAL = "partial"
+ALL = "all"
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -101,7 +105,8 @@ class RadixCache:
         self._ids = itertools.count()
         self._tick = 0
         self.counters = CacheCounters()
-        self.touched: set[TreeNode] = set()  # nodes whose matches may have changed; drained by the scheduler
+        # (node, park key) pairs whose lookups may have changed; drained by the scheduler's queue.
+        self.touched: set[tuple[TreeNode, object]] = set()
         # Called with ("insert" | "evict", tokens from the root to the end of the node) or ("flush", []),
         # so a router can mirror what this cache really holds.
         self.event_listener: Optional[Callable[[str, list[int]], None]] = None
@@ -151,12 +156,21 @@ class RadixCache:
 
     def peek(self, tokens: Sequence[int]) -> tuple[int, TreeNode]:
         """Matched length (page-aligned) and the deepest node touched; never changes the tree."""
-        if self.disabled:
-            return 0, self.root
-        length, last = 0, self.root
-        for node, n, pos in self._walk(tokens):
-            length, last = pos + n, node
+        length, last, _ = self.peek_park(tokens)
         return length, last
+
+    def peek_park(self, tokens: Sequence[int]) -> tuple[int, TreeNode, object]:
+        """Like peek, plus the park key: which change under that node could lengthen this match."""
+        if self.disabled:
+            return 0, self.root, PARTIAL
+        length, last, end = 0, self.root, 0
+        for node, n, pos in self._walk(tokens):
+            length, last, end = pos + n, node, pos + len(node.key)
+        if length < end:
+            return length, last, PARTIAL
+        if length + self.page_size > len(tokens):
+            return length, last, PARTIAL  # nothing left to match: no insert can lengthen it
+        return length, last, self._child_key(tokens, length)
 
     def match(self, tokens: Sequence[int]) -> MatchResult:
         """Longest cached prefix; splits the last node so the match ends at a node boundary."""
@@ -190,7 +204,7 @@ class RadixCache:
         node.parent = upper
         upper.children[self._child_key(node.key, 0)] = node
         self.num_nodes += 1
-        self.touched.add(node)
+        self.touched.add((node, PARTIAL))
         return upper
 
     def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
@@ -216,7 +230,7 @@ class RadixCache:
             self.evictable_size += len(leaf.key)
             self.counters.inserted_tokens += len(leaf.key)
             self._push(leaf)
-            self.touched.add(node)
+            self.touched.add((node, self._child_key(tokens, pos)))
             if self.event_listener is not None:
                 self.event_listener("insert", list(tokens))
         elif node is not self.root and node.is_leaf and node.lock_ref == 0:
@@ -275,8 +289,7 @@ class RadixCache:
             del parent.children[self._child_key(node.key, 0)]
             node.removed = True
             self.num_nodes -= 1
-            self.touched.add(node)
-            self.touched.add(parent)
+            self.touched.add((node, ALL))
             if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
                 self._push(parent)
         self.counters.evicted_tokens += freed
@@ -290,14 +303,14 @@ class RadixCache:
             if node is not self.root:
                 self.allocator.free_slots(node.value)
                 node.removed = True
-                self.touched.add(node)
-        self.touched.add(self.root)
+                self.touched.add((node, ALL))
+        self.touched.add((self.root, ALL))
         self._reset()
         if self.event_listener is not None:
             self.event_listener("flush", [])
         return True
 
-    def drain_touched(self) -> set[TreeNode]:
+    def drain_touched(self) -> set[tuple[TreeNode, object]]:
         touched, self.touched = self.touched, set()
         return touched
 

@@ -42,6 +42,7 @@ class Req:
     # The scheduler's view while waiting: length of the cached prefix and the node it reaches.
     peek_len: int = 0
     peek_node: Optional[TreeNode] = None
+    peek_key: object = None  # what change under peek_node could lengthen the match
     finish_reason: Optional[dict] = None
     num_retractions: int = 0
     admitted_time: Optional[float] = None

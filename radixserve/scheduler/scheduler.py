@@ -73,7 +73,9 @@ class Scheduler:
                                     seed=settings.random_seed)
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        # SGLang's --schedule-conservativeness: scales how many future decode tokens are reserved.
+        self._ratio_scale = settings.schedule_conservativeness
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO * self._ratio_scale
         self.stats = SchedulerStats()
         self._arrivals = 0
         # Device table writes collected during scheduling, applied in one operation per step.
@@ -222,7 +224,7 @@ class Scheduler:
         victim.num_retractions += 1
         self.stats.num_retractions += 1
         self.waiting.add(victim)
-        self.new_token_ratio = min(1.0, max(INIT_NEW_TOKEN_RATIO, self.new_token_ratio * 1.5))
+        self.new_token_ratio = min(1.0, max(INIT_NEW_TOKEN_RATIO * self._ratio_scale, self.new_token_ratio * 1.5))
         return victim
 
     # ------------------------------------------------------------------ the step
@@ -236,7 +238,8 @@ class Scheduler:
             return None
         if batch.is_decode_only:
             self.stats.num_decode_steps += 1
-            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO * self._ratio_scale,
+                                       self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         self.flush_table_writes()
         return batch
 
@@ -354,9 +357,12 @@ class Scheduler:
         now = self.clock()
         updated: list[Req] = []
         sampled = iter(next_token_ids)
-        for req, samples in zip(batch.reqs, batch.sample):
-            if not samples:
+        for req, samples, extend in zip(batch.reqs, batch.sample, batch.extend_lens):
+            if not samples or extend > 1:
+                # A finished chunk or a just-finished prompt goes into the tree at once, so
+                # requests sharing its prefix (deferred in-batch ones above all) find it cached.
                 self._cache_finished_chunk(req)
+            if not samples:
                 continue
             token = next(sampled)
             req.output_ids.append(token)

@@ -1,16 +1,17 @@
 """The waiting queue and its orderings.
 
 Each waiting request remembers how much of its prompt the radix tree holds (`peek_len`) and the
-node where that match ends (`peek_node`). Requests are indexed by that node, so after the tree
-changes only the requests parked at the nodes an insert, split or eviction touched are looked up
-again: the cost per step follows what changed, not the queue length times the prompt length.
+node where that match ends (`peek_node`). Requests are parked by (node, the child key their next
+page would need), so after the tree changes only the requests waiting on exactly what an insert,
+split or eviction touched are looked up again: the cost per step follows what changed, not the
+queue length times the prompt length.
 """
 
 from __future__ import annotations
 
 import random
 from collections import defaultdict
-from radixserve.cache.radix_cache import RadixCache, TreeNode
+from radixserve.cache.radix_cache import ALL, RadixCache, TreeNode
 from radixserve.scheduler.request import Req
 
 
@@ -22,7 +23,7 @@ class WaitingQueue:
         self.aging_tokens_per_s = aging_tokens_per_s
         self._rng = random.Random(seed)
         self._reqs: dict[int, Req] = {}  # arrival_seq -> req, in arrival order
-        self._parked: dict[TreeNode, set[Req]] = defaultdict(set)
+        self._parked: dict[TreeNode, dict[object, set[Req]]] = {}  # node -> park key -> requests
         self.repeeks = 0  # lookups redone after tree changes (exposed for tests)
 
     def __len__(self) -> int:
@@ -41,26 +42,30 @@ class WaitingQueue:
 
     def _unpark(self, req: Req) -> None:
         node = req.peek_node
-        if node is not None:
-            parked = self._parked.get(node)
-            if parked is not None:
-                parked.discard(req)
-                if not parked:
-                    del self._parked[node]
-            req.peek_node = None
+        if node is None:
+            return
+        by_key = self._parked[node]
+        parked = by_key[req.peek_key]
+        parked.discard(req)
+        if not parked:
+            del by_key[req.peek_key]
+            if not by_key:
+                del self._parked[node]
+        req.peek_node = None
 
     def _peek(self, req: Req) -> None:
         self._unpark(req)
-        req.peek_len, req.peek_node = self.cache.peek(req.match_target())
-        self._parked[req.peek_node].add(req)
+        req.peek_len, req.peek_node, req.peek_key = self.cache.peek_park(req.match_target())
+        self._parked.setdefault(req.peek_node, {}).setdefault(req.peek_key, set()).add(req)
 
     def refresh(self) -> None:
-        """Redo the lookups of requests parked at nodes the tree touched since the last refresh."""
-        for node in self.cache.drain_touched():
-            parked = self._parked.get(node)
-            if not parked:
+        """Redo the lookups of requests waiting on what the tree changed since the last refresh."""
+        for node, key in self.cache.drain_touched():
+            by_key = self._parked.get(node)
+            if not by_key:
                 continue
-            for req in list(parked):
+            groups = list(by_key.values()) if key == ALL else [by_key.get(key, ())]
+            for req in [r for group in groups for r in group]:
                 self._peek(req)
                 self.repeeks += 1
 
@@ -85,16 +90,18 @@ class WaitingQueue:
     def _dfs_weight_order(self) -> list[Req]:
         """Depth-first over the tree, heavier subtrees (more waiting requests) first."""
         weight: dict[TreeNode, int] = defaultdict(int)
-        for node, parked in self._parked.items():
+        for node, by_key in self._parked.items():
+            count = sum(len(group) for group in by_key.values())
             n = node
             while n is not None:
-                weight[n] += len(parked)
+                weight[n] += count
                 n = n.parent
         out: list[Req] = []
         stack = [self.cache.root]
         while stack:
             node = stack.pop()
-            out.extend(sorted(self._parked.get(node, ()), key=lambda r: r.arrival_seq))
+            parked = [r for group in self._parked.get(node, {}).values() for r in group]
+            out.extend(sorted(parked, key=lambda r: r.arrival_seq))
             children = [c for c in node.children.values() if weight.get(c)]
             children.sort(key=lambda c: weight[c])  # the heaviest is popped first
             stack.extend(children)

@@ -1,0 +1,257 @@
+"""The offline Engine against Hugging Face generate(), across scheduling, chunking, paging and memory pressure."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixserve import Engine
+from radixserve.testing.tiny_model import build_tiny_model
+
+transformers = pytest.importorskip("transformers")
+
+MAX_NEW = 10
+VARIANTS = {"untied-gqa2": dict(tie_word_embeddings=False, num_heads=4, num_kv_heads=2),
+            "tied-gqa4": dict(tie_word_embeddings=True, num_heads=4, num_kv_heads=1)}
+
+
+def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    """24 prompts of 1..70 tokens; most start with one of three shared "system prompts"."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, vocab) for _ in range(n)] for n in (40, 33, 21)]
+    prompts = []
+    for i in range(24):
+        suffix = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 30))]
+        prompts.append((systems[i % 3] + suffix) if i % 4 else suffix)
+    prompts[5] = [7]  # a one-token prompt
+    prompts[6] = list(prompts[2])  # an exact duplicate
+    return prompts
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new,
+                                 do_sample=False, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def oracle(request, tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp(request.param), **VARIANTS[request.param])
+    prompts = make_prompts(512)
+    return path, prompts, hf_greedy(path, prompts)
+
+
+GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+
+CONFIGS = {
+    **{f"policy-{p}": dict(schedule_policy=p) for p in ("lpm", "fcfs", "lof", "random", "dfs-weight")},
+    **{f"chunk{c}": dict(chunked_prefill_size=c) for c in (-1, 1, 7, 64)},
+    "page4-chunk7": dict(page_size=4, chunked_prefill_size=7),
+    "page4-lpm": dict(page_size=4),
+    "radix-off": dict(disable_radix_cache=True),
+    "radix-off-page4": dict(disable_radix_cache=True, page_size=4, chunked_prefill_size=7),
+    "max-running-3": dict(max_running_requests=3, max_prefill_tokens=40),
+    "fifo-small-pool": dict(radix_eviction_policy="fifo", max_total_tokens=400),
+    "lfu-small-pool": dict(radix_eviction_policy="lfu", max_total_tokens=400),
+}
+
+
+def check_idle(engine: Engine) -> None:
+    engine.check_invariants()
+    stats = engine.cache_stats()
+    assert stats["running_requests"] == stats["queued_requests"] == 0
+    assert stats["free_tokens"] + stats["evictable_tokens"] == stats["pool_tokens"]
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_greedy_equals_hf(oracle, config):
+    path, prompts, expected = oracle
+    engine = Engine(str(path), **{"max_total_tokens": 4096, **CONFIGS[config]})
+    for _ in range(2):  # the second pass runs on a warm cache
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [r["output_ids"] for r in results] == expected
+        check_idle(engine)
+    if not engine.settings.disable_radix_cache:
+        assert engine.cache_stats()["cached_prompt_tokens"] > 0
+
+
+def test_memory_pressure_evicts_and_retracts_without_changing_output(oracle):
+    path, prompts, expected = oracle
+    # A small pool, and admission that reserves nothing for future decode tokens: decode runs out
+    # of slots, evicts the tree and then retracts running requests.
+    engine = Engine(str(path), max_total_tokens=96, chunked_prefill_size=16, schedule_conservativeness=0.0)
+    results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [r["output_ids"] for r in results] == expected
+    stats = engine.cache_stats()
+    assert stats["evicted_tokens"] > 0
+    assert stats["retractions"] > 0
+    check_idle(engine)
+
+
+def test_batch_compositions(oracle):
+    path, prompts, expected = oracle
+    engine = Engine(str(path), max_total_tokens=4096, chunked_prefill_size=7)
+    # one at a time, then in uneven groups, then everything at once
+    for i in (0, 5, 11):
+        assert engine.generate(input_ids=prompts[i], sampling_params=GREEDY)["output_ids"] == expected[i]
+    for lo, hi in ((0, 3), (3, 13), (13, 24)):
+        got = engine.generate(input_ids=prompts[lo:hi], sampling_params=GREEDY)
+        assert [r["output_ids"] for r in got] == expected[lo:hi]
+    check_idle(engine)
+
+
+def test_mixed_lengths_in_one_batch(oracle):
+    """Requests with different max_new_tokens finish at different steps while others keep decoding."""
+    path, prompts, expected = oracle
+    engine = Engine(str(path), max_total_tokens=4096)
+    params = [dict(GREEDY, max_new_tokens=1 + i % MAX_NEW) for i in range(len(prompts))]
+    got = engine.generate(input_ids=prompts, sampling_params=params)
+    for r, exp, p in zip(got, expected, params):
+        assert r["output_ids"] == exp[: p["max_new_tokens"]]
+        assert r["meta_info"]["finish_reason"]["type"] == "length"
+    check_idle(engine)
+
+
+# ------------------------------------------------------------------------------------------ prefix cache
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_cached_tokens_equal_shared_prefix(tiny_dir, page_size):
+    engine = Engine(str(tiny_dir), max_total_tokens=4096, page_size=page_size)
+    rng = random.Random(1)
+    system = [rng.randrange(3, 500) for _ in range(42)]
+    first = engine.generate(input_ids=system + [10, 11, 12], sampling_params=GREEDY)
+    assert first["meta_info"]["cached_tokens"] == 0
+    later = engine.generate(input_ids=[system + [20 + i, 5, 6] for i in range(3)], sampling_params=GREEDY)
+    expected = 42 - 42 % page_size
+    assert [r["meta_info"]["cached_tokens"] for r in later] == [expected] * 3
+    stats = engine.cache_stats()
+    assert stats["prompt_tokens"] == 45 * 4
+    assert stats["cached_prompt_tokens"] == 3 * expected
+    check_idle(engine)
+
+
+def test_in_batch_prefix_sharing_computes_the_prefix_once(tiny_dir):
+    engine = Engine(str(tiny_dir), max_total_tokens=4096)
+    rng = random.Random(2)
+    shared = [rng.randrange(3, 500) for _ in range(64)]
+    prompts = [shared + [100 + i, 7, 8] for i in range(4)]
+    results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    cached = sorted(r["meta_info"]["cached_tokens"] for r in results)
+    assert cached == [0, 64, 64, 64]
+    assert engine.cache_stats()["in_batch_deferrals"] >= 3
+    check_idle(engine)
+
+
+def test_disabled_cache_reuses_nothing(tiny_dir):
+    engine = Engine(str(tiny_dir), max_total_tokens=4096, disable_radix_cache=True)
+    for _ in range(2):
+        r = engine.generate(input_ids=list(range(3, 60)), sampling_params=GREEDY)
+        assert r["meta_info"]["cached_tokens"] == 0
+    stats = engine.cache_stats()
+    assert stats["free_tokens"] == stats["pool_tokens"] and stats["tree_nodes"] == 1
+    check_idle(engine)
+
+
+def test_flush_frees_everything(tiny_dir):
+    engine = Engine(str(tiny_dir), max_total_tokens=4096)
+    engine.generate(input_ids=list(range(3, 60)), sampling_params=GREEDY)
+    assert engine.cache_stats()["evictable_tokens"] > 0
+    assert engine.flush_cache()
+    stats = engine.cache_stats()
+    assert stats["free_tokens"] == stats["pool_tokens"]
+    again = engine.generate(input_ids=list(range(3, 60)), sampling_params=GREEDY)
+    assert again["meta_info"]["cached_tokens"] == 0
+
+
+# ------------------------------------------------------------------------------------------ sampling & stops
+
+
+def test_stop_token_ids_stop_strings_and_eos(tiny_dir):
+    engine = Engine(str(tiny_dir), max_total_tokens=4096)
+    prompt = "The quick brown fox jumps over"
+    base = engine.generate(prompt=prompt, sampling_params={"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
+    ids = base["output_ids"]
+    stop_id = ids[4]
+    first = ids.index(stop_id)
+    r = engine.generate(prompt=prompt, sampling_params={"max_new_tokens": 12, "temperature": 0,
+                                                        "stop_token_ids": [stop_id]})
+    assert r["output_ids"] == ids[: first + 1]
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    text = base["text"]
+    stop = text.strip().split(" ")[1] if " " in text.strip() else text[-2:]
+    r = engine.generate(prompt=prompt, sampling_params={"max_new_tokens": 12, "temperature": 0, "stop": stop,
+                                                        "ignore_eos": True})
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stop not in r["text"] and text.startswith(r["text"])
+    check_idle(engine)
+
+
+def test_seeded_sampling_is_reproducible(tiny_dir):
+    engine = Engine(str(tiny_dir), max_total_tokens=4096)
+    params = {"max_new_tokens": 16, "temperature": 1.0, "top_p": 0.9, "top_k": 50, "min_p": 0.01, "seed": 1234}
+    a = engine.generate(prompt="Once upon a time", sampling_params=params)
+    b = engine.generate(prompt="Once upon a time", sampling_params=params)
+    c = engine.generate(prompt="Once upon a time", sampling_params=dict(params, seed=99))
+    assert a["output_ids"] == b["output_ids"]
+    assert len(c["output_ids"]) == len(a["output_ids"]) or c["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def test_bad_requests_raise_before_anything_is_allocated(tiny_dir):
+    engine = Engine(str(tiny_dir), max_total_tokens=256, context_length=200)
+    ok = {"max_new_tokens": 4, "temperature": 0}
+    cases = [
+        (dict(input_ids=[]), "empty"),
+        (dict(prompt=""), "empty"),
+        (dict(input_ids=[1, 2, 100000]), "outside the vocabulary"),
+        (dict(input_ids=[1, -3]), "outside the vocabulary"),
+        (dict(input_ids=[1, 2], sampling_params={"max_new_tokens": 0}), "max_new_tokens"),
+        (dict(input_ids=[1, 2], sampling_params={"max_new_tokens": 199}), "context length"),
+        (dict(input_ids=list(range(3, 250))), "context length"),
+        (dict(input_ids=[1, 2], sampling_params={"temperature": -1}), "temperature"),
+        (dict(input_ids=[1, 2], sampling_params={"top_p": 0}), "top_p"),
+        (dict(input_ids=[1, 2], sampling_params={"bogus": 1}), "bogus"),
+        (dict(input_ids=[[1, 2], []]), "empty"),
+    ]
+    for kwargs, needle in cases:
+        kwargs.setdefault("sampling_params", ok)
+        with pytest.raises(ValueError, match=needle):
+            engine.generate(**kwargs)
+        check_idle(engine)
+    small = Engine(str(tiny_dir), max_total_tokens=64)
+    with pytest.raises(ValueError, match="KV pool"):
+        small.generate(input_ids=list(range(3, 80)), sampling_params=ok)
+    # everyone else is still served
+    assert len(engine.generate(input_ids=[1, 2, 3], sampling_params=ok)["output_ids"]) == 4
+
+
+def test_bad_settings_and_model_dirs(tiny_dir, tmp_path):
+    for kwargs, needle in [(dict(schedule_policy="nope"), "schedule_policy"),
+                           (dict(radix_eviction_policy="mru"), "radix_eviction_policy"),
+                           (dict(page_size=0), "page_size"), (dict(chunked_prefill_size=0), "chunked_prefill_size"),
+                           (dict(no_such_setting=1), "no_such_setting")]:
+        with pytest.raises(ValueError, match=needle):
+            Engine(str(tiny_dir), **kwargs)
+    with pytest.raises((FileNotFoundError, ValueError), match="config.json"):
+        Engine(str(tmp_path))
+    (tmp_path / "config.json").write_text((tiny_dir / "config.json").read_text())
+    with pytest.raises((FileNotFoundError, ValueError), match="safetensors"):
+        Engine(str(tmp_path))
