@@ -132,6 +132,9 @@ async def send_request(session: aiohttp.ClientSession, url: str, backend: str, r
     except aiohttp.ClientConnectorError as e:
         result.error = f"connection refused: {e.os_error or e}"[:200]
         return result
+    except aiohttp.ClientOSError as e:  # after connecting: reset by the server
+        result.error = f"connection reset: {e.strerror or e}"[:200]
+        return result
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as e:
         result.error = f"connection lost mid-stream: {type(e).__name__}"
         return result
