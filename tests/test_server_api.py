@@ -142,6 +142,10 @@ def test_async_client_seed_script(server):
                                      max_tokens=4, temperature=0)
             assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
             native = await client.generate(text="Hello", sampling_params={"max_new_tokens": 3, "temperature": 0})
+            # the client tokenizes exactly as the server does
+            text = "Tokenize me: 1234, spaces   and\nnew lines!"
+            served = await client.generate(text=text, sampling_params={"max_new_tokens": 1, "temperature": 0})
+            assert len(tok.encode(text)) == served["meta_info"]["prompt_tokens"]
             assert set(native["meta_info"]) >= {"id", "finish_reason", "prompt_tokens", "completion_tokens",
                                                 "cached_tokens", "e2e_latency"}
 

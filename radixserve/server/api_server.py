@@ -40,7 +40,10 @@ HEALTH_TIMEOUT_S = 20.0
 DRAIN_TIMEOUT_S = 30.0
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "chat_template.jinja", "chat_template.json", "added_tokens.json",
-                   "tokenizer.model", "generation_config.json")
+                   "tokenizer.model", "generation_config.json",
+                   # AutoTokenizer picks the tokenizer class (and its pre-tokenizer) from config.json's
+                   # model_type; without it a client would tokenize differently from the server.
+                   "config.json")
 ENGINE_ERRORS = (QueueFullError, EngineDeadError, EngineRequestError)
 
 
