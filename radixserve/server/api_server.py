@@ -495,7 +495,7 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
             raise APIError(409, f"cannot flush the cache: {reply.message}", code="requests_running")
         return {"status": "ok", "message": "the radix cache was flushed"}
 
-    install_kv_events(app, engine)
+    app.state.kv_events = install_kv_events(app, engine)
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -541,7 +541,16 @@ def run_server(settings: ServerSettings) -> int:
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop=loop, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=DRAIN_TIMEOUT_S, lifespan="on")
-    server = uvicorn.Server(config)
+    kv_events = app.state.kv_events
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # Open /kv_events streams never end by themselves; close them so the drain can finish.
+            if kv_events.loop is not None:
+                kv_events.loop.call_soon_threadsafe(kv_events.close_all)
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     logger.info("serving %s on http://%s:%d", model_path, settings.host, settings.port)
     server.run()
     engine.kill_now()

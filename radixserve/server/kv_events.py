@@ -41,6 +41,7 @@ class KvEventHub:
     def __init__(self, engine: EngineClient):
         self.engine = engine
         self.subscribers: set[asyncio.Queue] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
         engine.on_kv_events = self.publish
 
     def publish(self, events: list) -> None:
@@ -52,7 +53,16 @@ class KvEventHub:
                 queue.get_nowait()
                 queue.put_nowait(_CLOSED)
 
+    def close_all(self) -> None:
+        """End every subscriber's stream (on shutdown: an endless stream would hold up the drain)."""
+        for queue in list(self.subscribers):
+            self.subscribers.discard(queue)
+            if queue.full():
+                queue.get_nowait()
+            queue.put_nowait(_CLOSED)
+
     async def stream(self) -> AsyncIterator[str]:
+        self.loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue(maxsize=SUBSCRIBER_QUEUE_BATCHES)
         # Subscribe before asking for the snapshot, so nothing falls between the two.
         self.subscribers.add(queue)
