@@ -14,7 +14,6 @@ Control: `GET /workers`, `POST /workers {"url": ...}`, `DELETE /workers/{id}`, `
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import json
 import logging
@@ -27,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from radixserve.server.auth import APIKeyMiddleware
 from radixserve.router.keys import load_tokenizer_dir, routing_keys, tokenizer_from_files
 from radixserve.router.kv_sync import kv_sync_loop
 from radixserve.router.metrics import RouterMetrics
@@ -338,22 +338,6 @@ class Router:
         return error_response(503, "no healthy worker", code="no_healthy_worker")
 
 
-class APIKeyMiddleware:
-    OPEN_PATHS = ("/health",)
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
-            return await self.app(scope, receive, send)
-        given = dict(scope.get("headers") or ()).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
-            return await self.app(scope, receive, send)
-        response = error_response(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
 
 
 def create_router_app(settings: RouterSettings) -> FastAPI:

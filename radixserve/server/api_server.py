@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import base64
-import hmac
 import logging
 import os
 import time
@@ -26,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from radixserve.engine.io_struct import SamplingParams
 from radixserve.server.engine_client import EngineClient, EngineDeadError, EngineRequestError, QueueFullError
 from radixserve.server.errors import APIError, bad_request, error_body, error_response, install_error_handlers
+from radixserve.server.auth import APIKeyMiddleware
 from radixserve.server.kv_events import install_kv_events
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.protocol import ROLES, ChatCompletionRequest, CompletionRequest, GenerateBody
@@ -62,24 +62,6 @@ class ClosingStreamingResponse(StreamingResponse):
             self.on_close()
 
 
-class APIKeyMiddleware:
-    """Pure ASGI (streams pass through untouched); compares keys in constant time."""
-
-    OPEN_PATHS = ("/health",)
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
-            return await self.app(scope, receive, send)
-        given = dict(scope.get("headers") or ()).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
-            return await self.app(scope, receive, send)
-        response = error_response(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
 
 
 def _usage(trackers: list[Tracker]) -> dict[str, Any]:

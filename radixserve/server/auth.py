@@ -1,0 +1,27 @@
+"""Bearer-token check shared by the server and the router."""
+
+from __future__ import annotations
+
+import hmac
+
+from radixserve.server.errors import error_response
+
+
+class APIKeyMiddleware:
+    """Pure ASGI (streams pass through untouched); compares keys in constant time."""
+
+    OPEN_PATHS = ("/health",)
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        response = error_response(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
