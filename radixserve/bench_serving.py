@@ -55,6 +55,8 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None)
     p.add_argument("--dataset-name", default="random", choices=DATASETS)
     p.add_argument("--dataset-path", default=None, help="Local ShareGPT JSON file for --dataset-name sharegpt.")
+    p.add_argument("--prompt-ids", action="store_true",
+                   help="Send every prompt as token ids (the local tokenizer's), not text; random-ids always does.")
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--random-input-len", "--random-input", dest="random_input_len", type=int, default=1024)
     p.add_argument("--random-output-len", "--random-output", dest="random_output_len", type=int, default=512)
@@ -264,9 +266,9 @@ async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False,
             except DatasetError as e:
                 raise BenchError(str(e)) from None
             summary = dataset_summary(requests)
-            use_ids = args.dataset_name == "random-ids"
+            use_ids = args.dataset_name == "random-ids" or args.prompt_ids
             if use_ids and args.backend == "openai-chat":
-                raise BenchError("--dataset-name random-ids sends token ids, which openai-chat cannot carry")
+                raise BenchError("token-id prompts (random-ids, --prompt-ids) cannot be sent to openai-chat")
             url = base_url + api_path(args.backend)
             say(f"#requests: {len(requests)}  prompt tokens: {summary['prompt_tokens']}  "
                 f"system-prompt share: {summary['system_prompt_fraction']:.3f}  server: {base_url}")
@@ -334,7 +336,8 @@ async def _warmup(session, url, args, requests, model, headers, vocab_size, toke
     if args.warmup_requests == 0:
         return None
     rng = random.Random(args.seed + 7919)
-    check_text = tokenizer is not None and args.backend != "openai-chat" and args.dataset_name != "random-ids"
+    check_text = tokenizer is not None and args.backend != "openai-chat" and args.dataset_name != "random-ids" \
+        and not args.prompt_ids
     special = set(getattr(tokenizer, "all_special_ids", []) or []) if tokenizer is not None else set()
     vocab = vocab_size or (len(tokenizer) if tokenizer is not None else 256)
     ids = [t for t in range(vocab) if t not in special]
