@@ -7,6 +7,8 @@ at `req_to_token[req_index, i]`; with pages, the slots of positions in one page 
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 
@@ -53,7 +55,10 @@ class PageAllocator:
         return list(self._free_pages)
 
     def pages_to_slots(self, pages: list[int]) -> torch.Tensor:
-        p = torch.tensor(pages, dtype=torch.int64)
+        # array('q') converts a long list several times faster than torch.tensor(list).
+        p = torch.frombuffer(array("q", pages), dtype=torch.int64) if pages else torch.empty(0, dtype=torch.int64)
+        if self.page_size == 1:
+            return p
         return (p[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
 
 

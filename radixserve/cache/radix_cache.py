@@ -11,33 +11,19 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
 from radixserve.cache.kv_pool import PageAllocator
+from radixserve.cache.prefix import common_prefix_len
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 # Park keys: a lookup that ends inside a node waits on PARTIAL (a split can lengthen it); one that
 # ends at a node's end waits on the child key of its next token; ALL marks a removed node.
 PARTIAL = "partial"
 ALL = "all"
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of two token lists (slice comparisons run in C)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] holds, a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class TreeNode:
@@ -357,5 +343,5 @@ class RadixCache:
         owned = [s for s in self.all_slots()] + [self.allocator.pages_to_slots(self.allocator.free_page_list())]
         owned += list(running_slots)
         every = torch.cat(owned) if owned else _EMPTY_SLOTS
-        assert every.numel() == torch.unique(every).numel(), "a KV slot is owned twice"
+        assert every.numel() == 0 or int(torch.bincount(every).max()) <= 1, "a KV slot is owned twice"
         assert every.numel() == total, f"{every.numel()} slots owned, pool has {total}"
