@@ -81,7 +81,6 @@ class ServerSettings:
                                   choices=("auto", "torch", "triton"))
     cuda_graph_max_bs: int = _opt(256, "Largest decode batch replayed from a CUDA graph.")
     disable_cuda_graph: bool = _opt(False, "Run decode steps eagerly.")
-    disable_overlap_schedule: bool = _opt(False, "Do not prepare step N+1 on the CPU while the GPU runs step N.")
 
     # --- server ------------------------------------------------------------
     host: str = _opt("127.0.0.1", "Address the HTTP server binds.")
