@@ -8,7 +8,8 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixserve.cache.kv_pool import PageAllocator
-from radixserve.cache.radix_cache import RadixCache, common_prefix_len
+from radixserve.cache.prefix import common_prefix_len
+from radixserve.cache.radix_cache import RadixCache
 
 TOKENS = st.lists(st.integers(0, 3), min_size=0, max_size=14)
 

@@ -13,23 +13,11 @@ share a node). It serves two uses:
 from __future__ import annotations
 
 import itertools
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
+
+from radixserve.cache.prefix import common_prefix_len
 
 Key = Union[str, list[int], tuple[int, ...]]
-
-
-def common_prefix_len(a: Sequence, b: Sequence) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class _Node:

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 from urllib.parse import urlsplit
 
-from radixserve.router.prefix_tree import Key, PrefixTree, common_prefix_len
+from radixserve.cache.prefix import common_prefix_len
+from radixserve.router.prefix_tree import Key, PrefixTree
 
 # A finished request's prompt still counts as "about to be cached" this long, to cover the time
 # between its response and the worker's insert event reaching the router.
