@@ -319,10 +319,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     # small-pool configuration must not run first.
     if not small_pool and configs and configs[0].small_pool:
         configs = [c for c in configs if not c.small_pool] + [c for c in configs if c.small_pool]
+    if not small_pool and configs and configs[0].small_pool:
+        # Every configuration is a small-pool one: no run can size the pool for the others, and a
+        # guessed size for the first alone would compare unequal pools.
+        parser.error("these configurations all use the small KV pool: give its size with --small-pool-tokens")
     for i, cfg in enumerate(configs):
         label = f"[{i + 1}/{len(configs)}]"
-        if cfg.small_pool and not small_pool:
-            small_pool = 2048
         res, outcome = run_config(cfg, base_server_args, bench_argv, out_dir, small_pool,
                                   args.server_start_timeout, label)
         if outcome is not None and not args.small_pool_tokens and i == 0:
