@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import signal
 import socket
@@ -365,8 +364,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print()
     print(console_table(rows))
     print()
-    print(f"latency in s, TTFT in ms; 'oracle (capacity)' simulates the server's KV pool; achieved/oracle = hit rate / "
-          f"that oracle")
+    print("latency in s, TTFT in ms; 'oracle (capacity)' simulates the server's KV pool; achieved/oracle = hit rate / "
+          "that oracle")
     print(f"results: {out_dir / 'results.json'}, table: {out_dir / 'table.md'}"
           + (f", plots: {', '.join(str(out_dir / p) for p in plots)}" if plots else ""))
     print(f"total time {meta['wall_s']:.0f} s")

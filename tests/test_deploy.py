@@ -17,7 +17,6 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 

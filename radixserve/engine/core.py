@@ -17,7 +17,7 @@ import torch
 
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.engine.io_struct import GenerateRequest, RequestOutput, SamplingParams
+from radixserve.engine.io_struct import GenerateRequest, RequestOutput
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.model.config import ModelConfig
 from radixserve.scheduler.request import Req
