@@ -11,7 +11,6 @@ element written (outputs and scratch are poisoned with NaN before each run).
 from __future__ import annotations
 
 import math
-import os
 import random
 
 import pytest
@@ -20,17 +19,9 @@ import torch
 from radixserve.attention.base import ForwardBatch, ForwardMode
 from radixserve.cache.kv_pool import KVPool
 
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICE = "cpu"
-else:
-    DEVICE = None
+from triton_device import DEVICE  # skips this module without a GPU or the Triton interpreter
 
 pytestmark = pytest.mark.gpu
-if DEVICE is None:
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
-pytest.importorskip("triton")
 
 from radixserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from radixserve.attention.triton_kernels.decode_attention import decode_attention  # noqa: E402

@@ -5,22 +5,12 @@ Runs on a CUDA GPU; skipped elsewhere (TRITON_INTERPRET=1 runs it on the CPU in 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICE = "cpu"
-else:
-    DEVICE = None
+from triton_device import DEVICE  # skips this module without a GPU or the Triton interpreter
 
 pytestmark = pytest.mark.gpu
-if DEVICE is None:
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
-pytest.importorskip("triton")
 
 from radixserve.kernels.activation import silu_and_mul  # noqa: E402
 from radixserve.kernels.norm import add_rms_norm, rms_norm  # noqa: E402
