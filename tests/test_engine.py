@@ -63,6 +63,10 @@ CONFIGS = {
     "max-running-3": dict(max_running_requests=3, max_prefill_tokens=40),
     "fifo-small-pool": dict(radix_eviction_policy="fifo", max_total_tokens=400),
     "lfu-small-pool": dict(radix_eviction_policy="lfu", max_total_tokens=400),
+    # Every config above runs with overlap scheduling (the default); these build each step only
+    # after the previous step's tokens are back.
+    "no-overlap": dict(disable_overlap_schedule=True),
+    "no-overlap-small-pool-chunk7": dict(disable_overlap_schedule=True, max_total_tokens=400, chunked_prefill_size=7),
 }
 
 
@@ -95,6 +99,75 @@ def test_memory_pressure_evicts_and_retracts_without_changing_output(oracle):
     stats = engine.cache_stats()
     assert stats["evicted_tokens"] > 0
     assert stats["retractions"] > 0
+    check_idle(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_memory_pressure_retracts_with_and_without_overlap(oracle, overlap):
+    """With overlap, a retraction first waits for the step in flight (NeedResults): same tokens."""
+    path, prompts, expected = oracle
+    engine = Engine(str(path), max_total_tokens=96, chunked_prefill_size=16, schedule_conservativeness=0.0,
+                    disable_overlap_schedule=not overlap)
+    results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [r["output_ids"] for r in results] == expected
+    assert engine.cache_stats()["retractions"] > 0
+    check_idle(engine)
+
+
+def test_stop_tokens_found_one_step_late_give_the_same_output(oracle):
+    """With overlap a stop token is seen after the next step was launched: that step's token for
+    the finished request is dropped, and every request's output equals the non-overlapped run."""
+    path, prompts, expected = oracle
+    # Stop ids that end several requests early, at different steps, while others decode on.
+    stop_ids = sorted({exp[k] for exp, k in zip(expected[::3], (1, 3, 5, 2, 4, 6, 1, 7))})
+    params = {"max_new_tokens": MAX_NEW, "temperature": 0, "stop_token_ids": stop_ids}
+    runs = {}
+    for overlap in (True, False):
+        engine = Engine(str(path), max_total_tokens=4096, disable_overlap_schedule=not overlap)
+        runs[overlap] = [(r["output_ids"], r["meta_info"]["finish_reason"])
+                         for r in engine.generate(input_ids=prompts, sampling_params=params)]
+        check_idle(engine)
+    assert runs[True] == runs[False]
+    stopped = [out for out, reason in runs[True] if reason["type"] == "stop"]
+    assert len(stopped) >= 4 and any(len(out) < MAX_NEW - 3 for out in stopped)
+    for (out, reason), exp in zip(runs[True], expected):
+        assert out == exp[:len(out)]
+        if reason["type"] == "stop":
+            assert out[-1] in stop_ids and not set(out[:-1]) & set(stop_ids)
+
+
+def test_abort_while_a_step_is_in_flight(oracle):
+    """Aborting requests between overlapped steps: their in-flight tokens are dropped, the rest
+    finish as Hugging Face does, and every slot comes back."""
+    path, prompts, expected = oracle
+    engine = Engine(str(path), max_total_tokens=4096)
+    core = engine.core
+    from radixserve.engine.io_struct import GenerateRequest, sampling_params_from_dict
+
+    rids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(rids, prompts):
+        core.add_request(GenerateRequest(rid=rid, input_ids=p, sampling_params=sampling_params_from_dict(GREEDY)))
+    outputs = {rid: [] for rid in rids}
+    finished = {}
+    steps = 0
+    while core.has_work:
+        for out in core.step():
+            outputs[out.rid].extend(out.new_token_ids)
+            if out.finished:
+                finished[out.rid] = out.finish_reason["type"]
+        steps += 1
+        if steps in (2, 4, 6):  # abort two requests that are decoding with a step in flight
+            for rid in [r for r in rids if r not in finished][:2]:
+                out = core.abort(rid)
+                outputs[rid].extend(out.new_token_ids)
+                finished[rid] = "abort"
+    assert sorted(finished) == sorted(rids)
+    assert list(finished.values()).count("abort") == 6
+    for rid, exp in zip(rids, expected):
+        if finished[rid] == "abort":
+            assert outputs[rid] == exp[:len(outputs[rid])]
+        else:
+            assert outputs[rid] == exp
     check_idle(engine)
 
 

@@ -1,7 +1,10 @@
 """The engine: model, KV memory, radix cache and scheduler, driven one step at a time.
 
-`EngineCore.step()` is the whole loop body: schedule a batch, run it, turn the sampled tokens into
-`RequestOutput`s. The offline `Engine` and the server's engine process both drive it.
+`EngineCore.step()` is the whole loop body: schedule a batch, launch it, and turn the sampled
+tokens of the step before into `RequestOutput`s. With overlap scheduling (the default) the host
+builds and launches step N+1 while the device still runs step N, and only then waits for step N's
+tokens, so scheduling, result processing and launches hide behind the device's work. The offline
+`Engine` and the server's engine process both drive it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from radixserve.engine.io_struct import GenerateRequest, RequestOutput
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.model.config import ModelConfig
 from radixserve.scheduler.request import Req
-from radixserve.scheduler.scheduler import ScheduledBatch, Scheduler
+from radixserve.engine.model_runner import StepFuture
+from radixserve.scheduler.scheduler import NeedResults, ScheduledBatch, Scheduler
 from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")
@@ -99,6 +103,8 @@ class EngineCore:
                                   cuda_graph_max_bs=min(settings.cuda_graph_max_bs, max_running),
                                   disable_cuda_graph=settings.disable_cuda_graph)
         self.last_step = StepInfo(None, 0.0)
+        self.overlap = not settings.disable_overlap_schedule
+        self._in_flight: Optional[tuple[ScheduledBatch, StepFuture]] = None
         logger.info("engine ready: model=%s device=%s dtype=%s kv_pool=%d tokens page_size=%d max_running=%d",
                     self.model_path, self.device, self.dtype, self.pool_size, settings.page_size, max_running)
 
@@ -179,18 +185,35 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling step and forward pass; outputs for every request that got a token."""
+        """Schedule and launch one batch, then collect the step before it (or this one, without
+        overlap); outputs for every request that got a token."""
         start = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if batch is None:
-            self.last_step = StepInfo(None, time.perf_counter() - start)
-            return []
-        next_ids = self.runner.forward(batch)
-        updated = self.scheduler.process_results(batch, next_ids)
+        outputs: list[RequestOutput] = []
+        try:
+            batch = self.scheduler.schedule()
+        except NeedResults:  # memory is short: retraction needs the tokens in flight first
+            outputs = self.sync()
+            batch = self.scheduler.schedule()
+        launched = (batch, self.runner.launch(batch)) if batch is not None else None
+        outputs += self.sync()
+        self._in_flight = launched
+        self.scheduler.results_outstanding = launched is not None
+        if not self.overlap:
+            outputs += self.sync()
         self.last_step = StepInfo(batch, time.perf_counter() - start)
+        return outputs
+
+    def sync(self) -> list[RequestOutput]:
+        """Wait for the step in flight, if any, and process its tokens."""
+        if self._in_flight is None:
+            return []
+        batch, future = self._in_flight
+        self._in_flight = None
+        self.scheduler.results_outstanding = False
+        updated = self.scheduler.process_results(batch, future.result())
         return [self._output(r) for r in updated]
 
     def _output(self, req: Req) -> RequestOutput:
@@ -207,6 +230,7 @@ class EngineCore:
     def flush_cache(self) -> bool:
         if self.scheduler.has_work:
             return False
+        self.sync()  # only finished requests' dropped tokens can be in flight here
         return self.cache.flush()
 
     def check_invariants(self) -> None:

@@ -5,8 +5,11 @@ function of it, and it reads seq_lens, req_pool_indices, out_cache_loc and req_t
 device memory), so one graph per bucket serves every context length. The inputs live in one
 static device buffer [5, max_bs] (input_ids, positions, out_cache_loc, req_pool_indices,
 seq_lens) that each step overwrites with one host-to-device copy of a pinned buffer before the
-replay. Rows past the real batch are padding: token 0 at position 0 written to the reserved
-slot 0 (page 0 is never handed out), request row 0 with seq_len 0, which attends to nothing.
+replay; two pinned buffers take turns, because with overlap scheduling the next step is written
+while the previous step's copy may still be queued. An input id -(row + 1) is a token the host has
+not seen yet: the graph reads it from the runner's `last_token` (resolved inside the graph). Rows
+past the real batch are padding: token 0 at position 0 written to the reserved slot 0 (page 0 is
+never handed out), request row 0 with seq_len 0, which attends to nothing.
 
 Each graph gets its own memory pool: graphs sharing one pool hit an allocator assert when an
 earlier graph's outputs are freed while a later one still maps the blocks.
@@ -34,6 +37,12 @@ INPUT_IDS, POSITIONS, OUT_CACHE_LOC, REQ_POOL_INDICES, SEQ_LENS = range(5)
 NUM_INPUT_ROWS = 5
 
 
+def resolve_pending_ids(input_ids: torch.Tensor, last_token: torch.Tensor) -> torch.Tensor:
+    """input_ids with every -(row + 1) replaced by last_token[row] (on the device, no sync)."""
+    rows = (-input_ids - 1).clamp_min_(0)
+    return torch.where(input_ids < 0, last_token[rows], input_ids)
+
+
 def graph_batch_sizes(max_bs: int) -> list[int]:
     """Padded batch sizes to capture, ascending, the last one max_bs."""
     sizes = [b for b in _BASE_BUCKETS if b <= max_bs]
@@ -56,31 +65,36 @@ class DecodeCudaGraphs:
     """Captures the model's decode step at each bucket and replays the smallest bucket that fits."""
 
     def __init__(self, model: torch.nn.Module, kv_pool: KVPool, req_to_token: ReqToTokenPool,
-                 device: torch.device, max_bs: int):
+                 device: torch.device, max_bs: int, last_token: torch.Tensor):
         self.model = model
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.device = device
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
+        self.last_token = last_token
         self.inputs = torch.zeros((NUM_INPUT_ROWS, self.max_bs), dtype=torch.int64, device=device)
-        self.host_inputs = torch.zeros((NUM_INPUT_ROWS, self.max_bs), dtype=torch.int64).pin_memory()
+        self.host_inputs = [torch.zeros((NUM_INPUT_ROWS, self.max_bs), dtype=torch.int64).pin_memory()
+                            for _ in range(2)]
+        self._turn = 0
         self._ones = torch.ones(self.max_bs, dtype=torch.int64, device=device)
         self._arange = torch.arange(self.max_bs, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
 
-    def _batch(self, bs: int) -> ForwardBatch:
+    def _run(self, bs: int) -> torch.Tensor:
+        """The captured work: resolve pending input ids, then the model's decode step."""
         x = self.inputs
         seq_lens = x[SEQ_LENS, :bs]
-        return ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=x[INPUT_IDS, :bs], positions=x[POSITIONS, :bs],
+        input_ids = resolve_pending_ids(x[INPUT_IDS, :bs], self.last_token)
+        return self.model(ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=input_ids, positions=x[POSITIONS, :bs],
             out_cache_loc=x[OUT_CACHE_LOC, :bs], req_pool_indices=x[REQ_POOL_INDICES, :bs], seq_lens=seq_lens,
             extend_lens=self._ones[:bs], prefix_lens=x[POSITIONS, :bs],
             # Never read in DECODE mode by the Triton backend or the model.
             seq_lens_cpu=[0] * bs, extend_lens_cpu=[1] * bs, prefix_lens_cpu=[0] * bs,
-            req_to_token=self.req_to_token.table, kv_pool=self.kv_pool, logits_indices=self._arange[:bs])
+            req_to_token=self.req_to_token.table, kv_pool=self.kv_pool, logits_indices=self._arange[:bs]))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -94,14 +108,13 @@ class DecodeCudaGraphs:
         # Largest first: its pool is the biggest, and the later, smaller captures then find the
         # allocator's free blocks already split.
         for bs in reversed(self.batch_sizes):
-            batch = self._batch(bs)
             with torch.cuda.stream(stream):
                 for _ in range(2):  # compile Triton kernels and let cuBLAS pick its algorithms
-                    self.model(batch)
+                    self._run(bs)
             stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=stream):
-                out = self.model(batch)
+                out = self._run(bs)
             self.graphs[bs] = graph
             self.outputs[bs] = out
         torch.cuda.synchronize(self.device)
@@ -123,8 +136,11 @@ class DecodeCudaGraphs:
         pad = [0] * (bs - n)
         packed = torch.tensor([*input_ids, *pad, *positions, *pad, *out_cache_loc, *pad, *req_pool_indices, *pad,
                                *seq_lens, *pad], dtype=torch.int64)
-        # The previous step's copy has finished: its sampled tokens were read back (a sync).
-        self.host_inputs[:, :bs].copy_(packed.view(NUM_INPUT_ROWS, bs))
-        self.inputs.copy_(self.host_inputs, non_blocking=True)
+        # This buffer's last copy was queued two steps ago, before a step whose results the host
+        # has since waited for: it has run.
+        host = self.host_inputs[self._turn]
+        self._turn ^= 1
+        host[:, :bs].copy_(packed.view(NUM_INPUT_ROWS, bs))
+        self.inputs.copy_(host, non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

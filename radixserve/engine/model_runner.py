@@ -4,19 +4,26 @@ Per step the host builds every index the batch needs in one int64 buffer and sen
 device in one copy; decode-only batches of up to `cuda_graph_max_bs` requests replay a captured
 CUDA graph (see `radixserve.engine.cuda_graph`); sampling runs on the device and the chosen ids
 come back in one small copy, the step's only host sync.
+
+`launch` queues all of that and returns a `StepFuture` without waiting, so the host can build
+the next step while the device runs this one (overlap scheduling). A token the host has not seen
+yet is passed as -(request row + 1): the model reads it from `last_token`, where each step's
+sampling leaves the ids it drew, indexed by request row. Stream order makes this safe: the step
+that reads a token is queued after the step that wrote it.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from radixserve.attention.base import ForwardBatch, ForwardMode
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
-from radixserve.engine.cuda_graph import DecodeCudaGraphs, supports_cuda_graphs
-from radixserve.model.sampler import sample
+from radixserve.engine.cuda_graph import DecodeCudaGraphs, resolve_pending_ids, supports_cuda_graphs
+from radixserve.model.sampler import sample_tensor
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.scheduler import ScheduledBatch
 
@@ -24,19 +31,42 @@ logger = logging.getLogger("radixserve")
 
 
 def _token_at(req: Req, pos: int) -> int:
-    """req.fill_ids[pos] without building the concatenated list."""
+    """req.fill_ids[pos] without building the concatenated list; a token still on the device is
+    -(row + 1)."""
     n = len(req.origin_input_ids)
-    return req.origin_input_ids[pos] if pos < n else req.output_ids[pos - n]
+    if pos < n:
+        return req.origin_input_ids[pos]
+    if pos - n < len(req.output_ids):
+        return req.output_ids[pos - n]
+    assert pos == n + len(req.output_ids) and req.pending > 0, "only the first pending token can be an input"
+    return -(req.req_pool_idx + 1)
 
 
 def _tokens(req: Req, start: int, end: int) -> list[int]:
-    """req.fill_ids[start:end] without building the whole concatenated list."""
+    """req.fill_ids[start:end] without building the whole concatenated list (pending as above)."""
     origin, n = req.origin_input_ids, len(req.origin_input_ids)
     if end <= n:
         return origin[start:end]
+    known = n + len(req.output_ids)
+    if end > known:  # the last input is the token the previous step is still sampling
+        return _tokens(req, start, end - 1) + [_token_at(req, end - 1)]
     if start >= n:
         return req.output_ids[start - n:end - n]
     return origin[start:] + req.output_ids[:end - n]
+
+
+@dataclass
+class StepFuture:
+    """The sampled ids of a launched step, on their way to the host."""
+    host_ids: Optional[torch.Tensor]  # pinned on CUDA; None when the step samples nothing
+    event: Optional["torch.cuda.Event"]
+
+    def result(self) -> list[int]:
+        if self.host_ids is None:
+            return []
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host_ids.tolist()
 
 
 class ModelRunner:
@@ -49,9 +79,12 @@ class ModelRunner:
         self.device = torch.device(device)
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(random_seed)
+        # The last token each request row sampled, for steps built before the host saw it.
+        self.last_token = torch.zeros(req_to_token.max_requests, dtype=torch.int64, device=self.device)
         self.graphs: Optional[DecodeCudaGraphs] = None
         if not disable_cuda_graph and supports_cuda_graphs(model, self.device):
-            self.graphs = DecodeCudaGraphs(model, kv_pool, req_to_token, self.device, cuda_graph_max_bs)
+            self.graphs = DecodeCudaGraphs(model, kv_pool, req_to_token, self.device, cuda_graph_max_bs,
+                                           self.last_token)
             self.graphs.capture()
         self.num_graph_steps = 0
         self.num_eager_steps = 0
@@ -101,6 +134,8 @@ class ModelRunner:
             views.append(packed[start:start + len(part)])
             start += len(part)
         ids_t, pos_t, loc_t, rows_t, seq_t, ext_t, pre_t, logit_t = views
+        if any(r.pending for r in sb.reqs):
+            ids_t = resolve_pending_ids(ids_t, self.last_token)
         return ForwardBatch(
             mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND, input_ids=ids_t, positions=pos_t,
             out_cache_loc=loc_t, req_pool_indices=rows_t, seq_lens=seq_t, extend_lens=ext_t, prefix_lens=pre_t,
@@ -117,14 +152,27 @@ class ModelRunner:
         return self.model(self.build_forward_batch(sb))
 
     @torch.inference_mode()
-    def forward(self, sb: ScheduledBatch) -> list[int]:
-        """Run the batch; returns one sampled token per request that samples, in batch order."""
+    def launch(self, sb: ScheduledBatch) -> StepFuture:
+        """Queue the batch's forward pass and sampling; the ids come back through the future."""
         logits = self.run_model(sb)
         sampling = [r for r, s in zip(sb.reqs, sb.sample) if s]
         if not sampling:
-            return []
-        return sample(logits, [r.sampling_params for r in sampling], [self._generator(r) for r in sampling],
-                      self.default_generator)
+            return StepFuture(None, None)
+        ids = sample_tensor(logits, [r.sampling_params for r in sampling], [self._generator(r) for r in sampling],
+                            self.default_generator)
+        rows = [r.req_pool_idx for r in sampling]
+        self.last_token.index_copy_(0, self._to_device(rows), ids)
+        if self.device.type != "cuda":
+            return StepFuture(ids.cpu(), None)
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return StepFuture(host, event)
+
+    def forward(self, sb: ScheduledBatch) -> list[int]:
+        """Run the batch and wait; one sampled token per request that samples, in batch order."""
+        return self.launch(sb).result()
 
     def _generator(self, req) -> Optional[torch.Generator]:
         seed = req.sampling_params.seed

@@ -50,6 +50,10 @@ class Req:
     generator: Optional[torch.Generator] = None
     # Output tokens already sent to the caller.
     sent_len: int = 0
+    # Tokens sampled by a step still running on the device, not yet in output_ids. With overlap
+    # scheduling the next step is built before they arrive: their positions count in seq_len,
+    # and the model reads the token itself from the device (see ModelRunner.last_token).
+    pending: int = 0
 
     @property
     def fill_ids(self) -> list[int]:
@@ -57,7 +61,12 @@ class Req:
 
     @property
     def seq_len(self) -> int:
-        return len(self.origin_input_ids) + len(self.output_ids)
+        return len(self.origin_input_ids) + len(self.output_ids) + self.pending
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens sampled so far, those still on the device included."""
+        return len(self.output_ids) + self.pending
 
     @property
     def remaining(self) -> int:
@@ -70,4 +79,4 @@ class Req:
         return ids[: len(ids) - 1]
 
     def remaining_new_tokens(self) -> int:
-        return self.sampling_params.max_new_tokens - len(self.output_ids)
+        return self.sampling_params.max_new_tokens - self.num_generated

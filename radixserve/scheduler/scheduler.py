@@ -4,6 +4,13 @@ Every step builds one batch: one new token for each decoding request, plus promp
 waiting requests admitted in policy order within the prefill budget. A request holds the tree
 path of its cached prefix locked and owns the slots of everything after it; finished chunks and
 finished requests go back into the tree, so the next request with the same prefix finds them.
+
+Overlap: the engine may build step N+1 before the tokens of step N are known (`Req.pending`
+counts them). Everything here then works on positions, not token values; the only decisions that
+need the values (stop tokens, stop strings) are taken when the results arrive, one step late, and
+a request that finished at step N has its step N+1 token dropped. Retraction is the one thing
+that is never done with results outstanding: the scheduler raises `NeedResults` instead, and the
+engine waits for the step in flight and schedules again.
 """
 
 from __future__ import annotations
@@ -28,6 +35,10 @@ CLIP_MAX_NEW_TOKENS = 4096
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
+
+
+class NeedResults(Exception):
+    """Scheduling needs the results of the step in flight first (it would have to retract)."""
 
 
 @dataclass
@@ -82,6 +93,10 @@ class Scheduler:
         self._pending_rows: list[int] = []
         self._pending_cols: list[int] = []
         self._pending_slots: list[int] = []
+        # Set by the engine while a step's results are outstanding (overlap scheduling).
+        self.results_outstanding = False
+        # In-batch sharing keys of the prefixes admitted by the last scheduled step.
+        self._prefixes_in_flight: set[tuple] = set()
 
     # ------------------------------------------------------------------ intake
     def add_request(self, req: Req) -> None:
@@ -241,21 +256,40 @@ class Scheduler:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO * self._ratio_scale,
                                        self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         self.flush_table_writes()
+        for req, samples in zip(batch.reqs, batch.sample):
+            if samples:
+                req.pending += 1
         return batch
 
+    def _finishes_by_length(self, req: Req) -> bool:
+        """True when a token still on the device is req's last: no step after it is needed."""
+        return req.pending > 0 and (req.num_generated >= req.sampling_params.max_new_tokens
+                                    or req.seq_len >= self.context_len)
+
     def _schedule_decode(self, batch: ScheduledBatch) -> None:
-        decoding = [r for r in self.running if r.remaining == 1]
+        decoding = [r for r in self.running if r.remaining == 1 and not self._finishes_by_length(r)]
+        ps = self.page_size
         while decoding:
-            new_pages = sum(1 for r in decoding if r.kv_len % self.page_size == 0)
-            if self._ensure_free(new_pages * self.page_size):
+            new_pages = sum(1 for r in decoding if r.kv_len % ps == 0)
+            if self._ensure_free(new_pages * ps):
                 break
             if len(decoding) == 1 and len(self.running) == 1:
                 break  # validated at intake: a lone request always fits once everything else is evicted
+            if self.results_outstanding:
+                raise NeedResults()
             self._retract_one(decoding)
+        # One allocation for every request that starts a new page (one per request at page size 1).
+        growing = [r for r in decoding if r.kv_len % ps == 0]
+        if growing:
+            pages = self.allocator.alloc_pages(len(growing))
+            assert pages is not None, "decode memory was ensured above"
+            for req, page in zip(growing, pages):
+                slots = list(range(page * ps, page * ps + ps)) if ps > 1 else [page]
+                self._queue_table_write(req.req_pool_idx, len(req.slots), slots)
+                req.slots.extend(slots)
         for req in decoding:
             prefix = req.kv_len
-            ok = self._grow(req, prefix + 1)
-            assert ok, "decode memory was ensured above"
+            req.kv_len = prefix + 1
             batch.reqs.append(req)
             batch.prefix_lens.append(prefix)
             batch.extend_lens.append(1)
@@ -273,13 +307,15 @@ class Scheduler:
         # A request in the middle of a chunked prefill continues first.
         for req in [r for r in self.running if r.remaining > 1]:
             budget -= self._add_prefill(batch, req, budget, chunking, new=False)
+        # Prefixes admitted by the step in flight are not in the tree yet either.
+        in_flight = self._prefixes_in_flight if self.results_outstanding else set()
+        self._prefixes_in_flight = admitted = set()
         if budget <= 0 or not len(self.waiting):
             return
         if not all(batch.sample):
             return  # a request is still mid-prompt: finish it before admitting more
         available = self.allocator.free_tokens + self.cache.evictable_size - sum(
             self._future_tokens(r) for r in self.running)
-        shared_prefixes: set[tuple] = set()
         min_shared = self.settings.in_batch_prefix_min_len
         for req in self.waiting.ordered():
             if budget <= 0 or len(self.running) >= self.max_running:
@@ -291,10 +327,10 @@ class Scheduler:
             # min_shared tokens agree. Admit the first; the rest find it cached next step.
             if not self.cache.disabled and req.seq_len - req.peek_len > min_shared:
                 key = (id(req.peek_node), req.peek_len, tuple(req.fill_ids[req.peek_len:req.peek_len + min_shared]))
-                if key in shared_prefixes:
+                if key in admitted or key in in_flight:
                     self.stats.in_batch_deferrals += 1
                     continue
-                shared_prefixes.add(key)
+                admitted.add(key)
             self.waiting.remove(req)
             req.req_pool_idx = self.req_to_token.alloc()
             evictable_before = self.cache.evictable_size
@@ -358,14 +394,18 @@ class Scheduler:
         updated: list[Req] = []
         sampled = iter(next_token_ids)
         for req, samples, extend in zip(batch.reqs, batch.sample, batch.extend_lens):
+            token = next(sampled) if samples else None
+            if req.state is not ReqState.RUNNING:
+                continue  # finished or aborted after this step was built: its token is dropped
+            if samples:
+                req.pending -= 1
+                req.output_ids.append(token)
             if not samples or extend > 1:
                 # A finished chunk or a just-finished prompt goes into the tree at once, so
                 # requests sharing its prefix (deferred in-batch ones above all) find it cached.
                 self._cache_finished_chunk(req)
             if not samples:
                 continue
-            token = next(sampled)
-            req.output_ids.append(token)
             if req.first_token_time is None:
                 req.first_token_time = now
             reason = self._finish_reason(req, token)
@@ -390,6 +430,7 @@ class Scheduler:
             for stop in params.stop:
                 if stop in tail:
                     return {"type": "stop", "matched": stop}
-        if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.context_len:
+        if (len(req.output_ids) >= params.max_new_tokens
+                or len(req.origin_input_ids) + len(req.output_ids) >= self.context_len):
             return {"type": "length", "length": len(req.output_ids)}
         return None
