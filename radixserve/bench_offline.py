@@ -182,6 +182,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--baseline-batch", type=int, default=64)
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
@@ -202,15 +203,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     settings = ServerSettings(model_path=args.model_path, load_format=args.load_format, dtype=args.dtype,
                               device="cuda", cuda_graph_max_bs=args.cuda_graph_max_bs,
                               disable_cuda_graph=args.disable_cuda_graph,
+                              disable_overlap_schedule=args.disable_overlap_schedule,
                               max_running_requests=args.max_running_requests, random_seed=args.seed)
     core = EngineCore(settings)
     startup = time.perf_counter() - t0
     capture = core.runner.graphs.capture_seconds if core.runner.graphs is not None else 0.0
-    print(f"# engine start-up {startup:.1f} s (CUDA graph capture {capture:.1f} s), KV pool {core.pool_size} tokens",
-          flush=True)
+    print(f"# engine start-up {startup:.1f} s (CUDA graph capture {capture:.1f} s, warm-up included), "
+          f"KV pool {core.pool_size} tokens, overlap {'on' if core.overlap else 'off'}", flush=True)
     vocab = min(REGULAR_TOKENS, core.model_config.vocab_size)
-    # Warm-up: compile the extend kernels of both tile shapes and the sampling path.
-    run_engine(core, uniform_workload(8, 16, 600, vocab, seed=args.seed + 99))
 
     results: list[RunResult] = []
     random_work = random_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)

@@ -81,6 +81,8 @@ class ServerSettings:
                                   choices=("auto", "torch", "triton"))
     cuda_graph_max_bs: int = _opt(256, "Largest decode batch replayed from a CUDA graph.")
     disable_cuda_graph: bool = _opt(False, "Run decode steps eagerly.")
+    skip_warmup: bool = _opt(False, "Start without the warm-up requests that compile the GPU kernels "
+                             "(the first requests then wait for the compiles).")
     disable_overlap_schedule: bool = _opt(
         False, "Build each step only after the previous one's tokens are back. By default the next step "
         "is scheduled and launched while the device still runs the current one; outputs are the same.")

@@ -171,6 +171,38 @@ def test_abort_while_a_step_is_in_flight(oracle):
     check_idle(engine)
 
 
+def test_warmup_leaves_no_trace(oracle):
+    """The start-up warm-up (run by default on CUDA) serves its requests and forgets them."""
+    path, prompts, expected = oracle
+    engine = Engine(str(path), max_total_tokens=4096)
+    assert engine.core.warmup() > 0
+    stats = engine.cache_stats()
+    assert stats["prompt_tokens"] == stats["cached_prompt_tokens"] == stats["tree_nodes"] - 1 == 0
+    assert stats["retractions"] == 0 and engine.core.scheduler.stats.admitted == 0
+    check_idle(engine)
+    results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [r["output_ids"] for r in results] == expected
+
+
+def test_step_indices_start_on_16_byte_boundaries(tiny_dir):
+    """Every index tensor of an eager step is a 16-byte aligned view of one buffer, whatever the
+    batch's lengths (GPU kernels compile one variant per pointer alignment)."""
+    from radixserve.engine.io_struct import GenerateRequest, sampling_params_from_dict
+
+    engine = Engine(str(tiny_dir), max_total_tokens=4096)
+    core = engine.core
+    for i, n in enumerate((3, 6, 1, 5)):
+        core.add_request(GenerateRequest(rid=f"a{i}", input_ids=list(range(5, 5 + n)),
+                                         sampling_params=sampling_params_from_dict(GREEDY)))
+    batch = core.scheduler.schedule()
+    fb = core.runner.build_forward_batch(batch)
+    views = [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens, fb.extend_lens,
+             fb.prefix_lens, fb.logits_indices]
+    assert [v.numel() for v in views] == [15, 15, 15, 4, 4, 4, 4, 4]
+    assert all(v.data_ptr() % 16 == 0 for v in views)
+    assert fb.input_ids.tolist() == [5, 6, 7, 5, 6, 7, 8, 9, 10, 5, 5, 6, 7, 8, 9]
+
+
 def test_batch_compositions(oracle):
     path, prompts, expected = oracle
     engine = Engine(str(path), max_total_tokens=4096, chunked_prefill_size=7)

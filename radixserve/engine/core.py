@@ -19,8 +19,8 @@ from typing import Any, Optional
 import torch
 
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
-from radixserve.cache.radix_cache import RadixCache
-from radixserve.engine.io_struct import GenerateRequest, RequestOutput
+from radixserve.cache.radix_cache import CacheCounters, RadixCache
+from radixserve.engine.io_struct import GenerateRequest, RequestOutput, SamplingParams
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.model.config import ModelConfig
 from radixserve.scheduler.request import Req
@@ -105,6 +105,8 @@ class EngineCore:
         self.last_step = StepInfo(None, 0.0)
         self.overlap = not settings.disable_overlap_schedule
         self._in_flight: Optional[tuple[ScheduledBatch, StepFuture]] = None
+        if self.device.type == "cuda" and not settings.skip_warmup:
+            self.warmup()
         logger.info("engine ready: model=%s device=%s dtype=%s kv_pool=%d tokens page_size=%d max_running=%d",
                     self.model_path, self.device, self.dtype, self.pool_size, settings.page_size, max_running)
 
@@ -215,6 +217,48 @@ class EngineCore:
         self.scheduler.results_outstanding = False
         updated = self.scheduler.process_results(batch, future.result())
         return [self._output(r) for r in updated]
+
+    def warmup(self) -> float:
+        """Serve a few throw-away requests, then forget them: compiles every Triton kernel variant
+        and loads every sampling kernel the first real requests would otherwise wait for (a
+        compile takes seconds; at a steady request rate every request arriving meanwhile would see
+        it in its TTFT). Shapes: one long prompt alone (the extend kernel's small-tile variant),
+        a batch of shorter prompts sharing a prefix (the large-tile variant, prefix hits, mixed
+        prefill + decode steps), greedy and filtered sampling. Returns the seconds it took."""
+        start = time.perf_counter()
+        vocab = self.model_config.vocab_size
+        rng = torch.Generator().manual_seed(0)
+        longest = max(2, min(1100, self.context_len - 8, self.pool_size // 4))
+        short = max(2, min(300, longest // 2))
+
+        def ids(n: int) -> list[int]:
+            return torch.randint(0, vocab, (n,), generator=rng).tolist()
+
+        shared = ids(short // 2)
+        prompts = [ids(longest)] + [shared + ids(short - len(shared)) for _ in range(32)]
+        greedy = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+        filtered = SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05,
+                                  ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            need = len(prompt) + greedy.max_new_tokens
+            if self.pool_size - need * (i + 1) < 0:
+                break
+            self.add_request(GenerateRequest(rid=f"warmup-{i}", input_ids=prompt,
+                                             sampling_params=greedy if i % 2 else filtered))
+            if i == 0:  # the long prompt runs alone
+                while self.has_work:
+                    self.step()
+        while self.has_work:
+            self.step()
+        self.cache.flush()
+        self.cache.drain_touched()
+        self.cache.counters = CacheCounters()
+        self.scheduler.reset_stats()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        logger.info("warm-up: %d requests in %.2f s", len(prompts), seconds)
+        return seconds
 
     def _output(self, req: Req) -> RequestOutput:
         new = req.output_ids[req.sent_len:]

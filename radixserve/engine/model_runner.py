@@ -125,14 +125,21 @@ class ModelRunner:
                 if samples:
                     logits_indices.append(offset - 1)
             req_pool_indices = [r.req_pool_idx for r in sb.reqs]
-        # One host-to-device copy for every index of the step; the tensors are views of it.
+        # One host-to-device copy for every index of the step; the tensors are views of it. Each
+        # view starts on a 16-byte boundary: Triton compiles a kernel variant per pointer
+        # alignment, and views at odd offsets would make new variants (seconds of compile in the
+        # middle of serving) appear whenever a batch's lengths change parity.
         parts = (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, sb.extend_lens, sb.prefix_lens,
                  logits_indices)
-        packed = self._to_device([v for part in parts for v in part])
-        views, start = [], 0
+        flat: list[int] = []
+        starts = []
         for part in parts:
-            views.append(packed[start:start + len(part)])
-            start += len(part)
+            starts.append(len(flat))
+            flat.extend(part)
+            if len(flat) % 2:
+                flat.append(0)
+        packed = self._to_device(flat)
+        views = [packed[start:start + len(part)] for start, part in zip(starts, parts)]
         ids_t, pos_t, loc_t, rows_t, seq_t, ext_t, pre_t, logit_t = views
         if any(r.pending for r in sb.reqs):
             ids_t = resolve_pending_ids(ids_t, self.last_token)

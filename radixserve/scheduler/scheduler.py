@@ -98,6 +98,11 @@ class Scheduler:
         # In-batch sharing keys of the prefixes admitted by the last scheduled step.
         self._prefixes_in_flight: set[tuple] = set()
 
+    def reset_stats(self) -> None:
+        """Forget what earlier requests taught (after the engine's warm-up)."""
+        self.stats = SchedulerStats()
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO * self._ratio_scale
+
     # ------------------------------------------------------------------ intake
     def add_request(self, req: Req) -> None:
         if req.rid in self.reqs:

@@ -58,11 +58,13 @@ def engine_greedy(path: str, dtype: str, batch: list[list[int]], **settings) -> 
     return [r["output_ids"] for r in res], engine
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("graphs", [True, False])
 @pytest.mark.parametrize("n", [1, 3, 8])  # 3: padded to the 4-row graph
-def test_fp32_greedy_equals_hf(tiny_dir, graphs, n):
+def test_fp32_greedy_equals_hf(tiny_dir, graphs, n, overlap):
     batch = prompts(n, 500, seed=n)
-    ours, engine = engine_greedy(tiny_dir, "float32", batch, disable_cuda_graph=not graphs)
+    ours, engine = engine_greedy(tiny_dir, "float32", batch, disable_cuda_graph=not graphs,
+                                 disable_overlap_schedule=not overlap)
     runner = engine.core.runner
     assert (runner.graphs is not None) == graphs
     if graphs:
@@ -148,3 +150,60 @@ def test_triton_vs_torch_backend_bf16(tiny_dir):
         err = float((out[name].double() - ref).norm() / ref.norm())
         assert err < 2e-2, (name, err)
         assert torch.isfinite(out[name]).all()
+
+
+def test_bf16_overlap_on_off_same_tokens_with_stops_and_seeds(tiny_dir):
+    """Overlap scheduling changes no token: stop tokens seen one step late, seeded sampling,
+    requests finishing at different steps, decode batches inside and beyond the graph buckets."""
+    batch = prompts(24, 500, seed=5)
+    greedy, _ = engine_greedy(tiny_dir, "bfloat16", batch, disable_overlap_schedule=True)
+    stop_ids = sorted({out[k] for out, k in zip(greedy[::4], (2, 5, 9, 3, 7, 11))})
+    params = [{"max_new_tokens": MAX_NEW - i % 5, "temperature": 0 if i % 3 else 0.8, "top_p": 0.9, "seed": i,
+               "stop_token_ids": stop_ids} for i in range(len(batch))]
+    runs = {}
+    for overlap in (True, False):
+        engine = Engine(tiny_dir, device="cuda", dtype="bfloat16", max_total_tokens=8192, cuda_graph_max_bs=16,
+                        disable_overlap_schedule=not overlap)
+        runs[overlap] = [(r["output_ids"], r["meta_info"]["finish_reason"])
+                         for r in engine.generate(input_ids=batch, sampling_params=params)]
+        engine.check_invariants()
+    assert runs[True] == runs[False]
+    assert sum(reason["type"] == "stop" for _, reason in runs[True]) >= 3
+
+
+def _compiled_variants() -> dict[str, int]:
+    """How many compiled variants each of our Triton kernels holds in this process."""
+    from radixserve.attention.triton_kernels import decode_attention, extend_attention, kv_store
+    from radixserve.kernels import activation, norm, rope
+
+    kernels = {"decode_stage1": decode_attention._decode_stage1_kernel,
+               "decode_stage2": decode_attention._decode_stage2_kernel,
+               "extend": extend_attention._extend_kernel, "store_kv": kv_store._store_kv_kernel,
+               "rope": rope._rope_kernel, "rms_norm": norm._rms_norm_kernel,
+               "silu_and_mul": activation._silu_and_mul_kernel}
+    counts = {}
+    for name, fn in kernels.items():
+        caches = getattr(fn, "device_caches", None)
+        if caches is not None:
+            counts[name] = sum(len(entry[0]) for entry in caches.values())
+        else:
+            counts[name] = sum(len(c) for c in fn.cache.values())
+    return counts
+
+
+def test_no_kernel_compiles_after_warmup(tiny_dir):
+    """After the start-up warm-up, batches of any shape reuse compiled kernels: a compile in the
+    middle of serving stalls every request for seconds (the TTFT tail at a steady rate)."""
+    engine = Engine(tiny_dir, device="cuda", dtype="bfloat16", max_total_tokens=16384, cuda_graph_max_bs=16)
+    before = _compiled_variants()
+    assert all(n > 0 for n in before.values()), before
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 500) for _ in range(70)]
+    for round_ in range(12):
+        n = rng.choice([1, 2, 3, 5, 8, 17, 30, 41])  # decode batches above 16 run eagerly
+        batch = [(shared[:rng.randrange(0, 70)] if round_ % 2 else [])
+                 + [rng.randrange(3, 500) for _ in range(rng.randint(1, 150))] for _ in range(n)]
+        params = [{"max_new_tokens": rng.randint(1, 6), "temperature": rng.choice([0, 0.7]), "top_k": rng.choice([-1, 5]),
+                   "ignore_eos": True} for _ in batch]
+        engine.generate(input_ids=batch, sampling_params=params)
+    assert _compiled_variants() == before

@@ -29,7 +29,9 @@ def _split_range(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
     return start, end
 
 
-@triton.jit
+# num_splits changes with the batch size: one compiled variant for every value (Triton would
+# otherwise specialise on == 1 and on divisibility by 16).
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_stage1_kernel(
     Q, K_buf, V_buf, req_to_token, req_pool_indices, seq_lens, Mid_O, Mid_LSE,
     stride_qb, stride_qh,
@@ -84,7 +86,7 @@ def _decode_stage1_kernel(
         tl.store(Mid_LSE + b * stride_mlb + q_heads * stride_mlh + split, m_i + tl.log2(l_i), mask=mask_g)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_stage2_kernel(
     Mid_O, Mid_LSE, O, seq_lens,
     stride_mob, stride_moh, stride_mos,

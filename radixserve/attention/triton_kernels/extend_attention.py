@@ -131,12 +131,16 @@ def plan_extend_tiles(extend_lens: list[int], prefix_lens: list[int], block_m: i
         for m0 in range(0, ext, block_m):
             tiles.append((-(prefix + min(ext, m0 + block_m)), r, m0))
     tiles.sort()
-    packed = torch.tensor(q_starts + [t[1] for t in tiles] + [t[2] for t in tiles], dtype=torch.int32)
+    # Each part starts on a 16-byte boundary (4 int32s): Triton specialises pointers on alignment,
+    # so unaligned views would compile new kernel variants as batch shapes change.
+    b, n = len(q_starts), len(tiles)
+    pad_b, pad_n = [0] * (-b % 4), [0] * (-n % 4)
+    packed = torch.tensor(q_starts + pad_b + [t[1] for t in tiles] + pad_n + [t[2] for t in tiles], dtype=torch.int32)
     if torch.device(device).type == "cuda":
         packed = packed.pin_memory()
     packed = packed.to(device, non_blocking=True)
-    b, n = len(q_starts), len(tiles)
-    return ExtendPlan(packed[:b], packed[b:b + n], packed[b + n:], block_m)
+    b4, n4 = b + len(pad_b), n + len(pad_n)
+    return ExtendPlan(packed[:b], packed[b4:b4 + n], packed[b4 + n4:b4 + n4 + n], block_m)
 
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

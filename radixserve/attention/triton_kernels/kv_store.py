@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one variant for every batch size
 def _store_kv_kernel(K, V, K_buf, V_buf, loc,
                      stride_kt, stride_vt, stride_kbs, stride_vbs,
                      HD: tl.constexpr, BLOCK: tl.constexpr, TOKENS_PER_PROGRAM: tl.constexpr,
