@@ -15,6 +15,8 @@
 #   TOKENIZER   --tokenizer-path for the server and the client ("" = the model's own)
 #   DEADLINE_S  the whole script's budget; a model starts only with MIN_MODEL_S left, and each
 #               workload is cut at what is left
+#   WORKLOADS   which of "random rate gsp" to run (default all three)
+#   SERVER_ARGS extra launch_server flags (e.g. --disable-overlap-schedule)
 #   N_RANDOM IN_LEN OUT_LEN / N_RATE RATE / GSP_GROUPS GSP_PER GSP_SYS GSP_Q GSP_OUT: sizes
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +37,8 @@ START_TIMEOUT_S=${START_TIMEOUT_S:-240}
 N_RANDOM=${N_RANDOM:-1000} IN_LEN=${IN_LEN:-1024} OUT_LEN=${OUT_LEN:-512}
 N_RATE=${N_RATE:-300} RATE=${RATE:-5}
 GSP_GROUPS=${GSP_GROUPS:-64} GSP_PER=${GSP_PER:-16} GSP_SYS=${GSP_SYS:-2048} GSP_Q=${GSP_Q:-128} GSP_OUT=${GSP_OUT:-256}
+WORKLOADS=${WORKLOADS:-random rate gsp}
+SERVER_ARGS=${SERVER_ARGS:-}
 RESULTS=$OUT/results.jsonl
 left() { echo $((DEADLINE_S - ($(date +%s) - T0))); }
 log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
@@ -52,8 +56,9 @@ stop_server() {
 }
 trap stop_server EXIT
 
-bench() {  # label, then bench_serving arguments
-  local label=$1; shift
+bench() {  # workload, label, then bench_serving arguments
+  local workload=$1 label=$2; shift 2
+  case " $WORKLOADS " in *" $workload "*) ;; *) return ;; esac
   local budget; budget=$(left)
   if [ "$budget" -lt 20 ]; then log "skip $label: ${budget}s left"; return; fi
   log "run $label (at most ${budget}s)"
@@ -69,7 +74,8 @@ for model in $MODELS; do
   [ "$model" != tiny ] && args+=(--model-path "$model" --load-format dummy)
   [ -n "$TOKENIZER" ] && args+=(--tokenizer-path "$TOKENIZER")
   log "start server: $model"
-  python3 -m radixserve.launch_server "${args[@]}" --port "$PORT" --log-file "$OUT/server-$name.log" \
+  # shellcheck disable=SC2086
+  python3 -m radixserve.launch_server "${args[@]}" $SERVER_ARGS --port "$PORT" --log-file "$OUT/server-$name.log" \
     > "$OUT/server-$name.out" 2>&1 &
   SERVER_PID=$!
   up=0
@@ -80,11 +86,11 @@ for model in $MODELS; do
   done
   if [ "$up" != 1 ]; then log "server $model did not come up"; tail -30 "$OUT/server-$name.out"; stop_server; continue; fi
   log "server up"
-  bench "$name random ${IN_LEN}/${OUT_LEN} x${N_RANDOM}" --dataset-name random-ids --num-prompts "$N_RANDOM" \
+  bench random "$name random ${IN_LEN}/${OUT_LEN} x${N_RANDOM}" --dataset-name random-ids --num-prompts "$N_RANDOM" \
     --random-input-len "$IN_LEN" --random-output-len "$OUT_LEN" --request-rate inf
-  bench "$name random rate $RATE x${N_RATE}" --dataset-name random-ids --num-prompts "$N_RATE" \
+  bench rate "$name random rate $RATE x${N_RATE}" --dataset-name random-ids --num-prompts "$N_RATE" \
     --random-input-len "$IN_LEN" --random-output-len "$OUT_LEN" --request-rate "$RATE"
-  bench "$name gsp ${GSP_GROUPS}x${GSP_PER}" --dataset-name generated-shared-prefix --prompt-ids \
+  bench gsp "$name gsp ${GSP_GROUPS}x${GSP_PER}" --dataset-name generated-shared-prefix --prompt-ids \
     --gsp-num-groups "$GSP_GROUPS" --gsp-prompts-per-group "$GSP_PER" --gsp-system-prompt-len "$GSP_SYS" \
     --gsp-question-len "$GSP_Q" --gsp-output-len "$GSP_OUT" --request-rate inf
   stop_server

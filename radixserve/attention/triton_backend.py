@@ -50,6 +50,11 @@ class ExtendConfig:
 class TritonExtendMeta:
     extend_lens: list[int]
     prefix_lens: list[int]
+    # The leading requests that add one token each (the decoding requests of a mixed step) go
+    # through the decode kernel, which reads each KV head once for its whole query-head group;
+    # the extend kernel would read it once per query head, with 1 useful row in each tile.
+    num_decode: int = 0
+    decode: Optional[TritonDecodeMeta] = None
     # Made by the first layer, which knows the number of query heads.
     config: Optional[ExtendConfig] = None
     plan: Optional[object] = None  # extend_attention.ExtendPlan
@@ -97,6 +102,7 @@ class TritonAttentionBackend:
         self._num_sms = num_sms
         self._ws_o: Optional[torch.Tensor] = None
         self._ws_lse: Optional[torch.Tensor] = None
+        self._retired: list[Optional[torch.Tensor]] = []
 
     # ------------------------------------------------------------------ decode workspace
 
@@ -121,9 +127,13 @@ class TritonAttentionBackend:
         self._ensure_workspace(need_o, need_lse, device)
 
     def _ensure_workspace(self, numel_o: int, numel_lse: int, device: torch.device) -> None:
+        # A replaced workspace is kept alive: captured CUDA graphs still write to it, and freed
+        # memory could be handed to other tensors.
         if self._ws_o is None or self._ws_o.numel() < numel_o or self._ws_o.device != device:
+            self._retired.append(self._ws_o)
             self._ws_o = torch.empty(numel_o, dtype=torch.float32, device=device)
         if self._ws_lse is None or self._ws_lse.numel() < numel_lse or self._ws_lse.device != device:
+            self._retired.append(self._ws_lse)
             self._ws_lse = torch.empty(numel_lse, dtype=torch.float32, device=device)
 
     # ------------------------------------------------------------------ the protocol
@@ -138,7 +148,13 @@ class TritonAttentionBackend:
             # workspace views (no allocation once reserve_decode_workspace ran).
             batch.attn_meta = TritonDecodeMeta(self.num_splits(bs, k_buf.shape[1], device), None, None)
         else:
-            batch.attn_meta = TritonExtendMeta(list(batch.extend_lens_cpu), list(batch.prefix_lens_cpu))
+            ext = list(batch.extend_lens_cpu)
+            num_decode = 0
+            while ext[num_decode] == 1:  # stops: not every request adds one token
+                num_decode += 1
+            decode = TritonDecodeMeta(self.num_splits(num_decode, k_buf.shape[1], device), None, None) \
+                if num_decode else None
+            batch.attn_meta = TritonExtendMeta(ext, list(batch.prefix_lens_cpu), num_decode, decode)
 
     def extend_config(self, dtype: torch.dtype, extend_lens: list[int], num_q_heads: int,
                       device: torch.device) -> ExtendConfig:
@@ -171,25 +187,21 @@ class TritonAttentionBackend:
             q = q.contiguous()
 
         if isinstance(meta, TritonDecodeMeta):
-            if meta.mid_o is None:
-                numel_o, numel_lse = self._decode.workspace_numel(num_tokens, num_q_heads, meta.num_splits, head_dim)
-                self._ensure_workspace(numel_o, numel_lse, q.device)
-                meta.mid_o = self._ws_o[:numel_o].view(num_tokens, num_q_heads, meta.num_splits, head_dim)
-                meta.mid_lse = self._ws_lse[:numel_lse].view(num_tokens, num_q_heads, meta.num_splits)
-            self._decode.decode_attention(
-                q, k_buf, v_buf, batch.req_to_token, batch.req_pool_indices, batch.seq_lens, out,
-                meta.mid_o, meta.mid_lse, meta.num_splits, block_n=self.decode_block_n,
-                num_warps=self.decode_num_warps, num_stages=self.decode_num_stages)
+            self._decode_attention(meta, q, k_buf, v_buf, batch, out, num_tokens)
         elif isinstance(meta, TritonExtendMeta):
+            if meta.num_decode:
+                d = meta.num_decode
+                self._decode_attention(meta.decode, q[:d], k_buf, v_buf, batch, out[:d], d)
             if k_buf.dtype != k.dtype:
                 # Phase 2 reads the new k/v directly: give it the values the pool holds.
                 k, v = k.to(k_buf.dtype), v.to(v_buf.dtype)
             if k.stride(2) != 1 or v.stride(2) != 1:
                 k, v = k.contiguous(), v.contiguous()
             if meta.plan is None:
-                meta.config = self.extend_config(k_buf.dtype, meta.extend_lens, num_q_heads, q.device)
+                meta.config = self.extend_config(k_buf.dtype, meta.extend_lens[meta.num_decode:], num_q_heads,
+                                                 q.device)
                 meta.plan = self._extend.plan_extend_tiles(meta.extend_lens, meta.prefix_lens, meta.config.block_m,
-                                                           q.device)
+                                                           q.device, first_request=meta.num_decode)
             cfg = meta.config
             self._extend.extend_attention(
                 q, k, v, out, k_buf, v_buf, batch.req_to_token, batch.req_pool_indices,
@@ -198,3 +210,17 @@ class TritonAttentionBackend:
         else:
             raise RuntimeError("init_forward must run before forward")
         return out.view(num_tokens, num_q_heads * head_dim)
+
+    def _decode_attention(self, meta: TritonDecodeMeta, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                          batch: ForwardBatch, out: torch.Tensor, bs: int) -> None:
+        """One token for each of the first bs requests of the batch."""
+        num_q_heads, head_dim = q.shape[1], q.shape[2]
+        if meta.mid_o is None:
+            numel_o, numel_lse = self._decode.workspace_numel(bs, num_q_heads, meta.num_splits, head_dim)
+            self._ensure_workspace(numel_o, numel_lse, q.device)
+            meta.mid_o = self._ws_o[:numel_o].view(bs, num_q_heads, meta.num_splits, head_dim)
+            meta.mid_lse = self._ws_lse[:numel_lse].view(bs, num_q_heads, meta.num_splits)
+        self._decode.decode_attention(
+            q, k_buf, v_buf, batch.req_to_token, batch.req_pool_indices[:bs], batch.seq_lens[:bs], out,
+            meta.mid_o, meta.mid_lse, meta.num_splits, block_n=self.decode_block_n,
+            num_warps=self.decode_num_warps, num_stages=self.decode_num_stages)

@@ -265,15 +265,20 @@ def _make_batch(mode, cache_pool: KVPool, req_to_token, rows, prefix_lens, exten
         logits_indices=t([total - 1]))
 
 
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
-def test_backend_stores_then_attends(mode):
-    gen = random.Random(5 if mode is ForwardMode.EXTEND else 6)
+@pytest.mark.parametrize("kind", ["extend", "decode", "mixed"])
+def test_backend_stores_then_attends(kind):
+    """mixed: decoding requests first (one token each, attended by the decode kernel inside an
+    extend pass), then prompts and chunks (the extend kernel), as a mixed scheduler step has them."""
+    mode = ForwardMode.DECODE if kind == "decode" else ForwardMode.EXTEND
+    gen = random.Random({"extend": 5, "decode": 6, "mixed": 7}[kind])
     torch.manual_seed(gen.randint(0, 1 << 30))
     hq, hkv, d, layers = 14, 2, 64, 2
     b = 6 if FULL else 3
     prefix_lens = [gen.randint(0, 900 if FULL else 40) for _ in range(b)]
-    extend_lens = [1] * b if mode is ForwardMode.DECODE else [gen.randint(1, 300 if FULL else 20) for _ in range(b)]
-    if mode is ForwardMode.DECODE:
+    extend_lens = [1] * b if kind == "decode" else [gen.randint(2, 300 if FULL else 20) for _ in range(b)]
+    if kind == "mixed":
+        extend_lens[:b // 2] = [1] * (b // 2)
+    if kind != "extend":
         prefix_lens = [max(p, 1) for p in prefix_lens]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     pool = KVPool(sum(seq_lens) + 64, 1, layers, hkv, d, LOW, DEVICE)

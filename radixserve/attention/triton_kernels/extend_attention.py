@@ -120,14 +120,17 @@ class ExtendPlan:
 
 
 def plan_extend_tiles(extend_lens: list[int], prefix_lens: list[int], block_m: int,
-                      device: torch.device | str) -> ExtendPlan:
-    """Tiles of `block_m` new tokens per request, costliest first; one host-to-device copy."""
+                      device: torch.device | str, first_request: int = 0) -> ExtendPlan:
+    """Tiles of `block_m` new tokens per request, costliest first; one host-to-device copy.
+    Requests before `first_request` get no tiles (another kernel attends for them)."""
     q_starts: list[int] = []
     tiles: list[tuple[int, int, int]] = []  # (-work, request, m0)
     offset = 0
     for r, (ext, prefix) in enumerate(zip(extend_lens, prefix_lens)):
         q_starts.append(offset)
         offset += ext
+        if r < first_request:
+            continue
         for m0 in range(0, ext, block_m):
             tiles.append((-(prefix + min(ext, m0 + block_m)), r, m0))
     tiles.sort()
