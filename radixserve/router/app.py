@@ -8,7 +8,9 @@ through chunk by chunk, never buffered.
 
 Control: `GET /workers`, `POST /workers {"url": ...}`, `DELETE /workers/{id}`, `GET /health`
 (200 while a worker is healthy), `GET /metrics`, `POST /flush_cache` (every worker),
-`GET /v1/models` (from a healthy worker).
+`GET /v1/models`, `GET /tokenizer` (from a healthy worker), `GET /server_info` (a healthy worker's,
+with `pool_size` summed over the healthy workers and a `router` entry per worker), so
+`bench_serving` runs against a router as against one server.
 """
 
 from __future__ import annotations
@@ -337,7 +339,32 @@ class Router:
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
         return error_response(503, "no healthy worker", code="no_healthy_worker")
 
+    async def cluster_info(self) -> Response:
+        """A healthy worker's /server_info with the pool summed over the healthy workers.
 
+        Clients that size things by the server's KV pool (bench_serving's capacity oracle) then see
+        what the cluster holds; `router` lists the policy and each worker's own figures.
+        """
+        healthy = self.registry.healthy()
+
+        async def one(worker: Worker) -> Optional[dict]:
+            try:
+                r = await self.client.get(worker.url + "/server_info", headers=self.worker_headers, timeout=30.0)
+                return r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                return None
+
+        infos = await asyncio.gather(*(one(w) for w in healthy))
+        answered = [(w, i) for w, i in zip(healthy, infos) if isinstance(i, dict)]
+        if not answered:
+            return error_response(503, "no healthy worker", code="no_healthy_worker")
+        info = dict(answered[0][1])
+        pools = [i.get("pool_size") for _, i in answered]
+        info["pool_size"] = sum(pools) if all(isinstance(p, int) for p in pools) else None
+        info["router"] = {"policy": self.policy.name, "workers": [
+            {"id": w.id, "url": w.url, "pool_size": i.get("pool_size"), "in_flight_requests":
+             i.get("in_flight_requests")} for w, i in answered]}
+        return JSONResponse(info)
 
 
 def create_router_app(settings: RouterSettings) -> FastAPI:
@@ -431,5 +458,13 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
     @app.get("/get_model_info")
     async def model_info():
         return await router.any_worker_get("/get_model_info")
+
+    @app.get("/tokenizer")
+    async def tokenizer_files():
+        return await router.any_worker_get("/tokenizer")
+
+    @app.get("/server_info")
+    async def server_info():
+        return await router.cluster_info()
 
     return app
