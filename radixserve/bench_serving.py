@@ -86,6 +86,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0, help="Seconds one request may take.")
     p.add_argument("--oracle-capacity", type=int, default=None,
                    help="KV tokens for the capacity-limited oracle (default: the server's pool size).")
+    p.add_argument("--metrics-url", action="append", default=[], metavar="URL",
+                   help="Read the prefix-cache counters from this server's /metrics instead of the benchmarked "
+                        "one's; repeatable, summed. Through a router, give each of its workers.")
     p.add_argument("--output-file", default=None, help="Append one JSON record per run (JSON lines).")
     p.add_argument("--disable-tqdm", action="store_true")
     return p
@@ -281,7 +284,8 @@ async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False,
                             say(f"warning: /flush_cache answered HTTP {resp.status}; the cache was not flushed")
                 except aiohttp.ClientError as e:
                     say(f"warning: /flush_cache failed: {e}")
-            before = await fetch_metrics(session, base_url, headers)
+            metrics_urls = [u.rstrip("/") for u in args.metrics_url] or [base_url]
+            before = await _fetch_counters(session, metrics_urls, headers)
             progress = None
             if not args.disable_tqdm and not quiet:
                 from tqdm.auto import tqdm
@@ -293,7 +297,7 @@ async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False,
             if progress is not None:
                 progress.close()
             metrics = compute_metrics(results, duration)
-            after = await _settled_metrics(session, base_url, headers, before, metrics)
+            after = await _settled_metrics(session, metrics_urls, headers, before, metrics)
         finally:
             if tokenizer_dir:
                 shutil.rmtree(tokenizer_dir, ignore_errors=True)
@@ -364,9 +368,26 @@ async def _warmup(session, url, args, requests, model, headers, vocab_size, toke
     return agree
 
 
-async def _settled_metrics(session, base_url, headers, before, metrics: BenchMetrics):
+async def _fetch_counters(session, urls: list[str], headers) -> Optional[dict[str, Any]]:
+    """The cache counters of each server's /metrics, summed; None when one of them has none."""
+    found = await asyncio.gather(*(fetch_metrics(session, u, headers) for u in urls))
+    if not found or any(f is None for f in found):
+        return None
+    if len(found) == 1:
+        return found[0]
+    out: dict[str, Any] = {}
+    for key in found[0]:
+        values = [f.get(key) for f in found]
+        if key == "source":
+            out[key] = values[0] if len(set(values)) == 1 else None
+        else:
+            out[key] = None if any(v is None for v in values) else sum(values)
+    return out
+
+
+async def _settled_metrics(session, urls: list[str], headers, before, metrics: BenchMetrics):
     """/metrics after the run; engine counters arrive with the engine's stats, so wait for them a little."""
-    after = await fetch_metrics(session, base_url, headers)
+    after = await _fetch_counters(session, urls, headers)
     if before is None or after is None or metrics.cached_tokens is None:
         return after
     want = metrics.total_input_tokens
@@ -376,7 +397,7 @@ async def _settled_metrics(session, base_url, headers, before, metrics: BenchMet
                 and after["engine_prompt"] - before["engine_prompt"] >= want:
             break
         await asyncio.sleep(0.1)
-        after = await fetch_metrics(session, base_url, headers) or after
+        after = await _fetch_counters(session, urls, headers) or after
     return after
 
 
