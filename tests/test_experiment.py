@@ -37,11 +37,58 @@ def test_experiment_end_to_end(server_model_dir, tmp_path, capsys):
     assert (out / "server-lpm.log").exists()
 
 
+def test_experiment_router_configurations(server_model_dir, tmp_path, capsys):
+    """A full-pool run sizes the small pool; router workers start once with it; one row per policy."""
+    out = tmp_path / "exp"
+    code = main(["--model-path", str(server_model_dir), "--output-dir", str(out), "--configs", "lpm",
+                 "--router-policies", "round_robin,cache_aware", "--num-prompts", "16", "--agent-turns", "4",
+                 "--agent-output-len", "4", "--agent-think-time", "0.02", "--request-rate", "inf",
+                 "--disable-tqdm", "--disable-plots"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "starting 2 router workers" in text and "requests per worker" in text
+    payload = json.loads((out / "results.json").read_text())
+    assert [c["name"] for c in payload["configs"]] == ["lpm", "router-round_robin", "router-cache_aware"]
+    assert payload["meta"]["router_policies"] == ["round_robin", "cache_aware"]
+    small = payload["meta"]["small_pool_tokens"]
+    by_name = {c["name"]: c for c in payload["configs"]}
+    lpm = by_name["lpm"]["record"]
+    for name in ("router-round_robin", "router-cache_aware"):
+        c = by_name[name]
+        rec, router = c["record"], c["router"]
+        assert c["error"] is None and rec["completed"] == 16 and rec["failed"] == 0
+        assert rec["dataset"] == lpm["dataset"]  # the same workload as the single server's
+        assert router["pool_tokens_per_worker"] == [small, small] and router["started_workers"]
+        assert "--max-total-tokens" in c["server_args"] and str(small) in c["server_args"]
+        # the router's /server_info sums the pools, so the capacity oracle sees the cluster's
+        assert rec["server"]["pool_size"] == 2 * small and rec["oracle_capacity_tokens"] == 2 * small
+        # aggregated over both workers: the responses' counts equal the workers' /metrics summed (which
+        # also count the router's health probes: a few uncached prompt tokens every 5 s)
+        assert rec["metrics_cached_tokens"] == rec["cached_tokens"], rec
+        assert 0 <= rec["metrics_prompt_tokens"] - rec["total_input_tokens"] <= 20, rec
+        assert sum(router["requests_per_worker"].values()) == 17  # 16 + the warm-up request
+    rr, ca = (by_name[n]["router"] for n in ("router-round_robin", "router-cache_aware"))
+    assert sorted(rr["requests_per_worker"].values()) == [8, 9] and rr["decisions"] == {"direct": 17}
+    assert ca["decisions"].get("matched", 0) >= 10
+    table = (out / "table.md").read_text()
+    assert "| router-cache_aware |" in table and "hit rate (workers' /metrics)" in table
+    assert (out / "router-cache_aware.out").exists() and not (out / "router-kv_aware.out").exists()
+    assert (out / "worker-0.log").exists() and (out / "worker-1.log").exists()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--configs", "lpm,bogus"], "unknown configuration(s) bogus"),
     (["--port", "8000"], "--port is chosen by the experiment itself"),
     (["--model-path", "/nonexistent/model"], "no such directory"),
     (["--request-rate", "-1"], "--request-rate must be > 0"),
+    (["--router-policies", "round_robin", "bogus"], "unknown router policy 'bogus'"),
+    (["--configs", "none"], "(or 'none' with --router-policies)"),
+    (["--worker-urls", "http://127.0.0.1:1"], "give --router-policies too"),
+    (["--router-policies", "all", "--worker-urls", "127.0.0.1:1"], "must start with http"),
+    (["--router-policies", "all", "--configs", "none"], "give --router-pool-tokens"),
+    (["--router-policies", "all", "--router-pool-tokens", "-3"], "must be >= 0 or 'full'"),
+    (["--router-policies", "all", "--router-workers", "0"], "--router-workers must be >= 1"),
+    (["--router-policies", "all", "--metrics-url", "http://x:1"], "--metrics-url is chosen by the experiment"),
 ])
 def test_experiment_bad_arguments(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
