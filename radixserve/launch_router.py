@@ -1,7 +1,8 @@
 """Start the cache-aware router: `python -m radixserve.launch_router --worker-urls URL... [flags]`.
 
-Also `radixserve route ...`. `launch_server --dp-size N` uses `run_data_parallel` from here to
-start N workers (one per GPU when there are enough, else CPU workers) behind one router.
+Also `radixserve route ...`. `launch_server --dp-size N [--router-policy P]` uses
+`run_data_parallel` from here to start N workers (one per GPU when there are enough, else CPU
+workers) behind one router with policy P (default cache_aware).
 """
 
 from __future__ import annotations

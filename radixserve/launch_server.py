@@ -2,7 +2,8 @@
 
 Every flag comes from `radixserve.settings.ServerSettings` (see `--help`); the SGLang spellings
 are canonical and the seed article's spellings (`--chunk-prefill-size`, `--radix-cache-policy`,
-`--mem-fraction`) are aliases.
+`--mem-fraction`) are aliases. With `--dp-size N` it starts N workers behind a router whose policy
+is `--router-policy` (default cache_aware).
 """
 
 from __future__ import annotations
@@ -14,33 +15,53 @@ from typing import Optional
 
 from radixserve.settings import ServerSettings, add_settings_arguments, settings_from_args
 
+DEFAULT_ROUTER_POLICY = "cache_aware"
+
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    from radixserve.router.policies import POLICIES
+
     parser = argparse.ArgumentParser(
         prog=prog, description="radixserve: an OpenAI-compatible LLM server over a radix-tree KV cache.",
     )
     add_settings_arguments(parser)
+    for action in parser._actions:
+        if action.dest == "dp_size":
+            action.help = ("Data-parallel engine workers (one per GPU when there are enough), behind a built-in "
+                           "router on --host/--port whose policy is --router-policy (default: 1, no router).")
+    parser.add_argument("--router-policy", default=None, choices=POLICIES,
+                        help=f"Routing policy of the --dp-size router (default: {DEFAULT_ROUTER_POLICY}); "
+                             "see python -m radixserve.launch_router --help.")
     return parser
 
 
-def parse_settings(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> ServerSettings:
+def parse_args(argv: Optional[list[str]] = None,
+               prog: Optional[str] = None) -> tuple[ServerSettings, str]:
+    """The server settings and the --dp-size router's policy."""
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
-        return settings_from_args(args)
+        settings = settings_from_args(args)
     except ValueError as e:
         parser.error(str(e))
         raise  # unreachable: parser.error exits
+    if args.router_policy is not None and settings.dp_size < 2:
+        parser.error("--router-policy chooses the policy of the --dp-size router: it needs --dp-size 2 or more")
+    return settings, args.router_policy or DEFAULT_ROUTER_POLICY
+
+
+def parse_settings(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> ServerSettings:
+    return parse_args(argv, prog)[0]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    settings = parse_settings(argv, prog="radixserve serve" if argv is not None else None)
-    if settings.dp_size > 1:  # N workers behind the cache-aware router, on settings.host:port
+    settings, router_policy = parse_args(argv, prog="radixserve serve" if argv is not None else None)
+    if settings.dp_size > 1:  # N workers behind a router with router_policy, on settings.host:port
         from radixserve.launch_router import run_data_parallel
         from radixserve.server.logging_setup import setup_logging
 
         setup_logging(settings.log_level, settings.log_file)
-        return run_data_parallel(settings)
+        return run_data_parallel(settings, policy=router_policy)
     from radixserve.server.api_server import run_server
     from radixserve.server.logging_setup import setup_logging
 

@@ -413,19 +413,35 @@ def test_health_transitions_and_kill_mid_run(workers, victim, router_workdir):
 
 def test_launch_server_dp_size_starts_workers_behind_a_router(server_model_dir, router_workdir):
     with _one_thread_each():
-        proc = ServerProcess(["--model-path", str(server_model_dir), "--dp-size", "2", *WORKER_ARGS], router_workdir)
+        proc = ServerProcess(["--model-path", str(server_model_dir), "--dp-size", "2", "--router-policy",
+                              "round_robin", *WORKER_ARGS], router_workdir)
     try:
         proc.wait_ready(120)
         info = httpx.get(proc.base_url + "/workers", timeout=10).json()
-        assert len(info["workers"]) == 2
+        assert len(info["workers"]) == 2 and info["policy"] == "round_robin"
         deadline = time.monotonic() + 30
         while not all(w["healthy"] for w in httpx.get(proc.base_url + "/workers").json()["workers"]):
             assert time.monotonic() < deadline
             time.sleep(0.2)
         with proc.client() as c:
-            _complete(c, "dp")
+            for i in range(2):  # the same prefix, spread by round_robin (cache_aware would keep it on one)
+                _complete(c, f"dp {i}")
+        assert sorted(_requests_per_worker(proc).values()) == [1, 1]
     finally:
         assert proc.stop(60) == 0, proc.output()[-3000:]
+
+
+def test_launch_server_router_policy_flag():
+    from radixserve.launch_server import build_parser, parse_args
+
+    assert parse_args(["--dp-size", "2"])[1] == "cache_aware"
+    assert parse_args(["--dp-size", "2", "--router-policy", "kv_aware"])[1] == "kv_aware"
+    with pytest.raises(SystemExit):
+        parse_args(["--router-policy", "round_robin"])  # no --dp-size: no router to choose for
+    with pytest.raises(SystemExit):
+        parse_args(["--dp-size", "2", "--router-policy", "bogus"])
+    help_text = " ".join(build_parser().format_help().split())
+    assert "--router-policy" in help_text and "default: cache_aware" in help_text
 
 
 def test_agent_workload_hit_rate_by_policy(workers, router_workdir):
