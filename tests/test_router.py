@@ -444,15 +444,22 @@ def test_launch_server_router_policy_flag():
     assert "--router-policy" in help_text and "default: cache_aware" in help_text
 
 
-def test_agent_workload_hit_rate_by_policy(workers, router_workdir):
-    """The bench_routing comparison, small: cache_aware beats round_robin, kv_aware keeps up."""
-    from radixserve.router.bench_routing import Workload, compare
+def test_agent_workload_hit_rate_by_policy(workers, tmp_path, capsys):
+    """The experiment's router configurations over running workers, on bench_serving's agent dataset:
+    cache_aware beats round_robin, kv_aware keeps up."""
+    from radixserve.experiment import main
 
-    workload = Workload(sessions=8, turns=4, concurrency=4, agent_types=2, system_words=120, max_tokens=8)
-    results = {r.policy: r for r in compare([w.base_url for w in workers],
-                                            ["round_robin", "cache_aware", "kv_aware"], workload)}
-    for r in results.values():
-        assert r.failed == 0 and r.requests == 32, r.summary()
-    rr, ca, kv = (results[p].hit_rate for p in ("round_robin", "cache_aware", "kv_aware"))
+    out = tmp_path / "exp"
+    code = main(["--configs", "none", "--router-policies", "all", "--worker-urls", *[w.base_url for w in workers],
+                 "--output-dir", str(out), "--num-prompts", "40", "--agent-turns", "5",
+                 "--agent-num-system-prompts", "2", "--agent-output-len", "8", "--agent-think-time", "0.05",
+                 "--request-rate", "inf", "--disable-tqdm", "--disable-plots"])
+    assert code == 0, capsys.readouterr().out
+    configs = {c["name"]: c for c in json.loads((out / "results.json").read_text())["configs"]}
+    assert list(configs) == ["router-round_robin", "router-cache_aware", "router-kv_aware"]
+    for c in configs.values():
+        assert c["record"]["completed"] == 40 and c["record"]["failed"] == 0, c["error"]
+        assert not c["router"]["started_workers"] and c["router"]["pool_tokens_per_worker"] == [4096, 4096]
+    rr, ca, kv = (configs[f"router-{p}"]["record"]["hit_rate"] for p in ("round_robin", "cache_aware", "kv_aware"))
     assert ca > rr + 0.1, (rr, ca, kv)
     assert kv >= ca - 0.02, (rr, ca, kv)
