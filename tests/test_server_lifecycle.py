@@ -105,3 +105,21 @@ def test_sigterm_drains_in_flight_requests(server_model_dir, server_workdir):
     assert response.json()["usage"]["completion_tokens"] == 1500  # finished, not cut
     assert not pid_alive(engine_pid), "the engine process outlived the server"
     assert not os.path.exists(ipc_dir), "socket files left behind"
+
+
+def test_long_garbage_collections_are_logged(caplog):
+    """Every collection at or over the threshold is logged with its generation (here: all of them)."""
+    import gc
+    import logging
+
+    from radixserve.server.gc_tuning import log_long_collections
+
+    callback = log_long_collections("test-process", threshold_s=0.0)
+    try:
+        assert callback is not None and log_long_collections("test-process", threshold_s=0.0) is None
+        with caplog.at_level(logging.WARNING, logger="radixserve"):
+            gc.collect()
+    finally:
+        gc.callbacks.remove(callback)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("test-process:")]
+    assert any("generation 2" in line for line in lines), lines

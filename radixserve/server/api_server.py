@@ -26,6 +26,7 @@ from radixserve.engine.io_struct import SamplingParams
 from radixserve.server.engine_client import EngineClient, EngineDeadError, EngineRequestError, QueueFullError
 from radixserve.server.errors import APIError, bad_request, error_body, error_response, install_error_handlers
 from radixserve.server.auth import APIKeyMiddleware
+from radixserve.server.gc_tuning import freeze_startup_objects, log_long_collections
 from radixserve.server.kv_events import install_kv_events
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.protocol import ROLES, ChatCompletionRequest, CompletionRequest, GenerateBody
@@ -125,6 +126,8 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
+        freeze_startup_objects()
+        log_long_collections("api")
         try:
             yield
         finally:

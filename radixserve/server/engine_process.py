@@ -25,6 +25,7 @@ from radixserve.engine.io_struct import AbortRequest, GenerateRequest, RequestOu
 from radixserve.server import messages as m
 from radixserve.server.logging_setup import setup_logging
 from radixserve.settings import ServerSettings
+from radixserve.server.gc_tuning import freeze_startup_objects, log_long_collections
 
 logger = logging.getLogger("radixserve")
 
@@ -314,6 +315,8 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
             pid=os.getpid(), model_path=core.model_path, pool_size=core.pool_size, context_len=core.context_len,
             vocab_size=core.model_config.vocab_size, max_running_requests=core.scheduler.max_running,
             device=str(core.device), dtype=str(core.dtype).replace("torch.", ""))))
+        freeze_startup_objects()
+        log_long_collections("engine")
         loop = EngineLoop(core, settings, pull, push, parent_pid)
         try:
             loop.run()
