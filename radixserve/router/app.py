@@ -41,6 +41,7 @@ logger = logging.getLogger("radixserve.router")
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 FORWARD_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 FORWARD_RESPONSE_HEADERS = ("content-type", "retry-after", "cache-control", "x-accel-buffering")
+WORKER_KEEPALIVE_S = 4.0
 
 
 @dataclass
@@ -112,8 +113,11 @@ class Router:
 
     async def start(self) -> None:
         timeout = httpx.Timeout(self.settings.request_timeout, connect=self.settings.connect_timeout)
-        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
-                                        max_keepalive_connections=256))
+        # Idle connections to workers expire before the workers' keep-alive (uvicorn: 5 s) closes them,
+        # so a request never goes out on a connection being closed (a ReadError and a needless retry
+        # on another worker, typically right after a health check 5 s earlier).
+        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(
+            max_connections=None, max_keepalive_connections=256, keepalive_expiry=WORKER_KEEPALIVE_S))
         await self.check_all()
         for worker in self.registry:
             self._start_worker_tasks(worker)
