@@ -36,6 +36,9 @@ from radixserve.bench.oracle import OracleRequest, oracle_hit_rate
 from radixserve.bench.report import format_report
 
 
+KEEPALIVE_S = 4.0
+
+
 class BenchError(RuntimeError):
     """A run that cannot start: the message says why, without a traceback."""
 
@@ -238,7 +241,10 @@ async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False,
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     timeout = aiohttp.ClientTimeout(total=args.request_timeout, sock_connect=10)
-    connector = aiohttp.TCPConnector(limit=0)
+    # Idle connections are closed before a server's keep-alive ends (uvicorn's default is 5 s): else
+    # the first request after a pause (building the dataset with a large tokenizer takes longer)
+    # may go out on a connection the server is closing and fail as "connection lost".
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
     tokenizer_dir = None
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, trust_env=False) as session:
         try:
