@@ -544,7 +544,8 @@ def _pool_text(r: ConfigResult) -> str:
     pools = (r.router or {}).get("pool_tokens_per_worker") or []
     if not pools:
         return "workers did not start"
-    return f"KV pool {'/'.join(str(p) for p in pools)} tokens per worker"
+    same = len(set(pools)) == 1
+    return f"KV pool {pools[0] if same else '/'.join(str(p) for p in pools)} tokens per worker"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
