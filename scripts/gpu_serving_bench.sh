@@ -6,9 +6,9 @@
 #
 #   bash scripts/gpu_serving_bench.sh            # results under $OUT (else runs/serving)
 #
-# .qwen2-tokenizer: the real Qwen2 vocabulary (151,643 regular + 22 special tokens) built from
-# the `dashscope` package's qwen.tiktoken (see ANCHORS.md); the benchmark configs carry no
-# tokenizer, and without one the server streams no text, so TTFT could not be timed.
+# .qwen2-tokenizer: the real Qwen2 vocabulary (151,643 regular + 22 special tokens) built by
+# scripts/qwen2_tokenizer.py from the `dashscope` package's qwen.tiktoken; the benchmark configs
+# carry no tokenizer, and without one the server streams no text, so TTFT could not be timed.
 #
 # Environment (defaults = the ANCHORS workloads):
 #   MODELS      model dirs, run in order (dummy weights); "tiny" = the built-in tiny model (CPU test)
