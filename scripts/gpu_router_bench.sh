@@ -33,6 +33,7 @@
 #   POOL         --max-total-tokens of each worker (350000)
 #   SESSIONS TURNS SYS_PROMPTS SYS_LEN USER_LEN ASSIST_LEN OUT_LEN THINK_S RATE: workload sizes
 #   WORKER_ARGS  extra launch_server flags for both workers
+#   ROUTER_ARGS  extra launch_router flags (e.g. "--balance-abs-threshold 8 --balance-rel-threshold 1.2")
 #   DEADLINE_S   the whole script's budget (360): each policy's run is cut at an equal share of what
 #                is left (at least MIN_POLICY_S=30; policies without that much left are skipped)
 #   START_TIMEOUT_S  how long the workers may take to answer /health (240)
@@ -64,6 +65,7 @@ SESSIONS=${SESSIONS:-256} TURNS=${TURNS:-5} SYS_PROMPTS=${SYS_PROMPTS:-8} SYS_LE
 USER_LEN=${USER_LEN:-256} ASSIST_LEN=${ASSIST_LEN:-128} OUT_LEN=${OUT_LEN:-128} THINK_S=${THINK_S:-0.5}
 RATE=${RATE:-inf}
 WORKER_ARGS=${WORKER_ARGS:-}
+ROUTER_ARGS=${ROUTER_ARGS:-}
 DEADLINE_S=${DEADLINE_S:-360}
 START_TIMEOUT_S=${START_TIMEOUT_S:-240}
 RESERVE_S=${RESERVE_S:-20}   # kept back for the summary and the shutdown
@@ -168,6 +170,7 @@ for policy in "${POLICY_LIST[@]}"; do
   flush_workers || continue
   router_args=(--worker-urls "${URLS[@]}" --policy "$policy" --host 127.0.0.1 --port "$ROUTER_PORT" --log-level warning)
   [ -n "$TOKENIZER" ] && router_args+=(--tokenizer-path "$TOKENIZER")
+  router_args+=($ROUTER_ARGS)
   python3 -m radixserve.launch_router "${router_args[@]}" > "$OUT/router-$policy.out" 2>&1 &
   ROUTER_PID=$!
   router_url="http://127.0.0.1:$ROUTER_PORT"

@@ -18,7 +18,7 @@ from conftest import ServerProcess, free_port
 from radixserve.router.keys import chat_text, routing_keys
 from radixserve.router.policies import BalanceConfig, CacheAware, KvAware, RoundRobin, RoutingKeys
 from radixserve.router.prefix_tree import PrefixTree
-from radixserve.router.workers import Worker, normalize_url
+from radixserve.router.workers import PENDING_REBUILD_S, Worker, normalize_url
 
 PREFIX = ("The river ran past the old mill every morning, and the miller listened to it while he worked. "
           "He counted the sacks of grain, wrote the numbers in a small book, and checked them twice. ")
@@ -87,6 +87,11 @@ def test_kv_aware_follows_the_real_cache():
     ws[0].start_request(1, list(range(80)))  # ... and a similar prompt is in flight on w0
     w, d = policy.choose(ws, RoutingKeys(None, list(range(90))))
     assert (w, d) == (ws[0], "matched")
+    ws[0].end_request(1)  # finished: it still counts until the insert event can have arrived ...
+    assert ws[0].pending_match(list(range(90))) == 80
+    ws[0].recent[0] = (time.monotonic() - 1, ws[0].recent[0][1])  # ... and then no longer
+    ws[0].pending_built -= PENDING_REBUILD_S
+    assert ws[0].pending_match(list(range(90))) == 0 and not ws[0].pending_stale
     assert RoundRobin().choose(ws, RoutingKeys(None, None))[1] == "direct"
 
 

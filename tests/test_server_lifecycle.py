@@ -123,3 +123,58 @@ def test_long_garbage_collections_are_logged(caplog):
         gc.callbacks.remove(callback)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("test-process:")]
     assert any("generation 2" in line for line in lines), lines
+
+
+def test_full_collection_governor_collects_fully_only_when_idle_or_after_max_busy():
+    """Automatic full collections are off while installed: a cycle that reached the oldest
+    generation waits for the governor's full collection, made when idle (not before the idle
+    interval), or when busy only after max_busy_s. Young cycles are still collected at once."""
+    import gc
+    import weakref
+
+    from radixserve.server.gc_tuning import FullCollectionGovernor
+
+    class Node:
+        pass
+
+    def old_cycle() -> weakref.ref:
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        gc.collect(1)  # both survive into the oldest generation
+        return weakref.ref(a)  # a and b are garbage once this returns
+
+    def churn() -> None:  # enough allocations for many automatic young collections, no full one
+        for _ in range(50):
+            [Node() for _ in range(gc.get_threshold()[0] + 1)]
+
+    now = [0.0]
+    saved = gc.get_threshold()
+    gc.collect()
+    governor = FullCollectionGovernor("test-process", idle_interval_s=30.0, max_busy_s=300.0,
+                                      clock=lambda: now[0]).install()
+    try:
+        assert gc.get_threshold()[2] == FullCollectionGovernor.NEVER
+        young = Node()
+        young.self = young
+        young_ref = weakref.ref(young)
+        del young
+        gc.collect(0)
+        assert young_ref() is None  # young cycles: collected as ever
+        cycle = old_cycle()
+        churn()
+        assert cycle() is not None  # no automatic full collection reached it
+        assert not governor.maybe_collect(idle=False)  # busy, within max_busy_s
+        assert not governor.maybe_collect(idle=True)  # idle, but the idle interval has not passed
+        now[0] = 31.0
+        assert governor.maybe_collect(idle=True)
+        assert cycle() is None and governor.complete_collections == 1
+        now[0] = 62.0
+        assert not governor.maybe_collect(idle=True)  # nothing reached the oldest generation since
+        cycle = old_cycle()
+        now[0] = 100.0
+        assert not governor.maybe_collect(idle=False)
+        now[0] = 31.0 + 300.0
+        assert governor.maybe_collect(idle=False) and cycle() is None
+    finally:
+        governor.uninstall()
+    assert gc.get_threshold() == saved

@@ -35,6 +35,7 @@ from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import BalanceConfig, make_policy
 from radixserve.router.workers import Worker, WorkerRegistry
 from radixserve.server.errors import error_body, error_response
+from radixserve.server.gc_tuning import FullCollectionGovernor, freeze_startup_objects, log_long_collections
 
 logger = logging.getLogger("radixserve.router")
 
@@ -242,8 +243,12 @@ class Router:
         except ValueError:
             body = None
         stream = isinstance(body, dict) and bool(body.get("stream"))
-        want_tokens = self.settings.policy == "kv_aware"
-        keys = routing_keys(path, body, self.tokenizer, want_tokens)
+        if self.settings.policy == "kv_aware" and self.tokenizer is not None:
+            # Tokenizing a 3k-token prompt takes ~10 ms, most of it without the GIL: in a thread,
+            # so the event loop goes on streaming every other response meanwhile.
+            keys = await asyncio.to_thread(routing_keys, path, body, self.tokenizer, True)
+        else:
+            keys = routing_keys(path, body, self.tokenizer, self.settings.policy == "kv_aware")
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_REQUEST_HEADERS}
         if self.settings.api_key and "authorization" not in {k.lower() for k in headers}:
             headers.update(self.worker_headers)
@@ -377,9 +382,17 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await router.start()
+        freeze_startup_objects()
+        log_long_collections("router")
+        # Each proxied stream holds coroutines and buffers: full collections wait for a quiet moment.
+        governor = FullCollectionGovernor("router").install()
+        gc_task = asyncio.create_task(governor.run(lambda: not any(w.load for w in router.registry)),
+                                      name="gc-governor")
         try:
             yield
         finally:
+            gc_task.cancel()
+            governor.uninstall()
             await router.stop()
 
     app = FastAPI(title="radixserve router", version="0.1.0", lifespan=lifespan)

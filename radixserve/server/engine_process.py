@@ -25,7 +25,7 @@ from radixserve.engine.io_struct import AbortRequest, GenerateRequest, RequestOu
 from radixserve.server import messages as m
 from radixserve.server.logging_setup import setup_logging
 from radixserve.settings import ServerSettings
-from radixserve.server.gc_tuning import freeze_startup_objects, log_long_collections
+from radixserve.server.gc_tuning import FullCollectionGovernor, freeze_startup_objects, log_long_collections
 
 logger = logging.getLogger("radixserve")
 
@@ -96,8 +96,10 @@ class BatchLogger:
 
 
 class EngineLoop:
-    def __init__(self, core, settings: ServerSettings, pull: zmq.Socket, push: zmq.Socket, parent_pid: int):
+    def __init__(self, core, settings: ServerSettings, pull: zmq.Socket, push: zmq.Socket, parent_pid: int,
+                 gc_governor: Optional[FullCollectionGovernor] = None):
         self.core = core
+        self.gc_governor = gc_governor
         self.settings = settings
         self.pull = pull
         self.push = push
@@ -248,6 +250,8 @@ class EngineLoop:
                 self.core.check_invariants()
                 self.checked_idle = True
             self.flush()
+            if self.gc_governor is not None:
+                self.gc_governor.maybe_collect(idle=not self.core.has_work)
         # Shutdown: whatever is left is aborted, so the API side can close its streams.
         for rid in list(self.core.scheduler.reqs):
             out = self.core.abort(rid)
@@ -317,12 +321,15 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
             device=str(core.device), dtype=str(core.dtype).replace("torch.", ""))))
         freeze_startup_objects()
         log_long_collections("engine")
-        loop = EngineLoop(core, settings, pull, push, parent_pid)
+        governor = FullCollectionGovernor("engine").install()
+        loop = EngineLoop(core, settings, pull, push, parent_pid, gc_governor=governor)
         try:
             loop.run()
         except Exception:
             logger.error("engine loop crashed:\n%s", traceback.format_exc())
             code = 1
+        finally:
+            governor.uninstall()
     finally:
         pull.close(0)
         push.close(0 if os.getppid() != parent_pid else None)
