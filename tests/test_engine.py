@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from radixserve import Engine
+from radixserve.engine.io_struct import GenerateRequest, SamplingParams
 from radixserve.testing.tiny_model import build_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -360,3 +361,24 @@ def test_bad_settings_and_model_dirs(tiny_dir, tmp_path):
     (tmp_path / "config.json").write_text((tiny_dir / "config.json").read_text())
     with pytest.raises((FileNotFoundError, ValueError), match="safetensors"):
         Engine(str(tmp_path))
+
+
+def test_slow_steps_are_logged_with_their_batch(tiny_dir, caplog):
+    """Every step at or over the threshold (here: all) is logged with its batch; on the CPU there
+    are no kernel compiles or allocator retries to report."""
+    import logging
+
+    from radixserve.server.engine_process import SlowStepWatch
+
+    engine = Engine(str(tiny_dir), max_total_tokens=4096)
+    watch = SlowStepWatch(cuda=False, threshold_s=0.0)
+    engine.core.add_request(GenerateRequest(rid="slow", input_ids=[5, 6, 7, 8],
+                                            sampling_params=SamplingParams(max_new_tokens=3, ignore_eos=True)))
+    with caplog.at_level(logging.WARNING, logger="radixserve"):
+        while engine.core.has_work:
+            engine.core.step()
+            watch.after_step(engine.core)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow step:")]
+    assert any("prefill/mixed, 4 new tokens" in line for line in lines), lines
+    assert any("(decode, " in line for line in lines), lines
+    assert all("compiled since the last slow step: none; CUDA allocator retries: +0" in line for line in lines)

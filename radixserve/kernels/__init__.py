@@ -7,3 +7,22 @@
 Each submodule imports triton at its top; this package imports nothing, so it is safe to import
 on any machine.
 """
+
+
+def compiled_variant_counts() -> dict[str, int]:
+    """How many compiled variants each of our Triton kernels holds in this process (CUDA only:
+    imports triton). A count that grows while serving means a compile stalled the engine."""
+    from radixserve.attention.triton_kernels import decode_attention, extend_attention, kv_store
+    from radixserve.kernels import activation, norm, rope
+
+    kernels = {"decode_stage1": decode_attention._decode_stage1_kernel,
+               "decode_stage2": decode_attention._decode_stage2_kernel,
+               "extend": extend_attention._extend_kernel, "store_kv": kv_store._store_kv_kernel,
+               "rope": rope._rope_kernel, "rms_norm": norm._rms_norm_kernel,
+               "silu_and_mul": activation._silu_and_mul_kernel}
+    counts = {}
+    for name, fn in kernels.items():
+        caches = getattr(fn, "device_caches", None)  # triton >= 3.2: {device: (kernel cache, ...)}
+        counts[name] = sum(len(entry[0]) for entry in caches.values()) if caches is not None \
+            else sum(len(c) for c in fn.cache.values())
+    return counts

@@ -34,6 +34,7 @@ IDLE_POLL_MS = 50
 STATS_INTERVAL_S = 0.5
 HIT_RATE_WINDOW_S = 60.0
 PARENT_CHECK_S = 1.0
+SLOW_STEP_S = 0.25  # a step this long is logged with what can explain it
 
 
 class HitRateWindow:
@@ -55,6 +56,46 @@ class HitRateWindow:
             prompt0, cached0 = 0, 0
         d_prompt = prompt - prompt0
         return (cached - cached0) / d_prompt if d_prompt > 0 else 0.0
+
+
+class SlowStepWatch:
+    """Logs a step over `threshold_s` with what can explain it: Triton kernel variants compiled and
+    CUDA allocator retries (a failed cudaMalloc frees the cache, synchronizes and tries again) since
+    the last slow step or start-up. Either stalls every running request; the counts are read only
+    after a slow step, so a fast step costs one comparison."""
+
+    def __init__(self, cuda: bool, threshold_s: float = SLOW_STEP_S):
+        self.cuda = cuda
+        self.threshold_s = threshold_s
+        self.variants = self._variants()
+        self.alloc_retries = self._alloc_retries()
+
+    def _variants(self) -> dict[str, int]:
+        if not self.cuda:
+            return {}
+        from radixserve.kernels import compiled_variant_counts
+
+        return compiled_variant_counts()
+
+    def _alloc_retries(self) -> int:
+        if not self.cuda:
+            return 0
+        import torch
+
+        return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+
+    def after_step(self, core) -> None:
+        info = core.last_step
+        if info.seconds < self.threshold_s or info.batch is None:
+            return
+        variants = self._variants()
+        compiled = {k: n - self.variants.get(k, 0) for k, n in variants.items() if n != self.variants.get(k, 0)}
+        retries = self._alloc_retries()
+        logger.warning("slow step: %.0f ms, %d requests (%s, %d new tokens); kernel variants compiled since the "
+                       "last slow step: %s; CUDA allocator retries: +%d", info.seconds * 1000, len(info.batch.reqs),
+                       "decode" if info.batch.is_decode_only else "prefill/mixed", info.batch.num_new_tokens,
+                       compiled or "none", retries - self.alloc_retries)
+        self.variants, self.alloc_retries = variants, retries
 
 
 class BatchLogger:
@@ -107,6 +148,7 @@ class EngineLoop:
         self.poller = zmq.Poller()
         self.poller.register(pull, zmq.POLLIN)
         self.batch_logger = BatchLogger(settings.log_interval)
+        self.slow_steps = SlowStepWatch(core.device.type == "cuda")
         self.window = HitRateWindow()
         self.pending_outputs: list[RequestOutput] = []
         self.pending_errors: list[m.RequestError] = []
@@ -240,6 +282,7 @@ class EngineLoop:
                 outputs = self.core.step()
                 self.steps += 1
                 self.batch_logger.after_step(self.core, self.core.stats)
+                self.slow_steps.after_step(self.core)
                 if outputs:
                     self.pending_outputs.extend(outputs)
                     if any(o.finished for o in outputs):

@@ -22,6 +22,7 @@ from radixserve.attention.base import ForwardBatch, ForwardMode  # noqa: E402
 from radixserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from radixserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from radixserve.cache.kv_pool import KVPool  # noqa: E402
+from radixserve.kernels import compiled_variant_counts  # noqa: E402
 from radixserve.model.loader import load_model  # noqa: E402
 from radixserve.testing.tiny_model import build_tiny_model  # noqa: E402
 
@@ -171,31 +172,11 @@ def test_bf16_overlap_on_off_same_tokens_with_stops_and_seeds(tiny_dir):
     assert sum(reason["type"] == "stop" for _, reason in runs[True]) >= 3
 
 
-def _compiled_variants() -> dict[str, int]:
-    """How many compiled variants each of our Triton kernels holds in this process."""
-    from radixserve.attention.triton_kernels import decode_attention, extend_attention, kv_store
-    from radixserve.kernels import activation, norm, rope
-
-    kernels = {"decode_stage1": decode_attention._decode_stage1_kernel,
-               "decode_stage2": decode_attention._decode_stage2_kernel,
-               "extend": extend_attention._extend_kernel, "store_kv": kv_store._store_kv_kernel,
-               "rope": rope._rope_kernel, "rms_norm": norm._rms_norm_kernel,
-               "silu_and_mul": activation._silu_and_mul_kernel}
-    counts = {}
-    for name, fn in kernels.items():
-        caches = getattr(fn, "device_caches", None)
-        if caches is not None:
-            counts[name] = sum(len(entry[0]) for entry in caches.values())
-        else:
-            counts[name] = sum(len(c) for c in fn.cache.values())
-    return counts
-
-
 def test_no_kernel_compiles_after_warmup(tiny_dir):
     """After the start-up warm-up, batches of any shape reuse compiled kernels: a compile in the
     middle of serving stalls every request for seconds (the TTFT tail at a steady rate)."""
     engine = Engine(tiny_dir, device="cuda", dtype="bfloat16", max_total_tokens=16384, cuda_graph_max_bs=16)
-    before = _compiled_variants()
+    before = compiled_variant_counts()
     assert all(n > 0 for n in before.values()), before
     rng = random.Random(0)
     shared = [rng.randrange(3, 500) for _ in range(70)]
@@ -206,4 +187,4 @@ def test_no_kernel_compiles_after_warmup(tiny_dir):
         params = [{"max_new_tokens": rng.randint(1, 6), "temperature": rng.choice([0, 0.7]), "top_k": rng.choice([-1, 5]),
                    "ignore_eos": True} for _ in batch]
         engine.generate(input_ids=batch, sampling_params=params)
-    assert _compiled_variants() == before
+    assert compiled_variant_counts() == before
