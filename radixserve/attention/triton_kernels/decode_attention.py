@@ -29,9 +29,15 @@ def _split_range(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
     return start, end
 
 
-# num_splits changes with the batch size: one compiled variant for every value (Triton would
-# otherwise specialise on == 1 and on divisibility by 16).
-@triton.jit(do_not_specialize=["num_splits"])
+# num_splits changes with the batch size, and with it the split-K workspace's strides over heads
+# and requests (mid_lse's are num_splits and Hq x num_splits): Triton would compile a variant for
+# each "== 1" / "divisible by 16" property of these. Left unspecialised, one variant serves every
+# batch: a compile in the middle of serving stalled a mixed step of 296 requests for ~1 s (its
+# num_splits was 1, which no captured decode batch had).
+_SPLIT_DEPENDENT = ["num_splits", "stride_mlb", "stride_mlh"]
+
+
+@triton.jit(do_not_specialize=_SPLIT_DEPENDENT)
 def _decode_stage1_kernel(
     Q, K_buf, V_buf, req_to_token, req_pool_indices, seq_lens, Mid_O, Mid_LSE,
     stride_qb, stride_qh,
@@ -86,7 +92,7 @@ def _decode_stage1_kernel(
         tl.store(Mid_LSE + b * stride_mlb + q_heads * stride_mlh + split, m_i + tl.log2(l_i), mask=mask_g)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=_SPLIT_DEPENDENT)
 def _decode_stage2_kernel(
     Mid_O, Mid_LSE, O, seq_lens,
     stride_mob, stride_moh, stride_mos,
