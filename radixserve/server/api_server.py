@@ -160,7 +160,7 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
                 ctx.done(trackers)
 
         by_rid = {t.rid: t for t in trackers}
-        group.is_disconnected = request.is_disconnected
+        group.watch_disconnect(request.receive)
         outputs = group.outputs()
         try:
             if not stream:
@@ -170,7 +170,7 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
                     return Response(status_code=499)
                 return JSONResponse(render_final(trackers))
             first, rest = await first_then_rest(outputs)
-            group.is_disconnected = None  # from here the streaming response watches the client
+            group.stop_watching()  # from here the streaming response watches the client
         except ENGINE_ERRORS as e:
             close()
             err = map_engine_error(e)

@@ -18,7 +18,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import zmq
 import zmq.asyncio
@@ -44,6 +44,9 @@ class EngineRequestError(ValueError):
     """The engine refused a request as invalid (HTTP 400)."""
 
 
+_CLIENT_GONE = object()  # put in a group's queue when its HTTP client disconnects
+
+
 @dataclass
 class RequestGroup:
     """Engine requests answered together (the `n` choices and prompts of one HTTP request)."""
@@ -52,7 +55,7 @@ class RequestGroup:
     rids: list[str]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     unfinished: set[str] = field(default_factory=set)
-    is_disconnected: Optional[Callable[[], Any]] = None
+    watcher: Optional[asyncio.Task] = None
 
     def __post_init__(self) -> None:
         self.unfinished = set(self.rids)
@@ -61,32 +64,33 @@ class RequestGroup:
     def finished(self) -> bool:
         return not self.unfinished
 
-    async def outputs(self, check_every_s: float = 0.5) -> AsyncIterator[RequestOutput]:
-        """Yield outputs until every request finished; raise the engine's error for any of them.
+    def watch_disconnect(self, receive: Callable[[], Awaitable[dict]]) -> None:
+        """Until `stop_watching()`: end `outputs()` as soon as the client disconnects, so a caller
+        that is gone stops its requests even while nothing is being written to it. One task waits
+        in the ASGI receive channel (the body was read already); polling every waiting request
+        for a disconnect instead took a quarter of the API process's time with 1,000 requests
+        waiting for their first token. Stop before anything else reads the channel (a streaming
+        response does): two readers would steal each other's messages."""
+        async def watch() -> None:
+            while (await receive()).get("type") != "http.disconnect":
+                pass
+            self.queue.put_nowait(_CLIENT_GONE)
 
-        While `self.is_disconnected` (an async callable) is set, it is polled every
-        `check_every_s`, so a caller that is gone stops the requests even when nothing is being
-        written to it. Clear it once something else listens for the disconnect (a streaming
-        response does), since two readers of one ASGI channel would steal each other's messages.
-        """
-        next_check = time.monotonic() + check_every_s
+        self.watcher = asyncio.ensure_future(watch())
+
+    def stop_watching(self) -> None:
+        if self.watcher is not None:
+            self.watcher.cancel()
+            self.watcher = None
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """Yield outputs until every request finished or the client went away; raise the engine's
+        error for any of them."""
         try:
             while self.unfinished:
-                if self.is_disconnected is not None and time.monotonic() >= next_check:
-                    if await self.is_disconnected():
-                        return
-                    next_check = time.monotonic() + check_every_s
-                try:
-                    item = self.queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    if self.is_disconnected is None:
-                        item = await self.queue.get()
-                    else:
-                        try:
-                            item = await asyncio.wait_for(self.queue.get(),
-                                                          max(next_check - time.monotonic(), 0.001))
-                        except asyncio.TimeoutError:
-                            continue
+                item = await self.queue.get()
+                if item is _CLIENT_GONE:
+                    return
                 if isinstance(item, BaseException):
                     self.unfinished.discard(getattr(item, "rid", None))
                     raise item
@@ -98,6 +102,7 @@ class RequestGroup:
 
     def close(self) -> None:
         """Abort whatever has not finished and stop routing outputs here. Safe to call twice."""
+        self.stop_watching()
         for rid in self.unfinished:
             self.client.abort(rid)
         self.unfinished.clear()
