@@ -351,3 +351,43 @@ def test_info_endpoints(server):
                      "radixserve:radix_tree_nodes", "radixserve:evicted_tokens_total", "radixserve:retractions_total",
                      "radixserve:generation_tokens_total", "radixserve:requests_total"):
             assert name in metrics, name
+
+
+def test_queued_outputs_of_one_request_are_merged():
+    """Outputs of a request already waiting when the stream reads are merged (tokens of all, the
+    end and counts of the last, the first-token time of the first); other requests' outputs and
+    errors keep their place."""
+    from radixserve.engine.io_struct import RequestOutput
+    from radixserve.server.engine_client import EngineClient, EngineRequestError, RequestGroup
+    from radixserve.settings import ServerSettings
+
+    async def drain(group: RequestGroup, items: list) -> list:
+        for item in items:
+            group.queue.put_nowait(item)
+        got = []
+        try:
+            async for out in group.outputs():
+                got.append(out)
+        except EngineRequestError as e:
+            got.append(e)
+        return got
+
+    client = EngineClient(ServerSettings())  # never started: aborts go nowhere
+    one = RequestGroup(client, ["a"])
+    got = asyncio.run(drain(one, [
+        RequestOutput(rid="a", new_token_ids=[1], ttft=0.5, queue_time=0.1, prompt_tokens=4, completion_tokens=1),
+        RequestOutput(rid="a", new_token_ids=[2, 3], prompt_tokens=4, completion_tokens=3),
+        RequestOutput(rid="a", new_token_ids=[4], finished=True, finish_reason={"type": "length"},
+                      prompt_tokens=4, cached_tokens=2, completion_tokens=4)]))
+    assert len(got) == 1
+    merged = got[0]
+    assert merged.new_token_ids == [1, 2, 3, 4] and merged.finished and merged.finish_reason == {"type": "length"}
+    assert (merged.ttft, merged.queue_time, merged.completion_tokens, merged.cached_tokens) == (0.5, 0.1, 4, 2)
+
+    two = RequestGroup(client, ["a", "b"])
+    got = asyncio.run(drain(two, [
+        RequestOutput(rid="a", new_token_ids=[1]), RequestOutput(rid="a", new_token_ids=[2]),
+        RequestOutput(rid="b", new_token_ids=[7]), RequestOutput(rid="a", new_token_ids=[3], finished=True),
+        EngineRequestError("bad b")]))
+    assert [(o.rid, o.new_token_ids) for o in got[:3]] == [("a", [1, 2]), ("b", [7]), ("a", [3])]
+    assert isinstance(got[3], EngineRequestError)

@@ -47,6 +47,17 @@ class EngineRequestError(ValueError):
 _CLIENT_GONE = object()  # put in a group's queue when its HTTP client disconnects
 
 
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output for two consecutive ones of the same request: tokens of both, the end and the
+    counts of the later, the first-token and queue times of the earlier where it has them."""
+    return RequestOutput(
+        rid=later.rid, new_token_ids=earlier.new_token_ids + later.new_token_ids, finished=later.finished,
+        finish_reason=later.finish_reason, prompt_tokens=later.prompt_tokens, cached_tokens=later.cached_tokens,
+        completion_tokens=later.completion_tokens,
+        ttft=earlier.ttft if earlier.ttft is not None else later.ttft,
+        queue_time=earlier.queue_time if earlier.queue_time is not None else later.queue_time)
+
+
 @dataclass
 class RequestGroup:
     """Engine requests answered together (the `n` choices and prompts of one HTTP request)."""
@@ -85,10 +96,22 @@ class RequestGroup:
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """Yield outputs until every request finished or the client went away; raise the engine's
-        error for any of them."""
+        error for any of them.
+
+        Outputs of one request already waiting in the queue are merged into one: when the API
+        process falls behind (a thousand streams), each token would otherwise cost its own event
+        (detokenization, JSON, a socket write), so it would fall further behind; merged, the
+        client gets the same text in fewer, larger pieces."""
+        held: Any = None  # taken from the queue while merging, not yet yielded
         try:
             while self.unfinished:
-                item = await self.queue.get()
+                item, held = (held, None) if held is not None else (await self.queue.get(), None)
+                while isinstance(item, RequestOutput) and not item.finished and not self.queue.empty():
+                    following = self.queue.get_nowait()
+                    if not isinstance(following, RequestOutput) or following.rid != item.rid:
+                        held = following
+                        break
+                    item = merge_outputs(item, following)
                 if item is _CLIENT_GONE:
                     return
                 if isinstance(item, BaseException):
