@@ -230,10 +230,25 @@ def auto_small_pool(requests) -> int:
     return max(4 * longest, cache.size // 3)
 
 
+def bench_into(result: ConfigResult, bench_argv: list[str], progress_desc: str) -> Any:
+    """Run bench_serving with these arguments, keep its record, latencies and hit-rate curve in
+    `result`; returns bench_serving's outcome."""
+    from radixserve.bench.metrics import hit_rate_over_time
+    from radixserve.bench_serving import build_parser as bench_parser, run_benchmark
+
+    outcome = asyncio.run(run_benchmark(bench_parser().parse_args(bench_argv), quiet=False,
+                                        progress_desc=progress_desc))
+    result.record = outcome.record
+    ok = [r for r in outcome.results if r.success]
+    result.ttft_s = [r.ttft for r in ok]
+    result.latency_s = [r.latency for r in ok]
+    result.hit_rate_curve = hit_rate_over_time(outcome.results, outcome.t0)
+    return outcome
+
+
 def run_config(cfg: Config, base_server_args: list[str], bench_argv: list[str], out_dir: Path,
                small_pool: int, start_timeout: float, label: str) -> tuple[ConfigResult, Any]:
-    from radixserve.bench.metrics import hit_rate_over_time
-    from radixserve.bench_serving import BenchError, build_parser as bench_parser, run_benchmark
+    from radixserve.bench_serving import BenchError
 
     server_args = [*base_server_args, *cfg.server_args]
     if cfg.small_pool:
@@ -246,13 +261,7 @@ def run_config(cfg: Config, base_server_args: list[str], bench_argv: list[str], 
         print(f"{label} {cfg.name}: starting server ({' '.join(cfg.server_args)}"
               f"{f' --max-total-tokens {small_pool}' if cfg.small_pool else ''})", flush=True)
         server.wait_ready(start_timeout)
-        args = bench_parser().parse_args([*bench_argv, "--base-url", server.base_url])
-        outcome = asyncio.run(run_benchmark(args, quiet=False, progress_desc=f"{label} {cfg.name}"))
-        result.record = outcome.record
-        ok = [r for r in outcome.results if r.success]
-        result.ttft_s = [r.ttft for r in ok]
-        result.latency_s = [r.latency for r in ok]
-        result.hit_rate_curve = hit_rate_over_time(outcome.results, outcome.t0)
+        outcome = bench_into(result, [*bench_argv, "--base-url", server.base_url], f"{label} {cfg.name}")
     except (BenchError, RuntimeError) as e:
         result.error = str(e).splitlines()[0][:200]
         print(f"{label} {cfg.name}: FAILED: {e}", flush=True)
@@ -342,8 +351,7 @@ def router_state(router_url: str) -> dict[str, Any]:
 def run_router_config(cfg: Config, worker_urls: list[str], bench_argv: list[str], out_dir: Path,
                       router_args: list[str], start_timeout: float, label: str,
                       worker_info: dict[str, Any]) -> tuple[ConfigResult, Any]:
-    from radixserve.bench.metrics import hit_rate_over_time
-    from radixserve.bench_serving import BenchError, build_parser as bench_parser, run_benchmark
+    from radixserve.bench_serving import BenchError
 
     result = ConfigResult(cfg, server_args=list(worker_info.get("server_args") or []))
     result.router = {"policy": cfg.router_policy, **worker_info}
@@ -357,13 +365,8 @@ def run_router_config(cfg: Config, worker_urls: list[str], bench_argv: list[str]
                          *router_args], out_dir / f"router-{cfg.router_policy}.log", module="radixserve.launch_router")
         router.wait_ready(min(start_timeout, 120.0))
         metrics_args = [a for u in worker_urls for a in ("--metrics-url", u)]
-        args = bench_parser().parse_args([*bench_argv, "--base-url", router.base_url, *metrics_args])
-        outcome = asyncio.run(run_benchmark(args, quiet=False, progress_desc=f"{label} {cfg.name}"))
-        result.record = outcome.record
-        ok = [r for r in outcome.results if r.success]
-        result.ttft_s = [r.ttft for r in ok]
-        result.latency_s = [r.latency for r in ok]
-        result.hit_rate_curve = hit_rate_over_time(outcome.results, outcome.t0)
+        outcome = bench_into(result, [*bench_argv, "--base-url", router.base_url, *metrics_args],
+                             f"{label} {cfg.name}")
         try:
             result.router.update(router_state(router.base_url))
         except Exception as e:  # the figures above stand without it
