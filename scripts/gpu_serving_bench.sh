@@ -117,4 +117,12 @@ for r in rows:
     if r["failed"]:
         print(f"|   | failures: {r['failure_reasons']} |")
 PY
+# Stalls the servers logged (a step over 250 ms with its kernel compiles / allocator retries, a
+# garbage collection over 50 ms): none are expected while serving.
+for f in "$OUT"/server-*.log; do
+  [ -e "$f" ] || continue
+  echo "$(basename "$f"): $(grep -c 'slow step:' "$f") slow steps, $(grep -c 'garbage collection of generation' "$f") long collections" \
+    | tee -a "$OUT/summary.md"
+  grep 'slow step:' "$f" | head -5
+done
 log "done"
