@@ -125,14 +125,16 @@ def test_long_garbage_collections_are_logged(caplog):
     assert any("generation 2" in line for line in lines), lines
 
 
-def test_full_collection_governor_collects_fully_only_when_idle_or_after_max_busy():
+def test_full_collection_governor_collects_fully_only_when_idle_or_after_max_busy(caplog):
     """Automatic full collections are off while installed: a cycle that reached the oldest
     generation waits for the governor's full collection, made when idle (not before the idle
     interval), or when busy only after max_busy_s. Young cycles are still collected at once."""
     import gc
     import weakref
 
-    from radixserve.server.gc_tuning import FullCollectionGovernor
+    import logging
+
+    from radixserve.server.gc_tuning import FullCollectionGovernor, log_long_collections
 
     class Node:
         pass
@@ -166,8 +168,16 @@ def test_full_collection_governor_collects_fully_only_when_idle_or_after_max_bus
         assert not governor.maybe_collect(idle=False)  # busy, within max_busy_s
         assert not governor.maybe_collect(idle=True)  # idle, but the idle interval has not passed
         now[0] = 31.0
-        assert governor.maybe_collect(idle=True)
+        warn_all = log_long_collections("test-governor", threshold_s=0.0)
+        try:
+            with caplog.at_level(logging.INFO, logger="radixserve"):
+                assert governor.maybe_collect(idle=True)
+        finally:
+            gc.callbacks.remove(warn_all)
         assert cycle() is None and governor.complete_collections == 1
+        lines = [r.getMessage() for r in caplog.records]
+        assert any(line.startswith("test-process: full garbage collection (idle)") for line in lines), lines
+        assert not any(line.startswith("test-governor:") for line in lines), lines  # not a stall
         now[0] = 62.0
         assert not governor.maybe_collect(idle=True)  # nothing reached the oldest generation since
         cycle = old_cycle()

@@ -23,6 +23,7 @@ logger = logging.getLogger("radixserve")
 
 LONG_COLLECTION_S = 0.05
 _watching: set[str] = set()
+_scheduled_collection = False  # a governor's own full collection runs: logged by the governor
 
 
 def freeze_startup_objects() -> None:
@@ -31,7 +32,8 @@ def freeze_startup_objects() -> None:
 
 
 def log_long_collections(process: str, threshold_s: float = LONG_COLLECTION_S) -> Optional[Callable]:
-    """Once per process and name: log each collection that takes threshold_s or longer.
+    """Once per process and name: log each collection that takes threshold_s or longer, except a
+    governor's scheduled full collection (it logs its own line, at INFO: nobody waited for it).
     Returns the callback installed in gc.callbacks (None when already watching)."""
     if process in _watching:
         return None
@@ -44,7 +46,7 @@ def log_long_collections(process: str, threshold_s: float = LONG_COLLECTION_S) -
             started = time.perf_counter()
             return
         seconds = time.perf_counter() - started
-        if seconds >= threshold_s:
+        if seconds >= threshold_s and not _scheduled_collection:
             logger.warning("%s: garbage collection of generation %d took %.0f ms (%d objects freed)", process,
                            info.get("generation", -1), seconds * 1000, info.get("collected", 0))
 
@@ -92,8 +94,13 @@ class FullCollectionGovernor:
         waited = self.clock() - self.last_complete
         if waited < (self.idle_interval_s if idle else self.max_busy_s):
             return False
+        global _scheduled_collection
         started = time.perf_counter()
-        freed = gc.collect()
+        _scheduled_collection = True
+        try:
+            freed = gc.collect()
+        finally:
+            _scheduled_collection = False
         self.last_complete = self.clock()
         self.complete_collections += 1
         logger.info("%s: full garbage collection (%s) in %.0f ms, %d objects freed", self.process,
