@@ -21,10 +21,9 @@ import torch
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.cache.radix_cache import CacheCounters, RadixCache
 from radixserve.engine.io_struct import GenerateRequest, RequestOutput, SamplingParams
-from radixserve.engine.model_runner import ModelRunner
+from radixserve.engine.model_runner import ModelRunner, StepFuture
 from radixserve.model.config import ModelConfig
 from radixserve.scheduler.request import Req
-from radixserve.engine.model_runner import StepFuture
 from radixserve.scheduler.scheduler import NeedResults, ScheduledBatch, Scheduler
 from radixserve.settings import ServerSettings
 

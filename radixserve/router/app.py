@@ -35,7 +35,7 @@ from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import BalanceConfig, make_policy
 from radixserve.router.workers import Worker, WorkerRegistry
 from radixserve.server.errors import error_body, error_response
-from radixserve.server.gc_tuning import FullCollectionGovernor, freeze_startup_objects, log_long_collections
+from radixserve.server.gc_tuning import governed_collections
 
 logger = logging.getLogger("radixserve.router")
 
@@ -382,17 +382,11 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await router.start()
-        freeze_startup_objects()
-        log_long_collections("router")
-        # Each proxied stream holds coroutines and buffers: full collections wait for a quiet moment.
-        governor = FullCollectionGovernor("router").install()
-        gc_task = asyncio.create_task(governor.run(lambda: not any(w.load for w in router.registry)),
-                                      name="gc-governor")
         try:
-            yield
+            # Each proxied stream holds coroutines and buffers: full collections wait for a quiet moment.
+            async with governed_collections("router", lambda: not any(w.load for w in router.registry)):
+                yield
         finally:
-            gc_task.cancel()
-            governor.uninstall()
             await router.stop()
 
     app = FastAPI(title="radixserve router", version="0.1.0", lifespan=lifespan)

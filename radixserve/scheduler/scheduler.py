@@ -153,11 +153,15 @@ class Scheduler:
                 return False
             pages = self.allocator.alloc_pages(need_pages)
             assert pages is not None
-            slots = self.allocator.pages_to_slots(pages).tolist() if self.page_size > 1 else pages
+            slots = self._slots_of(pages)
             req.slots.extend(slots)
             self._queue_table_write(req.req_pool_idx, have, slots)
         req.kv_len = upto
         return True
+
+    def _slots_of(self, pages: list[int]) -> list[int]:
+        """The KV slots of these pages, page by page (a page is its slot at page size 1)."""
+        return self.allocator.pages_to_slots(pages).tolist() if self.page_size > 1 else pages
 
     def _queue_table_write(self, row: int, start: int, slots: list[int]) -> None:
         self._pending_rows.extend([row] * len(slots))
@@ -288,8 +292,9 @@ class Scheduler:
         if growing:
             pages = self.allocator.alloc_pages(len(growing))
             assert pages is not None, "decode memory was ensured above"
-            for req, page in zip(growing, pages):
-                slots = list(range(page * ps, page * ps + ps)) if ps > 1 else [page]
+            all_slots = self._slots_of(pages)
+            for i, req in enumerate(growing):
+                slots = all_slots[i * ps:(i + 1) * ps]
                 self._queue_table_write(req.req_pool_idx, len(req.slots), slots)
                 req.slots.extend(slots)
         for req in decoding:

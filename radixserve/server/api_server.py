@@ -26,7 +26,7 @@ from radixserve.engine.io_struct import SamplingParams
 from radixserve.server.engine_client import EngineClient, EngineDeadError, EngineRequestError, QueueFullError
 from radixserve.server.errors import APIError, bad_request, error_body, error_response, install_error_handlers
 from radixserve.server.auth import APIKeyMiddleware
-from radixserve.server.gc_tuning import FullCollectionGovernor, freeze_startup_objects, log_long_collections
+from radixserve.server.gc_tuning import governed_collections
 from radixserve.server.kv_events import install_kv_events
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.protocol import ROLES, ChatCompletionRequest, CompletionRequest, GenerateBody
@@ -126,15 +126,10 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
-        freeze_startup_objects()
-        log_long_collections("api")
-        governor = FullCollectionGovernor("api").install()
-        gc_task = asyncio.create_task(governor.run(lambda: not engine.groups), name="gc-governor")
         try:
-            yield
+            async with governed_collections("api", lambda: not engine.groups):
+                yield
         finally:
-            gc_task.cancel()
-            governor.uninstall()
             await engine.stop()
 
     app = FastAPI(title="radixserve", version="0.1.0", lifespan=lifespan,

@@ -105,7 +105,10 @@ class RequestGroup:
         held: Any = None  # taken from the queue while merging, not yet yielded
         try:
             while self.unfinished:
-                item, held = (held, None) if held is not None else (await self.queue.get(), None)
+                if held is not None:
+                    item, held = held, None
+                else:
+                    item = await self.queue.get()
                 while isinstance(item, RequestOutput) and not item.finished and not self.queue.empty():
                     following = self.queue.get_nowait()
                     if not isinstance(following, RequestOutput) or following.rid != item.rid:

@@ -25,7 +25,7 @@ from radixserve.engine.io_struct import AbortRequest, GenerateRequest, RequestOu
 from radixserve.server import messages as m
 from radixserve.server.logging_setup import setup_logging
 from radixserve.settings import ServerSettings
-from radixserve.server.gc_tuning import FullCollectionGovernor, freeze_startup_objects, log_long_collections
+from radixserve.server.gc_tuning import FullCollectionGovernor, govern_collections
 
 logger = logging.getLogger("radixserve")
 
@@ -364,9 +364,7 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
             pid=os.getpid(), model_path=core.model_path, pool_size=core.pool_size, context_len=core.context_len,
             vocab_size=core.model_config.vocab_size, max_running_requests=core.scheduler.max_running,
             device=str(core.device), dtype=str(core.dtype).replace("torch.", ""))))
-        freeze_startup_objects()
-        log_long_collections("engine")
-        governor = FullCollectionGovernor("engine").install()
+        governor = govern_collections("engine")
         loop = EngineLoop(core, settings, pull, push, parent_pid, gc_governor=governor)
         try:
             loop.run()

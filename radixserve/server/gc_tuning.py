@@ -17,7 +17,8 @@ import asyncio
 import gc
 import logging
 import time
-from typing import Callable, Optional
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Callable, Optional
 
 logger = logging.getLogger("radixserve")
 
@@ -112,3 +113,24 @@ class FullCollectionGovernor:
         while True:
             await asyncio.sleep(interval_s)
             self.maybe_collect(is_idle())
+
+
+def govern_collections(process: str) -> FullCollectionGovernor:
+    """What a server process calls once it is ready: start-up objects frozen, long collections
+    logged, full collections governed. Call `maybe_collect` on the returned governor from the
+    process's loop (or use `governed_collections` in an asyncio process)."""
+    freeze_startup_objects()
+    log_long_collections(process)
+    return FullCollectionGovernor(process).install()
+
+
+@asynccontextmanager
+async def governed_collections(process: str, is_idle: Callable[[], bool]) -> AsyncIterator[FullCollectionGovernor]:
+    """`govern_collections` for an asyncio process, checked every second while inside."""
+    governor = govern_collections(process)
+    task = asyncio.create_task(governor.run(is_idle), name="gc-governor")
+    try:
+        yield governor
+    finally:
+        task.cancel()
+        governor.uninstall()
