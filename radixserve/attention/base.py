@@ -58,5 +58,6 @@ class AttentionBackend(Protocol):
         """Prepare per-batch metadata once, before the layers run."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch) -> torch.Tensor:
-        """Store k, v [T, Hkv, D] at batch.out_cache_loc, then attend q [T, Hq, D]; returns [T, Hq*D]."""
+                batch: ForwardBatch, *, save_kv: bool = True) -> torch.Tensor:
+        """Store k, v [T, Hkv, D] at batch.out_cache_loc (unless the caller already did:
+        save_kv=False), then attend q [T, Hq, D]; returns [T, Hq*D]."""

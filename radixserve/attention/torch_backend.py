@@ -91,8 +91,9 @@ class TorchAttentionBackend:
         batch.attn_meta = meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch) -> torch.Tensor:
-        batch.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
+                batch: ForwardBatch, *, save_kv: bool = True) -> torch.Tensor:
+        if save_kv:
+            batch.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
         meta = batch.attn_meta
         assert isinstance(meta, TorchAttentionMeta), "init_forward must run before forward"
         k_buf = batch.kv_pool.k_buffers[layer_id]

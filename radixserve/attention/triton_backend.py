@@ -173,10 +173,11 @@ class TritonAttentionBackend:
                             self.extend_num_stages)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch) -> torch.Tensor:
+                batch: ForwardBatch, *, save_kv: bool = True) -> torch.Tensor:
         k_buf = batch.kv_pool.k_buffers[layer_id]
         v_buf = batch.kv_pool.v_buffers[layer_id]
-        self._kv_store.store_kv(k, v, k_buf, v_buf, batch.out_cache_loc)
+        if save_kv:
+            self._kv_store.store_kv(k, v, k_buf, v_buf, batch.out_cache_loc)
         meta = batch.attn_meta
         num_tokens, num_q_heads, head_dim = q.shape
         out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)

@@ -2,7 +2,8 @@
 
 - `radixserve.kernels.norm`: `rms_norm(x, weight, eps)`, `add_rms_norm(x, residual, weight, eps)`
 - `radixserve.kernels.activation`: `silu_and_mul(gate_up)`
-- `radixserve.kernels.rope`: `apply_rope_(q, k, positions, cos, sin)`
+- `radixserve.kernels.rope`: `apply_rope_(q, k, positions, cos, sin, *, v, k_buf, v_buf, loc)` (RoPE, and
+  optionally the KV store, in one launch)
 
 Each submodule imports triton at its top; this package imports nothing, so it is safe to import
 on any machine.

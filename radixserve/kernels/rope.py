@@ -1,11 +1,15 @@
-"""Rotary embedding (Hugging Face's rotate-half layout) applied to q and k in place, one launch.
+"""Rotary embedding (Hugging Face's rotate-half layout) applied to q and k in place, one launch,
+optionally storing the rotated k and v into the KV pool in the same launch.
 
 cos/sin are the model's tables [max_positions, head_dim] (each half repeated, as
 `radixserve.model.qwen2.rope_cos_sin` builds them); the rotation is computed in float32 and
-rounded once to q's dtype.
+rounded once to q's dtype. Storing here saves the attention backend's separate KV-store launch:
+one kernel fewer per layer, which is most of what a small model's decode step is made of.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -13,9 +17,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _rope_kernel(Q, K, positions, Cos, Sin, stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
+def _rope_kernel(Q, K, V, positions, Cos, Sin, K_buf, V_buf, loc,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
+                 stride_kbs, stride_kbh, stride_vbs, stride_vbh,
                  num_q_heads, num_kv_heads,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE_KV: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
     offs = tl.arange(0, HALF)
@@ -34,21 +40,50 @@ def _rope_kernel(Q, K, positions, Cos, Sin, stride_qt, stride_qh, stride_kt, str
     k_ptr = K + t * stride_kt + heads[:, None] * stride_kh + offs[None, :]
     k1 = tl.load(k_ptr, mask=mk, other=0.0).to(tl.float32)
     k2 = tl.load(k_ptr + HALF, mask=mk, other=0.0).to(tl.float32)
-    tl.store(k_ptr, (k1 * cos[None, :] - k2 * sin[None, :]).to(K.dtype.element_ty), mask=mk)
-    tl.store(k_ptr + HALF, (k2 * cos[None, :] + k1 * sin[None, :]).to(K.dtype.element_ty), mask=mk)
+    # Rounded to k's dtype first: the pool holds exactly what the unfused path would store.
+    r1 = (k1 * cos[None, :] - k2 * sin[None, :]).to(K.dtype.element_ty)
+    r2 = (k2 * cos[None, :] + k1 * sin[None, :]).to(K.dtype.element_ty)
+    tl.store(k_ptr, r1, mask=mk)
+    tl.store(k_ptr + HALF, r2, mask=mk)
+    if STORE_KV:
+        slot = tl.load(loc + t).to(tl.int64)
+        kb_ptr = K_buf + slot * stride_kbs + heads[:, None] * stride_kbh + offs[None, :]
+        tl.store(kb_ptr, r1.to(K_buf.dtype.element_ty), mask=mk)
+        tl.store(kb_ptr + HALF, r2.to(K_buf.dtype.element_ty), mask=mk)
+        v_ptr = V + t * stride_vt + heads[:, None] * stride_vh + offs[None, :]
+        vb_ptr = V_buf + slot * stride_vbs + heads[:, None] * stride_vbh + offs[None, :]
+        tl.store(vb_ptr, tl.load(v_ptr, mask=mk).to(V_buf.dtype.element_ty), mask=mk)
+        tl.store(vb_ptr + HALF, tl.load(v_ptr + HALF, mask=mk).to(V_buf.dtype.element_ty), mask=mk)
 
 
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                sin: torch.Tensor, *, v: Optional[torch.Tensor] = None, k_buf: Optional[torch.Tensor] = None,
+                v_buf: Optional[torch.Tensor] = None, loc: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (views into a fused qkv are fine) at
-    `positions` [T]; cos/sin [max_positions, D]. Returns (q, k)."""
+    `positions` [T]; cos/sin [max_positions, D]. Returns (q, k).
+
+    With v [T, Hkv, D], k_buf, v_buf [num_slots, Hkv, D] and loc [T]: also
+    k_buf[loc[t]] = rotated k[t] and v_buf[loc[t]] = v[t] (cast to the pool's dtype).
+    """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    store = k_buf is not None
+    if store and (v is None or v_buf is None or loc is None):
+        raise ValueError("storing the KV needs v, k_buf, v_buf and loc")
     assert q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1 and sin.stride(1) == 1
     assert head_dim % 2 == 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0, "head_dim/2 must be a power of two"
+    if store:
+        assert v.stride(2) == 1 and k_buf.stride(2) == 1 and v_buf.stride(2) == 1
+        v_strides = (v.stride(0), v.stride(1))
+        buf_strides = (k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1))
+    else:
+        v, k_buf, v_buf, loc = k, k, k, positions  # unused: STORE_KV is off
+        v_strides, buf_strides = (0, 0), (0, 0, 0, 0)
     if num_tokens:
-        _rope_kernel[(num_tokens,)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                                    cos.stride(0), sin.stride(0), num_q_heads, num_kv_heads,
+        _rope_kernel[(num_tokens,)](q, k, v, positions, cos, sin, k_buf, v_buf, loc,
+                                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), *v_strides,
+                                    cos.stride(0), sin.stride(0), *buf_strides, num_q_heads, num_kv_heads,
                                     HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_kv_heads)),
-                                    num_warps=4)
+                                    STORE_KV=store, num_warps=4)
     return q, k

@@ -80,14 +80,17 @@ class Qwen2Attention(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
                       batch: ForwardBatch, kernels) -> torch.Tensor:
-        """The same function with RoPE applied in place on views of the qkv output (one launch)."""
+        """The same function with RoPE applied in place on views of the qkv output, and k and v
+        stored into the KV pool by the same launch."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        kernels.apply_rope_(q, k, batch.positions, cos_table, sin_table)
-        out = self._backend.forward(q, k, v, self.layer_id, batch)
+        pool = batch.kv_pool
+        kernels.apply_rope_(q, k, batch.positions, cos_table, sin_table, v=v, k_buf=pool.k_buffers[self.layer_id],
+                            v_buf=pool.v_buffers[self.layer_id], loc=batch.out_cache_loc)
+        out = self._backend.forward(q, k, v, self.layer_id, batch, save_kv=False)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

@@ -133,7 +133,8 @@ def _decode_cases():
         cases.append((5, [gen.randint(1, 3000) for _ in range(5)], 28, 4, 128, 1, 7))
         cases.append((2, [4999, 64], 14, 2, 64, 16, 64))
     else:
-        cases = [(1, [1], 4, 2, 64, 1, None), (3, [5, 70, 130], 4, 2, 64, 1, 3), (2, [40, 9], 14, 2, 64, 16, 2)]
+        cases = [(1, [1], 4, 2, 64, 1, None), (3, [5, 70, 130], 4, 2, 64, 1, 3), (2, [40, 9], 14, 2, 64, 16, 2),
+                 (3, [5, 70, 130], 4, 2, 64, 1, 1)]
     return cases
 
 
@@ -163,23 +164,26 @@ def _run_decode(batch, seq_lens, hq, hkv, head_dim, page_size, splits, block_n):
     check(out, ref, BF16_TOL)
 
 
-def test_decode_attention_fp32_and_empty_row():
+@pytest.mark.parametrize("num_splits", [4, 1])  # 1: stage 1 writes the output, no merge launch
+def test_decode_attention_fp32_and_empty_row(num_splits):
     gen = random.Random(7)
     seq_lens = [300, 1, 77]
     cache = Cache(2, 64, seq_lens, 1, torch.float32, gen)
     q = torch.randn(3, 4, 64, device=DEVICE)
     out = torch.full((3, 4, 64), float("nan"), device=DEVICE)
-    mid_o = torch.full((3, 4, 4, 64), float("nan"), device=DEVICE)
-    mid_lse = torch.full((3, 4, 4), float("nan"), device=DEVICE)
+    mid_o = torch.full((3, 4, num_splits, 64), float("nan"), device=DEVICE)
+    mid_lse = torch.full((3, 4, num_splits), float("nan"), device=DEVICE)
     seq = torch.tensor(seq_lens, dtype=torch.int64, device=DEVICE)
     decode_attention(q, cache.k_buf, cache.v_buf, cache.req_to_token, cache.req_pool_indices, seq, out,
-                     mid_o, mid_lse, 4)
+                     mid_o, mid_lse, num_splits)
     check(out, reference(q, cache, [s - 1 for s in seq_lens], [1] * 3), FP32_TOL)
     # A padded row with seq_len 0 (CUDA-graph bucket padding) yields zeros, never NaN.
     seq[1] = 0
+    out.fill_(float("nan"))
     decode_attention(q, cache.k_buf, cache.v_buf, cache.req_to_token, cache.req_pool_indices, seq, out,
-                     mid_o, mid_lse, 4)
+                     mid_o, mid_lse, num_splits)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert not torch.isnan(out).any()
 
 
 # --------------------------------------------------------------------------- extend

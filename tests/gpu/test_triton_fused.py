@@ -100,3 +100,37 @@ def test_rope(tokens, hq, hkv, head_dim, dtype):
     assert rel_err(q, q_ref) < tol(dtype) * (1 if dtype != torch.float32 else 10)
     assert rel_err(k, k_ref) < tol(dtype) * (1 if dtype != torch.float32 else 10)
     assert torch.equal(qkv[:, (hq + hkv) * head_dim:], v_before)
+
+
+@pytest.mark.parametrize("pool_dtype", [None, torch.float32])
+@pytest.mark.parametrize("tokens,hq,hkv,head_dim", [(1, 28, 4, 128), (77, 14, 2, 64)])
+def test_rope_and_store_kv(tokens, hq, hkv, head_dim, pool_dtype):
+    """The fused RoPE + KV store: q and k rotated in place exactly as without the store, the pool
+    holds the rotated k and the untouched v at each token's slot, and no other slot changes."""
+    dtype = LOW
+    pool_dtype = pool_dtype or dtype
+    cos, sin = rope_tables(9000, head_dim, 1e6)
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim, device=DEVICE).to(dtype)
+    q = qkv[:, :hq * head_dim].view(tokens, hq, head_dim)
+    k = qkv[:, hq * head_dim:(hq + hkv) * head_dim].view(tokens, hkv, head_dim)
+    v = qkv[:, (hq + hkv) * head_dim:].view(tokens, hkv, head_dim)
+    positions = torch.randint(0, 9000, (tokens,), device=DEVICE)
+    num_slots = 3 * tokens + 5
+    loc = torch.randperm(num_slots, device=DEVICE)[:tokens]
+    k_buf = torch.full((num_slots, hkv, head_dim), float("nan"), device=DEVICE).to(pool_dtype)
+    v_buf = torch.full((num_slots, hkv, head_dim), float("nan"), device=DEVICE).to(pool_dtype)
+    q_ref, k_ref = q.clone(), k.clone()
+    apply_rope_(q_ref, k_ref, positions, cos, sin)
+    v_before = v.clone()
+
+    apply_rope_(q, k, positions, cos, sin, v=v, k_buf=k_buf, v_buf=v_buf, loc=loc)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    assert torch.equal(v, v_before)
+    assert torch.equal(k_buf[loc], k_ref.to(pool_dtype))
+    assert torch.equal(v_buf[loc], v_before.to(pool_dtype))
+    untouched = torch.ones(num_slots, dtype=torch.bool, device=DEVICE)
+    untouched[loc] = False
+    assert torch.isnan(k_buf[untouched]).all() and torch.isnan(v_buf[untouched]).all()
+    with pytest.raises(ValueError):
+        apply_rope_(q, k, positions, cos, sin, k_buf=k_buf)

@@ -4,7 +4,10 @@ Stage 1 runs one program per (request, KV head, split). All query heads of that 
 rows of one tile (padded to 16 for the tensor cores), so each K/V tile is read from memory once
 for the whole group. A split covers a contiguous run of the request's positions; its partial
 output (normalised) and log-sum-exp (base 2) go to a float32 workspace. Stage 2 merges the
-splits of each (request, query head).
+splits of each (request, query head). With one split (big batches fill the GPU without
+splitting) stage 1 writes the output itself and stage 2 is not launched: a launch and a
+workspace round trip fewer per layer. That is a run-time branch, not a compile-time one, so
+the same compiled kernel serves both (a variant first met while serving would stall a step).
 
 The split length is computed on the device from seq_lens, so the launch depends only on the
 batch size and the number of splits: a CUDA graph captured once serves every context length.
@@ -39,12 +42,13 @@ _SPLIT_DEPENDENT = ["num_splits", "stride_mlb", "stride_mlh"]
 
 @triton.jit(do_not_specialize=_SPLIT_DEPENDENT)
 def _decode_stage1_kernel(
-    Q, K_buf, V_buf, req_to_token, req_pool_indices, seq_lens, Mid_O, Mid_LSE,
+    Q, K_buf, V_buf, req_to_token, req_pool_indices, seq_lens, Mid_O, Mid_LSE, O,
     stride_qb, stride_qh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh,
     stride_r2t,
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
+    stride_ob, stride_oh,
     qk_scale, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -55,12 +59,13 @@ def _decode_stage1_kernel(
 
     seq_len = tl.load(seq_lens + b).to(tl.int32)
     start, end = _split_range(seq_len, split, num_splits, BLOCK_N)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_g = offs_g < GROUP
+    q_heads = kv_head * GROUP + offs_g
+    o_ptr = O + b * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :]
     if start < end:
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK_N)
-        mask_g = offs_g < GROUP
-        q_heads = kv_head * GROUP + offs_g
 
         q = tl.load(Q + b * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_g[:, None], other=0.0)
@@ -87,9 +92,15 @@ def _decode_stage1_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
-        out_ptr = Mid_O + b * stride_mob + q_heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
-        tl.store(out_ptr, acc / l_i[:, None], mask=mask_g[:, None])
-        tl.store(Mid_LSE + b * stride_mlb + q_heads * stride_mlh + split, m_i + tl.log2(l_i), mask=mask_g)
+        if num_splits == 1:
+            tl.store(o_ptr, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=mask_g[:, None])
+        else:
+            out_ptr = Mid_O + b * stride_mob + q_heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
+            tl.store(out_ptr, acc / l_i[:, None], mask=mask_g[:, None])
+            tl.store(Mid_LSE + b * stride_mlb + q_heads * stride_mlh + split, m_i + tl.log2(l_i), mask=mask_g)
+    elif num_splits == 1:
+        # A request with no context (a padded row of a CUDA-graph bucket) gets zeros, not NaN.
+        tl.store(o_ptr, tl.zeros([BLOCK_G, HEAD_DIM], dtype=O.dtype.element_ty), mask=mask_g[:, None])
 
 
 @triton.jit(do_not_specialize=_SPLIT_DEPENDENT)
@@ -144,7 +155,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
 
     q [B, Hq, D] (any strides with unit last stride); k_buf, v_buf [num_slots, Hkv, D];
     out [B, Hq, D] (written, in q's dtype); mid_o [B, Hq, num_splits, D] float32 and
-    mid_lse [B, Hq, num_splits] float32 are scratch. No host sync; no allocation.
+    mid_lse [B, Hq, num_splits] float32 are scratch (unused with one split). No host sync; no
+    allocation.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -157,17 +169,20 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     if q.dtype == torch.float32:
         block_n = min(block_n, 64)  # float32 tiles take twice the shared memory
     _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
         q.stride(0), q.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
         scale * LOG2E, num_splits,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
+    if num_splits == 1:
+        return out
     _decode_stage2_kernel[(batch, num_q_heads)](
         mid_o, mid_lse, out, seq_lens,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
