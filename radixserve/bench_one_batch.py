@@ -206,6 +206,38 @@ def _graph(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
     return graph, out
 
 
+def kernel_breakdown(fn: Callable[[], object], steps: int = 20) -> tuple[float, list[tuple[str, float, float]]]:
+    """Run `fn` (e.g. a graph replay) `steps` times under the profiler: (GPU kernel time per step
+    in us, [(kernel, launches per step, us per step)] largest first). The step's time minus its
+    kernel time is what launches and gaps between kernels cost."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:  # older torch
+            us = e.self_cuda_time_total
+        if us > 0 and e.count:
+            rows.append((e.key, e.count / steps, us / steps))
+    rows.sort(key=lambda r: -r[2])
+    return sum(r[2] for r in rows), rows
+
+
+def _print_breakdown(label: str, step_ms: float, kernel_us: float, rows: list[tuple[str, float, float]],
+                     top: int = 12) -> None:
+    launches = sum(r[1] for r in rows)
+    print(f"#   {label}: kernels {kernel_us / 1e3:.4f} ms of a {step_ms:.4f} ms step ({launches:.0f} launches; "
+          f"launch gaps {max(0.0, step_ms - kernel_us / 1e3):.4f} ms)", flush=True)
+    for name, per_step, us in rows[:top]:
+        print(f"#     {us:8.1f} us  {per_step:5.0f} x  {name[:90]}", flush=True)
+
+
 class Report:
     def __init__(self, json_path: Optional[str]):
         self.rows: list[dict] = []
@@ -393,8 +425,14 @@ def bench_model(args, work: Workload, cost: ModelCost, rep: Report, bw: float, f
                 eager = _bench(lambda: model(batch), rep_ms=300)
                 replay = _bench(graph.replay, rep_ms=300) if graph is not None else None
                 best = replay if replay is not None else eager
+                extra = {}
+                if args.profile:
+                    kernel_us, rows = kernel_breakdown(graph.replay if graph is not None else (lambda: model(batch)))
+                    extra = dict(kernel_ms=kernel_us / 1e3, launches=sum(r[1] for r in rows))
                 rep.add(kind, f"bs={dbs} ctx={ctx}", best, floor, eager_ms=eager,
-                        tok_s=dbs / (best * 1e-3), graph=graph is not None)
+                        tok_s=dbs / (best * 1e-3), graph=graph is not None, **extra)
+                if args.profile:
+                    _print_breakdown(f"bs={dbs} ctx={ctx}", best, kernel_us, rows)
             del graph, batch
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -468,6 +506,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--fused", action="store_true",
                    help="also time the model with the fused RMSNorm/RoPE/SiLU kernels swapped in")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile each model decode step: its kernels, their GPU time and the launch gaps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write every row here")
     args = p.parse_args(argv)
