@@ -34,6 +34,7 @@ from radixserve.bench.datasets import (DATASETS, WORDS, BenchRequest, DatasetArg
 from radixserve.bench.metrics import BenchMetrics, compute_metrics
 from radixserve.bench.oracle import OracleRequest, oracle_hit_rate
 from radixserve.bench.report import format_report
+from radixserve.server.loop_lag import watch_loop_lag
 
 
 KEEPALIVE_S = 4.0
@@ -298,11 +299,13 @@ async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False,
 
                 progress = tqdm(total=len(requests), desc=progress_desc, unit="req")
             start = time.perf_counter()
-            results, t0 = await _issue_all(session, url, args, requests, model, use_ids, headers, progress)
+            async with watch_loop_lag("bench client", log=False) as lag:
+                results, t0 = await _issue_all(session, url, args, requests, model, use_ids, headers, progress)
             duration = time.perf_counter() - start
             if progress is not None:
                 progress.close()
             metrics = compute_metrics(results, duration)
+            metrics.client_loop_stalls, metrics.client_loop_max_lag_ms = lag.stalls, lag.max_lag_s * 1000
             after = await _settled_metrics(session, metrics_urls, headers, before, metrics)
         finally:
             if tokenizer_dir:

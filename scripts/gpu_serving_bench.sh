@@ -116,13 +116,15 @@ for r in rows:
           f"{r['tpot_ms']['mean']:.2f} | {f(r.get('hit_rate'))} / {f(r.get('metrics_hit_rate'))} / {f(r.get('oracle_hit_rate'))} |")
     if r["failed"]:
         print(f"|   | failures: {r['failure_reasons']} |")
+    if r.get("client_loop_stalls"):
+        print(f"|   | the client's event loop stalled {r['client_loop_stalls']} times (worst {r['client_loop_max_lag_ms']:.0f} ms) |")
 PY
 # Stalls the servers logged (a step over 250 ms with its kernel compiles / allocator retries, a
 # garbage collection over 50 ms): none are expected while serving.
 for f in "$OUT"/server-*.log; do
   [ -e "$f" ] || continue
-  echo "$(basename "$f"): $(grep -c 'slow step:' "$f") slow steps, $(grep -c 'garbage collection of generation' "$f") long collections" \
+  echo "$(basename "$f"): $(grep -c 'slow step:' "$f") slow steps, $(grep -c 'garbage collection of generation' "$f") long collections, $(grep -c 'event loop stalled' "$f") event-loop stalls" \
     | tee -a "$OUT/summary.md"
-  grep 'slow step:' "$f" | head -5
+  grep 'slow step:\|event loop stalled' "$f" | head -8
 done
 log "done"

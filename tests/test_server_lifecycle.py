@@ -188,3 +188,25 @@ def test_full_collection_governor_collects_fully_only_when_idle_or_after_max_bus
     finally:
         governor.uninstall()
     assert gc.get_threshold() == saved
+
+
+def test_event_loop_stall_is_logged_and_counted(caplog):
+    """A synchronous pause inside the loop is seen as lag by the watch (logged over the threshold);
+    short awaits are not."""
+    import asyncio
+    import logging
+
+    from radixserve.server.loop_lag import watch_loop_lag
+
+    async def scenario():
+        async with watch_loop_lag("test-loop", threshold_s=0.15, interval_s=0.01) as watch:
+            await asyncio.sleep(0.1)  # awaiting is not a stall
+            assert watch.stalls == 0
+            time.sleep(0.4)  # holds the loop
+            await asyncio.sleep(0.05)
+        return watch
+
+    with caplog.at_level(logging.WARNING, logger="radixserve"):
+        watch = asyncio.run(scenario())
+    assert watch.stalls == 1 and 0.35 <= watch.max_lag_s < 2.0, (watch.stalls, watch.max_lag_s)
+    assert any(r.getMessage().startswith("test-loop: event loop stalled for") for r in caplog.records)

@@ -58,6 +58,10 @@ class BenchMetrics:
     oracle_capacity_tokens: Optional[int] = None
     achieved_over_oracle: Optional[float] = None
     achieved_over_oracle_capacity: Optional[float] = None
+    # The client's own event-loop stalls (over LAG_THRESHOLD_S) and worst lag while the requests ran:
+    # a stalled client reads its own pause as the server's latency.
+    client_loop_stalls: int = 0
+    client_loop_max_lag_ms: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

@@ -42,6 +42,7 @@ def format_report(m: BenchMetrics, *, backend: str, request_rate: float, max_con
     row("Output token throughput (tok/s):", _fmt(m.output_throughput))
     row("Total token throughput (tok/s):", _fmt(m.total_throughput))
     row("Concurrency:", _fmt(m.concurrency))
+    row("Client loop stalls / max lag (ms):", f"{m.client_loop_stalls} / {m.client_loop_max_lag_ms:.0f}")
     for name, dist in (("End-to-End Latency", m.e2e_latency_ms), ("Time to First Token", m.ttft_ms),
                        ("Time per Output Token (excl. 1st token)", m.tpot_ms), ("Inter-Token Latency", m.itl_ms)):
         title(f" {name} ", "-")

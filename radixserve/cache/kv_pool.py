@@ -21,7 +21,9 @@ class PageAllocator:
         self.page_size = page_size
         self.num_pages = num_pages
         # Pages 1..num_pages; popping from the end hands out low pages first.
-        self._free_pages: list[int] = list(range(num_pages, 0, -1))
+        # Machine integers, not a list of Python ints: the invariant check reads the whole free
+        # list as a tensor without converting millions of objects.
+        self._free_pages = array("q", range(num_pages, 0, -1))
 
     @property
     def total_tokens(self) -> int:
@@ -37,7 +39,7 @@ class PageAllocator:
             return None
         if n == 0:
             return []
-        taken = self._free_pages[-n:]
+        taken = self._free_pages[-n:].tolist()
         del self._free_pages[-n:]
         return taken
 
@@ -51,15 +53,21 @@ class PageAllocator:
         assert slots.numel() % self.page_size == 0, "slots must cover whole pages"
         self._free_pages.extend((slots[:: self.page_size] // self.page_size).tolist())
 
-    def free_page_list(self) -> list[int]:
-        return list(self._free_pages)
+    def free_slot_tensor(self) -> torch.Tensor:
+        """Every free slot, as a new int64 tensor."""
+        pages = torch.frombuffer(self._free_pages, dtype=torch.int64).clone() if self._free_pages \
+            else torch.empty(0, dtype=torch.int64)
+        return self._expand_pages(pages)
 
     def pages_to_slots(self, pages: list[int]) -> torch.Tensor:
         # array('q') converts a long list several times faster than torch.tensor(list).
         p = torch.frombuffer(array("q", pages), dtype=torch.int64) if pages else torch.empty(0, dtype=torch.int64)
+        return self._expand_pages(p)
+
+    def _expand_pages(self, pages: torch.Tensor) -> torch.Tensor:
         if self.page_size == 1:
-            return p
-        return (p[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+            return pages
+        return (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
 
 
 class KVPool:

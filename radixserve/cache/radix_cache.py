@@ -340,8 +340,10 @@ class RadixCache:
         free = self.allocator.free_tokens
         assert free + evictable + protected + held_by_running == total, (
             f"free {free} + evictable {evictable} + protected {protected} + held {held_by_running} != {total}")
-        owned = [s for s in self.all_slots()] + [self.allocator.pages_to_slots(self.allocator.free_page_list())]
-        owned += list(running_slots)
-        every = torch.cat(owned) if owned else _EMPTY_SLOTS
-        assert every.numel() == 0 or int(torch.bincount(every).max()) <= 1, "a KV slot is owned twice"
+        owned = self.all_slots() + [self.allocator.free_slot_tensor()] + list(running_slots)
+        every = torch.cat(owned)
         assert every.numel() == total, f"{every.numel()} slots owned, pool has {total}"
+        # As many owners as slots, so a slot owned twice leaves another slot unowned.
+        seen = torch.zeros(total + self.page_size, dtype=torch.bool)
+        seen[every] = True
+        assert bool(seen[self.page_size:].all()), "a KV slot is owned twice"

@@ -36,6 +36,7 @@ from radixserve.router.policies import BalanceConfig, make_policy
 from radixserve.router.workers import Worker, WorkerRegistry
 from radixserve.server.errors import error_body, error_response
 from radixserve.server.gc_tuning import governed_collections
+from radixserve.server.loop_lag import watch_loop_lag
 
 logger = logging.getLogger("radixserve.router")
 
@@ -384,7 +385,8 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
         await router.start()
         try:
             # Each proxied stream holds coroutines and buffers: full collections wait for a quiet moment.
-            async with governed_collections("router", lambda: not any(w.load for w in router.registry)):
+            async with governed_collections("router", lambda: not any(w.load for w in router.registry)), \
+                    watch_loop_lag("router"):
                 yield
         finally:
             await router.stop()

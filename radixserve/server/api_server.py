@@ -27,6 +27,7 @@ from radixserve.server.engine_client import EngineClient, EngineDeadError, Engin
 from radixserve.server.errors import APIError, bad_request, error_body, error_response, install_error_handlers
 from radixserve.server.auth import APIKeyMiddleware
 from radixserve.server.gc_tuning import governed_collections
+from radixserve.server.loop_lag import watch_loop_lag
 from radixserve.server.kv_events import install_kv_events
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.protocol import ROLES, ChatCompletionRequest, CompletionRequest, GenerateBody
@@ -127,7 +128,7 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     async def lifespan(app: FastAPI):
         await engine.start()
         try:
-            async with governed_collections("api", lambda: not engine.groups):
+            async with governed_collections("api", lambda: not engine.groups), watch_loop_lag("api"):
                 yield
         finally:
             await engine.stop()

@@ -30,6 +30,10 @@ from radixserve.server.gc_tuning import FullCollectionGovernor, govern_collectio
 logger = logging.getLogger("radixserve")
 
 IDLE_POLL_MS = 50
+# The cache invariant check reads every slot of the pool (tens of ms at 10M slots): it runs once the
+# engine has been idle this long, not at every short gap between requests, where it would delay
+# the request that ends the gap.
+IDLE_CHECK_S = 1.0
 # With work in flight, a stats snapshot rides along with the outputs at least this often.
 STATS_INTERVAL_S = 0.5
 HIT_RATE_WINDOW_S = 60.0
@@ -157,6 +161,7 @@ class EngineLoop:
         self.last_stats = 0.0
         self.last_parent_check = time.monotonic()
         self.checked_idle = True
+        self.idle_since: Optional[float] = None
         self.running = True
         self.steps = 0
         # KV events are recorded only once someone asked for a snapshot (a router subscribed).
@@ -280,6 +285,7 @@ class EngineLoop:
             self.drain(0 if self.core.has_work else IDLE_POLL_MS)
             if self.core.has_work:
                 self.checked_idle = False
+                self.idle_since = None
                 outputs = self.core.step()
                 self.steps += 1
                 self.batch_logger.after_step(self.core, self.core.stats)
@@ -292,8 +298,11 @@ class EngineLoop:
                 if not self.core.has_work:
                     self.stats_due = True
             elif not self.checked_idle:
-                self.core.check_invariants()
-                self.checked_idle = True
+                now = time.monotonic()
+                self.idle_since = self.idle_since or now
+                if now - self.idle_since >= IDLE_CHECK_S:
+                    self.core.check_invariants()
+                    self.checked_idle = True
             self.flush()
             if self.gc_governor is not None:
                 self.gc_governor.maybe_collect(idle=not self.core.has_work)

@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Optional
 
-LOG_FORMAT = "[%(asctime)s %(process)d %(levelname)s] %(message)s"
+LOG_FORMAT = "[%(asctime)s.%(msecs)03d %(process)d %(levelname)s] %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 
 
