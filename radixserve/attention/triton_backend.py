@@ -4,17 +4,16 @@ Triton is imported when the backend is constructed, never when this module is im
 the package imports on machines without triton.
 
 Per forward pass, `init_forward` (and, for what needs the number of query heads, the first
-layer) prepares everything the layers share (decode: the number of splits, views of a float32
-workspace and the split-merge semaphores; extend: the tile shape and the tile list, copied to
-the device once). Each layer's `forward` then launches the KV store (unless the caller stored
-k and v already: save_kv=False) and the attention kernels with no host sync and no allocation
-beyond its output.
+layer) prepares everything the layers share (decode: the number of splits and views of a float32
+workspace; extend: the tile shape and the tile list, copied to the device once).
+Each layer's `forward` then launches the KV store and the attention kernels with no host sync
+and no allocation beyond its output.
 
 CUDA graphs (decode): the launches depend only on the batch size, the head shape and the
 number of splits, which is a function of the batch size alone; seq_lens, req_pool_indices,
 out_cache_loc and req_to_token are read from device memory. A runner that captures graphs
-must (1) call `reserve_decode_workspace(max_batch_size, num_q_heads, num_kv_heads, head_dim,
-device)` before capturing, so no workspace is allocated inside a capture, and (2) hand the captured
+must (1) call `reserve_decode_workspace(max_batch_size, num_q_heads, head_dim, device)` before
+capturing, so no workspace is allocated inside a capture, and (2) hand the captured
 ForwardBatch's tensors (seq_lens, req_pool_indices, out_cache_loc, positions, input_ids) as
 static buffers whose contents it rewrites before each replay. Padded rows may have any
 seq_len >= 0 (0 gives a zero output) and must point out_cache_loc at a harmless slot (0).
@@ -31,12 +30,12 @@ import torch
 from radixserve.attention.base import ForwardBatch, ForwardMode
 
 
+
 @dataclass
 class TritonDecodeMeta:
     num_splits: int
     mid_o: Optional[torch.Tensor]  # [B, Hq, num_splits, D] float32, set by the first layer
     mid_lse: Optional[torch.Tensor]  # [B, Hq, num_splits] float32
-    semaphores: Optional[torch.Tensor] = None  # int32, set with the workspace when fuse_merge
 
 
 @dataclass
@@ -69,16 +68,15 @@ class TritonAttentionBackend:
     multiprocessor the split count aims for (a few waves); extend_block_m / extend_block_n / extend_num_warps /
     extend_num_stages: the extend kernel's tiles; extend_small_block_m / extend_small_num_warps: the
     tiles used instead when the big ones would give fewer than programs_per_sm programs per SM
-    (short extends: chunks over a long prefix, many small requests); fuse_merge: split-K decode
-    merges its splits inside stage 1 (a semaphore per request and KV head) instead of a second
-    launch. Defaults from sweeps on an H200 (docs/gpu_notes.md).
+    (short extends: chunks over a long prefix, many small requests). Defaults from sweeps on an H200
+    (docs/gpu_notes.md).
     """
 
     def __init__(self, *, decode_block_n: int = 128, decode_num_warps: int = 4, decode_num_stages: int = 3,
                  max_splits: int = 64, programs_per_sm: int = 4, extend_block_m: int = 128, extend_block_n: int = 64,
                  extend_num_warps: Optional[int] = None, extend_num_stages: int = 3,
                  extend_small_block_m: Optional[int] = 64, extend_small_num_warps: int = 4,
-                 fuse_merge: bool = True, num_sms: Optional[int] = None):
+                 num_sms: Optional[int] = None):
         # Imported here so that merely importing this module needs no triton.
         from radixserve.attention.triton_kernels import decode_attention, extend_attention, kv_store
 
@@ -104,8 +102,6 @@ class TritonAttentionBackend:
         self._num_sms = num_sms
         self._ws_o: Optional[torch.Tensor] = None
         self._ws_lse: Optional[torch.Tensor] = None
-        self.fuse_merge = fuse_merge
-        self._semaphores: Optional[torch.Tensor] = None  # int32 [requests x KV heads], zero between launches
         self._retired: list[Optional[torch.Tensor]] = []
 
     # ------------------------------------------------------------------ decode workspace
@@ -128,9 +124,9 @@ class TritonAttentionBackend:
         for bs in range(1, max_batch_size + 1):
             o, lse = self._decode.workspace_numel(bs, num_q_heads, self.num_splits(bs, num_kv_heads, device), head_dim)
             need_o, need_lse = max(need_o, o), max(need_lse, lse)
-        self._ensure_workspace(need_o, need_lse, max_batch_size * num_kv_heads, device)
+        self._ensure_workspace(need_o, need_lse, device)
 
-    def _ensure_workspace(self, numel_o: int, numel_lse: int, numel_sem: int, device: torch.device) -> None:
+    def _ensure_workspace(self, numel_o: int, numel_lse: int, device: torch.device) -> None:
         # A replaced workspace is kept alive: captured CUDA graphs still write to it, and freed
         # memory could be handed to other tensors.
         if self._ws_o is None or self._ws_o.numel() < numel_o or self._ws_o.device != device:
@@ -139,9 +135,6 @@ class TritonAttentionBackend:
         if self._ws_lse is None or self._ws_lse.numel() < numel_lse or self._ws_lse.device != device:
             self._retired.append(self._ws_lse)
             self._ws_lse = torch.empty(numel_lse, dtype=torch.float32, device=device)
-        if self._semaphores is None or self._semaphores.numel() < numel_sem or self._semaphores.device != device:
-            self._retired.append(self._semaphores)
-            self._semaphores = torch.zeros(numel_sem, dtype=torch.int32, device=device)
 
     # ------------------------------------------------------------------ the protocol
 
@@ -225,11 +218,10 @@ class TritonAttentionBackend:
         num_q_heads, head_dim = q.shape[1], q.shape[2]
         if meta.mid_o is None:
             numel_o, numel_lse = self._decode.workspace_numel(bs, num_q_heads, meta.num_splits, head_dim)
-            self._ensure_workspace(numel_o, numel_lse, bs * k_buf.shape[1], q.device)
+            self._ensure_workspace(numel_o, numel_lse, q.device)
             meta.mid_o = self._ws_o[:numel_o].view(bs, num_q_heads, meta.num_splits, head_dim)
             meta.mid_lse = self._ws_lse[:numel_lse].view(bs, num_q_heads, meta.num_splits)
-            meta.semaphores = self._semaphores if self.fuse_merge else None
         self._decode.decode_attention(
             q, k_buf, v_buf, batch.req_to_token, batch.req_pool_indices[:bs], batch.seq_lens[:bs], out,
-            meta.mid_o, meta.mid_lse, meta.num_splits, semaphores=meta.semaphores, block_n=self.decode_block_n,
+            meta.mid_o, meta.mid_lse, meta.num_splits, block_n=self.decode_block_n,
             num_warps=self.decode_num_warps, num_stages=self.decode_num_stages)

@@ -138,10 +138,9 @@ def _decode_cases():
     return cases
 
 
-@pytest.mark.parametrize("fuse_merge", [True, False])
 @pytest.mark.parametrize("batch,seq_lens,hq,hkv,head_dim,page_size,splits", _decode_cases())
-def test_decode_attention(batch, seq_lens, hq, hkv, head_dim, page_size, splits, fuse_merge):
-    _run_decode(batch, seq_lens, hq, hkv, head_dim, page_size, splits, 128 if FULL else 16, fuse_merge)
+def test_decode_attention(batch, seq_lens, hq, hkv, head_dim, page_size, splits):
+    _run_decode(batch, seq_lens, hq, hkv, head_dim, page_size, splits, 128 if FULL else 16)
 
 
 @pytest.mark.parametrize("block_n", [32, 64] if FULL else [32])
@@ -149,7 +148,7 @@ def test_decode_attention_block_n(block_n):
     _run_decode(5, [1, 63, 64, 65, 700], 28, 4, 128 if FULL else 64, 1, 3, block_n)
 
 
-def _run_decode(batch, seq_lens, hq, hkv, head_dim, page_size, splits, block_n, fuse_merge=False):
+def _run_decode(batch, seq_lens, hq, hkv, head_dim, page_size, splits, block_n):
     gen = random.Random(batch * 1000 + hq + head_dim + page_size)
     torch.manual_seed(gen.randint(0, 1 << 30))
     cache = Cache(hkv, head_dim, seq_lens, page_size, LOW, gen)
@@ -159,20 +158,14 @@ def _run_decode(batch, seq_lens, hq, hkv, head_dim, page_size, splits, block_n, 
     out = torch.full((batch, hq, head_dim), float("nan"), dtype=LOW, device=DEVICE)
     mid_o = torch.full((batch, hq, num_splits, head_dim), float("nan"), device=DEVICE)
     mid_lse = torch.full((batch, hq, num_splits), float("nan"), device=DEVICE)
-    # With fuse_merge, stage 1 merges the splits: its counters must come back to zero each time.
-    semaphores = torch.zeros(batch * hkv + 3, dtype=torch.int32, device=DEVICE) if fuse_merge else None
-    for _ in range(2 if fuse_merge else 1):
-        out.fill_(float("nan"))
-        decode_attention(q, cache.k_buf, cache.v_buf, cache.req_to_token, cache.req_pool_indices, seq, out,
-                         mid_o, mid_lse, num_splits, semaphores=semaphores, block_n=block_n)
-        if semaphores is not None:
-            assert int(semaphores.abs().sum()) == 0, semaphores
-        ref = reference(q, cache, [s - 1 for s in seq_lens], [1] * batch)
-        check(out, ref, BF16_TOL)
+    decode_attention(q, cache.k_buf, cache.v_buf, cache.req_to_token, cache.req_pool_indices, seq, out,
+                     mid_o, mid_lse, num_splits, block_n=block_n)
+    ref = reference(q, cache, [s - 1 for s in seq_lens], [1] * batch)
+    check(out, ref, BF16_TOL)
 
 
-@pytest.mark.parametrize("num_splits,fuse_merge", [(4, False), (4, True), (1, True)])  # see decode_attention
-def test_decode_attention_fp32_and_empty_row(num_splits, fuse_merge):
+@pytest.mark.parametrize("num_splits", [4, 1])  # 1: stage 1 writes the output, no merge launch
+def test_decode_attention_fp32_and_empty_row(num_splits):
     gen = random.Random(7)
     seq_lens = [300, 1, 77]
     cache = Cache(2, 64, seq_lens, 1, torch.float32, gen)
@@ -181,15 +174,14 @@ def test_decode_attention_fp32_and_empty_row(num_splits, fuse_merge):
     mid_o = torch.full((3, 4, num_splits, 64), float("nan"), device=DEVICE)
     mid_lse = torch.full((3, 4, num_splits), float("nan"), device=DEVICE)
     seq = torch.tensor(seq_lens, dtype=torch.int64, device=DEVICE)
-    semaphores = torch.zeros(3 * 2, dtype=torch.int32, device=DEVICE) if fuse_merge else None
     decode_attention(q, cache.k_buf, cache.v_buf, cache.req_to_token, cache.req_pool_indices, seq, out,
-                     mid_o, mid_lse, num_splits, semaphores=semaphores)
+                     mid_o, mid_lse, num_splits)
     check(out, reference(q, cache, [s - 1 for s in seq_lens], [1] * 3), FP32_TOL)
     # A padded row with seq_len 0 (CUDA-graph bucket padding) yields zeros, never NaN.
     seq[1] = 0
     out.fill_(float("nan"))
     decode_attention(q, cache.k_buf, cache.v_buf, cache.req_to_token, cache.req_pool_indices, seq, out,
-                     mid_o, mid_lse, num_splits, semaphores=semaphores)
+                     mid_o, mid_lse, num_splits)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert not torch.isnan(out).any()
 

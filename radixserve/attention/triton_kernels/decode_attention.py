@@ -4,13 +4,10 @@ Stage 1 runs one program per (request, KV head, split). All query heads of that 
 rows of one tile (padded to 16 for the tensor cores), so each K/V tile is read from memory once
 for the whole group. A split covers a contiguous run of the request's positions; its partial
 output (normalised) and log-sum-exp (base 2) go to a float32 workspace. Stage 2 merges the
-splits of each (request, query head). Two ways save stage 2's launch (one per layer: a small
-model's decode step is made of such launches):
-- with one split (big batches fill the GPU without splitting) stage 1 writes the output itself;
-- given a semaphore per (request, KV head), the stage-1 program that finishes last among its
-  request's splits merges them (split-K with a "last one merges" counter, which it resets).
-Both are run-time branches, not compile-time ones, so one compiled kernel serves every batch (a
-variant first met while serving would stall a step).
+splits of each (request, query head). With one split (big batches fill the GPU without
+splitting) stage 1 writes the output itself and stage 2 is not launched: a launch and a
+workspace round trip fewer per layer. That is a run-time branch, not a compile-time one, so
+the same compiled kernel serves both (a variant first met while serving would stall a step).
 
 The split length is computed on the device from seq_lens, so the launch depends only on the
 batch size and the number of splits: a CUDA graph captured once serves every context length.
@@ -19,7 +16,6 @@ batch size and the number of splits: a CUDA graph captured once serves every con
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import triton
@@ -41,19 +37,19 @@ def _split_range(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
 # each "== 1" / "divisible by 16" property of these. Left unspecialised, one variant serves every
 # batch: a compile in the middle of serving stalled a mixed step of 296 requests for ~1 s (its
 # num_splits was 1, which no captured decode batch had).
-_SPLIT_DEPENDENT = ["num_splits", "stride_mlb", "stride_mlh", "fuse_merge"]
+_SPLIT_DEPENDENT = ["num_splits", "stride_mlb", "stride_mlh"]
 
 
 @triton.jit(do_not_specialize=_SPLIT_DEPENDENT)
 def _decode_stage1_kernel(
-    Q, K_buf, V_buf, req_to_token, req_pool_indices, seq_lens, Mid_O, Mid_LSE, O, Semaphores,
+    Q, K_buf, V_buf, req_to_token, req_pool_indices, seq_lens, Mid_O, Mid_LSE, O,
     stride_qb, stride_qh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh,
     stride_r2t,
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
     stride_ob, stride_oh,
-    qk_scale, num_splits, fuse_merge,
+    qk_scale, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -106,33 +102,6 @@ def _decode_stage1_kernel(
         # A request with no context (a padded row of a CUDA-graph bucket) gets zeros, not NaN.
         tl.store(o_ptr, tl.zeros([BLOCK_G, HEAD_DIM], dtype=O.dtype.element_ty), mask=mask_g[:, None])
 
-    if fuse_merge != 0 and num_splits > 1:
-        # Every split counts its arrival (empty ones too); the last to arrive sees all partials.
-        # The barrier orders all of this program's partial stores before the (release) count;
-        # the merge reads through L2 (.cg), where the other programs' stores are.
-        tl.debug_barrier()
-        counter = Semaphores + b * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            tl.store(counter, 0)  # ready for the next launch (the next layer, a graph replay)
-            m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-            total = tl.zeros([BLOCK_G], dtype=tl.float32)
-            merged = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-            for s in range(0, num_splits):
-                s_start, s_end = _split_range(seq_len, s, num_splits, BLOCK_N)
-                if s_start < s_end:
-                    lse = tl.load(Mid_LSE + b * stride_mlb + q_heads * stride_mlh + s, mask=mask_g,
-                                  other=0.0, cache_modifier=".cg")
-                    o = tl.load(Mid_O + b * stride_mob + q_heads[:, None] * stride_moh + s * stride_mos
-                                + offs_d[None, :], mask=mask_g[:, None], other=0.0, cache_modifier=".cg")
-                    m_new = tl.maximum(m, lse)
-                    alpha = tl.exp2(m - m_new)
-                    w = tl.exp2(lse - m_new)
-                    merged = merged * alpha[:, None] + w[:, None] * o
-                    total = total * alpha + w
-                    m = m_new
-            merged = tl.where(total[:, None] > 0.0, merged / tl.maximum(total, 1e-30)[:, None], 0.0)
-            tl.store(o_ptr, merged.to(O.dtype.element_ty), mask=mask_g[:, None])
-
 
 @triton.jit(do_not_specialize=_SPLIT_DEPENDENT)
 def _decode_stage2_kernel(
@@ -180,15 +149,14 @@ def workspace_numel(batch_size: int, num_q_heads: int, num_splits: int, head_dim
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
                      mid_o: torch.Tensor, mid_lse: torch.Tensor, num_splits: int, *,
-                     semaphores: Optional[torch.Tensor] = None, sm_scale: float | None = None,
-                     block_n: int = 128, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                     sm_scale: float | None = None, block_n: int = 128, num_warps: int = 4,
+                     num_stages: int = 3) -> torch.Tensor:
     """out[b, h] = softmax(q[b, h] . K[b]^T * scale) V[b] over positions 0..seq_lens[b]-1.
 
     q [B, Hq, D] (any strides with unit last stride); k_buf, v_buf [num_slots, Hkv, D];
     out [B, Hq, D] (written, in q's dtype); mid_o [B, Hq, num_splits, D] float32 and
-    mid_lse [B, Hq, num_splits] float32 are scratch (unused with one split). semaphores: int32,
-    at least B x Hkv elements, all zero (and left zero): the splits are merged by stage 1 instead
-    of a second launch. No host sync; no allocation.
+    mid_lse [B, Hq, num_splits] float32 are scratch (unused with one split). No host sync; no
+    allocation.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -200,26 +168,20 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     block_g = max(16, triton.next_power_of_2(group))
     if q.dtype == torch.float32:
         block_n = min(block_n, 64)  # float32 tiles take twice the shared memory
-    fuse_merge = semaphores is not None and num_splits > 1
-    if fuse_merge:
-        assert semaphores.dtype == torch.int32 and semaphores.numel() >= batch * num_kv_heads
     _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
-        # Without semaphores any pointer does (never read); with them, the same argument types
-        # whatever the split count, so one compiled variant serves every batch.
-        semaphores if semaphores is not None else seq_lens,
         q.stride(0), q.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        scale * LOG2E, num_splits, int(fuse_merge),
+        scale * LOG2E, num_splits,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits == 1 or fuse_merge:
+    if num_splits == 1:
         return out
     _decode_stage2_kernel[(batch, num_q_heads)](
         mid_o, mid_lse, out, seq_lens,
