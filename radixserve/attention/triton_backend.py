@@ -5,15 +5,15 @@ the package imports on machines without triton.
 
 Per forward pass, `init_forward` (and, for what needs the number of query heads, the first
 layer) prepares everything the layers share (decode: the number of splits and views of a float32
-workspace; extend: the tile shape and the tile list, copied to the device once).
-Each layer's `forward` then launches the KV store and the attention kernels with no host sync
-and no allocation beyond its output.
+workspace; extend: the tile shape and the tile list, copied to the device once). Each layer's
+`forward` then launches the KV store (unless the caller stored k and v already: save_kv=False)
+and the attention kernels with no host sync and no allocation beyond its output.
 
 CUDA graphs (decode): the launches depend only on the batch size, the head shape and the
 number of splits, which is a function of the batch size alone; seq_lens, req_pool_indices,
 out_cache_loc and req_to_token are read from device memory. A runner that captures graphs
-must (1) call `reserve_decode_workspace(max_batch_size, num_q_heads, head_dim, device)` before
-capturing, so no workspace is allocated inside a capture, and (2) hand the captured
+must (1) call `reserve_decode_workspace(max_batch_size, num_q_heads, num_kv_heads, head_dim,
+device)` before capturing, so no workspace is allocated inside a capture, and (2) hand the captured
 ForwardBatch's tensors (seq_lens, req_pool_indices, out_cache_loc, positions, input_ids) as
 static buffers whose contents it rewrites before each replay. Padded rows may have any
 seq_len >= 0 (0 gives a zero output) and must point out_cache_loc at a harmless slot (0).
@@ -28,7 +28,6 @@ from typing import Optional
 import torch
 
 from radixserve.attention.base import ForwardBatch, ForwardMode
-
 
 
 @dataclass
