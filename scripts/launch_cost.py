@@ -1,0 +1,68 @@
+"""Host time per kernel launch on a CUDA machine: what an eager (non-graph) step pays per kernel.
+
+    . scripts/gpu_run.sh && python3 scripts/launch_cost.py
+
+Times N back-to-back launches of each of our Triton kernels and of comparable torch ops on
+small inputs, without synchronising in between (the GPU work is tiny, so the host is the
+bottleneck), and prints microseconds per launch. An eager prefill or mixed step of Qwen2-0.5B
+makes ~250 launches, so every 10 us here is ~2.5 ms of its time.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from radixserve.kernels.activation import silu_and_mul
+from radixserve.kernels.norm import add_rms_norm, rms_norm
+from radixserve.kernels.rope import apply_rope_
+from radixserve.model.qwen2 import rope_cos_sin
+
+
+def per_launch_us(fn, n: int = 2000) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host / n * 1e6
+
+
+def main() -> None:
+    dev, dt = "cuda", torch.bfloat16
+    t, hidden, hq, hkv, d = 16, 896, 14, 2, 64
+    x = torch.randn(t, hidden, device=dev, dtype=dt)
+    res = torch.randn_like(x)
+    w = torch.randn(hidden, device=dev, dtype=dt)
+    gate_up = torch.randn(t, 2 * 4864, device=dev, dtype=dt)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=dev, dtype=dt)
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    cos, sin = (c.to(dt) for c in rope_cos_sin(4096, d, 1e6, dev))
+    pos = torch.arange(t, device=dev)
+    k_buf = torch.zeros(1024, hkv, d, device=dev, dtype=dt)
+    v_buf = torch.zeros_like(k_buf)
+    loc = torch.arange(1, t + 1, device=dev)
+    weight = torch.randn(1152, hidden, device=dev, dtype=dt)
+    bias = torch.randn(1152, device=dev, dtype=dt)
+    rows = {
+        "triton rms_norm": lambda: rms_norm(x, w, 1e-6),
+        "triton add_rms_norm": lambda: add_rms_norm(x, res, w, 1e-6),
+        "triton silu_and_mul": lambda: silu_and_mul(gate_up),
+        "triton rope + kv store": lambda: apply_rope_(q, k, pos, cos, sin, v=v, k_buf=k_buf, v_buf=v_buf, loc=loc),
+        "torch add": lambda: torch.add(x, res),
+        "torch linear (bias)": lambda: torch.nn.functional.linear(x, weight, bias),
+        "torch empty": lambda: torch.empty((t, hq, d), device=dev, dtype=dt),
+    }
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for name, fn in rows.items():
+        print(f"{name:<26} {per_launch_us(fn):7.1f} us per launch (host)")
+
+
+if __name__ == "__main__":
+    main()
