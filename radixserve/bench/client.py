@@ -84,16 +84,24 @@ def _error_text(status: int, text: str) -> str:
     return f"HTTP {status}: {msg[:160]}"
 
 
+def encode_payload(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
 async def send_request(session: aiohttp.ClientSession, url: str, backend: str, req: BenchRequest, index: int,
-                       model: Optional[str], use_ids: bool, headers: dict[str, str]) -> RequestResult:
+                       model: Optional[str], use_ids: bool, headers: dict[str, str],
+                       body: Optional[bytes] = None) -> RequestResult:
+    """One streamed request; `body` is the encoded payload when the caller prepared it already."""
     result = RequestResult(index=index, prompt_len=req.prompt_len)
-    payload = build_payload(backend, req, model, use_ids)
+    if body is None:
+        body = encode_payload(build_payload(backend, req, model, use_ids))
+    headers = {**headers, "Content-Type": "application/json"}
     native = backend in ("radixserve", "sglang")
     start = time.perf_counter()
     result.start = start
     last = start
     try:
-        async with session.post(url, json=payload, headers=headers) as resp:
+        async with session.post(url, data=body, headers=headers) as resp:
             if resp.status != 200:
                 result.error = _error_text(resp.status, await resp.text())
                 return result
