@@ -12,7 +12,9 @@ from typing import Annotated, Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_INT32 = 2**31 - 1
-TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+# Strict: a JSON number, never a numeric string or a bool coerced into a token id. It also lets
+# the prompt unions below be tried left to right: a list of token ids matches its member first.
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32, strict=True)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 MAX_N = 64
 
@@ -46,7 +48,10 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    # Token lists first, tried in order: pydantic's default ("smart") union validated a 2,000-id
+    # prompt against every member, reporting an error per element for list[str], ~1 ms a request,
+    # a third of the API's time when a burst of requests arrives; in order it takes ~0.13 ms.
+    prompt: Union[list[TokenId], list[list[TokenId]], str, list[str]] = Field(union_mode="left_to_right")
     max_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT32,
                                       description="Default: min(2048, context length - prompt length).")
     echo: bool = False
@@ -86,7 +91,7 @@ class ChatCompletionRequest(_SamplingFields):
 class GenerateBody(_Body):
     """SGLang's native /generate."""
     text: Union[str, list[str], None] = None
-    input_ids: Union[list[TokenId], list[list[TokenId]], None] = None
+    input_ids: Union[list[TokenId], list[list[TokenId]], None] = Field(None, union_mode="left_to_right")
     sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None
     stream: bool = False
     rid: Optional[str] = Field(None, max_length=256, description="Request id (default: a random one).")

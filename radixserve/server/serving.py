@@ -96,8 +96,8 @@ class ServingContext:
         if not ids:
             raise bad_request("the prompt is empty", param)
         vocab = self.engine.ready.vocab_size
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
+        if max(ids) >= vocab:  # max() runs in C: a long prompt is checked in microseconds
+            bad = next(t for t in ids if t >= vocab)
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
         limit = min(self.context_len, self.pool_size)
         if len(ids) >= limit:
