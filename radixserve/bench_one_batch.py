@@ -220,11 +220,8 @@ def kernel_breakdown(fn: Callable[[], object], steps: int = 20) -> tuple[float, 
         torch.cuda.synchronize()
     rows = []
     for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None)
-        if us is None:  # older torch
-            us = e.self_cuda_time_total
-        if us > 0 and e.count:
-            rows.append((e.key, e.count / steps, us / steps))
+        if e.self_device_time_total > 0 and e.count:
+            rows.append((e.key, e.count / steps, e.self_device_time_total / steps))
     rows.sort(key=lambda r: -r[2])
     return sum(r[2] for r in rows), rows
 
