@@ -311,7 +311,7 @@ def sweep_decode_attention(args, work: Workload, cost: ModelCost, rep: Report, b
                 dict(decode_block_n=32, decode_num_warps=4, decode_num_stages=4),
                 dict(decode_block_n=128, decode_num_warps=4, decode_num_stages=2),
                 dict(decode_block_n=128, decode_num_warps=4, decode_num_stages=3),
-                dict(decode_block_n=64, decode_num_warps=4, decode_num_stages=3, programs_per_sm=8)]
+                dict(decode_block_n=64, decode_num_warps=4, decode_num_stages=3, decode_programs_per_sm=8)]
     shapes = [(bs, ctx) for bs in (16, 64, 256) if bs in args.batch_sizes for ctx in (4096,)]
     for variant in variants:
         backend = TritonAttentionBackend(**variant)

@@ -6,7 +6,8 @@
 Projections: each linear of the model (qkv, o, gate_up, down, lm_head) at M rows, timed as
 cuBLAS (torch's default), cuBLASLt (torch's other BLAS back end), and the weight-streaming Triton
 kernel of radixserve.kernels.linear over a grid of tiles and split-K; each against its floor
-(weights + activations read once / copy bandwidth). Decode attention: one layer's KV store +
+(weights + activations read once / copy bandwidth), each call on its own copy of the weights
+inside one CUDA graph (no L2 reuse, no launch overhead, as in a captured decode step). Decode attention: one layer's KV store +
 split-K decode at the given contexts over a grid of tiles and programs per SM, against its KV
 floor. Times are medians of CUDA-event timings with the L2 cache flushed before each run (graph
 replays for attention).
@@ -36,6 +37,27 @@ def linear_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, bool]]:
             ("lm_head", cfg.vocab_size, h, False)]
 
 
+def time_per_call(calls: list, replays: int = 10) -> float:
+    """ms per call: the calls (each on its own weights, together far bigger than the L2 cache, as
+    the layers of a model are) captured in one CUDA graph, median over replays."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return sorted(times)[len(times) // 2] / len(calls)
+
+
 def sweep_gemm(cfg: ModelConfig, name: str, rows: list[int], bw: float, out: list[dict]) -> None:
     from radixserve.kernels.linear import SkinnyConfig, SkinnyWorkspace, skinny_linear
 
@@ -43,17 +65,20 @@ def sweep_gemm(cfg: ModelConfig, name: str, rows: list[int], bw: float, out: lis
     ws = SkinnyWorkspace(dev, partial_numel=1 << 24)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     for layer, n, k, has_bias in linear_shapes(cfg):
-        w = torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.02
+        copies = max(2, min(64, -(-(384 << 20) // (2 * n * k))))
+        ws_ = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.02 for _ in range(copies)]
         b = torch.randn(n, dtype=torch.bfloat16, device=dev) if has_bias else None
         for m in rows:
             x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+            y = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
             floor_ms = (n * k + m * k + m * n) * 2 / bw * 1e3
-            ref = F.linear(x, w, b).float()
+            ref = F.linear(x, ws_[0], b).float()
             results = []
             for lib in ("cublas", "cublaslt"):
                 torch.backends.cuda.preferred_blas_library(lib)
-                ms = _bench(lambda: F.linear(x, w, b), rep_ms=40, warmup_ms=10)
-                results.append((lib, ms))
+                F.linear(x, ws_[0], b)
+                results.append((lib, time_per_call([lambda w=w: torch.matmul(x, w.T, out=y) if b is None
+                                                    else torch.addmm(b, x, w.T, out=y) for w in ws_])))
             torch.backends.cuda.preferred_blas_library("cublas")
             if m <= 128:
                 block_m = min(64, max(16, 1 << (m - 1).bit_length()))
@@ -65,24 +90,26 @@ def sweep_gemm(cfg: ModelConfig, name: str, rows: list[int], bw: float, out: lis
                         continue
                     c = SkinnyConfig(block_m, block_n, block_k, split, 4, stages)
                     try:
-                        y = skinny_linear(x, w, b, c, ws)
+                        skinny_linear(x, ws_[0], b, c, ws, out=y)
                     except Exception as e:  # a tile that does not fit in shared memory
-                        print(f"  skip {c}: {type(e).__name__}", flush=True)
+                        print(f"  skip {c}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                         continue
                     err = ((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
                     if not err < 2e-2:
                         print(f"  WRONG {layer} m={m} {c}: rel err {err}", flush=True)
                         continue
-                    ms = _bench(lambda: skinny_linear(x, w, b, c, ws), rep_ms=25, warmup_ms=5)
+                    ms = time_per_call([lambda w=w: skinny_linear(x, w, b, c, ws, out=y) for w in ws_])
                     results.append((f"triton bn={block_n} bk={block_k} split={split} st={stages}", ms))
             results.sort(key=lambda r: r[1])
             cub = dict(results)["cublas"]
             best = results[0]
             print(f"{name} {layer:8s} M={m:4d} N={n:6d} K={k:6d} floor {floor_ms * 1e3:7.1f} us | cublas "
                   f"{cub * 1e3:7.1f} ({cub / floor_ms:.2f}x) lt {dict(results)['cublaslt'] * 1e3:7.1f} | best "
-                  f"{best[0]} {best[1] * 1e3:7.1f} us ({best[1] / floor_ms:.2f}x)", flush=True)
+                  + "; ".join(f"{v} {t * 1e3:.1f} us ({t / floor_ms:.2f}x)" for v, t in results[:3]), flush=True)
             out.append(dict(kind="gemm", model=name, layer=layer, m=m, n=n, k=k, floor_ms=floor_ms,
                             results=[dict(variant=v, ms=t) for v, t in results]))
+        del ws_
+        torch.cuda.empty_cache()
 
 
 def sweep_attention(cfg: ModelConfig, name: str, batch_sizes: list[int], contexts: list[int], bw: float,
@@ -95,7 +122,7 @@ def sweep_attention(cfg: ModelConfig, name: str, batch_sizes: list[int], context
     max_bs, max_ctx = max(batch_sizes), max(contexts)
     work = Workload(cfg, max_bs, max_ctx + 1, max_ctx, max_bs * max_ctx + 64, dev, 0)
     per_tok = cost.kv_bytes_per_token_layer()
-    variants = [dict(decode_block_n=bn, decode_num_warps=wp, decode_num_stages=st, programs_per_sm=pps)
+    variants = [dict(decode_block_n=bn, decode_num_warps=wp, decode_num_stages=st, decode_programs_per_sm=pps)
                 for bn, wp, st, pps in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4, 8))
                 if not (bn == 128 and st == 4 and wp == 8)]
     for bs in batch_sizes:
@@ -122,10 +149,10 @@ def sweep_attention(cfg: ModelConfig, name: str, batch_sizes: list[int], context
                     continue
                 ms = _bench(graph.replay, rep_ms=40, warmup_ms=10)
                 del graph
-                label = "bn={decode_block_n} w={decode_num_warps} st={decode_num_stages} pps={programs_per_sm}"
+                label = "bn={decode_block_n} w={decode_num_warps} st={decode_num_stages} pps={decode_programs_per_sm}"
                 results.append((label.format(**variant), ms, backend.num_splits(bs, hkv, dev)))
             results.sort(key=lambda r: r[1])
-            default = next(r for r in results if r[0] == "bn=128 w=4 st=3 pps=4")
+            default = next(r for r in results if r[0] == "bn=128 w=4 st=3 pps=2")
             print(f"{name} attention bs={bs:3d} ctx={ctx:5d} floor {floor_ms * 1e3:6.1f} us | default "
                   f"{default[1] * 1e3:6.1f} ({default[1] / floor_ms:.2f}x, {default[2]} splits) | best: "
                   + "; ".join(f"{r[0]} {r[1] * 1e3:.1f} us ({r[2]} splits)" for r in results[:3]), flush=True)

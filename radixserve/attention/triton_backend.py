@@ -63,8 +63,11 @@ class TritonAttentionBackend:
     """Attention for Qwen2-style GQA on CUDA. Optional tuning knobs; the defaults suit an H200.
 
     decode_block_n / decode_num_warps / decode_num_stages: stage-1 tile of positions and launch
-    shape; max_splits caps split-K; programs_per_sm: how many stage-1 programs per streaming
-    multiprocessor the split count aims for (a few waves); extend_block_m / extend_block_n / extend_num_warps /
+    shape; max_splits caps split-K; decode_programs_per_sm: how many stage-1 programs per streaming
+    multiprocessor the split count aims for when the batch alone gives fewer programs than there are
+    multiprocessors (a batch that fills one wave is not split: the merge launch and the workspace
+    round trip cost more than the last wave's imbalance); programs_per_sm: the extend kernel's fill
+    target (below); extend_block_m / extend_block_n / extend_num_warps /
     extend_num_stages: the extend kernel's tiles; extend_small_block_m / extend_small_num_warps: the
     tiles used instead when the big ones would give fewer than programs_per_sm programs per SM
     (short extends: chunks over a long prefix, many small requests). Defaults from sweeps on an H200
@@ -72,7 +75,7 @@ class TritonAttentionBackend:
     """
 
     def __init__(self, *, decode_block_n: int = 128, decode_num_warps: int = 4, decode_num_stages: int = 3,
-                 max_splits: int = 64, programs_per_sm: int = 4, extend_block_m: int = 128, extend_block_n: int = 64,
+                 max_splits: int = 64, decode_programs_per_sm: int = 2, programs_per_sm: int = 4, extend_block_m: int = 128, extend_block_n: int = 64,
                  extend_num_warps: Optional[int] = None, extend_num_stages: int = 3,
                  extend_small_block_m: Optional[int] = 64, extend_small_num_warps: int = 4,
                  num_sms: Optional[int] = None):
@@ -88,6 +91,7 @@ class TritonAttentionBackend:
         self.decode_num_warps = decode_num_warps
         self.decode_num_stages = decode_num_stages
         self.max_splits = max_splits
+        self.decode_programs_per_sm = decode_programs_per_sm
         self.programs_per_sm = programs_per_sm
         self.extend_block_m = extend_block_m
         self.extend_block_n = extend_block_n
@@ -112,8 +116,11 @@ class TritonAttentionBackend:
 
     def num_splits(self, batch_size: int, num_kv_heads: int, device: torch.device) -> int:
         """Splits per (request, KV head): enough programs to fill the GPU, a function of B only."""
-        target = self.programs_per_sm * self.num_sms(device)
-        return max(1, min(self.max_splits, math.ceil(target / max(1, batch_size * num_kv_heads))))
+        groups = max(1, batch_size * num_kv_heads)
+        sms = self.num_sms(device)
+        if groups >= sms:
+            return 1
+        return max(1, min(self.max_splits, math.ceil(self.decode_programs_per_sm * sms / groups)))
 
     def reserve_decode_workspace(self, max_batch_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                                  device: torch.device | str) -> None:

@@ -91,11 +91,11 @@ class SkinnyWorkspace:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], config: SkinnyConfig,
-                  workspace: Optional[SkinnyWorkspace] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  workspace: SkinnyWorkspace, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T + bias[N] -> [M, N] in x's dtype; float32 accumulation.
 
-    split_k > 1 needs a workspace with at least split_k * M * N partial elements and
-    cdiv(N, block_n) * cdiv(M, block_m) counters, all counters zero (they are left zero).
+    With split_k > 1 the workspace needs at least split_k * M * N partial elements and
+    cdiv(N, block_n) * cdiv(M, block_m) counters, all zero (they are left zero).
     """
     m, k = x.shape
     n = weight.shape[0]
@@ -108,16 +108,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     k_per_split = triton.cdiv(triton.cdiv(k, c.split_k), c.block_k) * c.block_k
     split_k = triton.cdiv(k, k_per_split)
     grid = (triton.cdiv(n, c.block_n), split_k, triton.cdiv(m, c.block_m))
-    if split_k > 1:
-        if workspace is None:
-            raise ValueError("split_k > 1 needs a SkinnyWorkspace")
-        if split_k * m * n > workspace.partial.numel() or grid[0] * grid[2] > workspace.counter.numel():
-            raise ValueError(f"workspace too small for split_k={split_k}, M={m}, N={n}")
-        partial, counter = workspace.partial, workspace.counter
-    else:
-        partial, counter = y, y  # unused
+    if split_k > 1 and (split_k * m * n > workspace.partial.numel() or grid[0] * grid[2] > workspace.counter.numel()):
+        raise ValueError(f"workspace too small for split_k={split_k}, M={m}, N={n}")
+    # The workspace goes in even without split-K: the kernel's split-K branch is compiled either way.
     _skinny_linear_kernel[grid](
-        x, weight, bias if bias is not None else weight, y, partial, counter,
+        x, weight, bias if bias is not None else weight, y, workspace.partial, workspace.counter,
         m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         split_k, k_per_split,
         HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
