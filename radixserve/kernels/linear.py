@@ -28,6 +28,7 @@ def _skinny_linear_kernel(
     M, N, K, stride_xm, stride_wn, stride_ym,
     split_k, k_per_split,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -44,9 +45,14 @@ def _skinny_linear_kernel(
     x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     for k0 in range(k_start, k_end, BLOCK_K):
-        mask_k = (k0 + offs_k) < k_end
-        x = tl.load(x_ptrs + k0, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        if EVEN_K:
+            # No mask along K, the contiguous dimension: the loads stay 16-byte vectors.
+            x = tl.load(x_ptrs + k0, mask=mask_m[:, None], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=mask_n[:, None], other=0.0)
+        else:
+            mask_k = (k0 + offs_k) < k_end
+            x = tl.load(x_ptrs + k0, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w))
 
     y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -116,6 +122,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         split_k, k_per_split,
         HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        EVEN_K=k % c.block_k == 0,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return y
