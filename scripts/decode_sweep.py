@@ -69,8 +69,11 @@ def sweep_gemm(cfg: ModelConfig, name: str, rows: list[int], bw: float, out: lis
             results = {}
             for lib in ("cublas", "cublaslt"):
                 torch.backends.cuda.preferred_blas_library(lib)
-                results[lib] = time_per_call([lambda w=w: torch.matmul(x, w.T, out=y) if b is None
-                                              else torch.addmm(b, x, w.T, out=y) for w in weights])
+                calls = [lambda w=w: torch.matmul(x, w.T, out=y) if b is None else torch.addmm(b, x, w.T, out=y)
+                         for w in weights]
+                calls[0]()  # the BLAS handle and workspace are made outside the capture
+                torch.cuda.synchronize()
+                results[lib] = time_per_call(calls)
             torch.backends.cuda.preferred_blas_library("cublas")
             print(f"{name} {layer:8s} M={m:4d} N={n:6d} K={k:6d} floor {floor_ms * 1e3:7.1f} us | "
                   + " | ".join(f"{lib} {t * 1e3:7.1f} us ({t / floor_ms:.2f}x)" for lib, t in results.items()),
@@ -116,8 +119,10 @@ def sweep_attention(cfg: ModelConfig, name: str, batch_sizes: list[int], context
                     print(f"  skip {variant}: {type(e).__name__}", flush=True)
                     continue
                 ms = ms * (len(layers) + 1) / len(layers)  # per layer
+                label = "bn={decode_block_n} w={decode_num_warps} st={decode_num_stages} pps={decode_programs_per_sm}"
+                results.append((label.format(**variant), ms, backend.num_splits(bs, hkv, dev)))
             results.sort(key=lambda r: r[1])
-            default = next(r for r in results if r[0] == "bn=128 w=4 st=3 pps=2")
+            default = next((r for r in results if r[0] == "bn=128 w=4 st=3 pps=2"), ("", float("nan"), 0))
             print(f"{name} attention bs={bs:3d} ctx={ctx:5d} floor {floor_ms * 1e3:6.1f} us | default "
                   f"{default[1] * 1e3:6.1f} ({default[1] / floor_ms:.2f}x, {default[2]} splits) | best: "
                   + "; ".join(f"{r[0]} {r[1] * 1e3:.1f} us ({r[2]} splits)" for r in results[:3]), flush=True)
