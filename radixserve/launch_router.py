@@ -150,6 +150,8 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
             env["CUDA_VISIBLE_DEVICES"] = str(i)
         cmd = [sys.executable, "-m", "radixserve.launch_server", *worker_argv, "--host", "127.0.0.1",
                "--port", str(port)]
+        if settings.step_trace_file:  # the last occurrence of a flag wins
+            cmd += ["--step-trace-file", f"{settings.step_trace_file}.{i}"]
         procs.append(subprocess.Popen(cmd, env=env))
         urls.append(f"http://127.0.0.1:{port}")
         log.info("dp worker %d: pid %d at %s", i, procs[-1].pid, urls[-1])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import os
 import signal
 import threading
@@ -11,6 +12,8 @@ import httpx
 import pytest
 
 from conftest import ServerProcess, seed_launch_args
+
+from radixserve.server import step_trace
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -81,7 +84,8 @@ def test_engine_death_gives_503_and_red_health(server_model_dir, server_workdir)
 
 
 def test_sigterm_drains_in_flight_requests(server_model_dir, server_workdir):
-    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu"],
+    trace = server_workdir / "steps.csv"
+    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu", "--step-trace-file", str(trace)],
                          server_workdir).wait_ready()
     info = proc.server_info()
     engine_pid, ipc_dir = info["engine_pid"], info["ipc_dir"]
@@ -105,6 +109,15 @@ def test_sigterm_drains_in_flight_requests(server_model_dir, server_workdir):
     assert response.json()["usage"]["completion_tokens"] == 1500  # finished, not cut
     assert not pid_alive(engine_pid), "the engine process outlived the server"
     assert not os.path.exists(ipc_dir), "socket files left behind"
+    # The step trace was written out through the SIGTERM: one prefill, then a decode step per token.
+    with open(trace, newline="") as f:
+        rows = list(csv.DictReader(f))
+    kinds = [r["kind"] for r in rows if r["kind"] != "collect"]
+    assert kinds[0] == "mixed" and int(rows[0]["new_tokens"]) > 0
+    assert kinds.count("decode") >= 1498 and set(kinds) == {"mixed", "decode"}
+    assert all(float(r["step_ms"]) > 0 and float(r["gap_ms"]) >= 0 for r in rows)
+    summary = step_trace.summarize(str(trace))
+    assert "decode" in summary and "mixed" in summary
 
 
 def test_long_garbage_collections_are_logged(caplog):

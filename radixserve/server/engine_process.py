@@ -24,6 +24,7 @@ import zmq
 from radixserve.engine.io_struct import AbortRequest, GenerateRequest, RequestOutput, SamplingParams
 from radixserve.server import messages as m
 from radixserve.server.logging_setup import setup_logging
+from radixserve.server.step_trace import StepTrace
 from radixserve.settings import ServerSettings
 from radixserve.server.gc_tuning import FullCollectionGovernor, govern_collections
 
@@ -155,6 +156,7 @@ class EngineLoop:
         # On a GPU a step over 250 ms is an anomaly worth a line; on the CPU it is the norm.
         self.slow_steps = SlowStepWatch(cuda=True) if core.device.type == "cuda" else None
         self.window = HitRateWindow()
+        self.step_trace = StepTrace(settings.step_trace_file) if settings.step_trace_file else None
         self.pending_outputs: list[RequestOutput] = []
         self.pending_errors: list[m.RequestError] = []
         self.stats_due = True
@@ -291,6 +293,8 @@ class EngineLoop:
                 self.batch_logger.after_step(self.core, self.core.stats)
                 if self.slow_steps is not None:
                     self.slow_steps.after_step(self.core)
+                if self.step_trace is not None:
+                    self.step_trace.after_step(self.core)
                 if outputs:
                     self.pending_outputs.extend(outputs)
                     if any(o.finished for o in outputs):
@@ -382,6 +386,8 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
             code = 1
         finally:
             governor.uninstall()
+            if loop.step_trace is not None:  # SIGTERM ends run() with SystemExit
+                loop.step_trace.close()
     finally:
         pull.close(0)
         push.close(0 if os.getppid() != parent_pid else None)
