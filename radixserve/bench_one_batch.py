@@ -226,6 +226,29 @@ def kernel_breakdown(fn: Callable[[], object], steps: int = 20) -> tuple[float, 
     return sum(r[2] for r in rows), rows
 
 
+def host_profile(fn: Callable[[], object], label: str, steps: int = 5, top: int = 25) -> None:
+    """Where the host's time goes in `fn` (an eager step): cProfile over `steps` calls, the
+    functions with the most time of their own. Eager steps are host-bound on small models."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    print(f"#   host profile of {label}, {steps} calls (cProfile inflates Python time):", flush=True)
+    for line in text.getvalue().splitlines():
+        if line.strip():
+            print(f"#     {line}", flush=True)
+
+
 def _print_breakdown(label: str, step_ms: float, kernel_us: float, rows: list[tuple[str, float, float]],
                      top: int = 12) -> None:
     launches = sum(r[1] for r in rows)
@@ -389,6 +412,8 @@ def bench_model(args, work: Workload, cost: ModelCost, rep: Report, bw: float, f
         fl = cost.prefill_flops(bs, length)
         rep.add("prefill", f"bs={bs} len={length}", ms, fl / flops * 1e3,
                 tok_s=bs * length / (ms * 1e-3), mfu=fl / (ms * 1e-3) / flops)
+        if args.profile:
+            host_profile(lambda: model(batch), f"the prefill bs={bs} len={length}")
         del batch
     variants = [("decode-step", False)] + ([("decode-step-fused", True)] if args.fused else [])
     for kind, fused in variants:
@@ -504,7 +529,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--fused", action="store_true",
                    help="also time the model with the fused RMSNorm/RoPE/SiLU kernels swapped in")
     p.add_argument("--profile", action="store_true",
-                   help="also profile each model decode step: its kernels, their GPU time and the launch gaps")
+                   help="also profile each model decode step (its kernels, their GPU time, the launch gaps) and the host time of the eager prefill (cProfile)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write every row here")
     args = p.parse_args(argv)
