@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.kernels.launch import FastKernel
+
 
 @triton.jit
 def _silu_and_mul_kernel(X, Y, stride_x, stride_y, n_cols, BLOCK: tl.constexpr):
@@ -19,6 +21,9 @@ def _silu_and_mul_kernel(X, Y, stride_x, stride_y, n_cols, BLOCK: tl.constexpr):
     tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
+_silu_and_mul = FastKernel(_silu_and_mul_kernel)
+
+
 def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """gate_up [..., 2I] (gate first, then up) -> silu(gate) * up [..., I], computed in float32."""
     n2 = gate_up.shape[-1]
@@ -30,6 +35,6 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     y = torch.empty((x.shape[0], n), dtype=gate_up.dtype, device=gate_up.device) if out is None else out.view(-1, n)
     if x.shape[0]:
         block = min(4096, triton.next_power_of_2(n))
-        _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, y, x.stride(0), y.stride(0), n, BLOCK=block,
-                                                                   num_warps=4 if block <= 1024 else 8)
+        _silu_and_mul[(x.shape[0], triton.cdiv(n, block))](x, y, x.stride(0), y.stride(0), n, BLOCK=block,
+                                                           num_warps=4 if block <= 1024 else 8)
     return y.view(*gate_up.shape[:-1], n)

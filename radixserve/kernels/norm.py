@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.kernels.launch import FastKernel
+
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, Y, R_out, stride_x, stride_r, stride_y, stride_ro, n_cols, eps,
@@ -31,6 +33,9 @@ def _rms_norm_kernel(X, R, W, Y, R_out, stride_x, stride_r, stride_y, stride_ro,
     tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
+_rms_norm = FastKernel(_rms_norm_kernel)
+
+
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
             out: torch.Tensor, residual_out: torch.Tensor | None) -> None:
     n_rows, n_cols = x.shape
@@ -41,8 +46,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     has_res = residual is not None
     r = residual if has_res else x
     ro = residual_out if has_res else x
-    _rms_norm_kernel[(n_rows,)](x, r, weight, out, ro, x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
-                                n_cols, eps, HAS_RESIDUAL=has_res, BLOCK=block, num_warps=num_warps)
+    _rms_norm[(n_rows,)](x, r, weight, out, ro, x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
+                         n_cols, eps, HAS_RESIDUAL=has_res, BLOCK=block, num_warps=num_warps)
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:

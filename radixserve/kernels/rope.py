@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.kernels.launch import FastKernel
+
 
 @triton.jit
 def _rope_kernel(Q, K, V, positions, Cos, Sin, K_buf, V_buf, loc,
@@ -56,6 +58,9 @@ def _rope_kernel(Q, K, V, positions, Cos, Sin, K_buf, V_buf, loc,
         tl.store(vb_ptr + HALF, tl.load(v_ptr + HALF, mask=mk).to(V_buf.dtype.element_ty), mask=mk)
 
 
+_rope = FastKernel(_rope_kernel)
+
+
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, *, v: Optional[torch.Tensor] = None, k_buf: Optional[torch.Tensor] = None,
                 v_buf: Optional[torch.Tensor] = None, loc: Optional[torch.Tensor] = None
@@ -81,9 +86,9 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: 
         v, k_buf, v_buf, loc = k, k, k, positions  # unused: STORE_KV is off
         v_strides, buf_strides = (0, 0), (0, 0, 0, 0)
     if num_tokens:
-        _rope_kernel[(num_tokens,)](q, k, v, positions, cos, sin, k_buf, v_buf, loc,
-                                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), *v_strides,
-                                    cos.stride(0), sin.stride(0), *buf_strides, num_q_heads, num_kv_heads,
-                                    HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_kv_heads)),
-                                    STORE_KV=store, num_warps=4)
+        _rope[(num_tokens,)](q, k, v, positions, cos, sin, k_buf, v_buf, loc,
+                             q.stride(0), q.stride(1), k.stride(0), k.stride(1), *v_strides,
+                             cos.stride(0), sin.stride(0), *buf_strides, num_q_heads, num_kv_heads,
+                             HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_kv_heads)),
+                             STORE_KV=store, num_warps=4)
     return q, k

@@ -134,3 +134,23 @@ def test_rope_and_store_kv(tokens, hq, hkv, head_dim, pool_dtype):
     assert torch.isnan(k_buf[untouched]).all() and torch.isnan(v_buf[untouched]).all()
     with pytest.raises(ValueError):
         apply_rope_(q, k, positions, cos, sin, k_buf=k_buf)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the direct launch path exists on CUDA only")
+def test_direct_launch_matches_triton_for_every_specialisation():
+    """FastKernel calls a compiled kernel's launcher directly after the first call of each
+    specialisation: misaligned views and an int equal to 1 must get their own variants."""
+    from radixserve.kernels import norm
+
+    torch.manual_seed(0)
+    flat = torch.randn(64 * 896 + 1, device="cuda").to(torch.bfloat16)
+    w = (torch.rand(896, device="cuda") + 0.5).to(torch.bfloat16)
+    aligned = flat[:64 * 896].view(64, 896)
+    misaligned = flat[1:].view(64, 896)  # 2 bytes off: not 16-byte aligned
+    one_col = torch.randn(5, 1, device="cuda").to(torch.bfloat16)  # n_cols == 1
+    w1 = torch.ones(1, device="cuda", dtype=torch.bfloat16)
+    for x, weight in [(aligned, w), (misaligned, w), (one_col, w1), (aligned, w), (misaligned, w), (one_col, w1)]:
+        for _ in range(2):  # the second call of each takes the direct path
+            out = rms_norm(x, weight, 1e-6)
+            assert rel_err(out, hf_rms_norm(x, weight, 1e-6)) < 1e-2
+    assert len(norm._rms_norm._cache) >= 3, "each specialisation has its own entry"

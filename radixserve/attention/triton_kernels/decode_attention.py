@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.kernels.launch import FastKernel
+
 LOG2E = 1.4426950408889634
 
 
@@ -103,6 +105,9 @@ def _decode_stage1_kernel(
         tl.store(o_ptr, tl.zeros([BLOCK_G, HEAD_DIM], dtype=O.dtype.element_ty), mask=mask_g[:, None])
 
 
+_decode_stage1 = FastKernel(_decode_stage1_kernel)
+
+
 @triton.jit(do_not_specialize=_SPLIT_DEPENDENT)
 def _decode_stage2_kernel(
     Mid_O, Mid_LSE, O, seq_lens,
@@ -134,6 +139,9 @@ def _decode_stage2_kernel(
     # A request with no context (a padded row of a CUDA-graph bucket) gets zeros, not NaN.
     out = tl.where(total > 0.0, acc / tl.maximum(total, 1e-30), 0.0)
     tl.store(O + b * stride_ob + head * stride_oh + offs_d, out.to(O.dtype.element_ty))
+
+
+_decode_stage2 = FastKernel(_decode_stage2_kernel)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -168,7 +176,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     block_g = max(16, triton.next_power_of_2(group))
     if q.dtype == torch.float32:
         block_n = min(block_n, 64)  # float32 tiles take twice the shared memory
-    _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
+    _decode_stage1[(batch, num_kv_heads, num_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
         q.stride(0), q.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
@@ -183,7 +191,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     )
     if num_splits == 1:
         return out
-    _decode_stage2_kernel[(batch, num_q_heads)](
+    _decode_stage2[(batch, num_q_heads)](
         mid_o, mid_lse, out, seq_lens,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.kernels.launch import FastKernel
+
 LOG2E = 1.4426950408889634
 
 
@@ -107,6 +109,9 @@ def _extend_kernel(
              out.to(O.dtype.element_ty), mask=mask_m[:, None])
 
 
+_extend = FastKernel(_extend_kernel)
+
+
 @dataclass
 class ExtendPlan:
     q_starts: torch.Tensor  # [B] int32, first row of each request's new tokens
@@ -167,7 +172,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     if num_warps is None:
         num_warps = 8 if head_dim >= 128 else 4
     grid = (num_q_heads, plan.num_tiles)
-    _extend_kernel[grid](
+    _extend[grid](
         q, k, v, out, k_buf, v_buf, req_to_token,
         req_pool_indices, prefix_lens, extend_lens, plan.q_starts, plan.tile_req, plan.tile_m,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),

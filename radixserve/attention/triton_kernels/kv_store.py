@@ -6,12 +6,13 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.kernels.launch import FastKernel
+
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one variant for every batch size
 def _store_kv_kernel(K, V, K_buf, V_buf, loc,
-                     stride_kt, stride_vt, stride_kbs, stride_vbs,
-                     HD: tl.constexpr, BLOCK: tl.constexpr, TOKENS_PER_PROGRAM: tl.constexpr,
-                     num_tokens):
+                     stride_kt, stride_vt, stride_kbs, stride_vbs, num_tokens,
+                     HD: tl.constexpr, BLOCK: tl.constexpr, TOKENS_PER_PROGRAM: tl.constexpr):
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < HD
@@ -23,6 +24,9 @@ def _store_kv_kernel(K, V, K_buf, V_buf, loc,
             v = tl.load(V + t.to(tl.int64) * stride_vt + offs, mask=mask)
             tl.store(K_buf + slot * stride_kbs + offs, k.to(K_buf.dtype.element_ty), mask=mask)
             tl.store(V_buf + slot * stride_vbs + offs, v.to(V_buf.dtype.element_ty), mask=mask)
+
+
+_store_kv = FastKernel(_store_kv_kernel)
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -46,6 +50,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch
     # Several tokens per program at big T keeps the grid (and the launch) small.
     per_program = 1 if num_tokens <= 4096 else 4
     grid = (triton.cdiv(num_tokens, per_program),)
-    _store_kv_kernel[grid](k, v, k_buf, v_buf, loc, k.stride(0), v.stride(0), k_buf.stride(0), v_buf.stride(0),
-                           HD=hd, BLOCK=triton.next_power_of_2(hd), TOKENS_PER_PROGRAM=per_program,
-                           num_tokens=num_tokens, num_warps=4)
+    _store_kv[grid](k, v, k_buf, v_buf, loc, k.stride(0), v.stride(0), k_buf.stride(0), v_buf.stride(0), num_tokens,
+                    HD=hd, BLOCK=triton.next_power_of_2(hd), TOKENS_PER_PROGRAM=per_program, num_warps=4)
