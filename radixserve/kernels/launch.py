@@ -66,8 +66,13 @@ class FastKernel:
     def __getitem__(self, grid: tuple[int, ...]):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
+    def _hooked(self) -> bool:
+        # Triton >= 3.5 keeps the hooks in a HookChain (never None; empty when nothing is hooked).
+        hook = self._knobs.launch_enter_hook
+        return hook is not None and bool(getattr(hook, "calls", True))
+
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
-        if not self._direct or self._knobs.launch_enter_hook is not None:
+        if not self._direct or self._hooked():
             self.fn[grid](*args, **kwargs)
             return
         key = (tuple(kwargs.items()), *map(_arg_key, args))
