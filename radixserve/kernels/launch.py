@@ -58,9 +58,12 @@ class FastKernel:
             return False
         if not isinstance(self.fn, JITFunction):  # e.g. TRITON_INTERPRET=1
             return False
+        try:
+            self._get_device = driver.active.get_current_device
+            self._get_stream = driver.active.get_current_stream
+        except Exception:  # no GPU driver here
+            return False
         self._knobs = knobs.runtime
-        self._get_device = driver.active.get_current_device
-        self._get_stream = driver.active.get_current_stream
         return True
 
     def __getitem__(self, grid: tuple[int, ...]):
