@@ -285,11 +285,15 @@ class Report:
 
 
 def _commit() -> str:
+    """RADIXSERVE_COMMIT when set (a copy of the tree run elsewhere, e.g. a `git archive` of
+    HEAD, may sit inside another checkout whose HEAD is not what runs), else git's HEAD."""
+    if os.environ.get("RADIXSERVE_COMMIT"):
+        return os.environ["RADIXSERVE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+                              check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     except Exception:  # no git on the machine, or no repository
-        return os.environ.get("RADIXSERVE_COMMIT", "unknown")
+        return "unknown"
 
 
 def bench_decode_attention(args, work: Workload, cost: ModelCost, rep: Report, bw: float) -> None:
