@@ -75,7 +75,8 @@ class TritonAttentionBackend:
     """
 
     def __init__(self, *, decode_block_n: int = 128, decode_num_warps: int = 4, decode_num_stages: int = 3,
-                 max_splits: int = 64, decode_programs_per_sm: int = 2, programs_per_sm: int = 4, extend_block_m: int = 128, extend_block_n: int = 64,
+                 max_splits: int = 64, decode_programs_per_sm: int = 2, programs_per_sm: int = 4,
+                 extend_block_m: int = 128, extend_block_n: int = 64,
                  extend_num_warps: Optional[int] = None, extend_num_stages: int = 3,
                  extend_small_block_m: Optional[int] = 64, extend_small_num_warps: int = 4,
                  num_sms: Optional[int] = None):

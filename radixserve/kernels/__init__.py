@@ -4,9 +4,11 @@
 - `radixserve.kernels.activation`: `silu_and_mul(gate_up)`
 - `radixserve.kernels.rope`: `apply_rope_(q, k, positions, cos, sin, *, v, k_buf, v_buf, loc)` (RoPE, and
   optionally the KV store, in one launch)
+- `radixserve.kernels.launch`: `FastKernel`, which launches a compiled kernel through its C launcher
+  after the first call of each specialisation (every kernel here and in attention/ goes through it)
 
-Each submodule imports triton at its top; this package imports nothing, so it is safe to import
-on any machine.
+The kernel submodules import triton at their top (launch.py only when a FastKernel is made); this
+package imports nothing, so it is safe to import on any machine.
 """
 
 
