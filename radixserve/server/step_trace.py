@@ -7,7 +7,8 @@ receiving requests, sending outputs, stats), kind (decode or mixed: any step wit
 tokens), requests, new_tokens (prompt tokens computed), cached_tokens (prompt tokens read from
 the radix cache).
 
-    python -m radixserve.server.step_trace trace.csv    # per kind: steps, total, mean, p50, p99
+    python -m radixserve.server.step_trace trace.csv    # per kind: steps, total, mean, p50, p99;
+                                                        # and the step time each request waited out
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ def summarize(path: str) -> str:
         new = sum(int(r["new_tokens"]) for r in sel) / len(sel)
         lines.append(f"{kind:8s} {len(sel):7d} {sum(ms) / 1e3:8.2f} {sum(ms) / len(ms):8.3f} {_quantile(ms, 0.5):7.3f} "
                      f"{_quantile(ms, 0.99):7.3f} {sum(gaps) / len(gaps):11.3f} {reqs:8.1f} {new:8.1f}")
+    # Every request in a step waits out the whole step: weighting steps by their requests gives
+    # the time per token the engine delivered, close to a client's mean TPOT.
+    weight = sum(int(r["requests"]) for r in rows)
+    if weight:
+        waited = sum(float(r["step_ms"]) * int(r["requests"]) for r in rows) / weight
+        lines.append(f"step time per request per step (~ mean TPOT): {waited:.3f} ms")
     return "\n".join(lines)
 
 
