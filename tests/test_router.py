@@ -220,16 +220,18 @@ def test_same_prefix_placement(workers, router_workdir, policy):
         if policy == "kv_aware":
             info = httpx.get(router.base_url + "/workers", timeout=10).json()
             busy = max(info["workers"], key=lambda w: w["requests"])
-            assert busy["kv_synced"] and busy["kv_tree_size"] > 0 and busy["kv_events"] > 0
-            # A flush on the worker reaches the router's mirror as an event.
+            assert busy["kv_synced"] and busy["kv_tree_size"] > 1 and busy["kv_events"] > 0
+            # A flush on the worker reaches the router's mirror as an event. The router's health
+            # probe is a real one-token generation whose prompt the worker caches: right after
+            # the flush the mirror may hold that one node again.
             _flush([busy["url"]])
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
                 w = next(w for w in httpx.get(router.base_url + "/workers").json()["workers"] if w["id"] == busy["id"])
-                if w["kv_tree_size"] == 0:
+                if w["kv_tree_size"] <= 1:
                     break
                 time.sleep(0.1)
-            assert w["kv_tree_size"] == 0
+            assert w["kv_tree_size"] <= 1
     finally:
         router.stop()
 
