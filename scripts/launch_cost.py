@@ -2,9 +2,11 @@
 
     . scripts/gpu_run.sh && python3 scripts/launch_cost.py
 
-Times N back-to-back launches of each of our Triton kernels and of comparable torch ops on
-small inputs, without synchronising in between (the GPU work is tiny, so the host is the
-bottleneck), and prints microseconds per launch. An eager prefill or mixed step of Qwen2-0.5B
+Times N back-to-back launches of each of our Triton kernels (through their wrappers, which
+launch through radixserve.kernels.launch.FastKernel) and of comparable torch ops on small
+inputs, without synchronising in between (the GPU work is tiny, so the host is the
+bottleneck), and prints microseconds per launch; then rms_norm through Triton's own dispatch
+and through its compiled kernel's C launcher alone. An eager prefill or mixed step of Qwen2-0.5B
 makes ~250 launches, so every 10 us here is ~2.5 ms of its time.
 """
 
