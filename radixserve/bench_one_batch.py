@@ -533,7 +533,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--fused", action="store_true",
                    help="also time the model with the fused RMSNorm/RoPE/SiLU kernels swapped in")
     p.add_argument("--profile", action="store_true",
-                   help="also profile each model decode step (its kernels, their GPU time, the launch gaps) and the host time of the eager prefill (cProfile)")
+                   help="also profile each model decode step (its kernels, their GPU time, the launch gaps) "
+                        "and the host time of the eager prefill (cProfile)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write every row here")
     args = p.parse_args(argv)

@@ -96,6 +96,8 @@ def sweep_attention(cfg: ModelConfig, name: str, batch_sizes: list[int], context
     per_tok = cost.kv_bytes_per_token_layer()
     variants = [dict(decode_block_n=bn, decode_num_warps=wp, decode_num_stages=st, decode_programs_per_sm=pps)
                 for bn, wp, st, pps in itertools.product((32, 64, 128), (2, 4), (2, 3, 4), (1, 2, 4, 8))]
+    label = "bn={decode_block_n} w={decode_num_warps} st={decode_num_stages} pps={decode_programs_per_sm}"
+    layers = range(cfg.num_hidden_layers)
     for bs in batch_sizes:
         batch = work.decode_batch(bs, max_ctx)
         q = torch.randn(bs, hq, d, dtype=torch.bfloat16, device=dev)
@@ -108,7 +110,6 @@ def sweep_attention(cfg: ModelConfig, name: str, batch_sizes: list[int], context
             for variant in variants:
                 backend = TritonAttentionBackend(**variant)
                 backend.reserve_decode_workspace(bs, hq, hkv, d, dev)
-                layers = range(cfg.num_hidden_layers)
                 try:
                     backend.init_forward(batch)
                     backend.forward(q, k, v, 0, batch)
@@ -119,7 +120,6 @@ def sweep_attention(cfg: ModelConfig, name: str, batch_sizes: list[int], context
                     print(f"  skip {variant}: {type(e).__name__}", flush=True)
                     continue
                 ms = ms * (len(layers) + 1) / len(layers)  # per layer
-                label = "bn={decode_block_n} w={decode_num_warps} st={decode_num_stages} pps={decode_programs_per_sm}"
                 results.append((label.format(**variant), ms, backend.num_splits(bs, hkv, dev)))
             results.sort(key=lambda r: r[1])
             default = next((r for r in results if r[0] == "bn=128 w=4 st=3 pps=2"), ("", float("nan"), 0))

@@ -64,6 +64,7 @@ class StepInfo:
     """What the last step did, for batch log lines and metrics."""
     batch: Optional[ScheduledBatch]
     seconds: float
+    started: float = 0.0  # time.perf_counter() at the step's start
 
 
 class EngineCore:
@@ -204,7 +205,7 @@ class EngineCore:
         self.scheduler.results_outstanding = launched is not None
         if not self.overlap:
             outputs += self.sync()
-        self.last_step = StepInfo(batch, time.perf_counter() - start)
+        self.last_step = StepInfo(batch, time.perf_counter() - start, start)
         return outputs
 
     def sync(self) -> list[RequestOutput]:

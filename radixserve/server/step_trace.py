@@ -31,18 +31,16 @@ class StepTrace:
 
     def after_step(self, core) -> None:
         info = core.last_step
-        end = time.perf_counter()
-        start = end - info.seconds
-        gap = 0.0 if self.last_end is None else start - self.last_end
-        self.last_end = end
+        gap = 0.0 if self.last_end is None else info.started - self.last_end
+        self.last_end = info.started + info.seconds
         batch = info.batch
         if batch is None:  # a step that only collected the one in flight
-            row = [f"{start - self.t0:.6f}", f"{info.seconds * 1e3:.3f}", f"{gap * 1e3:.3f}", "collect", 0, 0, 0]
+            kind, requests, new_tokens, cached_tokens = "collect", 0, 0, 0
         else:
             kind = "decode" if batch.is_decode_only else "mixed"
-            row = [f"{start - self.t0:.6f}", f"{info.seconds * 1e3:.3f}", f"{gap * 1e3:.3f}", kind,
-                   len(batch.reqs), batch.num_new_tokens, batch.num_cached_tokens]
-        self.writer.writerow(row)
+            requests, new_tokens, cached_tokens = len(batch.reqs), batch.num_new_tokens, batch.num_cached_tokens
+        self.writer.writerow([f"{info.started - self.t0:.6f}", f"{info.seconds * 1e3:.3f}", f"{gap * 1e3:.3f}", kind,
+                              requests, new_tokens, cached_tokens])
 
     def close(self) -> None:
         self.file.close()
