@@ -419,23 +419,12 @@ def bench_model(args, work: Workload, cost: ModelCost, rep: Report, bw: float, f
         if args.profile:
             host_profile(lambda: model(batch), f"the prefill bs={bs} len={length}")
         del batch
-    variants = [("decode-step", False)] + ([("decode-step-fused", True)] if args.fused else [])
-    for kind, fused in variants:
-        if fused:
-            try:
-                use_fused_kernels(model)
-            except Exception as e:  # the model's structure moved on
-                rep.note(f"could not swap in the fused kernels ({e!r})")
-                break
-            if length <= work.max_tokens_per_row:
-                batch = work.extend_batch(bs, 0, length)
-                model(batch)
-                torch.cuda.synchronize()
-                ms = _bench(lambda: model(batch), rep_ms=1500, warmup_ms=200)
-                fl = cost.prefill_flops(bs, length)
-                rep.add("prefill-fused", f"bs={bs} len={length}", ms, fl / flops * 1e3,
-                        tok_s=bs * length / (ms * 1e-3), mfu=fl / (ms * 1e-3) / flops)
-                del batch
+    variants = [("decode-step", args.decode_gemm_max_rows)]
+    if args.compare_cublas:
+        variants.append(("decode-step-cublas", 0))
+    for kind, gemm_rows in variants:
+        if gemm_rows is not None:
+            model.decode_gemm_max_rows = gemm_rows
         for dbs in args.batch_sizes:
             batch = work.decode_batch(dbs, max(args.contexts))
             graph = None
@@ -466,56 +455,6 @@ def bench_model(args, work: Workload, cost: ModelCost, rep: Report, bw: float, f
     torch.cuda.empty_cache()
 
 
-def use_fused_kernels(model: torch.nn.Module) -> None:
-    """Swap the model's element-wise steps for the fused Triton kernels, on this instance only.
-
-    What `radixserve.model.qwen2` would run with radixserve.kernels: RMSNorm -> rms_norm, the
-    residual add + post-attention norm -> add_rms_norm, RoPE -> apply_rope_ on views of the qkv
-    output, SiLU * up -> silu_and_mul. Lets the benchmark show the gain before the model adopts it.
-    """
-    from radixserve.kernels.activation import silu_and_mul
-    from radixserve.kernels.norm import add_rms_norm, rms_norm
-    from radixserve.kernels.rope import apply_rope_
-
-    cos_table, sin_table = model.rope_cos, model.rope_sin
-
-    def norm_forward(m):
-        return lambda x: rms_norm(x, m.weight, m.eps)
-
-    def mlp_forward(m):
-        return lambda x: m.down_proj(silu_and_mul(m.gate_up_proj(x)))
-
-    def attn_forward(m):
-        def forward(x, cos, sin, batch):
-            t = x.shape[0]
-            qkv = m.qkv_proj(x)
-            q = qkv[:, :m.q_size].view(t, m.num_heads, m.head_dim)
-            k = qkv[:, m.q_size:m.q_size + m.kv_size].view(t, m.num_kv_heads, m.head_dim)
-            v = qkv[:, m.q_size + m.kv_size:].view(t, m.num_kv_heads, m.head_dim)
-            apply_rope_(q, k, batch.positions, cos_table, sin_table)
-            return m.o_proj(m._backend.forward(q, k, v, m.layer_id, batch).reshape(t, m.q_size))
-        return forward
-
-    def layer_forward(m):
-        def forward(x, cos, sin, batch):
-            a = m.self_attn(m.input_layernorm(x), cos, sin, batch)
-            # x is this layer's own residual (the embedding or the previous layer's sum): updated in place.
-            normed, x = add_rms_norm(a, x, m.post_attention_layernorm.weight, m.post_attention_layernorm.eps)
-            return x + m.mlp(normed)
-        return forward
-
-    for mod in model.modules():
-        name = type(mod).__name__
-        if name == "RMSNorm":
-            mod.forward = norm_forward(mod)
-        elif name == "Qwen2MLP":
-            mod.forward = mlp_forward(mod)
-        elif name == "Qwen2Attention":
-            mod.forward = attn_forward(mod)
-        elif name == "Qwen2DecoderLayer":
-            mod.forward = layer_forward(mod)
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m radixserve.bench_one_batch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -530,8 +469,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--sweep", nargs="*", choices=["decode", "extend"], default=None,
                    help="also time kernel tuning variants (of decode, extend, or both when none is named)")
     p.add_argument("--disable-cuda-graph", action="store_true")
-    p.add_argument("--fused", action="store_true",
-                   help="also time the model with the fused RMSNorm/RoPE/SiLU kernels swapped in")
+    p.add_argument("--decode-gemm-max-rows", type=int, default=None,
+                   help="projections of at most this many rows run our Triton GEMM (default: the model's, 32)")
+    p.add_argument("--compare-cublas", action="store_true",
+                   help="also time every decode step with cuBLAS for all projections")
     p.add_argument("--profile", action="store_true",
                    help="also profile each model decode step (its kernels, their GPU time, the launch gaps) "
                         "and the host time of the eager prefill (cProfile)")

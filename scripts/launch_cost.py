@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from radixserve.kernels import decode_linear
+from radixserve.kernels.decode_linear_config import config_for
 from radixserve.kernels.activation import silu_and_mul
 from radixserve.kernels.norm import add_rms_norm, rms_norm
 from radixserve.kernels.rope import apply_rope_
@@ -52,11 +54,20 @@ def main() -> None:
     loc = torch.arange(1, t + 1, device=dev)
     weight = torch.randn(1152, hidden, device=dev, dtype=dt)
     bias = torch.randn(1152, device=dev, dtype=dt)
+    w_down = torch.randn(hidden, 4864, device=dev, dtype=dt)
+    h = torch.randn(t, 4864, device=dev, dtype=dt)
+    w_gate_up = torch.randn(2 * 4864, hidden, device=dev, dtype=dt)
+    qkv_cfg, down_cfg, gate_up_cfg = (config_for(w_) for w_ in (weight, w_down, w_gate_up))
     rows = {
         "triton rms_norm": lambda: rms_norm(x, w, 1e-6),
         "triton add_rms_norm": lambda: add_rms_norm(x, res, w, 1e-6),
         "triton silu_and_mul": lambda: silu_and_mul(gate_up),
         "triton rope + kv store": lambda: apply_rope_(q, k, pos, cos, sin, v=v, k_buf=k_buf, v_buf=v_buf, loc=loc),
+        "triton decode_linear (qkv)": lambda: decode_linear.decode_linear(x, weight, bias, qkv_cfg),
+        f"triton decode_linear (down, split {down_cfg.split})": lambda: decode_linear.decode_linear(
+            h, w_down, None, down_cfg),
+        "triton decode_linear (gate_up, silu)": lambda: decode_linear.decode_linear(
+            x, w_gate_up, None, gate_up_cfg, silu_mul=True),
         "torch add": lambda: torch.add(x, res),
         "torch linear (bias)": lambda: torch.nn.functional.linear(x, weight, bias),
         "torch empty": lambda: torch.empty((t, hq, d), device=dev, dtype=dt),
@@ -86,6 +97,14 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     for name, fn in rows.items():
         print(f"{name:<30} {per_launch_us(fn):7.1f} us per launch (host)")
+    # Where decode_linear's host time goes (it launches through FastKernel like the others).
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(lambda: [decode_linear.decode_linear(x, weight, bias, qkv_cfg) for _ in range(2000)])
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(8)
     if "triton rms_norm: C launch" in rows:
         y.zero_()
         rows["triton rms_norm: C launch"]()

@@ -2,6 +2,8 @@
 
 - `radixserve.kernels.norm`: `rms_norm(x, weight, eps)`, `add_rms_norm(x, residual, weight, eps)`
 - `radixserve.kernels.activation`: `silu_and_mul(gate_up)`
+- `radixserve.kernels.decode_linear`: `decode_linear(x, weight, bias, config)`, the GEMM of a decode
+  batch's few rows (weights streamed by many programs; K split with a deterministic reduce)
 - `radixserve.kernels.rope`: `apply_rope_(q, k, positions, cos, sin, *, v, k_buf, v_buf, loc)` (RoPE, and
   optionally the KV store, in one launch)
 - `radixserve.kernels.launch`: `FastKernel`, which launches a compiled kernel through its C launcher
@@ -16,13 +18,15 @@ def compiled_variant_counts() -> dict[str, int]:
     """How many compiled variants each of our Triton kernels holds in this process (CUDA only:
     imports triton). A count that grows while serving means a compile stalled the engine."""
     from radixserve.attention.triton_kernels import decode_attention, extend_attention, kv_store
-    from radixserve.kernels import activation, norm, rope
+    from radixserve.kernels import activation, decode_linear, norm, rope
 
     kernels = {"decode_stage1": decode_attention._decode_stage1_kernel,
                "decode_stage2": decode_attention._decode_stage2_kernel,
                "extend": extend_attention._extend_kernel, "store_kv": kv_store._store_kv_kernel,
                "rope": rope._rope_kernel, "rms_norm": norm._rms_norm_kernel,
-               "silu_and_mul": activation._silu_and_mul_kernel}
+               "silu_and_mul": activation._silu_and_mul_kernel,
+               "decode_linear": decode_linear._decode_linear_kernel,
+               "decode_linear_reduce": decode_linear._reduce_partials_kernel}
     counts = {}
     for name, fn in kernels.items():
         caches = getattr(fn, "device_caches", None)  # triton >= 3.2: {device: (kernel cache, ...)}

@@ -16,6 +16,11 @@ from torch import nn
 from radixserve.attention.base import AttentionBackend, ForwardBatch
 from radixserve.model.config import ModelConfig
 
+# Rows up to which the fused path runs projections through radixserve.kernels.decode_linear:
+# faster than cuBLAS up to 32 rows on an H200; at 64, cuBLAS won on most projections
+# (docs/gpu_notes.md, "A GEMM for decode rows").
+DECODE_GEMM_MAX_ROWS = 32
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype):
@@ -83,7 +88,7 @@ class Qwen2Attention(nn.Module):
         """The same function with RoPE applied in place on views of the qkv output, and k and v
         stored into the KV pool by the same launch."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = kernels.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
@@ -91,7 +96,7 @@ class Qwen2Attention(nn.Module):
         kernels.apply_rope_(q, k, batch.positions, cos_table, sin_table, v=v, k_buf=pool.k_buffers[self.layer_id],
                             v_buf=pool.v_buffers[self.layer_id], loc=batch.out_cache_loc)
         out = self._backend.forward(q, k, v, self.layer_id, batch, save_kv=False)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return kernels.linear(out.reshape(t, self.q_size), self.o_proj.weight)
 
 
 class Qwen2MLP(nn.Module):
@@ -106,7 +111,7 @@ class Qwen2MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
     def forward_fused(self, x: torch.Tensor, kernels) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        return kernels.linear(kernels.linear(x, self.gate_up_proj.weight, silu_mul=True), self.down_proj.weight)
 
 
 class Qwen2DecoderLayer(nn.Module):
@@ -174,7 +179,8 @@ class Qwen2ForCausalLM(nn.Module):
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
         # None: the fused Triton kernels on CUDA in bf16/fp16, the pure-torch path elsewhere.
         # The torch path stays the reference (CPU, fp32) and can be forced with False.
-        self._kernels = None
+        self._kernels: Optional[_FusedKernels] = None
+        self._decode_gemm_max_rows = DECODE_GEMM_MAX_ROWS
         self.use_fused_kernels = fused_kernels
 
     @property
@@ -188,7 +194,19 @@ class Qwen2ForCausalLM(nn.Module):
             value = device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16) and _triton_available()
         if value and device.type != "cuda":
             raise ValueError("the fused kernels need a CUDA device")
-        self._kernels = _load_kernels() if value else None
+        self._kernels = _FusedKernels(self._decode_gemm_max_rows) if value else None
+
+    @property
+    def decode_gemm_max_rows(self) -> int:
+        """On the fused path, projections of at most this many rows (decode batches) run the
+        weight-streaming Triton GEMM (radixserve.kernels.decode_linear); larger ones, cuBLAS."""
+        return self._decode_gemm_max_rows
+
+    @decode_gemm_max_rows.setter
+    def decode_gemm_max_rows(self, rows: int) -> None:
+        self._decode_gemm_max_rows = rows
+        if self._kernels is not None:
+            self._kernels.max_rows = rows
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -220,7 +238,7 @@ class Qwen2ForCausalLM(nn.Module):
             h, residual = layer.forward_fused(h, residual, self.rope_cos, self.rope_sin, batch, kernels)
         rows = batch.logits_indices
         h, _ = kernels.add_rms_norm(h[rows], residual[rows], self.norm.weight, self.norm.eps)
-        return F.linear(h, self.lm_head_weight).float()
+        return kernels.linear(h, self.lm_head_weight).float()
 
 
 def _triton_available() -> bool:
@@ -232,10 +250,12 @@ def _triton_available() -> bool:
 
 
 class _FusedKernels:
-    """The fused element-wise kernels, imported on first use (they import triton)."""
+    """The fused kernels, imported on first use (they import triton)."""
 
-    def __init__(self):
+    def __init__(self, max_rows: int):
         from radixserve.kernels.activation import silu_and_mul
+        from radixserve.kernels.decode_linear import decode_linear
+        from radixserve.kernels.decode_linear_config import config_for
         from radixserve.kernels.norm import add_rms_norm, rms_norm
         from radixserve.kernels.rope import apply_rope_
 
@@ -243,7 +263,17 @@ class _FusedKernels:
         self.add_rms_norm = add_rms_norm
         self.silu_and_mul = silu_and_mul
         self.apply_rope_ = apply_rope_
+        self.decode_linear = decode_linear
+        self.decode_linear_config = config_for
+        self.max_rows = max_rows
 
-
-def _load_kernels() -> _FusedKernels:
-    return _FusedKernels()
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               silu_mul: bool = False) -> torch.Tensor:
+        """F.linear (then silu_and_mul if asked), through the weight-streaming GEMM for a decode
+        batch's few rows."""
+        if 0 < x.shape[0] <= self.max_rows and x.stride(-1) == 1:
+            config = self.decode_linear_config(weight)
+            if config is not None:
+                return self.decode_linear(x, weight, bias, config, silu_mul=silu_mul)
+        y = F.linear(x, weight, bias)
+        return self.silu_and_mul(y) if silu_mul else y

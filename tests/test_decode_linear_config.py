@@ -1,0 +1,77 @@
+"""Which decode-row GEMM variant runs for a weight (radixserve.kernels.decode_linear_config; CPU).
+
+The kernel itself is checked against a reference on the GPU (tests/gpu/test_decode_linear.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.kernels.decode_linear_config import (SHARED_MEMORY_BUDGET, TUNED, DecodeLinearConfig, block_m_for,
+                                                     config_for, default_config, pipeline_stages, split_plan)
+from radixserve.model.config import ModelConfig
+from radixserve.model.qwen2 import DECODE_GEMM_MAX_ROWS
+from radixserve.settings import ServerSettings
+
+QWEN2_CONFIGS = ["benchmarks/configs/qwen2-7b", "benchmarks/configs/qwen2-0.5b"]
+
+
+def projection_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    h = cfg.hidden_size
+    return [(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * cfg.intermediate_size, h),
+            (h, cfg.intermediate_size), (cfg.vocab_size, h)]
+
+
+@pytest.mark.parametrize("path", QWEN2_CONFIGS)
+def test_every_qwen2_projection_has_its_tuned_variant(path):
+    cfg = ModelConfig.from_dir(path)
+    for n, k in projection_shapes(cfg):
+        weight = torch.empty(n, k, dtype=torch.bfloat16, device="meta")
+        assert config_for(weight) is TUNED[(n, k)]
+
+
+@pytest.mark.parametrize("shape,config", list(TUNED.items()))
+def test_tuned_variants_tile_their_shape_and_fit_up_to_the_row_limit(shape, config):
+    n, k = shape
+    assert k % config.block_k == 0
+    per_split, splits = split_plan(k, config)
+    k_tiles = k // config.block_k
+    assert splits == config.split and per_split * (splits - 1) < k_tiles <= per_split * splits  # none empty
+    # Up to DECODE_GEMM_MAX_ROWS rows the tuned pipeline depth is what runs (it was measured so).
+    assert pipeline_stages(config, block_m_for(DECODE_GEMM_MAX_ROWS), 2) == config.num_stages
+
+
+def test_block_m_pads_to_a_tensor_core_tile():
+    assert [block_m_for(m) for m in (1, 15, 16, 17, 32, 33, 64, 500)] == [16, 16, 16, 32, 32, 64, 64, 64]
+
+
+def test_pipeline_shrinks_instead_of_overflowing_shared_memory():
+    deep = DecodeLinearConfig(block_n=128, block_k=128, num_stages=5)
+    assert pipeline_stages(deep, 16, 2) == 5
+    stages = pipeline_stages(deep, 64, 2)  # 5 x (128 + 64) x 128 x 2 B = 240 KB
+    assert 2 <= stages < 5 and stages * (128 + 64) * 128 * 2 <= SHARED_MEMORY_BUDGET
+
+
+def test_default_config():
+    assert default_config(1000, 100) is None  # K not a whole number of 64-wide tiles
+    assert default_config(512, 192).block_k == 64
+    narrow_long = default_config(512, 16384)  # 8 strips of 64 rows: K is split to feed the GPU
+    assert narrow_long.split > 1
+    _, splits = split_plan(16384, narrow_long)
+    assert 8 * splits <= 256 and 16384 // 128 // splits >= 16
+    wide = default_config(65536, 4096)  # 1,024 strips already: no split, a shallow pipeline (big matrix)
+    assert wide.split == 1 and wide.num_stages == 3
+
+
+def test_config_for_rejects_what_the_kernel_cannot_read():
+    assert config_for(torch.empty(4608, 3584, dtype=torch.bfloat16, device="meta").t()) is None  # columns strided
+    assert config_for(torch.empty(64, 100, device="meta")) is None
+    assert config_for(torch.empty(8, 64, 64, device="meta")) is None
+
+
+def test_the_row_limit_is_a_server_setting_with_the_models_default():
+    assert ServerSettings().decode_gemm_max_rows == DECODE_GEMM_MAX_ROWS
+    assert ServerSettings.from_kwargs(decode_gemm_max_rows=0).decode_gemm_max_rows == 0
+    with pytest.raises(ValueError, match="decode_gemm_max_rows"):
+        ServerSettings.from_kwargs(decode_gemm_max_rows=-1)
