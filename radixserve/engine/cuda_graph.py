@@ -18,6 +18,7 @@ earlier graph's outputs are freed while a later one still maps the blocks.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import time
 from typing import Sequence
@@ -105,18 +106,28 @@ class DecodeCudaGraphs:
         self.inputs.zero_()  # every row is a padded row while capturing
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        # Largest first: its pool is the biggest, and the later, smaller captures then find the
-        # allocator's free blocks already split.
-        for bs in reversed(self.batch_sizes):
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compile Triton kernels and let cuBLAS pick its algorithms
-                    self._run(bs)
-            stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=stream):
-                out = self._run(bs)
-            self.graphs[bs] = graph
-            self.outputs[bs] = out
+        # No garbage collection while capturing: it could destroy an earlier engine's graphs in
+        # this process (unreachable cycles), which CUDA does not permit during a capture and which
+        # invalidates it (seen in the GPU tests, one engine after another).
+        gc.collect()
+        gc_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            # Largest first: its pool is the biggest, and the later, smaller captures then find the
+            # allocator's free blocks already split.
+            for bs in reversed(self.batch_sizes):
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # compile Triton kernels and let cuBLAS pick its algorithms
+                        self._run(bs)
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=stream):
+                    out = self._run(bs)
+                self.graphs[bs] = graph
+                self.outputs[bs] = out
+        finally:
+            if gc_enabled:
+                gc.enable()
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.graphs),
