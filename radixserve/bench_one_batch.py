@@ -7,7 +7,8 @@ matmul rate (8192^3 on random data); then, for the model's shape,
   * decode attention alone (one layer: KV store + split-K decode) at each batch size and context,
     against the floor of reading that layer's live KV once;
   * the full model decode step (eager, and replayed from a CUDA graph), against
-    (weight bytes + live KV bytes) / bandwidth;
+    (weight bytes + live KV bytes) / bandwidth; with --compare-cublas, again with every projection
+    on cuBLAS instead of the decode-row GEMM (radixserve.kernels.decode_linear);
   * prefill of `--prefill-batch` x `--prefill-len` tokens (model, and attention alone), against
     FLOPs / matmul rate.
 Times are medians of CUDA-event timings after warm-up, with the L2 cache flushed before each

@@ -1,7 +1,8 @@
 """Where the Triton tests run: a CUDA GPU, or the CPU under TRITON_INTERPRET=1; elsewhere they skip.
 
 Importing this from a test module skips the whole module when neither is available. On the CPU:
-`TRITON_INTERPRET=1 python -m pytest tests/gpu/test_triton_attention.py tests/gpu/test_triton_fused.py`
+`TRITON_INTERPRET=1 python -m pytest tests/gpu/test_triton_attention.py tests/gpu/test_triton_fused.py
+tests/gpu/test_decode_linear.py`
 with triton installed (triton 3.6's interpreter needs numpy < 2.3: newer numpy refuses its
 scalar conversions).
 """
