@@ -401,6 +401,8 @@ def bench_model(args, work: Workload, cost: ModelCost, rep: Report, bw: float, f
         rep.note(f"load_model failed ({e!r}): attention-only results")
         return
     cfg = work.cfg
+    if args.decode_gemm_max_rows is not None:
+        model.decode_gemm_max_rows = args.decode_gemm_max_rows
     backend.reserve_decode_workspace(max(args.batch_sizes), cfg.num_attention_heads, cfg.num_key_value_heads,
                                      cfg.head_dim, work.device)
     weight_ms = cost.decode_weight_bytes / bw * 1e3
@@ -420,12 +422,11 @@ def bench_model(args, work: Workload, cost: ModelCost, rep: Report, bw: float, f
         if args.profile:
             host_profile(lambda: model(batch), f"the prefill bs={bs} len={length}")
         del batch
-    variants = [("decode-step", args.decode_gemm_max_rows)]
+    variants = [("decode-step", model.decode_gemm_max_rows)]
     if args.compare_cublas:
         variants.append(("decode-step-cublas", 0))
     for kind, gemm_rows in variants:
-        if gemm_rows is not None:
-            model.decode_gemm_max_rows = gemm_rows
+        model.decode_gemm_max_rows = gemm_rows
         for dbs in args.batch_sizes:
             batch = work.decode_batch(dbs, max(args.contexts))
             graph = None
