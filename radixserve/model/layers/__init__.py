@@ -9,7 +9,7 @@ from radixserve.model.layers.activation import SiluAndMul
 from radixserve.model.layers.kernel_choice import KernelChoice
 from radixserve.model.layers.linear import Linear, MergedLinear, ShardId, copy_weight
 from radixserve.model.layers.norm import RMSNorm
-from radixserve.model.layers.rotary import RotaryEmbedding, apply_rope, rope_cos_sin
+from radixserve.model.layers.rotary import RotaryEmbedding, rope_cos_sin
 
 __all__ = ["KernelChoice", "Linear", "MergedLinear", "RMSNorm", "RotaryEmbedding", "ShardId", "SiluAndMul",
-           "apply_rope", "copy_weight", "rope_cos_sin"]
+           "copy_weight", "rope_cos_sin"]
