@@ -170,6 +170,65 @@ def test_belady_between_lru_and_unlimited_on_random_traces():
     assert strictly_better > 50
 
 
+def _prefixes(seq) -> set[tuple]:
+    return {tuple(seq[:k]) for k in range(1, len(seq) + 1)}
+
+
+def _closed_subsets(cached: frozenset) -> list[frozenset]:
+    """Every prefix-closed subset of a prefix-closed set of token prefixes."""
+    items, out = sorted(cached, key=len), []
+
+    def walk(i: int, chosen: set) -> None:
+        if i == len(items):
+            out.append(frozenset(chosen))
+            return
+        walk(i + 1, chosen)
+        if len(items[i]) == 1 or items[i][:-1] in chosen:
+            chosen.add(items[i])
+            walk(i + 1, chosen)
+            chosen.discard(items[i])
+
+    walk(0, set())
+    return out
+
+
+def _best_any_eviction(reqs: list[OracleRequest], capacity: int) -> int:
+    """The most hit tokens over every possible choice of what to keep before each request (the
+    same model as the bound: one request at a time, its prompt and output room held while it runs,
+    its prompt + output cut to the capacity), by exhaustive search."""
+    import functools
+
+    @functools.lru_cache(maxsize=None)
+    def best(j: int, cached: frozenset) -> int:
+        if j == len(reqs):
+            return 0
+        prompt, output = list(reqs[j].prompt), list(reqs[j].output)
+        target = prompt[:-1]
+        hit = max(k for k in range(len(target) + 1) if k == 0 or tuple(target[:k]) in cached)
+        full = (prompt + output)[:capacity]
+        held, room = _prefixes(full[: len(prompt)]), len(full) - min(len(prompt), len(full))
+        options = [best(j + 1, frozenset(kept | held | _prefixes(full))) for kept in _closed_subsets(cached)
+                   if len(kept | held) + room <= capacity]
+        return hit + max(options)
+
+    return best(0, frozenset())
+
+
+def test_belady_equals_the_exhaustive_optimum_on_small_traces():
+    rng, fresh = random.Random(3), itertools.count(100)
+    for _ in range(300):
+        reqs: list[OracleRequest] = []
+        for _ in range(rng.randint(1, 6)):
+            p = [rng.randint(0, 1) for _ in range(rng.randint(1, 4))]
+            if reqs and rng.random() < 0.6:
+                base = rng.choice(reqs)
+                p = (list(base.prompt) + list(base.output) if rng.random() < 0.5
+                     else list(base.prompt)[: rng.randint(0, len(base.prompt))]) + p
+            reqs.append(R(p[:6], [next(fresh) for _ in range(rng.randint(0, 2))]))
+        cap = rng.randint(0, 8)
+        assert belady_hit_rate(reqs, capacity=cap).hit_tokens == _best_any_eviction(reqs, cap), (cap, reqs)
+
+
 def test_belady_is_fast_on_the_agent_workload_shape():
     """256 sessions x 5 turns over 8 system prompts of 2,048 tokens, a 216,825-token pool."""
     rng = random.Random(1)

@@ -19,7 +19,8 @@ The model (documented in docs/experiment.md):
 With `running=1` this is Belady's MIN over the pages, and MIN is optimal: no eviction policy
 gets a higher hit rate on this order (the next use of a token is never earlier than that of the
 token before it on its branch, so evicting the furthest tail keeps every cached branch a
-prefix). It is the optimum **for this order**: a scheduler that reorders requests (LPM) can in
+prefix; tests/test_bench_oracle.py checks it against an exhaustive search over every eviction
+choice on small traces). It is the optimum **for this order**: a scheduler that reorders requests (LPM) can in
 principle exceed it, and a server running many requests at once holds more tokens and
 reaches less. With `running > 1`, it is MIN's choice under those holds, not a proven optimum.
 
