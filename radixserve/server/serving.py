@@ -7,12 +7,15 @@ One HTTP request becomes one or more engine requests (prompts x `n`); each is tr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Annotated, Any, AsyncIterator, Optional
+
+from fastapi import Depends, Request
 
 from radixserve.engine.io_struct import GenerateRequest, RequestOutput, SamplingParams, sampling_params_from_dict
 from radixserve.server.detokenizer import IncrementalDetokenizer
@@ -27,6 +30,7 @@ logger = logging.getLogger("radixserve")
 # max_tokens when a request does not say: this, capped by what the context and pool leave.
 DEFAULT_MAX_TOKENS = 2048
 RETRY_AFTER_S = 1
+HEALTH_TIMEOUT_S = 20.0
 SEED_RANGE = (-(2**63), 2**63 - 1)
 MAX_INT32 = 2**31 - 1
 
@@ -61,8 +65,22 @@ class Tracker:
         return (self.last_token_at or time.perf_counter()) - self.arrival
 
 
+class HealthChecker:
+    """Probes run one at a time; concurrent /health calls share the probe in flight."""
+
+    def __init__(self, engine: EngineClient, probe_ids: list[int]):
+        self.engine = engine
+        self.probe_ids = probe_ids
+        self._inflight: Optional[asyncio.Future] = None
+
+    async def check(self) -> float:
+        if self._inflight is None or self._inflight.done():
+            self._inflight = asyncio.ensure_future(self.engine.probe(self.probe_ids, HEALTH_TIMEOUT_S))
+        return await asyncio.shield(self._inflight)
+
+
 class ServingContext:
-    """What the endpoints share: settings, tokenizer, engine handle, metrics."""
+    """What the endpoints of every router share: settings, tokenizer, engine handle, metrics."""
 
     def __init__(self, settings: ServerSettings, tokenizer, engine: EngineClient, metrics: ServerMetrics,
                  model_path: str, served_model_name: str):
@@ -72,6 +90,8 @@ class ServingContext:
         self.metrics = metrics
         self.model_path = model_path
         self.served_model_name = served_model_name
+        self.health = HealthChecker(engine, [0])
+        self.created = int(time.time())  # the model's `created` in /v1/models
 
     # ------------------------------------------------------------------ limits
     @property
@@ -213,6 +233,14 @@ class ServingContext:
                 if not t.finished:
                     logger.info("Request aborted. id: %s, #output-token: %d, latency: %.3fs", t.rid,
                                 len(t.output_ids), time.perf_counter() - t.arrival)
+
+
+def serving_context(request: Request) -> ServingContext:
+    """The app's one `ServingContext` (a FastAPI dependency of every router)."""
+    return request.app.state.ctx
+
+
+Ctx = Annotated[ServingContext, Depends(serving_context)]
 
 
 def engine_unavailable(message: str) -> APIError:
