@@ -18,11 +18,11 @@ from typing import Optional
 
 from fastapi import FastAPI
 
-from radixserve.server.auth import APIKeyMiddleware
+from radixserve.http_common.auth import APIKeyMiddleware
 from radixserve.server.engine_client import EngineClient
-from radixserve.server.errors import install_error_handlers
-from radixserve.server.gc_tuning import governed_collections
-from radixserve.server.loop_lag import watch_loop_lag
+from radixserve.http_common.errors import install_error_handlers
+from radixserve.http_common.gc_tuning import governed_collections
+from radixserve.http_common.loop_lag import watch_loop_lag
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.routes import native, observability, openai_api
 from radixserve.server.routes.admin import install_admin

@@ -14,8 +14,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.server.engine_client import EngineDeadError, EngineRequestError, QueueFullError
-from radixserve.server.errors import error_body
-from radixserve.server.serving import SSE_DONE, ServingContext, Tracker, first_then_rest, map_engine_error, sse
+from radixserve.server.errors import error_body, map_engine_error
+from radixserve.server.serving import SSE_DONE, ServingContext, Tracker, first_then_rest, sse
 
 ENGINE_ERRORS = (QueueFullError, EngineDeadError, EngineRequestError)
 # What a client that went away is answered (nobody reads it; the access log does).

@@ -21,7 +21,7 @@ from radixserve.engine.io_struct import GenerateRequest, RequestOutput, Sampling
 from radixserve.server.detokenizer import IncrementalDetokenizer
 from radixserve.server.engine_client import (EngineClient, EngineDeadError, EngineRequestError, QueueFullError,
                                              RequestGroup)
-from radixserve.server.errors import APIError, bad_request
+from radixserve.server.errors import APIError, bad_request, engine_unavailable
 from radixserve.server.metrics import ServerMetrics
 from radixserve.settings import ServerSettings
 
@@ -29,7 +29,6 @@ logger = logging.getLogger("radixserve")
 
 # max_tokens when a request does not say: this, capped by what the context and pool leave.
 DEFAULT_MAX_TOKENS = 2048
-RETRY_AFTER_S = 1
 HEALTH_TIMEOUT_S = 20.0
 SEED_RANGE = (-(2**63), 2**63 - 1)
 MAX_INT32 = 2**31 - 1
@@ -241,21 +240,6 @@ def serving_context(request: Request) -> ServingContext:
 
 
 Ctx = Annotated[ServingContext, Depends(serving_context)]
-
-
-def engine_unavailable(message: str) -> APIError:
-    return APIError(503, f"the engine is unavailable: {message}", code="engine_unavailable",
-                    headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
-def map_engine_error(exc: BaseException) -> APIError:
-    if isinstance(exc, QueueFullError):
-        return APIError(503, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
-    if isinstance(exc, EngineDeadError):
-        return engine_unavailable(str(exc))
-    if isinstance(exc, EngineRequestError):
-        return bad_request(str(exc))
-    raise exc
 
 
 def new_id(prefix: str) -> str:

@@ -9,9 +9,9 @@ import os
 from fastapi import APIRouter, FastAPI, Request
 
 from radixserve.server.engine_client import EngineDeadError
-from radixserve.server.errors import APIError
+from radixserve.server.errors import APIError, map_engine_error
 from radixserve.server.kv_events import KvEventHub, install_kv_events
-from radixserve.server.serving import Ctx, ServingContext, map_engine_error
+from radixserve.server.serving import Ctx, ServingContext
 
 router = APIRouter()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 
-from radixserve.server.errors import error_response
+from radixserve.http_common.errors import error_response
 
 
 class APIKeyMiddleware:
