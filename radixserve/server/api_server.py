@@ -23,7 +23,9 @@ from radixserve.server.engine_client import EngineClient
 from radixserve.http_common.errors import install_error_handlers
 from radixserve.http_common.gc_tuning import governed_collections
 from radixserve.http_common.loop_lag import watch_loop_lag
+from radixserve.server.intake import REQUEST_BYTES_PER_CONTEXT_TOKEN, BodyLimitMiddleware, RejectionRecorder
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.openapi import install_openapi
 from radixserve.server.routes import native, observability, openai_api
 from radixserve.server.routes.admin import install_admin
 from radixserve.server.serving import ServingContext
@@ -33,6 +35,15 @@ logger = logging.getLogger("radixserve")
 
 # SIGTERM: in-flight requests get this long to finish before they are cut.
 DRAIN_TIMEOUT_S = 30.0
+# Sizes the body limit until the engine reports its context length (Qwen2's).
+FALLBACK_CONTEXT_LEN = 32768
+
+
+def request_bytes_limit(settings: ServerSettings, engine: EngineClient) -> int:
+    if settings.max_request_bytes is not None:
+        return settings.max_request_bytes
+    context = engine.ready.context_len if engine.ready else (settings.context_length or FALLBACK_CONTEXT_LEN)
+    return REQUEST_BYTES_PER_CONTEXT_TOKEN * context
 
 
 def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Optional[EngineClient] = None) -> FastAPI:
@@ -58,15 +69,20 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
 
     app = FastAPI(title="radixserve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible and SGLang-native serving over a radix-tree KV cache.")
+    # Middleware added later runs earlier: the recorder sees every answer, 401s and 413s included.
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, limit=lambda: request_bytes_limit(settings, engine))
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(RejectionRecorder, metrics=metrics, log=settings.log_requests)
     app.state.engine = engine
     app.state.ctx = ctx
     app.include_router(native.router)
     app.include_router(openai_api.router)
     app.include_router(observability.router)
     app.state.kv_events = install_admin(app, ctx)
+    install_openapi(app, auth=bool(settings.api_key),
+                    vocab_size=lambda: engine.ready.vocab_size if engine.ready else None)
     return app
 
 

@@ -15,11 +15,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.server.engine_client import EngineDeadError, EngineRequestError, QueueFullError
 from radixserve.server.errors import error_body, map_engine_error
+from radixserve.server.intake import CLIENT_CLOSED_STATUS
 from radixserve.server.serving import SSE_DONE, ServingContext, Tracker, first_then_rest, sse
 
 ENGINE_ERRORS = (QueueFullError, EngineDeadError, EngineRequestError)
-# What a client that went away is answered (nobody reads it; the access log does).
-CLIENT_CLOSED_STATUS = 499
 
 RenderFinal = Callable[[list[Tracker]], Any]
 RenderStream = Callable[[AsyncIterator, Callable[[], None]], AsyncIterator[str]]
@@ -67,9 +66,7 @@ async def run_request(ctx: ServingContext, request: Request, trackers: list[Trac
         group.stop_watching()  # from here the streaming response watches the client
     except ENGINE_ERRORS as e:
         close()
-        err = map_engine_error(e)
-        ctx.metrics.rejected.labels(status=str(err.status)).inc()
-        raise err from None
+        raise map_engine_error(e) from None
     except BaseException:
         close()
         raise

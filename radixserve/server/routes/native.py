@@ -32,14 +32,14 @@ def meta_info(t: Tracker) -> dict[str, Any]:
             "e2e_latency": t.e2e_latency}
 
 
-def generate_prompts(ctx: ServingContext, body: GenerateBody) -> tuple[list[list[int]], bool, str]:
+async def generate_prompts(ctx: ServingContext, body: GenerateBody) -> tuple[list[list[int]], bool, str]:
     """The prompts as token ids, whether the body held a single prompt, and the field they came from."""
     if (body.text is None) == (body.input_ids is None):
         raise bad_request("give exactly one of text or input_ids", "text")
     if body.text is not None:
         single = isinstance(body.text, str)
         texts = [body.text] if single else list(body.text)
-        return [ctx.tokenize(x, "text") for x in texts], single, "text"
+        return [await ctx.tokenize(x, "text") for x in texts], single, "text"
     ids = body.input_ids
     single = not ids or isinstance(ids[0], int)
     return ([list(ids)] if single else [list(x) for x in ids]), single, "input_ids"
@@ -51,9 +51,9 @@ def generate_params(ctx: ServingContext, body: GenerateBody, prompts: list[list[
     if isinstance(sp, list):
         if len(sp) != len(prompts):
             raise bad_request(f"{len(sp)} sampling_params for {len(prompts)} prompts", "sampling_params")
-        sp_list = sp
+        sp_list = [p.values() for p in sp]
     else:
-        sp_list = [sp or {}] * len(prompts)
+        sp_list = [sp.values() if sp is not None else {}] * len(prompts)
     params_per_prompt: list[list[SamplingParams]] = []
     for ids, values in zip(prompts, sp_list):
         ctx.check_prompt(ids, param)
@@ -66,7 +66,7 @@ def generate_params(ctx: ServingContext, body: GenerateBody, prompts: list[list[
 @router.post("/generate")
 async def generate(body: GenerateBody, request: Request, ctx: Ctx):
     arrival = time.perf_counter()
-    prompts, single, param = generate_prompts(ctx, body)
+    prompts, single, param = await generate_prompts(ctx, body)
     if not prompts:
         raise bad_request("the batch is empty", param)
     if body.stream and not single:

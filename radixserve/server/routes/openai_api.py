@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any, Callable, Optional
 
 from fastapi import APIRouter, Request
@@ -12,6 +13,7 @@ from radixserve.server.errors import APIError, bad_request
 from radixserve.server.protocol import ROLES, ChatCompletionRequest, CompletionRequest
 from radixserve.server.responses import per_output, run_request, usage
 from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, finish_reason_name, new_id, sse
+from radixserve.validation import choice_seed
 
 router = APIRouter()
 
@@ -39,7 +41,7 @@ def openai_params(body, max_tokens: int, seed_offset: int) -> dict[str, Any]:
         values["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
     if body.seed is not None:
         # Each of the n choices gets its own stream of random numbers, reproducibly.
-        values["seed"] = body.seed + seed_offset if body.seed + seed_offset < 2**63 else body.seed - seed_offset
+        values["seed"] = choice_seed(body.seed, seed_offset)
     return values
 
 
@@ -53,15 +55,15 @@ def build_choices(ctx: ServingContext, body, prompts: list[list[int]], param: st
     return out
 
 
-def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> tuple[list[Optional[str]], list[list[int]]]:
+async def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> tuple[list[Optional[str]], list[list[int]]]:
     """The prompts' texts (None for token-id prompts) and token ids."""
     p = body.prompt
     if isinstance(p, str):
-        return [p], [ctx.tokenize(p, "prompt")]
+        return [p], [await ctx.tokenize(p, "prompt")]
     if not p:
         raise bad_request("the prompt is empty", "prompt")
     if isinstance(p[0], str):
-        return list(p), [ctx.tokenize(x, "prompt") for x in p]
+        return list(p), [await ctx.tokenize(x, "prompt") for x in p]
     if isinstance(p[0], int):
         return [None], [list(p)]
     return [None] * len(p), [list(x) for x in p]
@@ -73,21 +75,19 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
     ctx.check_model(body.model)
     check_common_unsupported(body)
     check_neutral(body, "logprobs", lambda v: False, "log probabilities are not implemented")
-    check_neutral(body, "suffix", lambda v: False, "insertion is not implemented")
-    check_neutral(body, "best_of", lambda v: v == body.n, "only best_of == n")
-    texts, prompts = completion_prompts(ctx, body)
+    check_neutral(body, "suffix", lambda v: v == "", "insertion is not implemented")
+    check_neutral(body, "best_of", lambda v: v in (1, body.n), "only best_of == n")
+    texts, prompts = await completion_prompts(ctx, body)
     choices = build_choices(ctx, body, prompts, "prompt", body.max_tokens, "max_tokens")
+    if body.echo and ctx.tokenizer is not None:  # token-id prompts echo as their text
+        texts = [t if t is not None else await ctx.run_blocking(ctx.tokenizer.decode, ids)
+                 for t, ids in zip(texts, prompts)]
     cid = new_id("cmpl-")
     trackers = ctx.new_trackers(prompts, choices, cid, arrival)
     model = ctx.served_model_name
 
     def echo_text(t: Tracker) -> str:
-        if not body.echo:
-            return ""
-        text = texts[t.prompt_index]
-        if text is None and ctx.tokenizer is not None:
-            text = ctx.tokenizer.decode(t.input_ids)
-        return text or ""
+        return (texts[t.prompt_index] or "") if body.echo else ""
 
     def final(ts: list[Tracker]):
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
@@ -122,7 +122,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
     return await run_request(ctx, request, trackers, body.stream, final, stream)
 
 
-def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
     messages = []
     for i, msg in enumerate(body.messages):
         if msg.role not in ROLES:
@@ -143,10 +143,11 @@ def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
     if tok is None or not getattr(tok, "chat_template", None):
         raise bad_request("the served model has no chat template; use /v1/completions", "messages")
     try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt)
+        text = await ctx.run_blocking(partial(tok.apply_chat_template, messages, tokenize=False,
+                                              add_generation_prompt=body.add_generation_prompt))
     except Exception as e:  # a template that rejects this conversation (raise_exception, ...)
         raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
-    return ctx.tokenize(text, "messages")
+    return await ctx.tokenize(text, "messages")
 
 
 def check_chat_unsupported(body: ChatCompletionRequest) -> None:
@@ -169,7 +170,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
             and body.max_tokens != body.max_completion_tokens:
         raise bad_request("max_tokens and max_completion_tokens disagree", "max_completion_tokens")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    ids = chat_prompt(ctx, body)
+    ids = await chat_prompt(ctx, body)
     choices = build_choices(ctx, body, [ids], "messages", max_tokens,
                             "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
     cid = new_id("chatcmpl-")
