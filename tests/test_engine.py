@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from radixserve import Engine
-from radixserve.engine.io_struct import GenerateRequest, SamplingParams
+from radixserve.engine.io_struct import GenerateRequest
+from radixserve.sampling_params import SamplingParams
 from radixserve.testing.tiny_model import build_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -105,7 +106,7 @@ def test_memory_pressure_evicts_and_retracts_without_changing_output(oracle):
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_memory_pressure_retracts_with_and_without_overlap(oracle, overlap):
-    """With overlap, a retraction first waits for the step in flight (NeedResults): same tokens."""
+    """With overlap, a retraction first waits for the step in flight (the scheduler collects it before retracting): same tokens."""
     path, prompts, expected = oracle
     engine = Engine(str(path), max_total_tokens=96, chunked_prefill_size=16, schedule_conservativeness=0.0,
                     disable_overlap_schedule=not overlap)
@@ -143,7 +144,8 @@ def test_abort_while_a_step_is_in_flight(oracle):
     path, prompts, expected = oracle
     engine = Engine(str(path), max_total_tokens=4096)
     core = engine.core
-    from radixserve.engine.io_struct import GenerateRequest, sampling_params_from_dict
+    from radixserve.engine.io_struct import GenerateRequest
+    from radixserve.sampling_params import sampling_params_from_dict
 
     rids = [f"r{i}" for i in range(len(prompts))]
     for rid, p in zip(rids, prompts):
@@ -188,7 +190,8 @@ def test_warmup_leaves_no_trace(oracle):
 def test_step_indices_start_on_16_byte_boundaries(tiny_dir):
     """Every index tensor of an eager step is a 16-byte aligned view of one buffer, whatever the
     batch's lengths (GPU kernels compile one variant per pointer alignment)."""
-    from radixserve.engine.io_struct import GenerateRequest, sampling_params_from_dict
+    from radixserve.engine.io_struct import GenerateRequest
+    from radixserve.sampling_params import sampling_params_from_dict
 
     engine = Engine(str(tiny_dir), max_total_tokens=4096)
     core = engine.core

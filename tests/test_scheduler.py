@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from radixserve import Engine
-from radixserve.engine.io_struct import GenerateRequest, SamplingParams
+from radixserve.engine.io_struct import GenerateRequest
+from radixserve.sampling_params import SamplingParams
 from radixserve.testing.tiny_model import build_tiny_model
 
 

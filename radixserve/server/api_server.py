@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from radixserve.engine.io_struct import SamplingParams
+from radixserve.sampling_params import SamplingParams
 from radixserve.server.engine_client import EngineClient, EngineDeadError, EngineRequestError, QueueFullError
 from radixserve.server.errors import APIError, bad_request, error_body, error_response, install_error_handlers
 from radixserve.server.auth import APIKeyMiddleware
@@ -512,7 +512,8 @@ def run_server(settings: ServerSettings) -> int:
     """Build the tokenizer, start uvicorn (which starts the engine process); returns an exit code."""
     import uvicorn
 
-    from radixserve.engine.core import ensure_model_path, load_tokenizer
+    from radixserve.default_model import ensure_model_path
+    from radixserve.engine.core import load_tokenizer
 
     model_path = ensure_model_path(settings.model_path)
     engine = EngineClient(settings.__class__(**{**settings.to_dict(), "model_path": model_path}))
