@@ -87,8 +87,17 @@ def test_greedy_equals_hf(oracle, config):
         results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         assert [r["output_ids"] for r in results] == expected
         check_idle(engine)
-    if not engine.settings.disable_radix_cache:
-        assert engine.cache_stats()["cached_prompt_tokens"] > 0
+    # On the warm pass each prompt finds all its whole pages but the last token cached, unless
+    # a small pool evicted some of them in between.
+    page = engine.settings.page_size
+    full = sum((len(p) - 1) // page * page for p in prompts)
+    warm = sum(r["meta_info"]["cached_tokens"] for r in results)
+    if engine.settings.disable_radix_cache:
+        assert warm == 0
+    elif engine.cache_stats()["evicted_tokens"] == 0:
+        assert warm == full
+    else:
+        assert 0 < warm < full
 
 
 def test_memory_pressure_evicts_and_retracts_without_changing_output(oracle):
@@ -263,7 +272,9 @@ def test_in_batch_prefix_sharing_computes_the_prefix_once(tiny_dir):
     results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
     cached = sorted(r["meta_info"]["cached_tokens"] for r in results)
     assert cached == [0, 64, 64, 64]
-    assert engine.cache_stats()["in_batch_deferrals"] >= 3
+    # Three wait while the first one's prompt step is scheduled, and again while it is in flight
+    # (overlap scheduling); then they find the prefix cached.
+    assert engine.cache_stats()["in_batch_deferrals"] == 6
     check_idle(engine)
 
 
@@ -280,7 +291,7 @@ def test_disabled_cache_reuses_nothing(tiny_dir):
 def test_flush_frees_everything(tiny_dir):
     engine = Engine(str(tiny_dir), max_total_tokens=4096)
     engine.generate(input_ids=list(range(3, 60)), sampling_params=GREEDY)
-    assert engine.cache_stats()["evictable_tokens"] > 0
+    assert engine.cache_stats()["evictable_tokens"] == 57 + MAX_NEW - 1  # the last token has no KV
     assert engine.flush_cache()
     stats = engine.cache_stats()
     assert stats["free_tokens"] == stats["pool_tokens"]
