@@ -5,7 +5,8 @@ Memory arithmetic: a running request is expected to still need the rest of its p
 share (`new_token_ratio`) of its remaining output tokens; a new request is admitted only if its
 prompt and its own share fit in what is free or evictable after those reservations. Locking a
 request's cached prefix makes those tree tokens unevictable, so they leave the available memory
-too (`locked_away`).
+too (`locked_away`). While the pool is busy, tree tokens that waiting requests will reuse do not
+count as evictable either (`RadixCache.reclaimable_size`).
 """
 
 from __future__ import annotations
@@ -41,10 +42,18 @@ class PrefillAdder:
         self.new_token_ratio = new_token_ratio
         self.min_shared_prefix = min_shared_prefix
         self.available = 0  # tokens new requests may still take (see reserve_for)
+        self.spare_waited = True  # whether tree tokens waiting requests will reuse count as spare
 
-    def reserve_for(self, running: list[Req]) -> None:
-        """Start admitting: what is free or evictable, less what running requests will need."""
-        self.available = self.kv.available_tokens - sum(future_tokens(r, self.new_token_ratio) for r in running)
+    def reserve_for(self, running: list[Req], *, spare_waited: bool) -> None:
+        """Start admitting: what is free or evictable, less what running requests will need.
+        spare_waited: prefixes waiting requests will reuse may be evicted for new requests."""
+        self.spare_waited = spare_waited
+        future = sum(future_tokens(r, self.new_token_ratio) for r in running)
+        self.available = self.kv.allocator.free_tokens + self._spare() - future
+
+    def _spare(self) -> int:
+        """Tree tokens admission may evict."""
+        return self.kv.cache.evictable_size if self.spare_waited else self.kv.cache.reclaimable_size
 
     def add_chunk(self, req: Req) -> int:
         """The next piece of a running request's chunked prompt; returns the tokens taken."""
@@ -69,13 +78,13 @@ class PrefillAdder:
         its memory fits (alone: nothing else runs, so its prompt alone must fit). On False it
         holds nothing."""
         req.req_pool_idx = self.kv.req_to_token.alloc()
-        evictable_before = self.kv.cache.evictable_size
+        spare_before = self._spare()
         self.kv.lock_prefix(req)
-        locked_away = evictable_before - self.kv.cache.evictable_size  # cached tokens now protected
+        locked_away = spare_before - self._spare()  # cached tokens now protected
         prompt_left = self.kv.page_ceil(req.seq_len - req.kv_len)
         need = prompt_left + reserved_decode_tokens(req, self.new_token_ratio)
         room = self.available - locked_away
-        fits = need <= room or (alone and prompt_left <= room)
+        fits = need <= room or (alone and prompt_left <= self.kv.available_tokens)
         if not fits or not self._add_piece(req, new=True):
             self.kv.cache_req(req, finished=True)
             return False

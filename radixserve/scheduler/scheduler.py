@@ -16,11 +16,12 @@ decode memory is short, `schedule` collects the step in flight before it retract
 from __future__ import annotations
 
 import time
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from radixserve.cache.kv_pool import ReqToTokenPool
-from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.radix_cache import RadixCache, TreeNode
 from radixserve.scheduler.batch import ScheduledBatch, StepInFlight
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.prefill import PrefillAdder, future_tokens
@@ -58,7 +59,7 @@ class Scheduler:
         self.clock = clock
         self.max_running = req_to_token.max_requests  # one row of the table per running request
         self.waiting = WaitingQueue(cache, settings.schedule_policy,
-                                    aging_tokens_per_s=context_len / settings.lpm_max_overtake_s,
+                                    max_overtake_s=settings.lpm_max_overtake_s,
                                     seed=settings.random_seed)
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}
@@ -67,6 +68,8 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * self._ratio_scale
         self.stats = SchedulerStats()
         self._arrivals = 0
+        # Prefixes of finished requests held for --prefix-hold-s: (release time, node), oldest first.
+        self._held: deque[tuple[float, TreeNode]] = deque()
 
     def reset_stats(self) -> None:
         """Forget what earlier requests taught (after the engine's warm-up)."""
@@ -106,12 +109,41 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants(self.running)
+        self._check_waiter_counts()
+
+    def _check_waiter_counts(self) -> None:
+        """Each node's waiter count is the waiting requests parked at or below it plus held prefixes."""
+        expected: Counter = Counter()
+        for node in [r.peek_node for r in self.waiting] + [node for _, node in self._held]:
+            while node is not None and node.parent is not None:
+                expected[node] += 1
+                node = node.parent
+        for node in self.cache.iter_nodes():
+            assert node.waiters == expected[node], f"{node}: {node.waiters} waiters, expected {expected[node]}"
+
+    # ------------------------------------------------------------------ prefix hold
+    def _hold_prefix(self, req: Req) -> None:
+        """Keep a finished request's prefix out of eviction and admission for --prefix-hold-s: under
+        pressure, a conversation's next turn otherwise finds it evicted by a request that arrived
+        during the turn's think time."""
+        if self.settings.prefix_hold_s <= 0 or self.cache.disabled:
+            return
+        _, node = self.cache.peek(req.fill_ids)
+        if node is not self.cache.root:
+            self.cache.add_waiter(node)
+            self._held.append((self.clock() + self.settings.prefix_hold_s, node))
+
+    def _release_expired_holds(self) -> None:
+        now = self.clock()
+        while self._held and self._held[0][0] <= now:
+            self.cache.remove_waiter(self._held.popleft()[1])
 
     # ------------------------------------------------------------------ the step
     def schedule(self, in_flight: Optional[StepInFlight] = None) -> Optional[ScheduledBatch]:
         """The next batch, or None when nothing can run. in_flight: the launched step whose tokens
         the host has not read yet; it is collected here when decode memory is short, because
         retraction needs every token on the host."""
+        self._release_expired_holds()
         self.waiting.refresh()
         if in_flight is not None and not in_flight.collected:
             decoding = self._decoding()
@@ -193,7 +225,11 @@ class Scheduler:
         if adder.budget <= 0 or not len(self.waiting) or not all(batch.sample):
             return  # no budget, nobody waiting, or a request still mid-prompt: finish it first
         in_flight_keys = in_flight.shared_prefix_keys if in_flight is not None else set()
-        adder.reserve_for(self.running)
+        # Queue-aware admission: while running requests fill half the pool, prefixes that waiting
+        # requests (or a held, just-finished conversation) will reuse are no room for a new request;
+        # below that, a full batch comes first.
+        busy = self.cache.protected_size + self.held_by_running() >= self.kv.allocator.total_tokens // 2
+        adder.reserve_for(self.running, spare_waited=not busy)
         for req in self.waiting.ordered():
             if adder.budget <= 0 or len(self.running) >= self.max_running or self.req_to_token.free_rows == 0:
                 break
@@ -250,6 +286,7 @@ class Scheduler:
                 req.finish_reason = reason
                 self.running.remove(req)
                 self.kv.cache_req(req, finished=True)
+                self._hold_prefix(req)
                 req.state = ReqState.FINISHED
                 del self.reqs[req.rid]
             updated.append(req)
