@@ -143,13 +143,12 @@ class Scheduler:
         """The next batch, or None when nothing can run. in_flight: the launched step whose tokens
         the host has not read yet; it is collected here when decode memory is short, because
         retraction needs every token on the host."""
-        self._release_expired_holds()
-        self.waiting.refresh()
+        self._catch_up()
         if in_flight is not None and not in_flight.collected:
             decoding = self._decoding()
             if decoding and not self._decode_fits(decoding):
                 self.collect(in_flight)
-                self.waiting.refresh()
+                self._catch_up()
         batch = ScheduledBatch()
         self._schedule_decode(batch)
         self._schedule_prefill(batch, in_flight)
@@ -165,6 +164,11 @@ class Scheduler:
             if samples:
                 req.pending += 1
         return batch
+
+    def _catch_up(self) -> None:
+        """Drop expired prefix holds and redo the waiting lookups the tree's changes affect."""
+        self._release_expired_holds()
+        self.waiting.refresh()
 
     # ------------------------------------------------------------------ decode
     def _finishes_by_length(self, req: Req) -> bool:
