@@ -21,9 +21,9 @@ import torch
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.cache.radix_cache import CacheCounters, RadixCache
 from radixserve.engine.io_struct import GenerateRequest, RequestOutput
-from radixserve.sampling_params import SamplingParams
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.model.config import ModelConfig
+from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.batch import ScheduledBatch, StepInFlight
 from radixserve.scheduler.scheduler import Scheduler
