@@ -33,6 +33,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="The workers' API key: the router requires it from clients (except /health), passes "
                         "the client's Authorization header through, and uses it for its own calls to workers.")
+    p.add_argument("--worker-admin-api-key", default=None,
+                   help="The workers' --admin-api-key, which kv_aware needs to follow their /kv_events "
+                        "(default: --api-key).")
     p.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
                    help="Route to the best-matching worker when its match covers at least this fraction of the "
                         f"prompt, else to the least-loaded one (default: {d.cache_threshold}).")
@@ -156,7 +159,8 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
         urls.append(f"http://127.0.0.1:{port}")
         log.info("dp worker %d: pid %d at %s", i, procs[-1].pid, urls[-1])
     router = RouterSettings(worker_urls=tuple(urls), policy=policy, host=settings.host, port=settings.port,
-                            api_key=settings.api_key, health_check_interval=2.0, log_level=settings.log_level)
+                            api_key=settings.api_key, worker_admin_api_key=settings.admin_api_key,
+                            health_check_interval=2.0, log_level=settings.log_level)
 
     def stop_workers(*_args) -> None:
         for p in procs:

@@ -28,7 +28,7 @@ class SequenceGap(Exception):
 
 
 def apply_events(worker: "Worker", events: list) -> None:
-    for seq, kind, tokens in events:
+    for seq, kind, hashes in events:
         if seq <= worker.kv_seq:
             continue
         if seq != worker.kv_seq + 1:
@@ -36,9 +36,9 @@ def apply_events(worker: "Worker", events: list) -> None:
         worker.kv_seq = seq
         worker.kv_events += 1
         if kind == "insert":
-            worker.mirror.insert(tokens)
+            worker.mirror.add(hashes)
         elif kind == "evict":
-            worker.mirror.remove_path(tokens)
+            worker.mirror.discard(hashes)
         elif kind == "flush":
             worker.mirror.clear()
 
@@ -58,7 +58,7 @@ async def kv_sync_loop(router: "Router", worker: "Worker") -> None:
 
 async def _follow(router: "Router", worker: "Worker") -> None:
     timeout = httpx.Timeout(None, connect=router.settings.connect_timeout)
-    async with router.client.stream("GET", worker.url + "/kv_events", headers=router.worker_headers,
+    async with router.client.stream("GET", worker.url + "/kv_events", headers=router.worker_admin_headers,
                                     timeout=timeout) as resp:
         if resp.status_code != 200:
             raise ValueError(f"/kv_events answered {resp.status_code}")
@@ -69,7 +69,7 @@ async def _follow(router: "Router", worker: "Worker") -> None:
             elif line.startswith("data:"):
                 data = json.loads(line[5:])
                 if event == "snapshot":
-                    worker.mirror.load_edges(data["edges"])
+                    worker.mirror.load(int(data["block_size"]), data["blocks"])
                     worker.kv_seq = int(data["seq"])
                     worker.kv_synced = True
                     router.metrics.kv_resyncs.labels(worker=worker.id).inc()
