@@ -4,7 +4,8 @@ Endpoints: `/generate` (SGLang-native), `/v1/completions`, `/v1/chat/completions
 `/health`, `/server_info`, `/flush_cache`, `/metrics`, `/tokenizer` (files for
 `radixserve.client.AsyncClient.tokenizer`). With `--api-key`, every path but `/health` answers
 401 without `Authorization: Bearer <key>`; `/health` stays open so load balancers can probe it and
-reveals nothing but whether the engine generates.
+reveals nothing but whether the engine generates. The admin endpoints (`/flush_cache`,
+`/kv_events`) take `--admin-api-key` when it is set.
 """
 
 from __future__ import annotations
@@ -29,17 +30,16 @@ from radixserve.server.auth import APIKeyMiddleware
 from radixserve.server.gc_tuning import governed_collections
 from radixserve.server.loop_lag import watch_loop_lag
 from radixserve.server.kv_events import install_kv_events
+from radixserve.server.lifecycle import CLOSE_TIMEOUT_S, ServingServer
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.protocol import ROLES, ChatCompletionRequest, CompletionRequest, GenerateBody
 from radixserve.server.serving import (SSE_DONE, ServingContext, Tracker, finish_reason_name, first_then_rest,
-                                       map_engine_error, new_id, sse)
+                                       map_engine_error, new_id, request_label, sse)
 from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")
 
 HEALTH_TIMEOUT_S = 20.0
-# SIGTERM: in-flight requests get this long to finish before they are cut.
-DRAIN_TIMEOUT_S = 30.0
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "chat_template.jinja", "chat_template.json", "added_tokens.json",
                    "tokenizer.model", "generation_config.json",
@@ -79,7 +79,7 @@ def _usage(trackers: list[Tracker]) -> dict[str, Any]:
 
 
 def _meta_info(t: Tracker) -> dict[str, Any]:
-    return {"id": t.rid, "finish_reason": t.finish_reason, "prompt_tokens": t.prompt_tokens or len(t.input_ids),
+    return {"id": t.label or t.rid, "finish_reason": t.finish_reason, "prompt_tokens": t.prompt_tokens or len(t.input_ids),
             "completion_tokens": t.completion_tokens, "cached_tokens": t.cached_tokens,
             "e2e_latency": t.e2e_latency}
 
@@ -136,8 +136,8 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     app = FastAPI(title="radixserve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible and SGLang-native serving over a radix-tree KV cache.")
     install_error_handlers(app)
-    if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    if settings.api_key or settings.admin_api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, admin_api_key=settings.admin_api_key)
     app.state.engine = engine
     app.state.ctx = ctx
 
@@ -204,6 +204,7 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request):
         arrival = time.perf_counter()
+        label = request_label(body.rid)
         if (body.text is None) == (body.input_ids is None):
             raise bad_request("give exactly one of text or input_ids", "text")
         if body.text is not None:
@@ -233,8 +234,7 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
             params = ctx.sampling_params(values)
             ctx.max_new_tokens(ids, params.max_new_tokens, "sampling_params.max_new_tokens")
             params_per_prompt.append([params])
-        base = body.rid if (body.rid and single) else new_id("")
-        trackers = ctx.new_trackers(prompts, params_per_prompt, base, arrival)
+        trackers = ctx.new_trackers(prompts, params_per_prompt, new_id(""), arrival, label if single else None)
 
         def final(ts: list[Tracker]):
             results = [{"text": t.text, "output_ids": t.output_ids, "meta_info": _meta_info(t)} for t in ts]
@@ -448,8 +448,9 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     @app.get("/server_info")
     async def server_info():
         info = settings.to_dict()
-        if info.get("api_key"):
-            info["api_key"] = "***"
+        for secret in ("api_key", "admin_api_key"):
+            if info.get(secret):
+                info[secret] = "***"
         stats = None
         if engine.alive:
             try:
@@ -525,19 +526,12 @@ def run_server(settings: ServerSettings) -> int:
 
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop=loop, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=DRAIN_TIMEOUT_S, lifespan="on")
-    kv_events = app.state.kv_events
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            # Open /kv_events streams never end by themselves; close them so the drain can finish.
-            if kv_events.loop is not None:
-                kv_events.loop.call_soon_threadsafe(kv_events.close_all)
-            super().handle_exit(sig, frame)
-
-    server = Server(config)
+                            access_log=False, timeout_graceful_shutdown=CLOSE_TIMEOUT_S, lifespan="on")
+    # Open /kv_events streams never end by themselves; they are closed when the drain ends.
+    server = ServingServer(config, engine, settings.graceful_shutdown_timeout,
+                           on_drain_end=app.state.kv_events.close_all)
     logger.info("serving %s on http://%s:%d", model_path, settings.host, settings.port)
     server.run()
     engine.kill_now()
     engine.close_sockets()
-    return 0 if server.started else 1
+    return server.exit_code if server.started else 1

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Optional
 from radixserve.engine.io_struct import GenerateRequest, RequestOutput, SamplingParams, sampling_params_from_dict
 from radixserve.server.detokenizer import IncrementalDetokenizer
 from radixserve.server.engine_client import (EngineClient, EngineDeadError, EngineRequestError, QueueFullError,
-                                             RequestGroup)
+                                             RequestGroup, ShuttingDownError)
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.metrics import ServerMetrics
 from radixserve.settings import ServerSettings
@@ -29,13 +29,14 @@ DEFAULT_MAX_TOKENS = 2048
 RETRY_AFTER_S = 1
 SEED_RANGE = (-(2**63), 2**63 - 1)
 MAX_INT32 = 2**31 - 1
+MAX_LABEL_CHARS = 128
 
 
 @dataclass
 class Tracker:
     """One engine request seen from the API process."""
 
-    rid: str
+    rid: str  # the engine's id, always made by the server
     index: int  # choice index in the HTTP response
     prompt_index: int
     input_ids: list[int]
@@ -51,6 +52,7 @@ class Tracker:
     completion_tokens: int = 0
     queue_time: Optional[float] = None
     finished: bool = False
+    label: Optional[str] = None  # the client's `rid`: shown back to it and logged, never routed on
 
     @property
     def text(self) -> str:
@@ -135,14 +137,15 @@ class ServingContext:
 
     # ------------------------------------------------------------------ running
     def new_trackers(self, prompts: list[list[int]], params_per_prompt: list[list[SamplingParams]],
-                     base_id: str, arrival: float) -> list[Tracker]:
+                     base_id: str, arrival: float, label: Optional[str] = None) -> list[Tracker]:
         trackers = []
         for p_idx, (ids, choice_params) in enumerate(zip(prompts, params_per_prompt)):
             for params in choice_params:
                 index = len(trackers)
                 rid = base_id if len(prompts) * len(choice_params) == 1 else f"{base_id}-{index}"
                 trackers.append(Tracker(rid=rid, index=index, prompt_index=p_idx, input_ids=ids, params=params,
-                                        detok=IncrementalDetokenizer(self.tokenizer, params), arrival=arrival))
+                                        detok=IncrementalDetokenizer(self.tokenizer, params), arrival=arrival,
+                                        label=label))
         return trackers
 
     def submit(self, trackers: list[Tracker]) -> RequestGroup:
@@ -151,10 +154,13 @@ class ServingContext:
                                 log=self.settings.log_requests) for t in trackers]
         if self.settings.log_requests:
             for t in trackers:
-                logger.info("Request arrived. id: %s, #prompt-token: %d, max-new-tokens: %d, temperature: %g",
-                            t.rid, len(t.input_ids), t.params.max_new_tokens, t.params.temperature)
+                logger.info("Request arrived. id: %s, #prompt-token: %d, max-new-tokens: %d, temperature: %g%s",
+                            t.rid, len(t.input_ids), t.params.max_new_tokens, t.params.temperature,
+                            "" if t.label is None else f", rid: {t.label}")
         try:
             group = self.engine.submit(reqs)
+        except ShuttingDownError as e:
+            raise map_engine_error(e) from None
         except EngineDeadError as e:
             raise engine_unavailable(str(e)) from None
         except EngineRequestError as e:
@@ -220,7 +226,18 @@ def engine_unavailable(message: str) -> APIError:
                     headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def request_label(rid: Optional[str]) -> Optional[str]:
+    """A client's `rid`, checked: printable text of at most MAX_LABEL_CHARS characters."""
+    if rid is None:
+        return None
+    if not rid or len(rid) > MAX_LABEL_CHARS or not rid.isprintable():
+        raise bad_request(f"rid must be 1 to {MAX_LABEL_CHARS} printable characters", "rid")
+    return rid
+
+
 def map_engine_error(exc: BaseException) -> APIError:
+    if isinstance(exc, ShuttingDownError):
+        return APIError(503, str(exc), code="server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, EngineDeadError):
