@@ -101,7 +101,11 @@ class ServerSettings:
     graceful_shutdown_timeout: float = _opt(
         30.0, "On SIGTERM, seconds in-flight requests get to finish (/health answers 503 meanwhile); what is "
         "left then gets a 503 error body, or an error event and [DONE] on a stream.")
-    log_requests: bool = _opt(False, "Log each request's arrival and finish.")
+    log_requests: bool = _opt(False, "Log each request's arrival and finish, and each rejected request "
+                              "(its status and reason, never its text).")
+    max_request_bytes: Optional[int] = _opt(
+        None, "Largest request body; a larger one is answered 413 before it is read. Default: 64 bytes "
+        "per context token (4 bytes a character, 16 characters a token).")
     log_file: Optional[str] = _opt(None, "Also write the log to this file.")
     log_level: str = _opt("info", "Logging level.", choices=("debug", "info", "warning", "error"))
     log_interval: int = _opt(40, "Write a decode batch line every this many decode steps.")
@@ -141,6 +145,8 @@ class ServerSettings:
             raise ValueError(f"lpm_max_overtake_s must be > 0, got {self.lpm_max_overtake_s}")
         if self.schedule_conservativeness < 0:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
+        if self.max_request_bytes is not None and self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
         if self.dp_size < 1:

@@ -28,15 +28,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from radixserve.server.auth import APIKeyMiddleware
+from radixserve.http_common.auth import APIKeyMiddleware
 from radixserve.router.keys import load_tokenizer_dir, routing_keys, tokenizer_from_files
 from radixserve.router.kv_sync import kv_sync_loop
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import BalanceConfig, make_policy
 from radixserve.router.workers import Worker, WorkerRegistry
-from radixserve.server.errors import error_body, error_response
-from radixserve.server.gc_tuning import governed_collections
-from radixserve.server.loop_lag import watch_loop_lag
+from radixserve.http_common.errors import error_body, error_response, install_error_handlers
+from radixserve.http_common.gc_tuning import governed_collections
+from radixserve.http_common.loop_lag import watch_loop_lag
 
 logger = logging.getLogger("radixserve.router")
 
@@ -100,7 +100,7 @@ class Router:
         self.registry = WorkerRegistry(settings.max_tree_size)
         self.policy = make_policy(settings.policy, BalanceConfig(
             settings.cache_threshold, settings.balance_abs_threshold, settings.balance_rel_threshold), settings.seed)
-        self.metrics = RouterMetrics(self)
+        self.metrics = RouterMetrics(self.registry)
         self.client: Optional[httpx.AsyncClient] = None
         self.tokenizer = None
         self.tokenizer_state = "not needed" if settings.policy != "kv_aware" else "loading"
@@ -111,6 +111,10 @@ class Router:
             self.registry.add(url)
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def connect_timeout(self) -> float:
+        return self.settings.connect_timeout
+
     @property
     def worker_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
@@ -399,8 +403,6 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
             await router.stop()
 
     app = FastAPI(title="radixserve router", version="0.1.0", lifespan=lifespan)
-    from radixserve.server.errors import install_error_handlers
-
     install_error_handlers(app)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
@@ -464,7 +466,8 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
         for worker in router.registry:
             worker.tree.clear()
             try:
-                r = await router.client.post(worker.url + "/flush_cache", headers=router.worker_headers, timeout=30.0)
+                r = await router.client.post(worker.url + "/flush_cache", headers=router.worker_admin_headers,
+                                             timeout=30.0)
                 results[worker.id] = r.status_code
             except httpx.HTTPError as e:
                 results[worker.id] = f"{type(e).__name__}"

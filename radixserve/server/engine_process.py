@@ -27,7 +27,7 @@ from radixserve.server.engine_intake import KvHashEvents, QueueRoom
 from radixserve.server.logging_setup import setup_logging
 from radixserve.server.step_trace import StepTrace
 from radixserve.settings import ServerSettings
-from radixserve.server.gc_tuning import FullCollectionGovernor, govern_collections
+from radixserve.http_common.gc_tuning import FullCollectionGovernor, govern_collections
 
 logger = logging.getLogger("radixserve")
 

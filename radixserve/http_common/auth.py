@@ -5,15 +5,18 @@ from __future__ import annotations
 import hmac
 from typing import Optional
 
-from radixserve.server.errors import error_response
+from radixserve.http_common.errors import error_response
 
 # Endpoints that change every user's state (/flush_cache wipes everyone's cache) or show what other
-# users sent (/kv_events follows every prompt the cache holds).
+# users sent (/kv_events follows what every user's prompts share).
 ADMIN_PATHS = ("/flush_cache", "/kv_events")
 
 
-def _bearer(key: str) -> bytes:
-    return f"Bearer {key}".encode()
+def bearer_token(header: bytes) -> Optional[bytes]:
+    """The token of an `Authorization: Bearer <token>` header; the scheme is case-insensitive
+    (RFC 9110), so `bearer` and `BEARER` work too."""
+    scheme, _, token = header.strip().partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else None
 
 
 class APIKeyMiddleware:
@@ -26,8 +29,8 @@ class APIKeyMiddleware:
 
     def __init__(self, app, api_key: Optional[str] = None, admin_api_key: Optional[str] = None):
         self.app = app
-        self.expected = _bearer(api_key) if api_key else None
-        self.admin_expected = _bearer(admin_api_key) if admin_api_key else self.expected
+        self.expected = api_key.encode() if api_key else None
+        self.admin_expected = admin_api_key.encode() if admin_api_key else self.expected
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
@@ -36,8 +39,8 @@ class APIKeyMiddleware:
         expected = self.admin_expected if admin else self.expected
         if expected is None:
             return await self.app(scope, receive, send)
-        given = dict(scope.get("headers") or ()).get(b"authorization", b"")
-        if hmac.compare_digest(given, expected):
+        given = bearer_token(dict(scope.get("headers") or ()).get(b"authorization", b""))
+        if given is not None and hmac.compare_digest(given, expected):
             return await self.app(scope, receive, send)
         what = "admin API key" if admin and self.admin_expected is not self.expected else "API key"
         response = error_response(401, f"missing or invalid {what} (send 'Authorization: Bearer <key>')",
