@@ -6,7 +6,7 @@ writes into `--output-dir`:
 
 - `results.json`: every configuration's full benchmark record plus per-request TTFT/latency and the
   hit rate over time;
-- `table.md`: the seed's table (throughput, P50/P99 latency, TTFT, hit rate, achieved / oracle);
+- `table.md`: the seed's table (throughput, P50/P99 latency, TTFT, hit rate, achieved / Belady bound);
 - `throughput_p99.png`, `ttft_cdf.png`, `hit_rate_over_time.png`;
 - `server-<config>.log`: each server's log.
 
@@ -676,8 +676,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{dataset.get('system_prompt_fraction', '?')}; oracle hit rate (unlimited) "
               f"{meta['oracle_hit_rate'] if meta['oracle_hit_rate'] is None else round(meta['oracle_hit_rate'], 3)}.")
     rrows = router_rows(results)
-    router_note = ("Router configurations: the hit rate is the aggregate over all workers; 'oracle (capacity)' "
-                   "simulates one cache as large as all the workers' pools together.")
+    router_note = ("Router configurations: the hit rate is the aggregate over all workers; the Belady bound and "
+                   "the LRU reference simulate one cache as large as all the workers' pools together.")
     router_md = f"\n{router_note}\n\n{markdown_table(rrows, ROUTER_COLUMNS)}\n" if rrows else ""
     (out_dir / "table.md").write_text(f"{header}\n\n{table}\n\n{legend}\n{router_md}")
     plots = [] if args.disable_plots else write_plots(results, out_dir)
@@ -687,8 +687,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print()
     print(console_table(rows))
     print()
-    print("latency in s, TTFT in ms; 'oracle (capacity)' simulates the server's KV pool; achieved/oracle = hit rate / "
-          "that oracle")
+    print("latency in s, TTFT in ms; 'Belady bound': the best any eviction order reaches in the server's KV pool with "
+          "the requests in send order (achieved/Belady = hit rate / that bound); 'LRU at capacity': LRU in that pool")
     if rrows:
         print()
         print(router_note)

@@ -59,11 +59,12 @@ def format_report(m: BenchMetrics, *, backend: str, request_rate: float, max_con
     row("Responses agree with /metrics:",
         "n/a" if m.hit_rate_matches_metrics is None else ("yes" if m.hit_rate_matches_metrics else "NO"))
     row("Oracle hit rate (unlimited):", _fmt(m.oracle_hit_rate, 4))
-    cap = f"Oracle hit rate ({m.oracle_capacity_tokens} tok):" if m.oracle_capacity_tokens else \
-        "Oracle hit rate (server capacity):"
-    row(cap, _fmt(m.oracle_hit_rate_capacity, 4))
+    pool = f"{m.oracle_capacity_tokens} tok" if m.oracle_capacity_tokens else "capacity"
+    row(f"Belady bound ({pool}, send order):", _fmt(m.oracle_belady_hit_rate, 4))
+    row(f"LRU at capacity ({pool}):", _fmt(m.oracle_hit_rate_capacity, 4))
     row("Achieved / oracle (unlimited):", _fmt(m.achieved_over_oracle, 3))
-    row("Achieved / oracle (capacity):", _fmt(m.achieved_over_oracle_capacity, 3))
+    row("Achieved / Belady bound:", _fmt(m.achieved_over_belady, 3))
+    row("Achieved / LRU at capacity:", _fmt(m.achieved_over_oracle_capacity, 3))
     if m.failure_reasons:
         title(" Failures ", "-")
         for reason, count in sorted(m.failure_reasons.items(), key=lambda kv: -kv[1]):
@@ -73,8 +74,8 @@ def format_report(m: BenchMetrics, *, backend: str, request_rate: float, max_con
 
 
 EXPERIMENT_COLUMNS = ("configuration", "throughput (tok/s)", "P50 latency (s)", "P99 latency (s)",
-                      "TTFT P50 (ms)", "TTFT P99 (ms)", "hit rate", "oracle (capacity)", "achieved/oracle",
-                      "failed")
+                      "TTFT P50 (ms)", "TTFT P99 (ms)", "hit rate", "Belady bound", "achieved/Belady",
+                      "LRU at capacity", "failed")
 
 
 def experiment_row(name: str, m: Optional[dict[str, Any]], error: Optional[str] = None) -> list[str]:
@@ -89,8 +90,8 @@ def experiment_row(name: str, m: Optional[dict[str, Any]], error: Optional[str] 
 
     return [name, g("total_throughput", digits=0), g("e2e_latency_ms", "median", 1e-3),
             g("e2e_latency_ms", "p99", 1e-3), g("ttft_ms", "median", digits=0), g("ttft_ms", "p99", digits=0),
-            g("hit_rate", digits=3), g("oracle_hit_rate_capacity", digits=3),
-            g("achieved_over_oracle_capacity", digits=2), str(m.get("failed", 0))]
+            g("hit_rate", digits=3), g("oracle_belady_hit_rate", digits=3), g("achieved_over_belady", digits=2),
+            g("oracle_hit_rate_capacity", digits=3), str(m.get("failed", 0))]
 
 
 def markdown_table(rows: Sequence[Sequence[str]], header: Sequence[str] = EXPERIMENT_COLUMNS) -> str:
