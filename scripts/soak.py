@@ -38,7 +38,7 @@ PREFIXES = [("You are a careful assistant. " * 8), ("Summarise the following rep
 BAD_INPUTS: list[tuple[str, Any]] = [
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}),
     ("/v1/completions", {"prompt": "x", "max_tokens": "10"}),
-    ("/v1/completions", {"prompt": "a\ud800b", "max_tokens": 2}),
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}'),  # a lone surrogate (raw JSON)
     ("/v1/completions", {"prompt": "x", "model": "no-such-model"}),
     ("/v1/completions", {"prompt": "x", "temperature": -3}),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}),
@@ -125,7 +125,7 @@ async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally)
             else:
                 r = await http.post(path, json=body)
             tally.answer(r, expect_4xx=True)
-    except httpx.HTTPError as e:
+    except Exception as e:  # noted as unexpected, never the end of the run
         tally.failure(kind, e)
 
 

@@ -274,3 +274,48 @@ def test_router_mirror_matches_what_the_worker_publishes():
     assert mirror.match_len([5] + shared) == 0  # the same tokens at another position: no match
     mirror.discard(block_hashes(shared)[4:])  # the worker evicted the tail
     assert mirror.match_len(shared) == 64 and len(mirror) == 64
+
+
+def test_kv_hash_events_keep_a_mirror_equal_to_the_tree():
+    """Random inserts and evictions, events taken in batches of a few: the router's mirror built
+    from the events always holds exactly the blocks of the engine's fresh snapshot."""
+    import random
+
+    import torch
+
+    from radixserve.cache.kv_pool import PageAllocator
+    from radixserve.cache.radix_cache import RadixCache
+    from radixserve.router.prefix_tree import BlockHashMirror
+    from radixserve.server.engine_intake import KvHashEvents
+
+    rng = random.Random(0)
+    alloc = PageAllocator(600, 1)
+    cache = RadixCache(alloc)
+    events = KvHashEvents(cache)
+    snap = events.snapshot()
+    mirror = BlockHashMirror()
+    mirror.load(snap["block_size"], snap["blocks"])
+    stems = [[rng.randrange(50) for _ in range(rng.randrange(5, 60))] for _ in range(4)]
+    seen = {"insert": 0, "evict": 0}
+    for step in range(300):
+        if rng.random() < 0.7:
+            tokens = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(0, 40))]
+            if alloc.free_tokens < len(tokens):
+                cache.evict(len(tokens) - alloc.free_tokens)
+            if alloc.free_tokens >= len(tokens):
+                slots = torch.tensor(alloc.alloc_pages(len(tokens)), dtype=torch.int64)  # a slot per position
+                cached = cache.insert(tokens, slots)
+                alloc.free_slots(slots[:cached])  # positions the tree held already
+        else:
+            cache.evict(rng.randrange(1, 80))
+        if step % 3 == 0:
+            for seq, kind, hashes in events.take():
+                seen[kind] += bool(hashes)
+                if kind == "insert":
+                    mirror.add(hashes)
+                elif kind == "evict":
+                    mirror.discard(hashes)
+                else:
+                    mirror.clear()
+            assert mirror.blocks == set(events.snapshot()["blocks"]), step
+    assert seen["insert"] > 50 and seen["evict"] > 20 and mirror.blocks, seen
