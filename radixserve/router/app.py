@@ -422,39 +422,7 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
             return error_response(503, "the router is loading the tokenizer", code="router_starting")
         return {"status": "ok", "healthy_workers": len(healthy), "workers": len(router.registry)}
 
-    @app.get("/workers")
-    async def list_workers():
-        return {"policy": router.policy.name, "tokenizer": router.tokenizer_state,
-                "workers": [w.describe() for w in router.registry]}
-
-    @app.post("/workers", status_code=201)
-    async def add_worker(request: Request):
-        raw = await request.body()
-        try:
-            body: Any = json.loads(raw) if raw else None
-        except ValueError:
-            return error_response(400, "the body is not valid JSON", code="invalid_request")
-        if not isinstance(body, dict) or "url" not in body:
-            return error_response(400, 'the body must be a JSON object like {"url": "http://host:port"}',
-                                  param="url", code="invalid_request")
-        try:
-            worker = router.add_worker(body["url"])
-        except ValueError as e:
-            return error_response(400, str(e), param="url", code="invalid_value")
-        except KeyError:
-            return error_response(409, f"a worker at {body['url']!r} is already registered", param="url",
-                                  code="worker_exists")
-        return JSONResponse(worker.describe(), status_code=201)
-
-    @app.delete("/workers/{worker_id}")
-    async def delete_worker(worker_id: str):
-        try:
-            worker = router.remove_worker(worker_id)
-        except KeyError:
-            known = ", ".join(router.registry.workers) or "none"
-            return error_response(404, f"unknown worker {worker_id!r} (registered: {known})",
-                                  param="worker_id", code="worker_not_found")
-        return {"id": worker.id, "url": worker.url, "removed": True, "in_flight": worker.load}
+    add_worker_routes(app, router)
 
     @app.get("/metrics")
     async def metrics():
@@ -491,3 +459,40 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
         return await router.cluster_info()
 
     return app
+
+
+def add_worker_routes(app: FastAPI, router: Router) -> None:
+    """`GET /workers`, `POST /workers {"url": ...}`, `DELETE /workers/{id}`."""
+    @app.get("/workers")
+    async def list_workers():
+        return {"policy": router.policy.name, "tokenizer": router.tokenizer_state,
+                "workers": [w.describe() for w in router.registry]}
+
+    @app.post("/workers", status_code=201)
+    async def add_worker(request: Request):
+        raw = await request.body()
+        try:
+            body: Any = json.loads(raw) if raw else None
+        except ValueError:
+            return error_response(400, "the body is not valid JSON", code="invalid_request")
+        if not isinstance(body, dict) or "url" not in body:
+            return error_response(400, 'the body must be a JSON object like {"url": "http://host:port"}',
+                                  param="url", code="invalid_request")
+        try:
+            worker = router.add_worker(body["url"])
+        except ValueError as e:
+            return error_response(400, str(e), param="url", code="invalid_value")
+        except KeyError:
+            return error_response(409, f"a worker at {body['url']!r} is already registered", param="url",
+                                  code="worker_exists")
+        return JSONResponse(worker.describe(), status_code=201)
+
+    @app.delete("/workers/{worker_id}")
+    async def delete_worker(worker_id: str):
+        try:
+            worker = router.remove_worker(worker_id)
+        except KeyError:
+            known = ", ".join(router.registry.workers) or "none"
+            return error_response(404, f"unknown worker {worker_id!r} (registered: {known})",
+                                  param="worker_id", code="worker_not_found")
+        return {"id": worker.id, "url": worker.url, "removed": True, "in_flight": worker.load}

@@ -7,6 +7,9 @@ from radixserve.http_common.errors import APIError, bad_request, error_body, err
 from radixserve.server.engine_client import EngineDeadError, EngineRequestError, QueueFullError, ShuttingDownError
 
 RETRY_AFTER_S = 1
+# The code of a 400 for fields that are each valid but contradict each other (the OpenAPI schema
+# bounds each field, not their relations).
+CONFLICTING_FIELDS = "conflicting_fields"
 
 
 def engine_unavailable(message: str) -> APIError:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from radixserve.validation import MAX_INT32, SEED_MAX, SEED_MIN, TEMPERATURE_MAX, TOP_K_MIN
 
@@ -28,14 +28,27 @@ def _encodable(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_encodable)]
+
+
+def _integral(value: Any) -> Any:
+    # JSON Schema counts 3.0 as an integer; strict pydantic would not. Strings and bools stay refused.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def bounded_int(ge: int, le: int) -> Any:
+    """An integer in [ge, le]; the bounds sit inside the type so the schema shows them."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
 # A token id; the served model's vocabulary bounds it further (`openapi_for_model` writes that bound
 # into the served schema).
 TOKEN_ID_SCHEMA_MARK = "x-radixserve-token-id"
-TokenId = Annotated[int, Field(ge=0, le=MAX_INT32, json_schema_extra={TOKEN_ID_SCHEMA_MARK: True})]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32, json_schema_extra={TOKEN_ID_SCHEMA_MARK: True}),
+                    BeforeValidator(_integral)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 # A stop token need not be in the vocabulary (it then never matches).
-StopTokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
-Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+StopTokenId = Annotated[int, Field(ge=0, le=MAX_INT32), BeforeValidator(_integral)]
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), BeforeValidator(_integral)]
 NonEmptyStr = Annotated[Text, Field(min_length=1)]
 MAX_N = 64
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -62,10 +75,10 @@ class _SamplingFields(_Body):
     model: Optional[str] = Field(None, description="Served model name; omitted means the served model.")
     temperature: Optional[float] = Field(None, ge=0.0, le=TEMPERATURE_MAX, description="0 is greedy. Default 1.")
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(None, ge=TOP_K_MIN, le=MAX_INT32,
+    top_k: Optional[bounded_int(TOP_K_MIN, MAX_INT32)] = Field(None,
                                  description="radixserve extension; -1 or 0 is off.")
     min_p: Optional[float] = Field(None, ge=0.0, le=1.0, description="radixserve extension.")
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: bounded_int(1, MAX_N) = 1
     stop: Union[NonEmptyStr, list[NonEmptyStr], None] = None
     stop_token_ids: Optional[list[StopTokenId]] = Field(None, description="radixserve extension.")
     seed: Optional[Seed] = Field(None, description="Each of the n choices samples with its own seed, "
@@ -87,20 +100,28 @@ class CompletionRequest(_SamplingFields):
     # a third of the API's time when a burst of requests arrives; in order it takes ~0.13 ms.
     prompt: Union[TokenIds, Annotated[list[TokenIds], Field(min_length=1)], NonEmptyStr,
                   Annotated[list[NonEmptyStr], Field(min_length=1)]] = Field(union_mode="left_to_right")
-    max_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT32,
+    max_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None,
                                       description="Default: min(2048, context length - prompt length).")
     echo: bool = False
     logprobs: Optional[int] = neutral_only(None, "Not supported (null only).")
-    best_of: Optional[int] = Field(None, ge=1, le=MAX_N, description="Only equal to n is supported.",
+    best_of: Optional[bounded_int(1, MAX_N)] = Field(None, description="Only equal to n is supported.",
                                    json_schema_extra={"maximum": 1})
     suffix: Optional[str] = Field(None, description="Not supported (null or empty only).",
                                   json_schema_extra={"maxLength": 0})
 
 
+def _text_part_schema(schema: dict[str, Any]) -> None:
+    schema["properties"]["type"]["enum"] = ["text"]
+    schema["properties"]["text"] = {"type": "string", "title": "Text"}
+    schema["required"] = ["type", "text"]
+    schema["additionalProperties"] = False
+
+
 class ContentPart(BaseModel):
-    # Other part types (image_url, input_audio) carry fields of their own; they are refused by
-    # type (400 unsupported_parameter), so their fields pass validation.
-    model_config = ConfigDict(extra="allow", strict=True)
+    """A part of a message's content: only `{"type": "text", "text": ...}` is served (the schema
+    says so). Other part types (image_url, input_audio) carry fields of their own; they pass
+    validation here so the endpoint can refuse them by type (400 unsupported_parameter)."""
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_text_part_schema)
     type: str
     text: Optional[Text] = None
 
@@ -117,9 +138,9 @@ class ResponseFormat(_Body):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT32,
+    max_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None,
                                       description="Default: min(2048, context length - prompt length).")
-    max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT32, description="Alias of max_tokens.")
+    max_completion_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None, description="Alias of max_tokens.")
     logprobs: Optional[bool] = neutral_only(False, "Not supported (false only).")
     top_logprobs: Optional[int] = neutral_only(None, "Not supported (null only).")
     tools: Optional[list[Any]] = Field(None, description="Not supported (empty only).",
@@ -131,10 +152,10 @@ class ChatCompletionRequest(_SamplingFields):
 
 class NativeSamplingParams(_Body):
     """`/generate`'s sampling_params (SGLang's names); the same bounds as the OpenAI fields."""
-    max_new_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT32, description="Default 128.")
+    max_new_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None, description="Default 128.")
     temperature: Optional[float] = Field(None, ge=0.0, le=TEMPERATURE_MAX)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(None, ge=TOP_K_MIN, le=MAX_INT32, description="-1 or 0 is off.")
+    top_k: Optional[bounded_int(TOP_K_MIN, MAX_INT32)] = Field(None, description="-1 or 0 is off.")
     min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
     seed: Optional[Seed] = None
     stop: Union[NonEmptyStr, list[NonEmptyStr], None] = None
@@ -151,8 +172,10 @@ class NativeSamplingParams(_Body):
 
 class GenerateBody(_Body):
     """SGLang's native /generate: exactly one of `text` and `input_ids`."""
-    text: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(min_length=1)], None] = None
-    input_ids: Union[TokenIds, Annotated[list[TokenIds], Field(min_length=1)], None] = \
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]})
+    # Not nullable: "exactly one of" is then the schema's oneOf above.
+    text: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(min_length=1)]] = None
+    input_ids: Union[TokenIds, Annotated[list[TokenIds], Field(min_length=1)]] = \
         Field(None, union_mode="left_to_right")
     sampling_params: Union[NativeSamplingParams, list[NativeSamplingParams], None] = None
     stream: bool = False

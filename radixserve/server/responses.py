@@ -8,6 +8,7 @@ or an error event (after), and releasing the requests however the response ends.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
@@ -17,6 +18,8 @@ from radixserve.server.engine_client import EngineDeadError, EngineRequestError,
 from radixserve.server.errors import error_body, map_engine_error
 from radixserve.server.intake import CLIENT_CLOSED_STATUS
 from radixserve.server.serving import SSE_DONE, ServingContext, Tracker, first_then_rest, sse
+
+logger = logging.getLogger("radixserve")
 
 ENGINE_ERRORS = (QueueFullError, EngineDeadError, EngineRequestError)
 
@@ -84,6 +87,10 @@ async def run_request(ctx: ServingContext, request: Request, trackers: list[Trac
         except ENGINE_ERRORS as e:  # after the headers went out: an error event, then the end
             err = map_engine_error(e)
             yield sse(error_body(err.status, err.message, err.param, err.code))
+            yield SSE_DONE
+        except Exception as e:  # noqa: BLE001: a bug mid-stream still ends the stream properly
+            logger.exception("unexpected error while streaming %s", request.url.path)
+            yield sse(error_body(500, f"internal error: {type(e).__name__}", code="internal_error"))
             yield SSE_DONE
 
     return ClosingStreamingResponse(guarded(), on_close=close)

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from radixserve.engine.io_struct import SamplingParams
-from radixserve.server.errors import APIError, bad_request
+from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
 from radixserve.server.protocol import GenerateBody
 from radixserve.server.responses import per_output, run_request
 from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, new_id, request_label, sse
@@ -51,7 +51,8 @@ def generate_params(ctx: ServingContext, body: GenerateBody, prompts: list[list[
     sp = body.sampling_params
     if isinstance(sp, list):
         if len(sp) != len(prompts):
-            raise bad_request(f"{len(sp)} sampling_params for {len(prompts)} prompts", "sampling_params")
+            raise bad_request(f"{len(sp)} sampling_params for {len(prompts)} prompts", "sampling_params",
+                              code=CONFLICTING_FIELDS)
         sp_list = [p.values() for p in sp]
     else:
         sp_list = [sp.values() if sp is not None else {}] * len(prompts)
@@ -71,8 +72,6 @@ async def generate(body: GenerateBody, request: Request, ctx: Ctx):
     prompts, single, param = await generate_prompts(ctx, body)
     if not prompts:
         raise bad_request("the batch is empty", param)
-    if body.stream and not single:
-        raise bad_request("stream=true takes a single prompt", "stream")
     params_per_prompt = generate_params(ctx, body, prompts, param)
     # The engine's id is always made here: a client's rid is a label, echoed back and logged.
     trackers = ctx.new_trackers(prompts, params_per_prompt, new_id(""), arrival, label if single else None)
@@ -83,7 +82,10 @@ async def generate(body: GenerateBody, request: Request, ctx: Ctx):
 
     async def stream(outputs, close):
         async for t, out, delta in per_output(ctx, outputs, trackers):
-            yield sse({"text": t.text, "output_ids": t.output_ids, "meta_info": meta_info(t)})
+            event = {"text": t.text, "output_ids": t.output_ids, "meta_info": meta_info(t)}
+            if not single:  # a batch streams its prompts' events interleaved, each with its index
+                event["index"] = t.index
+            yield sse(event)
         close()
         yield SSE_DONE
 

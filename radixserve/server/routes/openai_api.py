@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 from fastapi import APIRouter, Request
 
 from radixserve.engine.io_struct import SamplingParams
-from radixserve.server.errors import APIError, bad_request
+from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
 from radixserve.server.protocol import ROLES, ChatCompletionRequest, CompletionRequest
 from radixserve.server.responses import per_output, run_request, usage
 from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, finish_reason_name, new_id, sse
@@ -136,6 +136,10 @@ async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[
                     raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported, got "
                                         f"{part.type!r}", param=f"messages[{i}].content",
                                    code="unsupported_parameter")
+                if part.model_extra:
+                    raise APIError(400, f"messages[{i}].content[{j}]: a text part has only type and text, got "
+                                        f"{', '.join(sorted(part.model_extra))}", param=f"messages[{i}].content",
+                                   code="unsupported_parameter")
                 parts.append(part.text)
             content = "\n".join(parts)
         messages.append({"role": msg.role, "content": content or ""})
@@ -168,7 +172,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     check_chat_unsupported(body)
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
-        raise bad_request("max_tokens and max_completion_tokens disagree", "max_completion_tokens")
+        raise bad_request("max_tokens and max_completion_tokens disagree", "max_completion_tokens",
+                          code=CONFLICTING_FIELDS)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     ids = await chat_prompt(ctx, body)
     choices = build_choices(ctx, body, [ids], "messages", max_tokens,
