@@ -89,15 +89,16 @@ def test_sigterm_drains_in_flight_requests(server_model_dir, server_workdir):
 
     def long_request():
         body = {"prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
-        result["response"] = httpx.post(f"{proc.base_url}/v1/completions", json=body, timeout=120)
+        result["response"] = httpx.post(f"{proc.base_url}/v1/completions", json=body, timeout=240)
 
     worker = threading.Thread(target=long_request)
     worker.start()
     try:
         wait_until(lambda: proc.server_info()["stats"]["running_requests"] == 1, 10.0, "the request runs")
         proc.proc.send_signal(signal.SIGTERM)
-        worker.join(60)
-        assert proc.proc.wait(60) in (0, -signal.SIGTERM)
+        # The drain waits for the request however slow a busy machine makes its 1,500 tokens.
+        worker.join(240)
+        assert proc.proc.wait(30) in (0, -signal.SIGTERM)
     finally:
         proc.stop()
     response = result["response"]
