@@ -272,11 +272,12 @@ def longest_token_chars(tokenizer) -> int:
 
 
 def request_label(rid: Optional[str]) -> Optional[str]:
-    """A client's `rid`, checked: printable text of at most MAX_LABEL_CHARS characters."""
+    """A client's `rid`, checked as the schema checks it: 1 to MAX_LABEL_CHARS printable ASCII
+    characters (so it can never break a log line or look like another field)."""
     if rid is None:
         return None
-    if not rid or len(rid) > MAX_LABEL_CHARS or not rid.isprintable():
-        raise bad_request(f"rid must be 1 to {MAX_LABEL_CHARS} printable characters", "rid")
+    if not 1 <= len(rid) <= MAX_LABEL_CHARS or not all(" " <= c <= "~" for c in rid):
+        raise bad_request(f"rid must be 1 to {MAX_LABEL_CHARS} printable ASCII characters", "rid")
     return rid
 
 
