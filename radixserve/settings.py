@@ -14,6 +14,9 @@ from typing import Any, Optional
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "lof", "random", "dfs-weight")
 EVICTION_POLICIES = ("lru", "lfu", "fifo")
+# Defaults that depend on the device the engine runs on.
+DEFAULT_MAX_RUNNING_REQUESTS = {"cuda": 1024, "cpu": 256}
+CPU_KV_POOL_TOKENS = 65536
 
 
 def _opt(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None,
@@ -44,7 +47,7 @@ class ServerSettings:
     page_size: int = _opt(1, "Tokens per KV page; the allocator and the radix cache work in whole pages.")
     max_total_tokens: Optional[int] = _opt(
         None, "KV pool size in tokens (default: what --mem-fraction-static of GPU memory holds after "
-        "the weights; on the CPU 65536).")
+        f"the weights; on the CPU {CPU_KV_POOL_TOKENS}).")
     mem_fraction_static: float = _opt(0.85, "Fraction of GPU memory for weights plus KV pool.",
                                       aliases=("--mem-fraction",))
 
@@ -67,7 +70,8 @@ class ServerSettings:
         "the pool, no new request is admitted into its memory), so a conversation's next turn still "
         "finds it. Helps agent/chat traffic under cache pressure; costs batch size otherwise. 0: off.")
     max_running_requests: Optional[int] = _opt(
-        None, "Most requests decoding at once (default: 1024 on CUDA, 256 on the CPU).")
+        None, f"Most requests decoding at once (default: {DEFAULT_MAX_RUNNING_REQUESTS['cuda']} on CUDA, "
+        f"{DEFAULT_MAX_RUNNING_REQUESTS['cpu']} on the CPU).")
     max_queued_requests: Optional[int] = _opt(
         None, "Most requests left waiting once the running batch has taken what it has room for (free "
         "request slots and KV); beyond it the server answers 503 with Retry-After.")
@@ -173,6 +177,9 @@ class ServerSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def resolved_max_running_requests(self, device_type: str) -> int:
+        return self.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS["cuda" if device_type == "cuda" else "cpu"]
 
     def resolved_device(self) -> str:
         if self.device != "auto":

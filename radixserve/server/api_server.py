@@ -90,7 +90,8 @@ def run_server(settings: ServerSettings) -> int:
     """Build the tokenizer, start uvicorn (which starts the engine process); returns an exit code."""
     import uvicorn
 
-    from radixserve.engine.core import ensure_model_path, load_tokenizer
+    from radixserve.default_model import ensure_model_path
+    from radixserve.engine.core import load_tokenizer
 
     model_path = ensure_model_path(settings.model_path)
     engine = EngineClient(settings.__class__(**{**settings.to_dict(), "model_path": model_path}))

@@ -21,7 +21,8 @@ from typing import Any, Optional
 
 import zmq
 
-from radixserve.engine.io_struct import AbortRequest, GenerateRequest, RequestOutput, SamplingParams
+from radixserve.engine.io_struct import AbortRequest, GenerateRequest, RequestOutput
+from radixserve.sampling_params import SamplingParams
 from radixserve.server import messages as m
 from radixserve.server.engine_intake import KvHashEvents, QueueRoom
 from radixserve.server.logging_setup import setup_logging

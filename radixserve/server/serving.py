@@ -18,7 +18,8 @@ from typing import Annotated, Any, AsyncIterator, Callable, Optional, TypeVar
 
 from fastapi import Depends, Request
 
-from radixserve.engine.io_struct import GenerateRequest, RequestOutput, SamplingParams, sampling_params_from_dict
+from radixserve.engine.io_struct import GenerateRequest, RequestOutput
+from radixserve.sampling_params import SamplingParams, sampling_params_from_dict
 from radixserve.server.detokenizer import IncrementalDetokenizer
 from radixserve.server.engine_client import (EngineClient, EngineDeadError, EngineRequestError, QueueFullError,
                                              RequestGroup, ShuttingDownError)

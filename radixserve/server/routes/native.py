@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from radixserve.engine.io_struct import SamplingParams
+from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
 from radixserve.server.protocol import GenerateBody
 from radixserve.server.responses import per_output, run_request

@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 from fastapi import APIRouter, Request
 
-from radixserve.engine.io_struct import SamplingParams
+from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
 from radixserve.server.protocol import ROLES, ChatCompletionRequest, CompletionRequest
 from radixserve.server.responses import per_output, run_request, usage
