@@ -31,6 +31,7 @@ from radixserve.server.loop_lag import watch_loop_lag
 from radixserve.server.kv_events import install_kv_events
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.protocol import ROLES, ChatCompletionRequest, CompletionRequest, GenerateBody
+from radixserve.server.startup import default_served_model_name
 from radixserve.server.serving import (SSE_DONE, ServingContext, Tracker, finish_reason_name, first_then_rest,
                                        map_engine_error, new_id, sse)
 from radixserve.settings import ServerSettings
@@ -113,7 +114,7 @@ class HealthChecker:
 def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Optional[EngineClient] = None) -> FastAPI:
     engine = engine or EngineClient(settings)
     metrics = ServerMetrics(lambda: engine.latest_stats, lambda: engine.alive)
-    served_name = settings.served_model_name or settings.model_path or model_path
+    served_name = settings.served_model_name or default_served_model_name(model_path)
     ctx = ServingContext(settings, tokenizer, engine, metrics, model_path, served_name)
     health = HealthChecker(engine, [0])
 
@@ -513,6 +514,7 @@ def run_server(settings: ServerSettings) -> int:
     import uvicorn
 
     from radixserve.engine.core import ensure_model_path, load_tokenizer
+    from radixserve.server.startup import ServingServer
 
     model_path = ensure_model_path(settings.model_path)
     engine = EngineClient(settings.__class__(**{**settings.to_dict(), "model_path": model_path}))
@@ -528,16 +530,17 @@ def run_server(settings: ServerSettings) -> int:
                             access_log=False, timeout_graceful_shutdown=DRAIN_TIMEOUT_S, lifespan="on")
     kv_events = app.state.kv_events
 
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            # Open /kv_events streams never end by themselves; close them so the drain can finish.
-            if kv_events.loop is not None:
-                kv_events.loop.call_soon_threadsafe(kv_events.close_all)
-            super().handle_exit(sig, frame)
+    def close_kv_event_streams() -> None:
+        # Open /kv_events streams never end by themselves; close them so the drain can finish.
+        if kv_events.loop is not None:
+            kv_events.loop.call_soon_threadsafe(kv_events.close_all)
 
-    server = Server(config)
-    logger.info("serving %s on http://%s:%d", model_path, settings.host, settings.port)
+    server = ServingServer(config, f"serving {model_path} on http://{settings.host}:{settings.port}",
+                           on_exit_signal=close_kv_event_streams)
     server.run()
     engine.kill_now()
     engine.close_sockets()
-    return 0 if server.started else 1
+    if not server.started:
+        return 1
+    logger.info("%s", server.shutdown_line())
+    return 0
