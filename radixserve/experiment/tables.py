@@ -14,6 +14,7 @@ from radixserve.experiment.runs import ConfigResult
 POLICY_PAIRS = (("lpm-small-pool", "fcfs-small-pool", "under the small pool"),
                 ("lpm", "fcfs", "with the full pool"))
 TIE = 0.05  # relative differences below this are called even: timings on a shared machine move that much
+HIT_TIE = 0.01
 
 
 def _get(record: dict[str, Any], key: str, sub: Optional[str] = None) -> Optional[float]:
@@ -45,7 +46,23 @@ def _pair_clause(lpm: dict[str, Any], fcfs: dict[str, Any], where: str) -> tuple
     lost = [name for name, gain in measures.items() if gain is not None and gain < 1 - TIE]
     if thr is not None and thr < 1 - TIE:
         lost.append("throughput")
+    if hit_l is not None and hit_f is not None and hit_l < hit_f - HIT_TIE:
+        lost.append("hit rate")
     return f"{where} LPM gets {', '.join(parts)}", lost
+
+
+def _why(losses: list[tuple[str, str]]) -> str:
+    """Why LPM lost where it did: waiting time for the uncached, or evictions its order caused."""
+    timing = [f"{m} {w}" for m, w in losses if m != "hit rate"]
+    cache = [w for m, w in losses if m == "hit rate"]
+    out = []
+    if timing:
+        out.append(f"LPM loses on {', '.join(timing)} because it runs the requests whose prefix is cached first, so "
+                   "a request with nothing cached waits behind them (--lpm-max-overtake-s bounds that wait)")
+    if cache:
+        out.append(f"LPM's hit rate is lower {' and '.join(cache)} because the order it admitted requests in evicted "
+                   "prefixes that waiting requests needed again, where FCFS's order kept them")
+    return "; ".join(out)
 
 
 def explanation(results: list[ConfigResult], small_pool: int) -> str:
@@ -57,7 +74,7 @@ def explanation(results: list[ConfigResult], small_pool: int) -> str:
             clause, lost = _pair_clause(rec[lpm], rec[fcfs], where.replace("small pool", f"small pool ({small_pool} "
                                                                             "tokens)"))
             clauses.append(clause)
-            losses += [f"{m} {where}" for m in lost]
+            losses += [(m, where) for m in lost]
     base = rec.get("lpm")
     if base is not None and "no-radix" in rec:
         speed = _ratio(_get(base, "total_throughput"), _get(rec["no-radix"], "total_throughput"))
@@ -71,9 +88,7 @@ def explanation(results: list[ConfigResult], small_pool: int) -> str:
         return ""
     sentence = "Rows: " + "; ".join(clauses)
     if losses:
-        sentence += (f"; LPM loses on {', '.join(losses)} because it runs the requests whose prefix is cached "
-                     "first, so a request with nothing cached waits behind them (--lpm-max-overtake-s bounds "
-                     "that wait)")
+        sentence += "; " + _why(losses)
     return sentence + " (ratios: LPM over FCFS; latency and TTFT lower is better)."
 
 
