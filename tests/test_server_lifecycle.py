@@ -102,6 +102,8 @@ def test_serving_line_after_engine_ready_and_clean_sigterm(server_model_dir, ser
     proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu", "--log-file", str(log_file)],
                          server_workdir).wait_ready()
     try:
+        models = httpx.get(f"{proc.base_url}/v1/models", timeout=10).json()["data"]
+        assert [m["id"] for m in models] == [server_model_dir.name]  # the directory's name, not its path
         proc.proc.send_signal(signal.SIGTERM)
         code = proc.proc.wait(60)
     finally:
