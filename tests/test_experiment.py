@@ -17,7 +17,7 @@ from radixserve.experiment.tables import explanation
 def test_experiment_end_to_end(server_model_dir, tmp_path, capsys):
     out = tmp_path / "exp"
     code = main(["--model-path", str(server_model_dir), "--output-dir", str(out),
-                 "--configs", "lpm,no-radix,lpm-small-pool", "--num-prompts", "12", "--agent-turns", "3",
+                 "--configs", "lpm,no-radix,lpm-small-pool", "--dataset-name", "agent", "--num-prompts", "12", "--agent-turns", "3",
                  "--agent-output-len", "4", "--agent-think-time", "0.02", "--request-rate", "inf",
                  "--disable-tqdm"])
     assert code == 0
@@ -50,7 +50,7 @@ def test_experiment_router_configurations(server_model_dir, tmp_path, capsys):
     """A full-pool run sizes the small pool; router workers start once with it; one row per policy."""
     out = tmp_path / "exp"
     code = main(["--model-path", str(server_model_dir), "--output-dir", str(out), "--configs", "lpm",
-                 "--router-policies", "round_robin,cache_aware", "--num-prompts", "16", "--agent-turns", "4",
+                 "--router-policies", "round_robin,cache_aware", "--dataset-name", "agent", "--num-prompts", "16", "--agent-turns", "4",
                  "--agent-output-len", "4", "--agent-think-time", "0.02", "--request-rate", "inf",
                  "--disable-tqdm", "--disable-plots"])
     assert code == 0
