@@ -8,8 +8,10 @@ The seed article's command works as written with the package name swapped:
 
 It prints SGLang's report (throughput, latency / TTFT / TPOT / ITL percentiles) plus the prefix
 cache: the hit rate measured from the responses, the same from the server's `/metrics` counters
-before and after the run, and the oracle hit rate (radixserve/bench/oracle.py) with unlimited
-capacity and with the server's KV pool, as achieved / oracle.
+before and after the run, and the oracles over the prompts as sent: unlimited capacity
+(radixserve/bench/oracle.py), Belady's MIN in the server's KV pool (radixserve/bench/belady.py: the
+best any eviction order reaches with the requests in send order) and LRU in that pool, with
+achieved / each.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from radixserve.bench.client import (BACKENDS, FailFast, RequestResult, ServerUn
                                      send_request)
 from radixserve.bench.datasets import (DATASETS, WORDS, BenchRequest, DatasetArgs, DatasetError, build_dataset,
                                        dataset_summary)
+from radixserve.bench.belady import belady_hit_rate
+from radixserve.bench.closed_loop import extend_turn
 from radixserve.bench.metrics import BenchMetrics, compute_metrics
 from radixserve.bench.oracle import OracleRequest, oracle_hit_rate
 from radixserve.bench.report import format_report
@@ -99,6 +103,10 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                    help="agent: output tokens generated per turn (default: 16).")
     p.add_argument("--agent-think-time", dest="agent_think_time_s", type=float, default=0.5,
                    help="agent: mean seconds (exponential) a session waits after a turn finished (default: 0.5).")
+    p.add_argument("--agent-closed-loop", action="store_true",
+                   help="agent: each turn's prompt is, in token ids, the previous prompt + the tokens the server "
+                        "returned + the new user message (not the dataset's fixed reply), so decoded tokens "
+                        "can be cached as for a real multi-turn client.")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Poisson arrivals per second; inf sends everything at once (default: inf).")
     p.add_argument("--max-concurrency", type=int, default=None,
@@ -110,7 +118,13 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--flush-cache", action="store_true", help="POST /flush_cache after warm-up.")
     p.add_argument("--request-timeout", type=float, default=600.0, help="Seconds one request may take (default: 600).")
     p.add_argument("--oracle-capacity", type=int, default=None,
-                   help="KV tokens for the capacity-limited oracle (default: the server's pool size).")
+                   help="KV tokens for the oracles at capacity, Belady's bound and the LRU reference "
+                        "(default: the server's pool size).")
+    p.add_argument("--oracle-page-size", type=int, default=None,
+                   help="Page size of the Belady bound (default: the server's page size, else 1).")
+    p.add_argument("--oracle-running", type=int, default=1,
+                   help="Requests the Belady bound runs at once, each holding its prompt + output "
+                        "(default 1: a bound for any server serving the requests in send order).")
     p.add_argument("--metrics-url", action="append", default=[], metavar="URL",
                    help="Read the prefix-cache counters from this server's /metrics instead of the benchmarked "
                         "one's; repeatable, summed. Through a router, give each of its workers.")
@@ -132,10 +146,18 @@ def validate_args(args: argparse.Namespace) -> None:
         raise BenchError(f"--request-timeout must be > 0, got {args.request_timeout}")
     if args.oracle_capacity is not None and args.oracle_capacity < 0:
         raise BenchError(f"--oracle-capacity must be >= 0, got {args.oracle_capacity}")
+    if args.oracle_page_size is not None and args.oracle_page_size < 1:
+        raise BenchError(f"--oracle-page-size must be >= 1, got {args.oracle_page_size}")
+    if args.oracle_running < 1:
+        raise BenchError(f"--oracle-running must be >= 1, got {args.oracle_running}")
     if args.port is not None and not 0 < args.port < 65536:
         raise BenchError(f"--port must be in 1..65535, got {args.port}")
     if args.tokenizer and not os.path.isdir(args.tokenizer):
         raise BenchError(f"--tokenizer {args.tokenizer!r}: no such directory")
+    if args.agent_closed_loop and args.dataset_name != "agent":
+        raise BenchError("--agent-closed-loop needs --dataset-name agent")
+    if args.agent_closed_loop and args.backend == "openai-chat":
+        raise BenchError("--agent-closed-loop sends token ids, which openai-chat cannot take")
     if args.dataset_name == "sharegpt" and not args.dataset_path:
         raise BenchError("--dataset-name sharegpt needs --dataset-path (a local ShareGPT JSON file)")
     if args.dataset_path and not os.path.isfile(args.dataset_path):
@@ -187,7 +209,8 @@ def load_tokenizer(path: str):
 
 async def _issue_all(session, url: str, args: argparse.Namespace, requests: list[BenchRequest], model: Optional[str],
                      use_ids: bool, headers: dict[str, str], progress,
-                     on_result: Optional[Callable[[RequestResult], None]] = None) -> tuple[list[RequestResult], float]:
+                     tokenizer=None, on_result: Optional[Callable[[RequestResult], None]] = None
+                     ) -> tuple[list[RequestResult], float]:
     rng = random.Random(args.seed)
     gaps = [0.0 if math.isinf(args.request_rate) else rng.expovariate(args.request_rate) for _ in requests]
     slots = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else contextlib.nullcontext()
@@ -201,6 +224,8 @@ async def _issue_all(session, url: str, args: argparse.Namespace, requests: list
     # 1,000 prompts of 1,024 ids), and the first requests' tokens waited in the socket meanwhile,
     # read as server latency.
     bodies = [encode_payload(build_payload(args.backend, r, model, use_ids)) for r in requests]
+    closed_loop = getattr(args, "agent_closed_loop", False)
+    index_of = {(r.session_id, r.turn): i for i, r in enumerate(requests) if r.session_id is not None}
     t0 = time.perf_counter()
 
     async def one(i: int, req: BenchRequest, at: float) -> None:
@@ -211,15 +236,19 @@ async def _issue_all(session, url: str, args: argparse.Namespace, requests: list
             prev = finished.get((req.session_id, req.turn - 1))
             if prev is not None:
                 await prev.wait()
+            if closed_loop:  # the prompt extends what the server returned (bench/closed_loop.py)
+                j = index_of[(req.session_id, req.turn - 1)]
+                extend_turn(req, requests[j], results[j], tokenizer)
+                bodies[i] = encode_payload(build_payload(args.backend, req, model, use_ids))
             if req.think_time_s > 0:
                 await asyncio.sleep(req.think_time_s)
         try:
             async with slots:
                 res = await send_request(session, url, args.backend, req, i, model, use_ids, headers, body=bodies[i])
+            results[i] = res  # before the session's next turn wakes up: it reads this result
         finally:
             if req.session_id is not None:
                 finished[(req.session_id, req.turn)].set()
-        results[i] = res
         if progress is not None:
             progress.update(1)
         if on_result is not None:
@@ -244,7 +273,9 @@ async def _issue_all(session, url: str, args: argparse.Namespace, requests: list
     return [r for r in results if r is not None], t0
 
 
-def _oracle(requests: list[BenchRequest], results: list[RequestResult], capacity: Optional[int], tokenizer):
+def _oracle(requests: list[BenchRequest], results: list[RequestResult], capacity: Optional[int], tokenizer,
+            page_size: int = 1, running: int = 1) -> dict[str, Any]:
+    """The oracles over the prompts as sent: unlimited, Belady's MIN and LRU at capacity."""
     by_index = {r.index: r for r in results}
     seq = []
     for i, req in enumerate(requests):
@@ -263,9 +294,14 @@ def _oracle(requests: list[BenchRequest], results: list[RequestResult], capacity
         return sum(hits[i] for i in counted) / total if total else None
 
     unlimited = oracle_hit_rate(seq)
-    limited = oracle_hit_rate(seq, capacity=capacity) if capacity else None
-    return (rate(unlimited.per_request_hits), rate(limited.per_request_hits) if limited else None,
-            {"unlimited": unlimited.per_request_hits, "capacity": limited.per_request_hits if limited else []})
+    lru = oracle_hit_rate(seq, capacity=capacity) if capacity else None
+    belady = belady_hit_rate(seq, capacity, page_size=page_size, running=running) if capacity else None
+    return {"unlimited": rate(unlimited.per_request_hits),
+            "lru": rate(lru.per_request_hits) if lru else None,
+            "belady": rate(belady.per_request_hits) if belady else None,
+            "per_request": {"unlimited": unlimited.per_request_hits,
+                            "capacity": lru.per_request_hits if lru else [],
+                            "belady": belady.per_request_hits if belady else []}}
 
 
 async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False, progress_desc: str = "requests",
@@ -313,7 +349,7 @@ async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False, progre
             except DatasetError as e:
                 raise BenchError(str(e)) from None
             summary = dataset_summary(requests)
-            use_ids = args.dataset_name == "random-ids" or args.prompt_ids
+            use_ids = args.dataset_name == "random-ids" or args.prompt_ids or args.agent_closed_loop
             if use_ids and args.backend == "openai-chat":
                 raise BenchError("token-id prompts (random-ids, --prompt-ids) cannot be sent to openai-chat")
             url = base_url + api_path(args.backend)
@@ -339,7 +375,7 @@ async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False, progre
             try:
                 async with watch_loop_lag("bench client", log=False) as lag:
                     results, t0 = await _issue_all(session, url, args, requests, model, use_ids, headers, progress,
-                                                   on_result)
+                                                   tokenizer=tokenizer, on_result=on_result)
             finally:
                 if progress is not None:
                     progress.close()
@@ -351,18 +387,26 @@ async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False, progre
             if tokenizer_dir:
                 shutil.rmtree(tokenizer_dir, ignore_errors=True)
     _fill_metrics_delta(metrics, before, after)
-    oracle, oracle_cap, per_request = _oracle(requests, results, capacity, tokenizer)
-    metrics.oracle_hit_rate = oracle
-    metrics.oracle_hit_rate_capacity = oracle_cap
+    page_size = args.oracle_page_size or (info.get("settings") or {}).get("page_size") or info.get("page_size") or 1
+    oracles = _oracle(requests, results, capacity, tokenizer, page_size, args.oracle_running)
+    per_request = oracles["per_request"]
+    metrics.oracle_hit_rate = oracles["unlimited"]
+    metrics.oracle_hit_rate_capacity = oracles["lru"]
+    metrics.oracle_belady_hit_rate = oracles["belady"]
     metrics.oracle_capacity_tokens = capacity
+    metrics.oracle_page_size, metrics.oracle_running = page_size, args.oracle_running
     if metrics.hit_rate is not None:
-        metrics.achieved_over_oracle = metrics.hit_rate / oracle if oracle else None
-        metrics.achieved_over_oracle_capacity = metrics.hit_rate / oracle_cap if oracle_cap else None
+        ratio = lambda bound: metrics.hit_rate / bound if bound else None  # noqa: E731
+        metrics.achieved_over_oracle = ratio(oracles["unlimited"])
+        metrics.achieved_over_oracle_capacity = ratio(oracles["lru"])
+        metrics.achieved_over_belady = ratio(oracles["belady"])
     settings = {k: (None if isinstance(v, float) and math.isinf(v) and k != "request_rate" else v)
                 for k, v in vars(args).items() if k != "api_key"}
     settings["request_rate"] = "inf" if math.isinf(args.request_rate) else args.request_rate
     record = {"timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"), "base_url": base_url,
-              "settings": settings, "dataset": summary,
+              "settings": settings,
+              # closed loop: the prompts as sent (each turn's grew by what the server returned)
+              "dataset": dataset_summary(requests) if args.agent_closed_loop else summary,
               "server": {k: info.get(k) for k in ("pool_size", "context_length", "max_running_requests", "device",
                                                   "dtype", "model_path", "served_model_name", "version")},
               "server_settings": info.get("settings"), "tokenizer_matches_server": tokenizer_agrees,

@@ -64,6 +64,11 @@ class ServerSettings:
     lpm_max_overtake_s: float = _opt(
         10.0, "LPM aging: a request is never overtaken by requests that arrived more than this many "
         "seconds after it, however long their cached prefix (bounds starvation).")
+    prefix_hold_s: float = _opt(
+        0.0, "Multi-turn tuning: a finished request's prefix is kept this many seconds as if a request "
+        "were waiting for it (evicted after prefixes nobody waits for; while running requests fill half "
+        "the pool, no new request is admitted into its memory), so a conversation's next turn still "
+        "finds it. Helps agent/chat traffic under cache pressure; costs batch size otherwise. 0: off.")
     max_running_requests: Optional[int] = _opt(
         None, "Most requests decoding at once (default: 1024 on CUDA, 256 on the CPU).")
     max_queued_requests: Optional[int] = _opt(
@@ -133,6 +138,8 @@ class ServerSettings:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.lpm_max_overtake_s <= 0:
             raise ValueError(f"lpm_max_overtake_s must be > 0, got {self.lpm_max_overtake_s}")
+        if self.prefix_hold_s < 0:
+            raise ValueError(f"prefix_hold_s must be >= 0, got {self.prefix_hold_s}")
         if self.schedule_conservativeness < 0:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
         if self.context_length is not None and self.context_length < 2:

@@ -29,7 +29,7 @@
 #   MODEL        model dir (dummy weights); "tiny" = the built-in tiny model (CPU dry run)
 #   TOKENIZER    --tokenizer-path for workers, routers and the client ("" = the model's own)
 #   DEVICE       cuda | cpu;  GPUS: CUDA_VISIBLE_DEVICES of worker 0 and worker 1 ("0 1")
-#   POLICIES     "round_robin cache_aware kv_aware"
+#   POLICIES     "round_robin balanced cache_aware kv_aware"
 #   POOL         --max-total-tokens of each worker (350000)
 #   SESSIONS TURNS SYS_PROMPTS SYS_LEN USER_LEN ASSIST_LEN OUT_LEN THINK_S RATE: workload sizes
 #   WORKER_ARGS  extra launch_server flags for both workers
@@ -59,7 +59,7 @@ MODEL=${MODEL:-benchmarks/configs/qwen2-7b}
 TOKENIZER=${TOKENIZER-.qwen2-tokenizer}
 DEVICE=${DEVICE:-cuda}
 GPUS=${GPUS:-0 1}
-POLICIES=${POLICIES:-round_robin cache_aware kv_aware}
+POLICIES=${POLICIES:-round_robin balanced cache_aware kv_aware}
 POOL=${POOL:-350000}
 SESSIONS=${SESSIONS:-256} TURNS=${TURNS:-5} SYS_PROMPTS=${SYS_PROMPTS:-8} SYS_LEN=${SYS_LEN:-2048}
 USER_LEN=${USER_LEN:-256} ASSIST_LEN=${ASSIST_LEN:-128} OUT_LEN=${OUT_LEN:-128} THINK_S=${THINK_S:-0.5}

@@ -124,3 +124,21 @@ def test_bad_sizes_are_refused(tokenizer):
         build_dataset(DatasetArgs(name="random", random_range_ratio=2.0), tokenizer)
     with pytest.raises(DatasetError, match="needs a tokenizer"):
         build_dataset(DatasetArgs(name="agent"), None)
+
+
+def test_agent_turn_suffix_is_what_the_template_puts_after_the_reply(tokenizer):
+    """A closed-loop turn = previous prompt + reply + turn_suffix_ids; with the dataset's own fixed
+    reply that is (in text) exactly the open-loop prompt of the turn."""
+    reqs = build_dataset(DatasetArgs(name="agent", num_prompts=6, agent_turns=3, agent_num_system_prompts=1,
+                                     agent_system_prompt_len=30, seed=2), tokenizer)
+    by_turn = {(r.session_id, r.turn): r for r in reqs}
+    for r in reqs:
+        if r.turn == 0:
+            assert r.turn_suffix_ids is None
+            continue
+        prev = by_turn[(r.session_id, r.turn - 1)]
+        reply = r.messages[-2]["content"]
+        assert r.messages[-2]["role"] == "assistant" and r.messages[-1]["role"] == "user"
+        text = prev.prompt_text + reply + tokenizer.decode(r.turn_suffix_ids)
+        assert text == r.prompt_text
+        assert r.messages[-1]["content"] in tokenizer.decode(r.turn_suffix_ids)

@@ -16,7 +16,7 @@ RECORD_KEYS = {
     "total_throughput", "concurrency", "e2e_latency_ms", "ttft_ms", "tpot_ms", "itl_ms", "cached_tokens",
     "hit_rate", "metrics_prompt_tokens", "metrics_cached_tokens", "metrics_hit_rate", "hit_rate_matches_metrics",
     "oracle_hit_rate", "oracle_hit_rate_capacity", "oracle_capacity_tokens", "achieved_over_oracle",
-    "achieved_over_oracle_capacity", "tokenizer_matches_server",
+    "achieved_over_oracle_capacity", "oracle_belady_hit_rate", "achieved_over_belady", "tokenizer_matches_server",
 }
 
 
@@ -75,9 +75,12 @@ def test_hit_rate_from_responses_equals_metrics_and_respects_the_oracle(server):
     assert m.hit_rate_matches_metrics is True
     # with the cache flushed and a pool far larger than the workload, the server cannot beat the oracle
     assert m.oracle_hit_rate_capacity == pytest.approx(m.oracle_hit_rate)
+    assert m.oracle_belady_hit_rate == pytest.approx(m.oracle_hit_rate)
+    assert m.achieved_over_belady == pytest.approx(m.hit_rate / m.oracle_belady_hit_rate)
     assert m.hit_rate <= m.oracle_hit_rate + 1e-9
     assert m.achieved_over_oracle == pytest.approx(m.hit_rate / m.oracle_hit_rate)
     assert "Prefix Cache" in out.report and "Oracle hit rate" in out.report
+    assert "Belady bound" in out.report and "LRU at capacity" in out.report
 
 
 @pytest.mark.parametrize("backend", ["openai", "openai-chat", "sglang"])

@@ -22,7 +22,7 @@ def test_experiment_end_to_end(server_model_dir, tmp_path, capsys):
                  "--disable-tqdm"])
     assert code == 0
     text = capsys.readouterr().out
-    assert "configuration" in text and "achieved/oracle" in text and "lpm-small-pool" in text
+    assert "configuration" in text and "achieved/Belady" in text and "lpm-small-pool" in text
     payload = json.loads((out / "results.json").read_text())
     names = [c["name"] for c in payload["configs"]]
     assert names == ["lpm", "no-radix", "lpm-small-pool"]

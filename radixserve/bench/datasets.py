@@ -8,7 +8,10 @@
 - `generated-shared-prefix` (SGLang's gsp): groups of prompts sharing a system prompt.
 - `agent`: sessions of multi-turn conversations over a few long system prompts; each turn carries
   the whole history and a new user message; a turn is sent after the previous turn of its session
-  has finished plus a think time.
+  has finished plus a think time. The history's replies are fixed text, unless the run is closed
+  loop (`--agent-closed-loop`, radixserve/bench/closed_loop.py): then each turn's prompt is, in
+  token ids, the previous turn's prompt + the tokens the server returned + `turn_suffix_ids`
+  (the end of that reply and the new user message, as the chat template renders them).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class BenchRequest:
     turn: int = 0
     think_time_s: float = 0.0  # wait after the session's previous turn finished
     system_tokens: int = 0  # prompt tokens that belong to the shared system prompt
+    # Closed-loop agent turns after the first: the tokens that follow the previous turn's output
+    turn_suffix_ids: Optional[list[int]] = None
 
     @property
     def prompt_len(self) -> int:
@@ -292,15 +297,21 @@ def _agent(args: DatasetArgs, source: TokenSource, tokenizer) -> list[BenchReque
         history = [{"role": "system", "content": systems[which]}]
         turns = []
         for turn in range(args.agent_turns):
+            previous_text = render_chat(tokenizer, history[:-1]) if turn else ""  # the previous prompt
             history.append({"role": "user", "content": source.words_text(rng, args.agent_user_len)})
             text = render_chat(tokenizer, history)
             ids = source.encode(text)
             think = 0.0 if turn == 0 else rng.expovariate(1.0 / args.agent_think_time_s) \
                 if args.agent_think_time_s > 0 else 0.0
+            suffix = None
+            if turn:
+                suffix = source.encode(_turn_suffix(previous_text, history[-2]["content"], text,
+                                                    history[-1]["content"]))
             turns.append(BenchRequest(prompt_ids=ids, output_len=args.agent_output_len, prompt_text=text,
                                       messages=[dict(m) for m in history], session_id=sid, turn=turn,
                                       think_time_s=think,
-                                      system_tokens=_common_prefix(ids, system_prefix_ids[which])))
+                                      system_tokens=_common_prefix(ids, system_prefix_ids[which]),
+                                      turn_suffix_ids=suffix))
             # The history carries a fixed reply, so the workload does not depend on the model's output.
             history.append({"role": "assistant", "content": source.words_text(rng, args.agent_assistant_len)})
         sessions.append(turns)
@@ -312,6 +323,14 @@ def _agent(args: DatasetArgs, source: TokenSource, tokenizer) -> list[BenchReque
     if args.agent_num_sessions == 0:
         ordered = _first_n_keep_sessions(ordered, args.num_prompts)
     return ordered
+
+
+def _turn_suffix(previous_prompt: str, reply: str, prompt: str, user: str) -> str:
+    """What the chat template puts after a reply: the end of that turn and the next user message."""
+    head = previous_prompt + reply
+    if prompt.startswith(head):
+        return prompt[len(head):]
+    return "\n" + user + "\n"  # a template that re-renders the history differently: the message alone
 
 
 def _first_n_keep_sessions(requests: list[BenchRequest], n: int) -> list[BenchRequest]:

@@ -57,7 +57,12 @@ class BenchMetrics:
     oracle_hit_rate_capacity: Optional[float] = None
     oracle_capacity_tokens: Optional[int] = None
     achieved_over_oracle: Optional[float] = None
-    achieved_over_oracle_capacity: Optional[float] = None
+    achieved_over_oracle_capacity: Optional[float] = None  # over the LRU reference at capacity
+    # Belady's MIN at capacity over the send order (radixserve/bench/belady.py): the bound
+    oracle_belady_hit_rate: Optional[float] = None
+    achieved_over_belady: Optional[float] = None
+    oracle_page_size: Optional[int] = None
+    oracle_running: Optional[int] = None
     # The client's own event-loop stalls (over LAG_THRESHOLD_S) and worst lag while the requests ran:
     # a stalled client reads its own pause as the server's latency.
     client_loop_stalls: int = 0

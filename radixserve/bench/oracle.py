@@ -93,7 +93,11 @@ class SimRadixCache:
         return self._walk(tokens, touch=True)[0]
 
     def insert(self, tokens: Sequence[int], protect: Sequence[_Node] = ()) -> int:
-        """Insert tokens (truncated to the capacity); returns how many were new."""
+        """Insert tokens (truncated to the capacity); returns how many were new.
+
+        The prefix already cached is protected from the eviction that makes room (a node matched
+        only partly is split first, so its unmatched tail can go), and so are `protect`'s nodes.
+        """
         self.clock += 1
         tokens = tuple(tokens if self.capacity is None else tokens[: self.capacity])
         matched, path = self._walk(tokens, touch=True)
@@ -101,21 +105,28 @@ class SimRadixCache:
         if new == 0:
             return 0
         if self.capacity is not None and self.size + new > self.capacity:
+            _, path = self._split_at(matched, path)
             self._evict(self.size + new - self.capacity, set(map(id, path)) | set(map(id, protect)))
             matched, path = self._walk(tokens, touch=True)  # eviction never touches the path
             new = len(tokens) - matched
-        self._insert_at(tokens, matched, path)
+        parent, _ = self._split_at(matched, path)
+        rest = tokens[matched:]
+        leaf = _Node(rest, parent)
+        leaf.last_access = self.clock
+        parent.children[rest[0]] = leaf
         self.size += new
         return new
 
-    def _insert_at(self, tokens: tuple[int, ...], matched: int, path: list[_Node]) -> None:
-        parent = self.root
-        consumed = 0
+    def _split_at(self, matched: int, path: list[_Node]) -> tuple[_Node, list[_Node]]:
+        """Split the node the match ends inside; returns the node the match ends at and its path."""
+        parent, consumed, full = self.root, 0, []
         for node in path:
             if consumed + len(node.key) <= matched:
                 parent, consumed = node, consumed + len(node.key)
+                full.append(node)
                 continue
-            # partial match inside node: split it at the match point
+            if matched == consumed:
+                break
             cut = matched - consumed
             upper = _Node(node.key[:cut], parent)
             upper.last_access = self.clock
@@ -123,12 +134,10 @@ class SimRadixCache:
             node.key = node.key[cut:]
             node.parent = upper
             upper.children[node.key[0]] = node
-            parent, consumed = upper, matched
+            full.append(upper)
+            parent = upper
             break
-        rest = tokens[matched:]
-        leaf = _Node(rest, parent)
-        leaf.last_access = self.clock
-        parent.children[rest[0]] = leaf
+        return parent, full
 
     def _evict(self, need: int, protected: set[int]) -> None:
         def leaves():
@@ -162,10 +171,9 @@ def oracle_hit_rate(requests: Sequence[OracleRequest], capacity: Optional[int] =
         prompt = list(req.prompt)
         target = prompt[: max(0, len(prompt) - match_cap)]
         hit = cache.match(target)
-        _, path = cache._walk(target[:hit], touch=False)
         result.prompt_tokens += len(prompt)
         result.hit_tokens += hit
         result.per_request_hits.append(hit)
-        cache.insert(prompt + list(req.output), protect=path)
+        cache.insert(prompt + list(req.output))
     result.evicted_tokens = cache.evicted
     return result

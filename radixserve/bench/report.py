@@ -59,11 +59,12 @@ def format_report(m: BenchMetrics, *, backend: str, request_rate: float, max_con
     row("Responses agree with /metrics:",
         "n/a" if m.hit_rate_matches_metrics is None else ("yes" if m.hit_rate_matches_metrics else "NO"))
     row("Oracle hit rate (unlimited):", _fmt(m.oracle_hit_rate, 4))
-    cap = f"Oracle hit rate ({m.oracle_capacity_tokens} tok):" if m.oracle_capacity_tokens else \
-        "Oracle hit rate (server capacity):"
-    row(cap, _fmt(m.oracle_hit_rate_capacity, 4))
+    pool = f"{m.oracle_capacity_tokens} tok" if m.oracle_capacity_tokens else "capacity"
+    row(f"Belady bound ({pool}, send order):", _fmt(m.oracle_belady_hit_rate, 4))
+    row(f"LRU at capacity ({pool}):", _fmt(m.oracle_hit_rate_capacity, 4))
     row("Achieved / oracle (unlimited):", _fmt(m.achieved_over_oracle, 3))
-    row("Achieved / oracle (capacity):", _fmt(m.achieved_over_oracle_capacity, 3))
+    row("Achieved / Belady bound:", _fmt(m.achieved_over_belady, 3))
+    row("Achieved / LRU at capacity:", _fmt(m.achieved_over_oracle_capacity, 3))
     if m.failure_reasons:
         title(" Failures ", "-")
         for reason, count in sorted(m.failure_reasons.items(), key=lambda kv: -kv[1]):

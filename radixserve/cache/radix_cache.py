@@ -27,8 +27,8 @@ ALL = "all"
 
 
 class TreeNode:
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "hit_count", "created",
-                 "node_id", "removed")
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "waiters", "last_access", "hit_count",
+                 "created", "node_id", "removed")
 
     def __init__(self, key: list[int], value: torch.Tensor, parent: Optional["TreeNode"], tick: int, node_id: int):
         self.key = key
@@ -36,6 +36,7 @@ class TreeNode:
         self.children: dict = {}
         self.parent = parent
         self.lock_ref = 0
+        self.waiters = 0  # waiting requests whose cached match runs through this node
         self.last_access = tick
         self.hit_count = 0
         self.created = tick
@@ -87,7 +88,7 @@ class RadixCache:
         self.allocator = allocator
         self.page_size = page_size
         self.disabled = disable
-        self._priority = EVICTION_KEYS[eviction_policy]
+        self._policy_key = EVICTION_KEYS[eviction_policy]
         self._ids = itertools.count()
         self._tick = 0
         self.counters = CacheCounters()
@@ -104,6 +105,7 @@ class RadixCache:
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size = 0
         self.protected_size = 0
+        self.waited_evictable_size = 0  # of evictable_size, tokens some waiting request will reuse
         self.num_nodes = 1
         self._heap: list[tuple[tuple, TreeNode]] = []
 
@@ -184,6 +186,7 @@ class RadixCache:
         assert parent is not None
         upper = TreeNode(node.key[:n], node.value[:n].clone(), parent, node.created, next(self._ids))
         upper.lock_ref, upper.last_access, upper.hit_count = node.lock_ref, node.last_access, node.hit_count
+        upper.waiters = node.waiters
         parent.children[self._child_key(node.key, 0)] = upper
         node.key = node.key[n:]
         node.value = node.value[n:].clone()
@@ -229,6 +232,8 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.evictable_size -= len(node.key)
                 self.protected_size += len(node.key)
+                if node.waiters:
+                    self.waited_evictable_size -= len(node.key)
             node.lock_ref += 1
             node = node.parent
 
@@ -239,11 +244,42 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.evictable_size += len(node.key)
                 self.protected_size -= len(node.key)
+                if node.waiters:
+                    self.waited_evictable_size += len(node.key)
                 if node.is_leaf:
                     self._push(node)
             node = node.parent
 
+    # ------------------------------------------------------------------ waiting requests
+    def add_waiter(self, node: TreeNode) -> None:
+        """A waiting request will reuse the path to node: evict it only when nothing else is left."""
+        self._count_waiter(node, +1)
+
+    def remove_waiter(self, node: TreeNode) -> None:
+        self._count_waiter(node, -1)
+
+    def _count_waiter(self, node: TreeNode, delta: int) -> None:
+        # Walk by parent links, not up to self.root: a node evicted or flushed since the request
+        # was parked still leads up its old path, whose counts this undoes.
+        while node.parent is not None:
+            node.waiters += delta
+            assert node.waiters >= 0, f"waiter count of {node} went negative"
+            if node.waiters == max(delta, 0) and node.lock_ref == 0 and not node.removed:
+                self.waited_evictable_size += delta * len(node.key)
+                if node.is_leaf:
+                    self._push(node)  # it just changed eviction class
+            node = node.parent
+
+    @property
+    def reclaimable_size(self) -> int:
+        """Evictable tokens no waiting request will reuse: what admission may take without cost."""
+        return self.evictable_size - self.waited_evictable_size
+
     # ------------------------------------------------------------------ eviction
+    def _priority(self, node: TreeNode) -> tuple:
+        # Queue-aware: a prefix some waiting request will match goes after every prefix nobody waits for.
+        return (node.waiters > 0,) + self._policy_key(node)
+
     def _push(self, node: TreeNode) -> None:
         heapq.heappush(self._heap, (self._priority(node), node))
         if len(self._heap) > 4 * self.num_nodes + 1024:
@@ -271,6 +307,8 @@ class RadixCache:
             self.allocator.free_slots(node.value)
             freed += len(node.key)
             self.evictable_size -= len(node.key)
+            if node.waiters:
+                self.waited_evictable_size -= len(node.key)
             parent = node.parent
             del parent.children[self._child_key(node.key, 0)]
             node.removed = True
@@ -285,7 +323,7 @@ class RadixCache:
         """Drop the whole tree and free its slots; refused (False) while any request holds a lock."""
         if self.protected_size:
             return False
-        for node in self._iter_nodes():
+        for node in self.iter_nodes():
             if node is not self.root:
                 self.allocator.free_slots(node.value)
                 node.removed = True
@@ -308,7 +346,7 @@ class RadixCache:
         return [t for key in reversed(keys) for t in key]
 
     # ------------------------------------------------------------------ checks
-    def _iter_nodes(self) -> Iterator[TreeNode]:
+    def iter_nodes(self) -> Iterator[TreeNode]:
         stack = [self.root]
         while stack:
             node = stack.pop()
@@ -316,14 +354,16 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def all_slots(self) -> list[torch.Tensor]:
-        return [n.value for n in self._iter_nodes() if n is not self.root]
+        return [n.value for n in self.iter_nodes() if n is not self.root]
 
     def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = ()) -> None:
         """Sizes add up to the pool, no slot is owned twice, locks and pages are consistent."""
-        evictable = protected = 0
-        for node in self._iter_nodes():
+        evictable = protected = waited = 0
+        for node in self.iter_nodes():
             if node is self.root:
                 continue
+            if node.waiters and not node.lock_ref:
+                waited += len(node.key)
             assert not node.removed, f"{node} is in the tree but marked removed"
             assert len(node.key) == len(node.value) > 0, f"{node}: key/value length mismatch"
             assert len(node.key) % self.page_size == 0, f"{node}: not whole pages"
@@ -336,6 +376,7 @@ class RadixCache:
                 evictable += len(node.key)
         assert evictable == self.evictable_size, f"evictable counter {self.evictable_size} != {evictable}"
         assert protected == self.protected_size, f"protected counter {self.protected_size} != {protected}"
+        assert waited == self.waited_evictable_size, f"waited counter {self.waited_evictable_size} != {waited}"
         total = self.allocator.total_tokens
         free = self.allocator.free_tokens
         assert free + evictable + protected + held_by_running == total, (

@@ -68,6 +68,10 @@ class Worker:
     pending_built: float = field(init=False)
     pending_stale: bool = False  # a request ended since the last rebuild
     kv_task: Optional[asyncio.Task] = None
+    # balanced: uncached prompt symbols of the requests in flight here (their prefill work)
+    outstanding_work: int = 0
+    work_by_token: dict[int, int] = field(default_factory=dict)
+    next_work: int = 0
 
     def __post_init__(self) -> None:
         self.tree = PrefixTree(self.max_tree_size)
@@ -89,15 +93,24 @@ class Worker:
             self.pending_stale = bool(self.recent)
         return self.pending.match_len(key)
 
+    def assign_work(self, work: int) -> None:
+        """The work of the request the policy just chose this worker for; start_request books it."""
+        self.next_work = work
+
     def start_request(self, token: int, key: Optional[Key]) -> None:
         self.load += 1
         self.requests += 1
+        if self.next_work:
+            self.work_by_token[token] = self.next_work
+            self.outstanding_work += self.next_work
+            self.next_work = 0
         if key is not None:
             self.inflight[token] = key
             self.pending.insert(key)
 
     def end_request(self, token: int) -> None:
         self.load = max(0, self.load - 1)
+        self.outstanding_work -= self.work_by_token.pop(token, 0)
         key = self.inflight.pop(token, None)
         if key is not None:
             self.recent.append((time.monotonic() + RECENT_KEEP_S, key))

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from radixserve.cache.kv_pool import PageAllocator, ReqToTokenPool
-from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.radix_cache import RadixCache, TreeNode
 from radixserve.scheduler.request import Req, ReqState
 from radixserve.scheduler.waiting_queue import WaitingQueue
 from radixserve.settings import ServerSettings
@@ -80,7 +81,7 @@ class Scheduler:
         self.clock = clock
         self.max_running = min(settings.max_running_requests or req_to_token.max_requests, req_to_token.max_requests)
         self.waiting = WaitingQueue(cache, settings.schedule_policy,
-                                    aging_tokens_per_s=context_len / settings.lpm_max_overtake_s,
+                                    max_overtake_s=settings.lpm_max_overtake_s,
                                     seed=settings.random_seed)
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}
@@ -97,6 +98,8 @@ class Scheduler:
         self.results_outstanding = False
         # In-batch sharing keys of the prefixes admitted by the last scheduled step.
         self._prefixes_in_flight: set[tuple] = set()
+        # Prefixes of finished requests held for --prefix-hold-s: (release time, node), oldest first.
+        self._held: deque[tuple[float, TreeNode]] = deque()
 
     def reset_stats(self) -> None:
         """Forget what earlier requests taught (after the engine's warm-up)."""
@@ -181,6 +184,34 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.cache.check_invariants(self.held_by_running(), self.running_owned_slots())
+        self._check_waiter_counts()
+
+    def _check_waiter_counts(self) -> None:
+        """Each node's waiter count is the waiting requests parked at or below it plus held prefixes."""
+        expected: Counter = Counter()
+        for node in [r.peek_node for r in self.waiting] + [node for _, node in self._held]:
+            while node is not None and node.parent is not None:
+                expected[node] += 1
+                node = node.parent
+        for node in self.cache.iter_nodes():
+            assert node.waiters == expected[node], f"{node}: {node.waiters} waiters, expected {expected[node]}"
+
+    # ------------------------------------------------------------------ prefix hold
+    def _hold_prefix(self, req: Req) -> None:
+        """Keep a finished request's prefix out of eviction and admission for --prefix-hold-s: under
+        pressure, a conversation's next turn otherwise finds it evicted by a request that arrived
+        during the turn's think time."""
+        if self.settings.prefix_hold_s <= 0 or self.cache.disabled:
+            return
+        _, node = self.cache.peek(req.fill_ids)
+        if node is not self.cache.root:
+            self.cache.add_waiter(node)
+            self._held.append((self.clock() + self.settings.prefix_hold_s, node))
+
+    def _release_expired_holds(self) -> None:
+        now = self.clock()
+        while self._held and self._held[0][0] <= now:
+            self.cache.remove_waiter(self._held.popleft()[1])
 
     def _future_tokens(self, req: Req) -> int:
         """Tokens req is expected to still need: the rest of its prompt plus a share of its output."""
@@ -253,6 +284,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> Optional[ScheduledBatch]:
+        self._release_expired_holds()
         self.waiting.refresh()
         batch = ScheduledBatch([], [], [], [])
         self._schedule_decode(batch)
@@ -324,8 +356,13 @@ class Scheduler:
             return
         if not all(batch.sample):
             return  # a request is still mid-prompt: finish it before admitting more
-        available = self.allocator.free_tokens + self.cache.evictable_size - sum(
-            self._future_tokens(r) for r in self.running)
+        # Queue-aware admission: while running requests fill half the pool, prefixes that waiting
+        # requests (or a held, just-finished conversation) will reuse are no room for a new request;
+        # below that, a full batch comes first.
+        busy = self.cache.protected_size + self.held_by_running() >= self.allocator.total_tokens // 2
+        spare = (lambda: self.cache.reclaimable_size) if busy else (lambda: self.cache.evictable_size)
+        future = sum(self._future_tokens(r) for r in self.running)
+        available = self.allocator.free_tokens + spare() - future
         min_shared = self.settings.in_batch_prefix_min_len
         for req in self.waiting.ordered():
             if budget <= 0 or len(self.running) >= self.max_running:
@@ -343,14 +380,15 @@ class Scheduler:
                 admitted.add(key)
             self.waiting.remove(req)
             req.req_pool_idx = self.req_to_token.alloc()
-            evictable_before = self.cache.evictable_size
+            spare_before = spare()
             self._lock_prefix(req)
-            locked_away = evictable_before - self.cache.evictable_size  # cached tokens now protected
+            locked_away = spare_before - spare()  # cached tokens now protected
             need = self._page_ceil(req.seq_len - req.kv_len) + math.ceil(
                 min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
             alone = not self.running and not batch.reqs
             fits = need <= available - locked_away or (
-                alone and self._page_ceil(req.seq_len - req.kv_len) <= available - locked_away)
+                alone and self._page_ceil(req.seq_len - req.kv_len)
+                <= self.allocator.free_tokens + self.cache.evictable_size)
             taken = self._add_prefill(batch, req, budget, chunking, new=True) if fits else 0
             if not taken:
                 self._unadmit(req)
@@ -423,6 +461,7 @@ class Scheduler:
                 req.finish_reason = reason
                 self.running.remove(req)
                 self._release(req)
+                self._hold_prefix(req)
                 req.state = ReqState.FINISHED
                 del self.reqs[req.rid]
             updated.append(req)

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The seed's scenario on one GPU: the agent workload (256 sessions x 5 turns over 8 system prompts
+# of 2,048 tokens, all sessions at once) against a KV pool too small to keep every conversation,
+# one fresh server per configuration, the same client and seed for each. On the H200 machine,
+# from the repository root, with .whl and .qwen2-tokenizer carried:
+#
+#   bash scripts/gpu_agent_bench.sh                 # results under $OUT (else runs/agent)
+#
+# Environment:
+#   CONFIGS     space-separated "label:server flags" entries, flags joined by commas
+#               (default: lpm, fcfs, lpm with --prefix-hold-s 0.25)
+#   MODEL       model dir (dummy weights; default the Qwen2-7B config)
+#   POOL        --max-total-tokens (default 216825, as the ANCHORS runs)
+#   WORKLOAD    agent (default) or gsp (64 groups x 16, 2,048-token system prompts, 1,024 at once)
+#   CLIENT_ARGS bench_serving workload flags replacing the above (a quick CPU check of the script)
+#   REPEAT      how many times the list of configurations is run, alternating (default 1)
+#   DEADLINE_S  the whole script's budget (default 540)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+T0=$(date +%s)
+if [ -z "${SKIP_WHEELS:-}" ]; then . scripts/gpu_run.sh || exit 1; else export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"; fi
+OUT=${OUT:-runs/agent}
+mkdir -p "$OUT"
+MODEL=${MODEL:-benchmarks/configs/qwen2-7b}
+TOKENIZER=${TOKENIZER-.qwen2-tokenizer}
+POOL=${POOL:-216825}
+WORKLOAD=${WORKLOAD:-agent}
+REPEAT=${REPEAT:-1}
+CONFIGS=${CONFIGS:-"lpm:--schedule-policy,lpm fcfs:--schedule-policy,fcfs lpm-hold:--schedule-policy,lpm,--prefix-hold-s,0.25"}
+DEADLINE_S=${DEADLINE_S:-540}
+PORT=${PORT:-30000}
+RESULTS=$OUT/results.jsonl
+left() { echo $((DEADLINE_S - ($(date +%s) - T0))); }
+log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+if [ -n "${CLIENT_ARGS:-}" ]; then
+  read -r -a CLIENT <<< "$CLIENT_ARGS"
+elif [ "$WORKLOAD" = gsp ]; then
+  CLIENT=(--dataset-name generated-shared-prefix --prompt-ids --gsp-num-groups 64 --gsp-prompts-per-group 16
+          --gsp-system-prompt-len 2048 --gsp-question-len 128 --gsp-output-len 256 --request-rate inf)
+else
+  CLIENT=(--dataset-name agent --agent-num-sessions 256 --agent-turns 5 --agent-num-system-prompts 8
+          --agent-system-prompt-len 2048 --agent-user-len 256 --agent-assistant-len 128 --agent-output-len 128
+          --num-prompts 1280 --request-rate inf)
+fi
+SERVER_PID=""
+stop_server() {
+  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
+    kill "$SERVER_PID"; for _ in $(seq 30); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
+    kill -9 "$SERVER_PID" 2>/dev/null
+  fi
+  SERVER_PID=""
+}
+trap stop_server EXIT
+for round in $(seq "$REPEAT"); do
+  for entry in $CONFIGS; do
+    label=${entry%%:*}; flags=${entry#*:}; IFS=, read -r -a extra <<< "$flags"
+    if [ "$(left)" -lt 120 ]; then log "skip $label: $(left)s left"; continue; fi
+    log "start $label (round $round): ${extra[*]}"
+    python3 -m radixserve.launch_server --model-path "$MODEL" --load-format dummy ${TOKENIZER:+--tokenizer-path "$TOKENIZER"} \
+      --max-total-tokens "$POOL" --radix-eviction-policy lru "${extra[@]}" --port "$PORT" \
+      --log-file "$OUT/server-$label-$round.log" > "$OUT/server-$label-$round.out" 2>&1 &
+    SERVER_PID=$!
+    up=0
+    for _ in $(seq 240); do
+      kill -0 "$SERVER_PID" 2>/dev/null || break
+      if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; then up=1; break; fi
+      sleep 1
+    done
+    if [ "$up" != 1 ]; then log "$label did not come up"; tail -20 "$OUT/server-$label-$round.out"; stop_server; continue; fi
+    log "run $label"
+    timeout -k 5 "$(left)" python3 -m radixserve.bench_serving --backend sglang --port "$PORT" \
+      ${TOKENIZER:+--tokenizer "$TOKENIZER"} --seed 1 --disable-tqdm --output-file "$RESULTS" \
+      "${CLIENT[@]}" | grep -iE "hit|throughput|latency|TTFT|Belady|LRU|oracle|Successful|Failed" \
+      || log "$label: client exit $?"
+    stop_server
+  done
+done
+log "done"

@@ -1,0 +1,152 @@
+"""Queue-aware eviction and admission, LPM's arrival windows and the prefix hold.
+
+The radix cache counts, for every node, the waiting requests whose cached match runs through it;
+those prefixes are evicted last and are no room for new requests while the pool is busy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from radixserve.bench.scheduler_sim import SimConfig, agent_sessions, simulate
+from radixserve.cache.kv_pool import PageAllocator, ReqToTokenPool
+from radixserve.cache.radix_cache import RadixCache
+from radixserve.engine.io_struct import SamplingParams
+from radixserve.scheduler.request import Req
+from radixserve.scheduler.scheduler import Scheduler
+from radixserve.settings import ServerSettings
+
+
+def _insert(cache: RadixCache, tokens: list[int]) -> None:
+    slots = cache.allocator.alloc_pages(len(tokens))
+    assert slots is not None
+    cache.insert(tokens, torch.tensor(slots, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
+def test_waited_prefix_is_evicted_last(policy):
+    cache = RadixCache(PageAllocator(64, 1), eviction_policy=policy)
+    old, new = [1] * 10, [2] * 10
+    _insert(cache, old)  # older, and evicted first by every policy without waiters
+    _insert(cache, new)
+    _, old_node = cache.peek(old)
+    cache.add_waiter(old_node)
+    assert cache.waited_evictable_size == 10 and cache.reclaimable_size == 10
+    assert cache.evict(10) == 10
+    assert cache.peek(old)[0] == 10 and cache.peek(new)[0] == 0
+    cache.check_invariants()
+    cache.evict(10)  # nothing else is left: the waited prefix goes too
+    assert cache.peek(old)[0] == 0 and cache.waited_evictable_size == 0
+    cache.remove_waiter(old_node)  # the request re-parks after the eviction: counts stay consistent
+    cache.check_invariants()
+
+
+def test_waiter_counts_follow_locks_splits_and_flush():
+    cache = RadixCache(PageAllocator(64, 1))
+    _insert(cache, list(range(20)))
+    _, node = cache.peek(list(range(20)))
+    cache.add_waiter(node)
+    assert cache.waited_evictable_size == 20
+    match = cache.match(list(range(8)) + [99])  # splits the node after 8 tokens and locks nothing yet
+    cache.inc_lock(match.last_node)
+    assert cache.waited_evictable_size == 12  # the locked upper part is protected, not evictable
+    cache.check_invariants()
+    cache.dec_lock(match.last_node)
+    assert cache.waited_evictable_size == 20
+    assert cache.flush()
+    assert cache.waited_evictable_size == 0
+    cache.remove_waiter(node)  # a request parked before the flush leaves the old path
+    cache.check_invariants()
+
+
+def _scheduler(pool: int, clock, **overrides) -> Scheduler:
+    settings = ServerSettings(max_total_tokens=pool, device="cpu", **overrides)
+    cache = RadixCache(PageAllocator(pool, 1))
+    return Scheduler(settings, cache, ReqToTokenPool(16, 1024, "cpu"), context_len=1024, eos_token_ids=[],
+                     clock=clock)
+
+
+def _req(rid: str, ids: list[int], t: float, max_new: int = 4) -> Req:
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    return Req(rid=rid, origin_input_ids=ids, sampling_params=params, arrival_time=t, arrival_seq=-1)
+
+
+def _run_to_end(sched: Scheduler) -> list[str]:
+    finished = []
+    while sched.has_work:
+        batch = sched.schedule()
+        assert batch is not None
+        for req in sched.process_results(batch, [7] * sum(batch.sample)):
+            if req.finish_reason is not None:
+                finished.append(req.rid)
+    return finished
+
+
+def test_lpm_is_pure_within_the_overtake_window_and_bounded_across():
+    now = [0.0]
+    sched = _scheduler(4096, lambda: now[0], lpm_max_overtake_s=5.0)
+    system = list(range(100, 300))
+    sched.add_request(_req("warm", system + [1], 0.0))
+    _run_to_end(sched)
+    sched.add_request(_req("cold-early", [5] * 50, 1.0))
+    sched.add_request(_req("hot-early", system + [2], 2.0))
+    sched.add_request(_req("hot-late", system + [3], 7.0))  # more than 5 s after cold-early
+    order = [r.rid for r in sched.waiting.ordered()]
+    # Within the first window the longest cached prefix goes first, however much later it arrived;
+    # a request arriving more than lpm_max_overtake_s after cold-early never overtakes it.
+    assert order == ["hot-early", "cold-early", "hot-late"]
+
+
+def test_waiting_prefix_is_no_room_for_a_new_request_while_busy():
+    now = [0.0]
+    sched = _scheduler(600, lambda: now[0])
+    hot = list(range(1000, 1200))
+    sched.add_request(_req("first", hot + [1], 0.0, max_new=2))
+    _run_to_end(sched)  # hot's 200 tokens are cached and unlocked
+    # A long runner fills the pool past half, then one request waits on hot's prefix.
+    sched.add_request(_req("runner", list(range(2000, 2300)), 1.0, max_new=40))
+    batch = sched.schedule()
+    sched.process_results(batch, [7])
+    sched.add_request(_req("hot-again", hot + [2], 2.0, max_new=2))
+    sched.add_request(_req("cold", list(range(3000, 3090)), 2.0, max_new=2))
+    assert sched.cache.waited_evictable_size >= 200
+    sched.waiting.remove(sched.reqs["hot-again"])  # as if it had not arrived yet: cold may use the room
+    room_without_waiter = sched.cache.reclaimable_size
+    sched.waiting.add(sched.reqs["hot-again"])
+    assert room_without_waiter - sched.cache.reclaimable_size >= 200
+    hot_again = sched.reqs["hot-again"]
+    _run_to_end(sched)
+    assert sched.reqs == {} and hot_again.cached_tokens == 200  # cold did not evict it
+    sched.check_invariants()
+
+
+def test_prefix_hold_keeps_a_finished_prefix_for_its_duration():
+    now = [0.0]
+    sched = _scheduler(1024, lambda: now[0], prefix_hold_s=1.0)
+    ids = list(range(400, 500))
+    sched.add_request(_req("turn-1", ids, 0.0, max_new=3))
+    _run_to_end(sched)
+    assert sched.cache.waited_evictable_size == 100 + 2  # the prompt and the outputs with KV
+    sched.check_invariants()
+    now[0] = 0.9
+    sched.schedule()
+    assert sched.cache.waited_evictable_size == 102
+    now[0] = 1.1
+    sched.schedule()
+    assert sched.cache.waited_evictable_size == 0
+    sched.check_invariants()
+
+
+def test_agent_sessions_under_pressure_lpm_keeps_more_than_fcfs():
+    """The seed's scenario, scaled down: multi-turn sessions, all at once, a pool that cannot keep
+    every conversation. Runs the real scheduler and cache (no model), deterministically."""
+    cfg = SimConfig(sessions=64, turns=5, systems=4, system_len=512, user_len=64, assistant_len=32,
+                    output_len=32, pool=14000, think_s=0.1, prefix_hold_s=0.0)
+    sessions = agent_sessions(cfg)
+    lpm = simulate(dataclasses.replace(cfg, policy="lpm"), sessions)
+    fcfs = simulate(dataclasses.replace(cfg, policy="fcfs"), sessions)
+    assert lpm["hit_rate"] >= fcfs["hit_rate"] + 0.01, (lpm, fcfs)
+    assert lpm["turns_that_lost_the_previous_prompt"] < fcfs["turns_that_lost_the_previous_prompt"]
