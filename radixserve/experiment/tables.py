@@ -116,8 +116,8 @@ def _legend(results: list[ConfigResult], small_pool: int) -> str:
 
 def columns_note(columns: tuple[str, ...]) -> str:
     if "Belady bound" in columns:
-        bound = ("'Belady bound': the most any eviction order can hit in the server's KV pool with the requests in "
-                 "send order, so achieved/Belady is at most about 1")
+        bound = ("'Belady bound': the most any eviction order can hit in the server's KV pool with the requests "
+                 "served in send order (achieved/Belady above 1: the schedule reordered them to find more reuse)")
     else:
         bound = ("'oracle (unlimited)': the hit rate of a cache that never evicts, so achieved/oracle is at most "
                  "about 1 and shows what a pool's size and policy cost")
