@@ -28,6 +28,11 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
+def _computed(record: dict[str, Any]) -> Optional[int]:
+    prompt, cached = _get(record, "total_input_tokens"), _get(record, "cached_tokens")
+    return None if prompt is None or cached is None else int(prompt - cached)
+
+
 def _pair_clause(lpm: dict[str, Any], fcfs: dict[str, Any], where: str) -> tuple[str, list[str]]:
     """'under the small pool LPM ... than FCFS' and the measures on which LPM lost."""
     hit_l, hit_f = _get(lpm, "hit_rate"), _get(fcfs, "hit_rate")
@@ -38,6 +43,10 @@ def _pair_clause(lpm: dict[str, Any], fcfs: dict[str, Any], where: str) -> tuple
     parts = []
     if hit_l is not None and hit_f is not None:
         parts.append(f"hit rate {hit_l:.2f} vs {hit_f:.2f}")
+    computed_l, computed_f = _computed(lpm), _computed(fcfs)
+    if computed_l is not None and computed_f is not None:
+        # The prompt tokens each had to compute: the work the cache saved, independent of the machine.
+        parts.append(f"{computed_l} prompt tokens computed vs {computed_f}")
     if thr is not None:
         parts.append(f"{thr:.2f}x the throughput")
     for name, gain in measures.items():  # gain > 1: LPM's is lower (better)
@@ -51,11 +60,17 @@ def _pair_clause(lpm: dict[str, Any], fcfs: dict[str, Any], where: str) -> tuple
     return f"{where} LPM gets {', '.join(parts)}", lost
 
 
-def _why(losses: list[tuple[str, str]]) -> str:
-    """Why LPM lost where it did: waiting time for the uncached, or evictions its order caused."""
-    timing = [f"{m} {w}" for m, w in losses if m != "hit rate"]
-    cache = [w for m, w in losses if m == "hit rate"]
+def _why(losses: list[tuple[str, str, bool]]) -> str:
+    """Why LPM lost where it did: the order alone (same hit rate: the same prefill work), waiting
+    time for the uncached, or evictions its order caused."""
+    same_work = [f"{m} {w}" for m, w, same in losses if m != "hit rate" and same]
+    timing = [f"{m} {w}" for m, w, same in losses if m != "hit rate" and not same]
+    cache = [w for m, w, _ in losses if m == "hit rate"]
     out = []
+    if same_work:
+        out.append(f"LPM is slower on {', '.join(same_work)} with the same hit rate, so the same prefill work: "
+                   "that difference is the order requests ran in (cached prefixes first) and the machine's timing "
+                   "noise (compare runs)")
     if timing:
         out.append(f"LPM loses on {', '.join(timing)} because it runs the requests whose prefix is cached first, so "
                    "a request with nothing cached waits behind them (--lpm-max-overtake-s bounds that wait)")
@@ -74,7 +89,9 @@ def explanation(results: list[ConfigResult], small_pool: int) -> str:
             clause, lost = _pair_clause(rec[lpm], rec[fcfs], where.replace("small pool", f"small pool ({small_pool} "
                                                                             "tokens)"))
             clauses.append(clause)
-            losses += [(m, where) for m in lost]
+            hits = _get(rec[lpm], "hit_rate"), _get(rec[fcfs], "hit_rate")
+            same = None not in hits and abs(hits[0] - hits[1]) <= HIT_TIE
+            losses += [(m, where, same) for m in lost]
     base = rec.get("lpm")
     if base is not None and "no-radix" in rec:
         speed = _ratio(_get(base, "total_throughput"), _get(rec["no-radix"], "total_throughput"))
