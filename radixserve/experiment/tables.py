@@ -61,19 +61,20 @@ def _pair_clause(lpm: dict[str, Any], fcfs: dict[str, Any], where: str) -> tuple
 
 
 def _why(losses: list[tuple[str, str, bool]]) -> str:
-    """Why LPM lost where it did: the order alone (same hit rate: the same prefill work), waiting
-    time for the uncached, or evictions its order caused."""
-    same_work = [f"{m} {w}" for m, w, same in losses if m != "hit rate" and same]
-    timing = [f"{m} {w}" for m, w, same in losses if m != "hit rate" and not same]
+    """Why LPM lost where it did. A timing loss with no more prompt tokens computed than FCFS is
+    not the cache: it is the order (cached prefixes first), LPM's own scheduling work per step, or
+    the machine; a hit-rate loss is the evictions its order caused."""
+    less_work = [f"{m} {w}" for m, w, no_more_work in losses if m != "hit rate" and no_more_work]
+    more_work = [f"{m} {w}" for m, w, no_more_work in losses if m != "hit rate" and not no_more_work]
     cache = [w for m, w, _ in losses if m == "hit rate"]
     out = []
-    if same_work:
-        out.append(f"LPM is slower on {', '.join(same_work)} with the same hit rate, so the same prefill work: "
-                   "that difference is the order requests ran in (cached prefixes first) and the machine's timing "
-                   "noise (compare runs)")
-    if timing:
-        out.append(f"LPM loses on {', '.join(timing)} because it runs the requests whose prefix is cached first, so "
-                   "a request with nothing cached waits behind them (--lpm-max-overtake-s bounds that wait)")
+    if less_work:
+        out.append(f"LPM is slower on {', '.join(less_work)} while computing no more prompt tokens than FCFS, so the "
+                   "time went to the order (cached prefixes first: a request with nothing cached waits, "
+                   "--lpm-max-overtake-s bounds it), to LPM's own scheduling work each step, or to the machine's "
+                   "timing noise (compare runs)")
+    if more_work:
+        out.append(f"LPM loses on {', '.join(more_work)} because it computed more prompt tokens there")
     if cache:
         out.append(f"LPM's hit rate is lower {' and '.join(cache)} because the order it admitted requests in evicted "
                    "prefixes that waiting requests needed again, where FCFS's order kept them")
@@ -89,9 +90,9 @@ def explanation(results: list[ConfigResult], small_pool: int) -> str:
             clause, lost = _pair_clause(rec[lpm], rec[fcfs], where.replace("small pool", f"small pool ({small_pool} "
                                                                             "tokens)"))
             clauses.append(clause)
-            hits = _get(rec[lpm], "hit_rate"), _get(rec[fcfs], "hit_rate")
-            same = None not in hits and abs(hits[0] - hits[1]) <= HIT_TIE
-            losses += [(m, where, same) for m in lost]
+            work = _computed(rec[lpm]), _computed(rec[fcfs])
+            no_more_work = None not in work and work[0] <= work[1]
+            losses += [(m, where, no_more_work) for m in lost]
     base = rec.get("lpm")
     if base is not None and "no-radix" in rec:
         speed = _ratio(_get(base, "total_throughput"), _get(rec["no-radix"], "total_throughput"))
