@@ -60,12 +60,13 @@ def _pair_clause(lpm: dict[str, Any], fcfs: dict[str, Any], where: str) -> tuple
     return f"{where} LPM gets {', '.join(parts)}", lost
 
 
-def _why(losses: list[tuple[str, str, bool]]) -> str:
+def _why(losses: list[tuple[str, str, Optional[bool]]]) -> str:
     """Why LPM lost where it did. A timing loss with no more prompt tokens computed than FCFS is
     not the cache: it is the order (cached prefixes first), LPM's own scheduling work per step, or
     the machine; a hit-rate loss is the evictions its order caused."""
     less_work = [f"{m} {w}" for m, w, no_more_work in losses if m != "hit rate" and no_more_work]
-    more_work = [f"{m} {w}" for m, w, no_more_work in losses if m != "hit rate" and not no_more_work]
+    more_work = [f"{m} {w}" for m, w, no_more_work in losses if m != "hit rate" and no_more_work is False]
+    unknown = [f"{m} {w}" for m, w, no_more_work in losses if m != "hit rate" and no_more_work is None]
     cache = [w for m, w, _ in losses if m == "hit rate"]
     out = []
     if less_work:
@@ -73,6 +74,10 @@ def _why(losses: list[tuple[str, str, bool]]) -> str:
                    "time went to the order (cached prefixes first: a request with nothing cached waits, "
                    "--lpm-max-overtake-s bounds it), to LPM's own scheduling work each step, or to the machine's "
                    "timing noise (compare runs)")
+    if unknown:
+        out.append(f"LPM is slower on {', '.join(unknown)}: the order (cached prefixes first: a request with nothing "
+                   "cached waits, --lpm-max-overtake-s bounds it), LPM's own scheduling work each step, or the "
+                   "machine's timing noise (compare runs)")
     if more_work:
         out.append(f"LPM loses on {', '.join(more_work)} because it computed more prompt tokens there")
     if cache:
@@ -91,7 +96,7 @@ def explanation(results: list[ConfigResult], small_pool: int) -> str:
                                                                             "tokens)"))
             clauses.append(clause)
             work = _computed(rec[lpm]), _computed(rec[fcfs])
-            no_more_work = None not in work and work[0] <= work[1]
+            no_more_work = None if None in work else work[0] <= work[1]
             losses += [(m, where, no_more_work) for m in lost]
     base = rec.get("lpm")
     if base is not None and "no-radix" in rec:
