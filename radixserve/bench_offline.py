@@ -27,7 +27,8 @@ from typing import Optional
 
 import torch
 
-from radixserve.engine.io_struct import GenerateRequest, SamplingParams
+from radixserve.engine.io_struct import GenerateRequest
+from radixserve.sampling_params import SamplingParams
 
 REGULAR_TOKENS = 151643
 

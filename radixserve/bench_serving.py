@@ -40,7 +40,7 @@ from radixserve.bench.closed_loop import extend_turn
 from radixserve.bench.metrics import BenchMetrics, compute_metrics
 from radixserve.bench.oracle import OracleRequest, oracle_hit_rate
 from radixserve.bench.report import format_report
-from radixserve.server.loop_lag import watch_loop_lag
+from radixserve.http_common.loop_lag import watch_loop_lag
 
 
 KEEPALIVE_S = 4.0

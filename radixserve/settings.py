@@ -14,6 +14,9 @@ from typing import Any, Optional
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "lof", "random", "dfs-weight")
 EVICTION_POLICIES = ("lru", "lfu", "fifo")
+# Defaults that depend on the device the engine runs on.
+DEFAULT_MAX_RUNNING_REQUESTS = {"cuda": 1024, "cpu": 256}
+CPU_KV_POOL_TOKENS = 65536
 
 
 def _opt(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None,
@@ -47,7 +50,7 @@ class ServerSettings:
     page_size: int = _opt(1, "Tokens per KV page; the allocator and the radix cache work in whole pages.")
     max_total_tokens: Optional[int] = _opt(
         None, "KV pool size in tokens (default: what --mem-fraction-static of GPU memory holds after "
-        "the weights; on the CPU 65536).")
+        f"the weights; on the CPU {CPU_KV_POOL_TOKENS}).")
     mem_fraction_static: float = _opt(0.85, "Fraction of GPU memory for weights plus KV pool.",
                                       aliases=("--mem-fraction",))
 
@@ -70,7 +73,8 @@ class ServerSettings:
         "the pool, no new request is admitted into its memory), so a conversation's next turn still "
         "finds it. Helps agent/chat traffic under cache pressure; costs batch size otherwise. 0: off.")
     max_running_requests: Optional[int] = _opt(
-        None, "Most requests decoding at once (default: 1024 on CUDA, 256 on the CPU).")
+        None, f"Most requests decoding at once (default: {DEFAULT_MAX_RUNNING_REQUESTS['cuda']} on CUDA, "
+        f"{DEFAULT_MAX_RUNNING_REQUESTS['cpu']} on the CPU).")
     max_queued_requests: Optional[int] = _opt(
         None, "Most requests waiting; beyond it the server answers 503 with Retry-After.")
     max_prefill_tokens: int = _opt(16384, "Most new prompt tokens computed in one step.")
@@ -102,7 +106,11 @@ class ServerSettings:
     host: str = _opt("127.0.0.1", "Address the HTTP server binds.")
     port: int = _opt(30000, "HTTP port.")
     api_key: Optional[str] = _opt(None, "Require 'Authorization: Bearer <key>' on every endpoint but /health.")
-    log_requests: bool = _opt(False, "Log each request's arrival and finish.")
+    log_requests: bool = _opt(False, "Log each request's arrival and finish, and each rejected request "
+                              "(its status and reason, never its text).")
+    max_request_bytes: Optional[int] = _opt(
+        None, "Largest request body; a larger one is answered 413 before it is read. Default: 64 bytes "
+        "per context token (4 bytes a character, 16 characters a token).")
     log_file: Optional[str] = _opt(None, "Also write the log to this file.")
     log_level: str = _opt("info", "Logging level.", choices=("debug", "info", "warning", "error"))
     log_interval: int = _opt(40, "Write a decode batch line every this many decode steps.")
@@ -142,6 +150,8 @@ class ServerSettings:
             raise ValueError(f"prefix_hold_s must be >= 0, got {self.prefix_hold_s}")
         if self.schedule_conservativeness < 0:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
+        if self.max_request_bytes is not None and self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
         if self.dp_size < 1:
@@ -161,6 +171,9 @@ class ServerSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def resolved_max_running_requests(self, device_type: str) -> int:
+        return self.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS["cuda" if device_type == "cuda" else "cpu"]
 
     def resolved_device(self) -> str:
         if self.device != "auto":

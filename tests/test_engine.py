@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from radixserve import Engine
-from radixserve.engine.io_struct import GenerateRequest, SamplingParams
+from radixserve.engine.io_struct import GenerateRequest
+from radixserve.sampling_params import SamplingParams
 from radixserve.testing.tiny_model import build_tiny_model
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  a required dependency: a broken install fails here, never skips
 
 MAX_NEW = 10
 VARIANTS = {"untied-gqa2": dict(tie_word_embeddings=False, num_heads=4, num_kv_heads=2),
@@ -86,8 +87,17 @@ def test_greedy_equals_hf(oracle, config):
         results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         assert [r["output_ids"] for r in results] == expected
         check_idle(engine)
-    if not engine.settings.disable_radix_cache:
-        assert engine.cache_stats()["cached_prompt_tokens"] > 0
+    # On the warm pass each prompt finds all its whole pages but the last token cached, unless
+    # a small pool evicted some of them in between.
+    page = engine.settings.page_size
+    full = sum((len(p) - 1) // page * page for p in prompts)
+    warm = sum(r["meta_info"]["cached_tokens"] for r in results)
+    if engine.settings.disable_radix_cache:
+        assert warm == 0
+    elif engine.cache_stats()["evicted_tokens"] == 0:
+        assert warm == full
+    else:
+        assert 0 < warm < full
 
 
 def test_memory_pressure_evicts_and_retracts_without_changing_output(oracle):
@@ -105,7 +115,7 @@ def test_memory_pressure_evicts_and_retracts_without_changing_output(oracle):
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_memory_pressure_retracts_with_and_without_overlap(oracle, overlap):
-    """With overlap, a retraction first waits for the step in flight (NeedResults): same tokens."""
+    """With overlap, a retraction first waits for the step in flight (the scheduler collects it before retracting): same tokens."""
     path, prompts, expected = oracle
     engine = Engine(str(path), max_total_tokens=96, chunked_prefill_size=16, schedule_conservativeness=0.0,
                     disable_overlap_schedule=not overlap)
@@ -143,7 +153,8 @@ def test_abort_while_a_step_is_in_flight(oracle):
     path, prompts, expected = oracle
     engine = Engine(str(path), max_total_tokens=4096)
     core = engine.core
-    from radixserve.engine.io_struct import GenerateRequest, sampling_params_from_dict
+    from radixserve.engine.io_struct import GenerateRequest
+    from radixserve.sampling_params import sampling_params_from_dict
 
     rids = [f"r{i}" for i in range(len(prompts))]
     for rid, p in zip(rids, prompts):
@@ -188,7 +199,8 @@ def test_warmup_leaves_no_trace(oracle):
 def test_step_indices_start_on_16_byte_boundaries(tiny_dir):
     """Every index tensor of an eager step is a 16-byte aligned view of one buffer, whatever the
     batch's lengths (GPU kernels compile one variant per pointer alignment)."""
-    from radixserve.engine.io_struct import GenerateRequest, sampling_params_from_dict
+    from radixserve.engine.io_struct import GenerateRequest
+    from radixserve.sampling_params import sampling_params_from_dict
 
     engine = Engine(str(tiny_dir), max_total_tokens=4096)
     core = engine.core
@@ -260,7 +272,9 @@ def test_in_batch_prefix_sharing_computes_the_prefix_once(tiny_dir):
     results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
     cached = sorted(r["meta_info"]["cached_tokens"] for r in results)
     assert cached == [0, 64, 64, 64]
-    assert engine.cache_stats()["in_batch_deferrals"] >= 3
+    # Three wait while the first one's prompt step is scheduled, and again while it is in flight
+    # (overlap scheduling); then they find the prefix cached.
+    assert engine.cache_stats()["in_batch_deferrals"] == 6
     check_idle(engine)
 
 
@@ -277,7 +291,7 @@ def test_disabled_cache_reuses_nothing(tiny_dir):
 def test_flush_frees_everything(tiny_dir):
     engine = Engine(str(tiny_dir), max_total_tokens=4096)
     engine.generate(input_ids=list(range(3, 60)), sampling_params=GREEDY)
-    assert engine.cache_stats()["evictable_tokens"] > 0
+    assert engine.cache_stats()["evictable_tokens"] == 57 + MAX_NEW - 1  # the last token has no KV
     assert engine.flush_cache()
     stats = engine.cache_stats()
     assert stats["free_tokens"] == stats["pool_tokens"]

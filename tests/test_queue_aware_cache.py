@@ -14,7 +14,7 @@ import torch
 from radixserve.bench.scheduler_sim import SimConfig, agent_sessions, simulate
 from radixserve.cache.kv_pool import PageAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.engine.io_struct import SamplingParams
+from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.settings import ServerSettings

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -247,16 +247,19 @@ def test_kv_events_stream_snapshot_then_events(workers):
             assert next(lines) == "event: snapshot"
             snap = json.loads(next(lines)[5:])
             assert snap["edges"] and sum(len(run) for _, run in snap["edges"]) > 20
-            threading.Thread(target=lambda: _complete(httpx.Client(base_url=url, timeout=30), "after connect"),
-                             daemon=True).start()
-            event = None
-            for line in lines:
-                if line.startswith("event:"):
-                    event = line[6:].strip()
-                elif line.startswith("data:") and event == "kv":
-                    events = json.loads(line[5:])["events"]
-                    assert events[0][0] == snap["seq"] + 1 and events[0][1] == "insert"
-                    break
+            # The request runs in a thread while this one reads the stream; its failure is raised here.
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                completion = pool.submit(_complete, httpx.Client(base_url=url, timeout=30), "after connect")
+                event, first_kv = None, None
+                for line in lines:
+                    if line.startswith("event:"):
+                        event = line[6:].strip()
+                    elif line.startswith("data:") and event == "kv":
+                        first_kv = json.loads(line[5:])["events"]
+                        break
+                completion.result(timeout=60)
+            assert first_kv is not None, "the stream ended without a kv event"
+            assert first_kv[0][0] == snap["seq"] + 1 and first_kv[0][1] == "insert"
 
 
 def test_imbalance_triggers_balancing(workers, router_workdir):
@@ -471,3 +474,37 @@ def test_agent_workload_hit_rate_by_policy(workers, tmp_path, capsys):
     rr, ca, kv = (configs[f"router-{p}"]["record"]["hit_rate"] for p in ("round_robin", "cache_aware", "kv_aware"))
     assert ca > rr + 0.1, (rr, ca, kv)
     assert kv >= ca - 0.02, (rr, ca, kv)
+
+
+def test_router_and_http_helpers_import_downward_without_cycles():
+    """The router and the HTTP helpers import nothing from the server, and the router's modules
+    form no cycle (its metrics and KV sync never import its app)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "radixserve"
+
+    def imports(package: str) -> dict[str, set[str]]:
+        graph = {}
+        for path in (root / package).glob("*.py"):
+            names = set()
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("radixserve"):
+                    names.add(node.module)
+                elif isinstance(node, ast.Import):
+                    names |= {a.name for a in node.names if a.name.startswith("radixserve")}
+            graph[f"radixserve.{package}.{path.stem}"] = names
+        return graph
+
+    router, helpers = imports("router"), imports("http_common")
+    for module, names in {**router, **helpers}.items():
+        assert not any(n.startswith("radixserve.server") for n in names), (module, names)
+    for module, names in helpers.items():
+        assert not any(n.startswith("radixserve.router") for n in names), (module, names)
+
+    def reaches(start: str, target: str, seen: set[str]) -> bool:
+        for name in router.get(start, ()):
+            if name == target or (name not in seen and (seen.add(name) or reaches(name, target, seen))):
+                return True
+        return False
+
+    assert not [m for m in router if reaches(m, m, set())], "a cycle among the router's modules"

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from radixserve.engine.io_struct import SamplingParams
+from radixserve.sampling_params import SamplingParams
 from radixserve.model.sampler import filter_probs, sample
 
 

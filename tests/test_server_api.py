@@ -391,3 +391,63 @@ def test_queued_outputs_of_one_request_are_merged():
         EngineRequestError("bad b")]))
     assert [(o.rid, o.new_token_ids) for o in got[:3]] == [("a", [1, 2]), ("b", [7]), ("a", [3])]
     assert isinstance(got[3], EngineRequestError)
+
+
+def test_n_choices_each_sample_with_their_own_seed(server):
+    """n choices of a seeded request use seeds seed, seed+1, ...: they differ from each other, and
+    each is exactly what a single request with its seed samples."""
+    from radixserve.server.routes.openai_api import openai_params
+    from radixserve.server.protocol import CompletionRequest
+    from radixserve.validation import SEED_MAX
+
+    body = CompletionRequest(prompt=[5, 6, 7], n=4, seed=SEED_MAX - 1)
+    assert [openai_params(body, 8, j)["seed"] for j in range(4)] == [SEED_MAX - 1, SEED_MAX, SEED_MAX - 3, SEED_MAX - 4]
+    request = {"prompt": "Seeds make sampling repeatable:", "max_tokens": 12, "temperature": 1.5, "ignore_eos": True}
+    with server.client(timeout=120) as http:
+        many = http.post("/v1/completions", json={**request, "n": 4, "seed": 1234}).json()["choices"]
+        texts = [c["text"] for c in sorted(many, key=lambda c: c["index"])]
+        assert len(set(texts)) == 4, texts
+        for j, text in enumerate(texts):
+            single = http.post("/v1/completions", json={**request, "seed": 1234 + j}).json()["choices"][0]["text"]
+            assert single == text, (j, single, text)
+
+
+def test_long_texts_are_tokenized_off_the_event_loop(server_model_dir):
+    """Tokenizing (and the early character bound) never runs O(prompt) work on the event loop: a
+    long text is encoded in the tokenizer pool, a text no context could hold is never encoded."""
+    import threading
+
+    from radixserve.engine.core import load_tokenizer
+    from radixserve.server import messages as m
+    from radixserve.server.errors import APIError
+    from radixserve.server.serving import INLINE_TOKENIZE_CHARS, ServingContext
+    from radixserve.settings import ServerSettings
+
+    class Engine:  # the limits a running engine reports; nothing else is used
+        ready = m.EngineReady(pid=0, model_path="", pool_size=4096, context_len=4096, vocab_size=512,
+                              max_running_requests=1, device="cpu", dtype="float32")
+
+    tokenizer = load_tokenizer(str(server_model_dir))
+    ctx = ServingContext(ServerSettings(), tokenizer, Engine(), None, "", "tiny")
+    threads = []
+    real_encode = ctx.encode
+
+    def recording_encode(text):
+        threads.append(threading.current_thread())
+        return real_encode(text)
+
+    ctx.encode = recording_encode
+
+    async def main():
+        short = await ctx.tokenize("hello there", "prompt")
+        long_ids = await ctx.tokenize("hello there " * (INLINE_TOKENIZE_CHARS // 6), "prompt")
+        with pytest.raises(APIError) as info:
+            await ctx.tokenize("x" * (ctx.max_token_chars * 4096 + 1), "prompt")
+        return short, long_ids, info.value
+
+    short, long_ids, err = asyncio.run(main())
+    assert short and len(long_ids) > len(short)
+    assert threads[0] is threading.main_thread()  # a short text: inline, cheaper than a thread hop
+    assert threads[1] is not threading.main_thread() and threads[1].name.startswith("tokenize")
+    assert len(threads) == 2  # the text past the bound was refused without encoding it
+    assert err.status == 400 and err.code == "context_length_exceeded" and "characters" in err.message

@@ -192,7 +192,7 @@ def test_long_garbage_collections_are_logged(caplog):
     import gc
     import logging
 
-    from radixserve.server.gc_tuning import log_long_collections
+    from radixserve.http_common.gc_tuning import log_long_collections
 
     callback = log_long_collections("test-process", threshold_s=0.0)
     try:
@@ -214,7 +214,7 @@ def test_full_collection_governor_collects_fully_only_when_idle_or_after_max_bus
 
     import logging
 
-    from radixserve.server.gc_tuning import FullCollectionGovernor, log_long_collections
+    from radixserve.http_common.gc_tuning import FullCollectionGovernor, log_long_collections
 
     class Node:
         pass
@@ -276,7 +276,7 @@ def test_event_loop_stall_is_logged_and_counted(caplog):
     import asyncio
     import logging
 
-    from radixserve.server.loop_lag import watch_loop_lag
+    from radixserve.http_common.loop_lag import watch_loop_lag
 
     async def scenario():
         async with watch_loop_lag("test-loop", threshold_s=0.15, interval_s=0.01) as watch:

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 from radixserve.cache.kv_pool import PageAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.engine.io_struct import SamplingParams
+from radixserve.sampling_params import SamplingParams
+from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.scheduler.request import Req
-from radixserve.scheduler.scheduler import ScheduledBatch, Scheduler
+from radixserve.scheduler.scheduler import Scheduler
 from radixserve.settings import ServerSettings
 
 VOCAB = 150_000
@@ -85,7 +86,7 @@ def agent_sessions(cfg: SimConfig) -> list[list[Turn]]:
 def step_seconds(batch: ScheduledBatch, cfg: SimConfig) -> float:
     """A coarse H200 step of the 7B architecture: launch floor, decode rows, KV read, prompt tokens."""
     decode = sum(1 for n in batch.extend_lens if n == 1)
-    context = sum(batch.prefix_lens)
+    context = sum(batch.kv_lens_before)
     return 4.2e-3 + 1.5e-5 * decode + context * cfg.kv_bytes_per_token / 4.0e12 + batch.num_new_tokens * cfg.prefill_us * 1e-6
 
 

@@ -2,9 +2,9 @@
 
 `EngineCore.step()` is the whole loop body: schedule a batch, launch it, and turn the sampled
 tokens of the step before into `RequestOutput`s. With overlap scheduling (the default) the host
-builds and launches step N+1 while the device still runs step N, and only then waits for step N's
-tokens, so scheduling, result processing and launches hide behind the device's work. The offline
-`Engine` and the server's engine process both drive it.
+builds and launches step N+1 while the device still runs step N (`StepInFlight`), and only then
+waits for step N's tokens, so scheduling, result processing and launches hide behind the device's
+work. The offline `Engine` and the server's engine process both drive it.
 """
 
 from __future__ import annotations
@@ -20,31 +20,18 @@ import torch
 
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.cache.radix_cache import CacheCounters, RadixCache
-from radixserve.engine.io_struct import GenerateRequest, RequestOutput, SamplingParams
-from radixserve.engine.model_runner import ModelRunner, StepFuture
+from radixserve.engine.io_struct import GenerateRequest, RequestOutput
+from radixserve.engine.model_runner import ModelRunner
 from radixserve.model.config import ModelConfig
+from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.request import Req
-from radixserve.scheduler.scheduler import NeedResults, ScheduledBatch, Scheduler
-from radixserve.settings import ServerSettings
+from radixserve.scheduler.batch import ScheduledBatch, StepInFlight
+from radixserve.scheduler.scheduler import Scheduler
+from radixserve.settings import CPU_KV_POOL_TOKENS, ServerSettings
 
 logger = logging.getLogger("radixserve")
 
-CPU_DEFAULT_POOL_TOKENS = 65536
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def default_model_dir() -> str:
-    """Where the built-in tiny random Qwen2 lives (built on first use, a few seconds on a CPU)."""
-    root = os.environ.get("RADIXSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "radixserve"))
-    return os.path.join(root, "tiny-qwen2")
-
-
-def ensure_model_path(model_path: Optional[str]) -> str:
-    if model_path:
-        return model_path
-    from radixserve.testing.tiny_model import ensure_tiny_model
-
-    return str(ensure_tiny_model(default_model_dir()))
 
 
 def load_tokenizer(path: str):
@@ -71,7 +58,9 @@ class EngineCore:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device=cuda was asked for, but no CUDA GPU is visible")
         self.dtype = DTYPES.get(settings.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.model_path = ensure_model_path(settings.model_path)
+        if not settings.model_path:
+            raise ValueError("model_path is required (the entry points resolve the default model)")
+        self.model_path = settings.model_path
         self.model_config = ModelConfig.from_dir(self.model_path)
         self.tokenizer = load_tokenizer(settings.tokenizer_path or self.model_path)
         self.context_len = settings.context_length or self.model_config.max_position_embeddings
@@ -87,8 +76,7 @@ class EngineCore:
         pool_tokens = self._pool_tokens()
         self.kv_pool = KVPool(pool_tokens, settings.page_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
                               cfg.head_dim, self.dtype, self.device)
-        default_running = 1024 if self.device.type == "cuda" else 256
-        max_running = settings.max_running_requests or default_running
+        max_running = settings.resolved_max_running_requests(self.device.type)
         self.req_to_token = ReqToTokenPool(max_running, self.context_len + 1, self.device)
         self.cache = RadixCache(self.kv_pool.allocator, page_size=settings.page_size,
                                 eviction_policy=settings.radix_eviction_policy, disable=settings.disable_radix_cache)
@@ -102,7 +90,7 @@ class EngineCore:
                                   disable_cuda_graph=settings.disable_cuda_graph)
         self.last_step = StepInfo(None, 0.0)
         self.overlap = not settings.disable_overlap_schedule
-        self._in_flight: Optional[tuple[ScheduledBatch, StepFuture]] = None
+        self.in_flight: Optional[StepInFlight] = None  # the launched step whose tokens are unread
         if self.device.type == "cuda" and not settings.skip_warmup:
             self.warmup()
         logger.info("engine ready: model=%s device=%s dtype=%s kv_pool=%d tokens page_size=%d max_running=%d",
@@ -141,7 +129,7 @@ class EngineCore:
             if tokens < s.page_size:
                 raise ValueError(f"mem_fraction_static={s.mem_fraction_static} leaves no room for a KV pool")
         else:
-            tokens = CPU_DEFAULT_POOL_TOKENS
+            tokens = CPU_KV_POOL_TOKENS
         return tokens - tokens % s.page_size
 
     @property
@@ -185,22 +173,17 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._in_flight is not None
+        return self.scheduler.has_work or self.in_flight is not None
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one batch, then collect the step before it (or this one, without
         overlap); outputs for every request that got a token."""
         start = time.perf_counter()
-        outputs: list[RequestOutput] = []
-        try:
-            batch = self.scheduler.schedule()
-        except NeedResults:  # memory is short: retraction needs the tokens in flight first
-            outputs = self.sync()
-            batch = self.scheduler.schedule()
-        launched = (batch, self.runner.launch(batch)) if batch is not None else None
-        outputs += self.sync()
-        self._in_flight = launched
-        self.scheduler.results_outstanding = launched is not None
+        previous, self.in_flight = self.in_flight, None
+        batch = self.scheduler.schedule(previous)  # collects `previous` early if it must retract
+        if batch is not None:
+            self.in_flight = StepInFlight(batch, self.runner.launch(batch))
+        outputs = self._collect(previous)
         if not self.overlap:
             outputs += self.sync()
         self.last_step = StepInfo(batch, time.perf_counter() - start, start)
@@ -208,13 +191,13 @@ class EngineCore:
 
     def sync(self) -> list[RequestOutput]:
         """Wait for the step in flight, if any, and process its tokens."""
-        if self._in_flight is None:
+        step, self.in_flight = self.in_flight, None
+        return self._collect(step)
+
+    def _collect(self, step: Optional[StepInFlight]) -> list[RequestOutput]:
+        if step is None:
             return []
-        batch, future = self._in_flight
-        self._in_flight = None
-        self.scheduler.results_outstanding = False
-        updated = self.scheduler.process_results(batch, future.result())
-        return [self._output(r) for r in updated]
+        return [self._output(r) for r in self.scheduler.collect(step)]
 
     def warmup(self) -> float:
         """Serve a few throw-away requests, then forget them: compiles every Triton kernel variant
@@ -282,7 +265,7 @@ class EngineCore:
         c, s = self.cache.counters, self.scheduler.stats
         free = self.kv_pool.allocator.free_tokens
         held = self.scheduler.held_by_running()
-        used_by_tokens = sum(r.kv_len - r.prefix_len for r in self.scheduler.running)
+        used_by_tokens = sum(r.kv_len - r.locked_len for r in self.scheduler.running)
         return {
             "pool_tokens": self.pool_size,
             "free_tokens": free,

@@ -6,8 +6,8 @@ device memory), so one graph per bucket serves every context length. The inputs 
 static device buffer [5, max_bs] (input_ids, positions, out_cache_loc, req_pool_indices,
 seq_lens) that each step overwrites with one host-to-device copy of a pinned buffer before the
 replay; two pinned buffers take turns, because with overlap scheduling the next step is written
-while the previous step's copy may still be queued. An input id -(row + 1) is a token the host has
-not seen yet: the graph reads it from the runner's `last_token` (resolved inside the graph). Rows
+while the previous step's copy may still be queued. An input id may be the placeholder of a token
+the host has not seen yet: the graph resolves it from `LastSampledTokens` on the device. Rows
 past the real batch are padding: token 0 at position 0 written to the reserved slot 0 (page 0 is
 never handed out), request row 0 with seq_len 0, which attends to nothing.
 
@@ -27,6 +27,7 @@ import torch
 
 from radixserve.attention.base import ForwardBatch, ForwardMode
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
+from radixserve.engine.sampled_tokens import LastSampledTokens
 
 logger = logging.getLogger("radixserve")
 
@@ -36,12 +37,6 @@ _BASE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 1
 # Rows of the static input buffer.
 INPUT_IDS, POSITIONS, OUT_CACHE_LOC, REQ_POOL_INDICES, SEQ_LENS = range(5)
 NUM_INPUT_ROWS = 5
-
-
-def resolve_pending_ids(input_ids: torch.Tensor, last_token: torch.Tensor) -> torch.Tensor:
-    """input_ids with every -(row + 1) replaced by last_token[row] (on the device, no sync)."""
-    rows = (-input_ids - 1).clamp_min_(0)
-    return torch.where(input_ids < 0, last_token[rows], input_ids)
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -66,14 +61,14 @@ class DecodeCudaGraphs:
     """Captures the model's decode step at each bucket and replays the smallest bucket that fits."""
 
     def __init__(self, model: torch.nn.Module, kv_pool: KVPool, req_to_token: ReqToTokenPool,
-                 device: torch.device, max_bs: int, last_token: torch.Tensor):
+                 device: torch.device, max_bs: int, sampled: LastSampledTokens):
         self.model = model
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.device = device
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
-        self.last_token = last_token
+        self.sampled = sampled
         self.inputs = torch.zeros((NUM_INPUT_ROWS, self.max_bs), dtype=torch.int64, device=device)
         self.host_inputs = [torch.zeros((NUM_INPUT_ROWS, self.max_bs), dtype=torch.int64).pin_memory()
                             for _ in range(2)]
@@ -85,10 +80,10 @@ class DecodeCudaGraphs:
         self.capture_seconds = 0.0
 
     def _run(self, bs: int) -> torch.Tensor:
-        """The captured work: resolve pending input ids, then the model's decode step."""
+        """The captured work: resolve placeholder input ids, then the model's decode step."""
         x = self.inputs
         seq_lens = x[SEQ_LENS, :bs]
-        input_ids = resolve_pending_ids(x[INPUT_IDS, :bs], self.last_token)
+        input_ids = self.sampled.resolve(x[INPUT_IDS, :bs])
         return self.model(ForwardBatch(
             mode=ForwardMode.DECODE, input_ids=input_ids, positions=x[POSITIONS, :bs],
             out_cache_loc=x[OUT_CACHE_LOC, :bs], req_pool_indices=x[REQ_POOL_INDICES, :bs], seq_lens=seq_lens,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from radixserve.engine.io_struct import SamplingParams
+from radixserve.sampling_params import SamplingParams
 
 
 def cut_at_stop(text: str, params: SamplingParams, finish_reason: Optional[dict]) -> str:

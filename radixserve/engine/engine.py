@@ -6,12 +6,15 @@ It drives the same scheduler as the server and returns the same shape as the ser
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Optional, Sequence, Union
 
+from radixserve.default_model import ensure_model_path
 from radixserve.engine.core import EngineCore, new_request_id
 from radixserve.engine.detokenize import decode_output
-from radixserve.engine.io_struct import GenerateRequest, RequestOutput, sampling_params_from_dict
+from radixserve.engine.io_struct import GenerateRequest, RequestOutput
+from radixserve.sampling_params import sampling_params_from_dict
 from radixserve.settings import ServerSettings
 
 Prompt = Union[str, Sequence[str], None]
@@ -20,7 +23,8 @@ InputIds = Union[Sequence[int], Sequence[Sequence[int]], None]
 
 class Engine:
     def __init__(self, model_path: Optional[str] = None, **settings: Any):
-        self.settings = ServerSettings.from_kwargs(model_path=model_path, **settings)
+        checked = ServerSettings.from_kwargs(model_path=model_path, **settings)  # before any model is built
+        self.settings = dataclasses.replace(checked, model_path=ensure_model_path(model_path))
         self.core = EngineCore(self.settings)
 
     @property

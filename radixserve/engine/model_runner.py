@@ -6,10 +6,9 @@ CUDA graph (see `radixserve.engine.cuda_graph`); sampling runs on the device and
 come back in one small copy, the step's only host sync.
 
 `launch` queues all of that and returns a `StepFuture` without waiting, so the host can build
-the next step while the device runs this one (overlap scheduling). A token the host has not seen
-yet is passed as -(request row + 1): the model reads it from `last_token`, where each step's
-sampling leaves the ids it drew, indexed by request row. Stream order makes this safe: the step
-that reads a token is queued after the step that wrote it.
+the next step while the device runs this one (overlap scheduling). Each step's sampled ids also
+go to `sampled` (`LastSampledTokens`), from which a later step reads a token the host has not
+seen yet.
 """
 
 from __future__ import annotations
@@ -22,24 +21,25 @@ import torch
 
 from radixserve.attention.base import ForwardBatch, ForwardMode
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
-from radixserve.engine.cuda_graph import DecodeCudaGraphs, resolve_pending_ids, supports_cuda_graphs
+from radixserve.engine.cuda_graph import DecodeCudaGraphs, supports_cuda_graphs
+from radixserve.engine.sampled_tokens import LastSampledTokens
 from radixserve.model.sampler import sample_tensor
 from radixserve.scheduler.request import Req
-from radixserve.scheduler.scheduler import ScheduledBatch
+from radixserve.scheduler.batch import ScheduledBatch
 
 logger = logging.getLogger("radixserve")
 
 
 def _token_at(req: Req, pos: int) -> int:
     """req.fill_ids[pos] without building the concatenated list; a token still on the device is
-    -(row + 1)."""
+    its row's placeholder (see LastSampledTokens)."""
     n = len(req.origin_input_ids)
     if pos < n:
         return req.origin_input_ids[pos]
     if pos - n < len(req.output_ids):
         return req.output_ids[pos - n]
     assert pos == n + len(req.output_ids) and req.pending > 0, "only the first pending token can be an input"
-    return -(req.req_pool_idx + 1)
+    return LastSampledTokens.placeholder(req.req_pool_idx)
 
 
 def _tokens(req: Req, start: int, end: int) -> list[int]:
@@ -79,12 +79,11 @@ class ModelRunner:
         self.device = torch.device(device)
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(random_seed)
-        # The last token each request row sampled, for steps built before the host saw it.
-        self.last_token = torch.zeros(req_to_token.max_requests, dtype=torch.int64, device=self.device)
+        self.sampled = LastSampledTokens(req_to_token.max_requests, self.device)
         self.graphs: Optional[DecodeCudaGraphs] = None
         if not disable_cuda_graph and supports_cuda_graphs(model, self.device):
             self.graphs = DecodeCudaGraphs(model, kv_pool, req_to_token, self.device, cuda_graph_max_bs,
-                                           self.last_token)
+                                           self.sampled)
             self.graphs.capture()
         self.num_graph_steps = 0
         self.num_eager_steps = 0
@@ -94,7 +93,7 @@ class ModelRunner:
     def decode_columns(sb: ScheduledBatch) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
         """input_ids, positions, out_cache_loc, req_pool_indices, seq_lens of a decode-only batch."""
         reqs = sb.reqs
-        positions = list(sb.prefix_lens)
+        positions = list(sb.kv_lens_before)
         input_ids = [_token_at(r, p) for r, p in zip(reqs, positions)]
         out_cache_loc = [r.slots[p] for r, p in zip(reqs, positions)]
         req_pool_indices = [r.req_pool_idx for r in reqs]
@@ -109,14 +108,14 @@ class ModelRunner:
 
     def build_forward_batch(self, sb: ScheduledBatch) -> ForwardBatch:
         decode = sb.is_decode_only
-        seq_lens = [p + n for p, n in zip(sb.prefix_lens, sb.extend_lens)]
+        seq_lens = [p + n for p, n in zip(sb.kv_lens_before, sb.extend_lens)]
         if decode:
             input_ids, positions, out_cache_loc, req_pool_indices, seq_lens = self.decode_columns(sb)
             logits_indices = list(range(len(sb.reqs)))
         else:
             input_ids, positions, out_cache_loc, logits_indices = [], [], [], []
             offset = 0
-            for req, prefix, n, samples in zip(sb.reqs, sb.prefix_lens, sb.extend_lens, sb.sample):
+            for req, prefix, n, samples in zip(sb.reqs, sb.kv_lens_before, sb.extend_lens, sb.sample):
                 end = prefix + n
                 input_ids.extend(_tokens(req, prefix, end))
                 positions.extend(range(prefix, end))
@@ -129,7 +128,7 @@ class ModelRunner:
         # view starts on a 16-byte boundary: Triton compiles a kernel variant per pointer
         # alignment, and views at odd offsets would make new variants (seconds of compile in the
         # middle of serving) appear whenever a batch's lengths change parity.
-        parts = (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, sb.extend_lens, sb.prefix_lens,
+        parts = (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, sb.extend_lens, sb.kv_lens_before,
                  logits_indices)
         flat: list[int] = []
         starts = []
@@ -142,11 +141,11 @@ class ModelRunner:
         views = [packed[start:start + len(part)] for start, part in zip(starts, parts)]
         ids_t, pos_t, loc_t, rows_t, seq_t, ext_t, pre_t, logit_t = views
         if any(r.pending for r in sb.reqs):
-            ids_t = resolve_pending_ids(ids_t, self.last_token)
+            ids_t = self.sampled.resolve(ids_t)
         return ForwardBatch(
             mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND, input_ids=ids_t, positions=pos_t,
             out_cache_loc=loc_t, req_pool_indices=rows_t, seq_lens=seq_t, extend_lens=ext_t, prefix_lens=pre_t,
-            seq_lens_cpu=seq_lens, extend_lens_cpu=list(sb.extend_lens), prefix_lens_cpu=list(sb.prefix_lens),
+            seq_lens_cpu=seq_lens, extend_lens_cpu=list(sb.extend_lens), prefix_lens_cpu=list(sb.kv_lens_before),
             req_to_token=self.req_to_token.table, kv_pool=self.kv_pool, logits_indices=logit_t)
 
     # ------------------------------------------------------------------ the step
@@ -168,7 +167,7 @@ class ModelRunner:
         ids = sample_tensor(logits, [r.sampling_params for r in sampling], [self._generator(r) for r in sampling],
                             self.default_generator)
         rows = [r.req_pool_idx for r in sampling]
-        self.last_token.index_copy_(0, self._to_device(rows), ids)
+        self.sampled.record(self._to_device(rows), ids)
         if self.device.type != "cuda":
             return StepFuture(ids.cpu(), None)
         host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from radixserve.engine.io_struct import SamplingParams
+from radixserve.sampling_params import SamplingParams
 
 # Smallest exponential noise value: keeps p / E finite (E == 0 would turn a filtered-out 0 into NaN).
 _MIN_NOISE = 1e-20

@@ -28,15 +28,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from radixserve.server.auth import APIKeyMiddleware
+from radixserve.http_common.auth import APIKeyMiddleware
 from radixserve.router.keys import load_tokenizer_dir, routing_keys, tokenizer_from_files
 from radixserve.router.kv_sync import kv_sync_loop
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import BalanceConfig, make_policy
 from radixserve.router.workers import Worker, WorkerRegistry
-from radixserve.server.errors import error_body, error_response
-from radixserve.server.gc_tuning import governed_collections
-from radixserve.server.loop_lag import watch_loop_lag
+from radixserve.http_common.errors import error_body, error_response, install_error_handlers
+from radixserve.http_common.gc_tuning import governed_collections
+from radixserve.http_common.loop_lag import watch_loop_lag
 
 logger = logging.getLogger("radixserve.router")
 
@@ -98,7 +98,7 @@ class Router:
         self.registry = WorkerRegistry(settings.max_tree_size)
         self.policy = make_policy(settings.policy, BalanceConfig(
             settings.cache_threshold, settings.balance_abs_threshold, settings.balance_rel_threshold), settings.seed)
-        self.metrics = RouterMetrics(self)
+        self.metrics = RouterMetrics(self.registry)
         self.client: Optional[httpx.AsyncClient] = None
         self.tokenizer = None
         self.tokenizer_state = "not needed" if settings.policy != "kv_aware" else "loading"
@@ -109,6 +109,10 @@ class Router:
             self.registry.add(url)
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def connect_timeout(self) -> float:
+        return self.settings.connect_timeout
+
     @property
     def worker_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
@@ -392,8 +396,6 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
             await router.stop()
 
     app = FastAPI(title="radixserve router", version="0.1.0", lifespan=lifespan)
-    from radixserve.server.errors import install_error_handlers
-
     install_error_handlers(app)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
@@ -413,39 +415,7 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
             return error_response(503, "the router is loading the tokenizer", code="router_starting")
         return {"status": "ok", "healthy_workers": len(healthy), "workers": len(router.registry)}
 
-    @app.get("/workers")
-    async def list_workers():
-        return {"policy": router.policy.name, "tokenizer": router.tokenizer_state,
-                "workers": [w.describe() for w in router.registry]}
-
-    @app.post("/workers", status_code=201)
-    async def add_worker(request: Request):
-        raw = await request.body()
-        try:
-            body: Any = json.loads(raw) if raw else None
-        except ValueError:
-            return error_response(400, "the body is not valid JSON", code="invalid_request")
-        if not isinstance(body, dict) or "url" not in body:
-            return error_response(400, 'the body must be a JSON object like {"url": "http://host:port"}',
-                                  param="url", code="invalid_request")
-        try:
-            worker = router.add_worker(body["url"])
-        except ValueError as e:
-            return error_response(400, str(e), param="url", code="invalid_value")
-        except KeyError:
-            return error_response(409, f"a worker at {body['url']!r} is already registered", param="url",
-                                  code="worker_exists")
-        return JSONResponse(worker.describe(), status_code=201)
-
-    @app.delete("/workers/{worker_id}")
-    async def delete_worker(worker_id: str):
-        try:
-            worker = router.remove_worker(worker_id)
-        except KeyError:
-            known = ", ".join(router.registry.workers) or "none"
-            return error_response(404, f"unknown worker {worker_id!r} (registered: {known})",
-                                  param="worker_id", code="worker_not_found")
-        return {"id": worker.id, "url": worker.url, "removed": True, "in_flight": worker.load}
+    add_worker_routes(app, router)
 
     @app.get("/metrics")
     async def metrics():
@@ -481,3 +451,40 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
         return await router.cluster_info()
 
     return app
+
+
+def add_worker_routes(app: FastAPI, router: Router) -> None:
+    """`GET /workers`, `POST /workers {"url": ...}`, `DELETE /workers/{id}`."""
+    @app.get("/workers")
+    async def list_workers():
+        return {"policy": router.policy.name, "tokenizer": router.tokenizer_state,
+                "workers": [w.describe() for w in router.registry]}
+
+    @app.post("/workers", status_code=201)
+    async def add_worker(request: Request):
+        raw = await request.body()
+        try:
+            body: Any = json.loads(raw) if raw else None
+        except ValueError:
+            return error_response(400, "the body is not valid JSON", code="invalid_request")
+        if not isinstance(body, dict) or "url" not in body:
+            return error_response(400, 'the body must be a JSON object like {"url": "http://host:port"}',
+                                  param="url", code="invalid_request")
+        try:
+            worker = router.add_worker(body["url"])
+        except ValueError as e:
+            return error_response(400, str(e), param="url", code="invalid_value")
+        except KeyError:
+            return error_response(409, f"a worker at {body['url']!r} is already registered", param="url",
+                                  code="worker_exists")
+        return JSONResponse(worker.describe(), status_code=201)
+
+    @app.delete("/workers/{worker_id}")
+    async def delete_worker(worker_id: str):
+        try:
+            worker = router.remove_worker(worker_id)
+        except KeyError:
+            known = ", ".join(router.registry.workers) or "none"
+            return error_response(404, f"unknown worker {worker_id!r} (registered: {known})",
+                                  param="worker_id", code="worker_not_found")
+        return {"id": worker.id, "url": worker.url, "removed": True, "in_flight": worker.load}

@@ -10,24 +10,36 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import TYPE_CHECKING
+from typing import Optional, Protocol
 
 import httpx
 
-if TYPE_CHECKING:
-    from radixserve.router.app import Router
-    from radixserve.router.workers import Worker
+from radixserve.router.metrics import RouterMetrics
+from radixserve.router.workers import Worker
 
 logger = logging.getLogger("radixserve.router")
 
 RECONNECT_S = 1.0
 
 
+class KvSyncOwner(Protocol):
+    """What following a worker's events needs from the router (which implements it)."""
+
+    client: Optional[httpx.AsyncClient]
+    metrics: RouterMetrics
+
+    @property
+    def connect_timeout(self) -> float: ...
+
+    @property
+    def worker_headers(self) -> dict[str, str]: ...
+
+
 class SequenceGap(Exception):
     pass
 
 
-def apply_events(worker: "Worker", events: list) -> None:
+def apply_events(worker: Worker, events: list) -> None:
     for seq, kind, tokens in events:
         if seq <= worker.kv_seq:
             continue
@@ -43,7 +55,7 @@ def apply_events(worker: "Worker", events: list) -> None:
             worker.mirror.clear()
 
 
-async def kv_sync_loop(router: "Router", worker: "Worker") -> None:
+async def kv_sync_loop(router: KvSyncOwner, worker: Worker) -> None:
     while True:
         try:
             if worker.healthy or not worker.ever_checked:
@@ -56,8 +68,8 @@ async def kv_sync_loop(router: "Router", worker: "Worker") -> None:
         await asyncio.sleep(RECONNECT_S)
 
 
-async def _follow(router: "Router", worker: "Worker") -> None:
-    timeout = httpx.Timeout(None, connect=router.settings.connect_timeout)
+async def _follow(router: KvSyncOwner, worker: Worker) -> None:
+    timeout = httpx.Timeout(None, connect=router.connect_timeout)
     async with router.client.stream("GET", worker.url + "/kv_events", headers=router.worker_headers,
                                     timeout=timeout) as resp:
         if resp.status_code != 200:

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-if TYPE_CHECKING:
-    from radixserve.router.app import Router
-    from radixserve.router.workers import Worker
+from radixserve.router.workers import Worker, WorkerRegistry
 
 PREFIX = "radixserve:router_"
 
 
 class _WorkerCollector:
-    def __init__(self, router: "Router"):
-        self.router = router
+    def __init__(self, registry: WorkerRegistry):
+        self.registry = registry
 
     def collect(self):
         load = GaugeMetricFamily(PREFIX + "worker_load", "Requests in flight per worker.", labels=["worker", "url"])
@@ -28,7 +24,7 @@ class _WorkerCollector:
                                     "from its KV events (kv_aware).", labels=["worker"])
         kv_synced = GaugeMetricFamily(PREFIX + "kv_synced", "1 while the worker's KV event stream is in sync.",
                                       labels=["worker"])
-        for w in self.router.registry:
+        for w in self.registry:
             load.add_metric([w.id, w.url], float(w.load))
             healthy.add_metric([w.id, w.url], 1.0 if w.healthy else 0.0)
             tree.add_metric([w.id], float(len(w.tree)))
@@ -38,7 +34,7 @@ class _WorkerCollector:
 
 
 class RouterMetrics:
-    def __init__(self, router: "Router"):
+    def __init__(self, workers: WorkerRegistry):
         self.registry = r = CollectorRegistry()
         self.requests = Counter(PREFIX + "requests", "Requests sent to each worker (retries included).",
                                 ["worker"], registry=r)
@@ -55,9 +51,9 @@ class RouterMetrics:
                                  registry=r)
         self.kv_resyncs = Counter(PREFIX + "kv_resyncs", "KV event stream (re)connections with a snapshot.",
                                   ["worker"], registry=r)
-        r.register(_WorkerCollector(router))
+        r.register(_WorkerCollector(workers))
 
-    def forget(self, worker: "Worker") -> None:
+    def forget(self, worker: Worker) -> None:
         for counter in (self.requests, self.kv_events, self.kv_resyncs):
             try:
                 counter.remove(worker.id)

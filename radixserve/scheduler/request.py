@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from radixserve.cache.radix_cache import TreeNode
-from radixserve.engine.io_struct import SamplingParams
+from radixserve.sampling_params import SamplingParams
 
 
 class ReqState(enum.Enum):
@@ -31,8 +31,9 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     # Positions [0, kv_len) have slots in req_to_token; after the step that computes them, their KV.
     kv_len: int = 0
-    # Positions [0, prefix_len) are shared with the radix tree through the locked `last_node`.
-    prefix_len: int = 0
+    # Positions [0, locked_len) are the radix tree's, kept from eviction by locking `last_node`;
+    # the slots after them are req's own until they go into the tree (KVManager.cache_req).
+    locked_len: int = 0
     last_node: Optional[TreeNode] = None
     req_pool_idx: Optional[int] = None
     # KV slot of each position with a slot (whole pages: len(slots) == page_ceil(kv_len)).
@@ -50,9 +51,9 @@ class Req:
     generator: Optional[torch.Generator] = None
     # Output tokens already sent to the caller.
     sent_len: int = 0
-    # Tokens sampled by a step still running on the device, not yet in output_ids. With overlap
-    # scheduling the next step is built before they arrive: their positions count in seq_len,
-    # and the model reads the token itself from the device (see ModelRunner.last_token).
+    # Tokens sampled by a launched step whose value the host has not read yet (0 or 1 when a step
+    # is scheduled; see StepInFlight). Their positions count in seq_len: with overlap scheduling
+    # the next step is built on positions alone and the model reads such a token from the device.
     pending: int = 0
 
     @property

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from radixserve.engine.detokenize import decode_output
-from radixserve.engine.io_struct import SamplingParams
+from radixserve.sampling_params import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
 

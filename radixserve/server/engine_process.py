@@ -21,12 +21,13 @@ from typing import Any, Optional
 
 import zmq
 
-from radixserve.engine.io_struct import AbortRequest, GenerateRequest, RequestOutput, SamplingParams
+from radixserve.engine.io_struct import AbortRequest, GenerateRequest, RequestOutput
+from radixserve.sampling_params import SamplingParams
 from radixserve.server import messages as m
 from radixserve.server.logging_setup import setup_logging
 from radixserve.server.step_trace import StepTrace
 from radixserve.settings import ServerSettings
-from radixserve.server.gc_tuning import FullCollectionGovernor, govern_collections
+from radixserve.http_common.gc_tuning import FullCollectionGovernor, govern_collections
 
 logger = logging.getLogger("radixserve")
 

@@ -1,84 +1,27 @@
-"""OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}` for every failure."""
+"""The server's errors: the OpenAI-style error shape shared with the router
+(`radixserve.http_common.errors`) and the engine's failures mapped to HTTP statuses."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from radixserve.http_common.errors import APIError, bad_request, error_body, error_response  # noqa: F401
+from radixserve.server.engine_client import EngineDeadError, EngineRequestError, QueueFullError
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
-               503: "service_unavailable_error"}
+RETRY_AFTER_S = 1
+# The code of a 400 for fields that are each valid but contradict each other (the OpenAPI schema
+# bounds each field, not their relations).
+CONFLICTING_FIELDS = "conflicting_fields"
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-                 headers: Optional[dict[str, str]] = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers
+def engine_unavailable(message: str) -> APIError:
+    return APIError(503, f"the engine is unavailable: {message}", code="engine_unavailable",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def error_body(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
-                      "code": code}}
-
-
-def error_response(status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-                   headers: Optional[dict[str, str]] = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
-
-
-def bad_request(message: str, param: Optional[str] = None, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
-    errors = exc.errors()
-    if not errors:
-        return "invalid request body", None
-    first: dict[str, Any] = errors[0]
-    # Union members show up in loc as "str" or "list[int]": keep field names and list indices.
-    param = ""
-    for part in first.get("loc", ()):
-        if isinstance(part, int):
-            param += f"[{part}]"
-        elif part != "body" and not any(c in part for c in "[]-") and part not in ("str", "int", "float", "bool"):
-            param += f".{part}" if param else part
-    param = param or None
-    kind = first.get("type", "")
-    if kind == "json_invalid":
-        return "the body is not valid JSON", None
-    message = first.get("msg", "invalid value")
-    if param:
-        message = f"{param}: {message}"
-    return message, param
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return error_response(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
-        return error_response(400, message, param=param, code="invalid_request")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        message = exc.detail if isinstance(exc.detail, str) else "request failed"
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        import logging
-
-        logging.getLogger("radixserve").exception("unexpected error on %s", request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}", code="internal_error")
+def map_engine_error(exc: BaseException) -> APIError:
+    if isinstance(exc, QueueFullError):
+        return APIError(503, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, EngineDeadError):
+        return engine_unavailable(str(exc))
+    if isinstance(exc, EngineRequestError):
+        return bad_request(str(exc))
+    raise exc

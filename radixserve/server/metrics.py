@@ -94,8 +94,8 @@ class ServerMetrics:
                                              "(usage.prompt_tokens_details.cached_tokens).", registry=r)
         self.requests = Counter(PREFIX + "requests", "Finished requests by finish reason.", ["finish_reason"],
                                 registry=r)
-        self.rejected = Counter(PREFIX + "rejected_requests", "Requests answered with an error, by HTTP status.",
-                                ["status"], registry=r)
+        self.rejected = Counter(PREFIX + "rejected_requests", "Requests answered with an error, by HTTP status "
+                                "and reason (the error body's code).", ["status", "reason"], registry=r)
         self.running_http = Gauge(PREFIX + "http_requests_in_flight", "Generation requests the API is serving.",
                                   registry=r)
         r.register(_EngineCollector(latest_stats, engine_alive))

@@ -1,26 +1,70 @@
-"""Request bodies of the HTTP API (pydantic, so /openapi.json describes them).
+"""Request bodies of the HTTP API: pydantic models that are also the OpenAPI schema.
 
-Numbers are bounded here, so nothing out of range reaches the engine (a seed past 64 bits, a
-token id past 2**31). Fields of the OpenAI schema that radixserve does not implement are accepted
-at their neutral values and refused (400) otherwise; unknown fields are ignored, as OpenAI does.
+Strict, so the schema allows exactly what the server accepts: no numeric strings or bools coerced
+into numbers (`max_tokens: "10"`, `max_tokens: true`, `stream: "yes"` are 400), finite floats only,
+ranges as OpenAI documents them and as `radixserve.validation` enforces for the engine. A field the
+server does not implement is refused by name (400 `unsupported_parameter`): unknown fields are
+forbidden, and the OpenAI fields declared here only for their neutral value (`presence_penalty: 0`,
+`logprobs: null`, ...) are declared with that value alone in the schema.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-MAX_INT32 = 2**31 - 1
-# Strict: a JSON number, never a numeric string or a bool coerced into a token id. It also lets
-# the prompt unions below be tried left to right: a list of token ids matches its member first.
-TokenId = Annotated[int, Field(ge=0, le=MAX_INT32, strict=True)]
-Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+from radixserve.validation import MAX_INT32, SEED_MAX, SEED_MIN, TEMPERATURE_MAX, TOP_K_MIN
+
+
+
+def _encodable(text: str) -> str:
+    # A lone surrogate ("\ud800" in JSON) is valid JSON but no text: the tokenizer cannot take it.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text cannot be encoded as UTF-8 ({e.reason} at position {e.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+
+
+def _integral(value: Any) -> Any:
+    # JSON Schema counts 3.0 as an integer; strict pydantic would not. Strings and bools stay refused.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def bounded_int(ge: int, le: int) -> Any:
+    """An integer in [ge, le]; the bounds sit inside the type so the schema shows them."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
+# A token id; the served model's vocabulary bounds it further (`openapi_for_model` writes that bound
+# into the served schema).
+TOKEN_ID_SCHEMA_MARK = "x-radixserve-token-id"
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32, json_schema_extra={TOKEN_ID_SCHEMA_MARK: True}),
+                    BeforeValidator(_integral)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+# A stop token need not be in the vocabulary (it then never matches).
+StopTokenId = Annotated[int, Field(ge=0, le=MAX_INT32), BeforeValidator(_integral)]
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), BeforeValidator(_integral)]
+NonEmptyStr = Annotated[Text, Field(min_length=1)]
 MAX_N = 64
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def neutral_only(value: Any, description: str) -> Any:
+    """A field accepted at its neutral `value` only (anything else is a 400 naming it)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        schema: dict[str, Any] = {"minimum": value, "maximum": value}
+    else:
+        schema = {"enum": [value] if value is None else [value, None]}
+    return Field(None, description=description, json_schema_extra=schema)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -29,72 +73,110 @@ class StreamOptions(_Body):
 
 class _SamplingFields(_Body):
     model: Optional[str] = Field(None, description="Served model name; omitted means the served model.")
-    temperature: Optional[float] = Field(None, ge=0.0, description="0 is greedy. Default 1.")
+    temperature: Optional[float] = Field(None, ge=0.0, le=TEMPERATURE_MAX, description="0 is greedy. Default 1.")
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(None, ge=-1, le=MAX_INT32, description="radixserve extension; -1 is off.")
+    top_k: Optional[bounded_int(TOP_K_MIN, MAX_INT32)] = Field(None,
+                                 description="radixserve extension; -1 or 0 is off.")
     min_p: Optional[float] = Field(None, ge=0.0, le=1.0, description="radixserve extension.")
-    n: int = Field(1, ge=1, le=MAX_N)
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[TokenId]] = Field(None, description="radixserve extension.")
-    seed: Optional[Seed] = None
+    n: bounded_int(1, MAX_N) = 1
+    stop: Union[NonEmptyStr, list[NonEmptyStr], None] = None
+    stop_token_ids: Optional[list[StopTokenId]] = Field(None, description="radixserve extension.")
+    seed: Optional[Seed] = Field(None, description="Each of the n choices samples with its own seed, "
+                                                   "seed + its index.")
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = Field(False, description="radixserve extension.")
     skip_special_tokens: bool = Field(True, description="radixserve extension.")
-    presence_penalty: Optional[float] = Field(None, description="Only 0 is supported.")
-    frequency_penalty: Optional[float] = Field(None, description="Only 0 is supported.")
-    logit_bias: Optional[dict[str, float]] = Field(None, description="Only an empty map is supported.")
-    user: Optional[str] = None
+    presence_penalty: Optional[float] = neutral_only(0, "Only 0 is supported.")
+    frequency_penalty: Optional[float] = neutral_only(0, "Only 0 is supported.")
+    logit_bias: Optional[dict[str, float]] = Field(None, description="Only an empty map is supported.",
+                                                   json_schema_extra={"maxProperties": 0})
+    user: Optional[str] = Field(None, description="Accepted for compatibility; not used.")
 
 
 class CompletionRequest(_SamplingFields):
     # Token lists first, tried in order: pydantic's default ("smart") union validated a 2,000-id
     # prompt against every member, reporting an error per element for list[str], ~1 ms a request,
     # a third of the API's time when a burst of requests arrives; in order it takes ~0.13 ms.
-    prompt: Union[list[TokenId], list[list[TokenId]], str, list[str]] = Field(union_mode="left_to_right")
-    max_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT32,
+    prompt: Union[TokenIds, Annotated[list[TokenIds], Field(min_length=1)], NonEmptyStr,
+                  Annotated[list[NonEmptyStr], Field(min_length=1)]] = Field(union_mode="left_to_right")
+    max_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None,
                                       description="Default: min(2048, context length - prompt length).")
     echo: bool = False
-    logprobs: Optional[int] = Field(None, description="Not supported (null only).")
-    best_of: Optional[int] = Field(None, description="Only equal to n is supported.")
-    suffix: Optional[str] = Field(None, description="Not supported (null only).")
+    logprobs: Optional[int] = neutral_only(None, "Not supported (null only).")
+    best_of: Optional[bounded_int(1, MAX_N)] = Field(None, description="Only equal to n is supported.",
+                                   json_schema_extra={"maximum": 1})
+    suffix: Optional[str] = Field(None, description="Not supported (null or empty only).",
+                                  json_schema_extra={"maxLength": 0})
 
 
-class ContentPart(_Body):
+def _text_part_schema(schema: dict[str, Any]) -> None:
+    schema["properties"]["type"]["enum"] = ["text"]
+    schema["properties"]["text"] = {"type": "string", "title": "Text"}
+    schema["required"] = ["type", "text"]
+    schema["additionalProperties"] = False
+
+
+class ContentPart(BaseModel):
+    """A part of a message's content: only `{"type": "text", "text": ...}` is served (the schema
+    says so). Other part types (image_url, input_audio) carry fields of their own; they pass
+    validation here so the endpoint can refuse them by type (400 unsupported_parameter)."""
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_text_part_schema)
     type: str
-    text: Optional[str] = None
+    text: Optional[Text] = None
 
 
 class ChatMessage(_Body):
-    role: str
-    content: Union[str, list[ContentPart], None] = None
+    role: str = Field(description=f"One of {', '.join(ROLES)}.", json_schema_extra={"enum": list(ROLES)})
+    content: Union[Text, list[ContentPart], None] = None
     name: Optional[str] = None
 
 
 class ResponseFormat(_Body):
-    type: str
+    type: str = Field(description="Only 'text' is supported.", json_schema_extra={"enum": ["text"]})
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT32,
+    max_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None,
                                       description="Default: min(2048, context length - prompt length).")
-    max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT32, description="Alias of max_tokens.")
-    logprobs: Optional[bool] = Field(None, description="Not supported (false only).")
-    top_logprobs: Optional[int] = Field(None, description="Not supported (null only).")
-    tools: Optional[list[Any]] = Field(None, description="Not supported (empty only).")
-    tool_choice: Optional[Any] = None
+    max_completion_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None, description="Alias of max_tokens.")
+    logprobs: Optional[bool] = neutral_only(False, "Not supported (false only).")
+    top_logprobs: Optional[int] = neutral_only(None, "Not supported (null only).")
+    tools: Optional[list[Any]] = Field(None, description="Not supported (empty only).",
+                                       json_schema_extra={"maxItems": 0})
+    tool_choice: Optional[Any] = neutral_only("none", "Not supported ('none' only).")
     response_format: Optional[ResponseFormat] = Field(None, description="Only type 'text' is supported.")
     add_generation_prompt: bool = Field(True, description="radixserve extension.")
 
 
+class NativeSamplingParams(_Body):
+    """`/generate`'s sampling_params (SGLang's names); the same bounds as the OpenAI fields."""
+    max_new_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None, description="Default 128.")
+    temperature: Optional[float] = Field(None, ge=0.0, le=TEMPERATURE_MAX)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    top_k: Optional[bounded_int(TOP_K_MIN, MAX_INT32)] = Field(None, description="-1 or 0 is off.")
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    seed: Optional[Seed] = None
+    stop: Union[NonEmptyStr, list[NonEmptyStr], None] = None
+    stop_token_ids: Optional[list[StopTokenId]] = None
+    ignore_eos: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+
+    def values(self) -> dict[str, Any]:
+        values = self.model_dump(exclude_none=True)
+        if isinstance(values.get("stop"), str):
+            values["stop"] = [values["stop"]]
+        return values
+
+
 class GenerateBody(_Body):
-    """SGLang's native /generate."""
-    text: Union[str, list[str], None] = None
-    input_ids: Union[list[TokenId], list[list[TokenId]], None] = Field(None, union_mode="left_to_right")
-    sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None
+    """SGLang's native /generate: exactly one of `text` and `input_ids`."""
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]})
+    # Not nullable: "exactly one of" is then the schema's oneOf above.
+    text: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(min_length=1)]] = None
+    input_ids: Union[TokenIds, Annotated[list[TokenIds], Field(min_length=1)]] = \
+        Field(None, union_mode="left_to_right")
+    sampling_params: Union[NativeSamplingParams, list[NativeSamplingParams], None] = None
     stream: bool = False
     rid: Optional[str] = Field(None, max_length=256, description="Request id (default: a random one).")
-
-
-ROLES = ("system", "user", "assistant", "tool", "developer")

@@ -7,28 +7,37 @@ One HTTP request becomes one or more engine requests (prompts x `n`); each is tr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Any, AsyncIterator, Callable, Optional, TypeVar
 
-from radixserve.engine.io_struct import GenerateRequest, RequestOutput, SamplingParams, sampling_params_from_dict
+from fastapi import Depends, Request
+
+from radixserve.engine.io_struct import GenerateRequest, RequestOutput
+from radixserve.sampling_params import SamplingParams, sampling_params_from_dict
 from radixserve.server.detokenizer import IncrementalDetokenizer
 from radixserve.server.engine_client import (EngineClient, EngineDeadError, EngineRequestError, QueueFullError,
                                              RequestGroup)
-from radixserve.server.errors import APIError, bad_request
+from radixserve.server.errors import APIError, bad_request, engine_unavailable
 from radixserve.server.metrics import ServerMetrics
 from radixserve.settings import ServerSettings
+from radixserve.validation import SamplingValueError
 
 logger = logging.getLogger("radixserve")
 
 # max_tokens when a request does not say: this, capped by what the context and pool leave.
 DEFAULT_MAX_TOKENS = 2048
-RETRY_AFTER_S = 1
-SEED_RANGE = (-(2**63), 2**63 - 1)
-MAX_INT32 = 2**31 - 1
+HEALTH_TIMEOUT_S = 20.0
+# Texts up to this long are tokenized on the event loop (tens of microseconds, less than the hop
+# to a thread); longer ones in the tokenizer thread pool.
+INLINE_TOKENIZE_CHARS = 4096
+TOKENIZER_THREADS = 2
+T = TypeVar("T")
 
 
 @dataclass
@@ -61,8 +70,22 @@ class Tracker:
         return (self.last_token_at or time.perf_counter()) - self.arrival
 
 
+class HealthChecker:
+    """Probes run one at a time; concurrent /health calls share the probe in flight."""
+
+    def __init__(self, engine: EngineClient, probe_ids: list[int]):
+        self.engine = engine
+        self.probe_ids = probe_ids
+        self._inflight: Optional[asyncio.Future] = None
+
+    async def check(self) -> float:
+        if self._inflight is None or self._inflight.done():
+            self._inflight = asyncio.ensure_future(self.engine.probe(self.probe_ids, HEALTH_TIMEOUT_S))
+        return await asyncio.shield(self._inflight)
+
+
 class ServingContext:
-    """What the endpoints share: settings, tokenizer, engine handle, metrics."""
+    """What the endpoints of every router share: settings, tokenizer, engine handle, metrics."""
 
     def __init__(self, settings: ServerSettings, tokenizer, engine: EngineClient, metrics: ServerMetrics,
                  model_path: str, served_model_name: str):
@@ -72,6 +95,10 @@ class ServingContext:
         self.metrics = metrics
         self.model_path = model_path
         self.served_model_name = served_model_name
+        self.health = HealthChecker(engine, [0])
+        self.executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self.max_token_chars = longest_token_chars(tokenizer)
+        self.created = int(time.time())  # the model's `created` in /v1/models
 
     # ------------------------------------------------------------------ limits
     @property
@@ -87,10 +114,30 @@ class ServingContext:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.served_model_name!r}", param="model", code="model_not_found")
 
-    def tokenize(self, text: str, param: str) -> list[int]:
+    @property
+    def prompt_token_limit(self) -> int:
+        return min(self.context_len, self.pool_size)
+
+    async def tokenize(self, text: str, param: str) -> list[int]:
+        """Token ids of `text`. A text longer than the longest prompt the model can take could
+        possibly spell is refused before tokenizing; a long one is tokenized in a worker thread."""
         if self.tokenizer is None:
             raise bad_request("the served model has no tokenizer; send token ids", param)
+        limit = self.prompt_token_limit
+        if len(text) > self.max_token_chars * limit:
+            raise bad_request(f"the text has {len(text)} characters; no {limit}-token prompt of this model is that "
+                              f"long (this model's context length is {self.context_len}, KV pool {self.pool_size})",
+                              param, code="context_length_exceeded")
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.encode(text)
+        return await self.run_blocking(self.encode, text)
+
+    def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run O(input) work (tokenizing, a chat template, decoding a prompt) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -118,18 +165,11 @@ class ServingContext:
     def sampling_params(self, values: dict[str, Any], param: str = "sampling_params") -> SamplingParams:
         try:
             params = sampling_params_from_dict(values)
+        except SamplingValueError as e:
+            raise bad_request(str(e), f"{param}.{e.field}" if param else e.field) from None
         except ValueError as e:
-            raise bad_request(str(e), param) from None
-        # Ranges the engine would only find out about by failing mid-step.
-        if params.seed is not None and not SEED_RANGE[0] <= params.seed <= SEED_RANGE[1]:
-            raise bad_request(f"seed must fit in 64 bits, got {params.seed}", f"{param}.seed" if param else "seed")
-        for name in ("max_new_tokens", "top_k"):
-            if getattr(params, name) > MAX_INT32:
-                raise bad_request(f"{name} is too large", name)
-        if any(t > MAX_INT32 for t in params.stop_token_ids):
-            raise bad_request("stop_token_ids must be 32-bit token ids", "stop_token_ids")
-        vocab = self.engine.ready.vocab_size
-        if params.top_k > vocab:
+            raise bad_request(str(e), param or None) from None
+        if params.top_k > self.engine.ready.vocab_size:
             params.top_k = -1  # the same distribution
         return params
 
@@ -215,19 +255,23 @@ class ServingContext:
                                 len(t.output_ids), time.perf_counter() - t.arrival)
 
 
-def engine_unavailable(message: str) -> APIError:
-    return APIError(503, f"the engine is unavailable: {message}", code="engine_unavailable",
-                    headers={"Retry-After": str(RETRY_AFTER_S)})
+def longest_token_chars(tokenizer) -> int:
+    """An upper bound on the characters one token of `tokenizer` stands for: its longest vocabulary
+    entry (byte-level BPE entries spell one character per byte, so never fewer than they stand for)."""
+    if tokenizer is None:
+        return 1
+    try:
+        return max(1, max(len(piece) for piece in tokenizer.get_vocab()))
+    except (AttributeError, NotImplementedError, ValueError):
+        return 1 << 20  # no vocabulary to read: no early bound worth having
 
 
-def map_engine_error(exc: BaseException) -> APIError:
-    if isinstance(exc, QueueFullError):
-        return APIError(503, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
-    if isinstance(exc, EngineDeadError):
-        return engine_unavailable(str(exc))
-    if isinstance(exc, EngineRequestError):
-        return bad_request(str(exc))
-    raise exc
+def serving_context(request: Request) -> ServingContext:
+    """The app's one `ServingContext` (a FastAPI dependency of every router)."""
+    return request.app.state.ctx
+
+
+Ctx = Annotated[ServingContext, Depends(serving_context)]
 
 
 def new_id(prefix: str) -> str:

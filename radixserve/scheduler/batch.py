@@ -1,0 +1,65 @@
+"""What one scheduling step hands the model runner, and the launched step whose tokens are still
+on the device.
+
+Overlap scheduling: the engine builds and launches step N+1 before it reads step N's sampled
+tokens. `StepInFlight` is step N during that time; it is the one place that says which tokens the
+host has not seen. The scheduler works on positions meanwhile (`Req.pending` counts each such
+token in `Req.seq_len`), takes every decision that needs token values (stop tokens, stop strings)
+when the step is collected, and collects it early itself when it would otherwise have to retract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+from radixserve.scheduler.request import Req
+
+
+@dataclass
+class ScheduledBatch:
+    reqs: list[Req] = field(default_factory=list)
+    kv_lens_before: list[int] = field(default_factory=list)  # positions whose KV exists before this step
+    extend_lens: list[int] = field(default_factory=list)  # new positions computed in this step
+    sample: list[bool] = field(default_factory=list)  # whether the request samples a token after this step
+    num_new_seqs: int = 0
+    num_new_tokens: int = 0  # prompt tokens computed for admitted / chunked requests
+    num_cached_tokens: int = 0  # prompt tokens of new admissions found in the cache
+    # In-batch sharing keys of the uncached prefixes this step computes (see PrefillAdder).
+    shared_prefix_keys: set[tuple] = field(default_factory=set)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.extend_lens) and self.num_new_tokens == 0
+
+    def add(self, req: Req, kv_len_before: int, extend: int, sample: bool) -> None:
+        self.reqs.append(req)
+        self.kv_lens_before.append(kv_len_before)
+        self.extend_lens.append(extend)
+        self.sample.append(sample)
+
+
+class TokenFuture(Protocol):
+    """The ids a launched step samples, one per sampling request in batch order."""
+
+    def result(self) -> list[int]:
+        """Wait until they are on the host and return them."""
+
+
+@dataclass
+class StepInFlight:
+    """A launched step whose sampled tokens the host has not processed yet."""
+
+    batch: ScheduledBatch
+    tokens: TokenFuture
+    # The requests with news for the caller, once the scheduler has collected the step.
+    updated: Optional[list[Req]] = None
+
+    @property
+    def collected(self) -> bool:
+        return self.updated is not None
+
+    @property
+    def shared_prefix_keys(self) -> set[tuple]:
+        """Prefixes this step is computing: not in the tree until it is collected."""
+        return set() if self.collected else self.batch.shared_prefix_keys

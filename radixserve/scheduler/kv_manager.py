@@ -1,0 +1,152 @@
+"""What a request holds of the KV memory, and the one way it gives it back.
+
+A running request owns a row of req_to_token, holds the tree path of its cached prefix locked
+(`Req.locked_len` positions, through `Req.last_node`) and owns the slots after it. `cache_req`
+returns computed KV to the tree: for a finished chunk (the request keeps running on the tree's
+copy) and for a request that leaves (finished, aborted, retracted, or un-admitted).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.cache.kv_pool import PageAllocator, ReqToTokenPool
+from radixserve.cache.radix_cache import RadixCache
+from radixserve.scheduler.request import Req
+
+
+class KVManager:
+    def __init__(self, cache: RadixCache, req_to_token: ReqToTokenPool):
+        self.cache = cache
+        self.allocator: PageAllocator = cache.allocator
+        self.page_size = cache.page_size
+        self.req_to_token = req_to_token
+        # Device table writes collected during scheduling, applied in one operation per step.
+        self._rows: list[int] = []
+        self._cols: list[int] = []
+        self._slots: list[int] = []
+
+    # ------------------------------------------------------------------ arithmetic
+    def page_ceil(self, n: int) -> int:
+        return -(-n // self.page_size) * self.page_size
+
+    def page_floor(self, n: int) -> int:
+        return n - n % self.page_size
+
+    @property
+    def available_tokens(self) -> int:
+        """Slots free now or after evicting every unlocked tree node."""
+        return self.allocator.free_tokens + self.cache.evictable_size
+
+    def ensure_free(self, tokens: int) -> bool:
+        short = tokens - self.allocator.free_tokens
+        if short > 0:
+            self.cache.evict(short)
+        return self.allocator.free_tokens >= tokens
+
+    # ------------------------------------------------------------------ taking memory
+    def lock_prefix(self, req: Req) -> None:
+        """Lock the cached prefix of req (whose row is set) and point its row at the prefix's slots."""
+        match = self.cache.match(req.match_target())
+        self.cache.inc_lock(match.last_node)
+        req.last_node = match.last_node
+        req.locked_len = match.length
+        req.slots = match.slots.tolist()
+        req.kv_len = match.length
+        if req.slots:  # the row may hold a previous request's slots
+            self._queue_table_write(req.req_pool_idx, 0, req.slots)
+
+    def grow(self, req: Req, upto: int) -> bool:
+        """Give req slots for positions up to `upto`; False (nothing taken) when memory is short."""
+        have = self.page_ceil(req.kv_len)
+        need_pages = (self.page_ceil(upto) - have) // self.page_size
+        if need_pages > 0:
+            if not self.ensure_free(need_pages * self.page_size):
+                return False
+            pages = self.allocator.alloc_pages(need_pages)
+            assert pages is not None
+            slots = self._slots_of(pages)
+            req.slots.extend(slots)
+            self._queue_table_write(req.req_pool_idx, have, slots)
+        req.kv_len = upto
+        return True
+
+    def grow_decoding(self, reqs: list[Req]) -> None:
+        """One more position for each request; the memory must have been ensured. One allocation
+        for every request that starts a new page (one per request at page size 1)."""
+        ps = self.page_size
+        growing = [r for r in reqs if r.kv_len % ps == 0]
+        if growing:
+            pages = self.allocator.alloc_pages(len(growing))
+            assert pages is not None, "decode memory is ensured before it is taken"
+            all_slots = self._slots_of(pages)
+            for i, req in enumerate(growing):
+                slots = all_slots[i * ps:(i + 1) * ps]
+                self._queue_table_write(req.req_pool_idx, len(req.slots), slots)
+                req.slots.extend(slots)
+        for req in reqs:
+            req.kv_len += 1
+
+    def _slots_of(self, pages: list[int]) -> list[int]:
+        """The KV slots of these pages, page by page (a page is its slot at page size 1)."""
+        return self.allocator.pages_to_slots(pages).tolist() if self.page_size > 1 else pages
+
+    # ------------------------------------------------------------------ giving it back
+    def cache_req(self, req: Req, *, finished: bool) -> None:
+        """Put req's computed whole pages into the tree. finished: req gives back everything it
+        holds (lock, slots, row) and leaves the pool. Otherwise it keeps running on the tree's
+        copy of those pages, locked up to their end (a finished prefill chunk)."""
+        if self.cache.disabled:
+            if finished:
+                self._free_slots(req.slots)
+                self._drop(req)
+            return
+        n = self.page_floor(req.kv_len)
+        if not finished and n <= req.locked_len:
+            return  # no new whole page
+        already = self.cache.insert(req.fill_ids[:n], torch.tensor(req.slots[:n], dtype=torch.int64))
+        self._free_slots(req.slots[req.locked_len:already])  # duplicates of tokens cached meanwhile
+        if finished:
+            self._free_slots(req.slots[n:])  # the partly filled last page
+            self.cache.dec_lock(req.last_node)
+            self._drop(req)
+            return
+        self.cache.dec_lock(req.last_node)
+        match = self.cache.match(req.fill_ids[:n])
+        assert match.length == n
+        self.cache.inc_lock(match.last_node)
+        if already > req.locked_len:  # take the tree's copies of the duplicated positions
+            tree_slots = match.slots[req.locked_len:already].tolist()
+            req.slots[req.locked_len:already] = tree_slots
+            self._queue_table_write(req.req_pool_idx, req.locked_len, tree_slots)
+        req.last_node, req.locked_len = match.last_node, n
+
+    def _drop(self, req: Req) -> None:
+        req.slots, req.last_node, req.locked_len, req.kv_len = [], None, 0, 0
+        self.req_to_token.free(req.req_pool_idx)
+        req.req_pool_idx = None
+
+    def _free_slots(self, slots: list[int]) -> None:
+        if slots:
+            self.allocator.free_slots(torch.tensor(slots, dtype=torch.int64))
+
+    # ------------------------------------------------------------------ the device table
+    def _queue_table_write(self, row: int, start: int, slots: list[int]) -> None:
+        self._rows.extend([row] * len(slots))
+        self._cols.extend(range(start, start + len(slots)))
+        self._slots.extend(slots)
+
+    def flush_table_writes(self) -> None:
+        if self._slots:
+            self.req_to_token.write(self._rows, self._cols, self._slots)
+            self._rows, self._cols, self._slots = [], [], []
+
+    # ------------------------------------------------------------------ accounting
+    @staticmethod
+    def owned_tokens(reqs: list[Req]) -> int:
+        """Slots these requests own outside the tree."""
+        return sum(len(r.slots) - r.locked_len for r in reqs)
+
+    def check_invariants(self, running: list[Req]) -> None:
+        owned = [torch.tensor(r.slots[r.locked_len:], dtype=torch.int64) for r in running]
+        self.cache.check_invariants(self.owned_tokens(running), owned)

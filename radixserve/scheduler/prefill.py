@@ -1,0 +1,111 @@
+"""Prefill admission for one step: the token budget, the memory left for new requests, and adding
+a request's next prompt piece to the batch (`PrefillAdder.try_add_one`).
+
+Memory arithmetic: a running request is expected to still need the rest of its prompt plus a
+share (`new_token_ratio`) of its remaining output tokens; a new request is admitted only if its
+prompt and its own share fit in what is free or evictable after those reservations. Locking a
+request's cached prefix makes those tree tokens unevictable, so they leave the available memory
+too (`locked_away`). While the pool is busy, tree tokens that waiting requests will reuse do not
+count as evictable either (`RadixCache.reclaimable_size`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from radixserve.scheduler.batch import ScheduledBatch
+from radixserve.scheduler.kv_manager import KVManager
+from radixserve.scheduler.request import Req
+
+# The future decode tokens reserved for a request are clipped, so one request asking for a huge
+# max_new_tokens cannot block admission.
+CLIP_MAX_NEW_TOKENS = 4096
+
+
+def reserved_decode_tokens(req: Req, new_token_ratio: float) -> int:
+    """The share of req's remaining output tokens that admission keeps memory for."""
+    return math.ceil(min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) * new_token_ratio)
+
+
+def future_tokens(req: Req, new_token_ratio: float) -> int:
+    """Tokens a running request is expected to still need: the rest of its prompt plus a share of its output."""
+    return max(0, req.seq_len - req.kv_len - 1) + reserved_decode_tokens(req, new_token_ratio)
+
+
+class PrefillAdder:
+    def __init__(self, kv: KVManager, batch: ScheduledBatch, *, budget: int, chunking: bool,
+                 new_token_ratio: float, min_shared_prefix: int):
+        self.kv = kv
+        self.batch = batch
+        self.budget = budget  # prompt tokens this step may still compute
+        self.chunking = chunking
+        self.new_token_ratio = new_token_ratio
+        self.min_shared_prefix = min_shared_prefix
+        self.available = 0  # tokens new requests may still take (see reserve_for)
+        self.spare_waited = True  # whether tree tokens waiting requests will reuse count as spare
+
+    def reserve_for(self, running: list[Req], *, spare_waited: bool) -> None:
+        """Start admitting: what is free or evictable, less what running requests will need.
+        spare_waited: prefixes waiting requests will reuse may be evicted for new requests."""
+        self.spare_waited = spare_waited
+        future = sum(future_tokens(r, self.new_token_ratio) for r in running)
+        self.available = self.kv.allocator.free_tokens + self._spare() - future
+
+    def _spare(self) -> int:
+        """Tree tokens admission may evict."""
+        return self.kv.cache.evictable_size if self.spare_waited else self.kv.cache.reclaimable_size
+
+    def add_chunk(self, req: Req) -> int:
+        """The next piece of a running request's chunked prompt; returns the tokens taken."""
+        return self._add_piece(req, new=False)
+
+    def defers(self, req: Req, in_flight_keys: set[tuple]) -> bool:
+        """In-batch prefix sharing: two requests share an uncached prefix of >= min_shared_prefix
+        tokens exactly when their cached match has the same length and node and the next
+        min_shared_prefix tokens agree. The first is admitted (its key recorded even if admission
+        then fails); the rest wait and find the prefix cached once that step is collected."""
+        if self.kv.cache.disabled or req.seq_len - req.peek_len <= self.min_shared_prefix:
+            return False
+        start = req.peek_len
+        key = (id(req.peek_node), start, tuple(req.fill_ids[start:start + self.min_shared_prefix]))
+        if key in self.batch.shared_prefix_keys or key in in_flight_keys:
+            return True
+        self.batch.shared_prefix_keys.add(key)
+        return False
+
+    def try_add_one(self, req: Req, *, alone: bool) -> bool:
+        """Give a waiting request a row, lock its cached prefix and add its first prompt piece if
+        its memory fits (alone: nothing else runs, so its prompt alone must fit). On False it
+        holds nothing."""
+        req.req_pool_idx = self.kv.req_to_token.alloc()
+        spare_before = self._spare()
+        self.kv.lock_prefix(req)
+        locked_away = spare_before - self._spare()  # cached tokens now protected
+        prompt_left = self.kv.page_ceil(req.seq_len - req.kv_len)
+        need = prompt_left + reserved_decode_tokens(req, self.new_token_ratio)
+        room = self.available - locked_away
+        fits = need <= room or (alone and prompt_left <= self.kv.available_tokens)
+        if not fits or not self._add_piece(req, new=True):
+            self.kv.cache_req(req, finished=True)
+            return False
+        self.available -= locked_away + need
+        return True
+
+    def _add_piece(self, req: Req, *, new: bool) -> int:
+        """Schedule the next piece of req's prompt; returns the tokens taken (0: not scheduled)."""
+        todo = req.seq_len - req.kv_len
+        n = min(todo, self.budget) if self.chunking else todo
+        if n <= 0:
+            return 0
+        if not self.chunking and new and self.batch.num_new_tokens > 0 and n > self.budget:
+            return 0  # without chunking, a prompt over budget runs only as the first of a step
+        before = req.kv_len
+        if not self.kv.grow(req, before + n):
+            return 0
+        if new:
+            self.batch.num_new_seqs += 1
+            self.batch.num_cached_tokens += req.locked_len
+        self.batch.add(req, before, n, before + n == req.seq_len)
+        self.batch.num_new_tokens += n
+        self.budget -= n
+        return n

@@ -1,0 +1,112 @@
+"""What the API process does with a request before any endpoint sees it: refuse a body over
+`--max-request-bytes` (413, before reading it), and count and log every request it rejects.
+
+Both are pure ASGI middleware, so streams pass through untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Callable
+
+from radixserve.http_common.errors import error_response
+from radixserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger("radixserve")
+
+# A request body may hold this many bytes per context token by default: 4 bytes a character
+# (UTF-8's longest) times 16 characters a token, more than any real tokenizer averages.
+REQUEST_BYTES_PER_CONTEXT_TOKEN = 4 * 16
+# Paths whose errors are answers, not rejections: a red /health is what a probe asked about.
+NOT_REJECTIONS = ("/health",)
+# The status a client that went away is answered with (nobody reads it).
+CLIENT_CLOSED_STATUS = 499
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """413 for a body over `limit()` bytes: by its Content-Length before reading anything, or as
+    soon as a chunked body passes the limit."""
+
+    def __init__(self, app, limit: Callable[[], int]):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.limit()
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await self._refuse(scope, receive, send, limit)
+        seen = 0
+
+        async def counting_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        except _TooLarge:
+            await self._refuse(scope, receive, send, limit)
+
+    @staticmethod
+    async def _refuse(scope, receive, send, limit: int) -> None:
+        response = error_response(413, f"the request body is larger than {limit} bytes (--max-request-bytes)",
+                                  code="request_too_large", headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
+class RejectionRecorder:
+    """Counts every request answered with an error (`radixserve:rejected_requests_total` by status
+    and reason, the error body's `code`) and, with `--log-requests`, logs one line for it: path,
+    status, reason and field, never the request's text."""
+
+    def __init__(self, app, metrics: ServerMetrics, log: bool):
+        self.app = app
+        self.metrics = metrics
+        self.log = log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in NOT_REJECTIONS:
+            return await self.app(scope, receive, send)
+        status = 0
+        recorded = False
+
+        async def recording_send(message):
+            nonlocal status, recorded
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and status >= 400 and status != CLIENT_CLOSED_STATUS \
+                    and not recorded:
+                recorded = True
+                self.record(scope, status, message.get("body", b""))
+            await send(message)
+
+        await self.app(scope, receive, recording_send)
+
+    def record(self, scope, status: int, body: bytes) -> None:
+        reason, param = f"http_{status}", None
+        try:
+            error = json.loads(body)["error"]
+            reason = error.get("code") or reason
+            param = error.get("param")
+        except (ValueError, KeyError, TypeError):
+            pass
+        self.metrics.rejected.labels(status=str(status), reason=str(reason)).inc()
+        if self.log:  # the field name may be the client's own (an unknown field): escaped
+            logger.info("Request rejected. path: %s, status: %d, reason: %s, param: %s",
+                        _escaped(scope.get("path")), status, _escaped(reason), _escaped(param))
+
+
+def _escaped(value) -> str:
+    return str(value).encode("unicode_escape").decode("ascii")

@@ -1,0 +1,91 @@
+"""The served OpenAPI schema: FastAPI's, plus every answer the server can really give.
+
+FastAPI declares a 422 the server never sends (validation errors are 400 here) and knows nothing
+of event streams, Prometheus text, 401/413/503 or the error body; this module declares them, and
+bounds token ids by the served model's vocabulary once the engine has reported it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from radixserve.server.protocol import TOKEN_ID_SCHEMA_MARK
+
+ERROR_SCHEMA = {
+    "type": "object", "required": ["error"], "additionalProperties": False,
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+ERROR_DESCRIPTIONS = {"400": "Invalid request (OpenAI error body).", "401": "Missing or invalid API key.",
+                      "404": "Unknown model or resource.", "405": "Method not allowed.",
+                      "409": "Conflict with the server's state.", "413": "Request body too large.",
+                      "500": "Internal error.", "503": "Engine unavailable or queue full (Retry-After)."}
+# Errors every operation can answer with; POST bodies add 400 and 413.
+COMMON_ERRORS = ("404", "405", "500", "503")
+BODY_ERRORS = ("400", "413")
+STREAMING_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+EXTRA_ERRORS = {"/flush_cache": ("409",)}
+EVENT_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+def _error_response(status: str) -> dict[str, Any]:
+    return {"description": ERROR_DESCRIPTIONS[status],
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+
+
+def _document_operation(path: str, method: str, op: dict[str, Any], auth: bool) -> None:
+    responses = op.setdefault("responses", {})
+    responses.pop("422", None)
+    statuses = list(COMMON_ERRORS) + list(EXTRA_ERRORS.get(path, ()))
+    if method == "post":
+        statuses += BODY_ERRORS
+    if auth and path != "/health":
+        statuses.append("401")
+        op["security"] = [{"bearer": []}]
+    for status in statuses:
+        responses.setdefault(status, _error_response(status))
+    ok = responses.setdefault("200", {"description": "OK"})
+    if path in STREAMING_PATHS:
+        ok.setdefault("content", {}).update(EVENT_STREAM)
+    elif path == "/kv_events":
+        ok["content"] = dict(EVENT_STREAM)
+    elif path == "/metrics":
+        ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
+
+
+def _bound_token_ids(node: Any, vocab_size: int) -> None:
+    if isinstance(node, dict):
+        if node.pop(TOKEN_ID_SCHEMA_MARK, False):
+            node["maximum"] = vocab_size - 1
+        for value in node.values():
+            _bound_token_ids(value, vocab_size)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_token_ids(value, vocab_size)
+
+
+def install_openapi(app: FastAPI, auth: bool, vocab_size: Callable[[], Optional[int]]) -> None:
+    """Serve the completed schema; cached once the engine has told the vocabulary size."""
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        schema.setdefault("components", {}).setdefault("schemas", {})["ErrorResponse"] = ERROR_SCHEMA
+        schema["components"]["schemas"].pop("HTTPValidationError", None)
+        schema["components"]["schemas"].pop("ValidationError", None)
+        if auth:
+            schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, ops in schema.get("paths", {}).items():
+            for method, op in ops.items():
+                _document_operation(path, method, op, auth)
+        vocab = vocab_size()
+        if vocab is not None:
+            _bound_token_ids(schema, vocab)
+            app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi

@@ -1,0 +1,111 @@
+"""SGLang-native endpoints: `/generate`, `/get_model_info`, and `/tokenizer` (the served
+tokenizer's files, for `radixserve.client.AsyncClient.tokenizer`)."""
+
+from __future__ import annotations
+
+import base64
+import os
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from radixserve.sampling_params import SamplingParams
+from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
+from radixserve.server.protocol import GenerateBody
+from radixserve.server.responses import per_output, run_request
+from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, new_id, sse
+
+router = APIRouter()
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "chat_template.jinja", "chat_template.json", "added_tokens.json",
+                   "tokenizer.model", "generation_config.json",
+                   # AutoTokenizer picks the tokenizer class (and its pre-tokenizer) from config.json's
+                   # model_type; without it a client would tokenize differently from the server.
+                   "config.json")
+
+
+def meta_info(t: Tracker) -> dict[str, Any]:
+    return {"id": t.rid, "finish_reason": t.finish_reason, "prompt_tokens": t.prompt_tokens or len(t.input_ids),
+            "completion_tokens": t.completion_tokens, "cached_tokens": t.cached_tokens,
+            "e2e_latency": t.e2e_latency}
+
+
+async def generate_prompts(ctx: ServingContext, body: GenerateBody) -> tuple[list[list[int]], bool, str]:
+    """The prompts as token ids, whether the body held a single prompt, and the field they came from."""
+    if (body.text is None) == (body.input_ids is None):
+        raise bad_request("give exactly one of text or input_ids", "text")
+    if body.text is not None:
+        single = isinstance(body.text, str)
+        texts = [body.text] if single else list(body.text)
+        return [await ctx.tokenize(x, "text") for x in texts], single, "text"
+    ids = body.input_ids
+    single = not ids or isinstance(ids[0], int)
+    return ([list(ids)] if single else [list(x) for x in ids]), single, "input_ids"
+
+
+def generate_params(ctx: ServingContext, body: GenerateBody, prompts: list[list[int]],
+                    param: str) -> list[list[SamplingParams]]:
+    sp = body.sampling_params
+    if isinstance(sp, list):
+        if len(sp) != len(prompts):
+            raise bad_request(f"{len(sp)} sampling_params for {len(prompts)} prompts", "sampling_params",
+                              code=CONFLICTING_FIELDS)
+        sp_list = [p.values() for p in sp]
+    else:
+        sp_list = [sp.values() if sp is not None else {}] * len(prompts)
+    params_per_prompt: list[list[SamplingParams]] = []
+    for ids, values in zip(prompts, sp_list):
+        ctx.check_prompt(ids, param)
+        params = ctx.sampling_params(values)
+        ctx.max_new_tokens(ids, params.max_new_tokens, "sampling_params.max_new_tokens")
+        params_per_prompt.append([params])
+    return params_per_prompt
+
+
+@router.post("/generate")
+async def generate(body: GenerateBody, request: Request, ctx: Ctx):
+    arrival = time.perf_counter()
+    prompts, single, param = await generate_prompts(ctx, body)
+    if not prompts:
+        raise bad_request("the batch is empty", param)
+    params_per_prompt = generate_params(ctx, body, prompts, param)
+    base = body.rid if (body.rid and single) else new_id("")
+    trackers = ctx.new_trackers(prompts, params_per_prompt, base, arrival)
+
+    def final(ts: list[Tracker]):
+        results = [{"text": t.text, "output_ids": t.output_ids, "meta_info": meta_info(t)} for t in ts]
+        return results[0] if single else results
+
+    async def stream(outputs, close):
+        async for t, out, delta in per_output(ctx, outputs, trackers):
+            event = {"text": t.text, "output_ids": t.output_ids, "meta_info": meta_info(t)}
+            if not single:  # a batch streams its prompts' events interleaved, each with its index
+                event["index"] = t.index
+            yield sse(event)
+        close()
+        yield SSE_DONE
+
+    return await run_request(ctx, request, trackers, body.stream, final, stream)
+
+
+@router.get("/get_model_info")
+async def get_model_info(ctx: Ctx):
+    return {"model_path": ctx.model_path, "tokenizer_path": ctx.settings.tokenizer_path or ctx.model_path,
+            "served_model_name": ctx.served_model_name, "is_generation": True}
+
+
+@router.get("/tokenizer")
+async def tokenizer_files(ctx: Ctx):
+    """The served tokenizer's files (base64), for clients that need `apply_chat_template`."""
+    root = ctx.settings.tokenizer_path or ctx.model_path
+    files = {}
+    for name in TOKENIZER_FILES:
+        path = os.path.join(root, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                files[name] = base64.b64encode(f.read()).decode()
+    if not files:
+        raise APIError(404, "the served model has no tokenizer files", code="tokenizer_not_found")
+    return {"model": ctx.served_model_name, "files": files}

@@ -1,0 +1,223 @@
+"""OpenAI-compatible endpoints: `/v1/completions`, `/v1/chat/completions`, `/v1/models`."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Any, Callable, Optional
+
+from fastapi import APIRouter, Request
+
+from radixserve.sampling_params import SamplingParams
+from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
+from radixserve.server.protocol import ROLES, ChatCompletionRequest, CompletionRequest
+from radixserve.server.responses import per_output, run_request, usage
+from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, finish_reason_name, new_id, sse
+from radixserve.validation import choice_seed
+
+router = APIRouter()
+
+
+def check_neutral(body, name: str, ok: Callable[[Any], bool], why: str) -> None:
+    value = getattr(body, name, None)
+    if value is not None and not ok(value):
+        raise APIError(400, f"{name}={value!r} is not supported: {why}", param=name, code="unsupported_parameter")
+
+
+def check_common_unsupported(body) -> None:
+    check_neutral(body, "presence_penalty", lambda v: v == 0, "only 0")
+    check_neutral(body, "frequency_penalty", lambda v: v == 0, "only 0")
+    check_neutral(body, "logit_bias", lambda v: not v, "only an empty map")
+
+
+def openai_params(body, max_tokens: int, seed_offset: int) -> dict[str, Any]:
+    values: dict[str, Any] = {"max_new_tokens": max_tokens,
+                              "temperature": 1.0 if body.temperature is None else body.temperature,
+                              "ignore_eos": body.ignore_eos, "skip_special_tokens": body.skip_special_tokens}
+    for name in ("top_p", "top_k", "min_p", "stop_token_ids"):
+        if getattr(body, name) is not None:
+            values[name] = getattr(body, name)
+    if body.stop is not None:
+        values["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+    if body.seed is not None:
+        # Each of the n choices gets its own stream of random numbers, reproducibly.
+        values["seed"] = choice_seed(body.seed, seed_offset)
+    return values
+
+
+def build_choices(ctx: ServingContext, body, prompts: list[list[int]], param: str, max_tokens: Optional[int],
+                  max_param: str) -> list[list[SamplingParams]]:
+    out = []
+    for ids in prompts:
+        ctx.check_prompt(ids, param)
+        mnt = ctx.max_new_tokens(ids, max_tokens, max_param)
+        out.append([ctx.sampling_params(openai_params(body, mnt, j), "") for j in range(body.n)])
+    return out
+
+
+async def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> tuple[list[Optional[str]], list[list[int]]]:
+    """The prompts' texts (None for token-id prompts) and token ids."""
+    p = body.prompt
+    if isinstance(p, str):
+        return [p], [await ctx.tokenize(p, "prompt")]
+    if not p:
+        raise bad_request("the prompt is empty", "prompt")
+    if isinstance(p[0], str):
+        return list(p), [await ctx.tokenize(x, "prompt") for x in p]
+    if isinstance(p[0], int):
+        return [None], [list(p)]
+    return [None] * len(p), [list(x) for x in p]
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
+    arrival = time.perf_counter()
+    ctx.check_model(body.model)
+    check_common_unsupported(body)
+    check_neutral(body, "logprobs", lambda v: False, "log probabilities are not implemented")
+    check_neutral(body, "suffix", lambda v: v == "", "insertion is not implemented")
+    check_neutral(body, "best_of", lambda v: v in (1, body.n), "only best_of == n")
+    texts, prompts = await completion_prompts(ctx, body)
+    choices = build_choices(ctx, body, prompts, "prompt", body.max_tokens, "max_tokens")
+    if body.echo and ctx.tokenizer is not None:  # token-id prompts echo as their text
+        texts = [t if t is not None else await ctx.run_blocking(ctx.tokenizer.decode, ids)
+                 for t, ids in zip(texts, prompts)]
+    cid = new_id("cmpl-")
+    trackers = ctx.new_trackers(prompts, choices, cid, arrival)
+    model = ctx.served_model_name
+
+    def echo_text(t: Tracker) -> str:
+        return (texts[t.prompt_index] or "") if body.echo else ""
+
+    def final(ts: list[Tracker]):
+        return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+                "choices": [{"index": t.index, "text": echo_text(t) + t.text, "logprobs": None,
+                             "finish_reason": finish_reason_name(t.finish_reason)} for t in ts],
+                "usage": usage(ts)}
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(choices_: list[dict]) -> str:
+        data = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+                "choices": choices_}
+        if include_usage:
+            data["usage"] = None
+        return sse(data)
+
+    async def stream(outputs, close):
+        echoed: set[str] = set()
+        async for t, out, delta in per_output(ctx, outputs, trackers):
+            if t.rid not in echoed:
+                echoed.add(t.rid)
+                delta = echo_text(t) + delta
+            if delta or t.finished:
+                yield chunk([{"index": t.index, "text": delta, "logprobs": None,
+                              "finish_reason": finish_reason_name(t.finish_reason)}])
+        close()
+        if include_usage:
+            yield sse({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+                       "choices": [], "usage": usage(trackers)})
+        yield SSE_DONE
+
+    return await run_request(ctx, request, trackers, body.stream, final, stream)
+
+
+async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+    messages = []
+    for i, msg in enumerate(body.messages):
+        if msg.role not in ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {msg.role!r}",
+                              f"messages[{i}].role")
+        content = msg.content
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported, got "
+                                        f"{part.type!r}", param=f"messages[{i}].content",
+                                   code="unsupported_parameter")
+                if part.model_extra:
+                    raise APIError(400, f"messages[{i}].content[{j}]: a text part has only type and text, got "
+                                        f"{', '.join(sorted(part.model_extra))}", param=f"messages[{i}].content",
+                                   code="unsupported_parameter")
+                parts.append(part.text)
+            content = "\n".join(parts)
+        messages.append({"role": msg.role, "content": content or ""})
+    tok = ctx.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise bad_request("the served model has no chat template; use /v1/completions", "messages")
+    try:
+        text = await ctx.run_blocking(partial(tok.apply_chat_template, messages, tokenize=False,
+                                              add_generation_prompt=body.add_generation_prompt))
+    except Exception as e:  # a template that rejects this conversation (raise_exception, ...)
+        raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+    return await ctx.tokenize(text, "messages")
+
+
+def check_chat_unsupported(body: ChatCompletionRequest) -> None:
+    check_common_unsupported(body)
+    check_neutral(body, "logprobs", lambda v: v is False, "log probabilities are not implemented")
+    check_neutral(body, "top_logprobs", lambda v: False, "log probabilities are not implemented")
+    check_neutral(body, "tools", lambda v: not v, "tool calls are not implemented")
+    check_neutral(body, "tool_choice", lambda v: v == "none", "tool calls are not implemented")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise APIError(400, f"response_format type {body.response_format.type!r} is not supported",
+                       param="response_format", code="unsupported_parameter")
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: Ctx):
+    arrival = time.perf_counter()
+    ctx.check_model(body.model)
+    check_chat_unsupported(body)
+    if body.max_tokens is not None and body.max_completion_tokens is not None \
+            and body.max_tokens != body.max_completion_tokens:
+        raise bad_request("max_tokens and max_completion_tokens disagree", "max_completion_tokens",
+                          code=CONFLICTING_FIELDS)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    ids = await chat_prompt(ctx, body)
+    choices = build_choices(ctx, body, [ids], "messages", max_tokens,
+                            "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+    cid = new_id("chatcmpl-")
+    trackers = ctx.new_trackers([ids], choices, cid, arrival)
+    model = ctx.served_model_name
+
+    def final(ts: list[Tracker]):
+        return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": [{"index": t.index, "message": {"role": "assistant", "content": t.text},
+                             "logprobs": None, "finish_reason": finish_reason_name(t.finish_reason)}
+                            for t in ts],
+                "usage": usage(ts)}
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(index: int, delta: dict, finish: Optional[str]) -> str:
+        data = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        if include_usage:
+            data["usage"] = None
+        return sse(data)
+
+    async def stream(outputs, close):
+        for t in trackers:
+            yield chunk(t.index, {"role": "assistant", "content": ""}, None)
+        async for t, out, delta in per_output(ctx, outputs, trackers):
+            if delta:
+                yield chunk(t.index, {"content": delta}, None)
+            if t.finished:
+                yield chunk(t.index, {}, finish_reason_name(t.finish_reason))
+        close()
+        if include_usage:
+            yield sse({"id": cid, "object": "chat.completion.chunk", "created": int(time.time()),
+                       "model": model, "choices": [], "usage": usage(trackers)})
+        yield SSE_DONE
+
+    return await run_request(ctx, request, trackers, body.stream, final, stream)
+
+
+@router.get("/v1/models")
+async def models(ctx: Ctx):
+    ready = ctx.engine.ready
+    return {"object": "list", "data": [{"id": ctx.served_model_name, "object": "model", "created": ctx.created,
+                                        "owned_by": "radixserve", "root": ctx.model_path,
+                                        "max_model_len": ready.context_len if ready else None}]}
