@@ -19,11 +19,12 @@ from typing import Annotated, Any, AsyncIterator, Callable, Optional, TypeVar
 from fastapi import Depends, Request
 
 from radixserve.engine.io_struct import GenerateRequest, RequestOutput
-from radixserve.sampling_params import SamplingParams, sampling_params_from_dict
+from radixserve.sampling_params import SamplingParams, TokenLogprob, sampling_params_from_dict
 from radixserve.server.detokenizer import IncrementalDetokenizer
 from radixserve.server.engine_client import (EngineClient, EngineDeadError, EngineRequestError, QueueFullError,
                                              RequestGroup)
 from radixserve.server.errors import APIError, bad_request, engine_unavailable
+from radixserve.server.logprob_format import TokenTexts
 from radixserve.server.metrics import ServerMetrics
 from radixserve.settings import ServerSettings
 from radixserve.validation import SamplingValueError
@@ -54,6 +55,8 @@ class Tracker:
     first_token_at: Optional[float] = None
     last_token_at: Optional[float] = None
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when asked for
+    logprob_text_offset: int = 0  # characters of token text already reported (completions' text_offset)
     finish_reason: Optional[dict] = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -98,6 +101,7 @@ class ServingContext:
         self.health = HealthChecker(engine, [0])
         self.executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
         self.max_token_chars = longest_token_chars(tokenizer)
+        self.token_texts = TokenTexts(tokenizer)
         self.created = int(time.time())  # the model's `created` in /v1/models
 
     # ------------------------------------------------------------------ limits
@@ -173,6 +177,18 @@ class ServingContext:
             params.top_k = -1  # the same distribution
         return params
 
+    def logit_bias(self, bias: Optional[dict[str, float]], param: str) -> dict[int, float]:
+        """A logit_bias map (token ids as decimal strings) as token id -> bias, ids checked against
+        the vocabulary."""
+        vocab = self.engine.ready.vocab_size
+        out: dict[int, float] = {}
+        for key, value in (bias or {}).items():
+            if not key.isdigit() or int(key) >= vocab:
+                raise bad_request(f"{param} keys must be token ids in [0, {vocab}) spelled in decimal, got {key!r}",
+                                  param)
+            out[int(key)] = value
+        return out
+
     # ------------------------------------------------------------------ running
     def new_trackers(self, prompts: list[list[int]], params_per_prompt: list[list[SamplingParams]],
                      base_id: str, arrival: float) -> list[Tracker]:
@@ -221,6 +237,7 @@ class ServingContext:
             t.queue_time = out.queue_time
             self.metrics.queue_time.observe(out.queue_time)
         t.output_ids.extend(out.new_token_ids)
+        t.logprobs.extend(out.new_logprobs)
         t.prompt_tokens = out.prompt_tokens
         t.cached_tokens = out.cached_tokens
         t.completion_tokens = out.completion_tokens
