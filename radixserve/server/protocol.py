@@ -218,3 +218,22 @@ class GenerateBody(_Body):
                                                                       "many most likely tokens per position.")
     return_text_in_logprobs: bool = Field(False, description="Fill the text of the logprob triples.")
     logprob_start_len: Optional[int] = neutral_only(-1, "Prompt log probabilities are not served (-1 only).")
+
+
+class TokenizeBody(_Body):
+    """`/v1/tokenize` (vLLM's shape): exactly one of `prompt` and `messages`."""
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+    model: Optional[str] = None
+    # Not nullable: "exactly one of" is then the schema's oneOf above.
+    prompt: Text = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] = None
+    add_special_tokens: bool = Field(False, description="Add the tokenizer's special tokens around the text "
+                                                        "(default false: the completions and chat endpoints "
+                                                        "add none, and count is what they count).")
+    add_generation_prompt: bool = Field(True, description="For messages, as in chat completions.")
+    return_token_strs: bool = Field(False, description="Also answer the tokens' vocabulary strings.")
+
+
+class DetokenizeBody(_Body):
+    model: Optional[str] = None
+    tokens: list[TokenId]
