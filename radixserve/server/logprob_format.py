@@ -50,9 +50,15 @@ def completion_logprobs(texts: TokenTexts, token_ids: Sequence[int], logprobs: S
         offsets.append(text_offset)
         text_offset += len(token)
     return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
-            "top_logprobs": [{texts(i): _finite(v) for i, v in zip(lp.top_ids, lp.top_logprobs)}
-                             for lp in logprobs],
-            "text_offset": offsets}
+            "top_logprobs": [_top_by_text(texts, lp) for lp in logprobs], "text_offset": offsets}
+
+
+def _top_by_text(texts: TokenTexts, lp: TokenLogprob) -> dict[str, float]:
+    # Keyed by text: ids that decode alike (pieces of multi-byte characters) keep the likeliest.
+    top: dict[str, float] = {}
+    for token_id, value in zip(lp.top_ids, lp.top_logprobs):
+        top.setdefault(texts(token_id), _finite(value))
+    return top
 
 
 def _chat_entry(texts: TokenTexts, token_id: int, logprob: float) -> dict[str, Any]:

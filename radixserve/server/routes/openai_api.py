@@ -142,6 +142,11 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
 
 
 async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+    return await ctx.tokenize(await chat_prompt_text(ctx, body), "messages")
+
+
+async def chat_prompt_text(ctx: ServingContext, body: ChatCompletionRequest) -> str:
+    """The conversation rendered by the tokenizer's chat template."""
     messages = []
     for i, msg in enumerate(body.messages):
         if msg.role not in ROLES:
@@ -170,7 +175,7 @@ async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[
                                               add_generation_prompt=body.add_generation_prompt))
     except Exception as e:  # a template that rejects this conversation (raise_exception, ...)
         raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
-    return await ctx.tokenize(text, "messages")
+    return text
 
 
 def chat_top_logprobs(body: ChatCompletionRequest) -> Optional[int]:

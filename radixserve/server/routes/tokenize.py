@@ -16,7 +16,7 @@ from fastapi import APIRouter
 
 from radixserve.server.errors import bad_request
 from radixserve.server.protocol import DetokenizeBody, TokenizeBody
-from radixserve.server.routes.openai_api import chat_prompt
+from radixserve.server.routes.openai_api import chat_prompt_text
 from radixserve.server.serving import INLINE_TOKENIZE_CHARS, Ctx, ServingContext
 
 router = APIRouter()
@@ -26,13 +26,12 @@ async def _tokens(ctx: ServingContext, body: TokenizeBody) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
     if body.messages is not None:
-        ids = await chat_prompt(ctx, body)
-        if body.add_special_tokens:  # the tokenizer's own additions (a BOS, for tokenizers with one)
-            ids = list(ctx.tokenizer.build_inputs_with_special_tokens(ids))
-        return ids
-    ids = await ctx.tokenize(body.prompt, "prompt")  # checks the length and that there is a tokenizer
-    if body.add_special_tokens:
-        ids = await ctx.run_blocking(partial(ctx.tokenizer.encode, body.prompt, add_special_tokens=True))
+        text, param = await chat_prompt_text(ctx, body), "messages"
+    else:
+        text, param = body.prompt, "prompt"
+    ids = await ctx.tokenize(text, param)  # checks the length and that there is a tokenizer
+    if body.add_special_tokens:  # the tokenizer's own additions (a BOS, for tokenizers with one)
+        ids = await ctx.run_blocking(partial(ctx.tokenizer.encode, text, add_special_tokens=True))
     return ids
 
 
