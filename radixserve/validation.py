@@ -90,6 +90,8 @@ def _validate_logit_processing(p: Any) -> None:
     if not _is_int(p.top_logprobs_num) or not 0 <= p.top_logprobs_num <= MAX_TOP_LOGPROBS:
         raise SamplingValueError("top_logprobs_num", f"top_logprobs_num must be an integer in "
                                                      f"[0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs_num!r}")
+    if p.top_logprobs_num and not p.return_logprob:
+        raise SamplingValueError("top_logprobs_num", "top_logprobs_num needs return_logprob")
 
 
 def choice_seed(seed: int, choice: int) -> int:

@@ -179,7 +179,7 @@ def test_logit_bias_forces_and_bans_tokens(engine):
 def test_bad_values_raise(engine):
     bad = [{"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0},
            {"min_new_tokens": -1}, {"min_new_tokens": 20, "max_new_tokens": 10}, {"logit_bias": {"7": 101}},
-           {"logit_bias": {"x": 1}}, {"top_logprobs_num": 21}, {"return_logprob": "yes"}]
+           {"logit_bias": {"x": 1}}, {"top_logprobs_num": 21}, {"top_logprobs_num": 3}, {"return_logprob": "yes"}]
     for values in bad:
         with pytest.raises(ValueError):
             engine.generate(input_ids=[1, 2, 3], sampling_params=values)

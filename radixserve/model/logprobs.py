@@ -61,7 +61,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
         sub, ids = logits.index_select(0, index), token_ids.index_select(0, index)
     logprobs = torch.log_softmax(sub.float(), dim=-1)
     chosen = logprobs.gather(1, ids.view(-1, 1)).view(-1)
-    k = max(top_nums)
+    k = min(max(top_nums), logits.shape[-1])
     if k:
         top_values, top_ids = logprobs.topk(k, dim=-1)
     else:

@@ -4,8 +4,8 @@ Strict, so the schema allows exactly what the server accepts: no numeric strings
 into numbers (`max_tokens: "10"`, `max_tokens: true`, `stream: "yes"` are 400), finite floats only,
 ranges as OpenAI documents them and as `radixserve.validation` enforces for the engine. A field the
 server does not implement is refused by name (400 `unsupported_parameter`): unknown fields are
-forbidden, and the OpenAI fields declared here only for their neutral value (`presence_penalty: 0`,
-`logprobs: null`, ...) are declared with that value alone in the schema.
+forbidden, and the fields declared here only for their neutral value (`tool_choice: "none"`,
+`logprob_start_len: -1`, ...) are declared with that value alone in the schema.
 """
 
 from __future__ import annotations
