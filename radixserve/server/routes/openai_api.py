@@ -25,13 +25,14 @@ def check_neutral(body, name: str, ok: Callable[[Any], bool], why: str) -> None:
         raise APIError(400, f"{name}={value!r} is not supported: {why}", param=name, code="unsupported_parameter")
 
 
-def openai_params(body, max_tokens: int, seed_offset: int, top_logprobs: Optional[int],
-                  logit_bias: dict[int, float]) -> dict[str, Any]:
-    """The engine's sampling values of one choice; top_logprobs None: no log probabilities."""
+def openai_params(body, max_tokens: int, seed_offset: int, top_logprobs: Optional[int] = None,
+                  logit_bias: Optional[dict[int, float]] = None) -> dict[str, Any]:
+    """The engine's sampling values of one choice; top_logprobs None: no log probabilities;
+    logit_bias: the body's, its keys already checked as token ids."""
     values: dict[str, Any] = {"max_new_tokens": max_tokens,
                               "temperature": 1.0 if body.temperature is None else body.temperature,
                               "ignore_eos": body.ignore_eos, "skip_special_tokens": body.skip_special_tokens,
-                              "logit_bias": logit_bias}
+                              "logit_bias": logit_bias or {}}
     for name in ("top_p", "top_k", "min_p", "stop_token_ids", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         if getattr(body, name) is not None:
