@@ -27,9 +27,11 @@ LOGIT_BIAS_MAX = 100.0
 class SamplingValueError(ValueError):
     """A sampling value no request can be served with; `field` names it."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str, *, conflicting: bool = False):
         super().__init__(message)
         self.field = field
+        # Each value is in range, but it contradicts another one (max_new_tokens).
+        self.conflicting = conflicting
 
 
 def _is_int(value: Any) -> bool:
@@ -78,7 +80,7 @@ def _validate_logit_processing(p: Any) -> None:
                                                    f"got {p.min_new_tokens!r}")
     if p.min_new_tokens > p.max_new_tokens:
         raise SamplingValueError("min_new_tokens", f"min_new_tokens={p.min_new_tokens} is more than "
-                                                   f"max_new_tokens={p.max_new_tokens}")
+                                                   f"max_new_tokens={p.max_new_tokens}", conflicting=True)
     for token, bias in p.logit_bias.items():
         if not _is_int(token) or not 0 <= token <= MAX_INT32:
             raise SamplingValueError("logit_bias", f"logit_bias keys must be token ids, got {token!r}")

@@ -172,6 +172,8 @@ BAD = [
     ("/generate", {"text": "x", "logprob_start_len": 0}, "logprob_start_len", "unsupported_parameter"),
     ("/generate", {"text": "x", "top_logprobs_num": 3}, "top_logprobs_num", "conflicting_fields"),
     ("/generate", {"text": "x", "sampling_params": {"logit_bias": {"abc": 1}}}, "sampling_params.logit_bias", None),
+    ("/generate", {"text": "x", "sampling_params": {"min_new_tokens": 200}}, "sampling_params.min_new_tokens",
+     "conflicting_fields"),
     ("/v1/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt", None),
     ("/v1/tokenize", {}, "prompt", None),
     ("/v1/detokenize", {"tokens": [100000]}, "tokens", None),

@@ -23,7 +23,7 @@ from radixserve.sampling_params import SamplingParams, TokenLogprob, sampling_pa
 from radixserve.server.detokenizer import IncrementalDetokenizer
 from radixserve.server.engine_client import (EngineClient, EngineDeadError, EngineRequestError, QueueFullError,
                                              RequestGroup)
-from radixserve.server.errors import APIError, bad_request, engine_unavailable
+from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request, engine_unavailable
 from radixserve.server.logprob_format import TokenTexts
 from radixserve.server.metrics import ServerMetrics
 from radixserve.settings import ServerSettings
@@ -170,7 +170,8 @@ class ServingContext:
         try:
             params = sampling_params_from_dict(values)
         except SamplingValueError as e:
-            raise bad_request(str(e), f"{param}.{e.field}" if param else e.field) from None
+            raise bad_request(str(e), f"{param}.{e.field}" if param else e.field,
+                              code=CONFLICTING_FIELDS if e.conflicting else "invalid_value") from None
         except ValueError as e:
             raise bad_request(str(e), param or None) from None
         if params.top_k > self.engine.ready.vocab_size:
