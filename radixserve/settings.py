@@ -17,6 +17,10 @@ EVICTION_POLICIES = ("lru", "lfu", "fifo")
 # Defaults that depend on the device the engine runs on.
 DEFAULT_MAX_RUNNING_REQUESTS = {"cuda": 1024, "cpu": 256}
 CPU_KV_POOL_TOKENS = 65536
+# Rows up to which projections run the weight-streaming Triton GEMM instead of cuBLAS: faster up to
+# 32 rows on an H200; at 64, cuBLAS won on most projections (docs/gpu_notes.md, "A GEMM for decode
+# rows"). The model's default too.
+DECODE_GEMM_MAX_ROWS = 32
 
 
 def _opt(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None,
@@ -73,7 +77,8 @@ class ServerSettings:
         None, f"Most requests decoding at once (default: {DEFAULT_MAX_RUNNING_REQUESTS['cuda']} on CUDA, "
         f"{DEFAULT_MAX_RUNNING_REQUESTS['cpu']} on the CPU).")
     max_queued_requests: Optional[int] = _opt(
-        None, "Most requests waiting; beyond it the server answers 503 with Retry-After.")
+        None, "Most requests left waiting once the running batch has taken what it has room for (free "
+        "request slots and KV); beyond it the server answers 503 with Retry-After.")
     max_prefill_tokens: int = _opt(16384, "Most new prompt tokens computed in one step.")
     chunked_prefill_size: int = _opt(
         8192, "Longest prompt piece computed in one step; longer prompts are split and each finished "
@@ -91,7 +96,7 @@ class ServerSettings:
     cuda_graph_max_bs: int = _opt(256, "Largest decode batch replayed from a CUDA graph.")
     disable_cuda_graph: bool = _opt(False, "Run decode steps eagerly.")
     decode_gemm_max_rows: int = _opt(
-        32, "On CUDA, projections of at most this many rows (decode batches) run our weight-streaming "
+        DECODE_GEMM_MAX_ROWS, "On CUDA, projections of at most this many rows (decode batches) run our weight-streaming "
         "Triton GEMM instead of cuBLAS (measured faster up to 32 rows on an H200); 0 turns it off.")
     skip_warmup: bool = _opt(False, "Start without the warm-up requests that compile the GPU kernels "
                              "(the first requests then wait for the compiles).")
@@ -103,6 +108,12 @@ class ServerSettings:
     host: str = _opt("127.0.0.1", "Address the HTTP server binds.")
     port: int = _opt(30000, "HTTP port.")
     api_key: Optional[str] = _opt(None, "Require 'Authorization: Bearer <key>' on every endpoint but /health.")
+    admin_api_key: Optional[str] = _opt(
+        None, "Key for the admin endpoints (/flush_cache, /kv_events), which change every user's state or show "
+        "what other users sent. Without it they take --api-key; with neither they are open.")
+    graceful_shutdown_timeout: float = _opt(
+        30.0, "On SIGTERM, seconds in-flight requests get to finish (/health answers 503 meanwhile); what is "
+        "left then gets a 503 error body, or an error event and [DONE] on a stream.")
     log_requests: bool = _opt(False, "Log each request's arrival and finish, and each rejected request "
                               "(its status and reason, never its text).")
     max_request_bytes: Optional[int] = _opt(
@@ -141,6 +152,8 @@ class ServerSettings:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.graceful_shutdown_timeout < 0:
+            raise ValueError(f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout}")
         if self.lpm_max_overtake_s <= 0:
             raise ValueError(f"lpm_max_overtake_s must be > 0, got {self.lpm_max_overtake_s}")
         if self.prefix_hold_s < 0:

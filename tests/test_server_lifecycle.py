@@ -1,4 +1,4 @@
-"""Process lifecycle: engine death turns the server red within seconds; SIGTERM drains and leaves nothing behind."""
+"""Process lifecycle: engine death ends the server within seconds; SIGTERM drains and leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def wait_until(predicate, timeout_s: float, what: str) -> float:
     return time.monotonic() - start
 
 
-def test_engine_death_gives_503_and_red_health(server_model_dir, server_workdir):
+def test_engine_death_answers_503_and_exits_nonzero(server_model_dir, server_workdir):
     # Started through the console script's entry point: `radixserve serve <the seed's flags>`.
     proc = ServerProcess(["serve", *seed_launch_args(server_model_dir), "--device", "cpu"],
                          server_workdir, module="radixserve.cli").wait_ready()
@@ -68,24 +68,20 @@ def test_engine_death_gives_503_and_red_health(server_model_dir, server_workdir)
                 killed_at = time.monotonic()
                 tail = [line for line in lines if line.startswith("data: ")]  # ends, does not hang
             assert tail[-1] == "data: [DONE]" and '"engine_unavailable"' in tail[-2]
-            wait_until(lambda: http.get("/health").status_code == 503, 5.0, "/health turns red")
-            assert time.monotonic() - killed_at < 5.0
-            r = http.post("/v1/completions", json={"prompt": "anyone there?", "max_tokens": 2})
-            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
-            r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
-            assert r.status_code == 503
-            assert http.get("/health").json()["error"]["code"] == "engine_unavailable"
-            assert "radixserve:engine_alive 0.0" in http.get("/metrics").text
-            assert http.get("/server_info").json()["engine_alive"] is False
+        # The server does not linger answering 503: it exits non-zero, for its supervisor to restart it.
+        code = proc.proc.wait(10)
+        assert time.monotonic() - killed_at < 5.0
     finally:
-        code = proc.stop(timeout_s=20)
-    assert code in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after its graceful shutdown
+        proc.stop(timeout_s=20)
+    assert code == 1
+    assert "the engine process" in proc.output_path.read_text() and "restarts it" in proc.output_path.read_text()
     assert not pid_alive(engine_pid) and not os.path.exists(ipc_dir)
 
 
 def test_sigterm_drains_in_flight_requests(server_model_dir, server_workdir):
     trace = server_workdir / "steps.csv"
-    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu", "--step-trace-file", str(trace)],
+    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu", "--step-trace-file", str(trace),
+                          "--graceful-shutdown-timeout", "300"],
                          server_workdir).wait_ready()
     info = proc.server_info()
     engine_pid, ipc_dir = info["engine_pid"], info["ipc_dir"]
@@ -93,15 +89,16 @@ def test_sigterm_drains_in_flight_requests(server_model_dir, server_workdir):
 
     def long_request():
         body = {"prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
-        result["response"] = httpx.post(f"{proc.base_url}/v1/completions", json=body, timeout=120)
+        result["response"] = httpx.post(f"{proc.base_url}/v1/completions", json=body, timeout=240)
 
     worker = threading.Thread(target=long_request)
     worker.start()
     try:
         wait_until(lambda: proc.server_info()["stats"]["running_requests"] == 1, 10.0, "the request runs")
         proc.proc.send_signal(signal.SIGTERM)
-        worker.join(60)
-        assert proc.proc.wait(60) in (0, -signal.SIGTERM)
+        # The drain waits for the request however slow a busy machine makes its 1,500 tokens.
+        worker.join(240)
+        assert proc.proc.wait(30) in (0, -signal.SIGTERM)
     finally:
         proc.stop()
     response = result["response"]

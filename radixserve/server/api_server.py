@@ -7,7 +7,8 @@ with the files `radixserve.client.AsyncClient.tokenizer` needs), tokenizer (`/v1
 `/flush_cache`, `/kv_events`) and observability (`/health`, `/metrics`). They share one
 `ServingContext`. With `--api-key`, every path but `/health` answers 401 without
 `Authorization: Bearer <key>`; `/health` stays open so load balancers can probe it and reveals
-nothing but whether the engine generates.
+nothing but whether the engine generates. `/flush_cache` and `/kv_events` take `--admin-api-key`
+when it is set. Shutdown and engine death: `radixserve.server.lifecycle`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from radixserve.server.engine_client import EngineClient
 from radixserve.http_common.errors import install_error_handlers
 from radixserve.http_common.gc_tuning import governed_collections
 from radixserve.http_common.loop_lag import watch_loop_lag
+from radixserve.server.lifecycle import CLOSE_TIMEOUT_S, ServingServer
 from radixserve.server.intake import REQUEST_BYTES_PER_CONTEXT_TOKEN, BodyLimitMiddleware, RejectionRecorder
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.openapi import install_openapi
@@ -34,8 +36,6 @@ from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")
 
-# SIGTERM: in-flight requests get this long to finish before they are cut.
-DRAIN_TIMEOUT_S = 30.0
 # Sizes the body limit until the engine reports its context length (Qwen2's).
 FALLBACK_CONTEXT_LEN = 32768
 
@@ -73,8 +73,8 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     # Middleware added later runs earlier: the recorder sees every answer, 401s and 413s included.
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, limit=lambda: request_bytes_limit(settings, engine))
-    if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    if settings.api_key or settings.admin_api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, admin_api_key=settings.admin_api_key)
     app.add_middleware(RejectionRecorder, metrics=metrics, log=settings.log_requests)
     app.state.engine = engine
     app.state.ctx = ctx
@@ -106,19 +106,12 @@ def run_server(settings: ServerSettings) -> int:
 
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop=loop, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=DRAIN_TIMEOUT_S, lifespan="on")
-    kv_events = app.state.kv_events
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            # Open /kv_events streams never end by themselves; close them so the drain can finish.
-            if kv_events.loop is not None:
-                kv_events.loop.call_soon_threadsafe(kv_events.close_all)
-            super().handle_exit(sig, frame)
-
-    server = Server(config)
+                            access_log=False, timeout_graceful_shutdown=CLOSE_TIMEOUT_S, lifespan="on")
+    # Open /kv_events streams never end by themselves; they are closed when the drain ends.
+    server = ServingServer(config, engine, settings.graceful_shutdown_timeout,
+                           on_drain_end=app.state.kv_events.close_all)
     logger.info("serving %s on http://%s:%d", model_path, settings.host, settings.port)
     server.run()
     engine.kill_now()
     engine.close_sockets()
-    return 0 if server.started else 1
+    return server.exit_code if server.started else 1

@@ -61,6 +61,8 @@ TopLogprobs = bounded_int(0, MAX_TOP_LOGPROBS)
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), BeforeValidator(_integral)]
 NonEmptyStr = Annotated[Text, Field(min_length=1)]
 MAX_N = 64
+# A /generate rid is a label: printable ASCII only, so it can never break a log line.
+RID_PATTERN = r"^[ -~]+$"
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -211,7 +213,9 @@ class GenerateBody(_Body):
         Field(None, union_mode="left_to_right")
     sampling_params: Union[NativeSamplingParams, list[NativeSamplingParams], None] = None
     stream: bool = False
-    rid: Optional[str] = Field(None, max_length=256, description="Request id (default: a random one).")
+    rid: Optional[str] = Field(None, min_length=1, max_length=128, pattern=RID_PATTERN, description=(
+        "A label for the request (printable ASCII): echoed in meta_info.id and logged. The engine's "
+        "request id is always made by the server."))
     return_logprob: bool = Field(False, description="meta_info.output_token_logprobs: [logprob, token id, "
                                                     "text or null] per output token.")
     top_logprobs_num: Optional[TopLogprobs] = Field(None, description="meta_info.output_top_logprobs: this "

@@ -15,7 +15,7 @@ from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
 from radixserve.server.logprob_format import TokenTexts, sglang_logprobs
 from radixserve.server.protocol import GenerateBody
 from radixserve.server.responses import per_output, run_request
-from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, new_id, sse
+from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, new_id, request_label, sse
 
 router = APIRouter()
 
@@ -28,7 +28,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def meta_info(t: Tracker, logprob_texts: Optional[TokenTexts] = None) -> dict[str, Any]:
-    info = {"id": t.rid, "finish_reason": t.finish_reason, "prompt_tokens": t.prompt_tokens or len(t.input_ids),
+    info = {"id": t.label or t.rid, "finish_reason": t.finish_reason,
+            "prompt_tokens": t.prompt_tokens or len(t.input_ids),
             "completion_tokens": t.completion_tokens, "cached_tokens": t.cached_tokens,
             "e2e_latency": t.e2e_latency}
     if t.params.return_logprob:
@@ -81,12 +82,13 @@ async def generate(body: GenerateBody, request: Request, ctx: Ctx):
     if body.logprob_start_len is not None and body.logprob_start_len != -1:
         raise APIError(400, f"logprob_start_len={body.logprob_start_len} asks for prompt log probabilities, which "
                             f"are not served (-1 only)", param="logprob_start_len", code="unsupported_parameter")
+    label = request_label(body.rid)
     prompts, single, param = await generate_prompts(ctx, body)
     if not prompts:
         raise bad_request("the batch is empty", param)
     params_per_prompt = generate_params(ctx, body, prompts, param)
-    base = body.rid if (body.rid and single) else new_id("")
-    trackers = ctx.new_trackers(prompts, params_per_prompt, base, arrival)
+    # The engine's id is always made here: a client's rid is a label, echoed back and logged.
+    trackers = ctx.new_trackers(prompts, params_per_prompt, new_id(""), arrival, label if single else None)
     texts = ctx.token_texts if body.return_text_in_logprobs else None
 
     def final(ts: list[Tracker]):
