@@ -32,16 +32,19 @@ def _opt(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tup
 class ServerSettings:
     # --- model -------------------------------------------------------------
     model_path: Optional[str] = _opt(
-        None, "Hugging Face model directory (config.json + *.safetensors). Without it the built-in tiny "
-        "random Qwen2 is built and used (CPU demo).")
-    tokenizer_path: Optional[str] = _opt(None, "Tokenizer directory (defaults to --model-path).")
+        None, "Hugging Face model directory (config.json + *.safetensors) (default: the built-in tiny "
+        "random Qwen2, built on first use in ~/.cache/radixserve/tiny-qwen2: a CPU demo).")
+    tokenizer_path: Optional[str] = _opt(None, "Tokenizer directory (default: --model-path).")
     load_format: str = _opt("auto", "auto: read safetensors; dummy: random weights from config.json alone.",
                             choices=("auto", "safetensors", "dummy"))
     trust_remote_code: bool = _opt(
         False, "Accepted for compatibility with SGLang/vLLM command lines. Qwen2 models run on built-in "
         "code, so no code from the model directory is ever executed.")
-    served_model_name: Optional[str] = _opt(None, "Model name reported by /v1/models (default: the path).")
-    context_length: Optional[int] = _opt(None, "Override the model's max_position_embeddings.")
+    served_model_name: Optional[str] = _opt(
+        None, "Model name reported by /v1/models and accepted in requests' model field (default: the model "
+        "directory's name, e.g. tiny-qwen2).")
+    context_length: Optional[int] = _opt(
+        None, "Longest sequence (prompt + output) in tokens (default: the model's max_position_embeddings).")
     dtype: str = _opt("auto", "Weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU).",
                       choices=("auto", "float32", "float16", "bfloat16"))
     device: str = _opt("auto", "auto: cuda when present, else cpu.", choices=("auto", "cpu", "cuda"))
@@ -209,7 +212,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type = ServerSe
             parser.add_argument(*flags, dest=f.name, action="store_true", default=default, help=help_text)
             continue
         kind = str if "str" in str(f.type) else int if "int" in str(f.type) else float
-        help_text += f" (default: {default})"
+        if "(default" not in help_text:  # a help that explains its own default keeps only that one
+            help_text += f" (default: {default})"
         parser.add_argument(*flags, dest=f.name, type=kind, default=default,
                             choices=f.metadata.get("choices"), help=help_text)
 

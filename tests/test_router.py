@@ -473,6 +473,7 @@ def test_agent_workload_hit_rate_by_policy(workers, tmp_path, capsys):
 
     out = tmp_path / "exp"
     code = main(["--configs", "none", "--router-policies", "all", "--worker-urls", *[w.base_url for w in workers],
+                 "--dataset-name", "agent",
                  "--output-dir", str(out), "--num-prompts", "40", "--agent-turns", "5",
                  "--agent-num-system-prompts", "2", "--agent-output-len", "8", "--agent-think-time", "0.05",
                  "--request-rate", "inf", "--disable-tqdm", "--disable-plots"])

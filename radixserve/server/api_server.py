@@ -32,6 +32,7 @@ from radixserve.server.openapi import install_openapi
 from radixserve.server.routes import native, observability, openai_api, tokenize
 from radixserve.server.routes.admin import install_admin
 from radixserve.server.serving import ServingContext
+from radixserve.server.startup import default_served_model_name
 from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")
@@ -50,7 +51,7 @@ def request_bytes_limit(settings: ServerSettings, engine: EngineClient) -> int:
 def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Optional[EngineClient] = None) -> FastAPI:
     engine = engine or EngineClient(settings)
     metrics = ServerMetrics(lambda: engine.latest_stats, lambda: engine.alive)
-    served_name = settings.served_model_name or settings.model_path or model_path
+    served_name = settings.served_model_name or default_served_model_name(model_path)
     ctx = ServingContext(settings, tokenizer, engine, metrics, model_path, served_name)
 
     def count_abort(out) -> None:
@@ -109,9 +110,13 @@ def run_server(settings: ServerSettings) -> int:
                             access_log=False, timeout_graceful_shutdown=CLOSE_TIMEOUT_S, lifespan="on")
     # Open /kv_events streams never end by themselves; they are closed when the drain ends.
     server = ServingServer(config, engine, settings.graceful_shutdown_timeout,
+                           announce=f"serving {model_path} on http://{settings.host}:{settings.port}",
                            on_drain_end=app.state.kv_events.close_all)
-    logger.info("serving %s on http://%s:%d", model_path, settings.host, settings.port)
     server.run()
     engine.kill_now()
     engine.close_sockets()
-    return server.exit_code if server.started else 1
+    if not server.started:
+        return 1
+    if server.exit_code == 0:
+        logger.info("%s", server.shutdown_line())
+    return server.exit_code

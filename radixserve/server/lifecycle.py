@@ -15,8 +15,10 @@ answering 503 would never be restarted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from typing import Callable, Optional
+import signal
+from typing import Callable, Generator, Optional
 
 import uvicorn
 
@@ -30,13 +32,19 @@ CLOSE_TIMEOUT_S = 5.0
 
 
 class ServingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: EngineClient, drain_timeout_s: float,
+    """uvicorn's server with the lifecycle above. It says `serving ... on http://...` once the
+    engine is ready and the port is bound, and ends a signalled shutdown with a shutdown line and
+    status 0 (uvicorn would re-raise the signal: 143)."""
+
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, drain_timeout_s: float, *, announce: str,
                  on_drain_end: Optional[Callable[[], None]] = None):
         super().__init__(config)
         self.engine = engine
         self.drain_timeout_s = drain_timeout_s
+        self.announce = announce
         self.on_drain_end = on_drain_end  # e.g. end the endless /kv_events streams
         self.exit_code = 0
+        self.stop_signal: Optional[int] = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.drain_task: Optional[asyncio.Task] = None
         engine.on_death = self.engine_died
@@ -44,13 +52,27 @@ class ServingServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if self.started and not self.should_exit:
+            logger.info("%s", self.announce)
 
     def handle_exit(self, sig, frame) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = sig
         if self.drain_task is not None or self.loop is None or not self.started:
             self._end_streams()
             super().handle_exit(sig, frame)  # a second signal, or nothing started yet: no drain
             return
         self.loop.call_soon_threadsafe(self._start_drain, sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()  # shut down on purpose: exit normally, do not re-raise
+
+    def shutdown_line(self) -> str:
+        why = f"on {signal.Signals(self.stop_signal).name}" if self.stop_signal is not None else ""
+        return " ".join(p for p in ("server shut down", why) if p)
 
     def _start_drain(self, sig, frame) -> None:
         if self.drain_task is None:
