@@ -22,15 +22,47 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Logit processing, in this order on the device (see radixserve.model.logit_processing):
+    # min_new_tokens masks EOS and stop_token_ids until that many tokens are out; logit_bias adds
+    # to the logits of its token ids; repetition_penalty (HF: seen logits divided when positive,
+    # multiplied when negative; prompt and output count as seen); frequency_penalty and
+    # presence_penalty (OpenAI: minus count * frequency and minus presence for output tokens).
+    min_new_tokens: int = 0
+    logit_bias: dict[int, float] = {}
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # Log probabilities of each sampled token (and of the top_logprobs_num most likely ones) under
+    # the model's own distribution: log_softmax of the raw logits, before logit_bias, penalties,
+    # temperature and the top-k/top-p/min-p filters (vLLM's default, "raw logprobs").
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything changes the logits before temperature and the filters."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_new_tokens > 0
+
     def validate(self) -> None:
         """Raise ValueError (a `SamplingValueError` naming the field) for values no request can be
         served with; the HTTP API's schema has the same bounds."""
         validate_sampling(self)
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
+    """What sampling reports about one sampled token when its request asked for log probabilities:
+    its log probability and the `top_logprobs_num` most likely ids with theirs, most likely first."""
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 def sampling_params_from_dict(values: Optional[dict]) -> SamplingParams:

@@ -17,14 +17,21 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 TEMPERATURE_MAX = 2.0
 # -1 and 0 both mean "no top-k" (SGLang spells it -1, vLLM 0).
 TOP_K_MIN = -1
+# Most log probabilities a request may ask for per position (OpenAI's chat limit; vLLM's default).
+MAX_TOP_LOGPROBS = 20
+# OpenAI's ranges for presence/frequency penalties and logit_bias values.
+PENALTY_MAX = 2.0
+LOGIT_BIAS_MAX = 100.0
 
 
 class SamplingValueError(ValueError):
     """A sampling value no request can be served with; `field` names it."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str, *, conflicting: bool = False):
         super().__init__(message)
         self.field = field
+        # Each value is in range, but it contradicts another one (max_new_tokens).
+        self.conflicting = conflicting
 
 
 def _is_int(value: Any) -> bool:
@@ -56,6 +63,37 @@ def validate_sampling(p: Any) -> None:
         raise SamplingValueError("stop", "stop strings must be non-empty strings")
     if any(not _is_int(t) or not 0 <= t <= MAX_INT32 for t in p.stop_token_ids):
         raise SamplingValueError("stop_token_ids", f"stop_token_ids must be integers in [0, {MAX_INT32}]")
+    _validate_logit_processing(p)
+
+
+def _validate_logit_processing(p: Any) -> None:
+    """Bounds of the penalties, logit_bias, min_new_tokens and the log probability fields."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(p, name)
+        if not _is_number(value) or not -PENALTY_MAX <= value <= PENALTY_MAX:
+            raise SamplingValueError(name, f"{name} must be in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}], got {value!r}")
+    if not _is_number(p.repetition_penalty) or not 0.0 < p.repetition_penalty <= PENALTY_MAX:
+        raise SamplingValueError("repetition_penalty", f"repetition_penalty must be in (0, {PENALTY_MAX:g}], "
+                                                       f"got {p.repetition_penalty!r}")
+    if not _is_int(p.min_new_tokens) or not 0 <= p.min_new_tokens <= MAX_INT32:
+        raise SamplingValueError("min_new_tokens", f"min_new_tokens must be an integer in [0, {MAX_INT32}], "
+                                                   f"got {p.min_new_tokens!r}")
+    if p.min_new_tokens > p.max_new_tokens:
+        raise SamplingValueError("min_new_tokens", f"min_new_tokens={p.min_new_tokens} is more than "
+                                                   f"max_new_tokens={p.max_new_tokens}", conflicting=True)
+    for token, bias in p.logit_bias.items():
+        if not _is_int(token) or not 0 <= token <= MAX_INT32:
+            raise SamplingValueError("logit_bias", f"logit_bias keys must be token ids, got {token!r}")
+        if not _is_number(bias) or not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX:
+            raise SamplingValueError("logit_bias", f"logit_bias values must be in [-{LOGIT_BIAS_MAX:g}, "
+                                                   f"{LOGIT_BIAS_MAX:g}], got {bias!r} for token {token}")
+    if not isinstance(p.return_logprob, bool):
+        raise SamplingValueError("return_logprob", f"return_logprob must be a boolean, got {p.return_logprob!r}")
+    if not _is_int(p.top_logprobs_num) or not 0 <= p.top_logprobs_num <= MAX_TOP_LOGPROBS:
+        raise SamplingValueError("top_logprobs_num", f"top_logprobs_num must be an integer in "
+                                                     f"[0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs_num!r}")
+    if p.top_logprobs_num and not p.return_logprob:
+        raise SamplingValueError("top_logprobs_num", "top_logprobs_num needs return_logprob")
 
 
 def choice_seed(seed: int, choice: int) -> int:

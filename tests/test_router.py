@@ -312,6 +312,12 @@ def test_register_remove_and_bad_input(workers, router_workdir):
             for i in range(3):
                 _complete(c, f"after removal {i}")
             assert _requests_per_worker(router) == {a.base_url: 3}
+            # Tokenizing is answered by a worker, as the worker answers it.
+            for path, body in (("/v1/tokenize", {"prompt": "count me"}), ("/v1/detokenize", {"tokens": [5, 6]}),
+                               ("/tokenize", {"prompt": "count me"}), ("/detokenize", {"tokens": [5, 6]})):
+                via_router = c.post(path, json=body)
+                assert via_router.status_code == 200, via_router.text
+                assert via_router.json() == httpx.post(a.base_url + path, json=body, timeout=30).json()
     finally:
         router.stop()
 

@@ -110,8 +110,9 @@ BAD_INPUTS = [
     (C, {"prompt": "x", "stop": 7}, 400, "stop", None),
     (C, {"prompt": "x", "seed": 2**70}, 400, "seed", None),
     (C, {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids", None),
-    (C, {"prompt": "x", "logprobs": 3}, 400, "logprobs", "unsupported_parameter"),
-    (C, {"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty", "unsupported_parameter"),
+    (C, {"prompt": "x", "logprobs": 30}, 400, "logprobs", None),
+    (C, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", "unsupported_parameter"),
+    (C, {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty", None),
     (C, {"prompt": "x", "stream": "yes please"}, 400, "stream", None),
     (C, {"prompt": "x", "stream_options": {"include_usage": "x"}}, 400, None, None),
     (CH, {}, 400, "messages", None),
@@ -127,7 +128,9 @@ BAD_INPUTS = [
     (CH, {"messages": USER, "max_completion_tokens": 10**6}, 400, "max_completion_tokens", None),
     (CH, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
     (CH, {"messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format", None),
-    (CH, {"messages": USER, "logprobs": True}, 400, "logprobs", None),
+    (CH, {"messages": USER, "logprobs": "yes"}, 400, "logprobs", None),
+    (CH, {"messages": USER, "top_logprobs": 3}, 400, "top_logprobs", "conflicting_fields"),
+    (G, {"text": "x", "logprob_start_len": 0}, 400, "logprob_start_len", "unsupported_parameter"),
     (CH, {"messages": [{"role": "user", "content": "word " * 5000}]}, 400, "messages", "context_length_exceeded"),
     (G, {}, 400, None, None),
     (G, {"text": "x", "input_ids": [1]}, 400, None, None),
@@ -144,7 +147,7 @@ BAD_INPUTS = [
     (G, {"text": "x", "sampling_params": {"seed": "7"}}, 400, "sampling_params.seed", None),
 ]
 # Fields other servers implement and this one does not: refused by name, never ignored.
-UNSUPPORTED_FIELDS = {"repetition_penalty": 2.0, "min_tokens": 3, "regex": "[a-z]+", "ebnf": "root ::= 'a'",
+UNSUPPORTED_FIELDS = {"regex": "[a-z]+", "ebnf": "root ::= 'a'",
                       "priority": 1, "lora_path": "adapter", "chat_template_kwargs": {"enable_thinking": False},
                       "json_schema": "{}", "no_stop_trim": True}
 for _name, _value in UNSUPPORTED_FIELDS.items():
@@ -240,8 +243,8 @@ def test_rejected_requests_are_counted_and_logged(auth_server):
     with auth_server.client(timeout=60) as http:
         before = http.get("/metrics").text
         for _ in range(2):
-            r = http.post("/v1/completions", json={"prompt": secret, "repetition_penalty": 1.3})
-            assert_error_body(r, 400, "repetition_penalty", "unsupported_parameter")
+            r = http.post("/v1/completions", json={"prompt": secret, "regex": "[a-z]+"})
+            assert_error_body(r, 400, "regex", "unsupported_parameter")
         assert_error_body(http.post("/v1/completions", json={"prompt": secret, "model": "other"}), 404)
         assert_error_body(http.post("/generate", json={"text": secret * 400}), 413)
     assert_error_body(httpx.get(auth_server.base_url + "/v1/models", timeout=10), 401)
@@ -256,7 +259,7 @@ def test_rejected_requests_are_counted_and_logged(auth_server):
         assert count(labels, metrics) - count(labels, before) == n, (labels, metrics)
     log = auth_server.output()
     assert ("Request rejected. path: /v1/completions, status: 400, reason: unsupported_parameter, "
-            "param: repetition_penalty") in log
+            "param: regex") in log
     assert "Request rejected. path: /v1/models, status: 401, reason: invalid_api_key" in log
     assert secret not in log
 
@@ -315,7 +318,9 @@ def test_queue_limit_503_then_recovers(queue_server):
 # ---------------------------------------------------------------------------------------------- fuzzing
 FUZZ_OPERATIONS = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/generate", "POST"),
                    ("/v1/models", "GET"), ("/server_info", "GET"), ("/flush_cache", "POST"), ("/health", "GET"),
-                   ("/metrics", "GET"), ("/get_model_info", "GET"), ("/tokenizer", "GET")]
+                   ("/metrics", "GET"), ("/get_model_info", "GET"), ("/tokenizer", "GET"),
+                   ("/v1/tokenize", "POST"), ("/v1/detokenize", "POST"), ("/tokenize", "POST"),
+                   ("/detokenize", "POST")]
 # Schema-valid requests the schema cannot tell from servable ones, because JSON Schema bounds each
 # field and not their relations: a prompt plus max_tokens past the model's context (a 400, as
 # OpenAI answers it), or two fields that contradict each other.

@@ -87,6 +87,7 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, self.device, settings.random_seed,
                                   cuda_graph_max_bs=min(settings.cuda_graph_max_bs, max_running),
                                   disable_cuda_graph=settings.disable_cuda_graph)
+        self.runner.eos_token_ids = sorted(set(eos))
         self.last_step = StepInfo(None, 0.0)
         self.overlap = not settings.disable_overlap_schedule
         self.in_flight: Optional[StepInFlight] = None  # the launched step whose tokens are unread
@@ -147,6 +148,9 @@ class EngineCore:
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
+        bad_bias = next((t for t in params.logit_bias if t >= vocab), None)
+        if bad_bias is not None:
+            raise ValueError(f"logit_bias names token id {bad_bias}, outside the vocabulary [0, {vocab})")
         bad = next((t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
@@ -242,10 +246,11 @@ class EngineCore:
 
     def _output(self, req: Req) -> RequestOutput:
         new = req.output_ids[req.sent_len:]
+        new_logprobs = req.output_logprobs[req.sent_len:] if req.sampling_params.return_logprob else []
         first = req.sent_len == 0 and bool(new)
         req.sent_len = len(req.output_ids)
         return RequestOutput(
-            rid=req.rid, new_token_ids=new, finished=req.finish_reason is not None,
+            rid=req.rid, new_token_ids=new, new_logprobs=new_logprobs, finished=req.finish_reason is not None,
             finish_reason=req.finish_reason, prompt_tokens=len(req.origin_input_ids),
             cached_tokens=max(req.cached_tokens, 0), completion_tokens=len(req.output_ids),
             ttft=(req.first_token_time - req.arrival_time) if first and req.first_token_time else None,

@@ -66,13 +66,17 @@ class Engine:
         start = {r.rid: time.perf_counter() for r in reqs}
         results: dict[str, dict] = {}
         outputs: dict[str, list[int]] = {r.rid: [] for r in reqs}
+        logprobs: dict[str, list] = {r.rid: [] for r in reqs}
         while len(results) < len(reqs):
             for out in self.core.step():
                 if out.rid not in outputs:
                     continue
                 outputs[out.rid].extend(out.new_token_ids)
+                logprobs[out.rid].extend(out.new_logprobs)
                 if out.finished:
                     results[out.rid] = self._result(out, outputs[out.rid], reqs, start[out.rid])
+                    if logprobs[out.rid]:
+                        results[out.rid]["meta_info"].update(logprob_meta(outputs[out.rid], logprobs[out.rid]))
         ordered = [results[r.rid] for r in reqs]
         return ordered[0] if single else ordered
 
@@ -108,3 +112,12 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def logprob_meta(output_ids: list[int], logprobs: list) -> dict[str, Any]:
+    """SGLang's meta_info fields: [logprob, token id, None] per output token, and per token its
+    top entries in the same shape (the server's /generate fills the text with
+    return_text_in_logprobs)."""
+    return {"output_token_logprobs": [[lp.logprob, t, None] for lp, t in zip(logprobs, output_ids)],
+            "output_top_logprobs": [[[v, i, None] for v, i in zip(lp.top_logprobs, lp.top_ids)]
+                                    for lp in logprobs]}

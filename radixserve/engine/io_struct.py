@@ -9,7 +9,7 @@ from typing import Optional, Union
 
 import msgspec
 
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import SamplingParams, TokenLogprob
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
@@ -29,6 +29,8 @@ class RequestOutput(msgspec.Struct, kw_only=True):
 
     rid: str
     new_token_ids: list[int]
+    # One per new token when the request asked for log probabilities, else empty.
+    new_logprobs: list[TokenLogprob] = []
     finished: bool = False
     # {"type": "stop"|"length"|"abort", "matched": token id or stop string, "message": ...}
     finish_reason: Optional[dict] = None

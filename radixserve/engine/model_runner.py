@@ -23,7 +23,10 @@ from radixserve.attention.base import ForwardBatch, ForwardMode
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.engine.cuda_graph import DecodeCudaGraphs, supports_cuda_graphs
 from radixserve.engine.sampled_tokens import LastSampledTokens
+from radixserve.model.logit_processing import ProcessingRow, process_logits
+from radixserve.model.logprobs import LogprobTensors, token_logprobs
 from radixserve.model.sampler import sample_tensor
+from radixserve.sampling_params import TokenLogprob
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.batch import ScheduledBatch
 
@@ -55,11 +58,22 @@ def _tokens(req: Req, start: int, end: int) -> list[int]:
     return origin[start:] + req.output_ids[:end - n]
 
 
+def _outputs_before_step(req: Req) -> list[int]:
+    """req's output tokens before the step being launched: the host's, then a placeholder for the
+    one a step still in flight is sampling (schedule() already counted this step's in `pending`)."""
+    on_device = req.pending - 1
+    if on_device <= 0:
+        return req.output_ids
+    return req.output_ids + [LastSampledTokens.placeholder(req.req_pool_idx)] * on_device
+
+
 @dataclass
 class StepFuture:
-    """The sampled ids of a launched step, on their way to the host."""
+    """The sampled ids of a launched step (and the log probabilities asked for), on their way to
+    the host."""
     host_ids: Optional[torch.Tensor]  # pinned on CUDA; None when the step samples nothing
     event: Optional["torch.cuda.Event"]
+    host_logprobs: Optional[LogprobTensors] = None
 
     def result(self) -> list[int]:
         if self.host_ids is None:
@@ -67,6 +81,13 @@ class StepFuture:
         if self.event is not None:
             self.event.synchronize()
         return self.host_ids.tolist()
+
+    def logprobs(self) -> Optional[list[Optional[TokenLogprob]]]:
+        """Per sampling row, in batch order: its token's log probabilities, None where the request
+        did not ask; None when no row asked. Call after result()."""
+        if self.host_logprobs is None or self.host_ids is None:
+            return None
+        return self.host_logprobs.per_row(len(self.host_ids))
 
 
 class ModelRunner:
@@ -87,6 +108,8 @@ class ModelRunner:
             self.graphs.capture()
         self.num_graph_steps = 0
         self.num_eager_steps = 0
+        # Masked by min_new_tokens until a request has that many tokens (set by the engine).
+        self.eos_token_ids: list[int] = []
 
     # ------------------------------------------------------------------ batch building
     @staticmethod
@@ -164,17 +187,29 @@ class ModelRunner:
         sampling = [r for r, s in zip(sb.reqs, sb.sample) if s]
         if not sampling:
             return StepFuture(None, None)
-        ids = sample_tensor(logits, [r.sampling_params for r in sampling], [self._generator(r) for r in sampling],
-                            self.default_generator)
+        params = [r.sampling_params for r in sampling]
+        processed = self.process_logits(logits, sampling)
+        ids = sample_tensor(processed, params, [self._generator(r) for r in sampling], self.default_generator)
+        # Of the model's own logits (the graph's output view is still intact: nothing replays
+        # before these kernels run, in stream order).
+        logprobs = token_logprobs(logits, ids, params)
         rows = [r.req_pool_idx for r in sampling]
         self.sampled.record(self._to_device(rows), ids)
         if self.device.type != "cuda":
-            return StepFuture(ids.cpu(), None)
+            return StepFuture(ids.cpu(), None, logprobs.to_host(False) if logprobs is not None else None)
         host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
         host.copy_(ids, non_blocking=True)
+        host_logprobs = logprobs.to_host(True) if logprobs is not None else None
         event = torch.cuda.Event()
         event.record()
-        return StepFuture(host, event)
+        return StepFuture(host, event, host_logprobs)
+
+    def process_logits(self, logits: torch.Tensor, sampling: list[Req]) -> torch.Tensor:
+        """min_new_tokens, logit_bias and penalties (the logits unchanged when no request asks)."""
+        if not any(r.sampling_params.processes_logits for r in sampling):
+            return logits
+        rows = [ProcessingRow(r.sampling_params, r.origin_input_ids, _outputs_before_step(r)) for r in sampling]
+        return process_logits(logits, rows, self.eos_token_ids, self.sampled.resolve)
 
     def forward(self, sb: ScheduledBatch) -> list[int]:
         """Run the batch and wait; one sampled token per request that samples, in batch order."""

@@ -41,6 +41,8 @@ from radixserve.http_common.loop_lag import watch_loop_lag
 logger = logging.getLogger("radixserve.router")
 
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+# Answered the same by every worker (they serve one model).
+TOKENIZE_PATHS = ("/v1/tokenize", "/v1/detokenize", "/tokenize", "/detokenize")
 FORWARD_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 FORWARD_RESPONSE_HEADERS = ("content-type", "retry-after", "cache-control", "x-accel-buffering")
 WORKER_KEEPALIVE_S = 4.0
@@ -360,6 +362,18 @@ class Router:
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
         return error_response(503, "no healthy worker", code="no_healthy_worker")
 
+    async def any_worker_post(self, path: str, request: Request) -> Response:
+        """A stateless POST (tokenizing) answered by the first healthy worker that answers."""
+        body = await request.body()
+        headers = {**self.worker_headers, "content-type": request.headers.get("content-type", "application/json")}
+        for worker in self.registry.healthy():
+            try:
+                r = await self.client.post(worker.url + path, content=body, headers=headers, timeout=30.0)
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        return error_response(503, "no healthy worker", code="no_healthy_worker")
+
     async def cluster_info(self) -> Response:
         """A healthy worker's /server_info with the pool summed over the healthy workers.
 
@@ -453,6 +467,11 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
     @app.get("/tokenizer")
     async def tokenizer_files():
         return await router.any_worker_get("/tokenizer")
+
+    for path in TOKENIZE_PATHS:
+        async def tokenize(request: Request, _path: str = path):
+            return await router.any_worker_post(_path, request)
+        app.add_api_route(path, tokenize, methods=["POST"])
 
     @app.get("/server_info")
     async def server_info():

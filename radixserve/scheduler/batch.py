@@ -45,6 +45,10 @@ class TokenFuture(Protocol):
     def result(self) -> list[int]:
         """Wait until they are on the host and return them."""
 
+    def logprobs(self) -> Optional[list]:
+        """After result(): per sampled id its `TokenLogprob` (None where not asked for), or None
+        when no request of the step asked."""
+
 
 @dataclass
 class StepInFlight:

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from radixserve.cache.radix_cache import TreeNode
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import SamplingParams, TokenLogprob
 
 
 class ReqState(enum.Enum):
@@ -49,6 +49,8 @@ class Req:
     admitted_time: Optional[float] = None
     first_token_time: Optional[float] = None
     generator: Optional[torch.Generator] = None
+    # Log probabilities of each output token, when the request asked for them (aligned with output_ids).
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
     # Output tokens already sent to the caller.
     sent_len: int = 0
     # Tokens sampled by a launched step whose value the host has not read yet (0 or 1 when a step

@@ -27,6 +27,7 @@ from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.prefill import PrefillAdder, future_tokens
 from radixserve.scheduler.request import Req, ReqState
 from radixserve.scheduler.waiting_queue import WaitingQueue
+from radixserve.sampling_params import TokenLogprob
 from radixserve.settings import ServerSettings
 
 # The share of their remaining output tokens that running requests are assumed to need adapts:
@@ -262,21 +263,28 @@ class Scheduler:
     def collect(self, step: StepInFlight) -> list[Req]:
         """Wait for a launched step's tokens and process them (once); the requests with news."""
         if step.updated is None:
-            step.updated = self.process_results(step.batch, step.tokens.result())
+            ids = step.tokens.result()
+            step.updated = self.process_results(step.batch, ids, step.tokens.logprobs())
         return step.updated
 
-    def process_results(self, batch: ScheduledBatch, next_token_ids: list[int]) -> list[Req]:
-        """Append sampled tokens, finish what is done; returns the requests with news for the caller."""
+    def process_results(self, batch: ScheduledBatch, next_token_ids: list[int],
+                        logprobs: Optional[list[Optional[TokenLogprob]]] = None) -> list[Req]:
+        """Append sampled tokens (and their log probabilities, where asked for), finish what is
+        done; returns the requests with news for the caller."""
         now = self.clock()
         updated: list[Req] = []
         sampled = iter(next_token_ids)
+        sampled_logprobs = iter(logprobs) if logprobs is not None else None
         for req, samples, extend in zip(batch.reqs, batch.sample, batch.extend_lens):
             token = next(sampled) if samples else None
+            token_logprob = next(sampled_logprobs) if samples and sampled_logprobs is not None else None
             if req.state is not ReqState.RUNNING:
                 continue  # finished or aborted after this step was built: its token is dropped
             if samples:
                 req.pending -= 1
                 req.output_ids.append(token)
+                if token_logprob is not None:
+                    req.output_logprobs.append(token_logprob)
             if not samples or extend > 1:
                 # A finished chunk or a just-finished prompt goes into the tree at once, so
                 # requests sharing its prefix (deferred in-batch ones above all) find it cached.
@@ -300,6 +308,9 @@ class Scheduler:
 
     def _finish_reason(self, req: Req, token: int) -> Optional[dict]:
         params = req.sampling_params
+        if len(req.output_ids) < params.min_new_tokens:
+            # Stop tokens are masked until then; stop strings are not looked for either (vLLM's rule).
+            return self._length_reason(req)
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return {"type": "stop", "matched": token}
         if params.stop and self.decode_text is not None:
@@ -308,7 +319,10 @@ class Scheduler:
             for stop in params.stop:
                 if stop in tail:
                     return {"type": "stop", "matched": stop}
-        if (len(req.output_ids) >= params.max_new_tokens
+        return self._length_reason(req)
+
+    def _length_reason(self, req: Req) -> Optional[dict]:
+        if (len(req.output_ids) >= req.sampling_params.max_new_tokens
                 or len(req.origin_input_ids) + len(req.output_ids) >= self.context_len):
             return {"type": "length", "length": len(req.output_ids)}
         return None

@@ -2,7 +2,8 @@
 
 Endpoints, by router (`radixserve.server.routes`): OpenAI (`/v1/completions`,
 `/v1/chat/completions`, `/v1/models`), SGLang-native (`/generate`, `/get_model_info`, `/tokenizer`
-with the files `radixserve.client.AsyncClient.tokenizer` needs), admin (`/server_info`,
+with the files `radixserve.client.AsyncClient.tokenizer` needs), tokenizer (`/v1/tokenize`,
+`/v1/detokenize` and SGLang's `/tokenize`, `/detokenize`), admin (`/server_info`,
 `/flush_cache`, `/kv_events`) and observability (`/health`, `/metrics`). They share one
 `ServingContext`. With `--api-key`, every path but `/health` answers 401 without
 `Authorization: Bearer <key>`; `/health` stays open so load balancers can probe it and reveals
@@ -28,7 +29,7 @@ from radixserve.server.lifecycle import CLOSE_TIMEOUT_S, ServingServer
 from radixserve.server.intake import REQUEST_BYTES_PER_CONTEXT_TOKEN, BodyLimitMiddleware, RejectionRecorder
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.openapi import install_openapi
-from radixserve.server.routes import native, observability, openai_api
+from radixserve.server.routes import native, observability, openai_api, tokenize
 from radixserve.server.routes.admin import install_admin
 from radixserve.server.serving import ServingContext
 from radixserve.server.startup import default_served_model_name
@@ -80,6 +81,7 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     app.state.ctx = ctx
     app.include_router(native.router)
     app.include_router(openai_api.router)
+    app.include_router(tokenize.router)
     app.include_router(observability.router)
     app.state.kv_events = install_admin(app, ctx)
     install_openapi(app, auth=bool(settings.api_key),

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from radixserve.server.protocol import TOKEN_ID_SCHEMA_MARK
+from radixserve.server.protocol import TOKEN_ID_KEYS_SCHEMA_MARK, TOKEN_ID_SCHEMA_MARK
 
 ERROR_SCHEMA = {
     "type": "object", "required": ["error"], "additionalProperties": False,
@@ -61,11 +61,29 @@ def _bound_token_ids(node: Any, vocab_size: int) -> None:
     if isinstance(node, dict):
         if node.pop(TOKEN_ID_SCHEMA_MARK, False):
             node["maximum"] = vocab_size - 1
+        if node.pop(TOKEN_ID_KEYS_SCHEMA_MARK, False):
+            node["propertyNames"] = {"pattern": decimal_at_most_pattern(vocab_size - 1)}
         for value in node.values():
             _bound_token_ids(value, vocab_size)
     elif isinstance(node, list):
         for value in node:
             _bound_token_ids(value, vocab_size)
+
+
+def decimal_at_most_pattern(n: int) -> str:
+    """A regular expression matching exactly the decimal spellings (no leading zeros) of 0..n."""
+    digits = str(n)
+    width = len(digits)
+    if width == 1:
+        return f"^[0-{digits}]$"
+    alternatives = ["[0-9]" if width == 2 else f"0|[1-9][0-9]{{0,{width - 2}}}"]
+    for i, ch in enumerate(digits):
+        low, high = (1 if i == 0 else 0), int(ch) - 1
+        if high >= low:
+            rest = width - i - 1
+            alternatives.append(digits[:i] + f"[{low}-{high}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    alternatives.append(digits)
+    return "^(" + "|".join(alternatives) + ")$"
 
 
 def install_openapi(app: FastAPI, auth: bool, vocab_size: Callable[[], Optional[int]]) -> None:

@@ -4,8 +4,8 @@ Strict, so the schema allows exactly what the server accepts: no numeric strings
 into numbers (`max_tokens: "10"`, `max_tokens: true`, `stream: "yes"` are 400), finite floats only,
 ranges as OpenAI documents them and as `radixserve.validation` enforces for the engine. A field the
 server does not implement is refused by name (400 `unsupported_parameter`): unknown fields are
-forbidden, and the OpenAI fields declared here only for their neutral value (`presence_penalty: 0`,
-`logprobs: null`, ...) are declared with that value alone in the schema.
+forbidden, and the fields declared here only for their neutral value (`tool_choice: "none"`,
+`logprob_start_len: -1`, ...) are declared with that value alone in the schema.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Annotated, Any, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-from radixserve.validation import MAX_INT32, SEED_MAX, SEED_MIN, TEMPERATURE_MAX, TOP_K_MIN
+from radixserve.validation import (LOGIT_BIAS_MAX, MAX_INT32, MAX_TOP_LOGPROBS, PENALTY_MAX, SEED_MAX, SEED_MIN,
+                                   TEMPERATURE_MAX, TOP_K_MIN)
 
 
 
@@ -48,6 +49,15 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_INT32, json_schema_extra={TOKEN_ID_S
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 # A stop token need not be in the vocabulary (it then never matches).
 StopTokenId = Annotated[int, Field(ge=0, le=MAX_INT32), BeforeValidator(_integral)]
+# A map keyed by token ids spelled as decimal strings (OpenAI's logit_bias); the served schema
+# bounds the keys by the vocabulary with a pattern.
+TOKEN_ID_KEYS_SCHEMA_MARK = "x-radixserve-token-id-keys"
+LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX)]],
+                      Field(json_schema_extra={TOKEN_ID_KEYS_SCHEMA_MARK: True,
+                                               "propertyNames": {"pattern": "^(0|[1-9][0-9]{0,9})$"}})]
+Penalty = Annotated[float, Field(ge=-PENALTY_MAX, le=PENALTY_MAX)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=PENALTY_MAX)]
+TopLogprobs = bounded_int(0, MAX_TOP_LOGPROBS)
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), BeforeValidator(_integral)]
 NonEmptyStr = Annotated[Text, Field(min_length=1)]
 MAX_N = 64
@@ -89,14 +99,29 @@ class _SamplingFields(_Body):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = Field(False, description="radixserve extension.")
     skip_special_tokens: bool = Field(True, description="radixserve extension.")
-    presence_penalty: Optional[float] = neutral_only(0, "Only 0 is supported.")
-    frequency_penalty: Optional[float] = neutral_only(0, "Only 0 is supported.")
-    logit_bias: Optional[dict[str, float]] = Field(None, description="Only an empty map is supported.",
-                                                   json_schema_extra={"maxProperties": 0})
+    presence_penalty: Optional[Penalty] = Field(None, description="Subtracted from the logit of every token "
+                                                                  "already in the output.")
+    frequency_penalty: Optional[Penalty] = Field(None, description="Subtracted from a token's logit once per "
+                                                                   "time it is already in the output.")
+    repetition_penalty: Optional[RepetitionPenalty] = Field(
+        None, description="radixserve extension (vLLM, SGLang): Hugging Face's repetition penalty over the "
+                          "prompt and the output; 1 is off.")
+    min_tokens: Optional[bounded_int(0, MAX_INT32)] = Field(
+        None, description="radixserve extension (vLLM): EOS and stop_token_ids are masked, and stop strings "
+                          "not looked for, until this many tokens are out.")
+    logit_bias: Optional[LogitBias] = Field(None, description="Token id (a decimal string) -> bias added to "
+                                                              "its logit, in [-100, 100].")
     user: Optional[str] = Field(None, description="Accepted for compatibility; not used.")
 
 
+# Prompt log probabilities (echo with logprobs) are not served: the schema says so.
+_NO_ECHO_WITH_LOGPROBS = {"not": {"required": ["echo", "logprobs"],
+                                  "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}}}}
+
+
 class CompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra=_NO_ECHO_WITH_LOGPROBS)
+
     # Token lists first, tried in order: pydantic's default ("smart") union validated a 2,000-id
     # prompt against every member, reporting an error per element for list[str], ~1 ms a request,
     # a third of the API's time when a burst of requests arrives; in order it takes ~0.13 ms.
@@ -105,7 +130,8 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None,
                                       description="Default: min(2048, context length - prompt length).")
     echo: bool = False
-    logprobs: Optional[int] = neutral_only(None, "Not supported (null only).")
+    logprobs: Optional[TopLogprobs] = Field(None, description="Log probabilities of each output token and "
+                                                              "of this many most likely ones (not with echo).")
     best_of: Optional[bounded_int(1, MAX_N)] = Field(None, description="Only equal to n is supported.",
                                    json_schema_extra={"maximum": 1})
     suffix: Optional[str] = Field(None, description="Not supported (null or empty only).",
@@ -143,8 +169,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None,
                                       description="Default: min(2048, context length - prompt length).")
     max_completion_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None, description="Alias of max_tokens.")
-    logprobs: Optional[bool] = neutral_only(False, "Not supported (false only).")
-    top_logprobs: Optional[int] = neutral_only(None, "Not supported (null only).")
+    logprobs: Optional[bool] = Field(None, description="Log probabilities of each output token.")
+    top_logprobs: Optional[TopLogprobs] = Field(None, description="This many most likely tokens per position "
+                                                                  "too; needs logprobs: true.")
     tools: Optional[list[Any]] = Field(None, description="Not supported (empty only).",
                                        json_schema_extra={"maxItems": 0})
     tool_choice: Optional[Any] = neutral_only("none", "Not supported ('none' only).")
@@ -164,6 +191,11 @@ class NativeSamplingParams(_Body):
     stop_token_ids: Optional[list[StopTokenId]] = None
     ignore_eos: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
+    min_new_tokens: Optional[bounded_int(0, MAX_INT32)] = None
+    frequency_penalty: Optional[Penalty] = None
+    presence_penalty: Optional[Penalty] = None
+    repetition_penalty: Optional[RepetitionPenalty] = None
+    logit_bias: Optional[LogitBias] = None
 
     def values(self) -> dict[str, Any]:
         values = self.model_dump(exclude_none=True)
@@ -184,3 +216,28 @@ class GenerateBody(_Body):
     rid: Optional[str] = Field(None, min_length=1, max_length=128, pattern=RID_PATTERN, description=(
         "A label for the request (printable ASCII): echoed in meta_info.id and logged. The engine's "
         "request id is always made by the server."))
+    return_logprob: bool = Field(False, description="meta_info.output_token_logprobs: [logprob, token id, "
+                                                    "text or null] per output token.")
+    top_logprobs_num: Optional[TopLogprobs] = Field(None, description="meta_info.output_top_logprobs: this "
+                                                                      "many most likely tokens per position.")
+    return_text_in_logprobs: bool = Field(False, description="Fill the text of the logprob triples.")
+    logprob_start_len: Optional[int] = neutral_only(-1, "Prompt log probabilities are not served (-1 only).")
+
+
+class TokenizeBody(_Body):
+    """`/v1/tokenize` (vLLM's shape): exactly one of `prompt` and `messages`."""
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+    model: Optional[str] = None
+    # Not nullable: "exactly one of" is then the schema's oneOf above.
+    prompt: Text = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] = None
+    add_special_tokens: bool = Field(False, description="Add the tokenizer's special tokens around the text "
+                                                        "(default false: the completions and chat endpoints "
+                                                        "add none, and count is what they count).")
+    add_generation_prompt: bool = Field(True, description="For messages, as in chat completions.")
+    return_token_strs: bool = Field(False, description="Also answer the tokens' vocabulary strings.")
+
+
+class DetokenizeBody(_Body):
+    model: Optional[str] = None
+    tokens: list[TokenId]

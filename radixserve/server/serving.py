@@ -19,11 +19,12 @@ from typing import Annotated, Any, AsyncIterator, Callable, Optional, TypeVar
 from fastapi import Depends, Request
 
 from radixserve.engine.io_struct import GenerateRequest, RequestOutput
-from radixserve.sampling_params import SamplingParams, sampling_params_from_dict
+from radixserve.sampling_params import SamplingParams, TokenLogprob, sampling_params_from_dict
 from radixserve.server.detokenizer import IncrementalDetokenizer
 from radixserve.server.engine_client import (EngineClient, EngineDeadError, EngineRequestError, QueueFullError,
                                              RequestGroup, ShuttingDownError)
-from radixserve.server.errors import APIError, bad_request, engine_unavailable, shutting_down
+from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request, engine_unavailable, shutting_down
+from radixserve.server.logprob_format import TokenTexts
 from radixserve.server.metrics import ServerMetrics
 from radixserve.settings import ServerSettings
 from radixserve.validation import SamplingValueError
@@ -55,6 +56,8 @@ class Tracker:
     first_token_at: Optional[float] = None
     last_token_at: Optional[float] = None
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when asked for
+    logprob_text_offset: int = 0  # characters of token text already reported (completions' text_offset)
     finish_reason: Optional[dict] = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -100,6 +103,7 @@ class ServingContext:
         self.health = HealthChecker(engine, [0])
         self.executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
         self.max_token_chars = longest_token_chars(tokenizer)
+        self.token_texts = TokenTexts(tokenizer)
         self.created = int(time.time())  # the model's `created` in /v1/models
 
     # ------------------------------------------------------------------ limits
@@ -168,12 +172,25 @@ class ServingContext:
         try:
             params = sampling_params_from_dict(values)
         except SamplingValueError as e:
-            raise bad_request(str(e), f"{param}.{e.field}" if param else e.field) from None
+            raise bad_request(str(e), f"{param}.{e.field}" if param else e.field,
+                              code=CONFLICTING_FIELDS if e.conflicting else "invalid_value") from None
         except ValueError as e:
             raise bad_request(str(e), param or None) from None
         if params.top_k > self.engine.ready.vocab_size:
             params.top_k = -1  # the same distribution
         return params
+
+    def logit_bias(self, bias: Optional[dict[str, float]], param: str) -> dict[int, float]:
+        """A logit_bias map (token ids as decimal strings) as token id -> bias, ids checked against
+        the vocabulary."""
+        vocab = self.engine.ready.vocab_size
+        out: dict[int, float] = {}
+        for key, value in (bias or {}).items():
+            if not key.isdigit() or int(key) >= vocab:
+                raise bad_request(f"{param} keys must be token ids in [0, {vocab}) spelled in decimal, got {key!r}",
+                                  param)
+            out[int(key)] = value
+        return out
 
     # ------------------------------------------------------------------ running
     def new_trackers(self, prompts: list[list[int]], params_per_prompt: list[list[SamplingParams]],
@@ -227,6 +244,7 @@ class ServingContext:
             t.queue_time = out.queue_time
             self.metrics.queue_time.observe(out.queue_time)
         t.output_ids.extend(out.new_token_ids)
+        t.logprobs.extend(out.new_logprobs)
         t.prompt_tokens = out.prompt_tokens
         t.cached_tokens = out.cached_tokens
         t.completion_tokens = out.completion_tokens

@@ -6,12 +6,13 @@ from __future__ import annotations
 import base64
 import os
 import time
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import APIRouter, Request
 
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
+from radixserve.server.logprob_format import TokenTexts, sglang_logprobs
 from radixserve.server.protocol import GenerateBody
 from radixserve.server.responses import per_output, run_request
 from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, new_id, request_label, sse
@@ -26,11 +27,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "config.json")
 
 
-def meta_info(t: Tracker) -> dict[str, Any]:
-    return {"id": t.label or t.rid, "finish_reason": t.finish_reason,
+def meta_info(t: Tracker, logprob_texts: Optional[TokenTexts] = None) -> dict[str, Any]:
+    info = {"id": t.label or t.rid, "finish_reason": t.finish_reason,
             "prompt_tokens": t.prompt_tokens or len(t.input_ids),
             "completion_tokens": t.completion_tokens, "cached_tokens": t.cached_tokens,
             "e2e_latency": t.e2e_latency}
+    if t.params.return_logprob:
+        info.update(sglang_logprobs(logprob_texts, t.output_ids, t.logprobs))
+    return info
 
 
 async def generate_prompts(ctx: ServingContext, body: GenerateBody) -> tuple[list[list[int]], bool, str]:
@@ -56,10 +60,17 @@ def generate_params(ctx: ServingContext, body: GenerateBody, prompts: list[list[
         sp_list = [p.values() for p in sp]
     else:
         sp_list = [sp.values() if sp is not None else {}] * len(prompts)
+    logprob_values: dict[str, Any] = {}
+    if body.return_logprob:
+        logprob_values = {"return_logprob": True, "top_logprobs_num": body.top_logprobs_num or 0}
+    elif body.top_logprobs_num:
+        raise bad_request("top_logprobs_num needs return_logprob: true", "top_logprobs_num", code=CONFLICTING_FIELDS)
     params_per_prompt: list[list[SamplingParams]] = []
     for ids, values in zip(prompts, sp_list):
         ctx.check_prompt(ids, param)
-        params = ctx.sampling_params(values)
+        if "logit_bias" in values:
+            values = {**values, "logit_bias": ctx.logit_bias(values["logit_bias"], "sampling_params.logit_bias")}
+        params = ctx.sampling_params({**values, **logprob_values})
         ctx.max_new_tokens(ids, params.max_new_tokens, "sampling_params.max_new_tokens")
         params_per_prompt.append([params])
     return params_per_prompt
@@ -68,6 +79,9 @@ def generate_params(ctx: ServingContext, body: GenerateBody, prompts: list[list[
 @router.post("/generate")
 async def generate(body: GenerateBody, request: Request, ctx: Ctx):
     arrival = time.perf_counter()
+    if body.logprob_start_len is not None and body.logprob_start_len != -1:
+        raise APIError(400, f"logprob_start_len={body.logprob_start_len} asks for prompt log probabilities, which "
+                            f"are not served (-1 only)", param="logprob_start_len", code="unsupported_parameter")
     label = request_label(body.rid)
     prompts, single, param = await generate_prompts(ctx, body)
     if not prompts:
@@ -75,14 +89,15 @@ async def generate(body: GenerateBody, request: Request, ctx: Ctx):
     params_per_prompt = generate_params(ctx, body, prompts, param)
     # The engine's id is always made here: a client's rid is a label, echoed back and logged.
     trackers = ctx.new_trackers(prompts, params_per_prompt, new_id(""), arrival, label if single else None)
+    texts = ctx.token_texts if body.return_text_in_logprobs else None
 
     def final(ts: list[Tracker]):
-        results = [{"text": t.text, "output_ids": t.output_ids, "meta_info": meta_info(t)} for t in ts]
+        results = [{"text": t.text, "output_ids": t.output_ids, "meta_info": meta_info(t, texts)} for t in ts]
         return results[0] if single else results
 
     async def stream(outputs, close):
         async for t, out, delta in per_output(ctx, outputs, trackers):
-            event = {"text": t.text, "output_ids": t.output_ids, "meta_info": meta_info(t)}
+            event = {"text": t.text, "output_ids": t.output_ids, "meta_info": meta_info(t, texts)}
             if not single:  # a batch streams its prompts' events interleaved, each with its index
                 event["index"] = t.index
             yield sse(event)

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
+from radixserve.server.logprob_format import chat_logprobs, completion_logprobs
 from radixserve.server.protocol import ROLES, ChatCompletionRequest, CompletionRequest
 from radixserve.server.responses import per_output, run_request, usage
 from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, finish_reason_name, new_id, sse
@@ -24,19 +25,26 @@ def check_neutral(body, name: str, ok: Callable[[Any], bool], why: str) -> None:
         raise APIError(400, f"{name}={value!r} is not supported: {why}", param=name, code="unsupported_parameter")
 
 
-def check_common_unsupported(body) -> None:
-    check_neutral(body, "presence_penalty", lambda v: v == 0, "only 0")
-    check_neutral(body, "frequency_penalty", lambda v: v == 0, "only 0")
-    check_neutral(body, "logit_bias", lambda v: not v, "only an empty map")
-
-
-def openai_params(body, max_tokens: int, seed_offset: int) -> dict[str, Any]:
+def openai_params(body, max_tokens: int, seed_offset: int, top_logprobs: Optional[int] = None,
+                  logit_bias: Optional[dict[int, float]] = None) -> dict[str, Any]:
+    """The engine's sampling values of one choice; top_logprobs None: no log probabilities;
+    logit_bias: the body's, its keys already checked as token ids."""
     values: dict[str, Any] = {"max_new_tokens": max_tokens,
                               "temperature": 1.0 if body.temperature is None else body.temperature,
-                              "ignore_eos": body.ignore_eos, "skip_special_tokens": body.skip_special_tokens}
-    for name in ("top_p", "top_k", "min_p", "stop_token_ids"):
+                              "ignore_eos": body.ignore_eos, "skip_special_tokens": body.skip_special_tokens,
+                              "logit_bias": logit_bias or {}}
+    for name in ("top_p", "top_k", "min_p", "stop_token_ids", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
         if getattr(body, name) is not None:
             values[name] = getattr(body, name)
+    if body.min_tokens is not None:
+        if body.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens={body.min_tokens} is more than the {max_tokens} tokens this request "
+                              f"may generate", "min_tokens", code=CONFLICTING_FIELDS)
+        values["min_new_tokens"] = body.min_tokens
+    if top_logprobs is not None:
+        values["return_logprob"] = True
+        values["top_logprobs_num"] = top_logprobs
     if body.stop is not None:
         values["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
     if body.seed is not None:
@@ -46,12 +54,14 @@ def openai_params(body, max_tokens: int, seed_offset: int) -> dict[str, Any]:
 
 
 def build_choices(ctx: ServingContext, body, prompts: list[list[int]], param: str, max_tokens: Optional[int],
-                  max_param: str) -> list[list[SamplingParams]]:
+                  max_param: str, top_logprobs: Optional[int]) -> list[list[SamplingParams]]:
     out = []
+    bias = ctx.logit_bias(body.logit_bias, "logit_bias")
     for ids in prompts:
         ctx.check_prompt(ids, param)
         mnt = ctx.max_new_tokens(ids, max_tokens, max_param)
-        out.append([ctx.sampling_params(openai_params(body, mnt, j), "") for j in range(body.n)])
+        out.append([ctx.sampling_params(openai_params(body, mnt, j, top_logprobs, bias), "")
+                    for j in range(body.n)])
     return out
 
 
@@ -73,12 +83,13 @@ async def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> tu
 async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
     arrival = time.perf_counter()
     ctx.check_model(body.model)
-    check_common_unsupported(body)
-    check_neutral(body, "logprobs", lambda v: False, "log probabilities are not implemented")
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs asks for the prompt's log probabilities, which are not served",
+                       param="echo", code="unsupported_parameter")
     check_neutral(body, "suffix", lambda v: v == "", "insertion is not implemented")
     check_neutral(body, "best_of", lambda v: v in (1, body.n), "only best_of == n")
     texts, prompts = await completion_prompts(ctx, body)
-    choices = build_choices(ctx, body, prompts, "prompt", body.max_tokens, "max_tokens")
+    choices = build_choices(ctx, body, prompts, "prompt", body.max_tokens, "max_tokens", body.logprobs)
     if body.echo and ctx.tokenizer is not None:  # token-id prompts echo as their text
         texts = [t if t is not None else await ctx.run_blocking(ctx.tokenizer.decode, ids)
                  for t, ids in zip(texts, prompts)]
@@ -89,9 +100,17 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
     def echo_text(t: Tracker) -> str:
         return (texts[t.prompt_index] or "") if body.echo else ""
 
+    def logprobs_of(t: Tracker, token_ids: list[int], logprobs: list) -> Optional[dict]:
+        if body.logprobs is None:
+            return None
+        result = completion_logprobs(ctx.token_texts, token_ids, logprobs, t.logprob_text_offset)
+        t.logprob_text_offset += sum(len(token) for token in result["tokens"])
+        return result
+
     def final(ts: list[Tracker]):
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": t.index, "text": echo_text(t) + t.text, "logprobs": None,
+                "choices": [{"index": t.index, "text": echo_text(t) + t.text,
+                             "logprobs": logprobs_of(t, t.output_ids, t.logprobs),
                              "finish_reason": finish_reason_name(t.finish_reason)} for t in ts],
                 "usage": usage(ts)}
 
@@ -110,8 +129,9 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
             if t.rid not in echoed:
                 echoed.add(t.rid)
                 delta = echo_text(t) + delta
-            if delta or t.finished:
-                yield chunk([{"index": t.index, "text": delta, "logprobs": None,
+            if delta or t.finished or out.new_logprobs:
+                yield chunk([{"index": t.index, "text": delta,
+                              "logprobs": logprobs_of(t, out.new_token_ids, out.new_logprobs),
                               "finish_reason": finish_reason_name(t.finish_reason)}])
         close()
         if include_usage:
@@ -123,6 +143,11 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
 
 
 async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+    return await ctx.tokenize(await chat_prompt_text(ctx, body), "messages")
+
+
+async def chat_prompt_text(ctx: ServingContext, body: ChatCompletionRequest) -> str:
+    """The conversation rendered by the tokenizer's chat template."""
     messages = []
     for i, msg in enumerate(body.messages):
         if msg.role not in ROLES:
@@ -151,13 +176,19 @@ async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[
                                               add_generation_prompt=body.add_generation_prompt))
     except Exception as e:  # a template that rejects this conversation (raise_exception, ...)
         raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
-    return await ctx.tokenize(text, "messages")
+    return text
+
+
+def chat_top_logprobs(body: ChatCompletionRequest) -> Optional[int]:
+    """How many top entries per position to report, or None for no log probabilities."""
+    if not body.logprobs:
+        if body.top_logprobs is not None:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs", code=CONFLICTING_FIELDS)
+        return None
+    return body.top_logprobs or 0
 
 
 def check_chat_unsupported(body: ChatCompletionRequest) -> None:
-    check_common_unsupported(body)
-    check_neutral(body, "logprobs", lambda v: v is False, "log probabilities are not implemented")
-    check_neutral(body, "top_logprobs", lambda v: False, "log probabilities are not implemented")
     check_neutral(body, "tools", lambda v: not v, "tool calls are not implemented")
     check_neutral(body, "tool_choice", lambda v: v == "none", "tool calls are not implemented")
     if body.response_format is not None and body.response_format.type != "text":
@@ -176,24 +207,30 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
                           code=CONFLICTING_FIELDS)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     ids = await chat_prompt(ctx, body)
+    top_logprobs = chat_top_logprobs(body)
     choices = build_choices(ctx, body, [ids], "messages", max_tokens,
-                            "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+                            "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+                            top_logprobs)
     cid = new_id("chatcmpl-")
     trackers = ctx.new_trackers([ids], choices, cid, arrival)
     model = ctx.served_model_name
 
+    def logprobs_of(token_ids: list[int], logprobs: list) -> Optional[dict]:
+        return None if top_logprobs is None else chat_logprobs(ctx.token_texts, token_ids, logprobs)
+
     def final(ts: list[Tracker]):
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": [{"index": t.index, "message": {"role": "assistant", "content": t.text},
-                             "logprobs": None, "finish_reason": finish_reason_name(t.finish_reason)}
+                             "logprobs": logprobs_of(t.output_ids, t.logprobs),
+                             "finish_reason": finish_reason_name(t.finish_reason)}
                             for t in ts],
                 "usage": usage(ts)}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def chunk(index: int, delta: dict, finish: Optional[str]) -> str:
+    def chunk(index: int, delta: dict, finish: Optional[str], logprobs: Optional[dict] = None) -> str:
         data = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         if include_usage:
             data["usage"] = None
         return sse(data)
@@ -202,8 +239,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         for t in trackers:
             yield chunk(t.index, {"role": "assistant", "content": ""}, None)
         async for t, out, delta in per_output(ctx, outputs, trackers):
-            if delta:
-                yield chunk(t.index, {"content": delta}, None)
+            if delta or out.new_logprobs:
+                yield chunk(t.index, {"content": delta}, None, logprobs_of(out.new_token_ids, out.new_logprobs))
             if t.finished:
                 yield chunk(t.index, {}, finish_reason_name(t.finish_reason))
         close()

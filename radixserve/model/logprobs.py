@@ -1,0 +1,70 @@
+"""Log probabilities of sampled tokens, batched on the logits' device.
+
+They are of the model's own distribution: log_softmax of the raw logits, before logit_bias,
+penalties, temperature and the top-k/top-p/min-p filters (vLLM's default; OpenAI's API documents
+them as the model's). The rows that asked go through one log_softmax, one gather and one top-k at
+the largest k any of them asked for; the rest of the batch pays nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from radixserve.sampling_params import SamplingParams, TokenLogprob
+
+
+@dataclass
+class LogprobTensors:
+    """The log probabilities of one step's asking rows, on the device or copied to the host."""
+
+    rows: list[int]  # positions in the step's sampling rows
+    top_nums: list[int]  # how many top entries each asked for
+    chosen: torch.Tensor  # [R] float32
+    top_values: torch.Tensor  # [R, K] float32
+    top_ids: torch.Tensor  # [R, K] int64
+
+    def to_host(self, pin: bool) -> "LogprobTensors":
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            return host.copy_(t, non_blocking=pin)
+        return LogprobTensors(self.rows, self.top_nums, copy(self.chosen), copy(self.top_values),
+                              copy(self.top_ids))
+
+    def per_row(self, num_rows: int) -> list[Optional[TokenLogprob]]:
+        """One entry per sampling row (None for rows that did not ask); call on host tensors."""
+        out: list[Optional[TokenLogprob]] = [None] * num_rows
+        chosen = self.chosen.tolist()
+        values, ids = self.top_values.tolist(), self.top_ids.tolist()
+        for j, (row, k) in enumerate(zip(self.rows, self.top_nums)):
+            out[row] = TokenLogprob(chosen[j], ids[j][:k], values[j][:k])
+        return out
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                   params: Sequence[SamplingParams]) -> Optional[LogprobTensors]:
+    """Log probabilities of `token_ids` (one per row of logits [S, V]) for the rows whose params
+    ask for them; None when none does. No host sync."""
+    rows = [i for i, p in enumerate(params) if p.return_logprob]
+    if not rows:
+        return None
+    top_nums = [params[i].top_logprobs_num for i in rows]
+    if len(rows) == len(params):
+        sub, ids = logits, token_ids
+    else:
+        index = torch.tensor(rows, dtype=torch.int64)
+        if logits.device.type == "cuda":
+            index = index.pin_memory()
+        index = index.to(logits.device, non_blocking=True)
+        sub, ids = logits.index_select(0, index), token_ids.index_select(0, index)
+    logprobs = torch.log_softmax(sub.float(), dim=-1)
+    chosen = logprobs.gather(1, ids.view(-1, 1)).view(-1)
+    k = min(max(top_nums), logits.shape[-1])
+    if k:
+        top_values, top_ids = logprobs.topk(k, dim=-1)
+    else:
+        top_values = logprobs.new_empty((len(rows), 0))
+        top_ids = torch.empty((len(rows), 0), dtype=torch.int64, device=logits.device)
+    return LogprobTensors(rows, top_nums, chosen, top_values, top_ids)
