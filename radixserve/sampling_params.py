@@ -22,6 +22,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Constrained decoding (SGLang's names; at most one): a JSON Schema as text, a regular
+    # expression, or an EBNF grammar (xgrammar's dialect). See radixserve.grammar.
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
     @property
     def is_greedy(self) -> bool:

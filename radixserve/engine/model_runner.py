@@ -23,7 +23,7 @@ from radixserve.attention.base import ForwardBatch, ForwardMode
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.engine.cuda_graph import DecodeCudaGraphs, supports_cuda_graphs
 from radixserve.engine.sampled_tokens import LastSampledTokens
-from radixserve.model.sampler import sample_tensor
+from radixserve.model.sampler import apply_token_bitmask, sample_tensor
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.batch import ScheduledBatch
 
@@ -87,6 +87,8 @@ class ModelRunner:
             self.graphs.capture()
         self.num_graph_steps = 0
         self.num_eager_steps = 0
+        # Set by the engine when the first constrained request arrives (GrammarCompilers).
+        self.grammars = None
 
     # ------------------------------------------------------------------ batch building
     @staticmethod
@@ -164,6 +166,7 @@ class ModelRunner:
         sampling = [r for r, s in zip(sb.reqs, sb.sample) if s]
         if not sampling:
             return StepFuture(None, None)
+        logits = self._constrain(logits, sampling)
         ids = sample_tensor(logits, [r.sampling_params for r in sampling], [self._generator(r) for r in sampling],
                             self.default_generator)
         rows = [r.req_pool_idx for r in sampling]
@@ -175,6 +178,18 @@ class ModelRunner:
         event = torch.cuda.Event()
         event.record()
         return StepFuture(host, event)
+
+    def _constrain(self, logits: torch.Tensor, sampling: list[Req]) -> torch.Tensor:
+        """Logits with the tokens each grammar-constrained row may not take masked out. The host
+        fills the bitmask from the matchers, which have accepted every earlier token: the engine
+        never launches a constrained request while one of its tokens is still on the device."""
+        grammars = [r.grammar for r in sampling]
+        if self.grammars is None or all(g is None for g in grammars):
+            return logits
+        bitmask = self.grammars.fill_bitmask(grammars)
+        if self.device.type == "cuda":
+            bitmask = bitmask.pin_memory().to(self.device, non_blocking=True)
+        return apply_token_bitmask(logits, bitmask)
 
     def forward(self, sb: ScheduledBatch) -> list[int]:
         """Run the batch and wait; one sampled token per request that samples, in batch order."""

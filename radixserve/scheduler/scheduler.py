@@ -300,6 +300,11 @@ class Scheduler:
 
     def _finish_reason(self, req: Req, token: int) -> Optional[dict]:
         params = req.sampling_params
+        if req.grammar is not None:
+            if not req.grammar.accept(token):  # masked sampling never picks one; a bug if it does
+                return {"type": "abort", "message": f"token {token} is not allowed by the request's grammar"}
+            if req.grammar.terminated:
+                return {"type": "stop", "matched": token}
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return {"type": "stop", "matched": token}
         if params.stop and self.decode_text is not None:
