@@ -10,7 +10,7 @@ forbidden, and the OpenAI fields declared here only for their neutral value (`pr
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -71,6 +71,20 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(populate_by_name=True)
+    name: NonEmptyStr = Field(max_length=64)
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema",
+                                              description="A JSON Schema; omitted means any JSON object.")
+    strict: Optional[bool] = Field(None, description="The schema is always enforced.")
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = Field(None, description="Required with type json_schema.")
+
+
 class _SamplingFields(_Body):
     model: Optional[str] = Field(None, description="Served model name; omitted means the served model.")
     temperature: Optional[float] = Field(None, ge=0.0, le=TEMPERATURE_MAX, description="0 is greedy. Default 1.")
@@ -92,6 +106,9 @@ class _SamplingFields(_Body):
     logit_bias: Optional[dict[str, float]] = Field(None, description="Only an empty map is supported.",
                                                    json_schema_extra={"maxProperties": 0})
     user: Optional[str] = Field(None, description="Accepted for compatibility; not used.")
+    response_format: Optional[ResponseFormat] = Field(
+        None, description="text (default), json_object (any JSON object) or json_schema (output valid "
+                          "against the schema, enforced by a grammar whether strict or not).")
 
 
 class CompletionRequest(_SamplingFields):
@@ -126,14 +143,45 @@ class ContentPart(BaseModel):
     text: Optional[Text] = None
 
 
+class FunctionCall(_Body):
+    name: NonEmptyStr
+    arguments: Text = Field(description="The arguments as a JSON text.")
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: str = Field(description=f"One of {', '.join(ROLES)}.", json_schema_extra={"enum": list(ROLES)})
     content: Union[Text, list[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = Field(None, description="An assistant message's tool calls.")
+    tool_call_id: Optional[str] = Field(None, description="The call a tool message answers.")
 
 
-class ResponseFormat(_Body):
-    type: str = Field(description="Only 'text' is supported.", json_schema_extra={"enum": ["text"]})
+class FunctionDef(_Body):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = Field(None, description="A JSON Schema of the arguments.")
+    strict: Optional[bool] = Field(None, description="Arguments always follow the schema when the call is "
+                                                     "forced (required or a named function).")
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: NonEmptyStr
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -143,10 +191,14 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None, description="Alias of max_tokens.")
     logprobs: Optional[bool] = neutral_only(False, "Not supported (false only).")
     top_logprobs: Optional[int] = neutral_only(None, "Not supported (null only).")
-    tools: Optional[list[Any]] = Field(None, description="Not supported (empty only).",
-                                       json_schema_extra={"maxItems": 0})
-    tool_choice: Optional[Any] = neutral_only("none", "Not supported ('none' only).")
-    response_format: Optional[ResponseFormat] = Field(None, description="Only type 'text' is supported.")
+    tools: Optional[list[Tool]] = Field(None, description="Functions the model may call; the chat template "
+                                                          "renders them (Qwen2/2.5's <tool_call> format).")
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
+        None, description="Default auto with tools, none without. required and a named function are "
+                          "enforced by a grammar, so the arguments always parse.")
+    parallel_tool_calls: Optional[bool] = Field(None, description="Default true: several calls in one reply.")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="Extra variables for the chat "
+                                                                             "template.")
     add_generation_prompt: bool = Field(True, description="radixserve extension.")
 
 
@@ -162,6 +214,10 @@ class NativeSamplingParams(_Body):
     stop_token_ids: Optional[list[StopTokenId]] = None
     ignore_eos: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
+    json_schema: Optional[NonEmptyStr] = Field(None, description="Output valid against this JSON Schema (text).")
+    regex: Optional[NonEmptyStr] = Field(None, description="Output matching this regular expression.")
+    ebnf: Optional[NonEmptyStr] = Field(None, description="Output in the language of this EBNF grammar "
+                                                          "(xgrammar's dialect).")
 
     def values(self) -> dict[str, Any]:
         values = self.model_dump(exclude_none=True)
