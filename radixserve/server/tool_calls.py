@@ -99,14 +99,16 @@ def parse_tool_calls(text: str, parallel: bool = True) -> tuple[Optional[str], l
 
 def _call_of(body: str) -> Optional[dict[str, Any]]:
     try:
-        value = json.loads(body)
+        # Not strict: a raw control character inside a string (which grammars of bounded strings
+        # allow) still parses; the arguments are written back with it escaped.
+        value = json.loads(body, strict=False)
     except json.JSONDecodeError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
+        arguments = json.dumps(arguments, ensure_ascii=False)  # control characters come out escaped
     return {"id": new_call_id(), "type": "function", "function": {"name": value["name"], "arguments": arguments}}
 
 
