@@ -94,6 +94,9 @@ class EngineCore:
                                   cuda_graph_max_bs=min(settings.cuda_graph_max_bs, max_running),
                                   disable_cuda_graph=settings.disable_cuda_graph)
         self.grammar_wait = GrammarWaitlist(self.tokenizer, cfg.vocab_size, eos)
+        if self.tokenizer is not None:
+            # Reading a 150k vocabulary into xgrammar takes a second: at start-up, not in a step.
+            self.runner.grammars = self.grammar_wait.compilers
         self.last_step = StepInfo(None, 0.0)
         self.overlap = not settings.disable_overlap_schedule
         self.in_flight: Optional[StepInFlight] = None  # the launched step whose tokens are unread
@@ -178,7 +181,6 @@ class EngineCore:
     def submit(self, req: Req) -> None:
         """Queue a request made by `make_req`: to the scheduler, or to wait for its grammar."""
         if grammar_spec(req.sampling_params) is not None:
-            self.runner.grammars = self.grammar_wait.compilers
             if not self.grammar_wait.add(req):
                 return  # scheduled once its grammar is compiled (see _admit_compiled)
         self.scheduler.add_request(req)
