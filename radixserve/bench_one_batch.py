@@ -32,6 +32,7 @@ import torch
 from radixserve.attention.base import ForwardBatch, ForwardMode
 from radixserve.cache.kv_pool import KVPool
 from radixserve.model.config import ModelConfig
+from radixserve.settings import DECODE_GEMM_MAX_ROWS
 
 
 def _bench(fn: Callable[[], object], rep_ms: int = 200, warmup_ms: int = 50) -> float:
@@ -386,26 +387,29 @@ def bench_extend_attention(args, work: Workload, cost: ModelCost, rep: Report, f
                     tflops=fl / (ms * 1e-3) / 1e12)
 
 
-def bench_model(args, work: Workload, cost: ModelCost, rep: Report, bw: float, flops: float) -> None:
+def _load_bf16_model(args, work: Workload, rep: Report, decode_gemm_max_rows: int):
+    """The model in bfloat16 on the GPU, or None (noted in the report) if it cannot be built."""
     from radixserve.attention.triton_backend import TritonAttentionBackend
-    try:
-        from radixserve.model.loader import load_model
-    except Exception as e:  # the model layer is not there (yet)
-        rep.note(f"model pieces not importable ({e!r}): attention-only results")
-        return
+    from radixserve.model.loader import load_model
+
     backend = TritonAttentionBackend()
     try:
-        model, cfg = load_model(args.model_path, load_format=args.load_format, dtype=torch.bfloat16,
-                                device=work.device, attn_backend=backend, seed=args.seed)
+        model, _ = load_model(args.model_path, load_format=args.load_format, dtype=torch.bfloat16,
+                              device=work.device, attn_backend=backend, seed=args.seed,
+                              decode_gemm_max_rows=decode_gemm_max_rows)
     except Exception as e:
         rep.note(f"load_model failed ({e!r}): attention-only results")
-        return
+        return None
     cfg = work.cfg
-    if args.decode_gemm_max_rows is not None:
-        model.decode_gemm_max_rows = args.decode_gemm_max_rows
     backend.reserve_decode_workspace(max(args.batch_sizes), cfg.num_attention_heads, cfg.num_key_value_heads,
                                      cfg.head_dim, work.device)
-    weight_ms = cost.decode_weight_bytes / bw * 1e3
+    return model
+
+
+def bench_model(args, work: Workload, cost: ModelCost, rep: Report, bw: float, flops: float) -> None:
+    model = _load_bf16_model(args, work, rep, args.decode_gemm_max_rows)
+    if model is None:
+        return
     rep.meta["decode_weight_bytes"] = cost.decode_weight_bytes
     rep.meta["kv_bytes_per_token"] = cost.kv_bytes_per_token
 
@@ -422,39 +426,47 @@ def bench_model(args, work: Workload, cost: ModelCost, rep: Report, bw: float, f
         if args.profile:
             host_profile(lambda: model(batch), f"the prefill bs={bs} len={length}")
         del batch
-    variants = [("decode-step", model.decode_gemm_max_rows)]
-    if args.compare_cublas:
-        variants.append(("decode-step-cublas", 0))
-    for kind, gemm_rows in variants:
-        model.decode_gemm_max_rows = gemm_rows
-        for dbs in args.batch_sizes:
-            batch = work.decode_batch(dbs, max(args.contexts))
-            graph = None
-            if not args.disable_cuda_graph:
-                try:
-                    graph, _ = _graph(lambda: model(batch))
-                except Exception as e:
-                    rep.note(f"CUDA graph capture failed at bs={dbs}: {e!r}")
-                    graph = None
-            for ctx in args.contexts:
-                work.set_decode_context(batch, ctx)
-                floor = weight_ms + dbs * ctx * cost.kv_bytes_per_token / bw * 1e3
-                eager = _bench(lambda: model(batch), rep_ms=300)
-                replay = _bench(graph.replay, rep_ms=300) if graph is not None else None
-                best = replay if replay is not None else eager
-                extra = {}
-                if args.profile:
-                    kernel_us, rows = kernel_breakdown(graph.replay if graph is not None else (lambda: model(batch)))
-                    extra = dict(kernel_ms=kernel_us / 1e3, launches=sum(r[1] for r in rows))
-                rep.add(kind, f"bs={dbs} ctx={ctx}", best, floor, eager_ms=eager,
-                        tok_s=dbs / (best * 1e-3), graph=graph is not None, **extra)
-                if args.profile:
-                    _print_breakdown(f"bs={dbs} ctx={ctx}", best, kernel_us, rows)
-            del graph, batch
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+    bench_decode_steps(args, work, cost, rep, bw, model, "decode-step")
     del model
     torch.cuda.empty_cache()
+    if args.compare_cublas:
+        # The layers fix their kernels when built: the cuBLAS side is a second model.
+        model = _load_bf16_model(args, work, rep, 0)
+        if model is not None:
+            bench_decode_steps(args, work, cost, rep, bw, model, "decode-step-cublas")
+            del model
+            torch.cuda.empty_cache()
+
+
+def bench_decode_steps(args, work: Workload, cost: ModelCost, rep: Report, bw: float, model, kind: str) -> None:
+    """The model's decode step at each batch size and context: eager and replayed from a graph."""
+    weight_ms = cost.decode_weight_bytes / bw * 1e3
+    for dbs in args.batch_sizes:
+        batch = work.decode_batch(dbs, max(args.contexts))
+        graph = None
+        if not args.disable_cuda_graph:
+            try:
+                graph, _ = _graph(lambda: model(batch))
+            except Exception as e:
+                rep.note(f"CUDA graph capture failed at bs={dbs}: {e!r}")
+                graph = None
+        for ctx in args.contexts:
+            work.set_decode_context(batch, ctx)
+            floor = weight_ms + dbs * ctx * cost.kv_bytes_per_token / bw * 1e3
+            eager = _bench(lambda: model(batch), rep_ms=300)
+            replay = _bench(graph.replay, rep_ms=300) if graph is not None else None
+            best = replay if replay is not None else eager
+            extra = {}
+            if args.profile:
+                kernel_us, rows = kernel_breakdown(graph.replay if graph is not None else (lambda: model(batch)))
+                extra = dict(kernel_ms=kernel_us / 1e3, launches=sum(r[1] for r in rows))
+            rep.add(kind, f"bs={dbs} ctx={ctx}", best, floor, eager_ms=eager,
+                    tok_s=dbs / (best * 1e-3), graph=graph is not None, **extra)
+            if args.profile:
+                _print_breakdown(f"bs={dbs} ctx={ctx}", best, kernel_us, rows)
+        del graph, batch
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -471,10 +483,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--sweep", nargs="*", choices=["decode", "extend"], default=None,
                    help="also time kernel tuning variants (of decode, extend, or both when none is named)")
     p.add_argument("--disable-cuda-graph", action="store_true")
-    p.add_argument("--decode-gemm-max-rows", type=int, default=None,
-                   help="projections of at most this many rows run our Triton GEMM (default: the model's, 32)")
+    p.add_argument("--decode-gemm-max-rows", type=int, default=DECODE_GEMM_MAX_ROWS,
+                   help="projections of at most this many rows run our Triton GEMM (default: %(default)s)")
     p.add_argument("--compare-cublas", action="store_true",
-                   help="also time every decode step with cuBLAS for all projections")
+                   help="also time every decode step with cuBLAS for all projections (a second model is loaded "
+                        "after the first is freed)")
     p.add_argument("--profile", action="store_true",
                    help="also profile each model decode step (its kernels, their GPU time, the launch gaps) "
                         "and the host time of the eager prefill (cProfile)")

@@ -17,6 +17,10 @@ EVICTION_POLICIES = ("lru", "lfu", "fifo")
 # Defaults that depend on the device the engine runs on.
 DEFAULT_MAX_RUNNING_REQUESTS = {"cuda": 1024, "cpu": 256}
 CPU_KV_POOL_TOKENS = 65536
+# Rows up to which projections run the weight-streaming Triton GEMM instead of cuBLAS: faster up to
+# 32 rows on an H200; at 64, cuBLAS won on most projections (docs/gpu_notes.md, "A GEMM for decode
+# rows"). The model's default too.
+DECODE_GEMM_MAX_ROWS = 32
 
 
 def _opt(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None,
@@ -94,7 +98,7 @@ class ServerSettings:
     cuda_graph_max_bs: int = _opt(256, "Largest decode batch replayed from a CUDA graph.")
     disable_cuda_graph: bool = _opt(False, "Run decode steps eagerly.")
     decode_gemm_max_rows: int = _opt(
-        32, "On CUDA, projections of at most this many rows (decode batches) run our weight-streaming "
+        DECODE_GEMM_MAX_ROWS, "On CUDA, projections of at most this many rows (decode batches) run our weight-streaming "
         "Triton GEMM instead of cuBLAS (measured faster up to 32 rows on an H200); 0 turns it off.")
     skip_warmup: bool = _opt(False, "Start without the warm-up requests that compile the GPU kernels "
                              "(the first requests then wait for the compiles).")

@@ -21,7 +21,7 @@ from radixserve.kernels.decode_linear_config import config_for
 from radixserve.kernels.activation import silu_and_mul
 from radixserve.kernels.norm import add_rms_norm, rms_norm
 from radixserve.kernels.rope import apply_rope_
-from radixserve.model.qwen2 import rope_cos_sin
+from radixserve.model.layers import rope_cos_sin
 
 
 def per_launch_us(fn, n: int = 2000) -> float:

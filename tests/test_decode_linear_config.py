@@ -11,8 +11,8 @@ import torch
 from radixserve.kernels.decode_linear_config import (SHARED_MEMORY_BUDGET, TUNED, DecodeLinearConfig, block_m_for,
                                                      config_for, default_config, pipeline_stages, split_plan)
 from radixserve.model.config import ModelConfig
-from radixserve.model.qwen2 import DECODE_GEMM_MAX_ROWS
-from radixserve.settings import ServerSettings
+from radixserve.model.layers import KernelChoice, Linear, MergedLinear, SiluAndMul
+from radixserve.settings import DECODE_GEMM_MAX_ROWS, ServerSettings
 
 QWEN2_CONFIGS = ["benchmarks/configs/qwen2-7b", "benchmarks/configs/qwen2-0.5b"]
 
@@ -71,7 +71,33 @@ def test_config_for_rejects_what_the_kernel_cannot_read():
 
 
 def test_the_row_limit_is_a_server_setting_with_the_models_default():
-    assert ServerSettings().decode_gemm_max_rows == DECODE_GEMM_MAX_ROWS
+    assert ServerSettings().decode_gemm_max_rows == DECODE_GEMM_MAX_ROWS == KernelChoice().decode_gemm_max_rows
     assert ServerSettings.from_kwargs(decode_gemm_max_rows=0).decode_gemm_max_rows == 0
     with pytest.raises(ValueError, match="decode_gemm_max_rows"):
         ServerSettings.from_kwargs(decode_gemm_max_rows=-1)
+
+
+def test_kernels_are_chosen_for_the_device_once():
+    assert KernelChoice.for_device("cpu", torch.bfloat16) == KernelChoice(triton=False)
+    assert KernelChoice.for_device("cpu", torch.float32, decode_gemm_max_rows=0).decode_gemm_max_rows == 0
+    with pytest.raises(ValueError, match="CUDA"):
+        KernelChoice.for_device("cpu", torch.bfloat16, triton=True)
+    with pytest.raises(ValueError, match="decode_gemm_max_rows"):
+        KernelChoice(decode_gemm_max_rows=-1)
+
+
+def test_a_projection_takes_the_decode_gemm_only_with_the_triton_kernels():
+    """The layer decides at construction (on the meta device: nothing is launched here)."""
+    triton = KernelChoice(triton=True)
+    with torch.device("meta"):
+        def qkv(kernels):
+            return MergedLinear(3584, {"q": 3584, "k": 512, "v": 512}, bias=True, dtype=torch.bfloat16, kernels=kernels)
+
+        assert qkv(triton)._decode_config is TUNED[(4608, 3584)]
+        assert qkv(triton)._decode_max_rows == DECODE_GEMM_MAX_ROWS
+        assert qkv(KernelChoice(triton=True, decode_gemm_max_rows=0))._decode_config is None
+        assert qkv(KernelChoice(triton=False))._decode_config is None
+        gate_up = MergedLinear(3584, {0: 18944, 1: 18944}, bias=False, dtype=torch.bfloat16, kernels=triton,
+                               act=SiluAndMul(kernels=triton))
+        assert gate_up._decode_config is TUNED[(37888, 3584)]  # SiLU-and-mul fused into its epilogue
+        assert Linear(100, 64, bias=False, dtype=torch.bfloat16, kernels=triton)._decode_config is None  # K untileable

@@ -132,7 +132,7 @@ def random_tokens(n: int, vocab: int, seed: int) -> list[int]:
 def test_single_extend_matches_hf(tiny):
     _, model, cfg, hf = tiny
     if cfg.tie_word_embeddings:
-        assert model.lm_head is None
+        assert model.lm_head.weight is model.model.embed_tokens.weight
     prompt = random_tokens(37, cfg.vocab_size, 0)
     ours = PoolHarness(model, cfg).step({"a": prompt})["a"]
     torch.testing.assert_close(ours, hf_logits(hf, prompt), atol=ATOL, rtol=0)
@@ -195,7 +195,7 @@ def test_token_by_token_decode_matches_hf(tiny):
 
 def test_bfloat16_close_to_hf(tiny_dir):
     model, cfg = load_model(tiny_dir, dtype=torch.bfloat16, attn_backend=TorchAttentionBackend())
-    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     hf = transformers.Qwen2ForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16).eval()
     prompt = random_tokens(24, cfg.vocab_size, 40)
     got = PoolHarness(model, cfg).step({"a": prompt})["a"]
@@ -258,7 +258,7 @@ def test_dummy_weights_shapes_and_seed(tiny_dir, tmp_path):
             assert torch.all(p == 1), name
         else:
             assert 0.01 < p.std().item() < 0.03 and not torch.equal(p.to(torch.bfloat16), p3[name]), name
-    assert p1["layers.0.self_attn.qkv_proj.weight"].shape == (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
+    assert p1["model.layers.0.self_attn.qkv_proj.weight"].shape == (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
     logits = PoolHarness(m1, cfg).step({"a": [1, 2, 3, 4]})["a"]
     assert torch.isfinite(logits).all()
 

@@ -81,7 +81,7 @@ class TritonAttentionBackend:
                  extend_small_block_m: Optional[int] = 64, extend_small_num_warps: int = 4,
                  num_sms: Optional[int] = None):
         # Imported here so that merely importing this module needs no triton.
-        from radixserve.attention.triton_kernels import decode_attention, extend_attention, kv_store
+        from radixserve.kernels import decode_attention, extend_attention, kv_store
 
         self._decode = decode_attention
         self._extend = extend_attention

@@ -75,8 +75,7 @@ class EngineCore:
 
         self.model, _ = load_model(self.model_path, load_format=settings.load_format, dtype=self.dtype,
                                    device=self.device, attn_backend=self.attn_backend, seed=settings.random_seed,
-                                   context_length=self.context_len)
-        self.model.decode_gemm_max_rows = settings.decode_gemm_max_rows
+                                   context_length=self.context_len, decode_gemm_max_rows=settings.decode_gemm_max_rows)
         cfg = self.model_config
         pool_tokens = self._pool_tokens()
         self.kv_pool = KVPool(pool_tokens, settings.page_size, cfg.num_hidden_layers, cfg.num_key_value_heads,

@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the model's element-wise work (CUDA only).
+"""Every Triton kernel of the package (CUDA; the CPU runs them only under TRITON_INTERPRET=1).
 
 - `radixserve.kernels.norm`: `rms_norm(x, weight, eps)`, `add_rms_norm(x, residual, weight, eps)`
 - `radixserve.kernels.activation`: `silu_and_mul(gate_up)`
@@ -6,19 +6,24 @@
   batch's few rows (weights streamed by many programs; K split with a deterministic reduce)
 - `radixserve.kernels.rope`: `apply_rope_(q, k, positions, cos, sin, *, v, k_buf, v_buf, loc)` (RoPE, and
   optionally the KV store, in one launch)
+- `radixserve.kernels.kv_store`: `store_kv(k, v, k_buf, v_buf, loc)`, the KV store alone
+- `radixserve.kernels.decode_attention`, `radixserve.kernels.extend_attention`: the attention
+  kernels behind `radixserve.attention.triton_backend` (split-K decode, ragged extend)
 - `radixserve.kernels.launch`: `FastKernel`, which launches a compiled kernel through its C launcher
-  after the first call of each specialisation (every kernel here and in attention/ goes through it)
+  after the first call of each specialisation (every kernel here goes through it)
 
-The kernel submodules import triton at their top (launch.py only when a FastKernel is made); this
-package imports nothing, so it is safe to import on any machine.
+The kernels read and write plain tensors (the KV pool's buffers among them) and import nothing
+from the layers above (attention, model). The kernel submodules import triton at their top
+(launch.py only when a FastKernel is made); this package imports nothing, so it is safe to import
+on any machine.
 """
 
 
 def compiled_variant_counts() -> dict[str, int]:
     """How many compiled variants each of our Triton kernels holds in this process (CUDA only:
     imports triton). A count that grows while serving means a compile stalled the engine."""
-    from radixserve.attention.triton_kernels import decode_attention, extend_attention, kv_store
-    from radixserve.kernels import activation, decode_linear, norm, rope
+    from radixserve.kernels import (activation, decode_attention, decode_linear, extend_attention, kv_store, norm,
+                                    rope)
 
     kernels = {"decode_stage1": decode_attention._decode_stage1_kernel,
                "decode_stage2": decode_attention._decode_stage2_kernel,

@@ -1,9 +1,8 @@
 """Rotary embedding (Hugging Face's rotate-half layout) applied to q and k in place, one launch,
 optionally storing the rotated k and v into the KV pool in the same launch.
 
-cos/sin are the model's tables [max_positions, head_dim] (each half repeated, as
-`radixserve.model.qwen2.rope_cos_sin` builds them); the rotation is computed in float32 and
-rounded once to q's dtype. Storing here saves the attention backend's separate KV-store launch:
+cos/sin are the model's tables [max_positions, head_dim] (each half repeated); the rotation is
+computed in float32 and rounded once to q's dtype. Storing here saves the attention backend's separate KV-store launch:
 one kernel fewer per layer, which is most of what a small model's decode step is made of.
 """
 

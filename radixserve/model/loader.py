@@ -1,4 +1,9 @@
-"""Build a Qwen2ForCausalLM on its device and fill it from safetensors or with dummy weights."""
+"""Build a model on its device and fill it from safetensors or with dummy weights.
+
+The loader knows no model's names: each checkpoint tensor goes to the parameter of the same name,
+or, for projections the model fuses, to the shard its `packed_modules_mapping` declares, through
+the owning layer's `load_weight`.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +15,13 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 import torch
+from torch import nn
 
 from radixserve.attention.base import AttentionBackend
 from radixserve.model.config import ModelConfig
+from radixserve.model.layers import KernelChoice, ShardId, copy_weight
 from radixserve.model.qwen2 import Qwen2ForCausalLM
+from radixserve.settings import DECODE_GEMM_MAX_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -22,23 +30,32 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DUMMY_STD = 0.02
 
+# config.json's architecture -> the model class that runs it (ModelConfig refuses any other).
+MODEL_CLASSES = {"Qwen2ForCausalLM": Qwen2ForCausalLM}
+
 # Checkpoint tensors that carry nothing the model needs (recomputed buffers).
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|rotary_emb\.cos_cached|rotary_emb\.sin_cached)$")
 
 
 def load_model(model_path: Union[str, os.PathLike], *, load_format: LoadFormat = "auto",
                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               attn_backend: AttentionBackend, seed: int = 0,
-               context_length: Optional[int] = None) -> tuple[Qwen2ForCausalLM, ModelConfig]:
+               attn_backend: AttentionBackend, seed: int = 0, context_length: Optional[int] = None,
+               triton_kernels: Optional[bool] = None, decode_gemm_max_rows: int = DECODE_GEMM_MAX_ROWS
+               ) -> tuple[Qwen2ForCausalLM, ModelConfig]:
     """The model in eval mode with every parameter set, and its config.
 
     `context_length` (if larger than the config's max_position_embeddings) extends the RoPE table.
+    `triton_kernels` and `decode_gemm_max_rows` fix the layers' kernels (`KernelChoice.for_device`:
+    by default Triton on CUDA in bfloat16/float16, torch ops elsewhere; False forces the torch
+    reference path).
     """
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format {load_format!r} is not one of auto, safetensors, dummy")
     config = ModelConfig.from_dir(model_path)
     weight_files = [] if load_format == "dummy" else safetensors_files(model_path)
-    model = Qwen2ForCausalLM(config, attn_backend, dtype=dtype, device=device, max_positions=context_length)
+    kernels = KernelChoice.for_device(device, dtype, triton=triton_kernels, decode_gemm_max_rows=decode_gemm_max_rows)
+    model = MODEL_CLASSES[config.architecture](config, attn_backend, dtype=dtype, device=device,
+                                               max_positions=context_length, kernels=kernels)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
@@ -71,57 +88,66 @@ def safetensors_files(model_path: Union[str, os.PathLike]) -> list[Path]:
                             "with its shards (or use load_format='dummy' for random weights)")
 
 
-def _weight_targets(model: Qwen2ForCausalLM) -> dict[str, tuple[str, int, int]]:
-    """HF tensor name -> (our parameter name, first row, end row) inside the (possibly fused) parameter."""
-    cfg = model.config
-    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    hidden, vocab = cfg.hidden_size, cfg.vocab_size
-    targets: dict[str, tuple[str, int, int]] = {
-        "model.embed_tokens.weight": ("embed_tokens.weight", 0, vocab),
-        "model.norm.weight": ("norm.weight", 0, hidden),
-    }
-    if model.lm_head is not None:
-        targets["lm_head.weight"] = ("lm_head.weight", 0, vocab)
-    for i in range(cfg.num_hidden_layers):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        for kind in ("weight", "bias"):
-            qkv = f"{ours}self_attn.qkv_proj.{kind}"
-            targets[f"{hf}self_attn.q_proj.{kind}"] = (qkv, 0, q)
-            targets[f"{hf}self_attn.k_proj.{kind}"] = (qkv, q, q + kv)
-            targets[f"{hf}self_attn.v_proj.{kind}"] = (qkv, q + kv, q + 2 * kv)
-        targets[f"{hf}self_attn.o_proj.weight"] = (f"{ours}self_attn.o_proj.weight", 0, hidden)
-        targets[f"{hf}mlp.gate_proj.weight"] = (f"{ours}mlp.gate_up_proj.weight", 0, inter)
-        targets[f"{hf}mlp.up_proj.weight"] = (f"{ours}mlp.gate_up_proj.weight", inter, 2 * inter)
-        targets[f"{hf}mlp.down_proj.weight"] = (f"{ours}mlp.down_proj.weight", 0, hidden)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            targets[f"{hf}{norm}.weight"] = (f"{ours}{norm}.weight", 0, hidden)
+def checkpoint_targets(model: nn.Module) -> dict[str, tuple[str, Optional[ShardId]]]:
+    """Checkpoint tensor name -> (parameter name, shard id or None) for every tensor the model needs.
+
+    A parameter's checkpoint name is its own name, except inside a fused module that the model's
+    `packed_modules_mapping` ({checkpoint module: (fused module, shard id)}) lists: each of its
+    sources fills one shard of it.
+    """
+    sources: dict[str, list[tuple[str, ShardId]]] = {}
+    for source, (fused, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
+        sources.setdefault(fused, []).append((source, shard_id))
+    targets: dict[str, tuple[str, Optional[ShardId]]] = {}
+    for name, _ in model.named_parameters():
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, module_name = module_path.rpartition(".")
+        for source, shard_id in sources.get(module_name, ()):
+            targets[f"{parent}.{source}.{leaf}" if parent else f"{source}.{leaf}"] = (name, shard_id)
+        if module_name not in sources:
+            targets[name] = (name, None)
     return targets
 
 
+def _tied_aliases(model: nn.Module) -> set[str]:
+    """Names of parameters that are another parameter (a tied lm_head): a checkpoint may carry them,
+    the model reads the one they share."""
+    unique = {name for name, _ in model.named_parameters()}
+    return {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique
+
+
+def _load_one(model: nn.Module, param_name: str, shard_id: Optional[ShardId], tensor: torch.Tensor) -> None:
+    module_path, _, leaf = param_name.rpartition(".")
+    module = model.get_submodule(module_path)
+    load_weight = getattr(module, "load_weight", None)
+    if load_weight is not None:
+        load_weight(leaf, tensor, shard_id)
+    else:
+        copy_weight(getattr(module, leaf), tensor)
+
+
 @torch.no_grad()
-def load_safetensors_weights(model: Qwen2ForCausalLM, files: list[Path]) -> None:
-    """Copy every tensor into its place; ValueError names a missing or misshapen tensor."""
+def load_safetensors_weights(model: nn.Module, files: list[Path]) -> None:
+    """Copy every tensor into its place (cast to the model's dtype, moved to its device); ValueError
+    names a missing or misshapen tensor."""
     from safetensors import safe_open
 
-    params = dict(model.named_parameters())
-    targets = _weight_targets(model)
+    targets = checkpoint_targets(model)
+    ignored = _tied_aliases(model)
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name not in targets:
-                    # A tied checkpoint may still carry lm_head.weight; the model uses the embedding.
-                    if not (_IGNORED.search(name) or name == "lm_head.weight"):
+                    if not (_IGNORED.search(name) or name in ignored):
                         unexpected.append(name)
                     continue
-                param_name, start, end = targets[name]
-                dest = params[param_name][start:end]
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(dest.shape):
-                    raise ValueError(f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(dest.shape)} from config.json")
-                dest.copy_(tensor)  # casts to the model dtype and moves to its device
+                param_name, shard_id = targets[name]
+                try:
+                    _load_one(model, param_name, shard_id, f.get_tensor(name))
+                except ValueError as e:
+                    raise ValueError(f"tensor {name!r} in {file.name} {e}") from None
                 loaded.add(name)
     missing = [name for name in targets if name not in loaded]
     if missing:
@@ -133,12 +159,12 @@ def load_safetensors_weights(model: Qwen2ForCausalLM, files: list[Path]) -> None
 
 
 @torch.no_grad()
-def init_dummy_weights(model: Qwen2ForCausalLM, seed: int) -> None:
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights in place on the model's device and dtype, the same for the same seed.
 
     Norm weights are 1 (as in a freshly initialised HF model); everything else is N(0, 0.02).
     """
-    device = model.embed_tokens.weight.device
+    device = next(model.parameters()).device
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     for name, param in model.named_parameters():  # registration order: deterministic

@@ -79,16 +79,16 @@ class SlowStepWatch:
     def _variants(self) -> dict[str, int]:
         if not self.cuda:
             return {}
-        from radixserve.kernels import compiled_variant_counts
+        from radixserve.engine.device_stats import compiled_kernel_variants
 
-        return compiled_variant_counts()
+        return compiled_kernel_variants()
 
     def _alloc_retries(self) -> int:
         if not self.cuda:
             return 0
-        import torch
+        from radixserve.engine.device_stats import cuda_alloc_retries
 
-        return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+        return cuda_alloc_retries()
 
     def after_step(self, core) -> None:
         info = core.last_step

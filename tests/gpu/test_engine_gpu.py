@@ -76,7 +76,7 @@ def test_fp32_greedy_equals_hf(tiny_dir, graphs, n, overlap):
 def test_bf16_graphs_on_off_same_tokens(tiny_dir):
     batch = prompts(4, 500, seed=7)  # 4 is a bucket: the same kernels with and without graphs
     on, engine = engine_greedy(tiny_dir, "bfloat16", batch)
-    assert engine.core.model.use_fused_kernels and engine.core.runner.num_graph_steps > 0
+    assert engine.core.model.kernels.triton and engine.core.runner.num_graph_steps > 0
     off, _ = engine_greedy(tiny_dir, "bfloat16", batch, disable_cuda_graph=True)
     assert on == off
 
@@ -137,15 +137,16 @@ def _logits(model, pool: KVPool, batch_prompts: list[list[int]], dev: str = "cud
 def test_triton_vs_torch_backend_bf16(tiny_dir):
     batch = prompts(5, 500, seed=3)
     out = {}
-    for name, backend in (("torch", TorchAttentionBackend()), ("triton", TritonAttentionBackend())):
-        model, cfg = load_model(tiny_dir, dtype=torch.bfloat16, device="cuda", attn_backend=backend)
+    # The Triton kernels in the layers (the default in bf16 on CUDA), then the torch reference
+    # layers over the Triton attention backend.
+    runs = (("torch", TorchAttentionBackend(), None), ("triton", TritonAttentionBackend(), None),
+            ("triton-unfused", TritonAttentionBackend(), False))
+    for name, backend, triton_kernels in runs:
+        model, cfg = load_model(tiny_dir, dtype=torch.bfloat16, device="cuda", attn_backend=backend,
+                                triton_kernels=triton_kernels)
+        assert model.kernels.triton == (triton_kernels is None)
         pool = KVPool(4096, 1, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16, "cuda")
         out[name] = _logits(model, pool, batch)
-        if name == "triton":
-            model.use_fused_kernels = False  # and the fused kernels against the reference path
-            pool2 = KVPool(4096, 1, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16,
-                           "cuda")
-            out["triton-unfused"] = _logits(model, pool2, batch)
     ref = out["torch"].double()
     for name in ("triton", "triton-unfused"):
         err = float((out[name].double() - ref).norm() / ref.norm())

@@ -24,9 +24,9 @@ from triton_device import DEVICE  # skips this module without a GPU or the Trito
 pytestmark = pytest.mark.gpu
 
 from radixserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from radixserve.attention.triton_kernels.decode_attention import decode_attention  # noqa: E402
-from radixserve.attention.triton_kernels.extend_attention import extend_attention, plan_extend_tiles  # noqa: E402
-from radixserve.attention.triton_kernels.kv_store import store_kv  # noqa: E402
+from radixserve.kernels.decode_attention import decode_attention  # noqa: E402
+from radixserve.kernels.extend_attention import extend_attention, plan_extend_tiles  # noqa: E402
+from radixserve.kernels.kv_store import store_kv  # noqa: E402
 
 FULL = DEVICE == "cuda"
 # Triton's interpreter cannot multiply bf16 (it holds them as integers): it checks fp16 instead.

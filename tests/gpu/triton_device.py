@@ -2,9 +2,9 @@
 
 Importing this from a test module skips the whole module when neither is available. On the CPU:
 `TRITON_INTERPRET=1 python -m pytest tests/gpu/test_triton_attention.py tests/gpu/test_triton_fused.py
-tests/gpu/test_decode_linear.py`
-with triton installed (triton 3.6's interpreter needs numpy < 2.3: newer numpy refuses its
-scalar conversions).
+tests/gpu/test_decode_linear.py tests/gpu/test_triton_layers.py` (tens of minutes; the CPU suite
+runs a quick subset: tests/test_triton_interpreter.py). Triton 3.7.1 (the test extra's) works
+with numpy 2.4; triton 3.6's interpreter needs numpy < 2.3.
 """
 
 import os

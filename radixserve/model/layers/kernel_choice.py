@@ -1,0 +1,51 @@
+"""Which implementation the model's layers run: decided once, when the model is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from radixserve.settings import DECODE_GEMM_MAX_ROWS
+
+# The Triton kernels compute in float32 and round to these; float32 activations take the torch path.
+TRITON_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """triton: our Triton kernels (radixserve.kernels): RMSNorm with the residual add fused, RoPE
+    with the KV store fused, SiLU-and-mul, and for projections of at most `decode_gemm_max_rows`
+    rows the decode-row GEMM (SiLU-and-mul fused for gate|up; 0 turns it off). Otherwise torch
+    ops in transformers' order of operations: the reference path (CPU, float32).
+
+    Every layer reads this in its constructor and keeps what it picked; nothing changes it later.
+    """
+
+    triton: bool = False
+    decode_gemm_max_rows: int = DECODE_GEMM_MAX_ROWS
+
+    def __post_init__(self) -> None:
+        if self.decode_gemm_max_rows < 0:
+            raise ValueError(f"decode_gemm_max_rows must be >= 0, got {self.decode_gemm_max_rows}")
+
+    @classmethod
+    def for_device(cls, device: torch.device | str, dtype: torch.dtype, *, triton: Optional[bool] = None,
+                   decode_gemm_max_rows: int = DECODE_GEMM_MAX_ROWS) -> "KernelChoice":
+        """triton=None: the Triton kernels on CUDA in bfloat16/float16 when triton is installed,
+        torch ops elsewhere. triton=True off CUDA is a ValueError."""
+        on_cuda = torch.device(device).type == "cuda"
+        if triton is None:
+            triton = on_cuda and dtype in TRITON_DTYPES and _triton_installed()
+        elif triton and not on_cuda:
+            raise ValueError("the Triton kernels need a CUDA device")
+        return cls(triton=triton, decode_gemm_max_rows=decode_gemm_max_rows)
+
+
+def _triton_installed() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

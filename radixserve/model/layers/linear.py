@@ -1,0 +1,94 @@
+"""Projections: y = x @ W^T (+ bias), through cuBLAS or, for a decode batch's few rows, our
+weight-streaming Triton GEMM; several projections of one input can share one weight (q|k|v,
+gate|up) and load from the checkpoint shard by shard."""
+
+from __future__ import annotations
+
+from typing import Hashable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.model.layers.activation import SiluAndMul
+from radixserve.model.layers.kernel_choice import KernelChoice
+
+ShardId = Hashable
+
+
+def copy_weight(dest: torch.Tensor, loaded: torch.Tensor) -> None:
+    """dest <- loaded (cast to dest's dtype and device); ValueError when the shapes differ."""
+    if tuple(loaded.shape) != tuple(dest.shape):
+        raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(dest.shape)} from config.json")
+    dest.copy_(loaded)
+
+
+class Linear(nn.Module):
+    """x [M, input_size] -> [M, output_size], then `act` if given.
+
+    With the Triton kernels, M of at most `decode_gemm_max_rows` rows runs the decode-row GEMM
+    (radixserve.kernels.decode_linear; SiLU-and-mul fused into its epilogue when that is the
+    activation) for weights it can tile; everything else runs F.linear (cuBLAS), then `act`.
+    `weight`: share an existing parameter (a tied lm_head) instead of allocating one.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool, dtype: torch.dtype,
+                 kernels: KernelChoice, act: Optional[SiluAndMul] = None, weight: Optional[nn.Parameter] = None):
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        if weight is None:
+            weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype))
+        elif tuple(weight.shape) != (output_size, input_size):
+            raise ValueError(f"a shared weight of shape {tuple(weight.shape)} is not ({output_size}, {input_size})")
+        self.weight = weight
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.act = act
+        # Rows up to which the decode-row GEMM runs (0: never), and the variant it runs for this weight.
+        self._decode_max_rows = 0
+        self._decode_config = None
+        fusable_act = act is None or (not bias and output_size % 2 == 0)
+        if kernels.triton and kernels.decode_gemm_max_rows > 0 and fusable_act:
+            from radixserve.kernels.decode_linear import decode_linear
+            from radixserve.kernels.decode_linear_config import config_for
+
+            self._decode_config = config_for(self.weight)  # shape and strides only: fine on the meta device
+            if self._decode_config is not None:
+                self._decode_linear = decode_linear
+                self._decode_max_rows = kernels.decode_gemm_max_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if 0 < x.shape[0] <= self._decode_max_rows and x.stride(-1) == 1:
+            return self._decode_linear(x, self.weight, self.bias, self._decode_config, silu_mul=self.act is not None)
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.act is None else self.act.forward(y)
+
+    def load_weight(self, param: str, loaded: torch.Tensor, shard_id: Optional[ShardId] = None) -> None:
+        """Fill parameter `param` ("weight" or "bias") from one checkpoint tensor."""
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
+        copy_weight(getattr(self, param), loaded)
+
+
+class MergedLinear(Linear):
+    """Projections of the same input stacked by output rows in one weight (and bias), so they run
+    as one GEMM: `shards` names each one (the checkpoint loads it by that id) with its output size,
+    in row order. q|k|v: {"q": Hq*D, "k": Hkv*D, "v": Hkv*D}; gate|up: {0: I, 1: I}."""
+
+    def __init__(self, input_size: int, shards: dict[ShardId, int], *, bias: bool, dtype: torch.dtype,
+                 kernels: KernelChoice, act: Optional[SiluAndMul] = None):
+        super().__init__(input_size, sum(shards.values()), bias=bias, dtype=dtype, kernels=kernels, act=act)
+        self.shard_rows: dict[ShardId, tuple[int, int]] = {}
+        start = 0
+        for shard_id, size in shards.items():
+            self.shard_rows[shard_id] = (start, size)
+            start += size
+
+    def load_weight(self, param: str, loaded: torch.Tensor, shard_id: Optional[ShardId] = None) -> None:
+        if shard_id not in self.shard_rows:
+            raise ValueError(f"{type(self).__name__} has no shard {shard_id!r} (shards: {list(self.shard_rows)})")
+        start, size = self.shard_rows[shard_id]
+        copy_weight(getattr(self, param).narrow(0, start, size), loaded)

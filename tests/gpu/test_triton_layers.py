@@ -1,0 +1,99 @@
+"""The model's Triton layers against its torch layers, on the tiny Qwen2 over the Triton attention
+backend: close logits and the same KV in the pool, for an extend of more rows than the decode-row
+GEMM takes (cuBLAS), one of fewer (the decode-row GEMM, SiLU fused), and a decode step after each.
+With the Triton layers RoPE stores K and V itself; with the torch layers the backend does.
+
+Runs on a CUDA GPU; skipped elsewhere (TRITON_INTERPRET=1 runs it on the CPU in fp16).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from triton_device import DEVICE  # skips this module without a GPU or the Triton interpreter
+
+pytestmark = pytest.mark.gpu
+
+from radixserve.attention.base import ForwardBatch, ForwardMode  # noqa: E402
+from radixserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from radixserve.cache.kv_pool import KVPool  # noqa: E402
+from radixserve.model.layers import KernelChoice  # noqa: E402
+from radixserve.model.loader import load_model  # noqa: E402
+from radixserve.model.qwen2 import Qwen2ForCausalLM  # noqa: E402
+from radixserve.testing.tiny_model import build_tiny_model  # noqa: E402
+
+LOW = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+MAX_ROWS = 32
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def extend_then_decode(model: Qwen2ForCausalLM, prompts: list[list[int]]) -> tuple[list[torch.Tensor], KVPool]:
+    """All but the last token of every prompt in one extend batch, then the last ones in one decode
+    step; the logits of both and the pool."""
+    cfg = model.config
+    pool = KVPool(1024, 1, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, LOW, DEVICE)
+    ext = [len(p) - 1 for p in prompts]
+    n = len(prompts)
+    req_to_token = torch.zeros((n, max(ext) + 1), dtype=torch.int64, device=DEVICE)
+    slot = 1
+    for i, e in enumerate(ext):
+        req_to_token[i, :e + 1] = torch.arange(slot, slot + e + 1)
+        slot += e + 1
+
+    def t(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=DEVICE)
+
+    rows = list(range(n))
+    ends = [sum(ext[:i + 1]) - 1 for i in rows]
+    extend = ForwardBatch(ForwardMode.EXTEND, t([tok for p in prompts for tok in p[:-1]]),
+                          torch.cat([torch.arange(e, device=DEVICE) for e in ext]),
+                          torch.cat([req_to_token[i, :e] for i, e in enumerate(ext)]), t(rows), t(ext), t(ext),
+                          t([0] * n), list(ext), list(ext), [0] * n, req_to_token, pool, logits_indices=t(ends))
+    seq = [e + 1 for e in ext]
+    decode = ForwardBatch(ForwardMode.DECODE, t([p[-1] for p in prompts]), t(ext),
+                          t([int(req_to_token[i, e]) for i, e in enumerate(ext)]), t(rows), t(seq), t([1] * n),
+                          t(ext), seq, [1] * n, list(ext), req_to_token, pool, logits_indices=t(rows))
+    return [model(extend), model(decode)], pool
+
+
+def triton_and_torch_models(path) -> dict[bool, Qwen2ForCausalLM]:
+    """{True: the Triton layers, False: the torch layers}, same weights, each on its own backend."""
+    num_sms = None if DEVICE == "cuda" else 8  # the interpreter has no device to ask
+    reference, _ = load_model(path, dtype=LOW, device=DEVICE, attn_backend=TritonAttentionBackend(num_sms=num_sms),
+                              triton_kernels=False)
+    # KernelChoice.for_device refuses the Triton kernels off CUDA; under the interpreter they run
+    # on the CPU, so the choice is made here and the reference's weights copied in.
+    model = Qwen2ForCausalLM(reference.config, TritonAttentionBackend(num_sms=num_sms), dtype=LOW, device=DEVICE,
+                             kernels=KernelChoice(triton=True, decode_gemm_max_rows=MAX_ROWS))
+    model.load_state_dict(reference.state_dict())
+    return {True: model.eval(), False: reference}
+
+
+# (tied embeddings, prompt lengths): the extend batch (all tokens but the last of each) has more
+# rows than the decode-row GEMM takes, or fewer; lm_head (tied: the embedding) takes it for the
+# few sampled rows.
+CASES = {"untied-cublas-rows": (False, (20, 17)), "tied-decode-gemm-rows": (True, (4, 9, 6))}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_triton_layers_match_torch_layers(case, tmp_path):
+    tied, lengths = CASES[case]
+    assert (sum(lengths) - len(lengths) > MAX_ROWS) == ("cublas" in case)
+    models = triton_and_torch_models(build_tiny_model(tmp_path / "tiny", tie_word_embeddings=tied))
+    assert (models[True].lm_head.weight is models[True].model.embed_tokens.weight) == tied
+    rng = random.Random(sum(lengths))
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+    (ext_t, dec_t), pool_t = extend_then_decode(models[True], prompts)
+    (ext_r, dec_r), pool_r = extend_then_decode(models[False], prompts)
+    assert rel_err(ext_t, ext_r) < 2e-2 and rel_err(dec_t, dec_r) < 2e-2
+    assert torch.isfinite(ext_t).all() and torch.isfinite(dec_t).all()
+    used = slice(1, 1 + sum(lengths))  # slot 0 is the pool's reserved slot
+    for layer in range(len(pool_t.k_buffers)):
+        assert rel_err(pool_t.k_buffers[layer][used], pool_r.k_buffers[layer][used]) < 1e-2
+        assert rel_err(pool_t.v_buffers[layer][used], pool_r.v_buffers[layer][used]) < 1e-2

@@ -1,0 +1,192 @@
+"""The package's layers import only downward and no module is part of an import cycle.
+
+Every `import` and `from ... import` in radixserve/ (at module level or inside a function, where
+lazy imports live) is read with `ast`; nothing is imported. A module may import its own layer and
+the layers below it. A violation tolerated while other work removes it goes in KNOWN_UPWARD or
+KNOWN_CYCLES (both empty now); a fixed one must leave the list, so it cannot come back unnoticed.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "radixserve"
+
+# Lowest first: a module may import its own layer and the ones below. Keys are the first name
+# under radixserve/ (a subpackage or a top-level module).
+LAYERS: list[tuple[str, set[str]]] = [
+    ("leaf", {"settings", "sampling_params", "validation", "default_model"}),  # shared types and settings
+    ("cache", {"cache"}),
+    ("kernels", {"kernels"}),
+    ("attention", {"attention"}),
+    ("model", {"model"}),
+    ("scheduler", {"scheduler"}),
+    ("engine", {"engine"}),
+    ("http_common", {"http_common"}),  # HTTP helpers the server and the router share
+    ("server", {"server"}),
+    ("router", {"router"}),
+    ("entry", {"__init__", "__main__", "bench", "bench_offline", "bench_one_batch", "bench_serving", "experiment",
+               "cli", "client", "launch_server", "launch_router"}),
+]
+# A helper for tests and entry points only: it may import the leaf layer, and only the entry layer
+# and default_model (which resolves the built-in tiny model for the entry points) may import it.
+TESTING = "testing"
+TESTING_IMPORTERS = {"default_model"}
+
+# (importing module, imported module) pairs that run upward today.
+KNOWN_UPWARD: set[tuple[str, str]] = set()
+# Import cycles (as sorted module lists) that exist today.
+KNOWN_CYCLES: list[list[str]] = []
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 2:
+        parts.pop()
+    return ".".join(parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported_modules(path: Path, name: str, known: set[str]) -> set[str]:
+    """radixserve modules `path` imports: `from a.b import c` is a.b.c when that is a module."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".") if is_package else name.split(".")[:-1]
+                package = package[:len(package) - node.level + 1]
+                base = ".".join(package + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # `import a.b.c` of a name inside a module
+                target = target.rpartition(".")[0]
+            if target.startswith("radixserve") and target != name:
+                out.add(target)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = all_modules()
+    known = set(modules) | {"radixserve"}
+    return {name: imported_modules(path, name, known) for name, path in modules.items()}
+
+
+def layer_of(module: str) -> Optional[int]:
+    """The rank of a module's layer; None for the testing helper."""
+    parts = module.split(".")
+    key = parts[1] if len(parts) > 1 else "__init__"
+    if key == TESTING:
+        return None
+    for rank, (_, names) in enumerate(LAYERS):
+        if key in names:
+            return rank
+    raise AssertionError(f"{module} is in no layer: add radixserve/{key} to LAYERS in {Path(__file__).name}")
+
+
+ENTRY = len(LAYERS) - 1
+
+
+def allowed(importer: str, imported: str) -> bool:
+    low, high = layer_of(imported), layer_of(importer)
+    if low is None:  # the testing helper: for tests and entry points only
+        return high is None or high == ENTRY or importer.split(".")[1] in TESTING_IMPORTERS
+    if high is None:
+        return low == 0
+    return low <= high
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return import_graph()
+
+
+def test_every_module_has_a_layer(graph):
+    for module in graph:
+        layer_of(module)
+
+
+def test_imports_run_downward(graph):
+    upward = {(a, b) for a, targets in graph.items() for b in targets
+              if b != "radixserve" and not allowed(a, b)}
+    assert upward - KNOWN_UPWARD == set(), "imports that run upward (see LAYERS)"
+    # A fixed violation leaves the allow-list too, so it cannot come back unnoticed.
+    assert KNOWN_UPWARD - upward == set(), "fixed: remove from KNOWN_UPWARD"
+
+
+def test_no_import_cycles(graph):
+    # The package root only re-exports lazily; edges into it are not dependencies.
+    found = cycles({a: targets - {"radixserve"} for a, targets in graph.items()})
+    new = [c for c in found if c not in KNOWN_CYCLES]
+    assert new == [], "import cycles"
+    assert [c for c in KNOWN_CYCLES if c not in found] == [], "fixed: remove from KNOWN_CYCLES"
+
+
+def test_the_checker_sees_lazy_relative_and_upward_imports(tmp_path):
+    """The parser itself: a function-level import, a relative one, and `from pkg import module`."""
+    pkg = tmp_path / "radixserve"
+    (pkg / "kernels").mkdir(parents=True)
+    (pkg / "attention").mkdir()
+    (pkg / "kernels" / "__init__.py").write_text("")
+    (pkg / "attention" / "__init__.py").write_text("")
+    (pkg / "attention" / "backend.py").write_text("")
+    (pkg / "kernels" / "norm.py").write_text("from . import rope\n\ndef f():\n"
+                                             "    from radixserve.attention import backend\n")
+    (pkg / "kernels" / "rope.py").write_text("import radixserve.kernels.norm\n")
+    known = {"radixserve.kernels", "radixserve.kernels.norm", "radixserve.kernels.rope", "radixserve.attention",
+             "radixserve.attention.backend"}
+    norm = imported_modules(pkg / "kernels" / "norm.py", "radixserve.kernels.norm", known)
+    assert norm == {"radixserve.kernels.rope", "radixserve.attention.backend"}
+    assert not allowed("radixserve.kernels.norm", "radixserve.attention.backend")
+    assert allowed("radixserve.attention.backend", "radixserve.kernels.norm")
+    graph = {"radixserve.kernels.norm": norm,
+             "radixserve.kernels.rope": imported_modules(pkg / "kernels" / "rope.py", "radixserve.kernels.rope", known)}
+    assert cycles(graph) == [["radixserve.kernels.norm", "radixserve.kernels.rope"]]
