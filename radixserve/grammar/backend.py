@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from radixserve.grammar.spec import JSON_SEPARATORS
+from radixserve.grammar.spec import JSON_SEPARATORS, clean_error
 
 # Distinct compiled grammars kept; a compiled JSON Schema of a 150k vocabulary is about a megabyte.
 CACHE_ENTRIES = 256
@@ -82,10 +82,8 @@ class GrammarCompilers:
                 return self.compiler.compile_regex(text)
             if kind == "ebnf":
                 return self.compiler.compile_grammar(text)
-        except RuntimeError as e:
-            from radixserve.grammar.spec import _clean
-
-            raise ValueError(f"invalid {kind}: {_clean(e)}") from None
+        except Exception as e:  # noqa: BLE001: xgrammar raises RuntimeError and its own types
+            raise ValueError(f"invalid {kind}: {clean_error(e)}") from None
         raise ValueError(f"unknown grammar kind {kind!r}")
 
     def fill_bitmask(self, grammars: Sequence[Optional[RequestGrammar]]) -> torch.Tensor:

@@ -30,7 +30,7 @@ def grammar_spec(params: Any) -> Optional[tuple[str, str]]:
     return None
 
 
-def _clean(error: Exception) -> str:
+def clean_error(error: Exception) -> str:
     """xgrammar's message without its timestamp and source location."""
     return _XGRAMMAR_LOCATION.sub("", str(error).strip()).strip()
 
@@ -54,7 +54,7 @@ def build_grammar(kind: str, text: str):
         if kind == "ebnf":
             return xgrammar.Grammar.from_ebnf(text)
     except (RuntimeError, xgrammar.InvalidJSONError) as e:
-        raise ValueError(f"invalid {kind}: {_clean(e)}") from None
+        raise ValueError(f"invalid {kind}: {clean_error(e)}") from None
     raise ValueError(f"unknown grammar kind {kind!r}; one of {', '.join(GRAMMAR_KINDS)}")
 
 

@@ -154,7 +154,18 @@ class ToolCall(_Body):
     function: FunctionCall
 
 
+# A tool message answers a call (tool_call_id); only an assistant message makes calls (tool_calls).
+_MESSAGE_RULES = {"allOf": [
+    {"if": {"properties": {"role": {"const": "tool"}}, "required": ["role"]},
+     "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}},
+     "else": {"properties": {"tool_call_id": {"type": "null"}}}},
+    {"if": {"properties": {"tool_calls": {"type": "array"}}, "required": ["tool_calls"]},
+     "then": {"properties": {"role": {"const": "assistant"}}}},
+]}
+
+
 class ChatMessage(_Body):
+    model_config = ConfigDict(json_schema_extra=_MESSAGE_RULES)
     role: str = Field(description=f"One of {', '.join(ROLES)}.", json_schema_extra={"enum": list(ROLES)})
     content: Union[Text, list[ContentPart], None] = None
     name: Optional[str] = None
