@@ -54,3 +54,29 @@ def test_bad_grammar_is_a_value_error(model_dir):
             engine.generate("x", sampling_params={"regex": "a(b"})
         with pytest.raises(ValueError, match="at most one"):
             engine.generate("x", sampling_params={"regex": "a", "json_schema": "{}"})
+
+
+def test_forced_parallel_tool_calls_parse(model_dir):
+    """`tool_choice: required` with parallel calls: one or more <tool_call> blocks, each a call of an
+    offered function with schema-valid arguments."""
+    from radixserve.server.tool_calls import ToolPolicy, parse_tool_calls, tool_call_grammar
+
+    params = {"type": "object", "properties": {"q": {"type": "string", "maxLength": 4}}, "required": ["q"],
+              "additionalProperties": False}
+    policy = ToolPolicy(tools=[{"type": "function", "function": {"name": "search", "parameters": params}},
+                               {"type": "function", "function": {"name": "noop"}}], mode="required")
+    grammar = tool_call_grammar(policy)
+    with Engine(str(model_dir), device="cpu") as engine:
+        outs = engine.generate(["Find", "Look up", "Call"], sampling_params={
+            "max_new_tokens": 300, "temperature": 1.0, "seed": 4, "ebnf": grammar})
+    for out in outs:
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out["text"]
+        content, calls = parse_tool_calls(out["text"])
+        assert content is None and calls, out["text"]
+        assert out["text"].count("<tool_call>") == len(calls)
+        for call in calls:
+            arguments = json.loads(call["function"]["arguments"])
+            if call["function"]["name"] == "search":
+                jsonschema.validate(arguments, params)
+            else:
+                assert call["function"]["name"] == "noop" and isinstance(arguments, dict)
