@@ -126,8 +126,10 @@ def test_parse_tool_calls():
     assert len(parse_tool_calls(text, parallel=False)[1]) == 1
     assert parse_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
     stream = ToolCallStream()
-    shown = [stream.feed(piece) for piece in ["Let me", " check.<tool", "_call>\n{\"name\": \"f\", ",
-                                              "\"arguments\": {}}\n</tool_call>"]]
-    assert shown == ["Let me", " check.", "", ""]
-    rest, calls = stream.finish()
-    assert rest == "" and calls[0]["function"]["name"] == "f"
+    fed = [stream.feed(piece) for piece in ["Let me", " check.<tool", "_call>\n{\"name\": \"f\", ",
+                                            "\"arguments\": {}}\n</tool_call>", "\n<tool_call>\nnot json",
+                                            "</tool_call>"]]
+    assert [shown for shown, _ in fed] == ["Let me", " check.", "", "", "", ""]
+    assert [len(calls) for _, calls in fed] == [0, 0, 0, 1, 0, 0]  # a call is handed over as its block closes
+    assert fed[3][1][0]["function"] == {"name": "f", "arguments": "{}"}
+    assert stream.finish() == "<tool_call>\nnot json</tool_call>" and stream.num_calls == 1

@@ -114,34 +114,49 @@ def _call_of(body: str) -> Optional[dict[str, Any]]:
 
 class ToolCallStream:
     """Streams a reply's plain text as it comes and holds back everything from the first
-    `<tool_call>` on; `finish` parses what was held into calls (sent as one delta each)."""
+    `<tool_call>` on; each call is handed over as soon as its block closes, and `finish` returns
+    the text left outside blocks (a block that does not parse stays text)."""
 
     def __init__(self, parallel: bool = True):
         self.parallel = parallel
         self.held = ""  # text that may be the start of a tool-call tag
         self.calls_text: Optional[str] = None  # everything from the first tag on
+        self.scanned = 0  # calls_text[:scanned] is done with: calls handed over, text kept
+        self.kept: list[str] = []  # text outside blocks, shown at the end
+        self.num_calls = 0
 
-    def feed(self, delta: str) -> str:
-        """The part of `delta` (with text held before) that can be shown now."""
+    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
+        """The text that can be shown now and the calls whose blocks closed."""
         if self.calls_text is not None:
             self.calls_text += delta
-            return ""
+            return "", self._closed_calls()
         text = self.held + delta
         at = text.find(TOOL_CALL_START)
         if at >= 0:
             self.held, self.calls_text = "", text[at:]
-            return text[:at]
+            return text[:at], self._closed_calls()
         keep = next((k for k in range(min(len(TOOL_CALL_START) - 1, len(text)), 0, -1)
                      if text.endswith(TOOL_CALL_START[:k])), 0)
         self.held = text[len(text) - keep:]
-        return text[:len(text) - keep]
+        return text[:len(text) - keep], []
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """Text still to show and the parsed calls."""
+    def _closed_calls(self) -> list[dict[str, Any]]:
+        calls = []
+        for match in _BLOCK.finditer(self.calls_text, self.scanned):
+            call = _call_of(match.group(1))
+            if call is None or (self.num_calls and not self.parallel):
+                continue  # stays in the text (shown at the end)
+            self.kept.append(self.calls_text[self.scanned:match.start()])
+            self.scanned = match.end()
+            self.num_calls += 1
+            calls.append(call)
+        return calls
+
+    def finish(self) -> str:
+        """The text still to show: what was held and what lay outside the calls."""
         if self.calls_text is None:
-            return self.held, []
-        content, calls = parse_tool_calls(self.calls_text, self.parallel)
-        return content or "", calls
+            return self.held
+        return "".join(self.kept + [self.calls_text[self.scanned:]]).strip()
 
 
 def template_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:

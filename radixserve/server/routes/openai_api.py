@@ -258,10 +258,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
             yield chunk(t.index, {"role": "assistant", "content": ""}, None)
         async for t, out, delta in per_output(ctx, outputs, trackers):
             tools = tool_streams.get(t.rid)
+            calls: list[dict] = []
             if tools is not None:
-                delta = tools.feed(delta)
+                delta, calls = tools.feed(delta)
             if delta:
                 yield chunk(t.index, {"content": delta}, None)
+            first = tools.num_calls - len(calls) if tools is not None else 0
+            for i, call in enumerate(calls):  # each call as its block closes: id, name, arguments at once
+                yield chunk(t.index, {"tool_calls": [{"index": first + i, **call}]}, None)
             if t.finished:
                 for event in finish_chunks(t, tools):
                     yield chunk(t.index, *event)
@@ -275,15 +279,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
 
 
 def finish_chunks(t: Tracker, tools: Optional[ToolCallStream]) -> list[tuple[dict, Optional[str]]]:
-    """The last deltas of a streamed choice: held text, one delta per tool call, the finish."""
+    """The last deltas of a streamed choice: text held back, then the finish reason."""
     reason = finish_reason_name(t.finish_reason)
     if tools is None:
         return [({}, reason)]
-    rest, calls = tools.finish()
+    rest = tools.finish()
     events: list[tuple[dict, Optional[str]]] = [({"content": rest}, None)] if rest else []
-    for i, call in enumerate(calls):
-        events.append(({"tool_calls": [{"index": i, **call}]}, None))
-    return events + [({}, "tool_calls" if calls and reason == "stop" else reason)]
+    return events + [({}, "tool_calls" if tools.num_calls and reason == "stop" else reason)]
 
 
 @router.get("/v1/models")
