@@ -28,9 +28,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from radixserve.bench.client import (BACKENDS, RequestResult, ServerUnreachable, api_path, build_payload,
+from radixserve.bench.client import (BACKENDS, FailFast, RequestResult, ServerUnreachable, api_path, build_payload,
                                      check_reachable, encode_payload, fetch_json, fetch_metrics, fetch_tokenizer_dir,
                                      send_request)
 from radixserve.bench.datasets import (DATASETS, WORDS, BenchRequest, DatasetArgs, DatasetError, build_dataset,
@@ -55,49 +55,68 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                                 "prefix-cache hit rate of a running server.")
     p.add_argument("--backend", default="radixserve", choices=BACKENDS,
                    help="radixserve/sglang: POST /generate; vllm/openai: /v1/completions; openai-chat: "
-                        "/v1/chat/completions.")
+                        "/v1/chat/completions (default: radixserve).")
     p.add_argument("--base-url", default=None, help="Server URL (overrides --host/--port).")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="Server host when --base-url is not given (default: 127.0.0.1).")
     p.add_argument("--port", type=int, default=None, help="Default 30000 (radixserve/sglang) or 8000.")
     p.add_argument("--model", default=None, help="Model name sent to OpenAI endpoints (default: the served one).")
     p.add_argument("--tokenizer", default=None,
                    help="Local tokenizer directory (default: fetched from the server's /tokenizer).")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None)
-    p.add_argument("--dataset-name", default="random", choices=DATASETS)
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None,
+                   help="Sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY).")
+    p.add_argument("--dataset-name", default="random", choices=DATASETS,
+                   help="The workload (default: random); see docs/experiment.md for each.")
     p.add_argument("--dataset-path", default=None, help="Local ShareGPT JSON file for --dataset-name sharegpt.")
     p.add_argument("--prompt-ids", action="store_true",
                    help="Send every prompt as token ids (the local tokenizer's), not text; random-ids always does.")
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--random-input-len", "--random-input", dest="random_input_len", type=int, default=1024)
-    p.add_argument("--random-output-len", "--random-output", dest="random_output_len", type=int, default=512)
+    p.add_argument("--num-prompts", type=int, default=1000,
+                   help="Requests to send (default: 1000); for agent, sessions x turns.")
+    p.add_argument("--random-input-len", "--random-input", dest="random_input_len", type=int, default=1024,
+                   help="random/random-ids: prompt tokens per request (default: 1024).")
+    p.add_argument("--random-output-len", "--random-output", dest="random_output_len", type=int, default=512,
+                   help="random/random-ids: output tokens per request (default: 512).")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="Lengths drawn uniformly from [len * (1 - ratio), len].")
-    p.add_argument("--sharegpt-output-len", type=int, default=None)
-    p.add_argument("--gsp-num-groups", type=int, default=64)
-    p.add_argument("--gsp-prompts-per-group", type=int, default=16)
-    p.add_argument("--gsp-system-prompt-len", type=int, default=2048)
-    p.add_argument("--gsp-question-len", type=int, default=128)
-    p.add_argument("--gsp-output-len", type=int, default=256)
-    p.add_argument("--agent-num-sessions", type=int, default=0, help="0: num-prompts / agent-turns.")
-    p.add_argument("--agent-turns", type=int, default=4)
-    p.add_argument("--agent-num-system-prompts", type=int, default=3)
-    p.add_argument("--agent-system-prompt-len", type=int, default=160)
-    p.add_argument("--agent-user-len", type=int, default=24)
-    p.add_argument("--agent-assistant-len", type=int, default=24)
-    p.add_argument("--agent-output-len", type=int, default=16)
+                   help="random/random-ids: lengths drawn uniformly from [len * (1 - ratio), len] (default: 0).")
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="sharegpt: output tokens per request (default: the recorded reply's length).")
+    p.add_argument("--gsp-num-groups", type=int, default=64,
+                   help="generated-shared-prefix: groups, each with its own system prompt (default: 64).")
+    p.add_argument("--gsp-prompts-per-group", type=int, default=16,
+                   help="generated-shared-prefix: questions per group (default: 16).")
+    p.add_argument("--gsp-system-prompt-len", type=int, default=2048,
+                   help="generated-shared-prefix: tokens of each group's system prompt (default: 2048).")
+    p.add_argument("--gsp-question-len", type=int, default=128,
+                   help="generated-shared-prefix: tokens of each question (default: 128).")
+    p.add_argument("--gsp-output-len", type=int, default=256,
+                   help="generated-shared-prefix: output tokens per request (default: 256).")
+    p.add_argument("--agent-num-sessions", type=int, default=0,
+                   help="agent: conversations (default 0: num-prompts / agent-turns).")
+    p.add_argument("--agent-turns", type=int, default=4, help="agent: turns per conversation (default: 4).")
+    p.add_argument("--agent-num-system-prompts", type=int, default=3,
+                   help="agent: distinct system prompts the conversations share (default: 3).")
+    p.add_argument("--agent-system-prompt-len", type=int, default=160,
+                   help="agent: tokens of each system prompt (default: 160).")
+    p.add_argument("--agent-user-len", type=int, default=24, help="agent: tokens of each user message (default: 24).")
+    p.add_argument("--agent-assistant-len", type=int, default=24,
+                   help="agent: tokens of each earlier assistant reply carried in the history (default: 24).")
+    p.add_argument("--agent-output-len", type=int, default=16,
+                   help="agent: output tokens generated per turn (default: 16).")
     p.add_argument("--agent-think-time", dest="agent_think_time_s", type=float, default=0.5,
-                   help="Mean seconds (exponential) a session waits after a turn finished.")
+                   help="agent: mean seconds (exponential) a session waits after a turn finished (default: 0.5).")
     p.add_argument("--agent-closed-loop", action="store_true",
-                   help="Each turn's prompt is, in token ids, the previous prompt + the tokens the server "
+                   help="agent: each turn's prompt is, in token ids, the previous prompt + the tokens the server "
                         "returned + the new user message (not the dataset's fixed reply), so decoded tokens "
                         "can be cached as for a real multi-turn client.")
     p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="Poisson arrivals per second; inf sends everything at once.")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--warmup-requests", type=int, default=1)
+                   help="Poisson arrivals per second; inf sends everything at once (default: inf).")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="Most requests in flight at once (default: no limit).")
+    p.add_argument("--seed", type=int, default=1,
+                   help="Seed of the dataset and the arrival times (default: 1).")
+    p.add_argument("--warmup-requests", type=int, default=1,
+                   help="Short requests before the run, on prompts unrelated to the workload (default: 1).")
     p.add_argument("--flush-cache", action="store_true", help="POST /flush_cache after warm-up.")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="Seconds one request may take.")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="Seconds one request may take (default: 600).")
     p.add_argument("--oracle-capacity", type=int, default=None,
                    help="KV tokens for the oracles at capacity, Belady's bound and the LRU reference "
                         "(default: the server's pool size).")
@@ -110,7 +129,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                    help="Read the prefix-cache counters from this server's /metrics instead of the benchmarked "
                         "one's; repeatable, summed. Through a router, give each of its workers.")
     p.add_argument("--output-file", default=None, help="Append one JSON record per run (JSON lines).")
-    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
     return p
 
 
@@ -190,7 +209,8 @@ def load_tokenizer(path: str):
 
 async def _issue_all(session, url: str, args: argparse.Namespace, requests: list[BenchRequest], model: Optional[str],
                      use_ids: bool, headers: dict[str, str], progress,
-                     tokenizer=None) -> tuple[list[RequestResult], float]:
+                     tokenizer=None, on_result: Optional[Callable[[RequestResult], None]] = None
+                     ) -> tuple[list[RequestResult], float]:
     rng = random.Random(args.seed)
     gaps = [0.0 if math.isinf(args.request_rate) else rng.expovariate(args.request_rate) for _ in requests]
     slots = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else contextlib.nullcontext()
@@ -231,13 +251,25 @@ async def _issue_all(session, url: str, args: argparse.Namespace, requests: list
                 finished[(req.session_id, req.turn)].set()
         if progress is not None:
             progress.update(1)
+        if on_result is not None:
+            on_result(res)
+        if fail_fast.add(res):
+            for task in tasks:
+                if task is not asyncio.current_task():
+                    task.cancel()
 
+    fail_fast = FailFast(len(requests))
     at = 0.0
-    tasks = []
+    tasks: list[asyncio.Task] = []
     for i, req in enumerate(requests):
         at += gaps[i]
         tasks.append(asyncio.create_task(one(i, req, at)))
-    await asyncio.gather(*tasks)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for task in tasks:  # anything but a cancellation by the fail-fast rule is a bug: raise it
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+    if any(task.cancelled() for task in tasks):
+        raise BenchError(fail_fast.message())
     return [r for r in results if r is not None], t0
 
 
@@ -272,9 +304,10 @@ def _oracle(requests: list[BenchRequest], results: list[RequestResult], capacity
                             "belady": belady.per_request_hits if belady else []}}
 
 
-async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False,
-                        progress_desc: str = "requests") -> BenchOutcome:
-    """One run against a server; raises BenchError when it cannot start."""
+async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False, progress_desc: str = "requests",
+                        on_result: Optional[Callable[[RequestResult], None]] = None) -> BenchOutcome:
+    """One run against a server; raises BenchError when it cannot start, or when its first
+    requests all fail the same way. `on_result` is called with each request's result as it ends."""
     import aiohttp
 
     validate_args(args)
@@ -339,12 +372,14 @@ async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False,
 
                 progress = tqdm(total=len(requests), desc=progress_desc, unit="req")
             start = time.perf_counter()
-            async with watch_loop_lag("bench client", log=False) as lag:
-                results, t0 = await _issue_all(session, url, args, requests, model, use_ids, headers, progress,
-                                               tokenizer)
+            try:
+                async with watch_loop_lag("bench client", log=False) as lag:
+                    results, t0 = await _issue_all(session, url, args, requests, model, use_ids, headers, progress,
+                                                   tokenizer=tokenizer, on_result=on_result)
+            finally:
+                if progress is not None:
+                    progress.close()
             duration = time.perf_counter() - start
-            if progress is not None:
-                progress.close()
             metrics = compute_metrics(results, duration)
             metrics.client_loop_stalls, metrics.client_loop_max_lag_ms = lag.stalls, lag.max_lag_s * 1000
             after = await _settled_metrics(session, metrics_urls, headers, before, metrics)
@@ -478,7 +513,7 @@ def _fill_metrics_delta(m: BenchMetrics, before, after) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = build_parser(prog="radixserve bench" if argv is not None else None)
+    parser = build_parser(prog="radixserve bench" if argv is not None else "python -m radixserve.bench_serving")
     args = parser.parse_args(argv)
     try:
         validate_args(args)

@@ -17,12 +17,10 @@ def default_model_dir() -> str:
 
 
 def ensure_model_path(model_path: Optional[str]) -> str:
-    """model_path itself, or the built-in tiny model's directory (built there if missing)."""
+    """model_path itself, or the built-in tiny model's directory (built there if missing or built by
+    another version of build_tiny_model)."""
     if model_path:
         return model_path
-    from radixserve.testing.tiny_model import build_tiny_model
+    from radixserve.testing.tiny_model import ensure_tiny_model
 
-    path = default_model_dir()
-    if not os.path.exists(os.path.join(path, "config.json")):
-        build_tiny_model(path)
-    return path
+    return str(ensure_tiny_model(default_model_dir()))

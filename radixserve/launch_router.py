@@ -15,11 +15,15 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Optional
 
 from radixserve.router.app import RouterSettings
 from radixserve.router.policies import POLICIES
+
+# How often the --dp-size launcher looks for workers that exited (and restarts them).
+WORKER_RESTART_CHECK_S = 1.0
 
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
@@ -33,6 +37,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="The workers' API key: the router requires it from clients (except /health), passes "
                         "the client's Authorization header through, and uses it for its own calls to workers.")
+    p.add_argument("--worker-admin-api-key", default=None,
+                   help="The workers' --admin-api-key, which kv_aware needs to follow their /kv_events "
+                        "(default: --api-key).")
     p.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
                    help="Route to the best-matching worker when its match covers at least this fraction of the "
                         f"prompt, else to the least-loaded one (default: {d.cache_threshold}).")
@@ -141,8 +148,10 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
         gpus = torch.cuda.device_count()
     worker_argv = _settings_argv(settings)
     procs: list[subprocess.Popen] = []
+    cmds: list[tuple[list[str], dict]] = []
     urls = []
     log = logging.getLogger("radixserve")
+    stopping = threading.Event()
     for i in range(n):
         port = _free_port("127.0.0.1")
         env = dict(os.environ)
@@ -152,13 +161,25 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
                "--port", str(port)]
         if settings.step_trace_file:  # the last occurrence of a flag wins
             cmd += ["--step-trace-file", f"{settings.step_trace_file}.{i}"]
+        cmds.append((cmd, env))
         procs.append(subprocess.Popen(cmd, env=env))
         urls.append(f"http://127.0.0.1:{port}")
         log.info("dp worker %d: pid %d at %s", i, procs[-1].pid, urls[-1])
     router = RouterSettings(worker_urls=tuple(urls), policy=policy, host=settings.host, port=settings.port,
-                            api_key=settings.api_key, health_check_interval=2.0, log_level=settings.log_level)
+                            api_key=settings.api_key, worker_admin_api_key=settings.admin_api_key,
+                            health_check_interval=2.0, log_level=settings.log_level)
+
+    def restart_dead_workers() -> None:
+        """A worker exits when its engine dies; start it again on its port (the router's health
+        checks take it out of rotation meanwhile and bring it back once it answers)."""
+        while not stopping.wait(WORKER_RESTART_CHECK_S):
+            for i, p in enumerate(procs):
+                if p.poll() is not None and not stopping.is_set():
+                    log.error("dp worker %d (pid %d) exited with code %s; restarting it", i, p.pid, p.returncode)
+                    procs[i] = subprocess.Popen(cmds[i][0], env=cmds[i][1])
 
     def stop_workers(*_args) -> None:
+        stopping.set()
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -176,6 +197,7 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
     # it runs the `finally` below, so the workers are stopped too.
     signal.signal(signal.SIGTERM, exit_on_signal)
     signal.signal(signal.SIGINT, exit_on_signal)
+    threading.Thread(target=restart_dead_workers, name="dp-worker-restarts", daemon=True).start()
     try:
         return run_router(router)
     finally:

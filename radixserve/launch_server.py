@@ -55,17 +55,24 @@ def parse_settings(argv: Optional[list[str]] = None, prog: Optional[str] = None)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    settings, router_policy = parse_args(argv, prog="radixserve serve" if argv is not None else None)
-    if settings.dp_size > 1:  # N workers behind a router with router_policy, on settings.host:port
-        from radixserve.launch_router import run_data_parallel
-        from radixserve.server.logging_setup import setup_logging
-
-        setup_logging(settings.log_level, settings.log_file)
-        return run_data_parallel(settings, policy=router_policy)
-    from radixserve.server.api_server import run_server
+    settings, router_policy = parse_args(
+        argv, prog="radixserve serve" if argv is not None else "python -m radixserve.launch_server")
     from radixserve.server.logging_setup import setup_logging
+    from radixserve.server.startup import StartupError, check_before_loading, silence_tokenizer_length_warning
 
     setup_logging(settings.log_level, settings.log_file)
+    try:  # before the engine starts or anything loads: a wrong path or a busy port fails at once
+        check_before_loading(settings)
+    except StartupError as e:
+        logging.getLogger("radixserve").error("server failed: %s", e)
+        return 1
+    silence_tokenizer_length_warning()
+    if settings.dp_size > 1:  # N workers behind a router with router_policy, on settings.host:port
+        from radixserve.launch_router import run_data_parallel
+
+        return run_data_parallel(settings, policy=router_policy)
+    from radixserve.server.api_server import run_server
+
     try:
         return run_server(settings)
     except KeyboardInterrupt:

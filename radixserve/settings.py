@@ -32,19 +32,28 @@ def _opt(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tup
 class ServerSettings:
     # --- model -------------------------------------------------------------
     model_path: Optional[str] = _opt(
+<<<<<<< HEAD
         None, "Hugging Face model directory (config.json + *.safetensors). Without it the built-in tiny "
         "random Qwen2 is built and used (CPU demo).")
     tokenizer_path: Optional[str] = _opt(None, "Tokenizer directory (defaults to --model-path).")
     chat_template: Optional[str] = _opt(
         None, "A Jinja chat template file used instead of the tokenizer's (for models whose template "
         "does not render `tools`).")
+=======
+        None, "Hugging Face model directory (config.json + *.safetensors) (default: the built-in tiny "
+        "random Qwen2, built on first use in ~/.cache/radixserve/tiny-qwen2: a CPU demo).")
+    tokenizer_path: Optional[str] = _opt(None, "Tokenizer directory (default: --model-path).")
+>>>>>>> main
     load_format: str = _opt("auto", "auto: read safetensors; dummy: random weights from config.json alone.",
                             choices=("auto", "safetensors", "dummy"))
     trust_remote_code: bool = _opt(
         False, "Accepted for compatibility with SGLang/vLLM command lines. Qwen2 models run on built-in "
         "code, so no code from the model directory is ever executed.")
-    served_model_name: Optional[str] = _opt(None, "Model name reported by /v1/models (default: the path).")
-    context_length: Optional[int] = _opt(None, "Override the model's max_position_embeddings.")
+    served_model_name: Optional[str] = _opt(
+        None, "Model name reported by /v1/models and accepted in requests' model field (default: the model "
+        "directory's name, e.g. tiny-qwen2).")
+    context_length: Optional[int] = _opt(
+        None, "Longest sequence (prompt + output) in tokens (default: the model's max_position_embeddings).")
     dtype: str = _opt("auto", "Weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU).",
                       choices=("auto", "float32", "float16", "bfloat16"))
     device: str = _opt("auto", "auto: cuda when present, else cpu.", choices=("auto", "cpu", "cuda"))
@@ -80,7 +89,8 @@ class ServerSettings:
         None, f"Most requests decoding at once (default: {DEFAULT_MAX_RUNNING_REQUESTS['cuda']} on CUDA, "
         f"{DEFAULT_MAX_RUNNING_REQUESTS['cpu']} on the CPU).")
     max_queued_requests: Optional[int] = _opt(
-        None, "Most requests waiting; beyond it the server answers 503 with Retry-After.")
+        None, "Most requests left waiting once the running batch has taken what it has room for (free "
+        "request slots and KV); beyond it the server answers 503 with Retry-After.")
     max_prefill_tokens: int = _opt(16384, "Most new prompt tokens computed in one step.")
     chunked_prefill_size: int = _opt(
         8192, "Longest prompt piece computed in one step; longer prompts are split and each finished "
@@ -110,6 +120,12 @@ class ServerSettings:
     host: str = _opt("127.0.0.1", "Address the HTTP server binds.")
     port: int = _opt(30000, "HTTP port.")
     api_key: Optional[str] = _opt(None, "Require 'Authorization: Bearer <key>' on every endpoint but /health.")
+    admin_api_key: Optional[str] = _opt(
+        None, "Key for the admin endpoints (/flush_cache, /kv_events), which change every user's state or show "
+        "what other users sent. Without it they take --api-key; with neither they are open.")
+    graceful_shutdown_timeout: float = _opt(
+        30.0, "On SIGTERM, seconds in-flight requests get to finish (/health answers 503 meanwhile); what is "
+        "left then gets a 503 error body, or an error event and [DONE] on a stream.")
     log_requests: bool = _opt(False, "Log each request's arrival and finish, and each rejected request "
                               "(its status and reason, never its text).")
     max_request_bytes: Optional[int] = _opt(
@@ -148,6 +164,8 @@ class ServerSettings:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.graceful_shutdown_timeout < 0:
+            raise ValueError(f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout}")
         if self.lpm_max_overtake_s <= 0:
             raise ValueError(f"lpm_max_overtake_s must be > 0, got {self.lpm_max_overtake_s}")
         if self.prefix_hold_s < 0:
@@ -203,7 +221,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type = ServerSe
             parser.add_argument(*flags, dest=f.name, action="store_true", default=default, help=help_text)
             continue
         kind = str if "str" in str(f.type) else int if "int" in str(f.type) else float
-        help_text += f" (default: {default})"
+        if "(default" not in help_text:  # a help that explains its own default keeps only that one
+            help_text += f" (default: {default})"
         parser.add_argument(*flags, dest=f.name, type=kind, default=default,
                             choices=f.metadata.get("choices"), help=help_text)
 

@@ -73,7 +73,14 @@ def test_kubernetes_objects_fit_together():
         assert all(p["targetPort"] in ports for p in svc["spec"]["ports"])
         assert container["readinessProbe"]["httpGet"]["path"] == "/health"
         assert container["resources"]["limits"]["cpu"]
-    worker = docs[("Deployment", "radixserve-worker")]["spec"]["template"]["spec"]["containers"][0]
+    # A worker exits when its engine dies: something must restart it, and SIGTERM's drain must fit
+    # in the grace period.
+    for name in ("radixserve-worker", "radixserve-router"):
+        assert docs[("Deployment", name)]["spec"]["template"]["spec"]["restartPolicy"] == "Always"
+    pod = docs[("Deployment", "radixserve-worker")]["spec"]["template"]["spec"]
+    worker = pod["containers"][0]
+    drain = next(float(a.split("=", 1)[1]) for a in worker["args"] if a.startswith("--graceful-shutdown-timeout="))
+    assert drain + 10 <= pod["terminationGracePeriodSeconds"]
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert worker["livenessProbe"]["httpGet"]["path"] == "/health"
     # The flags in the manifests are ones the launchers accept.

@@ -356,8 +356,9 @@ def test_model_config_parsing():
 
 
 def test_context_length_extends_rope_table(tiny_dir):
-    model, cfg = load_model(tiny_dir, attn_backend=TorchAttentionBackend(), context_length=1024)
-    assert model.max_positions == 1024 > cfg.max_position_embeddings
+    longer = 2 * ModelConfig.from_dir(tiny_dir).max_position_embeddings  # the tiny model has Qwen2's 32,768
+    model, cfg = load_model(tiny_dir, attn_backend=TorchAttentionBackend(), context_length=longer)
+    assert model.max_positions == longer > cfg.max_position_embeddings
 
 
 # --------------------------------------------------------------------------- attention backend

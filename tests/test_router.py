@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from conftest import ServerProcess, free_port
+from radixserve.cache.block_hash import block_hashes
 from radixserve.router.keys import chat_text, routing_keys
 from radixserve.router.policies import BalanceConfig, CacheAware, KvAware, RoundRobin, RoutingKeys
 from radixserve.router.prefix_tree import PrefixTree
@@ -80,10 +81,13 @@ def test_cache_aware_sticks_balances_and_falls_back():
 def test_kv_aware_follows_the_real_cache():
     ws = _workers(2)
     policy = KvAware(BalanceConfig(cache_threshold=0.3))
-    ws[1].mirror.insert(list(range(100)))
-    w, d = policy.choose(ws, RoutingKeys(None, list(range(90)) + [7, 7]))
+    ws[1].mirror.insert_tokens(list(range(100)))
+    prompt = list(range(90)) + [7, 7]
+    assert ws[1].mirror.match_len(prompt) == 80  # whole blocks of 16
+    w, d = policy.choose(ws, RoutingKeys(None, prompt))
     assert (w, d) == (ws[1], "matched")
-    ws[1].mirror.remove_path(list(range(100)))  # the worker evicted it
+    ws[1].mirror.discard(block_hashes(list(range(100))))  # the worker evicted it
+    assert len(ws[1].mirror) == 0
     ws[0].start_request(1, list(range(80)))  # ... and a similar prompt is in flight on w0
     w, d = policy.choose(ws, RoutingKeys(None, list(range(90))))
     assert (w, d) == (ws[0], "matched")
@@ -246,7 +250,9 @@ def test_kv_events_stream_snapshot_then_events(workers):
             lines = resp.iter_lines()
             assert next(lines) == "event: snapshot"
             snap = json.loads(next(lines)[5:])
-            assert snap["edges"] and sum(len(run) for _, run in snap["edges"]) > 20
+            # Chained block hashes, never token ids: the cached prompt spans several blocks.
+            assert snap["block_size"] == 16 and len(snap["blocks"]) >= 2
+            assert all(isinstance(h, str) and len(h) == 16 for h in snap["blocks"])
             # The request runs in a thread while this one reads the stream; its failure is raised here.
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 completion = pool.submit(_complete, httpx.Client(base_url=url, timeout=30), "after connect")
@@ -461,6 +467,7 @@ def test_agent_workload_hit_rate_by_policy(workers, tmp_path, capsys):
 
     out = tmp_path / "exp"
     code = main(["--configs", "none", "--router-policies", "all", "--worker-urls", *[w.base_url for w in workers],
+                 "--dataset-name", "agent",
                  "--output-dir", str(out), "--num-prompts", "40", "--agent-turns", "5",
                  "--agent-num-system-prompts", "2", "--agent-output-len", "8", "--agent-think-time", "0.05",
                  "--request-rate", "inf", "--disable-tqdm", "--disable-plots"])

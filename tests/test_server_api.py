@@ -310,15 +310,20 @@ def test_client_disconnect_frees_kv(server):
     assert stats["held_by_running_tokens"] == 0 and stats["protected_tokens"] == 0
 
 
-def test_duplicate_request_id_is_refused(server):
+def test_request_id_is_a_label(server):
+    """A client's rid is echoed back but never identifies the engine request: two requests with
+    the same rid at once are two requests, each with its own output."""
     body = {"text": "The weather today is sunny", "rid": "my-request", "stream": True,
             "sampling_params": {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}}
     with server.client() as http:
         with http.stream("POST", "/generate", json=body) as first:
             lines = first.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))
-            second = http.post("/generate", json={**body, "stream": False})
-            assert second.status_code == 400 and "already in use" in second.json()["error"]["message"]
+            assert '"id": "my-request"' in next(line for line in lines if line.startswith("data: "))
+            second = http.post("/generate", json={**body, "stream": False,
+                                                  "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+            assert second.status_code == 200, second.text
+            assert second.json()["meta_info"]["id"] == "my-request"
+            assert len(second.json()["output_ids"]) == 3
     wait_idle(server, 5.0)
 
 

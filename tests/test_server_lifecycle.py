@@ -1,17 +1,22 @@
-"""Process lifecycle: engine death turns the server red within seconds; SIGTERM drains and leaves nothing behind."""
+"""Process lifecycle: startup checks fail fast before anything loads, 'serving' is said once the engine is
+ready, engine death ends the server within seconds, SIGTERM drains, exits 0 and leaves nothing behind."""
 
 from __future__ import annotations
 
 import csv
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import ServerProcess, seed_launch_args
+from conftest import REPO_ROOT, ServerProcess, free_port, seed_launch_args
 
 from radixserve.server import step_trace
 
@@ -49,7 +54,69 @@ def wait_until(predicate, timeout_s: float, what: str) -> float:
     return time.monotonic() - start
 
 
-def test_engine_death_gives_503_and_red_health(server_model_dir, server_workdir):
+def launch(argv: list[str], cache_dir: Path) -> subprocess.CompletedProcess:
+    """`python -m radixserve.launch_server argv` run to its end, with an empty tiny-model cache."""
+    env = {**os.environ, "RADIXSERVE_CACHE": str(cache_dir)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", "radixserve.launch_server", "--device", "cpu", *argv],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def assert_failed_before_loading(run: subprocess.CompletedProcess, cache_dir: Path, message: str) -> None:
+    # One line, the reason, and nothing loaded or built: no engine process, an empty model cache.
+    assert run.returncode == 1
+    lines = (run.stdout + run.stderr).strip().splitlines()
+    assert len(lines) == 1 and "server failed: " in lines[0] and message in lines[0], lines
+    assert not cache_dir.exists() or not any(cache_dir.iterdir())
+
+
+def test_missing_model_path_fails_before_loading(tmp_path):
+    run = launch(["--model-path", str(tmp_path / "no-such-model"), "--port", str(free_port())], tmp_path / "cache")
+    assert_failed_before_loading(run, tmp_path / "cache", "no-such-model': no such directory")
+    (tmp_path / "empty").mkdir()
+    run = launch(["--model-path", str(tmp_path / "empty"), "--port", str(free_port())], tmp_path / "cache")
+    assert_failed_before_loading(run, tmp_path / "cache", "no config.json in it")
+
+
+def test_busy_port_fails_before_loading(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        run = launch(["--port", str(port)], tmp_path / "cache")  # the default model: nothing may be built
+    assert_failed_before_loading(run, tmp_path / "cache", f"--port {port}: 127.0.0.1:{port} is already in use")
+
+
+def test_engine_that_cannot_start_never_says_serving(tmp_path):
+    model = tmp_path / "broken"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # no architecture, no weights: the engine fails to load it
+    run = launch(["--model-path", str(model), "--port", str(free_port())], tmp_path / "cache")
+    output = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert " serving " not in output and "engine ready" not in output
+
+
+def test_serving_line_after_engine_ready_and_clean_sigterm(server_model_dir, server_workdir):
+    log_file = server_workdir / "lifecycle.log"
+    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu", "--log-file", str(log_file)],
+                         server_workdir).wait_ready()
+    try:
+        models = httpx.get(f"{proc.base_url}/v1/models", timeout=10).json()["data"]
+        assert [m["id"] for m in models] == [server_model_dir.name]  # the directory's name, not its path
+        proc.proc.send_signal(signal.SIGTERM)
+        code = proc.proc.wait(60)
+    finally:
+        proc.stop()
+    lines = log_file.read_text().splitlines()
+    ready = next(i for i, line in enumerate(lines) if "engine process" in line and " ready: " in line)
+    serving = [i for i, line in enumerate(lines) if f"] serving {server_model_dir} on http://127.0.0.1:{proc.port}" in line]
+    assert len(serving) == 1 and serving[0] > ready
+    assert code == 0
+    assert lines[-1].endswith("server shut down on SIGTERM"), lines[-3:]
+
+
+def test_engine_death_answers_503_and_exits_nonzero(server_model_dir, server_workdir):
     # Started through the console script's entry point: `radixserve serve <the seed's flags>`.
     proc = ServerProcess(["serve", *seed_launch_args(server_model_dir), "--device", "cpu"],
                          server_workdir, module="radixserve.cli").wait_ready()
@@ -68,24 +135,20 @@ def test_engine_death_gives_503_and_red_health(server_model_dir, server_workdir)
                 killed_at = time.monotonic()
                 tail = [line for line in lines if line.startswith("data: ")]  # ends, does not hang
             assert tail[-1] == "data: [DONE]" and '"engine_unavailable"' in tail[-2]
-            wait_until(lambda: http.get("/health").status_code == 503, 5.0, "/health turns red")
-            assert time.monotonic() - killed_at < 5.0
-            r = http.post("/v1/completions", json={"prompt": "anyone there?", "max_tokens": 2})
-            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
-            r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
-            assert r.status_code == 503
-            assert http.get("/health").json()["error"]["code"] == "engine_unavailable"
-            assert "radixserve:engine_alive 0.0" in http.get("/metrics").text
-            assert http.get("/server_info").json()["engine_alive"] is False
+        # The server does not linger answering 503: it exits non-zero, for its supervisor to restart it.
+        code = proc.proc.wait(10)
+        assert time.monotonic() - killed_at < 5.0
     finally:
-        code = proc.stop(timeout_s=20)
-    assert code in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after its graceful shutdown
+        proc.stop(timeout_s=20)
+    assert code == 1
+    assert "the engine process" in proc.output_path.read_text() and "restarts it" in proc.output_path.read_text()
     assert not pid_alive(engine_pid) and not os.path.exists(ipc_dir)
 
 
 def test_sigterm_drains_in_flight_requests(server_model_dir, server_workdir):
     trace = server_workdir / "steps.csv"
-    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu", "--step-trace-file", str(trace)],
+    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu", "--step-trace-file", str(trace),
+                          "--graceful-shutdown-timeout", "300"],
                          server_workdir).wait_ready()
     info = proc.server_info()
     engine_pid, ipc_dir = info["engine_pid"], info["ipc_dir"]
@@ -93,15 +156,16 @@ def test_sigterm_drains_in_flight_requests(server_model_dir, server_workdir):
 
     def long_request():
         body = {"prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
-        result["response"] = httpx.post(f"{proc.base_url}/v1/completions", json=body, timeout=120)
+        result["response"] = httpx.post(f"{proc.base_url}/v1/completions", json=body, timeout=240)
 
     worker = threading.Thread(target=long_request)
     worker.start()
     try:
         wait_until(lambda: proc.server_info()["stats"]["running_requests"] == 1, 10.0, "the request runs")
         proc.proc.send_signal(signal.SIGTERM)
-        worker.join(60)
-        assert proc.proc.wait(60) in (0, -signal.SIGTERM)
+        # The drain waits for the request however slow a busy machine makes its 1,500 tokens.
+        worker.join(240)
+        assert proc.proc.wait(60) == 0
     finally:
         proc.stop()
     response = result["response"]

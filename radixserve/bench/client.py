@@ -289,3 +289,31 @@ async def fetch_tokenizer_dir(session: aiohttp.ClientSession, base_url: str, hea
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump({"model_type": model_type}, f)
     return path
+
+
+class FailFast:
+    """Notices a run whose first requests all fail for the same reason (a prompt longer than the
+    context, a wrong model name, a bad key): the rest would fail the same way, so the run stops
+    there instead of sending every request."""
+
+    def __init__(self, total: int, first: int = 3):
+        self.total = total
+        self.first = first
+        self.finished = 0
+        self.succeeded = False
+        self.reasons: set[str] = set()
+
+    def add(self, result: RequestResult) -> bool:
+        """Count one finished request; True when the run should stop now."""
+        self.finished += 1
+        if result.success:
+            self.succeeded = True
+        else:
+            self.reasons.add(result.error)
+        return (not self.succeeded and self.finished == self.first and self.finished < self.total
+                and len(self.reasons) == 1)
+
+    def message(self) -> str:
+        reason = next(iter(self.reasons), "")
+        return (f"the first {self.first} requests all failed with the same error, so the other "
+                f"{self.total - self.finished} were not waited for: {reason}")

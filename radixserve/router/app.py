@@ -53,6 +53,8 @@ class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: Optional[str] = None
+    # The workers' --admin-api-key, for their /kv_events (without it: api_key).
+    worker_admin_api_key: Optional[str] = None
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
@@ -116,6 +118,11 @@ class Router:
     @property
     def worker_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
+
+    @property
+    def worker_admin_headers(self) -> dict[str, str]:
+        key = self.settings.worker_admin_api_key
+        return {"Authorization": f"Bearer {key}"} if key else self.worker_headers
 
     async def start(self) -> None:
         timeout = httpx.Timeout(self.settings.request_timeout, connect=self.settings.connect_timeout)
@@ -427,7 +434,8 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
         for worker in router.registry:
             worker.tree.clear()
             try:
-                r = await router.client.post(worker.url + "/flush_cache", headers=router.worker_headers, timeout=30.0)
+                r = await router.client.post(worker.url + "/flush_cache", headers=router.worker_admin_headers,
+                                             timeout=30.0)
                 results[worker.id] = r.status_code
             except httpx.HTTPError as e:
                 results[worker.id] = f"{type(e).__name__}"

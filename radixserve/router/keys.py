@@ -4,9 +4,10 @@
   and `/v1/completions`, and for chat a plain serialisation of the messages (role and content of
   each, in order). Both keep the property that matters: a conversation's next turn extends the
   previous turn's key. No tokenizer is needed. Requests that carry token ids are matched on ids.
-- `kv_aware` matches on **token ids**, because the workers' cache events are token ids. The
-  router tokenizes exactly as the server does: `encode(text, add_special_tokens=False)`, and for
-  chat the model's chat template applied to the messages first. The tokenizer is read from
+- `kv_aware` matches on **token ids**, hashed into chained block hashes exactly as the workers
+  publish their cache in `/kv_events` (`radixserve.cache.block_hash`; the mirror hashes them).
+  The router tokenizes exactly as the server does: `encode(text, add_special_tokens=False)`, and
+  for chat the model's chat template applied to the messages first. The tokenizer is read from
   `--tokenizer-path` or fetched once from a worker's `/tokenizer` endpoint.
 
 A batch (a list of prompts) is routed as a whole on its first prompt.

@@ -32,7 +32,7 @@ class KvSyncOwner(Protocol):
     def connect_timeout(self) -> float: ...
 
     @property
-    def worker_headers(self) -> dict[str, str]: ...
+    def worker_admin_headers(self) -> dict[str, str]: ...
 
 
 class SequenceGap(Exception):
@@ -40,7 +40,7 @@ class SequenceGap(Exception):
 
 
 def apply_events(worker: Worker, events: list) -> None:
-    for seq, kind, tokens in events:
+    for seq, kind, hashes in events:
         if seq <= worker.kv_seq:
             continue
         if seq != worker.kv_seq + 1:
@@ -48,9 +48,9 @@ def apply_events(worker: Worker, events: list) -> None:
         worker.kv_seq = seq
         worker.kv_events += 1
         if kind == "insert":
-            worker.mirror.insert(tokens)
+            worker.mirror.add(hashes)
         elif kind == "evict":
-            worker.mirror.remove_path(tokens)
+            worker.mirror.discard(hashes)
         elif kind == "flush":
             worker.mirror.clear()
 
@@ -70,7 +70,7 @@ async def kv_sync_loop(router: KvSyncOwner, worker: Worker) -> None:
 
 async def _follow(router: KvSyncOwner, worker: Worker) -> None:
     timeout = httpx.Timeout(None, connect=router.connect_timeout)
-    async with router.client.stream("GET", worker.url + "/kv_events", headers=router.worker_headers,
+    async with router.client.stream("GET", worker.url + "/kv_events", headers=router.worker_admin_headers,
                                     timeout=timeout) as resp:
         if resp.status_code != 200:
             raise ValueError(f"/kv_events answered {resp.status_code}")
@@ -81,7 +81,7 @@ async def _follow(router: KvSyncOwner, worker: Worker) -> None:
             elif line.startswith("data:"):
                 data = json.loads(line[5:])
                 if event == "snapshot":
-                    worker.mirror.load_edges(data["edges"])
+                    worker.mirror.load(int(data["block_size"]), data["blocks"])
                     worker.kv_seq = int(data["seq"])
                     worker.kv_synced = True
                     router.metrics.kv_resyncs.labels(worker=worker.id).inc()

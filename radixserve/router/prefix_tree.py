@@ -6,8 +6,10 @@ share a node). It serves two uses:
 
 - the *approximate* tree of `cache_aware`: what was routed to a worker, bounded by `max_size`
   symbols with least-recently-used leaves trimmed first;
-- the *mirror* of `kv_aware`: what a worker's radix cache really holds, kept in step by the
-  worker's insert/evict/flush events (`remove_path` undoes an eviction).
+- the in-flight prompts `kv_aware` adds to what a worker's cache holds.
+
+`BlockHashMirror` is `kv_aware`'s mirror of what a worker's radix cache really holds: the chained
+block hashes of the worker's `/kv_events`, never token ids.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import itertools
 from typing import Optional, Union
 
+from radixserve.cache.block_hash import KV_HASH_BLOCK_TOKENS, block_hashes
 from radixserve.cache.prefix import common_prefix_len
 
 Key = Union[str, list[int], tuple[int, ...]]
@@ -164,3 +167,57 @@ class PrefixTree:
             if node is not self.root:
                 yield node
             stack.extend(node.children.values())
+
+
+class BlockHashMirror:
+    """The `kv_aware` mirror of a worker's radix cache: the set of chained block hashes the worker
+    publishes (`radixserve.cache.block_hash`), kept in step by its insert/evict/flush events.
+
+    A prompt is matched by hashing its whole blocks the same way and counting how many leading
+    hashes the set holds; a chained hash stands for its whole prefix, so that count is the cached
+    prefix in blocks. The hashes of the last prompt asked about are kept, so routing one request
+    over many workers hashes it once."""
+
+    def __init__(self, block_size: int = KV_HASH_BLOCK_TOKENS):
+        self.block_size = block_size
+        self.blocks: set[str] = set()
+        self._last_key: Optional[Key] = None
+        self._last_hashes: list[str] = []
+
+    def __len__(self) -> int:
+        """Tokens held (whole blocks)."""
+        return len(self.blocks) * self.block_size
+
+    def hashes_of(self, key: Key) -> list[str]:
+        if key is not self._last_key:
+            self._last_key = key
+            self._last_hashes = block_hashes(key, self.block_size) if not isinstance(key, str) else []
+        return self._last_hashes
+
+    def match_len(self, key: Key, touch: bool = False) -> int:
+        """Tokens of `key` in whole blocks the worker holds."""
+        matched = 0
+        for h in self.hashes_of(key):
+            if h not in self.blocks:
+                break
+            matched += 1
+        return matched * self.block_size
+
+    def add(self, hashes: list[str]) -> None:
+        self.blocks.update(hashes)
+
+    def discard(self, hashes: list[str]) -> None:
+        self.blocks.difference_update(hashes)
+
+    def clear(self) -> None:
+        self.blocks.clear()
+
+    def load(self, block_size: int, hashes: list[str]) -> None:
+        """Replace the mirror by a worker's snapshot."""
+        self.block_size = block_size
+        self.blocks = set(hashes)
+        self._last_key, self._last_hashes = None, []
+
+    def insert_tokens(self, tokens: Key) -> None:
+        """Hold `tokens` as the worker would after caching them (for tests and warm starts)."""
+        self.add(block_hashes(tokens, self.block_size))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 from urllib.parse import urlsplit
 
-from radixserve.router.prefix_tree import Key, PrefixTree
+from radixserve.router.prefix_tree import BlockHashMirror, Key, PrefixTree
 
 # A finished request's prompt still counts as "about to be cached" this long, to cover the time
 # between its response and the worker's insert event reaching the router.
@@ -57,7 +57,7 @@ class Worker:
     # cache_aware: what was routed here (approximate, LRU-trimmed)
     tree: PrefixTree = field(init=False)
     # kv_aware: what the worker's radix cache holds, from its /kv_events stream
-    mirror: PrefixTree = field(init=False)
+    mirror: BlockHashMirror = field(init=False)
     kv_synced: bool = False
     kv_seq: int = 0
     kv_events: int = 0
@@ -75,7 +75,7 @@ class Worker:
 
     def __post_init__(self) -> None:
         self.tree = PrefixTree(self.max_tree_size)
-        self.mirror = PrefixTree()
+        self.mirror = BlockHashMirror()
         self.pending = PrefixTree()
         self.pending_built = time.monotonic()
 

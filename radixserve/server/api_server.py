@@ -6,7 +6,8 @@ with the files `radixserve.client.AsyncClient.tokenizer` needs), admin (`/server
 `/flush_cache`, `/kv_events`) and observability (`/health`, `/metrics`). They share one
 `ServingContext`. With `--api-key`, every path but `/health` answers 401 without
 `Authorization: Bearer <key>`; `/health` stays open so load balancers can probe it and reveals
-nothing but whether the engine generates.
+nothing but whether the engine generates. `/flush_cache` and `/kv_events` take `--admin-api-key`
+when it is set. Shutdown and engine death: `radixserve.server.lifecycle`.
 """
 
 from __future__ import annotations
@@ -23,18 +24,18 @@ from radixserve.server.engine_client import EngineClient
 from radixserve.http_common.errors import install_error_handlers
 from radixserve.http_common.gc_tuning import governed_collections
 from radixserve.http_common.loop_lag import watch_loop_lag
+from radixserve.server.lifecycle import CLOSE_TIMEOUT_S, ServingServer
 from radixserve.server.intake import REQUEST_BYTES_PER_CONTEXT_TOKEN, BodyLimitMiddleware, RejectionRecorder
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.openapi import install_openapi
 from radixserve.server.routes import native, observability, openai_api
 from radixserve.server.routes.admin import install_admin
 from radixserve.server.serving import ServingContext
+from radixserve.server.startup import default_served_model_name
 from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")
 
-# SIGTERM: in-flight requests get this long to finish before they are cut.
-DRAIN_TIMEOUT_S = 30.0
 # Sizes the body limit until the engine reports its context length (Qwen2's).
 FALLBACK_CONTEXT_LEN = 32768
 
@@ -49,7 +50,7 @@ def request_bytes_limit(settings: ServerSettings, engine: EngineClient) -> int:
 def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Optional[EngineClient] = None) -> FastAPI:
     engine = engine or EngineClient(settings)
     metrics = ServerMetrics(lambda: engine.latest_stats, lambda: engine.alive)
-    served_name = settings.served_model_name or settings.model_path or model_path
+    served_name = settings.served_model_name or default_served_model_name(model_path)
     ctx = ServingContext(settings, tokenizer, engine, metrics, model_path, served_name)
 
     def count_abort(out) -> None:
@@ -72,8 +73,8 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     # Middleware added later runs earlier: the recorder sees every answer, 401s and 413s included.
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, limit=lambda: request_bytes_limit(settings, engine))
-    if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    if settings.api_key or settings.admin_api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, admin_api_key=settings.admin_api_key)
     app.add_middleware(RejectionRecorder, metrics=metrics, log=settings.log_requests)
     app.state.engine = engine
     app.state.ctx = ctx
@@ -108,19 +109,16 @@ def run_server(settings: ServerSettings) -> int:
 
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop=loop, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=DRAIN_TIMEOUT_S, lifespan="on")
-    kv_events = app.state.kv_events
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            # Open /kv_events streams never end by themselves; close them so the drain can finish.
-            if kv_events.loop is not None:
-                kv_events.loop.call_soon_threadsafe(kv_events.close_all)
-            super().handle_exit(sig, frame)
-
-    server = Server(config)
-    logger.info("serving %s on http://%s:%d", model_path, settings.host, settings.port)
+                            access_log=False, timeout_graceful_shutdown=CLOSE_TIMEOUT_S, lifespan="on")
+    # Open /kv_events streams never end by themselves; they are closed when the drain ends.
+    server = ServingServer(config, engine, settings.graceful_shutdown_timeout,
+                           announce=f"serving {model_path} on http://{settings.host}:{settings.port}",
+                           on_drain_end=app.state.kv_events.close_all)
     server.run()
     engine.kill_now()
     engine.close_sockets()
-    return 0 if server.started else 1
+    if not server.started:
+        return 1
+    if server.exit_code == 0:
+        logger.info("%s", server.shutdown_line())
+    return server.exit_code

@@ -2,7 +2,12 @@
 
 Requests go out on a PUSH socket (no high-water mark, so a send never blocks the event loop);
 outputs come back on a PULL socket read by one task that routes them to per-request queues.
-A watchdog notices when the engine process exits and fails everything that waits on it.
+A watchdog notices when the engine process exits, fails everything that waits on it (HTTP 503)
+and calls `on_death`, so the server can exit and be restarted. `drain()` serves a shutdown: new
+requests and health probes are refused at once, those in flight get a deadline to finish.
+
+Engine request ids are always made here: a client's `rid` is only a label, so a reused or forged
+one can never reach another request's outputs.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from radixserve.settings import ServerSettings
 logger = logging.getLogger("radixserve")
 
 WATCHDOG_INTERVAL_S = 0.2
+HEALTH_RID_PREFIX = "health-"
 
 
 class EngineDeadError(RuntimeError):
@@ -42,6 +48,11 @@ class QueueFullError(RuntimeError):
 
 class EngineRequestError(ValueError):
     """The engine refused a request as invalid (HTTP 400)."""
+
+
+class ShuttingDownError(EngineDeadError):
+    """The server is draining for shutdown: it takes no new request, and the graceful-shutdown
+    deadline passed before this one finished (HTTP 503, like an unavailable engine)."""
 
 
 _CLIENT_GONE = object()  # put in a group's queue when its HTTP client disconnects
@@ -151,6 +162,9 @@ class EngineClient:
         # Final outputs of requests nobody waits for any more (the engine confirming an abort).
         self.on_untracked_finish: Optional[Callable[[RequestOutput], None]] = None
         self.dead_reason: Optional[str] = None
+        # Called once (on the event loop) when the engine process exits while not being stopped.
+        self.on_death: Optional[Callable[[str], None]] = None
+        self.draining: Optional[str] = None  # why new requests are refused (a shutdown)
         self.ipc_dir: Optional[str] = None
         self._push: Optional[zmq.Socket] = None
         self._pull_sync: Optional[zmq.Socket] = None
@@ -286,8 +300,35 @@ class EngineClient:
             code = self.proc.poll() if self.proc else None
             if code is not None:
                 how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                self._mark_dead(f"the engine process {self.proc.pid} exited ({how})")
+                reason = f"the engine process {self.proc.pid} exited ({how})"
+                self._mark_dead(reason)
+                if not self._stopping and self.on_death is not None:
+                    self.on_death(reason)
                 return
+
+    @property
+    def requests_in_flight(self) -> int:
+        return sum(1 for rid in self.groups if not rid.startswith(HEALTH_RID_PREFIX))
+
+    async def drain(self, timeout_s: float, reason: str = "the server is shutting down") -> int:
+        """Refuse new requests, give those in flight `timeout_s` to finish, then fail the rest
+        with `ShuttingDownError` (their responses become 503 bodies or stream error events).
+        Returns how many were cut."""
+        self.draining = reason
+        deadline = time.monotonic() + timeout_s
+        while self.requests_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        groups = {id(g): g for rid, g in self.groups.items() if not rid.startswith(HEALTH_RID_PREFIX)}
+        err = ShuttingDownError(f"{reason}; the request did not finish within the {timeout_s:g} s "
+                                "graceful-shutdown timeout")
+        for group in groups.values():
+            for rid in group.unfinished:
+                self.groups.pop(rid, None)
+                self.abort(rid)
+            group.queue.put_nowait(err)
+        if groups:
+            logger.warning("shutdown: %d request(s) still running after %g s were cut", len(groups), timeout_s)
+        return len(groups)
 
     async def _receive_loop(self) -> None:
         while True:
@@ -329,6 +370,8 @@ class EngineClient:
             raise EngineDeadError(self.dead_reason)
         if self.ready is None:
             raise EngineDeadError("the engine is not running")
+        if self.draining is not None:
+            raise ShuttingDownError(self.draining)
 
     def _send(self, msg) -> None:
         self._push.send_multipart(m.encode(msg))
@@ -358,7 +401,7 @@ class EngineClient:
     async def probe(self, input_ids: list[int], timeout_s: float) -> float:
         """Generate one token through the engine; returns seconds taken or raises."""
         self._check_alive()
-        rid = f"health-{uuid.uuid4().hex}"
+        rid = f"{HEALTH_RID_PREFIX}{uuid.uuid4().hex}"
         group = RequestGroup(self, [rid])
         self.groups[rid] = group
         start = time.perf_counter()

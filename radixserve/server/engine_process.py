@@ -24,6 +24,7 @@ import zmq
 from radixserve.engine.io_struct import AbortRequest, GenerateRequest, RequestOutput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server import messages as m
+from radixserve.server.engine_intake import KvHashEvents, QueueRoom
 from radixserve.server.logging_setup import setup_logging
 from radixserve.server.step_trace import StepTrace
 from radixserve.settings import ServerSettings
@@ -168,33 +169,16 @@ class EngineLoop:
         self.running = True
         self.steps = 0
         # KV events are recorded only once someone asked for a snapshot (a router subscribed).
-        self.kv_events_on = False
-        self.kv_seq = 0
-        self.pending_kv_events: list[tuple[int, str, list[int]]] = []
-        core.cache.event_listener = self.on_kv_event
-
-    # ------------------------------------------------------------------ kv events
-    def on_kv_event(self, kind: str, tokens: list[int]) -> None:
-        if self.kv_events_on:
-            self.kv_seq += 1
-            self.pending_kv_events.append((self.kv_seq, kind, tokens))
-
-    def kv_snapshot(self) -> dict[str, Any]:
-        """The tree as [parent index, token run] edges in parent-first order (index 0 is the root)."""
-        cache = self.core.cache
-        edges: list[list] = []
-        stack = [(cache.root, 0)]
-        while stack:
-            node, index = stack.pop()
-            for child in node.children.values():
-                edges.append([index, list(child.key)])
-                stack.append((child, len(edges)))
-        return {"seq": self.kv_seq, "edges": edges}
+        self.kv_events = KvHashEvents(core.cache)
+        self.pending_kv_events: list[list] = []
+        # Room the running batch has for the requests of one drain (None: not measured yet).
+        self.queue_room: Optional[QueueRoom] = None
 
     # ------------------------------------------------------------------ messages
     def drain(self, timeout_ms: int) -> None:
         if not self.poller.poll(timeout_ms):
             return
+        self.queue_room = None
         while True:
             try:
                 frames = self.pull.recv_multipart(zmq.NOBLOCK)
@@ -210,11 +194,15 @@ class EngineLoop:
     def handle(self, msg: Any) -> None:
         if isinstance(msg, GenerateRequest):
             limit = self.settings.max_queued_requests
-            if limit is not None and len(self.core.scheduler.waiting) >= limit:
-                self.pending_errors.append(m.RequestError(
-                    rid=msg.rid, queue_full=True,
-                    message=f"the waiting queue is full ({limit} requests); retry later"))
-                return
+            if limit is not None:
+                if self.queue_room is None:
+                    self.queue_room = QueueRoom(self.core)
+                if not self.queue_room.admits(msg, len(self.core.scheduler.waiting), limit):
+                    self.pending_errors.append(m.RequestError(
+                        rid=msg.rid, queue_full=True,
+                        message=f"the waiting queue is full ({limit} requests beyond what is running); "
+                                "retry later"))
+                    return
             self._add(msg)
         elif isinstance(msg, AbortRequest):
             out = self.core.abort(msg.rid)
@@ -231,8 +219,9 @@ class EngineLoop:
                                      message="" if ok else "requests are running; flush refused"))
             self.stats_due = True
         elif isinstance(msg, m.GetKvSnapshot):
-            self.kv_events_on = True
-            self.send(m.ControlReply(reply_id=msg.reply_id, ok=True, data=self.kv_snapshot()))
+            # Events recorded before the snapshot go out numbered (earlier subscribers need them).
+            self.pending_kv_events.extend(self.kv_events.take())
+            self.send(m.ControlReply(reply_id=msg.reply_id, ok=True, data=self.kv_events.snapshot()))
         elif isinstance(msg, m.GetStats):
             self.send(m.ControlReply(reply_id=msg.reply_id, ok=True, data=self.stats()))
         elif isinstance(msg, m.Shutdown):
@@ -257,6 +246,7 @@ class EngineLoop:
 
     def flush(self) -> None:
         now = time.monotonic()
+        self.pending_kv_events.extend(self.kv_events.take())
         if self.core.has_work and now - self.last_stats >= STATS_INTERVAL_S:
             self.stats_due = True
         if not (self.pending_outputs or self.pending_errors or self.stats_due or self.pending_kv_events):

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from radixserve.http_common.errors import APIError, bad_request, error_body, error_response  # noqa: F401
-from radixserve.server.engine_client import EngineDeadError, EngineRequestError, QueueFullError
+from radixserve.server.engine_client import EngineDeadError, EngineRequestError, QueueFullError, ShuttingDownError
 
 RETRY_AFTER_S = 1
 # The code of a 400 for fields that are each valid but contradict each other (the OpenAPI schema
@@ -17,7 +17,13 @@ def engine_unavailable(message: str) -> APIError:
                     headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def shutting_down(message: str) -> APIError:
+    return APIError(503, message, code="server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def map_engine_error(exc: BaseException) -> APIError:
+    if isinstance(exc, ShuttingDownError):
+        return shutting_down(str(exc))
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, EngineDeadError):

@@ -1,20 +1,23 @@
 """`GET /kv_events`: the radix cache's insert/evict/flush events as a server-sent event stream.
 
-A router mirrors what each worker's cache really holds from this stream. Every connection starts
-with a snapshot of the whole tree (so a router that connects late, or reconnects after missing
-events, is exact again), then carries event batches in engine order:
+A router mirrors what each worker's cache really holds from this stream. It carries chained
+hashes of whole token blocks (`radixserve.cache.block_hash`), never token ids. Every connection
+starts with a snapshot of the whole tree (so a router that connects late, or reconnects after
+missing events, is exact again), then carries event batches in engine order:
 
     event: snapshot
-    data: {"seq": S, "edges": [[parent_index, [token, ...]], ...]}   (index 0 is the root)
+    data: {"seq": S, "block_size": B, "blocks": [hash, ...]}
 
     event: kv
-    data: {"events": [[seq, "insert" | "evict" | "flush", [token, ...]], ...]}
+    data: {"events": [[seq, "insert" | "evict" | "flush", [hash, ...]], ...]}
 
 Event `seq` numbers count up by one from the snapshot's `seq` (events at or below it are already
-in the snapshot and are not sent). "insert" carries the token path from the root to the end of
-the new leaf, "evict" the path to the end of the evicted leaf, "flush" nothing. A subscriber that
-falls too far behind is disconnected and must reconnect (and so resynchronise). The engine only
-starts recording events once the first subscriber asked for a snapshot, and batches them per step.
+in the snapshot and are not sent). "insert" carries the hashes of the inserted path's blocks,
+"evict" those of the blocks the tree no longer holds, "flush" nothing (the tree is empty). A
+subscriber that falls too far behind is disconnected and must reconnect (and so resynchronise).
+The engine only starts recording events once the first subscriber asked for a snapshot, and
+batches them per step. The stream shows what every user's prompts share, so it is an admin
+endpoint (`--admin-api-key`, else `--api-key`).
 """
 
 from __future__ import annotations

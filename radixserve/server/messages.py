@@ -73,8 +73,8 @@ class OutputBatch(msgspec.Struct, kw_only=True):
     outputs: list[RequestOutput] = []
     errors: list[RequestError] = []
     stats: Optional[EngineStats] = None
-    # Radix cache events of this step, each [seq, "insert" | "evict" | "flush", token path].
-    kv_events: list[tuple[int, str, list[int]]] = []
+    # Radix cache events of this step, each [seq, "insert" | "evict" | "flush", chained block hashes].
+    kv_events: list[tuple[int, str, list[str]]] = []
 
 
 class ControlReply(msgspec.Struct, kw_only=True):

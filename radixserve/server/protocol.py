@@ -51,6 +51,8 @@ StopTokenId = Annotated[int, Field(ge=0, le=MAX_INT32), BeforeValidator(_integra
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), BeforeValidator(_integral)]
 NonEmptyStr = Annotated[Text, Field(min_length=1)]
 MAX_N = 64
+# A /generate rid is a label: printable ASCII only, so it can never break a log line.
+RID_PATTERN = r"^[ -~]+$"
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -246,4 +248,6 @@ class GenerateBody(_Body):
         Field(None, union_mode="left_to_right")
     sampling_params: Union[NativeSamplingParams, list[NativeSamplingParams], None] = None
     stream: bool = False
-    rid: Optional[str] = Field(None, max_length=256, description="Request id (default: a random one).")
+    rid: Optional[str] = Field(None, min_length=1, max_length=128, pattern=RID_PATTERN, description=(
+        "A label for the request (printable ASCII): echoed in meta_info.id and logged. The engine's "
+        "request id is always made by the server."))

@@ -22,8 +22,8 @@ from radixserve.engine.io_struct import GenerateRequest, RequestOutput
 from radixserve.sampling_params import SamplingParams, sampling_params_from_dict
 from radixserve.server.detokenizer import IncrementalDetokenizer
 from radixserve.server.engine_client import (EngineClient, EngineDeadError, EngineRequestError, QueueFullError,
-                                             RequestGroup)
-from radixserve.server.errors import APIError, bad_request, engine_unavailable
+                                             RequestGroup, ShuttingDownError)
+from radixserve.server.errors import APIError, bad_request, engine_unavailable, shutting_down
 from radixserve.server.metrics import ServerMetrics
 from radixserve.settings import ServerSettings
 from radixserve.validation import SamplingValueError
@@ -38,13 +38,14 @@ HEALTH_TIMEOUT_S = 20.0
 INLINE_TOKENIZE_CHARS = 4096
 TOKENIZER_THREADS = 2
 T = TypeVar("T")
+MAX_LABEL_CHARS = 128
 
 
 @dataclass
 class Tracker:
     """One engine request seen from the API process."""
 
-    rid: str
+    rid: str  # the engine's id, always made by the server
     index: int  # choice index in the HTTP response
     prompt_index: int
     input_ids: list[int]
@@ -60,6 +61,7 @@ class Tracker:
     completion_tokens: int = 0
     queue_time: Optional[float] = None
     finished: bool = False
+    label: Optional[str] = None  # the client's `rid`: shown back to it and logged, never routed on
 
     @property
     def text(self) -> str:
@@ -175,14 +177,15 @@ class ServingContext:
 
     # ------------------------------------------------------------------ running
     def new_trackers(self, prompts: list[list[int]], params_per_prompt: list[list[SamplingParams]],
-                     base_id: str, arrival: float) -> list[Tracker]:
+                     base_id: str, arrival: float, label: Optional[str] = None) -> list[Tracker]:
         trackers = []
         for p_idx, (ids, choice_params) in enumerate(zip(prompts, params_per_prompt)):
             for params in choice_params:
                 index = len(trackers)
                 rid = base_id if len(prompts) * len(choice_params) == 1 else f"{base_id}-{index}"
                 trackers.append(Tracker(rid=rid, index=index, prompt_index=p_idx, input_ids=ids, params=params,
-                                        detok=IncrementalDetokenizer(self.tokenizer, params), arrival=arrival))
+                                        detok=IncrementalDetokenizer(self.tokenizer, params), arrival=arrival,
+                                        label=label))
         return trackers
 
     def submit(self, trackers: list[Tracker]) -> RequestGroup:
@@ -191,10 +194,13 @@ class ServingContext:
                                 log=self.settings.log_requests) for t in trackers]
         if self.settings.log_requests:
             for t in trackers:
-                logger.info("Request arrived. id: %s, #prompt-token: %d, max-new-tokens: %d, temperature: %g",
-                            t.rid, len(t.input_ids), t.params.max_new_tokens, t.params.temperature)
+                logger.info("Request arrived. id: %s, #prompt-token: %d, max-new-tokens: %d, temperature: %g%s",
+                            t.rid, len(t.input_ids), t.params.max_new_tokens, t.params.temperature,
+                            "" if t.label is None else f", rid: {t.label}")
         try:
             group = self.engine.submit(reqs)
+        except ShuttingDownError as e:
+            raise shutting_down(str(e)) from None
         except EngineDeadError as e:
             raise engine_unavailable(str(e)) from None
         except EngineRequestError as e:
@@ -264,6 +270,16 @@ def longest_token_chars(tokenizer) -> int:
         return max(1, max(len(piece) for piece in tokenizer.get_vocab()))
     except (AttributeError, NotImplementedError, ValueError):
         return 1 << 20  # no vocabulary to read: no early bound worth having
+
+
+def request_label(rid: Optional[str]) -> Optional[str]:
+    """A client's `rid`, checked as the schema checks it: 1 to MAX_LABEL_CHARS printable ASCII
+    characters (so it can never break a log line or look like another field)."""
+    if rid is None:
+        return None
+    if not 1 <= len(rid) <= MAX_LABEL_CHARS or not all(" " <= c <= "~" for c in rid):
+        raise bad_request(f"rid must be 1 to {MAX_LABEL_CHARS} printable ASCII characters", "rid")
+    return rid
 
 
 def serving_context(request: Request) -> ServingContext:

@@ -7,7 +7,9 @@ the same arguments always give the same files.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 from typing import Union
 
@@ -17,6 +19,14 @@ ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
+
+# Qwen2's context, so every command written for Qwen2 (1,024-token prompts, 512-token outputs)
+# runs unchanged on the tiny model; RoPE has no learned weights, so the positions cost nothing.
+MAX_POSITIONS = 32768
+# The version of what build_tiny_model writes: a cached build with another version is rebuilt.
+# Raise it whenever the files change (config, tokenizer, weights).
+BUILD_VERSION = 3
+BUILD_MARKER = "radixserve-tiny-model.json"
 
 # Qwen2.5-Instruct's ChatML template: a default system turn when none is given; `tools` are listed
 # in the system turn, an assistant's tool calls are written as <tool_call> blocks and tool results
@@ -121,7 +131,7 @@ def _qwen2_config(vocab_size: int, *, hidden: int, layers: int, num_heads: int, 
         num_hidden_layers=layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=MAX_POSITIONS,
         # Large random weights: greedy argmax margins are wide and outputs vary with the prompt.
         initializer_range=0.1,
         rms_norm_eps=1e-6,
@@ -158,7 +168,7 @@ def build_tiny_model(path: Union[str, os.PathLike], *, tie_word_embeddings: bool
         eos_token=ENDOFTEXT,
         pad_token=ENDOFTEXT,
         additional_special_tokens=[IM_START, IM_END],
-        model_max_length=512,
+        model_max_length=MAX_POSITIONS,
         clean_up_tokenization_spaces=False,
     )
     hf_tok.chat_template = CHAT_TEMPLATE
@@ -187,4 +197,37 @@ def build_tiny_model(path: Union[str, os.PathLike], *, tie_word_embeddings: bool
     model.generation_config.bos_token_id = eos_id
     # A tiny checkpoint is well under a megabyte; 100KB shards give an index and several files.
     model.save_pretrained(out, max_shard_size="100KB" if shard else "50GB")
+    (out / BUILD_MARKER).write_text(json.dumps({"version": BUILD_VERSION}) + "\n")
+    return out
+
+
+def build_version(path: Union[str, os.PathLike]) -> int:
+    """The BUILD_VERSION a directory was built with (0: none, or not a tiny model build)."""
+    try:
+        return int(json.loads((Path(path) / BUILD_MARKER).read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def ensure_tiny_model(path: Union[str, os.PathLike]) -> Path:
+    """The default tiny model at `path`, built there unless a build of this version is present.
+
+    A build of another version (an older config, e.g. a 512-position context) is replaced. The
+    new build is written beside it and renamed into place, so a concurrent reader never sees a
+    half-written directory.
+    """
+    out = Path(path)
+    if build_version(out) == BUILD_VERSION and (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.building-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    build_tiny_model(staging)
+    if build_version(out) != BUILD_VERSION:  # another process may have finished first
+        shutil.rmtree(out, ignore_errors=True)
+        try:
+            os.rename(staging, out)
+        except OSError:  # it did, between the check and the rename
+            pass
+    shutil.rmtree(staging, ignore_errors=True)
     return out

@@ -20,8 +20,9 @@ router = APIRouter()
 async def server_info(request: Request, ctx: Ctx):
     engine = ctx.engine
     info = ctx.settings.to_dict()
-    if info.get("api_key"):
-        info["api_key"] = "***"
+    for secret in ("api_key", "admin_api_key"):
+        if info.get(secret):
+            info[secret] = "***"
     stats = None
     if engine.alive:
         try:

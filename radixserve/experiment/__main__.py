@@ -1,0 +1,7 @@
+"""`python -m radixserve.experiment`."""
+
+import sys
+
+from radixserve.experiment.cli import main
+
+sys.exit(main())

@@ -1,0 +1,76 @@
+"""What the server checks before anything loads, and the served model's default name (the rest of
+its life, from the `serving` line to the shutdown, is `lifecycle.py`).
+
+The checks run before the engine process starts or any weights load, so a wrong path or a busy
+port fails in well under a second with one line instead of after the model loaded.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+
+from radixserve.settings import ServerSettings
+
+logger = logging.getLogger("radixserve")
+
+
+class StartupError(RuntimeError):
+    """The server cannot start; the message says why in one line."""
+
+
+def check_model_path(settings: ServerSettings) -> None:
+    """A given --model-path (and --tokenizer-path) must be a directory with a config.json."""
+    path = settings.model_path
+    if path is not None:
+        if not os.path.isdir(path):
+            raise StartupError(f"--model-path {path!r}: no such directory")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise StartupError(f"--model-path {path!r}: no config.json in it (a Hugging Face model directory "
+                               "has config.json and *.safetensors)")
+    tok = settings.tokenizer_path
+    if tok is not None and not os.path.isdir(tok):
+        raise StartupError(f"--tokenizer-path {tok!r}: no such directory")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind host:port the way uvicorn will (SO_REUSEADDR), then let it go; raise if that fails."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise StartupError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise StartupError(f"--port {port}: {host}:{port} is already in use (another server on it? "
+                                   "choose another --port)") from None
+            raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def check_before_loading(settings: ServerSettings) -> None:
+    """Every check that needs nothing loaded; raises StartupError with the first problem."""
+    check_model_path(settings)
+    check_port_free(settings.host, settings.port)
+
+
+def default_served_model_name(model_path: str) -> str:
+    """The model directory's name (`tiny-qwen2`, `Qwen2-7B-Instruct`), as SGLang names hub models."""
+    return os.path.basename(os.path.normpath(model_path)) or model_path
+
+
+class _DropTokenizerLengthWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token indices sequence length is longer than")
+
+
+def silence_tokenizer_length_warning() -> None:
+    """`transformers` warns when a prompt is longer than the tokenizer's model_max_length; the
+    server checks every prompt against the engine's own context length and answers 400 itself,
+    so that warning is noise in the server log."""
+    logging.getLogger("transformers.tokenization_utils_base").addFilter(_DropTokenizerLengthWarning())
