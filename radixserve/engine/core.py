@@ -4,7 +4,10 @@
 tokens of the step before into `RequestOutput`s. With overlap scheduling (the default) the host
 builds and launches step N+1 while the device still runs step N (`StepInFlight`), and only then
 waits for step N's tokens, so scheduling, result processing and launches hide behind the device's
-work. The offline `Engine` and the server's engine process both drive it.
+work. A step that sampled for a grammar-constrained request is the exception: the next mask
+needs its token, so it is collected before the next step is built (see `radixserve.grammar`).
+A constrained request waits outside the scheduler until its grammar is compiled
+(`GrammarWaitlist`). The offline `Engine` and the server's engine process both drive it.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.cache.radix_cache import CacheCounters, RadixCache
 from radixserve.engine.grammar_wait import GrammarWaitlist
 from radixserve.engine.io_struct import GenerateRequest, RequestOutput
-from radixserve.grammar.spec import grammar_spec
 from radixserve.engine.model_runner import ModelRunner
+from radixserve.grammar.spec import grammar_spec
 from radixserve.model.config import ModelConfig
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.request import Req
@@ -95,7 +98,11 @@ class EngineCore:
         self.grammar_wait = GrammarWaitlist(self.tokenizer, cfg.vocab_size, eos)
         if self.tokenizer is not None:
             # Reading a 150k vocabulary into xgrammar takes a second: at start-up, not in a step.
-            self.runner.grammars = self.grammar_wait.compilers
+            try:
+                self.runner.grammars = self.grammar_wait.compilers
+            except Exception as e:  # noqa: BLE001: serve without grammars rather than not at all
+                logger.warning("constrained decoding is off: xgrammar cannot read this tokenizer (%s)", e)
+                self.grammar_wait.disable(f"constrained decoding is off on this server: {e}")
         self.last_step = StepInfo(None, 0.0)
         self.overlap = not settings.disable_overlap_schedule
         self.in_flight: Optional[StepInFlight] = None  # the launched step whose tokens are unread

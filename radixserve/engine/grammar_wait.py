@@ -21,11 +21,14 @@ class GrammarWaitlist:
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self._compilers = None
+        self._disabled: Optional[str] = None  # why constrained decoding is off, when it is
         self.waiting: dict[str, tuple[Req, Future]] = {}
 
     @property
     def compilers(self):
         """The vocabulary's GrammarCompilers, built (and xgrammar imported) on first use."""
+        if self._disabled is not None:
+            raise ValueError(self._disabled)
         if self._compilers is None:
             if self.tokenizer is None:
                 raise ValueError("constrained decoding (json_schema, regex, ebnf) needs the model's tokenizer")
@@ -33,6 +36,10 @@ class GrammarWaitlist:
 
             self._compilers = GrammarCompilers(self.tokenizer, self.vocab_size, self.stop_token_ids)
         return self._compilers
+
+    def disable(self, reason: str) -> None:
+        """Refuse every constrained request with `reason` (a ValueError at intake)."""
+        self._disabled = reason
 
     def __len__(self) -> int:
         return len(self.waiting)

@@ -15,12 +15,8 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
 from radixserve.server.protocol import GenerateBody
 from radixserve.server.responses import per_output, run_request
-<<<<<<< HEAD
-from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, new_id, sse
-from radixserve.server.structured import check_request_grammar
-=======
 from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, new_id, request_label, sse
->>>>>>> main
+from radixserve.server.structured import check_request_grammar
 
 router = APIRouter()
 
@@ -79,17 +75,12 @@ async def generate(body: GenerateBody, request: Request, ctx: Ctx):
     if not prompts:
         raise bad_request("the batch is empty", param)
     params_per_prompt = generate_params(ctx, body, prompts, param)
-<<<<<<< HEAD
     for params in {id(p): p for ps in params_per_prompt for p in ps}.values():
         spec = grammar_spec(params)
         if spec is not None:
             await check_request_grammar(ctx, params, f"sampling_params.{spec[0]}")
-    base = body.rid if (body.rid and single) else new_id("")
-    trackers = ctx.new_trackers(prompts, params_per_prompt, base, arrival)
-=======
     # The engine's id is always made here: a client's rid is a label, echoed back and logged.
     trackers = ctx.new_trackers(prompts, params_per_prompt, new_id(""), arrival, label if single else None)
->>>>>>> main
 
     def final(ts: list[Tracker]):
         results = [{"text": t.text, "output_ids": t.output_ids, "meta_info": meta_info(t)} for t in ts]
