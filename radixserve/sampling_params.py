@@ -37,6 +37,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # temperature and the top-k/top-p/min-p filters (vLLM's default, "raw logprobs").
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # Constrained decoding (SGLang's names; at most one): a JSON Schema as text, a regular
+    # expression, or an EBNF grammar (xgrammar's dialect). See radixserve.grammar.
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
     @property
     def is_greedy(self) -> bool:

@@ -35,6 +35,9 @@ class ServerSettings:
         None, "Hugging Face model directory (config.json + *.safetensors) (default: the built-in tiny "
         "random Qwen2, built on first use in ~/.cache/radixserve/tiny-qwen2: a CPU demo).")
     tokenizer_path: Optional[str] = _opt(None, "Tokenizer directory (default: --model-path).")
+    chat_template: Optional[str] = _opt(
+        None, "A Jinja chat template file used instead of the tokenizer's (for models whose template "
+        "does not render `tools`).")
     load_format: str = _opt("auto", "auto: read safetensors; dummy: random weights from config.json alone.",
                             choices=("auto", "safetensors", "dummy"))
     trust_remote_code: bool = _opt(

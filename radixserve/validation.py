@@ -64,6 +64,7 @@ def validate_sampling(p: Any) -> None:
     if any(not _is_int(t) or not 0 <= t <= MAX_INT32 for t in p.stop_token_ids):
         raise SamplingValueError("stop_token_ids", f"stop_token_ids must be integers in [0, {MAX_INT32}]")
     _validate_logit_processing(p)
+    validate_grammar_fields(p)
 
 
 def _validate_logit_processing(p: Any) -> None:
@@ -94,6 +95,19 @@ def _validate_logit_processing(p: Any) -> None:
                                                      f"[0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs_num!r}")
     if p.top_logprobs_num and not p.return_logprob:
         raise SamplingValueError("top_logprobs_num", "top_logprobs_num needs return_logprob")
+
+
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+
+
+def validate_grammar_fields(p: Any) -> None:
+    """At most one grammar, given as text (whether it parses is checked by radixserve.grammar)."""
+    given = [name for name in GRAMMAR_FIELDS if getattr(p, name, None) is not None]
+    for name in given:
+        if not isinstance(getattr(p, name), str) or not getattr(p, name):
+            raise SamplingValueError(name, f"{name} must be a non-empty string")
+    if len(given) > 1:
+        raise SamplingValueError(given[1], f"give at most one of {', '.join(GRAMMAR_FIELDS)}; got {', '.join(given)}")
 
 
 def choice_seed(seed: int, choice: int) -> int:

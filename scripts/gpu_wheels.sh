@@ -36,6 +36,8 @@ PACKAGES=(
   httpx2==2.16.2
   httpcore2==2.16.2
   truststore==0.10.5
+  xgrammar==0.2.8
+  apache-tvm-ffi==0.1.15.post2
 )
 
 PYTHON=${PYTHON:-python3}

@@ -126,8 +126,11 @@ BAD_INPUTS = [
     (CH, {"messages": USER, "model": "gpt-4"}, 404, "model", "model_not_found"),
     (CH, {"messages": USER, "max_tokens": 0}, 400, "max_tokens", None),
     (CH, {"messages": USER, "max_completion_tokens": 10**6}, 400, "max_completion_tokens", None),
-    (CH, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
-    (CH, {"messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format", None),
+    (CH, {"messages": USER, "tools": [{"type": "retrieval", "function": {"name": "f"}}]}, 400, None, None),
+    (CH, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f g"}}]}, 400, None, None),
+    (CH, {"messages": USER, "response_format": {"type": "xml"}}, 400, "response_format.type", None),
+    (CH, {"messages": USER, "response_format": {"type": "json_schema"}}, 400, "response_format.json_schema",
+     None),
     (CH, {"messages": USER, "logprobs": "yes"}, 400, "logprobs", None),
     (CH, {"messages": USER, "top_logprobs": 3}, 400, "top_logprobs", "conflicting_fields"),
     (G, {"text": "x", "logprob_start_len": 0}, 400, "logprob_start_len", "unsupported_parameter"),
@@ -150,12 +153,17 @@ BAD_INPUTS = [
 UNSUPPORTED_FIELDS = {"regex": "[a-z]+", "ebnf": "root ::= 'a'",
                       "priority": 1, "lora_path": "adapter", "chat_template_kwargs": {"enable_thinking": False},
                       "json_schema": "{}", "no_stop_trim": True}
+# Served, but only in /generate's sampling_params (grammars) or only on chat (template variables).
+GENERATE_SAMPLING_ONLY = {"regex", "ebnf", "json_schema"}
+CHAT_ONLY = {"chat_template_kwargs"}
 for _name, _value in UNSUPPORTED_FIELDS.items():
     BAD_INPUTS += [(C, {"prompt": "x", _name: _value}, 400, _name, "unsupported_parameter"),
-                   (CH, {"messages": USER, _name: _value}, 400, _name, "unsupported_parameter"),
-                   (G, {"text": "x", "sampling_params": {_name: _value}}, 400, f"sampling_params.{_name}",
-                    "unsupported_parameter"),
                    (G, {"text": "x", _name: _value}, 400, _name, "unsupported_parameter")]
+    if _name not in CHAT_ONLY:
+        BAD_INPUTS.append((CH, {"messages": USER, _name: _value}, 400, _name, "unsupported_parameter"))
+    if _name not in GENERATE_SAMPLING_ONLY | CHAT_ONLY:
+        BAD_INPUTS.append((G, {"text": "x", "sampling_params": {_name: _value}}, 400, f"sampling_params.{_name}",
+                           "unsupported_parameter"))
 # A lone surrogate is valid JSON but no text: 400 naming the field, streaming or not.
 LONE_SURROGATE = '"a\\ud800b"'
 for _stream in ("false", "true"):

@@ -4,7 +4,10 @@
 tokens of the step before into `RequestOutput`s. With overlap scheduling (the default) the host
 builds and launches step N+1 while the device still runs step N (`StepInFlight`), and only then
 waits for step N's tokens, so scheduling, result processing and launches hide behind the device's
-work. The offline `Engine` and the server's engine process both drive it.
+work. A step that sampled for a grammar-constrained request is the exception: the next mask
+needs its token, so it is collected before the next step is built (see `radixserve.grammar`).
+A constrained request waits outside the scheduler until its grammar is compiled
+(`GrammarWaitlist`). The offline `Engine` and the server's engine process both drive it.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import torch
 
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.cache.radix_cache import CacheCounters, RadixCache
+from radixserve.engine.grammar_wait import GrammarWaitlist
 from radixserve.engine.io_struct import GenerateRequest, RequestOutput
 from radixserve.engine.model_runner import ModelRunner
+from radixserve.grammar.spec import grammar_spec
 from radixserve.model.config import ModelConfig
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.request import Req
@@ -30,6 +35,9 @@ from radixserve.scheduler.scheduler import Scheduler
 from radixserve.settings import CPU_KV_POOL_TOKENS, ServerSettings
 
 logger = logging.getLogger("radixserve")
+
+# How long a step with nothing to run but grammars compiling waits for one of them.
+GRAMMAR_WAIT_S = 0.005
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -88,6 +96,14 @@ class EngineCore:
                                   cuda_graph_max_bs=min(settings.cuda_graph_max_bs, max_running),
                                   disable_cuda_graph=settings.disable_cuda_graph)
         self.runner.eos_token_ids = sorted(set(eos))
+        self.grammar_wait = GrammarWaitlist(self.tokenizer, cfg.vocab_size, eos)
+        if self.tokenizer is not None:
+            # Reading a 150k vocabulary into xgrammar takes a second: at start-up, not in a step.
+            try:
+                self.runner.grammars = self.grammar_wait.compilers
+            except Exception as e:  # noqa: BLE001: serve without grammars rather than not at all
+                logger.warning("constrained decoding is off: xgrammar cannot read this tokenizer (%s)", e)
+                self.grammar_wait.disable(f"constrained decoding is off on this server: {e}")
         self.last_step = StepInfo(None, 0.0)
         self.overlap = not settings.disable_overlap_schedule
         self.in_flight: Optional[StepInFlight] = None  # the launched step whose tokens are unread
@@ -162,31 +178,62 @@ class EngineCore:
         if len(ids) + params.max_new_tokens > self.pool_size:
             raise ValueError(f"the prompt ({len(ids)} tokens) plus max_new_tokens={params.max_new_tokens} "
                              f"does not fit in the KV pool of {self.pool_size} tokens")
-        if request.rid in self.scheduler.reqs:
+        if grammar_spec(params) is not None and self.tokenizer is None:
+            raise ValueError("constrained decoding (json_schema, regex, ebnf) needs the model's tokenizer")
+        if request.rid in self.scheduler.reqs or request.rid in self.grammar_wait:
             raise ValueError(f"request id {request.rid!r} is already in use")
         return Req(rid=request.rid, origin_input_ids=list(ids), sampling_params=params,
                    arrival_time=request.arrival_time or time.monotonic(), arrival_seq=-1, log=request.log)
 
     def add_request(self, request: GenerateRequest) -> None:
-        self.scheduler.add_request(self.make_req(request))
+        self.submit(self.make_req(request))
+
+    def submit(self, req: Req) -> None:
+        """Queue a request made by `make_req`: to the scheduler, or to wait for its grammar."""
+        if grammar_spec(req.sampling_params) is not None:
+            if not self.grammar_wait.add(req):
+                return  # scheduled once its grammar is compiled (see _admit_compiled)
+        self.scheduler.add_request(req)
 
     def abort(self, rid: str) -> Optional[RequestOutput]:
-        req = self.scheduler.abort(rid)
+        req = self.scheduler.abort(rid) or self.grammar_wait.abort(rid)
         return self._output(req) if req is not None else None
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self.in_flight is not None
+        return self.scheduler.has_work or self.in_flight is not None or len(self.grammar_wait) > 0
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Move requests whose grammar finished compiling into the scheduler; outputs for those
+        whose grammar failed."""
+        if not len(self.grammar_wait):
+            return []
+        if not self.scheduler.has_work and self.in_flight is None:
+            self.grammar_wait.wait(GRAMMAR_WAIT_S)  # nothing else to do: no busy loop
+        ready, failed = self.grammar_wait.take_ready()
+        for req in ready:
+            self.scheduler.add_request(req)
+        return [self._output(r) for r in failed]
+
+    def _constrained(self, step: Optional[StepInFlight]) -> bool:
+        """Whether a launched step sampled for a grammar-constrained request still running."""
+        return step is not None and any(r.grammar is not None and r.finish_reason is None for r in step.batch.reqs)
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one batch, then collect the step before it (or this one, without
         overlap); outputs for every request that got a token."""
         start = time.perf_counter()
+        outputs = self._admit_compiled()
         previous, self.in_flight = self.in_flight, None
+        if self._constrained(previous):
+            # The next mask of a constrained request needs the token the previous step sampled:
+            # no overlap for this step (see docs/structured_outputs.md for what it costs).
+            outputs += self._collect(previous)
+            previous = None
         batch = self.scheduler.schedule(previous)  # collects `previous` early if it must retract
         if batch is not None:
             self.in_flight = StepInFlight(batch, self.runner.launch(batch))
-        outputs = self._collect(previous)
+        outputs += self._collect(previous)
         if not self.overlap:
             outputs += self.sync()
         self.last_step = StepInfo(batch, time.perf_counter() - start, start)

@@ -14,6 +14,7 @@ from radixserve.default_model import ensure_model_path
 from radixserve.engine.core import EngineCore, new_request_id
 from radixserve.engine.detokenize import decode_output
 from radixserve.engine.io_struct import GenerateRequest, RequestOutput
+from radixserve.grammar.spec import check_grammar, grammar_spec
 from radixserve.sampling_params import sampling_params_from_dict
 from radixserve.settings import ServerSettings
 
@@ -51,6 +52,10 @@ class Engine:
             params = [sampling_params_from_dict(p) for p in sampling_params]
         else:
             params = [sampling_params_from_dict(sampling_params) for _ in ids_list]
+        for p in params:
+            spec = grammar_spec(p)
+            if spec is not None:
+                check_grammar(*spec)  # a bad grammar is a ValueError before anything is queued
         now = time.monotonic()
         reqs = [GenerateRequest(rid=new_request_id(), input_ids=ids, sampling_params=p, arrival_time=now)
                 for ids, p in zip(ids_list, params)]
@@ -62,7 +67,7 @@ class Engine:
         reqs, single = self._requests(prompt, input_ids, sampling_params)
         engine_reqs = [self.core.make_req(r) for r in reqs]  # raises before anything is allocated
         for r in engine_reqs:
-            self.core.scheduler.add_request(r)
+            self.core.submit(r)
         start = {r.rid: time.perf_counter() for r in reqs}
         results: dict[str, dict] = {}
         outputs: dict[str, list[int]] = {r.rid: [] for r in reqs}

@@ -25,7 +25,7 @@ from radixserve.engine.cuda_graph import DecodeCudaGraphs, supports_cuda_graphs
 from radixserve.engine.sampled_tokens import LastSampledTokens
 from radixserve.model.logit_processing import ProcessingRow, process_logits
 from radixserve.model.logprobs import LogprobTensors, token_logprobs
-from radixserve.model.sampler import sample_tensor
+from radixserve.model.sampler import apply_token_bitmask, sample_tensor
 from radixserve.sampling_params import TokenLogprob
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.batch import ScheduledBatch
@@ -110,6 +110,8 @@ class ModelRunner:
         self.num_eager_steps = 0
         # Masked by min_new_tokens until a request has that many tokens (set by the engine).
         self.eos_token_ids: list[int] = []
+        # Set by the engine when the first constrained request arrives (GrammarCompilers).
+        self.grammars = None
 
     # ------------------------------------------------------------------ batch building
     @staticmethod
@@ -188,7 +190,7 @@ class ModelRunner:
         if not sampling:
             return StepFuture(None, None)
         params = [r.sampling_params for r in sampling]
-        processed = self.process_logits(logits, sampling)
+        processed = self._constrain(self.process_logits(logits, sampling), sampling)
         ids = sample_tensor(processed, params, [self._generator(r) for r in sampling], self.default_generator)
         # Of the model's own logits (the graph's output view is still intact: nothing replays
         # before these kernels run, in stream order).
@@ -210,6 +212,18 @@ class ModelRunner:
             return logits
         rows = [ProcessingRow(r.sampling_params, r.origin_input_ids, _outputs_before_step(r)) for r in sampling]
         return process_logits(logits, rows, self.eos_token_ids, self.sampled.resolve)
+
+    def _constrain(self, logits: torch.Tensor, sampling: list[Req]) -> torch.Tensor:
+        """Logits with the tokens each grammar-constrained row may not take masked out. The host
+        fills the bitmask from the matchers, which have accepted every earlier token: the engine
+        never launches a constrained request while one of its tokens is still on the device."""
+        grammars = [r.grammar for r in sampling]
+        if self.grammars is None or all(g is None for g in grammars):
+            return logits
+        bitmask = self.grammars.fill_bitmask(grammars)
+        if self.device.type == "cuda":
+            bitmask = bitmask.pin_memory().to(self.device, non_blocking=True)
+        return apply_token_bitmask(logits, bitmask)
 
     def forward(self, sb: ScheduledBatch) -> list[int]:
         """Run the batch and wait; one sampled token per request that samples, in batch order."""

@@ -118,3 +118,12 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[Optional[torch.Generator]], default_generator: Optional[torch.Generator] = None) -> list[int]:
     """One token id per row of logits [S, V]; one device-to-host copy."""
     return sample_tensor(logits, params, generators, default_generator).tolist()
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Logits [S, V] with every token a grammar forbids set to -inf (a new tensor; `logits` may be a
+    CUDA graph's output buffer). bitmask: int32 [S, ceil(V / 32)] on the logits' device, bit j of
+    word w allowing token 32 * w + j (xgrammar's layout); rows of -1 allow everything."""
+    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.shape[0], -1)[:, :logits.shape[-1]]
+    return logits.masked_fill(~allowed, float("-inf"))

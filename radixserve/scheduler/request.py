@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
@@ -16,6 +16,17 @@ class ReqState(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class TokenGrammar(Protocol):
+    """A request's grammar matcher (radixserve.grammar.backend.RequestGrammar)."""
+
+    def accept(self, token: int) -> bool:
+        """Advance by a sampled token; False when the grammar does not allow it."""
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and its stop token accepted."""
 
 
 @dataclass(eq=False)  # identity equality: requests live in sets and dicts
@@ -57,6 +68,9 @@ class Req:
     # is scheduled; see StepInFlight). Their positions count in seq_len: with overlap scheduling
     # the next step is built on positions alone and the model reads such a token from the device.
     pending: int = 0
+    # Constrained decoding: the matcher every sampled token advances (None: unconstrained). The
+    # engine never schedules such a request while a token of it is still on the device.
+    grammar: Optional[TokenGrammar] = None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -24,7 +24,7 @@ from radixserve.cache.kv_pool import ReqToTokenPool
 from radixserve.cache.radix_cache import RadixCache, TreeNode
 from radixserve.scheduler.batch import ScheduledBatch, StepInFlight
 from radixserve.scheduler.kv_manager import KVManager
-from radixserve.scheduler.prefill import PrefillAdder, future_tokens
+from radixserve.scheduler.prefill import PrefillAdder
 from radixserve.scheduler.request import Req, ReqState
 from radixserve.scheduler.waiting_queue import WaitingQueue
 from radixserve.sampling_params import TokenLogprob
@@ -308,6 +308,11 @@ class Scheduler:
 
     def _finish_reason(self, req: Req, token: int) -> Optional[dict]:
         params = req.sampling_params
+        if req.grammar is not None:
+            if not req.grammar.accept(token):  # masked sampling never picks one; a bug if it does
+                return {"type": "abort", "message": f"token {token} is not allowed by the request's grammar"}
+            if req.grammar.terminated:
+                return {"type": "stop", "matched": token}
         if len(req.output_ids) < params.min_new_tokens:
             # Stop tokens are masked until then; stop strings are not looked for either (vLLM's rule).
             return self._length_reason(req)

@@ -102,6 +102,10 @@ def run_server(settings: ServerSettings) -> int:
     atexit.register(engine.kill_now)  # atexit runs last-registered first
     engine.spawn()  # the engine loads the model while this process loads the tokenizer
     tokenizer = load_tokenizer(settings.tokenizer_path or model_path)
+    if settings.chat_template:
+        from radixserve.server.tool_calls import load_chat_template
+
+        load_chat_template(tokenizer, settings.chat_template)
     app = create_app(settings, model_path, tokenizer, engine)
     import importlib.util
 

@@ -10,7 +10,7 @@ forbidden, and the fields declared here only for their neutral value (`tool_choi
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -83,6 +83,20 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(populate_by_name=True)
+    name: NonEmptyStr = Field(max_length=64)
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema",
+                                              description="A JSON Schema; omitted means any JSON object.")
+    strict: Optional[bool] = Field(None, description="The schema is always enforced.")
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = Field(None, description="Required with type json_schema.")
+
+
 class _SamplingFields(_Body):
     model: Optional[str] = Field(None, description="Served model name; omitted means the served model.")
     temperature: Optional[float] = Field(None, ge=0.0, le=TEMPERATURE_MAX, description="0 is greedy. Default 1.")
@@ -112,6 +126,9 @@ class _SamplingFields(_Body):
     logit_bias: Optional[LogitBias] = Field(None, description="Token id (a decimal string) -> bias added to "
                                                               "its logit, in [-100, 100].")
     user: Optional[str] = Field(None, description="Accepted for compatibility; not used.")
+    response_format: Optional[ResponseFormat] = Field(
+        None, description="text (default), json_object (any JSON object) or json_schema (output valid "
+                          "against the schema, enforced by a grammar whether strict or not).")
 
 
 # Prompt log probabilities (echo with logprobs) are not served: the schema says so.
@@ -154,14 +171,56 @@ class ContentPart(BaseModel):
     text: Optional[Text] = None
 
 
+class FunctionCall(_Body):
+    name: NonEmptyStr
+    arguments: Text = Field(description="The arguments as a JSON text.")
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+# A tool message answers a call (tool_call_id); only an assistant message makes calls (tool_calls).
+_MESSAGE_RULES = {"allOf": [
+    {"if": {"properties": {"role": {"const": "tool"}}, "required": ["role"]},
+     "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}},
+     "else": {"properties": {"tool_call_id": {"type": "null"}}}},
+    {"if": {"properties": {"tool_calls": {"type": "array"}}, "required": ["tool_calls"]},
+     "then": {"properties": {"role": {"const": "assistant"}}}},
+]}
+
+
 class ChatMessage(_Body):
+    model_config = ConfigDict(json_schema_extra=_MESSAGE_RULES)
     role: str = Field(description=f"One of {', '.join(ROLES)}.", json_schema_extra={"enum": list(ROLES)})
     content: Union[Text, list[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = Field(None, description="An assistant message's tool calls.")
+    tool_call_id: Optional[str] = Field(None, description="The call a tool message answers.")
 
 
-class ResponseFormat(_Body):
-    type: str = Field(description="Only 'text' is supported.", json_schema_extra={"enum": ["text"]})
+class FunctionDef(_Body):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = Field(None, description="A JSON Schema of the arguments.")
+    strict: Optional[bool] = Field(None, description="Arguments always follow the schema when the call is "
+                                                     "forced (required or a named function).")
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: NonEmptyStr
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -172,10 +231,14 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: Optional[bool] = Field(None, description="Log probabilities of each output token.")
     top_logprobs: Optional[TopLogprobs] = Field(None, description="This many most likely tokens per position "
                                                                   "too; needs logprobs: true.")
-    tools: Optional[list[Any]] = Field(None, description="Not supported (empty only).",
-                                       json_schema_extra={"maxItems": 0})
-    tool_choice: Optional[Any] = neutral_only("none", "Not supported ('none' only).")
-    response_format: Optional[ResponseFormat] = Field(None, description="Only type 'text' is supported.")
+    tools: Optional[list[Tool]] = Field(None, description="Functions the model may call; the chat template "
+                                                          "renders them (Qwen2/2.5's <tool_call> format).")
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
+        None, description="Default auto with tools, none without. required and a named function are "
+                          "enforced by a grammar, so the arguments always parse.")
+    parallel_tool_calls: Optional[bool] = Field(None, description="Default true: several calls in one reply.")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="Extra variables for the chat "
+                                                                             "template.")
     add_generation_prompt: bool = Field(True, description="radixserve extension.")
 
 
@@ -196,6 +259,10 @@ class NativeSamplingParams(_Body):
     presence_penalty: Optional[Penalty] = None
     repetition_penalty: Optional[RepetitionPenalty] = None
     logit_bias: Optional[LogitBias] = None
+    json_schema: Optional[NonEmptyStr] = Field(None, description="Output valid against this JSON Schema (text).")
+    regex: Optional[NonEmptyStr] = Field(None, description="Output matching this regular expression.")
+    ebnf: Optional[NonEmptyStr] = Field(None, description="Output in the language of this EBNF grammar "
+                                                          "(xgrammar's dialect).")
 
     def values(self) -> dict[str, Any]:
         values = self.model_dump(exclude_none=True)

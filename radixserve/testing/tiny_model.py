@@ -25,18 +25,45 @@ SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
 MAX_POSITIONS = 32768
 # The version of what build_tiny_model writes: a cached build with another version is rebuilt.
 # Raise it whenever the files change (config, tokenizer, weights).
-BUILD_VERSION = 2
+BUILD_VERSION = 3
 BUILD_MARKER = "radixserve-tiny-model.json"
 
-# Qwen2-Instruct's ChatML template: a default system turn when none is given.
+# Qwen2.5-Instruct's ChatML template: a default system turn when none is given; `tools` are listed
+# in the system turn, an assistant's tool calls are written as <tool_call> blocks and tool results
+# go back as <tool_response> blocks in a user turn (Qwen2.5's format, shorter wording).
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
-    "{% endif %}"
+    "{%- set system = messages[0]['content'] if messages[0]['role'] == 'system' else "
+    "'You are a helpful assistant.' %}"
+    "{%- if tools %}"
+    "{{ '<|im_start|>system\\n' + system + '\\n\\n# Tools\\n\\nYou may call one or more functions. Their "
+    "signatures are within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with the function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\n' + system + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first and tools %}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set args = call['function']['arguments'] %}"
+    "{{ ('\\n' if (message['content'] or not loop.first) else '') + '<tool_call>\\n{\"name\": \"' "
+    "+ call['function']['name'] + '\", \"arguments\": ' + (args if args is string else (args | tojson)) "
+    "+ '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{%- endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 # Plain English, numbers and punctuation, so common words and digits get their own merges.

@@ -10,12 +10,14 @@ from typing import Any, Optional
 
 from fastapi import APIRouter, Request
 
+from radixserve.grammar.spec import grammar_spec
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
 from radixserve.server.logprob_format import TokenTexts, sglang_logprobs
 from radixserve.server.protocol import GenerateBody
 from radixserve.server.responses import per_output, run_request
 from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, new_id, request_label, sse
+from radixserve.server.structured import check_request_grammar
 
 router = APIRouter()
 
@@ -87,6 +89,10 @@ async def generate(body: GenerateBody, request: Request, ctx: Ctx):
     if not prompts:
         raise bad_request("the batch is empty", param)
     params_per_prompt = generate_params(ctx, body, prompts, param)
+    for params in {id(p): p for ps in params_per_prompt for p in ps}.values():
+        spec = grammar_spec(params)
+        if spec is not None:
+            await check_request_grammar(ctx, params, f"sampling_params.{spec[0]}")
     # The engine's id is always made here: a client's rid is a label, echoed back and logged.
     trackers = ctx.new_trackers(prompts, params_per_prompt, new_id(""), arrival, label if single else None)
     texts = ctx.token_texts if body.return_text_in_logprobs else None

@@ -14,6 +14,9 @@ from radixserve.server.logprob_format import chat_logprobs, completion_logprobs
 from radixserve.server.protocol import ROLES, ChatCompletionRequest, CompletionRequest
 from radixserve.server.responses import per_output, run_request, usage
 from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, finish_reason_name, new_id, sse
+from radixserve.server.structured import check_request_grammar, response_format_grammar
+from radixserve.server.tool_calls import (ToolCallStream, ToolPolicy, forced_call_grammar, parse_tool_calls,
+                                         template_tool_calls, tool_policy)
 from radixserve.validation import choice_seed
 
 router = APIRouter()
@@ -54,15 +57,24 @@ def openai_params(body, max_tokens: int, seed_offset: int, top_logprobs: Optiona
 
 
 def build_choices(ctx: ServingContext, body, prompts: list[list[int]], param: str, max_tokens: Optional[int],
-                  max_param: str, top_logprobs: Optional[int]) -> list[list[SamplingParams]]:
+                  max_param: str, top_logprobs: Optional[int],
+                  grammar: Optional[tuple[str, str]] = None) -> list[list[SamplingParams]]:
+    """grammar: (kind, text) every choice's output is constrained by (see radixserve.grammar)."""
+    extra = {grammar[0]: grammar[1]} if grammar is not None else {}
     out = []
     bias = ctx.logit_bias(body.logit_bias, "logit_bias")
     for ids in prompts:
         ctx.check_prompt(ids, param)
         mnt = ctx.max_new_tokens(ids, max_tokens, max_param)
-        out.append([ctx.sampling_params(openai_params(body, mnt, j, top_logprobs, bias), "")
+        out.append([ctx.sampling_params({**openai_params(body, mnt, j, top_logprobs, bias), **extra}, "")
                     for j in range(body.n)])
     return out
+
+
+async def checked_grammar(ctx: ServingContext, grammar: Optional[tuple[str, str]], param: str) -> None:
+    """400 naming the problem when the request's grammar does not compile."""
+    if grammar is not None:
+        await check_request_grammar(ctx, SamplingParams(**{grammar[0]: grammar[1]}), param)
 
 
 async def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> tuple[list[Optional[str]], list[list[int]]]:
@@ -88,8 +100,10 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
                        param="echo", code="unsupported_parameter")
     check_neutral(body, "suffix", lambda v: v == "", "insertion is not implemented")
     check_neutral(body, "best_of", lambda v: v in (1, body.n), "only best_of == n")
+    grammar = response_format_grammar(body.response_format)
+    await checked_grammar(ctx, grammar, "response_format")
     texts, prompts = await completion_prompts(ctx, body)
-    choices = build_choices(ctx, body, prompts, "prompt", body.max_tokens, "max_tokens", body.logprobs)
+    choices = build_choices(ctx, body, prompts, "prompt", body.max_tokens, "max_tokens", body.logprobs, grammar)
     if body.echo and ctx.tokenizer is not None:  # token-id prompts echo as their text
         texts = [t if t is not None else await ctx.run_blocking(ctx.tokenizer.decode, ids)
                  for t, ids in zip(texts, prompts)]
@@ -142,38 +156,62 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
     return await run_request(ctx, request, trackers, body.stream, final, stream)
 
 
-async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
-    return await ctx.tokenize(await chat_prompt_text(ctx, body), "messages")
+async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest, policy: ToolPolicy) -> list[int]:
+    return await ctx.tokenize(await chat_prompt_text(ctx, body, policy), "messages")
 
 
-async def chat_prompt_text(ctx: ServingContext, body: ChatCompletionRequest) -> str:
-    """The conversation rendered by the tokenizer's chat template."""
+def _message_text(i: int, content) -> str:
+    """A message's content as one text: only text parts are served."""
+    if not isinstance(content, list):
+        return content or ""
+    parts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported, got "
+                                f"{part.type!r}", param=f"messages[{i}].content", code="unsupported_parameter")
+        if part.model_extra:
+            raise APIError(400, f"messages[{i}].content[{j}]: a text part has only type and text, got "
+                                f"{', '.join(sorted(part.model_extra))}", param=f"messages[{i}].content",
+                           code="unsupported_parameter")
+        parts.append(part.text)
+    return "\n".join(parts)
+
+
+def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The conversation as the chat template reads it, tool calls and tool results included."""
     messages = []
     for i, msg in enumerate(body.messages):
         if msg.role not in ROLES:
             raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {msg.role!r}",
                               f"messages[{i}].role")
-        content = msg.content
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported, got "
-                                        f"{part.type!r}", param=f"messages[{i}].content",
-                                   code="unsupported_parameter")
-                if part.model_extra:
-                    raise APIError(400, f"messages[{i}].content[{j}]: a text part has only type and text, got "
-                                        f"{', '.join(sorted(part.model_extra))}", param=f"messages[{i}].content",
-                                   code="unsupported_parameter")
-                parts.append(part.text)
-            content = "\n".join(parts)
-        messages.append({"role": msg.role, "content": content or ""})
+        if msg.tool_calls is not None and msg.role != "assistant":
+            raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
+        if (msg.tool_call_id is not None) != (msg.role == "tool"):
+            raise bad_request(f"messages[{i}]: a tool message needs tool_call_id, and only a tool message has one",
+                              f"messages[{i}].tool_call_id")
+        message: dict[str, Any] = {"role": msg.role, "content": _message_text(i, msg.content)}
+        if msg.tool_calls:
+            message["tool_calls"] = template_tool_calls(msg.tool_calls)
+        if msg.tool_call_id is not None:
+            message["tool_call_id"] = msg.tool_call_id
+        if msg.name is not None and msg.role == "tool":
+            message["name"] = msg.name
+        messages.append(message)
+    return messages
+
+
+async def chat_prompt_text(ctx: ServingContext, body, policy: Optional[ToolPolicy] = None) -> str:
+    """The conversation rendered by the tokenizer's chat template (with the tools the policy shows)."""
+    messages = template_messages(body)
     tok = ctx.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise bad_request("the served model has no chat template; use /v1/completions", "messages")
+    kwargs: dict[str, Any] = dict(getattr(body, "chat_template_kwargs", None) or {})
+    if policy is not None and policy.parses:  # with tool_choice none the model is not shown the tools
+        kwargs["tools"] = policy.tools
     try:
         text = await ctx.run_blocking(partial(tok.apply_chat_template, messages, tokenize=False,
-                                              add_generation_prompt=body.add_generation_prompt))
+                                              add_generation_prompt=body.add_generation_prompt, **kwargs))
     except Exception as e:  # a template that rejects this conversation (raise_exception, ...)
         raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
     return text
@@ -188,29 +226,41 @@ def chat_top_logprobs(body: ChatCompletionRequest) -> Optional[int]:
     return body.top_logprobs or 0
 
 
-def check_chat_unsupported(body: ChatCompletionRequest) -> None:
-    check_neutral(body, "tools", lambda v: not v, "tool calls are not implemented")
-    check_neutral(body, "tool_choice", lambda v: v == "none", "tool calls are not implemented")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise APIError(400, f"response_format type {body.response_format.type!r} is not supported",
-                       param="response_format", code="unsupported_parameter")
+def chat_grammar(body: ChatCompletionRequest, policy: ToolPolicy) -> Optional[tuple[str, str]]:
+    """The grammar of the reply: a forced tool call's, else the response_format's, else None."""
+    return forced_call_grammar(policy) or response_format_grammar(body.response_format)
+
+
+def chat_message(t: Tracker, policy: ToolPolicy) -> tuple[dict[str, Any], Optional[str]]:
+    """The reply of a finished choice and its finish_reason (tool calls parsed when tools are on)."""
+    reason = finish_reason_name(t.finish_reason)
+    if not policy.parses:
+        return {"role": "assistant", "content": t.text}, reason
+    content, calls = parse_tool_calls(t.text, policy.parallel)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+        reason = "tool_calls" if reason == "stop" else reason
+    return message, reason
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: Ctx):
     arrival = time.perf_counter()
     ctx.check_model(body.model)
-    check_chat_unsupported(body)
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
         raise bad_request("max_tokens and max_completion_tokens disagree", "max_completion_tokens",
                           code=CONFLICTING_FIELDS)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    ids = await chat_prompt(ctx, body)
+    policy = tool_policy(body)
+    grammar = chat_grammar(body, policy)
+    await checked_grammar(ctx, grammar, "tools" if policy.forced else "response_format")
+    ids = await chat_prompt(ctx, body, policy)
     top_logprobs = chat_top_logprobs(body)
     choices = build_choices(ctx, body, [ids], "messages", max_tokens,
                             "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
-                            top_logprobs)
+                            top_logprobs, grammar)
     cid = new_id("chatcmpl-")
     trackers = ctx.new_trackers([ids], choices, cid, arrival)
     model = ctx.served_model_name
@@ -219,11 +269,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         return None if top_logprobs is None else chat_logprobs(ctx.token_texts, token_ids, logprobs)
 
     def final(ts: list[Tracker]):
+        replies = [chat_message(t, policy) for t in ts]
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": t.index, "message": {"role": "assistant", "content": t.text},
-                             "logprobs": logprobs_of(t.output_ids, t.logprobs),
-                             "finish_reason": finish_reason_name(t.finish_reason)}
-                            for t in ts],
+                "choices": [{"index": t.index, "message": message,
+                             "logprobs": logprobs_of(t.output_ids, t.logprobs), "finish_reason": reason}
+                            for t, (message, reason) in zip(ts, replies)],
                 "usage": usage(ts)}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -236,13 +286,22 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         return sse(data)
 
     async def stream(outputs, close):
+        tool_streams = {t.rid: ToolCallStream(policy.parallel) for t in trackers} if policy.parses else {}
         for t in trackers:
             yield chunk(t.index, {"role": "assistant", "content": ""}, None)
         async for t, out, delta in per_output(ctx, outputs, trackers):
+            tools = tool_streams.get(t.rid)
+            calls: list[dict] = []
+            if tools is not None:
+                delta, calls = tools.feed(delta)
             if delta or out.new_logprobs:
                 yield chunk(t.index, {"content": delta}, None, logprobs_of(out.new_token_ids, out.new_logprobs))
+            first = tools.num_calls - len(calls) if tools is not None else 0
+            for i, call in enumerate(calls):  # each call as its block closes: id, name, arguments at once
+                yield chunk(t.index, {"tool_calls": [{"index": first + i, **call}]}, None)
             if t.finished:
-                yield chunk(t.index, {}, finish_reason_name(t.finish_reason))
+                for event in finish_chunks(t, tools):
+                    yield chunk(t.index, *event)
         close()
         if include_usage:
             yield sse({"id": cid, "object": "chat.completion.chunk", "created": int(time.time()),
@@ -250,6 +309,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         yield SSE_DONE
 
     return await run_request(ctx, request, trackers, body.stream, final, stream)
+
+
+def finish_chunks(t: Tracker, tools: Optional[ToolCallStream]) -> list[tuple[dict, Optional[str]]]:
+    """The last deltas of a streamed choice: text held back, then the finish reason."""
+    reason = finish_reason_name(t.finish_reason)
+    if tools is None:
+        return [({}, reason)]
+    rest = tools.finish()
+    events: list[tuple[dict, Optional[str]]] = [({"content": rest}, None)] if rest else []
+    return events + [({}, "tool_calls" if tools.num_calls and reason == "stop" else reason)]
 
 
 @router.get("/v1/models")

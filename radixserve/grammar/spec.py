@@ -1,0 +1,63 @@
+"""A request's grammar: its kind and text, and checking it before a request is accepted.
+
+The kinds are SGLang's sampling parameters: `json_schema` (a JSON Schema as text), `regex` and
+`ebnf` (xgrammar's EBNF dialect, GBNF-like). The OpenAI API's `response_format` and forced tool
+calls are turned into one of these by the server. Checking builds the grammar without a tokenizer
+(no vocabulary work), so the API process can refuse a bad one with a message naming the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Optional
+
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
+# Outputs are compact JSON (", " and ": " separators, no other whitespace): a model cannot pad
+# an object with whitespace forever, and a schema's output has one spelling.
+JSON_SEPARATORS = (", ", ": ")
+# `response_format: json_object` (any JSON object).
+ANY_OBJECT_SCHEMA = '{"type": "object"}'
+_XGRAMMAR_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+def grammar_spec(params: Any) -> Optional[tuple[str, str]]:
+    """(kind, text) of the grammar a SamplingParams asks for, or None."""
+    for kind in GRAMMAR_KINDS:
+        text = getattr(params, kind, None)
+        if text is not None:
+            return kind, text
+    return None
+
+
+def clean_error(error: Exception) -> str:
+    """xgrammar's message without its timestamp and source location."""
+    return _XGRAMMAR_LOCATION.sub("", str(error).strip()).strip()
+
+
+def build_grammar(kind: str, text: str):
+    """The xgrammar `Grammar` of (kind, text); ValueError naming the problem when it is invalid."""
+    import xgrammar
+
+    try:
+        if kind == "json_schema":
+            try:
+                schema = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"json_schema is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("json_schema must be a JSON object (a JSON Schema)")
+            return xgrammar.Grammar.from_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS,
+                                                     strict_mode=True)
+        if kind == "regex":
+            return xgrammar.Grammar.from_regex(text)
+        if kind == "ebnf":
+            return xgrammar.Grammar.from_ebnf(text)
+    except (RuntimeError, xgrammar.InvalidJSONError) as e:
+        raise ValueError(f"invalid {kind}: {clean_error(e)}") from None
+    raise ValueError(f"unknown grammar kind {kind!r}; one of {', '.join(GRAMMAR_KINDS)}")
+
+
+def check_grammar(kind: str, text: str) -> None:
+    """Raise ValueError naming the problem when (kind, text) is not a grammar xgrammar can use."""
+    build_grammar(kind, text)

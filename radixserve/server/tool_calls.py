@@ -1,0 +1,214 @@
+"""Tool calling in Qwen2/2.5's format: the chat template renders `tools`, the model answers with
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, and those are parsed into the
+OpenAI `tool_calls` of the reply. `tool_choice: required` and a named function are enforced by a
+grammar (an EBNF of such blocks whose JSON follows the tools' parameter schemas), so the arguments
+of a forced call always parse; `auto` lets the model choose and parses what it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from radixserve.grammar.spec import build_grammar
+
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+_BLOCK = re.compile(re.escape(TOOL_CALL_START) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_END), re.DOTALL)
+
+
+def load_chat_template(tokenizer, path: str) -> None:
+    """Serve the Jinja template in `path` instead of the tokenizer's own."""
+    if tokenizer is None:
+        raise ValueError("--chat-template needs a tokenizer")
+    with open(path, encoding="utf-8") as f:
+        tokenizer.chat_template = f.read()
+
+
+@dataclass
+class ToolPolicy:
+    """What a chat request asks of tools: those offered, whether the model must call one, which."""
+
+    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool objects, for the template
+    mode: str = "none"  # none | auto | required | named
+    name: Optional[str] = None  # the function a named choice forces
+    parallel: bool = True
+
+    @property
+    def parses(self) -> bool:
+        return self.mode != "none" and bool(self.tools)
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+    def function(self, name: str) -> Optional[dict[str, Any]]:
+        return next((t["function"] for t in self.tools if t["function"]["name"] == name), None)
+
+
+def _call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
+    variants = [{"type": "object",
+                 "properties": {"name": {"const": f["name"]},
+                                "arguments": f.get("parameters") or {"type": "object"}},
+                 "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+
+
+def tool_call_grammar(policy: ToolPolicy) -> str:
+    """The EBNF of a forced reply: one `<tool_call>` block (or several, one per line, when parallel
+    calls are allowed) whose JSON is a call of an allowed function with schema-valid arguments.
+    ValueError when a parameters schema is not a usable JSON Schema."""
+    import xgrammar
+
+    functions = [policy.function(policy.name)] if policy.mode == "named" else [t["function"] for t in policy.tools]
+    call_json = build_grammar("json_schema", json.dumps(_call_schema(functions)))
+    block = xgrammar.Grammar.concat(xgrammar.Grammar.from_ebnf(f'root ::= "{TOOL_CALL_START}\\n"'), call_json,
+                                    xgrammar.Grammar.from_ebnf(f'root ::= "\\n{TOOL_CALL_END}"'))
+    text = str(block)
+    if not policy.parallel:
+        return text
+    # concat names its parts root_1, root_2, ...: `root` itself is referenced by no other rule.
+    assert text.startswith("root ::= ")
+    return 'root ::= tool_call_block ("\\n" tool_call_block)*\ntool_call_block ::= ' + text[len("root ::= "):]
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_tool_calls(text: str, parallel: bool = True) -> tuple[Optional[str], list[dict[str, Any]]]:
+    """The reply's text outside tool-call blocks (None when empty) and its calls as OpenAI
+    `tool_calls` entries. A block whose JSON does not parse as a call stays in the text."""
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    last = 0
+    for match in _BLOCK.finditer(text):
+        call = _call_of(match.group(1))
+        if call is None or (calls and not parallel):
+            continue
+        kept.append(text[last:match.start()])
+        last = match.end()
+        calls.append(call)
+    kept.append(text[last:])
+    content = "".join(kept).strip()
+    return (content or None), calls
+
+
+def _call_of(body: str) -> Optional[dict[str, Any]]:
+    try:
+        # Not strict: a raw control character inside a string (which grammars of bounded strings
+        # allow) still parses; the arguments are written back with it escaped.
+        value = json.loads(body, strict=False)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)  # control characters come out escaped
+    return {"id": new_call_id(), "type": "function", "function": {"name": value["name"], "arguments": arguments}}
+
+
+class ToolCallStream:
+    """Streams a reply's plain text as it comes and holds back everything from the first
+    `<tool_call>` on; each call is handed over as soon as its block closes, and `finish` returns
+    the text left outside blocks (a block that does not parse stays text)."""
+
+    def __init__(self, parallel: bool = True):
+        self.parallel = parallel
+        self.held = ""  # text that may be the start of a tool-call tag
+        self.calls_text: Optional[str] = None  # everything from the first tag on
+        self.scanned = 0  # calls_text[:scanned] is done with: calls handed over, text kept
+        self.kept: list[str] = []  # text outside blocks, shown at the end
+        self.num_calls = 0
+
+    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
+        """The text that can be shown now and the calls whose blocks closed."""
+        if self.calls_text is not None:
+            self.calls_text += delta
+            return "", self._closed_calls()
+        text = self.held + delta
+        at = text.find(TOOL_CALL_START)
+        if at >= 0:
+            self.held, self.calls_text = "", text[at:]
+            return text[:at], self._closed_calls()
+        keep = next((k for k in range(min(len(TOOL_CALL_START) - 1, len(text)), 0, -1)
+                     if text.endswith(TOOL_CALL_START[:k])), 0)
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep], []
+
+    def _closed_calls(self) -> list[dict[str, Any]]:
+        calls = []
+        for match in _BLOCK.finditer(self.calls_text, self.scanned):
+            call = _call_of(match.group(1))
+            if call is None or (self.num_calls and not self.parallel):
+                continue  # stays in the text (shown at the end)
+            self.kept.append(self.calls_text[self.scanned:match.start()])
+            self.scanned = match.end()
+            self.num_calls += 1
+            calls.append(call)
+        return calls
+
+    def finish(self) -> str:
+        """The text still to show: what was held and what lay outside the calls."""
+        if self.calls_text is None:
+            return self.held
+        return "".join(self.kept + [self.calls_text[self.scanned:]]).strip()
+
+
+def template_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:
+    """An assistant message's tool calls for the chat template; arguments as an object when they
+    parse (Qwen2.5's template writes them with `tojson`)."""
+    out = []
+    for call in calls:
+        try:
+            arguments: Any = json.loads(call.function.arguments)
+        except json.JSONDecodeError:
+            arguments = call.function.arguments
+        out.append({"id": call.id, "type": "function",
+                    "function": {"name": call.function.name, "arguments": arguments}})
+    return out
+
+
+def tool_policy(body: Any) -> ToolPolicy:
+    """A chat request's tools and tool_choice, checked (APIError 400 naming the field)."""
+    from radixserve.server.errors import CONFLICTING_FIELDS, bad_request
+
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tools: function names must be unique", "tools")
+    choice = body.tool_choice
+    policy = ToolPolicy(tools=tools, parallel=body.parallel_tool_calls is not False)
+    if choice is None:
+        policy.mode = "auto" if tools else "none"
+    elif isinstance(choice, str):
+        policy.mode = choice
+    else:
+        policy.mode, policy.name = "named", choice.function.name
+    if policy.mode in ("required", "named") and not tools:
+        raise bad_request(f"tool_choice {policy.mode!r} needs tools", "tool_choice", code=CONFLICTING_FIELDS)
+    if policy.mode == "named" and policy.name not in names:
+        raise bad_request(f"tool_choice names {policy.name!r}, which is not one of the tools", "tool_choice")
+    if policy.forced and body.response_format is not None and body.response_format.type != "text":
+        raise bad_request("response_format cannot constrain a reply that tool_choice forces to be a tool call",
+                          "response_format", code=CONFLICTING_FIELDS)
+    if policy.forced:
+        policy.parallel = policy.parallel and policy.mode == "required"
+    return policy
+
+
+def forced_call_grammar(policy: ToolPolicy) -> Optional[tuple[str, str]]:
+    """The (kind, text) grammar of a forced tool call, or None; 400 for unusable parameter schemas."""
+    if not policy.forced:
+        return None
+    from radixserve.server.errors import bad_request
+
+    try:
+        return "ebnf", tool_call_grammar(policy)
+    except ValueError as e:
+        raise bad_request(f"a tool's parameters are not a usable JSON Schema: {e}", "tools",
+                          code="invalid_grammar") from None

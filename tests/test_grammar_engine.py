@@ -1,0 +1,82 @@
+"""Constrained decoding in the offline engine: the bitmask keeps a random model inside its grammar,
+constrained and unconstrained requests share batches without changing each other's tokens, and
+overlap scheduling (switched off for steps with constrained rows) gives the same tokens as none."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from radixserve.engine.engine import Engine
+from radixserve.testing.tiny_model import build_tiny_model
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+REGEX = r"(yes|no), [0-9]{1,3}"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("grammar-tiny"))
+
+
+def mixed_batch(engine: Engine) -> list[dict]:
+    prompts = ["The river", "A server answers", "Numbers matter", "Once upon a time"]
+    params = [{"max_new_tokens": 120, "temperature": 1.0, "seed": 11, "json_schema": json.dumps(SCHEMA)},
+              {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True},
+              {"max_new_tokens": 40, "temperature": 1.0, "seed": 12, "regex": REGEX},
+              {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}]
+    return engine.generate(prompts, sampling_params=params)
+
+
+def test_constrained_and_plain_share_batches(model_dir):
+    with Engine(str(model_dir), device="cpu") as overlap, Engine(str(model_dir), device="cpu",
+                                                                 disable_overlap_schedule=True) as plain:
+        results = mixed_batch(overlap)
+        assert [r["output_ids"] for r in results] == [r["output_ids"] for r in mixed_batch(plain)]
+        alone = plain.generate(["A server answers", "Once upon a time"],
+                               sampling_params={"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True})
+        overlap.check_invariants()
+    jsonschema.validate(json.loads(results[0]["text"], strict=False), SCHEMA)
+    assert re.fullmatch(REGEX, results[2]["text"]), results[2]["text"]
+    assert [results[1]["output_ids"], results[3]["output_ids"]] == [a["output_ids"] for a in alone]
+    assert results[0]["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_bad_grammar_is_a_value_error(model_dir):
+    with Engine(str(model_dir), device="cpu") as engine:
+        with pytest.raises(ValueError, match="parenthesis"):
+            engine.generate("x", sampling_params={"regex": "a(b"})
+        with pytest.raises(ValueError, match="at most one"):
+            engine.generate("x", sampling_params={"regex": "a", "json_schema": "{}"})
+
+
+def test_forced_parallel_tool_calls_parse(model_dir):
+    """`tool_choice: required` with parallel calls: one or more <tool_call> blocks, each a call of an
+    offered function with schema-valid arguments."""
+    from radixserve.server.tool_calls import ToolPolicy, parse_tool_calls, tool_call_grammar
+
+    params = {"type": "object", "properties": {"q": {"type": "string", "maxLength": 4}}, "required": ["q"],
+              "additionalProperties": False}
+    policy = ToolPolicy(tools=[{"type": "function", "function": {"name": "search", "parameters": params}},
+                               {"type": "function", "function": {"name": "noop"}}], mode="required")
+    grammar = tool_call_grammar(policy)
+    with Engine(str(model_dir), device="cpu") as engine:
+        outs = engine.generate(["Find", "Look up", "Call"], sampling_params={
+            "max_new_tokens": 300, "temperature": 1.0, "seed": 4, "ebnf": grammar})
+    for out in outs:
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out["text"]
+        content, calls = parse_tool_calls(out["text"])
+        assert content is None and calls, out["text"]
+        assert out["text"].count("<tool_call>") == len(calls)
+        for call in calls:
+            arguments = json.loads(call["function"]["arguments"])
+            if call["function"]["name"] == "search":
+                jsonschema.validate(arguments, params)
+            else:
+                assert call["function"]["name"] == "noop" and isinstance(arguments, dict)

@@ -1,0 +1,135 @@
+"""Tool calls through the real openai SDK against a server over the tiny random model (Qwen2.5's
+<tool_call> format, rendered by the model's chat template): forced calls (`required`, a named
+function) always parse and follow the parameters schema; a two-turn round trip sends the calls and
+their results back through the template."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from radixserve.server.tool_calls import ToolCallStream, parse_tool_calls
+
+WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+                  "required": ["city", "unit"], "additionalProperties": False}
+TIME_PARAMS = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+               "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
+                                           "parameters": WEATHER_PARAMS}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMS}}]
+SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+MAX_TOKENS = 200
+
+
+def served_model(server) -> str:
+    return httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def ask(client, model, messages, stream: bool, **kwargs):
+    """(message dict, finish_reason) of one reply, streamed or not, as the SDK hands it over."""
+    args = dict(model=model, messages=messages, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=1.0, seed=7,
+                **kwargs)
+    if not stream:
+        reply = client.chat.completions.create(**args)
+        choice = reply.choices[0]
+        calls = [c.model_dump() for c in choice.message.tool_calls or []]
+        return {"content": choice.message.content, "tool_calls": calls}, choice.finish_reason
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **args):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            entry = calls.setdefault(call.index, {"id": None, "type": "function",
+                                                  "function": {"name": "", "arguments": ""}})
+            entry["id"] = call.id or entry["id"]
+            entry["function"]["name"] += call.function.name or ""
+            entry["function"]["arguments"] += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return {"content": content or None, "tool_calls": [calls[i] for i in sorted(calls)]}, finish
+
+
+def check_calls(calls, allowed: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call["id"] and call["type"] == "function"
+        name = call["function"]["name"]
+        assert name in allowed
+        jsonschema.validate(json.loads(call["function"]["arguments"], strict=False), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", "named", "auto"])
+def test_tool_round_trip(server, choice, stream):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    model = served_model(server)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else choice
+    message, finish = ask(client, model, messages, stream, tool_choice=tool_choice, parallel_tool_calls=False)
+    if choice == "auto" and not message["tool_calls"]:
+        # A random model rarely writes a tool call of its own accord: a plain reply is well-formed too.
+        assert finish in ("stop", "length") and isinstance(message["content"], str)
+        message["tool_calls"] = [{"id": "call_manual", "type": "function",
+                                  "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]
+    else:
+        assert finish == "tool_calls", message
+        check_calls(message["tool_calls"], {"get_weather"} if choice == "named" else set(SCHEMAS))
+        assert len(message["tool_calls"]) == 1  # parallel_tool_calls=False
+    # Second turn: the calls and their results go back through the chat template.
+    messages.append({"role": "assistant", "content": message["content"], "tool_calls": message["tool_calls"]})
+    for call in message["tool_calls"]:
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": "sunny, 21 degrees"})
+    message, finish = ask(client, model, messages, stream, tool_choice=tool_choice, parallel_tool_calls=False)
+    if choice == "auto":
+        assert finish in ("stop", "length", "tool_calls")
+    else:
+        assert finish == "tool_calls"
+        check_calls(message["tool_calls"], {"get_weather"} if choice == "named" else set(SCHEMAS))
+
+
+def test_tool_choice_none_and_errors(server):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    model = served_model(server)
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+                                           tool_choice="none", max_tokens=8, temperature=0.0)
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason in ("stop", "length")
+    bad = [
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
+              tool_choice="required"), "tools"),
+        (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+    ]
+    for kwargs, param in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                           **kwargs)
+        assert e.value.body["param"] == param, e.value.body
+    with pytest.raises(openai.BadRequestError) as e:  # a tool message must say which call it answers
+        client.chat.completions.create(model=model, messages=[{"role": "tool", "content": "x"}], max_tokens=4)
+    assert "tool_call_id" in e.value.body["param"]
+
+
+def test_parse_tool_calls():
+    text = 'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n' \
+           '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("f", {"a": 1}),
+                                                                                                ("g", {})]
+    assert len(parse_tool_calls(text, parallel=False)[1]) == 1
+    assert parse_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    stream = ToolCallStream()
+    fed = [stream.feed(piece) for piece in ["Let me", " check.<tool", "_call>\n{\"name\": \"f\", ",
+                                            "\"arguments\": {}}\n</tool_call>", "\n<tool_call>\nnot json",
+                                            "</tool_call>"]]
+    assert [shown for shown, _ in fed] == ["Let me", " check.", "", "", "", ""]
+    assert [len(calls) for _, calls in fed] == [0, 0, 0, 1, 0, 0]  # a call is handed over as its block closes
+    assert fed[3][1][0]["function"] == {"name": "f", "arguments": "{}"}
+    assert stream.finish() == "<tool_call>\nnot json</tool_call>" and stream.num_calls == 1
