@@ -29,7 +29,11 @@ COMMON_ERRORS = ("404", "405", "500", "503")
 BODY_ERRORS = ("400", "413")
 STREAMING_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 EXTRA_ERRORS = {"/flush_cache": ("409",)}
-EVENT_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+# Before OpenAPI 3.2 a text/event-stream schema describes each event: its fields, `data` a JSON
+# chunk of the response (or `[DONE]` at the end).
+EVENT_STREAM = {"text/event-stream": {"schema": {
+    "type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                                     "id": {"type": "string"}, "retry": {"type": "integer"}}}}}
 
 
 def _error_response(status: str) -> dict[str, Any]:
