@@ -20,6 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "radixserve"
 # under radixserve/ (a subpackage or a top-level module).
 LAYERS: list[tuple[str, set[str]]] = [
     ("leaf", {"settings", "sampling_params", "validation", "default_model"}),  # shared types and settings
+    ("grammar", {"grammar"}),  # constrained decoding: xgrammar behind a small interface
     ("cache", {"cache"}),
     ("kernels", {"kernels"}),
     ("attention", {"attention"}),
