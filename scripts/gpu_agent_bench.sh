@@ -42,31 +42,16 @@ else
           --agent-system-prompt-len 2048 --agent-user-len 256 --agent-assistant-len 128 --agent-output-len 128
           --num-prompts 1280 --request-rate inf)
 fi
-SERVER_PID=""
-stop_server() {
-  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    kill "$SERVER_PID"; for _ in $(seq 30); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
-    kill -9 "$SERVER_PID" 2>/dev/null
-  fi
-  SERVER_PID=""
-}
-trap stop_server EXIT
+. scripts/server_process.sh
 for round in $(seq "$REPEAT"); do
   for entry in $CONFIGS; do
     label=${entry%%:*}; flags=${entry#*:}; IFS=, read -r -a extra <<< "$flags"
     if [ "$(left)" -lt 120 ]; then log "skip $label: $(left)s left"; continue; fi
     log "start $label (round $round): ${extra[*]}"
-    python3 -m radixserve.launch_server --model-path "$MODEL" --load-format dummy ${TOKENIZER:+--tokenizer-path "$TOKENIZER"} \
-      --max-total-tokens "$POOL" --radix-eviction-policy lru "${extra[@]}" --port "$PORT" \
-      --log-file "$OUT/server-$label-$round.log" > "$OUT/server-$label-$round.out" 2>&1 &
-    SERVER_PID=$!
-    up=0
-    for _ in $(seq 240); do
-      kill -0 "$SERVER_PID" 2>/dev/null || break
-      if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; then up=1; break; fi
-      sleep 1
-    done
-    if [ "$up" != 1 ]; then log "$label did not come up"; tail -20 "$OUT/server-$label-$round.out"; stop_server; continue; fi
+    if ! start_server "$OUT/server-$label-$round" --model-path "$MODEL" --load-format dummy \
+        ${TOKENIZER:+--tokenizer-path "$TOKENIZER"} --max-total-tokens "$POOL" --radix-eviction-policy lru "${extra[@]}"; then
+      log "$label did not come up"; continue
+    fi
     log "run $label"
     timeout -k 5 "$(left)" python3 -m radixserve.bench_serving --backend sglang --port "$PORT" \
       ${TOKENIZER:+--tokenizer "$TOKENIZER"} --seed 1 --disable-tqdm --output-file "$RESULTS" \

@@ -46,15 +46,7 @@ log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
 
-SERVER_PID=""
-stop_server() {
-  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    kill "$SERVER_PID"; for _ in $(seq 30); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
-    kill -9 "$SERVER_PID" 2>/dev/null
-  fi
-  SERVER_PID=""
-}
-trap stop_server EXIT
+. scripts/server_process.sh
 
 bench() {  # workload, label, then bench_serving arguments
   local workload=$1 label=$2; shift 2
@@ -75,16 +67,7 @@ for model in $MODELS; do
   [ -n "$TOKENIZER" ] && args+=(--tokenizer-path "$TOKENIZER")
   log "start server: $model"
   # shellcheck disable=SC2086
-  python3 -m radixserve.launch_server "${args[@]}" $SERVER_ARGS --port "$PORT" --log-file "$OUT/server-$name.log" \
-    > "$OUT/server-$name.out" 2>&1 &
-  SERVER_PID=$!
-  up=0
-  for _ in $(seq "$START_TIMEOUT_S"); do
-    kill -0 "$SERVER_PID" 2>/dev/null || break
-    if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; then up=1; break; fi
-    sleep 1
-  done
-  if [ "$up" != 1 ]; then log "server $model did not come up"; tail -30 "$OUT/server-$name.out"; stop_server; continue; fi
+  if ! start_server "$OUT/server-$name" "${args[@]}" $SERVER_ARGS; then log "server $model did not come up"; continue; fi
   log "server up"
   bench random "$name random ${IN_LEN}/${OUT_LEN} x${N_RANDOM}" --dataset-name random-ids --num-prompts "$N_RANDOM" \
     --random-input-len "$IN_LEN" --random-output-len "$OUT_LEN" --request-rate inf
