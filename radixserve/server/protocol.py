@@ -93,6 +93,10 @@ class JsonSchemaFormat(_Body):
 
 
 class ResponseFormat(_Body):
+    # The schema says what the server checks: type json_schema comes with a json_schema object.
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+        "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}}})
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = Field(None, description="Required with type json_schema.")
 
