@@ -78,6 +78,11 @@ def test_missing_model_path_fails_before_loading(tmp_path):
     assert_failed_before_loading(run, tmp_path / "cache", "no config.json in it")
 
 
+def test_missing_chat_template_fails_before_loading(tmp_path):
+    run = launch(["--chat-template", str(tmp_path / "no-such.jinja"), "--port", str(free_port())], tmp_path / "cache")
+    assert_failed_before_loading(run, tmp_path / "cache", "no-such.jinja': no such file")
+
+
 def test_busy_port_fails_before_loading(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -22,7 +22,8 @@ class StartupError(RuntimeError):
 
 
 def check_model_path(settings: ServerSettings) -> None:
-    """A given --model-path (and --tokenizer-path) must be a directory with a config.json."""
+    """A given --model-path must be a directory with a config.json; --tokenizer-path a directory and
+    --chat-template a file."""
     path = settings.model_path
     if path is not None:
         if not os.path.isdir(path):
@@ -33,6 +34,9 @@ def check_model_path(settings: ServerSettings) -> None:
     tok = settings.tokenizer_path
     if tok is not None and not os.path.isdir(tok):
         raise StartupError(f"--tokenizer-path {tok!r}: no such directory")
+    template = settings.chat_template
+    if template is not None and not os.path.isfile(template):
+        raise StartupError(f"--chat-template {template!r}: no such file")
 
 
 def check_port_free(host: str, port: int) -> None:
