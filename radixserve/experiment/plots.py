@@ -8,6 +8,15 @@ from typing import Any
 from radixserve.experiment.runs import ConfigResult
 
 
+def _save(fig, out_dir: Path, name: str) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(out_dir / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
 def write_plots(results: list[ConfigResult], out_dir: Path) -> list[str]:
     import matplotlib
 
@@ -30,10 +39,7 @@ def write_plots(results: list[ConfigResult], out_dir: Path) -> list[str]:
         ax.tick_params(axis="x", rotation=30)
         for label in ax.get_xticklabels():
             label.set_horizontalalignment("right")
-    fig.tight_layout()
-    fig.savefig(out_dir / "throughput_p99.png", dpi=110)
-    plt.close(fig)
-    files.append("throughput_p99.png")
+    files.append(_save(fig, out_dir, "throughput_p99.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in done:
@@ -46,10 +52,7 @@ def write_plots(results: list[ConfigResult], out_dir: Path) -> list[str]:
     ax.set_title("TTFT CDF")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "ttft_cdf.png", dpi=110)
-    plt.close(fig)
-    files.append("ttft_cdf.png")
+    files.append(_save(fig, out_dir, "ttft_cdf.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in done:
@@ -64,10 +67,7 @@ def write_plots(results: list[ConfigResult], out_dir: Path) -> list[str]:
     ax.set_title("Prefix hit rate over time")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "hit_rate_over_time.png", dpi=110)
-    plt.close(fig)
-    files.append("hit_rate_over_time.png")
+    files.append(_save(fig, out_dir, "hit_rate_over_time.png"))
     return files
 
 

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from radixserve.grammar.spec import JSON_SEPARATORS, clean_error
+from radixserve.grammar.spec import build_grammar
 
 # Distinct compiled grammars kept; a compiled JSON Schema of a 150k vocabulary is about a megabyte.
 CACHE_ENTRIES = 256
@@ -74,17 +74,8 @@ class GrammarCompilers:
         return future
 
     def _compile(self, kind: str, text: str):
-        try:
-            if kind == "json_schema":
-                return self.compiler.compile_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS,
-                                                         strict_mode=True)
-            if kind == "regex":
-                return self.compiler.compile_regex(text)
-            if kind == "ebnf":
-                return self.compiler.compile_grammar(text)
-        except Exception as e:  # noqa: BLE001: xgrammar raises RuntimeError and its own types
-            raise ValueError(f"invalid {kind}: {clean_error(e)}") from None
-        raise ValueError(f"unknown grammar kind {kind!r}")
+        # The API process already parsed (kind, text) with build_grammar; this adds the vocabulary.
+        return self.compiler.compile_grammar(build_grammar(kind, text))
 
     def fill_bitmask(self, grammars: Sequence[Optional[RequestGrammar]]) -> torch.Tensor:
         """[len(grammars), ceil(vocab / 32)] int32 on the host: each constrained row's allowed
