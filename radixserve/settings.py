@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "lof", "random", "dfs-weight")
 EVICTION_POLICIES = ("lru", "lfu", "fifo")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 # Defaults that depend on the device the engine runs on.
 DEFAULT_MAX_RUNNING_REQUESTS = {"cuda": 1024, "cpu": 256}
 CPU_KV_POOL_TOKENS = 65536
@@ -51,6 +52,16 @@ class ServerSettings:
     dtype: str = _opt("auto", "Weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU).",
                       choices=("auto", "float32", "float16", "bfloat16"))
     device: str = _opt("auto", "auto: cuda when present, else cpu.", choices=("auto", "cpu", "cuda"))
+    quantization: Optional[str] = _opt(
+        None, "fp8: quantize a bf16/fp16/fp32 checkpoint's projections to FP8 (e4m3) as it loads, one scale "
+        "per output channel, activations scaled per token (the embedding and lm_head stay in --dtype). An "
+        "FP8 checkpoint (quantization_config quant_method fp8, or compressed-tensors float8) loads as FP8 "
+        "without this flag; any other quantization_config (awq, gptq, ...) is refused. (default: none)",
+        choices=("fp8",))
+    kv_cache_dtype: str = _opt(
+        "auto", "KV cache dtype. auto: --dtype; fp8_e4m3: one byte per value with per-layer k/v scales (the "
+        "checkpoint's k_scale/v_scale where it has them, else 1.0), so the same memory holds twice the "
+        "tokens of a bf16 cache.", choices=KV_CACHE_DTYPES)
     random_seed: int = _opt(0, "Seed for dummy weights and for sampling without a per-request seed.")
 
     # --- KV memory ---------------------------------------------------------
@@ -142,7 +153,7 @@ class ServerSettings:
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
-            if choices and value not in choices:
+            if choices and value is not None and value not in choices:
                 raise ValueError(f"{f.name}={value!r} is not one of {', '.join(choices)}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")

@@ -2,7 +2,7 @@
 
 K/V of the new tokens are written to the pool first and every request then reads its whole
 context back through req_to_token, so the prefix path, the chunked path and decode all see the
-same cached values. GQA is computed by folding the query heads of one KV head into the query
+same cached values (an FP8 pool's values multiplied by its per-layer scales). GQA is computed by folding the query heads of one KV head into the query
 length ([Hkv, G*E, D] against [Hkv, S, D]) instead of copying K/V G times.
 """
 
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from radixserve.attention.base import ForwardBatch, ForwardMode
+from radixserve.cache.kv_pool import KVPool, fp8_dequantize
 
 # Decode requests are attended in groups whose padded K/V gather stays below this many tokens,
 # bounding the temporary memory of the batched path.
@@ -96,8 +97,6 @@ class TorchAttentionBackend:
             batch.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
         meta = batch.attn_meta
         assert isinstance(meta, TorchAttentionMeta), "init_forward must run before forward"
-        k_buf = batch.kv_pool.k_buffers[layer_id]
-        v_buf = batch.kv_pool.v_buffers[layer_id]
         t, hq, d = q.shape
         scale = 1.0 / math.sqrt(d)
         # CPU kernels may keep low-precision softmax in low precision; the reference computes in fp32.
@@ -105,20 +104,20 @@ class TorchAttentionBackend:
         out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
         kernels = sdpa_kernel(_CUDA_SDPA_BACKENDS) if q.device.type == "cuda" else contextlib.nullcontext()
         with kernels:
-            self._attend(q, k_buf, v_buf, out, meta, compute_dtype, scale)
+            self._attend(q, _PoolLayer(batch.kv_pool, layer_id, compute_dtype), out, meta, compute_dtype, scale)
         return out.view(t, hq * d)
 
     @staticmethod
-    def _attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
-                meta: TorchAttentionMeta, compute_dtype: torch.dtype, scale: float) -> None:
+    def _attend(q: torch.Tensor, kv: "_PoolLayer", out: torch.Tensor, meta: TorchAttentionMeta,
+                compute_dtype: torch.dtype, scale: float) -> None:
         hq, d = q.shape[1], q.shape[2]
-        hkv = k_buf.shape[1]
+        hkv = kv.num_kv_heads
         group = hq // hkv
         for g in meta.decode_groups:
             b = g.q_end - g.q_start
             qg = q[g.q_start:g.q_end].view(b, hkv, group, d).to(compute_dtype)
-            kg = k_buf[g.kv_slots].transpose(1, 2).to(compute_dtype)  # [B, Hkv, Smax, D]
-            vg = v_buf[g.kv_slots].transpose(1, 2).to(compute_dtype)
+            kg = kv.keys(g.kv_slots).transpose(1, 2)  # [B, Hkv, Smax, D]
+            vg = kv.values(g.kv_slots).transpose(1, 2)
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.valid, scale=scale)
             out[g.q_start:g.q_end] = og.reshape(b, hq, d).to(q.dtype)
 
@@ -126,8 +125,28 @@ class TorchAttentionBackend:
             e = s.q_end - s.q_start
             # [E, Hkv, G, D] -> [Hkv, G*E, D]: all queries that share a KV head attend together.
             qs = q[s.q_start:s.q_end].view(e, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * e, d)
-            ks = k_buf[s.kv_slots].transpose(0, 1).to(compute_dtype)  # [Hkv, S, D]
-            vs = v_buf[s.kv_slots].transpose(0, 1).to(compute_dtype)
+            ks = kv.keys(s.kv_slots).transpose(0, 1)  # [Hkv, S, D]
+            vs = kv.values(s.kv_slots).transpose(0, 1)
             mask = None if s.mask is None else s.mask.repeat(group, 1)  # row g*E + j -> mask[j]
             os_ = F.scaled_dot_product_attention(qs.to(compute_dtype), ks, vs, attn_mask=mask, scale=scale)
             out[s.q_start:s.q_end] = os_.view(hkv, group, e, d).permute(2, 0, 1, 3).reshape(e, hq, d).to(q.dtype)
+
+
+class _PoolLayer:
+    """One layer's K/V as the pool's slots stand for them, in the compute dtype (an FP8 pool's
+    values times its scales)."""
+
+    def __init__(self, pool: KVPool, layer_id: int, dtype: torch.dtype):
+        self.k_buf = pool.k_buffers[layer_id]
+        self.v_buf = pool.v_buffers[layer_id]
+        self.num_kv_heads = self.k_buf.shape[1]
+        self.dtype = dtype
+        self.scales = (pool.k_scales[layer_id], pool.v_scales[layer_id]) if pool.is_fp8 else None
+
+    def keys(self, slots: torch.Tensor) -> torch.Tensor:
+        k = self.k_buf[slots]
+        return k.to(self.dtype) if self.scales is None else fp8_dequantize(k, self.scales[0], self.dtype)
+
+    def values(self, slots: torch.Tensor) -> torch.Tensor:
+        v = self.v_buf[slots]
+        return v.to(self.dtype) if self.scales is None else fp8_dequantize(v, self.scales[1], self.dtype)

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from radixserve.attention.base import ForwardBatch, ForwardMode
+from radixserve.cache.kv_pool import fp8_dequantize, fp8_quantize
 
 
 @dataclass
@@ -181,27 +182,34 @@ class TritonAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch, *, save_kv: bool = True) -> torch.Tensor:
-        k_buf = batch.kv_pool.k_buffers[layer_id]
-        v_buf = batch.kv_pool.v_buffers[layer_id]
+        pool = batch.kv_pool
+        k_buf = pool.k_buffers[layer_id]
+        v_buf = pool.v_buffers[layer_id]
+        fp8 = pool.is_fp8
+        scales = (pool.k_scales[layer_id], pool.v_scales[layer_id]) if fp8 else (1.0, 1.0)
         if save_kv:
-            self._kv_store.store_kv(k, v, k_buf, v_buf, batch.out_cache_loc)
+            self._kv_store.store_kv(k, v, k_buf, v_buf, batch.out_cache_loc, *scales)
         meta = batch.attn_meta
         num_tokens, num_q_heads, head_dim = q.shape
         out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-        if q.dtype != k_buf.dtype:
-            # The dots take operands of one dtype: the pool's. The output keeps q's.
+        if q.dtype != k_buf.dtype and not fp8:
+            # The dots take operands of one dtype: the pool's (an FP8 pool's tiles are widened to
+            # q's in the kernels). The output keeps q's.
             q = q.to(k_buf.dtype)
         if q.stride(2) != 1:
             q = q.contiguous()
 
         if isinstance(meta, TritonDecodeMeta):
-            self._decode_attention(meta, q, k_buf, v_buf, batch, out, num_tokens)
+            self._decode_attention(meta, q, k_buf, v_buf, batch, out, num_tokens, scales)
         elif isinstance(meta, TritonExtendMeta):
             if meta.num_decode:
                 d = meta.num_decode
-                self._decode_attention(meta.decode, q[:d], k_buf, v_buf, batch, out[:d], d)
-            if k_buf.dtype != k.dtype:
+                self._decode_attention(meta.decode, q[:d], k_buf, v_buf, batch, out[:d], d, scales)
+            if fp8:
                 # Phase 2 reads the new k/v directly: give it the values the pool holds.
+                k = fp8_dequantize(fp8_quantize(k, scales[0]), scales[0], q.dtype)
+                v = fp8_dequantize(fp8_quantize(v, scales[1]), scales[1], q.dtype)
+            elif k_buf.dtype != k.dtype:
                 k, v = k.to(k_buf.dtype), v.to(v_buf.dtype)
             if k.stride(2) != 1 or v.stride(2) != 1:
                 k, v = k.contiguous(), v.contiguous()
@@ -214,13 +222,13 @@ class TritonAttentionBackend:
             self._extend.extend_attention(
                 q, k, v, out, k_buf, v_buf, batch.req_to_token, batch.req_pool_indices,
                 batch.prefix_lens, batch.extend_lens, meta.plan, block_n=cfg.block_n,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, k_scale=scales[0], v_scale=scales[1])
         else:
             raise RuntimeError("init_forward must run before forward")
         return out.view(num_tokens, num_q_heads * head_dim)
 
     def _decode_attention(self, meta: TritonDecodeMeta, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                          batch: ForwardBatch, out: torch.Tensor, bs: int) -> None:
+                          batch: ForwardBatch, out: torch.Tensor, bs: int, scales: tuple[float, float]) -> None:
         """One token for each of the first bs requests of the batch."""
         num_q_heads, head_dim = q.shape[1], q.shape[2]
         if meta.mid_o is None:
@@ -231,4 +239,5 @@ class TritonAttentionBackend:
         self._decode.decode_attention(
             q, k_buf, v_buf, batch.req_to_token, batch.req_pool_indices[:bs], batch.seq_lens[:bs], out,
             meta.mid_o, meta.mid_lse, meta.num_splits, block_n=self.decode_block_n,
-            num_warps=self.decode_num_warps, num_stages=self.decode_num_stages)
+            num_warps=self.decode_num_warps, num_stages=self.decode_num_stages, k_scale=scales[0],
+            v_scale=scales[1])

@@ -8,6 +8,7 @@ at `req_to_token[req_index, i]`; with pages, the slots of positions in one page 
 from __future__ import annotations
 
 from array import array
+from typing import Optional, Sequence
 
 import torch
 
@@ -70,11 +71,21 @@ class PageAllocator:
         return (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
 
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+_FP8_MAX = 448.0
+
+
 class KVPool:
-    """K and V buffers per layer, indexed by token slot: [num_slots, num_kv_heads, head_dim]."""
+    """K and V buffers per layer, indexed by token slot: [num_slots, num_kv_heads, head_dim].
+
+    An FP8 pool (dtype float8_e4m3fn) holds K / k_scales[layer] and V / v_scales[layer], saturated
+    at +-448: one byte per value, so the same memory holds twice the tokens of a bf16 pool;
+    readers multiply the scales back in. Other dtypes ignore the scales.
+    """
 
     def __init__(self, num_tokens: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str,
+                 kv_scales: Optional[Sequence[tuple[float, float]]] = None):
         num_pages = num_tokens // page_size
         self.allocator = PageAllocator(num_pages, page_size)
         self.page_size = page_size
@@ -82,14 +93,36 @@ class KVPool:
         shape = (self.num_slots, num_kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        scales = list(kv_scales) if kv_scales is not None else [(1.0, 1.0)] * num_layers
+        if len(scales) != num_layers:
+            raise ValueError(f"{len(scales)} KV scale pairs for {num_layers} layers")
+        self.k_scales = [float(k) for k, _ in scales]
+        self.v_scales = [float(v) for _, v in scales]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.k_buffers[0].dtype == FP8_KV_DTYPE if self.k_buffers else False
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.is_fp8:
+            k = fp8_quantize(k, self.k_scales[layer_id])
+            v = fp8_quantize(v, self.v_scales[layer_id])
         self.k_buffers[layer_id][slots] = k.to(self.k_buffers[layer_id].dtype)
         self.v_buffers[layer_id][slots] = v.to(self.v_buffers[layer_id].dtype)
+
+
+def fp8_quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """e4m3 of x / scale, saturated at +-448 (what an FP8 pool stores)."""
+    return (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8_KV_DTYPE)
+
+
+def fp8_dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """What an FP8 pool's values stand for, in `dtype`: x * scale."""
+    return (x.float() * scale).to(dtype)
 
 
 class ReqToTokenPool:

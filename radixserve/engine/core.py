@@ -40,6 +40,7 @@ logger = logging.getLogger("radixserve")
 GRAMMAR_WAIT_S = 0.005
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
 
 
 def load_tokenizer(path: str):
@@ -66,6 +67,7 @@ class EngineCore:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device=cuda was asked for, but no CUDA GPU is visible")
         self.dtype = DTYPES.get(settings.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.kv_dtype = KV_CACHE_DTYPES.get(settings.kv_cache_dtype, self.dtype)
         if not settings.model_path:
             raise ValueError("model_path is required (the entry points resolve the default model)")
         self.model_path = settings.model_path
@@ -78,11 +80,12 @@ class EngineCore:
 
         self.model, _ = load_model(self.model_path, load_format=settings.load_format, dtype=self.dtype,
                                    device=self.device, attn_backend=self.attn_backend, seed=settings.random_seed,
-                                   context_length=self.context_len, decode_gemm_max_rows=settings.decode_gemm_max_rows)
+                                   context_length=self.context_len, decode_gemm_max_rows=settings.decode_gemm_max_rows,
+                                   quantization=settings.quantization)
         cfg = self.model_config
         pool_tokens = self._pool_tokens()
         self.kv_pool = KVPool(pool_tokens, settings.page_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                              cfg.head_dim, self.dtype, self.device)
+                              cfg.head_dim, self.kv_dtype, self.device, kv_scales=self.model.kv_cache_scales)
         max_running = settings.resolved_max_running_requests(self.device.type)
         self.req_to_token = ReqToTokenPool(max_running, self.context_len + 1, self.device)
         self.cache = RadixCache(self.kv_pool.allocator, page_size=settings.page_size,
@@ -109,8 +112,10 @@ class EngineCore:
         self.in_flight: Optional[StepInFlight] = None  # the launched step whose tokens are unread
         if self.device.type == "cuda" and not settings.skip_warmup:
             self.warmup()
-        logger.info("engine ready: model=%s device=%s dtype=%s kv_pool=%d tokens page_size=%d max_running=%d",
-                    self.model_path, self.device, self.dtype, self.pool_size, settings.page_size, max_running)
+        logger.info("engine ready: model=%s device=%s dtype=%s weights=%s kv_cache=%s kv_pool=%d tokens page_size=%d "
+                    "max_running=%d", self.model_path, self.device, self.dtype,
+                    "fp8" if self.model.fp8 is not None else "unquantized", self.kv_dtype, self.pool_size,
+                    settings.page_size, max_running)
 
     # ------------------------------------------------------------------ setup helpers
     def _make_attention_backend(self):
@@ -139,7 +144,7 @@ class EngineCore:
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                               self.dtype)
+                                               self.kv_dtype)
             budget = total * s.mem_fraction_static - (total - free)
             tokens = int(budget // per_token)
             if tokens < s.page_size:

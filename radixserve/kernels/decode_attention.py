@@ -9,6 +9,10 @@ splitting) stage 1 writes the output itself and stage 2 is not launched: a launc
 workspace round trip fewer per layer. That is a run-time branch, not a compile-time one, so
 the same compiled kernel serves both (a variant first met while serving would stall a step).
 
+An FP8 pool (float8_e4m3fn, holding k / k_scale and v / v_scale) is read as is: each tile is
+widened to q's dtype (exact) for the dots, k_scale is folded into the logits' scale and v_scale
+multiplies the normalised output.
+
 The split length is computed on the device from seq_lens, so the launch depends only on the
 batch size and the number of splits: a CUDA graph captured once serves every context length.
 """
@@ -51,9 +55,9 @@ def _decode_stage1_kernel(
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
     stride_ob, stride_oh,
-    qk_scale, num_splits,
+    qk_scale, v_scale, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -84,6 +88,8 @@ def _decode_stage1_kernel(
             mask_n = offs < end
             slots = tl.load(slot_ptr + offs, mask=mask_n, other=0).to(tl.int64)
             k = tl.load(k_base + slots[None, :] * stride_kbs + offs_d[:, None], mask=mask_n[None, :], other=0.0)
+            if KV_FP8:
+                k = k.to(q.dtype)
             qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [G, N], base-2 logits
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -91,8 +97,12 @@ def _decode_stage1_kernel(
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + slots[:, None] * stride_vbs + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            if KV_FP8:
+                v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
+        if KV_FP8:
+            acc *= v_scale
 
         if num_splits == 1:
             tl.store(o_ptr, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=mask_g[:, None])
@@ -158,13 +168,13 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
                      mid_o: torch.Tensor, mid_lse: torch.Tensor, num_splits: int, *,
                      sm_scale: float | None = None, block_n: int = 128, num_warps: int = 4,
-                     num_stages: int = 3) -> torch.Tensor:
+                     num_stages: int = 3, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """out[b, h] = softmax(q[b, h] . K[b]^T * scale) V[b] over positions 0..seq_lens[b]-1.
 
     q [B, Hq, D] (any strides with unit last stride); k_buf, v_buf [num_slots, Hkv, D];
     out [B, Hq, D] (written, in q's dtype); mid_o [B, Hq, num_splits, D] float32 and
     mid_lse [B, Hq, num_splits] float32 are scratch (unused with one split). No host sync; no
-    allocation.
+    allocation. FP8 buffers hold K / k_scale and V / v_scale.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -176,6 +186,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     block_g = max(16, triton.next_power_of_2(group))
     if q.dtype == torch.float32:
         block_n = min(block_n, 64)  # float32 tiles take twice the shared memory
+    kv_fp8 = k_buf.dtype == torch.float8_e4m3fn
     _decode_stage1[(batch, num_kv_heads, num_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
         q.stride(0), q.stride(1),
@@ -184,9 +195,9 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        scale * LOG2E, num_splits,
+        scale * LOG2E * (k_scale if kv_fp8 else 1.0), float(v_scale), num_splits,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), KV_FP8=kv_fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits == 1:

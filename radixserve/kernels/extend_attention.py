@@ -6,6 +6,10 @@ the request's cached prefix, read from the KV pool through req_to_token, then ov
 tokens themselves, read from the contiguous k/v of this pass, causally. Only the tiles that
 straddle the prefix end or the diagonal are masked.
 
+An FP8 pool (holding k / k_scale and v / v_scale) is read in phase 1 with each tile widened to
+q's dtype: k_scale folded into the logits' scale, v dequantized in registers. The new tokens'
+k/v (phase 2) come in q's dtype.
+
 The tiles (request, first new token) are listed on the host by `plan_extend_tiles`, longest
 work first so the last wave of programs is short.
 """
@@ -44,9 +48,9 @@ def _extend_kernel(
     req_pool_indices, prefix_lens, extend_lens, q_starts, tile_req, tile_m,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ot, stride_oh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
-    qk_scale,
+    qk_scale, k_scale, v_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -74,18 +78,25 @@ def _extend_kernel(
     k_base = K_buf + kv_head * stride_kbh
     v_base = V_buf + kv_head * stride_vbh
     prefix_full = (prefix // BLOCK_N) * BLOCK_N
+    prefix_qk_scale = qk_scale * k_scale
     for n0 in range(0, prefix_full, BLOCK_N):
         slots = tl.load(slot_ptr + n0 + offs_n).to(tl.int64)
         k = tl.load(k_base + slots[None, :] * stride_kbs + offs_d[:, None])
         v = tl.load(v_base + slots[:, None] * stride_vbs + offs_d[None, :])
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, qk_scale, None, DOT_PRECISION)
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, prefix_qk_scale, None, DOT_PRECISION)
     if prefix_full < prefix:
         offs = prefix_full + offs_n
         mask_n = offs < prefix
         slots = tl.load(slot_ptr + offs, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(k_base + slots[None, :] * stride_kbs + offs_d[:, None], mask=mask_n[None, :], other=0.0)
         v = tl.load(v_base + slots[:, None] * stride_vbs + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, qk_scale, mask_n[None, :], DOT_PRECISION)
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, prefix_qk_scale, mask_n[None, :], DOT_PRECISION)
 
     # Phase 2: the new tokens, causally. Tiles left of m0 are wholly visible to every row here.
     kn_base = K_new + q_start * stride_knt + kv_head * stride_knh
@@ -155,11 +166,13 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                      k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                      plan: ExtendPlan, *, sm_scale: float | None = None, block_n: int = 64,
-                     num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int = 3, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
     """out [T, Hq, D] = attention of the new tokens q [T, Hq, D] (requests concatenated).
 
-    k, v [T, Hkv, D] are the new tokens' keys/values (already stored in the pool too); the prefix
-    of request i is req_to_token[req_pool_indices[i], :prefix_lens[i]] in k_buf/v_buf.
+    k, v [T, Hkv, D] are the new tokens' keys/values (already stored in the pool too), in q's
+    dtype; the prefix of request i is req_to_token[req_pool_indices[i], :prefix_lens[i]] in
+    k_buf/v_buf (FP8 buffers hold K / k_scale and V / v_scale).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0 or plan.num_tiles == 0:
@@ -177,9 +190,9 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         req_pool_indices, prefix_lens, extend_lens, plan.q_starts, plan.tile_req, plan.tile_m,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), req_to_token.stride(0),
-        scale * LOG2E,
+        scale * LOG2E, float(k_scale), float(v_scale),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=plan.block_m, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=k_buf.dtype == torch.float8_e4m3fn,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

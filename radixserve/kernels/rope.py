@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.kernels.kv_store import is_fp8, scale_to
 from radixserve.kernels.launch import FastKernel
 
 
@@ -21,8 +22,8 @@ from radixserve.kernels.launch import FastKernel
 def _rope_kernel(Q, K, V, positions, Cos, Sin, K_buf, V_buf, loc,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
                  stride_kbs, stride_kbh, stride_vbs, stride_vbh,
-                 num_q_heads, num_kv_heads,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE_KV: tl.constexpr):
+                 num_q_heads, num_kv_heads, k_scale, v_scale,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE_KV: tl.constexpr, SCALED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
     offs = tl.arange(0, HALF)
@@ -49,12 +50,19 @@ def _rope_kernel(Q, K, V, positions, Cos, Sin, K_buf, V_buf, loc,
     if STORE_KV:
         slot = tl.load(loc + t).to(tl.int64)
         kb_ptr = K_buf + slot * stride_kbs + heads[:, None] * stride_kbh + offs[None, :]
-        tl.store(kb_ptr, r1.to(K_buf.dtype.element_ty), mask=mk)
-        tl.store(kb_ptr + HALF, r2.to(K_buf.dtype.element_ty), mask=mk)
         v_ptr = V + t * stride_vt + heads[:, None] * stride_vh + offs[None, :]
         vb_ptr = V_buf + slot * stride_vbs + heads[:, None] * stride_vbh + offs[None, :]
-        tl.store(vb_ptr, tl.load(v_ptr, mask=mk).to(V_buf.dtype.element_ty), mask=mk)
-        tl.store(vb_ptr + HALF, tl.load(v_ptr + HALF, mask=mk).to(V_buf.dtype.element_ty), mask=mk)
+        v1 = tl.load(v_ptr, mask=mk)
+        v2 = tl.load(v_ptr + HALF, mask=mk)
+        if SCALED:  # an FP8 pool holds k / k_scale, v / v_scale
+            r1 = scale_to(r1, k_scale, K_buf.dtype.element_ty)
+            r2 = scale_to(r2, k_scale, K_buf.dtype.element_ty)
+            v1 = scale_to(v1, v_scale, V_buf.dtype.element_ty)
+            v2 = scale_to(v2, v_scale, V_buf.dtype.element_ty)
+        tl.store(kb_ptr, r1.to(K_buf.dtype.element_ty), mask=mk)
+        tl.store(kb_ptr + HALF, r2.to(K_buf.dtype.element_ty), mask=mk)
+        tl.store(vb_ptr, v1.to(V_buf.dtype.element_ty), mask=mk)
+        tl.store(vb_ptr + HALF, v2.to(V_buf.dtype.element_ty), mask=mk)
 
 
 _rope = FastKernel(_rope_kernel)
@@ -62,13 +70,14 @@ _rope = FastKernel(_rope_kernel)
 
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, *, v: Optional[torch.Tensor] = None, k_buf: Optional[torch.Tensor] = None,
-                v_buf: Optional[torch.Tensor] = None, loc: Optional[torch.Tensor] = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                v_buf: Optional[torch.Tensor] = None, loc: Optional[torch.Tensor] = None,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (views into a fused qkv are fine) at
     `positions` [T]; cos/sin [max_positions, D]. Returns (q, k).
 
     With v [T, Hkv, D], k_buf, v_buf [num_slots, Hkv, D] and loc [T]: also
-    k_buf[loc[t]] = rotated k[t] and v_buf[loc[t]] = v[t] (cast to the pool's dtype).
+    k_buf[loc[t]] = rotated k[t] and v_buf[loc[t]] = v[t] (cast to the pool's dtype; an FP8
+    pool gets k / k_scale and v / v_scale).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -88,6 +97,7 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: 
         _rope[(num_tokens,)](q, k, v, positions, cos, sin, k_buf, v_buf, loc,
                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), *v_strides,
                              cos.stride(0), sin.stride(0), *buf_strides, num_q_heads, num_kv_heads,
-                             HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_kv_heads)),
-                             STORE_KV=store, num_warps=4)
+                             float(k_scale), float(v_scale), HALF=head_dim // 2,
+                             BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_kv_heads)),
+                             STORE_KV=store, SCALED=store and is_fp8(k_buf), num_warps=4)
     return q, k

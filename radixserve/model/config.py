@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from radixserve.model.quantization import Fp8Config, quantization_config
+
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
 SUPPORTED_MODEL_TYPES = ("qwen2",)
 # RoPE variants the model implements; anything else would silently give wrong positions.
@@ -37,6 +39,8 @@ class ModelConfig:
     # Checkpoint dtype name ("bfloat16", ...) or None when the config does not say.
     dtype: Optional[str] = None
     model_type: str = "qwen2"
+    # The checkpoint's FP8 layout (its quantization_config), None for plain weights.
+    quantization: Optional[Fp8Config] = None
     # The parsed config.json, for settings this dataclass does not model.
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -121,6 +125,7 @@ class ModelConfig:
             pad_token_id=data.get("pad_token_id"),
             dtype=_dtype_name(data.get("dtype", data.get("torch_dtype"))),
             model_type=str(data.get("model_type", "qwen2")),
+            quantization=quantization_config(data, source=source),
             raw=data,
         )
 

@@ -21,6 +21,7 @@ from radixserve.attention.base import AttentionBackend
 from radixserve.model.config import ModelConfig
 from radixserve.model.layers import KernelChoice, ShardId, copy_weight
 from radixserve.model.qwen2 import Qwen2ForCausalLM
+from radixserve.model.quantization import quantization_config
 from radixserve.settings import DECODE_GEMM_MAX_ROWS
 
 logger = logging.getLogger(__name__)
@@ -40,10 +41,13 @@ _IGNORED = re.compile(r"(rotary_emb\.inv_freq|rotary_emb\.cos_cached|rotary_emb\
 def load_model(model_path: Union[str, os.PathLike], *, load_format: LoadFormat = "auto",
                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                attn_backend: AttentionBackend, seed: int = 0, context_length: Optional[int] = None,
-               triton_kernels: Optional[bool] = None, decode_gemm_max_rows: int = DECODE_GEMM_MAX_ROWS
-               ) -> tuple[Qwen2ForCausalLM, ModelConfig]:
+               triton_kernels: Optional[bool] = None, decode_gemm_max_rows: int = DECODE_GEMM_MAX_ROWS,
+               quantization: Optional[str] = None) -> tuple[Qwen2ForCausalLM, ModelConfig]:
     """The model in eval mode with every parameter set, and its config.
 
+    `quantization="fp8"` quantizes a bf16/fp16/fp32 checkpoint's projections to FP8 as they load;
+    a checkpoint whose config.json declares FP8 (radixserve.model.quantization) loads as FP8
+    without it; any other quantization_config is a ValueError.
     `context_length` (if larger than the config's max_position_embeddings) extends the RoPE table.
     `triton_kernels` and `decode_gemm_max_rows` fix the layers' kernels (`KernelChoice.for_device`:
     by default Triton on CUDA in bfloat16/float16, torch ops elsewhere; False forces the torch
@@ -53,13 +57,18 @@ def load_model(model_path: Union[str, os.PathLike], *, load_format: LoadFormat =
         raise ValueError(f"load_format {load_format!r} is not one of auto, safetensors, dummy")
     config = ModelConfig.from_dir(model_path)
     weight_files = [] if load_format == "dummy" else safetensors_files(model_path)
+    fp8 = quantization_config(config.raw, quantization, source=f"{model_path}/config.json")
     kernels = KernelChoice.for_device(device, dtype, triton=triton_kernels, decode_gemm_max_rows=decode_gemm_max_rows)
     model = MODEL_CLASSES[config.architecture](config, attn_backend, dtype=dtype, device=device,
-                                               max_positions=context_length, kernels=kernels)
+                                               max_positions=context_length, kernels=kernels, fp8=fp8)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
         load_safetensors_weights(model, weight_files)
+    for module in model.modules():
+        finish = getattr(module, "finish_loading", None)
+        if finish is not None:
+            finish()
     model.eval()
     model.requires_grad_(False)
     return model, config
@@ -134,13 +143,17 @@ def load_safetensors_weights(model: nn.Module, files: list[Path]) -> None:
 
     targets = checkpoint_targets(model)
     ignored = _tied_aliases(model)
+    kv_scales = getattr(model, "kv_scale_pattern", None)
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name not in targets:
-                    if not (_IGNORED.search(name) or name in ignored):
+                    match = kv_scales.match(name) if kv_scales is not None else None
+                    if match is not None:
+                        _set_kv_scale(model, int(match.group(1)), match.group(2), f.get_tensor(name), name)
+                    elif not (_IGNORED.search(name) or name in ignored):
                         unexpected.append(name)
                     continue
                 param_name, shard_id = targets[name]
@@ -158,16 +171,38 @@ def load_safetensors_weights(model: nn.Module, files: list[Path]) -> None:
                        ", ".join(unexpected[:5]))
 
 
+def _set_kv_scale(model: nn.Module, layer: int, which: str, tensor: torch.Tensor, name: str) -> None:
+    """One layer's FP8 KV-cache scale ("k", "v", or "kv" for both) into model.kv_cache_scales."""
+    scales = model.kv_cache_scales
+    if not 0 <= layer < len(scales) or tensor.numel() != 1:
+        raise ValueError(f"tensor {name!r} is not a scale of one of the model's {len(scales)} layers "
+                         f"(shape {tuple(tensor.shape)}; expected one value)")
+    value = float(tensor.float().reshape(-1)[0])
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"tensor {name!r}: a KV cache scale must be positive and finite, got {value}")
+    k, v = scales[layer]
+    scales[layer] = (value if which in ("k", "kv") else k, value if which in ("v", "kv") else v)
+
+
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights in place on the model's device and dtype, the same for the same seed.
 
-    Norm weights are 1 (as in a freshly initialised HF model); everything else is N(0, 0.02).
+    Norm weights are 1 (as in a freshly initialised HF model); everything else is N(0, 0.02)
+    (FP8 projections: N(0, 0.02) quantized per output row, by their own `fill_dummy`).
     """
     device = next(model.parameters()).device
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
+    quantized: set[str] = set()
+    for module_name, module in model.named_modules():
+        quant = getattr(module, "quant", None)
+        if quant is not None:
+            quant.fill_dummy(module, generator, DUMMY_STD)
+            quantized.update(f"{module_name}.{p}" for p, _ in module.named_parameters(recurse=False))
     for name, param in model.named_parameters():  # registration order: deterministic
+        if name in quantized:
+            continue
         if "norm" in name:
             param.fill_(1.0)
         else:

@@ -15,6 +15,7 @@ bookkeeping would add about half a microsecond to each.
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import torch
@@ -23,11 +24,13 @@ from torch import nn
 from radixserve.attention.base import AttentionBackend, ForwardBatch
 from radixserve.model.config import ModelConfig
 from radixserve.model.layers import KernelChoice, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
+from radixserve.model.quantization import Fp8Config
 
 
 class Qwen2Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, attn_backend: AttentionBackend,
-                 rotary_emb: RotaryEmbedding, *, dtype: torch.dtype, kernels: KernelChoice):
+                 rotary_emb: RotaryEmbedding, *, dtype: torch.dtype, kernels: KernelChoice,
+                 fp8: Optional[Fp8Config] = None):
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = config.num_attention_heads
@@ -36,8 +39,8 @@ class Qwen2Attention(nn.Module):
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         self.qkv_proj = MergedLinear(config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-                                     bias=True, dtype=dtype, kernels=kernels)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False, dtype=dtype, kernels=kernels)
+                                     bias=True, dtype=dtype, kernels=kernels, fp8=fp8)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False, dtype=dtype, kernels=kernels, fp8=fp8)
         # Plain attributes, never submodules: the backend and the RoPE tables are shared by all
         # layers, and their state must survive the model's meta -> device move.
         object.__setattr__(self, "_backend", attn_backend)
@@ -50,19 +53,22 @@ class Qwen2Attention(nn.Module):
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         pool = batch.kv_pool
-        q, k, stored = self._rotary_emb.forward(batch.positions, q, k, v=v, k_buf=pool.k_buffers[self.layer_id],
-                                                v_buf=pool.v_buffers[self.layer_id], loc=batch.out_cache_loc)
+        layer = self.layer_id
+        q, k, stored = self._rotary_emb.forward(batch.positions, q, k, v=v, k_buf=pool.k_buffers[layer],
+                                                v_buf=pool.v_buffers[layer], loc=batch.out_cache_loc,
+                                                kv_scales=(pool.k_scales[layer], pool.v_scales[layer]))
         out = self._backend.forward(q, k, v, self.layer_id, batch, save_kv=not stored)
         return self.o_proj.forward(out.reshape(t, self.q_size))
 
 
 class Qwen2MLP(nn.Module):
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, kernels: KernelChoice):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, kernels: KernelChoice,
+                 fp8: Optional[Fp8Config] = None):
         super().__init__()
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, {0: inter, 1: inter}, bias=False, dtype=dtype,
-                                         kernels=kernels, act=SiluAndMul(kernels=kernels))
-        self.down_proj = Linear(inter, config.hidden_size, bias=False, dtype=dtype, kernels=kernels)
+                                         kernels=kernels, act=SiluAndMul(kernels=kernels), fp8=fp8)
+        self.down_proj = Linear(inter, config.hidden_size, bias=False, dtype=dtype, kernels=kernels, fp8=fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward(self.gate_up_proj.forward(x))
@@ -70,10 +76,12 @@ class Qwen2MLP(nn.Module):
 
 class Qwen2DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, attn_backend: AttentionBackend,
-                 rotary_emb: RotaryEmbedding, *, dtype: torch.dtype, kernels: KernelChoice):
+                 rotary_emb: RotaryEmbedding, *, dtype: torch.dtype, kernels: KernelChoice,
+                 fp8: Optional[Fp8Config] = None):
         super().__init__()
-        self.self_attn = Qwen2Attention(config, layer_id, attn_backend, rotary_emb, dtype=dtype, kernels=kernels)
-        self.mlp = Qwen2MLP(config, dtype=dtype, kernels=kernels)
+        self.self_attn = Qwen2Attention(config, layer_id, attn_backend, rotary_emb, dtype=dtype, kernels=kernels,
+                                        fp8=fp8)
+        self.mlp = Qwen2MLP(config, dtype=dtype, kernels=kernels, fp8=fp8)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, kernels=kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, kernels=kernels)
 
@@ -93,11 +101,11 @@ class Qwen2DecoderLayer(nn.Module):
 
 class Qwen2Model(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, rotary_emb: RotaryEmbedding, *,
-                 dtype: torch.dtype, kernels: KernelChoice):
+                 dtype: torch.dtype, kernels: KernelChoice, fp8: Optional[Fp8Config] = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            Qwen2DecoderLayer(config, i, attn_backend, rotary_emb, dtype=dtype, kernels=kernels)
+            Qwen2DecoderLayer(config, i, attn_backend, rotary_emb, dtype=dtype, kernels=kernels, fp8=fp8)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, kernels=kernels)
 
@@ -121,6 +129,9 @@ class Qwen2ForCausalLM(nn.Module):
     `model.norm.weight`, `lm_head.weight`) except where projections are fused: see
     `packed_modules_mapping`. With tied embeddings `lm_head.weight` is `model.embed_tokens.weight`.
     `kernels` (default: `KernelChoice.for_device(device, dtype)`) fixes every layer's kernels.
+    `fp8`: the projections of every decoder layer hold FP8 weights (the embedding and lm_head
+    stay in `dtype`). `kv_cache_scales`: per layer the (k, v) scales of an FP8 KV cache, 1.0
+    unless the checkpoint carries them (the loader fills them).
     """
 
     # Checkpoint module name -> (our fused module, the shard it fills).
@@ -131,12 +142,18 @@ class Qwen2ForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # Checkpoint tensors holding an FP8 KV cache's scales: (layer, "k" | "v" | "kv"). The fp8 format
+    # writes self_attn.k_scale / v_scale (older exports one kv_scale); compressed-tensors writes
+    # the k/v projections' output_scale.
+    kv_scale_pattern = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k|v|kv)(?:_scale|_proj\.output_scale)$")
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_positions: Optional[int] = None,
-                 kernels: Optional[KernelChoice] = None):
+                 kernels: Optional[KernelChoice] = None, fp8: Optional[Fp8Config] = None):
         super().__init__()
         self.config = config
+        self.fp8 = fp8
+        self.kv_cache_scales: list[tuple[float, float]] = [(1.0, 1.0)] * config.num_hidden_layers
         object.__setattr__(self, "attn_backend", attn_backend)  # see Qwen2Attention._backend
         self.dtype = dtype
         self.kernels = kernels if kernels is not None else KernelChoice.for_device(device, dtype)
@@ -146,7 +163,7 @@ class Qwen2ForCausalLM(nn.Module):
         # Built on the meta device, then given real (uninitialised) storage once: no time is spent
         # on random init that the weights would overwrite, and no CPU copy of a GPU model exists.
         with torch.device("meta"):
-            self.model = Qwen2Model(config, attn_backend, rotary_emb, dtype=dtype, kernels=self.kernels)
+            self.model = Qwen2Model(config, attn_backend, rotary_emb, dtype=dtype, kernels=self.kernels, fp8=fp8)
             self.lm_head: Optional[Linear] = None
             if not config.tie_word_embeddings:
                 self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,

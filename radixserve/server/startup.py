@@ -8,10 +8,12 @@ port fails in well under a second with one line instead of after the model loade
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import socket
 
+from radixserve.model.quantization import quantization_config
 from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")
@@ -39,6 +41,26 @@ def check_model_path(settings: ServerSettings) -> None:
         raise StartupError(f"--chat-template {template!r}: no such file")
 
 
+def check_quantization(settings: ServerSettings) -> None:
+    """The checkpoint's quantization_config (and --quantization) must be one the model runs: an AWQ
+    or GPTQ checkpoint read as bf16 would load and answer garbage."""
+    path = settings.model_path
+    if path is None:
+        return
+    config_file = os.path.join(path, "config.json")
+    try:
+        with open(config_file) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise StartupError(f"--model-path {path!r}: cannot read config.json ({e})") from None
+    if not isinstance(raw, dict):
+        raise StartupError(f"--model-path {path!r}: config.json must hold a JSON object")
+    try:
+        quantization_config(raw, settings.quantization, source=f"--model-path {path!r}")
+    except ValueError as e:
+        raise StartupError(str(e)) from None
+
+
 def check_port_free(host: str, port: int) -> None:
     """Bind host:port the way uvicorn will (SO_REUSEADDR), then let it go; raise if that fails."""
     try:
@@ -60,6 +82,7 @@ def check_port_free(host: str, port: int) -> None:
 def check_before_loading(settings: ServerSettings) -> None:
     """Every check that needs nothing loaded; raises StartupError with the first problem."""
     check_model_path(settings)
+    check_quantization(settings)
     check_port_free(settings.host, settings.port)
 
 

@@ -11,13 +11,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.model.layers.activation import SiluAndMul
+from radixserve.model.layers.fp8 import Fp8LinearMethod
 from radixserve.model.layers.kernel_choice import KernelChoice
+from radixserve.model.quantization import Fp8Config
 
 ShardId = Hashable
 
 
 def copy_weight(dest: torch.Tensor, loaded: torch.Tensor) -> None:
-    """dest <- loaded (cast to dest's dtype and device); ValueError when the shapes differ."""
+    """dest <- loaded (cast to dest's dtype and device); ValueError when the shapes differ, or when
+    an FP8 tensor would be cast (without its scale it is not the weight)."""
+    if loaded.dtype == torch.float8_e4m3fn and dest.dtype != loaded.dtype:
+        raise ValueError("is FP8, but this parameter is not (an FP8 checkpoint needs its quantization_config in "
+                         "config.json)")
     if tuple(loaded.shape) != tuple(dest.shape):
         raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(dest.shape)} from config.json")
     dest.copy_(loaded)
@@ -30,18 +36,28 @@ class Linear(nn.Module):
     (radixserve.kernels.decode_linear; SiLU-and-mul fused into its epilogue when that is the
     activation) for weights it can tile; everything else runs F.linear (cuBLAS), then `act`.
     `weight`: share an existing parameter (a tied lm_head) instead of allocating one.
+    `fp8`: hold FP8 weights; `self.quant` (radixserve.model.layers.fp8) then owns the weight's
+    layout, its loading and the matmul (`shards`: a MergedLinear's shard ids, in row order).
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool, dtype: torch.dtype,
-                 kernels: KernelChoice, act: Optional[SiluAndMul] = None, weight: Optional[nn.Parameter] = None):
+                 kernels: KernelChoice, act: Optional[SiluAndMul] = None, weight: Optional[nn.Parameter] = None,
+                 fp8: Optional[Fp8Config] = None, shards: tuple[ShardId, ...] = (None,)):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        if weight is None:
+        self.quant: Optional[Fp8LinearMethod] = None
+        if fp8 is not None:
+            if weight is not None:
+                raise ValueError("an FP8 projection cannot share another layer's weight")
+            self.quant = Fp8LinearMethod(fp8, list(shards))
+            self.quant.create_weights(self, input_size, output_size)
+        elif weight is None:
             weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype))
         elif tuple(weight.shape) != (output_size, input_size):
             raise ValueError(f"a shared weight of shape {tuple(weight.shape)} is not ({output_size}, {input_size})")
-        self.weight = weight
+        if weight is not None:
+            self.weight = weight
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype))
         else:
@@ -59,18 +75,36 @@ class Linear(nn.Module):
             if self._decode_config is not None:
                 self._decode_linear = decode_linear
                 self._decode_max_rows = kernels.decode_gemm_max_rows
+                if self.quant is not None:
+                    from radixserve.kernels.decode_linear_fp8 import decode_linear_fp8
+
+                    self._decode_linear = self._fp8_decode_linear
+                    self._decode_linear_fp8 = decode_linear_fp8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if 0 < x.shape[0] <= self._decode_max_rows and x.stride(-1) == 1:
             return self._decode_linear(x, self.weight, self.bias, self._decode_config, silu_mul=self.act is not None)
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias) if self.quant is None else self.quant.apply(self, x)
         return y if self.act is None else self.act.forward(y)
 
+    def _fp8_decode_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], config,
+                           silu_mul: bool) -> torch.Tensor:
+        return self._decode_linear_fp8(x, weight, self.weight_scale, bias, config, silu_mul=silu_mul)
+
     def load_weight(self, param: str, loaded: torch.Tensor, shard_id: Optional[ShardId] = None) -> None:
-        """Fill parameter `param` ("weight" or "bias") from one checkpoint tensor."""
+        """Fill parameter `param` ("weight" or "bias"; FP8 also "weight_scale", "input_scale")
+        from one checkpoint tensor."""
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
+        if self.quant is not None:
+            self.quant.load(self, param, loaded, None, (0, self.output_size))
+            return
         copy_weight(getattr(self, param), loaded)
+
+    def finish_loading(self) -> None:
+        """Called by the loader once every checkpoint tensor is in."""
+        if self.quant is not None:
+            self.quant.finish_loading(self)
 
 
 class MergedLinear(Linear):
@@ -79,8 +113,9 @@ class MergedLinear(Linear):
     in row order. q|k|v: {"q": Hq*D, "k": Hkv*D, "v": Hkv*D}; gate|up: {0: I, 1: I}."""
 
     def __init__(self, input_size: int, shards: dict[ShardId, int], *, bias: bool, dtype: torch.dtype,
-                 kernels: KernelChoice, act: Optional[SiluAndMul] = None):
-        super().__init__(input_size, sum(shards.values()), bias=bias, dtype=dtype, kernels=kernels, act=act)
+                 kernels: KernelChoice, act: Optional[SiluAndMul] = None, fp8: Optional[Fp8Config] = None):
+        super().__init__(input_size, sum(shards.values()), bias=bias, dtype=dtype, kernels=kernels, act=act,
+                         fp8=fp8, shards=tuple(shards))
         self.shard_rows: dict[ShardId, tuple[int, int]] = {}
         start = 0
         for shard_id, size in shards.items():
@@ -91,4 +126,7 @@ class MergedLinear(Linear):
         if shard_id not in self.shard_rows:
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r} (shards: {list(self.shard_rows)})")
         start, size = self.shard_rows[shard_id]
+        if self.quant is not None:
+            self.quant.load(self, param, loaded, shard_id, (start, size))
+            return
         copy_weight(getattr(self, param).narrow(0, start, size), loaded)

@@ -39,7 +39,8 @@ class RotaryEmbedding(nn.Module):
     `forward(positions, q, k, v=, k_buf=, v_buf=, loc=)` returns (q, k, stored). Triton: q and k
     (views into the fused qkv output are fine) are rotated in place and k, v written to
     k_buf/v_buf at slots `loc` by the same launch, so stored is True and the attention backend
-    only attends. Torch: new rotated tensors, stored is False (the backend stores them).
+    only attends (an FP8 pool gets k / k_scale, v / v_scale: `kv_scales`). Torch: new rotated
+    tensors, stored is False (the backend stores them).
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, *, dtype: torch.dtype,
@@ -61,9 +62,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *, v: Optional[torch.Tensor] = None,
                 k_buf: Optional[torch.Tensor] = None, v_buf: Optional[torch.Tensor] = None,
-                loc: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+                loc: Optional[torch.Tensor] = None, kv_scales: tuple[float, float] = (1.0, 1.0)
+                ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         if self._triton_rope is not None:
-            self._triton_rope(q, k, positions, self.cos, self.sin, v=v, k_buf=k_buf, v_buf=v_buf, loc=loc)
+            self._triton_rope(q, k, positions, self.cos, self.sin, v=v, k_buf=k_buf, v_buf=v_buf, loc=loc,
+                              k_scale=kv_scales[0], v_scale=kv_scales[1])
             return q, k, k_buf is not None
         q, k = apply_rope(q, k, self.cos[positions], self.sin[positions])
         return q, k, False

@@ -1,0 +1,123 @@
+"""The decode-row GEMM over FP8 (e4m3) weights: y = x @ (W * scale)^T (+ bias) for a decode
+step's few rows.
+
+Same tiling, K split and SiLU-and-mul epilogue as the bf16 kernel (radixserve.kernels.decode_linear,
+whose reduce kernel this one shares), with two differences: each weight tile is loaded as e4m3 (one
+byte per weight: half the bytes a decode step streams) and widened to the activation dtype in
+registers (exact: every e4m3 value is a bf16/fp16 value) before the tensor-core dot; and each
+output column's float32 scale multiplies its accumulator before anything is stored, so split
+partials, the bias and the SiLU see dequantized values. Activations stay in their dtype: at a
+handful of rows their bytes are nothing next to the weights', and they lose no precision.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from radixserve.kernels.decode_linear import _reduce, _silu_mul
+from radixserve.kernels.decode_linear_config import DecodeLinearConfig, block_m_for, pipeline_stages, split_plan, \
+    supported
+from radixserve.kernels.launch import FastKernel
+
+
+@triton.jit(do_not_specialize=["M", "tiles_per_split"])
+def _decode_linear_fp8_kernel(
+    X, W, Scale, Bias, Y, M, N, K, stride_xm, stride_ym, tiles_per_split,
+    HAS_BIAS: tl.constexpr, WRITE_PARTIAL: tl.constexpr, GATED: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    r = tl.arange(0, BLOCK_N)
+    if GATED:
+        HALF: tl.constexpr = BLOCK_N // 2
+        cols = pid_n * HALF + (r % HALF)
+        offs_n = tl.where(r < HALF, cols, N // 2 + cols)
+        mask_n = cols < N // 2
+    else:
+        offs_n = pid_n * BLOCK_N + r
+        mask_n = offs_n < N
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    first = pid_s * tiles_per_split
+    n_tiles = tl.minimum(tiles_per_split, K // BLOCK_K - first)
+    k0 = first * BLOCK_K
+    mask_m = offs_m < M
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :]
+    x_ptrs = X + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(0, n_tiles):
+        if EVEN_N:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+        x = tl.load(x_ptrs, mask=mask_m[None, :], other=0.0)
+        acc = tl.dot(w.to(x.dtype), x, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    acc *= tl.load(Scale + offs_n, mask=mask_n, other=0.0)[:, None]
+    if WRITE_PARTIAL:
+        p_ptrs = Y + (pid_s * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
+        tl.store(p_ptrs, acc, mask=mask_n[:, None] & mask_m[None, :])
+    elif GATED:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, HALF, BLOCK_M)), (1, 2, 0)))
+        h = _silu_mul(gate, up, Y.dtype.element_ty)
+        out_cols = pid_n * HALF + tl.arange(0, HALF)
+        y_ptrs = Y + offs_m[None, :] * stride_ym + out_cols[:, None]
+        tl.store(y_ptrs, h.to(Y.dtype.element_ty), mask=(out_cols < N // 2)[:, None] & mask_m[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        y_ptrs = Y + offs_m[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+
+
+_linear_fp8 = FastKernel(_decode_linear_fp8_kernel)
+
+
+def decode_linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor],
+                      config: DecodeLinearConfig, out: Optional[torch.Tensor] = None,
+                      partial: Optional[torch.Tensor] = None, silu_mul: bool = False) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] e4m3 * weight_scale [N] float32)^T + bias [N] -> [M, N] in x's
+    dtype, float32 accumulation. silu_mul, config, partial: as `decode_linear`."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.dtype != torch.float8_e4m3fn or weight_scale.dtype != torch.float32 or weight_scale.shape != (n,):
+        raise ValueError(f"decode_linear_fp8: weight {weight.dtype} and scale {weight_scale.dtype} "
+                         f"{tuple(weight_scale.shape)}: expected e4m3 weights and float32 scales [{n}]")
+    if weight.shape[1] != k or x.stride(1) != 1 or not supported(weight, config) \
+            or (silu_mul and (n % 2 or bias is not None)):
+        raise ValueError(f"decode_linear_fp8: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit "
+                         f"block_k={config.block_k}" + (" with silu_mul" if silu_mul else ""))
+    n_out = n // 2 if silu_mul else n
+    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device) if out is None else out
+    if m == 0:
+        return y
+    c = config
+    tiles_per_split, split = split_plan(k, c)
+    block_m = block_m_for(m)
+    # Shared memory sized as for 2-byte weights: a bound, never an overflow.
+    stages = pipeline_stages(c, block_m, x.element_size())
+    cols = c.block_n // 2 if silu_mul else c.block_n
+    grid = (triton.cdiv(n_out, cols), split, triton.cdiv(m, block_m))
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else weight_scale
+    if split > 1:
+        if partial is None:
+            partial = torch.empty(split * m * n, dtype=torch.float32, device=x.device)
+        elif partial.numel() < split * m * n or partial.dtype != torch.float32:
+            raise ValueError(f"decode_linear_fp8: the partial buffer needs {split * m * n} float32 elements")
+    _linear_fp8[grid](x, weight, weight_scale, bias_arg, y if split == 1 else partial, m, n, k, x.stride(0),
+                      y.stride(0), tiles_per_split, HAS_BIAS=has_bias, WRITE_PARTIAL=split > 1, GATED=silu_mul,
+                      EVEN_N=n_out % cols == 0, BLOCK_M=block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                      num_warps=c.num_warps, num_stages=stages)
+    if split > 1:
+        block = min(1024, triton.next_power_of_2(n_out))
+        _reduce[(m, triton.cdiv(n_out, block))](partial, bias_arg, y, m, n, y.stride(0), split,
+                                               HAS_BIAS=has_bias, GATED=silu_mul, BLOCK=block, num_warps=4)
+    return y

@@ -1,0 +1,184 @@
+"""FP8 (e4m3) projections: what a `Linear` delegates to when the model runs FP8 weights.
+
+The weight is e4m3 [N, K] with one float32 scale per output row (`weight_scale` [N]): a per-tensor
+checkpoint scale is expanded over its tensor's rows, so the shards of a fused q|k|v or gate|up
+(whose per-tensor scales differ) need no requantization. Activations get a scale per token
+(dynamic: max |x| of the row / 448) or the checkpoint's per-tensor `input_scale` (static; a fused
+projection takes the largest of its shards', as the activation is one tensor).
+
+Paths, picked per call from the input:
+- CUDA, M <= the decode-row limit with the Triton kernels: the weight-streaming decode GEMM's FP8
+  variant (radixserve.kernels.decode_linear): e4m3 weights read, bf16 activations unquantized,
+  the row scale applied in the epilogue. Decode reads the weights once, so half the bytes is
+  about half the time.
+- CUDA, capability 8.9+ (Ada, Hopper): activations quantized, then `torch._scaled_mm` (cuBLASLt
+  FP8 tensor cores, row-wise scales).
+- Elsewhere (the CPU reference): activations quantized and dequantized the same way, the weight
+  dequantized, then an fp32 matmul.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from radixserve.model.quantization import Fp8Config
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+# A row of zeros gets this scale instead of 0, so quantizing it divides by something finite.
+MIN_SCALE = 1e-12
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, K], float32 scales [M]): each row scaled so its largest |value| maps to 448."""
+    scale = (x.abs().amax(dim=-1).float() / FP8_MAX).clamp_min(MIN_SCALE)
+    return quantize_with(x, scale[:, None]), scale
+
+
+def quantize_with(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 of x / scale, saturated at +-448 (scale broadcasts against x)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_activations(x: torch.Tensor, input_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, K], float32 scales [M, 1]): per token, or the static per-tensor scale."""
+    if input_scale is None:
+        xq, scale = quantize_rows(x)
+        return xq, scale[:, None]
+    return quantize_with(x, input_scale), input_scale.expand(x.shape[0], 1)
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: Optional[torch.Tensor], input_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """What the FP8 tensor-core GEMM computes, in fp32: quantized activations times the
+    dequantized weight, + bias; in x's dtype."""
+    xq, x_scale = quantize_activations(x, input_scale)
+    w = weight.float() * weight_scale[:, None]
+    y = (xq.float() * x_scale) @ w.T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def _scaled_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # Row-wise scaled FP8 GEMMs write bf16.
+    if not x.is_cuda or x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 9):
+        return False
+    # cuBLASLt's FP8 GEMM needs K and N in multiples of 16.
+    return weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+
+
+def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: Optional[torch.Tensor], input_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] e4m3 * weight_scale [N])^T on the FP8 tensor cores."""
+    xq, x_scale = quantize_activations(x, input_scale)
+    y = torch._scaled_mm(xq.contiguous(), weight.t(), scale_a=x_scale.float().contiguous(), scale_b=weight_scale[None, :],
+                         out_dtype=x.dtype)
+    return y if bias is None else y + bias
+
+
+class Fp8LinearMethod:
+    """The FP8 weight layout and forward of one `Linear` (a MergedLinear's shards included).
+
+    `create_weights` registers on the layer: `weight` e4m3 [N, K]; `weight_scale` float32 [N];
+    with static activations `input_scale` float32 [number of shards]. Where the checkpoint holds
+    them they are parameters (the loader requires them); quantized at load, `weight_scale` is a
+    buffer the weight's loading fills.
+    """
+
+    def __init__(self, config: Fp8Config, shard_ids: list[Any]):
+        self.config = config
+        self.shard_ids = list(shard_ids)
+        # Set by finish_loading: None with per-token scales.
+        self.static_scale: Optional[torch.Tensor] = None
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
+        layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8_DTYPE), requires_grad=False)
+        scale = torch.ones(output_size, dtype=torch.float32)
+        if self.config.from_checkpoint:
+            layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        else:
+            layer.register_buffer("weight_scale", scale)
+        if self.config.static_activations:
+            layer.input_scale = nn.Parameter(torch.ones(len(self.shard_ids), dtype=torch.float32),
+                                             requires_grad=False)
+        else:
+            layer.register_parameter("input_scale", None)
+
+    # ------------------------------------------------------------------ loading
+    def load(self, layer: nn.Module, param: str, loaded: torch.Tensor, shard: Any, rows: tuple[int, int]) -> None:
+        """Fill `param` of the rows [start, start + size) that shard `shard` owns."""
+        start, size = rows
+        if param == "weight":
+            self._load_weight(layer, loaded, start, size)
+        elif param == "weight_scale":
+            dest = layer.weight_scale.narrow(0, start, size)
+            flat = loaded.reshape(-1).float()
+            if flat.numel() == 1:  # per tensor: every row of this shard
+                dest.fill_(float(flat[0]))
+            elif flat.numel() == size:  # per channel ([N] or [N, 1])
+                dest.copy_(flat)
+            else:
+                raise ValueError(f"has shape {tuple(loaded.shape)}: a weight scale is one value or one per output "
+                                 f"row ({size}); block-wise scales are not supported")
+        elif param == "input_scale":
+            if loaded.numel() != 1:
+                raise ValueError(f"has shape {tuple(loaded.shape)}: a static input scale is one value per tensor")
+            layer.input_scale[self.shard_ids.index(shard)] = float(loaded.reshape(-1)[0])
+        elif param == "bias":
+            _copy(layer.bias.narrow(0, start, size), loaded)
+        else:
+            raise ValueError(f"has no FP8 parameter {param!r}")
+
+    def _load_weight(self, layer: nn.Module, loaded: torch.Tensor, start: int, size: int) -> None:
+        dest = layer.weight.narrow(0, start, size)
+        if loaded.dtype == FP8_DTYPE:
+            if not self.config.from_checkpoint:
+                raise ValueError("is already FP8, but config.json declares no quantization_config")
+            _copy(dest, loaded)
+            return
+        if self.config.from_checkpoint:
+            raise ValueError(f"is {loaded.dtype}, but config.json declares FP8 weights ({self.config.source})")
+        _check_shape(dest, loaded)
+        # Per output row: quantizing a shard alone gives the same rows as quantizing the fused weight.
+        wq, scale = quantize_rows(loaded.to(dest.device))
+        dest.copy_(wq)
+        layer.weight_scale.narrow(0, start, size).copy_(scale)
+
+    def fill_dummy(self, layer: nn.Module, generator: torch.Generator, std: float) -> None:
+        """Random N(0, std) weights quantized per row (the --load-format dummy path), bias too."""
+        w = torch.empty(layer.weight.shape, dtype=torch.float32, device=layer.weight.device)
+        w.normal_(0.0, std, generator=generator)
+        wq, scale = quantize_rows(w)
+        layer.weight.copy_(wq)
+        layer.weight_scale.copy_(scale)
+        if layer.bias is not None:
+            layer.bias.normal_(0.0, std, generator=generator)
+        if layer.input_scale is not None:
+            layer.input_scale.fill_(1.0)
+
+    # ------------------------------------------------------------------ forward
+    def finish_loading(self, layer: nn.Module) -> None:
+        """Once every tensor is in: the static activation scale [1] of the fused projection."""
+        self.static_scale = None if layer.input_scale is None else layer.input_scale.max().reshape(1)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return torch.empty((0, layer.weight.shape[0]), dtype=x.dtype, device=x.device)
+        if _scaled_mm_ok(x, layer.weight):
+            return fp8_linear_scaled_mm(x, layer.weight, layer.weight_scale, layer.bias, self.static_scale)
+        return fp8_linear_reference(x, layer.weight, layer.weight_scale, layer.bias, self.static_scale)
+
+
+def _check_shape(dest: torch.Tensor, loaded: torch.Tensor) -> None:
+    if tuple(loaded.shape) != tuple(dest.shape):
+        raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(dest.shape)} from config.json")
+
+
+def _copy(dest: torch.Tensor, loaded: torch.Tensor) -> None:
+    _check_shape(dest, loaded)
+    dest.copy_(loaded)
+
