@@ -93,7 +93,7 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> Fp8Config:
     acts = group.get("input_activations") or {}
     name = "compressed-tensors"
     if weights.get("type") != "float" or weights.get("num_bits") != 8:
-        kind = f"{weights.get('type')} {weights.get('num_bits')}-bit"
+        kind = f"{weights.get('type')}{weights.get('num_bits')}"
         raise ValueError(f"{source}: {name} {kind} weights are not supported; supported: {SUPPORTED}")
     strategy = weights.get("strategy")
     if strategy not in ("tensor", "channel") or weights.get("dynamic") or not weights.get("symmetric", True):

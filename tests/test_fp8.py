@@ -1,0 +1,286 @@
+"""FP8 on the CPU reference path: FP8 checkpoints in each supported layout, quantization at load,
+the FP8 KV cache, and the refusal of every other quantization method.
+
+The oracle is transformers' Qwen2 loaded from the dequantized checkpoint (every projection weight
+replaced by e4m3 weight x scale in float32), with each projection's input quantized to e4m3 and
+back the way the FP8 GEMM sees it (per token, or the static per-tensor scale, the largest of a
+fused q|k|v's or gate|up's). What is left between the two is float32 rounding, which can flip one
+activation's e4m3 rounding now and then: hence a tolerance, not equality.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixserve.attention.base import ForwardMode
+from radixserve.attention.torch_backend import TorchAttentionBackend
+from radixserve.cache.kv_pool import FP8_KV_DTYPE, KVPool, fp8_dequantize, fp8_quantize
+from radixserve.engine.engine import Engine
+from radixserve.model.config import ModelConfig
+from radixserve.model.layers.fp8 import FP8_DTYPE, quantize_rows
+from radixserve.model.loader import load_model
+from radixserve.model.quantization import Fp8Config, quantization_config
+from radixserve.testing.fp8_checkpoint import write_fp8_checkpoint
+from radixserve.testing.tiny_model import build_tiny_model
+
+import transformers  # noqa: E402
+
+from conftest import free_port  # noqa: E402
+from test_model import PoolHarness, random_tokens  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Largest |ours - oracle| over all logits, relative to the largest |logit| (~3 on the tiny model).
+# Measured: <= 2e-6 with the same e4m3 roundings; a flipped rounding moves a logit ~1e-3.
+FP8_REL_TOL = 5e-3
+# An FP8 KV cache (scale 1.0) against a float32 one, on the same weights: largest |delta logit|
+# relative to the largest |logit|. Measured 0.03-0.05 on the tiny model (its K/V run to |4|, where
+# e4m3 keeps 3 mantissa bits).
+FP8_KV_REL_BOUND = 0.15
+
+LAYOUTS = {
+    # name: write_fp8_checkpoint keyword arguments
+    "fp8-dynamic": dict(fmt="fp8"),
+    "fp8-static": dict(fmt="fp8", static_activations=True),
+    "ct-tensor": dict(fmt="compressed-tensors"),
+    "ct-channel": dict(fmt="compressed-tensors", per_channel=True),
+}
+FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("fp8-src"), seed=1)
+
+
+def static_scale_of(module: str, input_scales: dict[str, float]) -> float:
+    """The activation scale a projection's input gets: a fused projection's largest."""
+    prefix, _, leaf = module.rpartition(".")
+    group = FUSED.get(leaf)
+    if group is None:
+        return input_scales[module]
+    return max(v for name, v in input_scales.items()
+               if name.rpartition(".")[0] == prefix and FUSED.get(name.rpartition(".")[2]) == group)
+
+
+def hf_fake_quant(dequantized: Path, input_scales: dict[str, float]):
+    """transformers' Qwen2 on the dequantized weights, each projection's input rounded to e4m3."""
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval()
+    for name, module in hf.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            static = static_scale_of(name, input_scales) if input_scales else None
+
+            def hook(_m, args, static=static):
+                x = args[0]
+                if static is None:
+                    scale = (x.abs().amax(dim=-1, keepdim=True) / 448.0).clamp_min(1e-12)
+                else:
+                    scale = torch.tensor(static)
+                return ((x / scale).clamp(-448, 448).to(FP8_DTYPE).float() * scale,)
+
+            module.register_forward_pre_hook(hook)
+    return hf
+
+
+def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].float()
+
+
+def rel_max(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def prefix_extend_decode(model, cfg, prompt: list[int], *, kv_dtype=None, steps: int = 6
+                         ) -> tuple[torch.Tensor, list[int]]:
+    """Logits of every position: a prefix, an extend over it, then greedy decode steps; and the
+    whole token sequence."""
+    h = PoolHarness(model, cfg, page_size=2, seed=3)
+    if kv_dtype is not None:
+        h.pool = KVPool(4096, 2, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv_dtype, "cpu",
+                        kv_scales=model.kv_cache_scales)
+        pages = h.pool.allocator.alloc_pages(h.pool.allocator.num_pages)
+        h._free_pages = pages[::-1]
+    cut = len(prompt) // 2
+    rows = [h.step({"a": prompt[:cut]})["a"], h.step({"a": prompt[cut:]})["a"]]
+    seq = list(prompt)
+    for _ in range(steps):
+        seq.append(int(rows[-1][-1].argmax()))
+        rows.append(h.step({"a": seq[-1:]}, mode=ForwardMode.DECODE)["a"])
+    return torch.cat(rows), seq
+
+
+# --------------------------------------------------------------------------- FP8 weights
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fp8_checkpoint_matches_dequantized_reference(layout, tiny_dir, tmp_path):
+    ckpt = write_fp8_checkpoint(tiny_dir, tmp_path / layout, **LAYOUTS[layout])
+    model, cfg = load_model(ckpt.path, attn_backend=TorchAttentionBackend())
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == FP8_DTYPE and qkv.weight_scale.shape == (qkv.output_size,)
+    assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.float32
+    hf = hf_fake_quant(ckpt.dequantized, ckpt.input_scales)
+    prompt = random_tokens(21, cfg.vocab_size, 5)
+    ours, seq = prefix_extend_decode(model, cfg, prompt)
+    ref = hf_logits(hf, seq)
+    assert rel_max(ours, ref) < FP8_REL_TOL
+
+
+def test_quantize_at_load_matches_dequantized_reference(tiny_dir, tmp_path):
+    """--quantization fp8 on a float32 checkpoint: per-output-channel weight scales, per-token
+    activations; the same weights as a per-channel checkpoint's dequantized ones."""
+    model, cfg = load_model(tiny_dir, attn_backend=TorchAttentionBackend(), quantization="fp8")
+    assert model.model.layers[0].mlp.gate_up_proj.weight.dtype == FP8_DTYPE
+    ckpt = write_fp8_checkpoint(tiny_dir, tmp_path / "channel", fmt="compressed-tensors", per_channel=True)
+    hf = hf_fake_quant(ckpt.dequantized, {})
+    prompt = random_tokens(19, cfg.vocab_size, 6)
+    ours, seq = prefix_extend_decode(model, cfg, prompt)
+    assert rel_max(ours, hf_logits(hf, seq)[:ours.shape[0]]) < FP8_REL_TOL
+
+
+def test_quantize_rows_is_per_output_channel():
+    w = torch.randn(8, 32) * torch.logspace(-3, 1, 8)[:, None]
+    w[3] = 0.0  # a zero row stays zero, with a finite scale
+    wq, scale = quantize_rows(w)
+    assert wq.dtype == FP8_DTYPE and scale.shape == (8,)
+    assert torch.equal(wq.float().abs().amax(dim=1)[[0, 1, 2, 4, 5, 6, 7]], torch.full((7,), 448.0))
+    assert torch.all(wq[3].float() == 0) and torch.isfinite(scale).all()
+    rel = ((wq.float() * scale[:, None] - w).abs() / w.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)).max()
+    assert rel <= 2 ** -4  # e4m3: 3 mantissa bits, half an ulp relative to the row's max
+
+
+def test_dummy_weights_quantized_and_deterministic(tiny_dir):
+    a, _ = load_model(tiny_dir, attn_backend=TorchAttentionBackend(), load_format="dummy", quantization="fp8", seed=3)
+    b, _ = load_model(tiny_dir, attn_backend=TorchAttentionBackend(), load_format="dummy", quantization="fp8", seed=3)
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(pa.float(), pb.float()), name
+    down = a.model.layers[1].mlp.down_proj
+    assert down.weight.dtype == FP8_DTYPE and float(down.weight_scale.min()) > 0
+
+
+def test_fp8_tensor_without_quantization_config_is_refused(tiny_dir, tmp_path):
+    ckpt = write_fp8_checkpoint(tiny_dir, tmp_path / "undeclared")
+    config = json.loads((ckpt.path / "config.json").read_text())
+    del config["quantization_config"]
+    (ckpt.path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantization_config"):
+        load_model(ckpt.path, attn_backend=TorchAttentionBackend())
+
+
+def test_engine_serves_fp8_checkpoint_greedy_like_its_model(tiny_dir, tmp_path):
+    """The engine's greedy tokens on an FP8 checkpoint are the FP8 model's own argmax chain."""
+    ckpt = write_fp8_checkpoint(tiny_dir, tmp_path / "engine", fmt="compressed-tensors", per_channel=True)
+    model, cfg = load_model(ckpt.path, attn_backend=TorchAttentionBackend())
+    prompt = random_tokens(15, cfg.vocab_size, 8)
+    _, seq = prefix_extend_decode(model, cfg, prompt, steps=8)
+    engine = Engine(model_path=str(ckpt.path), device="cpu")
+    out = engine.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 8, "temperature": 0,
+                                                               "ignore_eos": True})
+    assert out[0]["output_ids"] == seq[len(prompt):len(prompt) + 8]
+
+
+# --------------------------------------------------------------------------- FP8 KV cache
+
+def test_fp8_kv_pool_stores_scaled_values():
+    pool = KVPool(16, 1, 2, 2, 8, FP8_KV_DTYPE, "cpu", kv_scales=[(1.0, 1.0), (0.5, 2.0)])
+    assert KVPool.bytes_per_token(2, 2, 8, FP8_KV_DTYPE) * 2 == KVPool.bytes_per_token(2, 2, 8, torch.bfloat16)
+    k, v = torch.randn(3, 2, 8) * 4, torch.randn(3, 2, 8) * 4
+    k[0, 0, 0] = 1e4  # saturates at 448 * scale instead of becoming NaN
+    slots = torch.tensor([1, 5, 9])
+    pool.store(1, slots, k, v)
+    assert pool.k_buffers[1].dtype == FP8_KV_DTYPE
+    assert torch.equal(pool.k_buffers[1][slots].float(), fp8_quantize(k, 0.5).float())
+    back = fp8_dequantize(pool.k_buffers[1][slots], 0.5, torch.float32)
+    assert float(back[0, 0, 0]) == 448.0 * 0.5
+    k[0, 0, 0] = 0.0
+    back[0, 0, 0] = 0.0
+    assert float(((back - k).abs() / k.abs().amax()).max()) <= 2 ** -4
+    v_back = fp8_dequantize(pool.v_buffers[1][slots], 2.0, torch.float32)
+    assert float(((v_back - v).abs() / v.abs().amax()).max()) <= 2 ** -4
+
+
+def test_fp8_kv_cache_changes_logits_within_bound(tiny_dir):
+    model, cfg = load_model(tiny_dir, attn_backend=TorchAttentionBackend())
+    prompt = random_tokens(23, cfg.vocab_size, 9)
+    plain, seq = prefix_extend_decode(model, cfg, prompt)
+    fp8, seq8 = prefix_extend_decode(model, cfg, prompt, kv_dtype=FP8_KV_DTYPE)
+    # Compare the same positions only while the greedy chains agree.
+    same = next((i for i, (a, b) in enumerate(zip(seq, seq8)) if a != b), len(seq))
+    rows = min(same, plain.shape[0])
+    assert rows >= len(prompt)
+    err = rel_max(fp8[:rows], plain[:rows])
+    assert 0 < err < FP8_KV_REL_BOUND
+
+
+def test_kv_scales_read_from_checkpoint(tiny_dir, tmp_path):
+    ckpt = write_fp8_checkpoint(tiny_dir, tmp_path / "kv", kv_scales=[(0.5, 0.25), (2.0, 1.5)])
+    model, _ = load_model(ckpt.path, attn_backend=TorchAttentionBackend())
+    assert model.kv_cache_scales == [(0.5, 0.25), (2.0, 1.5)]
+    engine = Engine(model_path=str(ckpt.path), device="cpu", kv_cache_dtype="fp8_e4m3", max_total_tokens=256)
+    pool = engine.core.kv_pool
+    assert pool.k_scales == [0.5, 2.0] and pool.v_scales == [0.25, 1.5]
+    assert pool.k_buffers[0].dtype == FP8_KV_DTYPE
+    out = engine.generate(input_ids=[[3, 4, 5, 6]], sampling_params={"max_new_tokens": 4, "temperature": 0,
+                                                                      "ignore_eos": True})
+    assert len(out[0]["output_ids"]) == 4
+
+
+# --------------------------------------------------------------------------- refusal
+
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+REFUSED = {
+    "awq": AWQ,
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128},
+    "bitsandbytes": {"quant_method": "bitsandbytes", "load_in_4bit": True},
+    "gguf": {"quant_method": "gguf"},
+    "weight_block_size": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    "int4": {"quant_method": "compressed-tensors", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
+    "keeping layers unquantized": {"quant_method": "fp8", "ignored_layers": ["model.layers.0.mlp.down_proj"]},
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_unsupported_quantization_refused_offline(name, tiny_dir, tmp_path):
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = REFUSED[name]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=name) as info:
+        Engine(model_path=str(model_dir), device="cpu")
+    assert "supported" in str(info.value)
+    with pytest.raises(ValueError, match=name):
+        ModelConfig.from_dir(model_dir)
+
+
+def test_awq_refused_at_server_startup(tiny_dir, tmp_path):
+    model_dir = tmp_path / "awq-model"
+    shutil.copytree(tiny_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = AWQ
+    (model_dir / "config.json").write_text(json.dumps(config))
+    run = subprocess.run([sys.executable, "-m", "radixserve.launch_server", "--device", "cpu", "--model-path",
+                          str(model_dir), "--port", str(free_port())], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=120)
+    lines = (run.stdout + run.stderr).strip().splitlines()
+    assert run.returncode == 1
+    assert len(lines) == 1 and "server failed: " in lines[0], lines
+    assert "'awq' is not supported" in lines[0] and "compressed-tensors" in lines[0], lines
+
+
+def test_quantization_config_parsing():
+    assert quantization_config({}) is None
+    assert quantization_config({}, "fp8") == Fp8Config(from_checkpoint=False)
+    static = quantization_config({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}})
+    assert static.from_checkpoint and static.static_activations and static.weight_scales == "tensor"
+    with pytest.raises(ValueError, match="quantization='int8' is not supported"):
+        quantization_config({}, "int8")
+    with pytest.raises(ValueError, match="awq"):
+        quantization_config({"quantization_config": AWQ}, "fp8")  # --quantization fp8 does not override it
