@@ -11,6 +11,9 @@ matmul rate (8192^3 on random data); then, for the model's shape,
     on cuBLAS instead of the decode-row GEMM (radixserve.kernels.decode_linear);
   * prefill of `--prefill-batch` x `--prefill-len` tokens (model, and attention alone), against
     FLOPs / matmul rate.
+With --quantization fp8 the model's projections hold e4m3 weights (the floors count one byte per
+projection weight, two for norms, biases and lm_head), and with --kv-cache-dtype fp8_e4m3 the KV
+pool holds one byte per value (the floors count that).
 Times are medians of CUDA-event timings after warm-up, with the L2 cache flushed before each
 run (triton.testing.do_bench). K/V, weights and inputs are random, never zeros; slots are a
 random permutation of the pool, so every request's KV is scattered.
@@ -82,18 +85,23 @@ def measure_matmul_rate(device: torch.device, n: int = 8192) -> tuple[float, flo
 
 @dataclass
 class ModelCost:
-    """Bytes and FLOPs of the model's shape (bf16)."""
+    """Bytes and FLOPs of the model's shape: `weight_elem` bytes per projection weight (2 in bf16,
+    1 in FP8), 2 per norm, bias and lm_head weight; `elem` bytes per KV value."""
 
     cfg: ModelConfig
     elem: int = 2
+    weight_elem: int = 2
+
+    @property
+    def layer_projection_params(self) -> int:
+        c = self.cfg
+        return c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size \
+            + 3 * c.hidden_size * c.intermediate_size
 
     @property
     def layer_params(self) -> int:
         c = self.cfg
-        qkv = c.hidden_size * (c.q_size + 2 * c.kv_size) + (c.q_size + 2 * c.kv_size)
-        o = c.q_size * c.hidden_size
-        mlp = 3 * c.hidden_size * c.intermediate_size
-        return qkv + o + mlp + 2 * c.hidden_size
+        return self.layer_projection_params + (c.q_size + 2 * c.kv_size) + 2 * c.hidden_size
 
     @property
     def matmul_params(self) -> int:
@@ -102,9 +110,16 @@ class ModelCost:
 
     @property
     def decode_weight_bytes(self) -> int:
-        """Weights read per decode step: all layers, final norm, lm_head (the embedding is gathered)."""
+        """Weights read per decode step: all layers, final norm, lm_head (the embedding is gathered).
+        FP8 projections also read a float32 scale per output row."""
         c = self.cfg
-        return (self.matmul_params + c.hidden_size + c.vocab_size * c.hidden_size) * self.elem
+        projections = c.num_hidden_layers * self.layer_projection_params
+        rest = self.matmul_params - projections + c.hidden_size + c.vocab_size * c.hidden_size
+        scales = 0
+        if self.weight_elem == 1:
+            rows = (c.q_size + 2 * c.kv_size) + c.hidden_size + 2 * c.intermediate_size + c.hidden_size
+            scales = c.num_hidden_layers * rows * 4
+        return projections * self.weight_elem + rest * 2 + scales
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -140,7 +155,12 @@ class Workload:
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
         for buf in self.pool.k_buffers + self.pool.v_buffers:
-            buf.normal_(generator=gen)
+            if buf.dtype == torch.float8_e4m3fn:  # normal_ has no FP8 kernel: draw in bf16, then round
+                for start in range(0, buf.shape[0], 1 << 20):
+                    part = buf[start:start + (1 << 20)]
+                    part.copy_(torch.randn(part.shape, device=device, generator=gen, dtype=torch.bfloat16))
+            else:
+                buf.normal_(generator=gen)
         perm = torch.randperm(self.pool.num_slots - 1, device=device, generator=gen) + 1
         self.max_tokens_per_row = max_tokens_per_row
         # Row i, position j -> perm[i * row_stride + j] (wrapping): the first row_stride positions
@@ -388,7 +408,8 @@ def bench_extend_attention(args, work: Workload, cost: ModelCost, rep: Report, f
 
 
 def _load_bf16_model(args, work: Workload, rep: Report, decode_gemm_max_rows: int):
-    """The model in bfloat16 on the GPU, or None (noted in the report) if it cannot be built."""
+    """The model in bfloat16 on the GPU (its projections in FP8 with --quantization fp8), or None (noted
+    in the report) if it cannot be built."""
     from radixserve.attention.triton_backend import TritonAttentionBackend
     from radixserve.model.loader import load_model
 
@@ -396,7 +417,7 @@ def _load_bf16_model(args, work: Workload, rep: Report, decode_gemm_max_rows: in
     try:
         model, _ = load_model(args.model_path, load_format=args.load_format, dtype=torch.bfloat16,
                               device=work.device, attn_backend=backend, seed=args.seed,
-                              decode_gemm_max_rows=decode_gemm_max_rows)
+                              decode_gemm_max_rows=decode_gemm_max_rows, quantization=args.quantization)
     except Exception as e:
         rep.note(f"load_model failed ({e!r}): attention-only results")
         return None
@@ -491,6 +512,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also profile each model decode step (its kernels, their GPU time, the launch gaps) "
                         "and the host time of the eager prefill (cProfile)")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: the projections in e4m3 (quantized as they load; dummy weights are drawn, then "
+                        "quantized); the decode floors count one byte per projection weight")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                   help="fp8_e4m3: an FP8 KV pool (scales 1.0); the floors count one byte per KV value")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write every row here")
     args = p.parse_args(argv)
@@ -520,7 +546,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     rep.add("ceiling", "bf16 matmul 8192^3, sustained", None, None, tflop_s=sustained / 1e12)
 
     cfg = ModelConfig.from_dir(args.model_path)
-    cost = ModelCost(cfg)
+    fp8_weights = args.quantization == "fp8" or cfg.quantization is not None
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else torch.bfloat16
+    cost = ModelCost(cfg, elem=1 if kv_dtype == torch.float8_e4m3fn else 2, weight_elem=1 if fp8_weights else 2)
+    rep.meta.update(weights="fp8" if fp8_weights else "bf16", kv_cache_dtype=str(kv_dtype))
     max_bs, max_ctx = max(args.batch_sizes), max(args.contexts)
     row_len = max(max_ctx, args.prefill_len, 1024 + 128) + 1
     rows = max(max_bs, args.prefill_batch, 16)
@@ -532,7 +561,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"the KV pool ({need / 1e9:.1f} GB) and weights ({weights / 1e9:.1f} GB) do not fit in "
               f"{free / 1e9:.1f} GB free: use fewer or smaller --batch-sizes/--contexts", file=sys.stderr)
         return 2
-    work = Workload(cfg, rows, row_len, max_ctx, total, device, args.seed)
+    work = Workload(cfg, rows, row_len, max_ctx, total, device, args.seed, dtype=kv_dtype)
     rep.note(f"{args.model_path}: KV pool {total} tokens ({total * cost.kv_bytes_per_token / 1e9:.1f} GB), "
              f"weights read per decode step {cost.decode_weight_bytes / 1e9:.2f} GB, "
              f"KV {cost.kv_bytes_per_token} B/token")

@@ -89,6 +89,10 @@ print("|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     s, ss = r["settings"], r.get("server_settings") or {}
     model = os.path.basename(ss.get("model_path") or "tiny")
+    if ss.get("quantization"):
+        model += f" ({ss['quantization']})"
+    if ss.get("kv_cache_dtype", "auto") != "auto":
+        model += f" (kv {ss['kv_cache_dtype']})"
     if s["dataset_name"] == "generated-shared-prefix":
         w = f"gsp {s['gsp_num_groups']}x{s['gsp_prompts_per_group']}"
     else:

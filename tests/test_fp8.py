@@ -69,20 +69,21 @@ def static_scale_of(module: str, input_scales: dict[str, float]) -> float:
                if name.rpartition(".")[0] == prefix and FUSED.get(name.rpartition(".")[2]) == group)
 
 
-def hf_fake_quant(dequantized: Path, input_scales: dict[str, float]):
+def hf_fake_quant(dequantized: Path, input_scales: dict[str, float], dtype: torch.dtype = torch.float32,
+                  device: str = "cpu"):
     """transformers' Qwen2 on the dequantized weights, each projection's input rounded to e4m3."""
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval()
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(dequantized, dtype=dtype).to(device).eval()
     for name, module in hf.named_modules():
         if isinstance(module, torch.nn.Linear) and name != "lm_head":
             static = static_scale_of(name, input_scales) if input_scales else None
 
             def hook(_m, args, static=static):
-                x = args[0]
+                x = args[0].float()
                 if static is None:
                     scale = (x.abs().amax(dim=-1, keepdim=True) / 448.0).clamp_min(1e-12)
                 else:
-                    scale = torch.tensor(static)
-                return ((x / scale).clamp(-448, 448).to(FP8_DTYPE).float() * scale,)
+                    scale = torch.tensor(static, device=x.device)
+                return (((x / scale).clamp(-448, 448).to(FP8_DTYPE).float() * scale).to(args[0].dtype),)
 
             module.register_forward_pre_hook(hook)
     return hf

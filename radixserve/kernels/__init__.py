@@ -4,6 +4,8 @@
 - `radixserve.kernels.activation`: `silu_and_mul(gate_up)`
 - `radixserve.kernels.decode_linear`: `decode_linear(x, weight, bias, config)`, the GEMM of a decode
   batch's few rows (weights streamed by many programs; K split with a deterministic reduce)
+- `radixserve.kernels.decode_linear_fp8`: `decode_linear_fp8(x, weight, weight_scale, bias, config)`, the
+  same over e4m3 weights with per-output-channel scales (FP8 projections)
 - `radixserve.kernels.rope`: `apply_rope_(q, k, positions, cos, sin, *, v, k_buf, v_buf, loc)` (RoPE, and
   optionally the KV store, in one launch)
 - `radixserve.kernels.kv_store`: `store_kv(k, v, k_buf, v_buf, loc)`, the KV store alone
@@ -11,6 +13,9 @@
   kernels behind `radixserve.attention.triton_backend` (split-K decode, ragged extend)
 - `radixserve.kernels.launch`: `FastKernel`, which launches a compiled kernel through its C launcher
   after the first call of each specialisation (every kernel here goes through it)
+
+The KV store, the fused RoPE store and both attention kernels take an FP8 (e4m3) pool too: it
+holds K / k_scale and V / v_scale, and the readers multiply the scales back in.
 
 The kernels read and write plain tensors (the KV pool's buffers among them) and import nothing
 from the layers above (attention, model). The kernel submodules import triton at their top
@@ -22,8 +27,8 @@ on any machine.
 def compiled_variant_counts() -> dict[str, int]:
     """How many compiled variants each of our Triton kernels holds in this process (CUDA only:
     imports triton). A count that grows while serving means a compile stalled the engine."""
-    from radixserve.kernels import (activation, decode_attention, decode_linear, extend_attention, kv_store, norm,
-                                    rope)
+    from radixserve.kernels import (activation, decode_attention, decode_linear, decode_linear_fp8, extend_attention,
+                                    kv_store, norm, rope)
 
     kernels = {"decode_stage1": decode_attention._decode_stage1_kernel,
                "decode_stage2": decode_attention._decode_stage2_kernel,
@@ -31,6 +36,7 @@ def compiled_variant_counts() -> dict[str, int]:
                "rope": rope._rope_kernel, "rms_norm": norm._rms_norm_kernel,
                "silu_and_mul": activation._silu_and_mul_kernel,
                "decode_linear": decode_linear._decode_linear_kernel,
+               "decode_linear_fp8": decode_linear_fp8._decode_linear_fp8_kernel,
                "decode_linear_reduce": decode_linear._reduce_partials_kernel}
     counts = {}
     for name, fn in kernels.items():
