@@ -285,3 +285,16 @@ def test_quantization_config_parsing():
         quantization_config({}, "int8")
     with pytest.raises(ValueError, match="awq"):
         quantization_config({"quantization_config": AWQ}, "fp8")  # --quantization fp8 does not override it
+
+
+def test_decode_floor_counts_one_byte_per_fp8_weight():
+    from radixserve.bench_one_batch import ModelCost
+
+    cfg = ModelConfig.from_dir(REPO_ROOT / "benchmarks" / "configs" / "qwen2-7b")
+    bf16, fp8 = ModelCost(cfg), ModelCost(cfg, weight_elem=1)
+    projections = cfg.num_hidden_layers * bf16.layer_projection_params
+    saved = bf16.decode_weight_bytes - fp8.decode_weight_bytes
+    # One byte saved per projection weight, less a float32 scale per output row.
+    assert 0 < projections - saved < projections / 500
+    # 7B: 14.14 GB read per decode step in bf16, 7.62 GB in FP8 (lm_head, 1.09 GB, stays bf16).
+    assert 0.53 < fp8.decode_weight_bytes / bf16.decode_weight_bytes < 0.55
