@@ -2,8 +2,9 @@
 
 K/V of the new tokens are written to the pool first and every request then reads its whole
 context back through req_to_token, so the prefix path, the chunked path and decode all see the
-same cached values (an FP8 pool's values multiplied by its per-layer scales). GQA is computed by folding the query heads of one KV head into the query
-length ([Hkv, G*E, D] against [Hkv, S, D]) instead of copying K/V G times.
+same cached values (an FP8 pool's values multiplied by its per-layer scales). GQA is computed by
+folding the query heads of one KV head into the query length ([Hkv, G*E, D] against [Hkv, S, D])
+instead of copying K/V G times.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from radixserve.attention.base import ForwardBatch, ForwardMode
-from radixserve.cache.kv_pool import KVPool, fp8_dequantize
+from radixserve.cache.kv_pool import KVPool, fp8_dequantize, gather_fp8
 
 # Decode requests are attended in groups whose padded K/V gather stays below this many tokens,
 # bounding the temporary memory of the batched path.
@@ -144,9 +145,11 @@ class _PoolLayer:
         self.scales = (pool.k_scales[layer_id], pool.v_scales[layer_id]) if pool.is_fp8 else None
 
     def keys(self, slots: torch.Tensor) -> torch.Tensor:
-        k = self.k_buf[slots]
-        return k.to(self.dtype) if self.scales is None else fp8_dequantize(k, self.scales[0], self.dtype)
+        if self.scales is None:
+            return self.k_buf[slots].to(self.dtype)
+        return fp8_dequantize(gather_fp8(self.k_buf, slots), self.scales[0], self.dtype)
 
     def values(self, slots: torch.Tensor) -> torch.Tensor:
-        v = self.v_buf[slots]
-        return v.to(self.dtype) if self.scales is None else fp8_dequantize(v, self.scales[1], self.dtype)
+        if self.scales is None:
+            return self.v_buf[slots].to(self.dtype)
+        return fp8_dequantize(gather_fp8(self.v_buf, slots), self.scales[1], self.dtype)

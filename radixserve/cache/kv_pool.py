@@ -109,8 +109,12 @@ class KVPool:
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.is_fp8:
-            k = fp8_quantize(k, self.k_scales[layer_id])
-            v = fp8_quantize(v, self.v_scales[layer_id])
+            # Scattered as bytes: indexing kernels for float8 are missing from some torch builds.
+            k_bytes = fp8_quantize(k, self.k_scales[layer_id]).view(torch.uint8)
+            v_bytes = fp8_quantize(v, self.v_scales[layer_id]).view(torch.uint8)
+            self.k_buffers[layer_id].view(torch.uint8)[slots] = k_bytes
+            self.v_buffers[layer_id].view(torch.uint8)[slots] = v_bytes
+            return
         self.k_buffers[layer_id][slots] = k.to(self.k_buffers[layer_id].dtype)
         self.v_buffers[layer_id][slots] = v.to(self.v_buffers[layer_id].dtype)
 
@@ -118,6 +122,11 @@ class KVPool:
 def fp8_quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
     """e4m3 of x / scale, saturated at +-448 (what an FP8 pool stores)."""
     return (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8_KV_DTYPE)
+
+
+def gather_fp8(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """buf[slots] of an FP8 buffer, gathered as bytes (see KVPool.store)."""
+    return buf.view(torch.uint8)[slots].view(FP8_KV_DTYPE)
 
 
 def fp8_dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

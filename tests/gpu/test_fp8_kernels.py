@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from radixserve.attention.base import ForwardMode
-from radixserve.cache.kv_pool import FP8_KV_DTYPE, KVPool
+from radixserve.cache.kv_pool import FP8_KV_DTYPE, KVPool, gather_fp8
 
 from triton_device import DEVICE  # skips this module without a GPU or the Triton interpreter
 
@@ -111,11 +111,12 @@ def test_store_kv_fp8(num_tokens, num_kv_heads, head_dim):
     k[0, 0, 0] = 1000.0  # beyond 448 x K_SCALE: saturates, never NaN
     store_kv(k, v, k_buf, v_buf, loc, K_SCALE, V_SCALE)
     expect_k = (k.float() / K_SCALE).clamp(-448, 448)
-    assert torch.equal(k_buf[loc].float(), expect_k)
-    assert torch.equal(v_buf[loc].float(), v.float() / V_SCALE)
+    assert torch.equal(gather_fp8(k_buf, loc).float(), expect_k)
+    assert torch.equal(gather_fp8(v_buf, loc).float(), v.float() / V_SCALE)
     untouched = torch.ones(num_slots, dtype=torch.bool, device=DEVICE)
     untouched[loc] = False
-    assert torch.isnan(k_buf[untouched].float()).all() and torch.isnan(v_buf[untouched].float()).all()
+    assert torch.isnan(gather_fp8(k_buf, untouched).float()).all()
+    assert torch.isnan(gather_fp8(v_buf, untouched).float()).all()
 
 
 @pytest.mark.skipif(not FULL, reason="the interpreter rounds float32 -> e4m3 wrongly at binade edges")
@@ -139,8 +140,8 @@ def test_rope_store_into_fp8_pool():
     apply_rope_(q, k, positions, cos, sin, v=v, k_buf=k_buf, v_buf=v_buf, loc=loc, k_scale=K_SCALE,
                 v_scale=V_SCALE)
     assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
-    assert torch.equal(k_buf[loc], (k_ref.float() / K_SCALE).to(FP8))
-    assert torch.equal(v_buf[loc], (v_before.float() / V_SCALE).to(FP8))
+    assert torch.equal(gather_fp8(k_buf, loc).float(), (k_ref.float() / K_SCALE).to(FP8).float())
+    assert torch.equal(gather_fp8(v_buf, loc).float(), (v_before.float() / V_SCALE).to(FP8).float())
 
 
 # --------------------------------------------------------------------------- attention over an FP8 pool
@@ -224,8 +225,8 @@ def test_backend_fp8_pool_stores_then_attends(kind):
     k = exact_fp8_values((total, hkv, d), K_SCALE)
     v = exact_fp8_values((total, hkv, d), V_SCALE)
     out = backend.forward(q, k, v, 1, batch)
-    assert torch.equal(pool.k_buffers[1][batch.out_cache_loc].float(), k.float() / K_SCALE)
-    assert torch.equal(pool.v_buffers[1][batch.out_cache_loc].float(), v.float() / V_SCALE)
+    assert torch.equal(gather_fp8(pool.k_buffers[1], batch.out_cache_loc).float(), k.float() / K_SCALE)
+    assert torch.equal(gather_fp8(pool.v_buffers[1], batch.out_cache_loc).float(), v.float() / V_SCALE)
 
     class _View:  # the reference reads what the FP8 pool stands for, through the same table
         pass

@@ -75,8 +75,8 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
                          bias: Optional[torch.Tensor], input_scale: Optional[torch.Tensor]) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] e4m3 * weight_scale [N])^T on the FP8 tensor cores."""
     xq, x_scale = quantize_activations(x, input_scale)
-    y = torch._scaled_mm(xq.contiguous(), weight.t(), scale_a=x_scale.float().contiguous(), scale_b=weight_scale[None, :],
-                         out_dtype=x.dtype)
+    y = torch._scaled_mm(xq.contiguous(), weight.t(), scale_a=x_scale.float().contiguous(),
+                         scale_b=weight_scale[None, :], out_dtype=x.dtype)
     return y if bias is None else y + bias
 
 
