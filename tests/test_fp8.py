@@ -32,7 +32,7 @@ from radixserve.testing.tiny_model import build_tiny_model
 
 import transformers  # noqa: E402
 
-from conftest import free_port  # noqa: E402
+from conftest import ServerProcess, free_port  # noqa: E402
 from test_model import PoolHarness, random_tokens  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -184,6 +184,38 @@ def test_engine_serves_fp8_checkpoint_greedy_like_its_model(tiny_dir, tmp_path):
     out = engine.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 8, "temperature": 0,
                                                                "ignore_eos": True})
     assert out[0]["output_ids"] == seq[len(prompt):len(prompt) + 8]
+
+
+def test_server_serves_fp8_checkpoint_with_fp8_kv(tiny_dir, tmp_path):
+    """A real server on an FP8 checkpoint with an FP8 KV cache: the OpenAI SDK's greedy completion
+    is the offline engine's, and /server_info reports both settings."""
+    import openai
+
+    ckpt = write_fp8_checkpoint(tiny_dir, tmp_path / "served", fmt="fp8", static_activations=True,
+                                kv_scales=[(0.5, 0.5), (1.0, 2.0)])
+    prompt = random_tokens(12, 512, 11)
+    engine = Engine(model_path=str(ckpt.path), device="cpu", kv_cache_dtype="fp8_e4m3", max_total_tokens=4096)
+    expected = engine.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 8, "temperature": 0,
+                                                                    "ignore_eos": True})[0]["output_ids"]
+    engine.shutdown()
+    server = ServerProcess(["--model-path", str(ckpt.path), "--device", "cpu", "--kv-cache-dtype", "fp8_e4m3",
+                            "--max-total-tokens", "4096", "--skip-warmup"], tmp_path).wait_ready()
+    try:
+        settings = server.server_info()["settings"]
+        assert settings["kv_cache_dtype"] == "fp8_e4m3" and settings["quantization"] is None
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+        out = client.completions.create(model="served", prompt=prompt, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 8
+        assert engine_ids_text(ckpt.path, expected) == out.choices[0].text
+    finally:
+        server.stop()
+
+
+def engine_ids_text(path: Path, ids: list[int]) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path)).decode(ids)
 
 
 # --------------------------------------------------------------------------- FP8 KV cache
