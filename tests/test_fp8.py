@@ -330,3 +330,23 @@ def test_decode_floor_counts_one_byte_per_fp8_weight():
     assert 0 < projections - saved < projections / 500
     # 7B: 14.14 GB read per decode step in bf16, 7.62 GB in FP8 (lm_head, 1.09 GB, stays bf16).
     assert 0.53 < fp8.decode_weight_bytes / bf16.decode_weight_bytes < 0.55
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_scaled_mm_call_matches_reference_on_cpu(static):
+    """The arguments the CUDA prefill path gives torch._scaled_mm (row-wise scales, the weight
+    column-major), checked where torch's CPU build runs it too."""
+    from radixserve.model.layers.fp8 import fp8_linear_reference, fp8_linear_scaled_mm
+
+    g = torch.Generator().manual_seed(int(static))
+    x = torch.randn(7, 64, generator=g).to(torch.bfloat16)
+    wq, scale = quantize_rows(torch.randn(48, 64, generator=g) * 0.02)
+    bias = torch.randn(48, generator=g).to(torch.bfloat16)
+    input_scale = torch.tensor([0.01]) if static else None
+    try:
+        out = fp8_linear_scaled_mm(x, wq, scale, bias, input_scale)
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"this torch build has no CPU FP8 GEMM: {e}")
+    ref = fp8_linear_reference(x.float(), wq, scale, bias, input_scale)
+    assert out.dtype == torch.bfloat16
+    assert float((out.float() - ref).norm() / ref.norm()) < 1e-2  # bf16 output rounding
