@@ -9,6 +9,7 @@ Runs on a CUDA GPU; skipped elsewhere (TRITON_INTERPRET=1 runs it on the CPU in 
 from __future__ import annotations
 
 import random
+from typing import Optional
 
 import pytest
 import torch
@@ -33,11 +34,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
-def extend_then_decode(model: Qwen2ForCausalLM, prompts: list[list[int]]) -> tuple[list[torch.Tensor], KVPool]:
+def extend_then_decode(model: Qwen2ForCausalLM, prompts: list[list[int]], kv_dtype: Optional[torch.dtype] = None
+                       ) -> tuple[list[torch.Tensor], KVPool]:
     """All but the last token of every prompt in one extend batch, then the last ones in one decode
-    step; the logits of both and the pool."""
+    step; the logits of both and the pool (of `kv_dtype`, default the activations')."""
     cfg = model.config
-    pool = KVPool(1024, 1, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, LOW, DEVICE)
+    pool = KVPool(1024, 1, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv_dtype or LOW, DEVICE)
     ext = [len(p) - 1 for p in prompts]
     n = len(prompts)
     req_to_token = torch.zeros((n, max(ext) + 1), dtype=torch.int64, device=DEVICE)
