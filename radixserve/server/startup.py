@@ -1,8 +1,9 @@
 """What the server checks before anything loads, and the served model's default name (the rest of
 its life, from the `serving` line to the shutdown, is `lifecycle.py`).
 
-The checks run before the engine process starts or any weights load, so a wrong path or a busy
-port fails in well under a second with one line instead of after the model loaded.
+The checks run before the engine process starts or any weights load, so a wrong path, a
+quantization method the model cannot run (AWQ, GPTQ, ...) or a busy port fails in well under a
+second with one line instead of after the model loaded.
 """
 
 from __future__ import annotations
