@@ -96,8 +96,11 @@ def serve(rank: WorkerRank, sock: zmq.Socket, parent_pid: int) -> None:
 def worker_main(settings: ServerSettings, rank: int, store_port: int, control_addr: str, parent_pid: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: rank 0 stops us
     _die_with_parent()
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s [tp{rank}] %(message)s")
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    if settings.log_file:
+        handlers.append(logging.FileHandler(settings.log_file))
+    logging.basicConfig(level=settings.log_level.upper(), handlers=handlers,
+                        format=f"[%(asctime)s %(process)d %(levelname)s tp-rank {rank}] %(message)s")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, 0)
