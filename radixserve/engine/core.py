@@ -25,7 +25,7 @@ from radixserve.cache.kv_pool import ReqToTokenPool
 from radixserve.cache.radix_cache import CacheCounters, RadixCache
 from radixserve.engine.grammar_wait import GrammarWaitlist
 from radixserve.engine.io_struct import GenerateRequest, RequestOutput
-from radixserve.distributed import check_divisible
+from radixserve.distributed import TensorParallel, check_divisible
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.model_stack import load_rank_model, make_kv_memory
 from radixserve.engine.tensor_parallel import (RecordingReqToTokenPool, SharedSampledTokens, TensorParallelLeader,
@@ -77,15 +77,25 @@ class EngineCore:
         self.tokenizer = load_tokenizer(settings.tokenizer_path or self.model_path)
         self.context_len = settings.context_length or self.model_config.max_position_embeddings
 
-        self.tp_leader: Optional[TensorParallelLeader] = None
-        tp = None
-        if settings.tp_size > 1:
-            cfg = self.model_config
-            check_divisible(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size,
-                            settings.tp_size)
-            self.device = check_tp_devices(settings.tp_size, self.device)
-            self.tp_leader = TensorParallelLeader(settings, self.device)
-            tp = self.tp_leader.tp
+        self.tp_leader = self._start_ranks()
+        try:
+            self._build(settings, self.tp_leader.tp if self.tp_leader is not None else None)
+        except BaseException:
+            self.shutdown()  # a tensor-parallel engine that failed to start stops its other ranks
+            raise
+
+    def _start_ranks(self) -> Optional[TensorParallelLeader]:
+        """With tp_size > 1, the other ranks' processes joined in one group with this one (rank 0)."""
+        tp_size = self.settings.tp_size
+        if tp_size == 1:
+            return None
+        cfg = self.model_config
+        check_divisible(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, tp_size)
+        self.device = check_tp_devices(tp_size, self.device)
+        return TensorParallelLeader(self.settings, self.device)
+
+    def _build(self, settings: ServerSettings, tp: Optional[TensorParallel]) -> None:
+        """The model (this rank's shard), KV memory, radix cache, scheduler and model runner."""
         self.model, self.attn_backend = load_rank_model(settings, self.device, self.dtype, self.context_len, tp)
         cfg = self.model_config
         self.kv_pool, self.req_to_token = make_kv_memory(
@@ -122,8 +132,9 @@ class EngineCore:
         self.in_flight: Optional[StepInFlight] = None  # the launched step whose tokens are unread
         if self.device.type == "cuda" and not settings.skip_warmup:
             self.warmup()
-        logger.info("engine ready: model=%s device=%s dtype=%s kv_pool=%d tokens page_size=%d max_running=%d",
-                    self.model_path, self.device, self.dtype, self.pool_size, settings.page_size, max_running)
+        logger.info("engine ready: model=%s device=%s dtype=%s kv_pool=%d tokens page_size=%d max_running=%d%s",
+                    self.model_path, self.device, self.dtype, self.pool_size, settings.page_size, max_running,
+                    f" tp_size={settings.tp_size}" if tp is not None else "")
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any (a tp_size 1 engine holds nothing to stop)."""
