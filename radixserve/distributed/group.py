@@ -87,6 +87,16 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, store: dist
     return TensorParallel(rank, size, device)
 
 
+def init_from_env(device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> TensorParallel:
+    """Join the group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): benchmarks."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend_for(device), init_method="env://",
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return TensorParallel(dist.get_rank(), dist.get_world_size(), device)
+
+
 def destroy(tp: Optional[TensorParallel]) -> None:
     if tp is not None and dist.is_initialized():
         dist.destroy_process_group()
