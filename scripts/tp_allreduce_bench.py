@@ -100,7 +100,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ref = x.clone()
         dist.all_reduce(ref)
         nccl_buf = x.clone()
-        methods: dict[str, Callable[[], object]] = {"nccl": lambda: dist.all_reduce(nccl_buf)}
+        methods: dict[str, Callable[[], object]] = {"nccl": lambda t=nccl_buf: dist.all_reduce(t)}
         for name, op in sym.items():
             try:
                 buf[:bs].copy_(x)
@@ -111,7 +111,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if not agreed.item():
                     rows_out.append({"method": name, "batch": bs, "error": "result differs from NCCL's"})
                     continue
-                methods[name] = (lambda op=op: op(bs))
+                methods[name] = (lambda op=op, rows=bs: op(rows))
             except Exception as e:
                 rows_out.append({"method": name, "batch": bs, "error": repr(e)})
         msg_bytes = bs * args.hidden * 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -20,7 +21,10 @@ from test_engine import GREEDY, check_idle, hf_greedy, make_prompts
 from test_server_lifecycle import children_of, pid_alive
 
 from radixserve import Engine
+from radixserve.bench.model_cost import ModelCost
+from radixserve.distributed import HeadShard, head_shard, vocab_shard
 from radixserve.launch_server import parse_settings
+from radixserve.model.config import ModelConfig
 from radixserve.testing.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -47,7 +51,7 @@ def kv1(tmp_path_factory):
 
 def test_tp2_equals_tp1_and_hf_with_prefix_hits_and_chunked_prefill(gqa2):
     path, prompts, expected = gqa2
-    settings = dict(max_total_tokens=4096, chunked_prefill_size=7)
+    settings = {"max_total_tokens": 4096, "chunked_prefill_size": 7}
     with Engine(str(path), **settings) as single:
         assert [r["output_ids"] for r in single.generate(input_ids=prompts, sampling_params=GREEDY)] == expected
         sampled = [r["output_ids"] for r in single.generate(input_ids=prompts[:6], sampling_params=SAMPLED)]
@@ -116,3 +120,29 @@ def test_server_with_tp2_answers_and_a_dead_rank_ends_it(server_model_dir, serve
     output = proc.output_path.read_text()
     assert f"tensor-parallel rank 1 (pid {ranks[0]}) exited (killed by signal 9)" in output, output[-3000:]
     assert not pid_alive(engine_pid)
+
+
+def test_heads_split_or_replicate_and_the_vocabulary_pads():
+    assert head_shard(64, 8, 8, 3) == HeadShard(num_q=8, q_start=24, num_kv=1, kv_start=3)
+    # 2 KV heads over 4 ranks: each on the two ranks whose query heads read it.
+    assert [head_shard(16, 2, 4, r) for r in range(4)] == [
+        HeadShard(4, 0, 1, 0), HeadShard(4, 4, 1, 0), HeadShard(4, 8, 1, 1), HeadShard(4, 12, 1, 1)]
+    with pytest.raises(ValueError, match="one must divide the other"):
+        head_shard(12, 4, 6, 0)
+    assert [vocab_shard(10, 4, r) for r in range(4)] == [(0, 3, 3), (3, 3, 3), (6, 3, 3), (9, 3, 1)]
+
+
+def test_tp_decode_floor_adds_the_collectives_over_nvlink():
+    cfg = ModelConfig.from_dir(Path(__file__).resolve().parents[1] / "benchmarks/configs/qwen2-72b")
+    one, eight = ModelCost(cfg), ModelCost(cfg, tp=8)
+    bw, link = 4.0e12, 450e9
+    assert one.decode_floor_ms(64, 1024, bw, link) == pytest.approx(
+        (one.decode_weight_bytes + 64 * 1024 * one.kv_bytes_per_token) / bw * 1e3)
+    # Per GPU: an eighth of the weights (the replicated norms are negligible) and one of the 8 KV heads.
+    assert eight.decode_weight_bytes == pytest.approx(one.decode_weight_bytes / 8, rel=1e-3)
+    assert eight.kv_bytes_per_token == one.kv_bytes_per_token // 8
+    # 161 all-reduces of [64, 8192] and the logits' all-gather, ring algorithms: 2 (N-1)/N and (N-1)/N.
+    collective = 161 * 64 * 8192 * 2 * 2 * 7 / 8 + 64 * 152064 * 2 * 7 / 8
+    assert eight.decode_collective_bytes(64) == pytest.approx(collective)
+    assert eight.decode_floor_ms(64, 1024, bw, link) == pytest.approx(
+        (eight.decode_weight_bytes + 64 * 1024 * eight.kv_bytes_per_token) / bw * 1e3 + collective / link * 1e3)

@@ -108,7 +108,7 @@ class SharedSampledTokens(LastSampledTokens):
         self.tp = tp
 
     def record(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
-        ids = self.tp.broadcast_from_first(ids.contiguous())
+        ids = self.tp.broadcast_from_first(ids.to(torch.int64).contiguous())  # the dtype the others receive
         super().record(rows, ids)
 
     def receive(self, rows: array) -> None:

@@ -15,7 +15,6 @@ import os
 import pickle
 import signal
 import sys
-import time
 import traceback
 from typing import Optional
 
