@@ -211,21 +211,26 @@ class TensorParallelLeader:
             except zmq.ZMQError:
                 pass
         deadline = time.monotonic() + SHUTDOWN_WAIT_S
+        clean = True
         for proc in self.procs:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                clean = False
                 proc.terminate()
                 try:
                     proc.wait(2.0)
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+            clean = clean and proc.returncode == 0
         for sock in self.sockets:
             sock.close(0)
         self.ctx.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
-        destroy(getattr(self, "tp", None))
+        # Leaving an NCCL group whose peers were killed could wait on their collectives; gloo's is safe.
+        if clean or self.device.type != "cuda":
+            destroy(getattr(self, "tp", None))
 
 
 def _exit_engine(reason: str) -> None:
