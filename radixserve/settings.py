@@ -136,6 +136,10 @@ class ServerSettings:
     tp_size: int = _opt(
         1, "Tensor-parallel ranks per engine: the model's heads, MLP and vocabulary split over this many "
         "processes, one per GPU (NCCL; gloo on the CPU). With --dp-size M, M x N GPUs.", aliases=("--tp",))
+    tp_all_reduce: str = _opt(
+        "nccl", "The all-reduce of tensor parallelism's decode steps: nccl, or symm-mem (torch's symmetric-memory "
+        "one-shot all-reduce over NVLink, CUDA only; prefill-sized messages still use NCCL). Compare them with "
+        "scripts/tp_allreduce_bench.py.", choices=("nccl", "symm-mem"))
 
     def __post_init__(self) -> None:
         self.validate()

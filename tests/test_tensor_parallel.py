@@ -86,6 +86,8 @@ def test_tp_sizes_the_model_cannot_split_are_refused(gqa2):
         Engine(str(path), tp_size=3)
     with pytest.raises(ValueError, match="tp_size must be >= 1"):
         Engine(str(path), tp_size=0)
+    with pytest.raises(ValueError, match="symm-mem needs CUDA"):
+        Engine(str(path), tp_size=2, device="cpu", tp_all_reduce="symm-mem")
     assert parse_settings(["--tp", "2"]).tp_size == 2
     assert parse_settings(["--tp-size", "4", "--dp-size", "2"]).tp_size == 4
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import datetime
 import logging
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,15 +32,25 @@ class TensorParallel:
     rank: int
     size: int
     device: torch.device
-
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
+    # An all-reduce tried before NCCL (returns None when it does not take the message), or None.
+    fast_all_reduce: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = field(default=None, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """x summed over the ranks, in place (row-parallel projections, the vocab-parallel embedding)."""
+        """x summed over the ranks, in place or as a new tensor: use the result (row-parallel
+        projections, the vocab-parallel embedding)."""
+        if self.fast_all_reduce is not None:
+            summed = self.fast_all_reduce(x)
+            if summed is not None:
+                return summed
         dist.all_reduce(x)
         return x
+
+    def use_symmetric_memory(self, dtype: torch.dtype, max_numel: int) -> None:
+        """All-reduce messages of up to max_numel elements of `dtype` through symmetric memory (CUDA
+        only; a collective: every rank calls it at the same point)."""
+        from radixserve.distributed.symmetric import SymmetricAllReduce
+
+        self.fast_all_reduce = SymmetricAllReduce(self.device, dtype, max_numel)
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, n] on each rank -> [rows, size * n], rank 0's columns first."""

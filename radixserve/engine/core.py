@@ -92,6 +92,8 @@ class EngineCore:
         cfg = self.model_config
         check_divisible(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, tp_size)
         self.device = check_tp_devices(tp_size, self.device)
+        if self.settings.tp_all_reduce == "symm-mem" and self.device.type != "cuda":
+            raise ValueError("tp_all_reduce=symm-mem needs CUDA GPUs")
         return TensorParallelLeader(self.settings, self.device)
 
     def _build(self, settings: ServerSettings, tp: Optional[TensorParallel]) -> None:

@@ -61,6 +61,10 @@ def load_rank_model(settings: ServerSettings, device: torch.device, dtype: torch
     model, _ = load_model(settings.model_path, load_format=settings.load_format, dtype=dtype, device=device,
                           attn_backend=backend, seed=settings.random_seed, context_length=context_len,
                           decode_gemm_max_rows=settings.decode_gemm_max_rows, tp=tp)
+    if tp is not None and settings.tp_all_reduce == "symm-mem":
+        # Decode steps' messages: up to the largest CUDA-graph batch of [rows, hidden].
+        rows = min(settings.cuda_graph_max_bs, settings.resolved_max_running_requests(device.type))
+        tp.use_symmetric_memory(dtype, rows * model.config.hidden_size)
     return model, backend
 
 

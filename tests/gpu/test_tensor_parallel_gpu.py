@@ -1,6 +1,7 @@
 """Tensor parallelism on 2 GPUs over NCCL: greedy tokens with --tp-size 2 equal transformers' in fp32
-with and without CUDA graphs (the all-reduces and the logits' all-gather captured inside them), and
-bf16 gives the same tokens with graphs on and off. Skipped with fewer than 2 GPUs.
+with and without CUDA graphs (the all-reduces and the logits' all-gather captured inside them), with
+NCCL's all-reduce and with the symmetric-memory one, and bf16 gives the same tokens with graphs on
+and off. Skipped with fewer than 2 GPUs.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ def tp_greedy(path: str, dtype: str, batch: list[list[int]], **settings) -> tupl
         return out, engine.core.runner.num_graph_steps
 
 
+@pytest.mark.parametrize("all_reduce", ["nccl", "symm-mem"])
 @pytest.mark.parametrize("graphs", [True, False])
-def test_tp2_fp32_greedy_equals_hf(tiny_dir, graphs):
+def test_tp2_fp32_greedy_equals_hf(tiny_dir, graphs, all_reduce):
     batch = prompts(5, 500, seed=3)
-    ours, graph_steps = tp_greedy(tiny_dir, "float32", batch, disable_cuda_graph=not graphs)
+    ours, graph_steps = tp_greedy(tiny_dir, "float32", batch, disable_cuda_graph=not graphs,
+                                  tp_all_reduce=all_reduce)
     assert (graph_steps > 0) == graphs
     assert ours == hf_greedy(tiny_dir, torch.float32, batch)
 
