@@ -27,6 +27,7 @@ from radixserve.engine.core import DTYPES
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.model_stack import load_rank_model, make_kv_memory
 from radixserve.engine.tensor_parallel import SharedSampledTokens, StepMessage
+from radixserve.model.config import ModelConfig
 from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")
@@ -38,8 +39,6 @@ class WorkerRank:
     """Rank `tp.rank`'s model, KV shard and runner; `run_step` mirrors rank 0's launch."""
 
     def __init__(self, settings: ServerSettings, tp: TensorParallel):
-        from radixserve.model.config import ModelConfig
-
         device = tp.device
         dtype = DTYPES.get(settings.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         config = ModelConfig.from_dir(settings.model_path)
