@@ -54,8 +54,8 @@ class WorkerRank:
     @torch.inference_mode()
     def run_step(self, msg: StepMessage) -> None:
         if msg.table_writes is not None:
-            self.req_to_token.write(*(list(a) for a in msg.table_writes))
-        parts = tuple(list(p) for p in msg.parts)
+            self.req_to_token.write(*(a.tolist() for a in msg.table_writes))
+        parts = tuple(p.tolist() for p in msg.parts)
         if msg.graph:
             self.runner.graphs.replay(*parts)
         else:
