@@ -138,6 +138,14 @@ def _settings_argv(settings) -> list[str]:
     return argv
 
 
+def worker_gpus(index: int, tp_size: int, gpus: int, workers: int) -> Optional[str]:
+    """CUDA_VISIBLE_DEVICES of data-parallel worker `index`: its own tp_size GPUs when there are
+    enough for every worker, else None (the workers share what is visible)."""
+    if gpus < workers * tp_size:
+        return None
+    return ",".join(str(index * tp_size + r) for r in range(tp_size))
+
+
 def run_data_parallel(settings, policy: str = "cache_aware") -> int:
     """Start `settings.dp_size` workers on loopback ports and a router on settings.host:port; with
     --tp-size T each worker is a tensor-parallel engine on its own T GPUs (worker i: GPUs i*T..i*T+T-1)."""
@@ -156,8 +164,9 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
     for i in range(n):
         port = _free_port("127.0.0.1")
         env = dict(os.environ)
-        if gpus >= n * tp:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i * tp + r) for r in range(tp))
+        visible = worker_gpus(i, tp, gpus, n)
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
         cmd = [sys.executable, "-m", "radixserve.launch_server", *worker_argv, "--host", "127.0.0.1",
                "--port", str(port)]
         if settings.step_trace_file:  # the last occurrence of a flag wins

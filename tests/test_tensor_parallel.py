@@ -23,6 +23,7 @@ from test_server_lifecycle import children_of, pid_alive
 from radixserve import Engine
 from radixserve.bench.model_cost import ModelCost
 from radixserve.distributed import HeadShard, head_shard, vocab_shard
+from radixserve.launch_router import worker_gpus
 from radixserve.launch_server import parse_settings
 from radixserve.model.config import ModelConfig
 from radixserve.testing.tiny_model import build_tiny_model
@@ -90,6 +91,9 @@ def test_tp_sizes_the_model_cannot_split_are_refused(gqa2):
         Engine(str(path), tp_size=2, device="cpu", tp_all_reduce="symm-mem")
     assert parse_settings(["--tp", "2"]).tp_size == 2
     assert parse_settings(["--tp-size", "4", "--dp-size", "2"]).tp_size == 4
+    # --dp-size 2 --tp-size 4 on 8 GPUs: each worker its own 4; too few GPUs: shared.
+    assert [worker_gpus(i, 4, 8, 2) for i in range(2)] == ["0,1,2,3", "4,5,6,7"]
+    assert worker_gpus(1, 1, 2, 2) == "1" and worker_gpus(0, 2, 2, 2) is None
 
 
 def test_server_with_tp2_answers_and_a_dead_rank_ends_it(server_model_dir, server_workdir):
