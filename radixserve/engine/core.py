@@ -23,9 +23,9 @@ import torch
 
 from radixserve.cache.kv_pool import ReqToTokenPool
 from radixserve.cache.radix_cache import CacheCounters, RadixCache
+from radixserve.distributed import TensorParallel, check_divisible
 from radixserve.engine.grammar_wait import GrammarWaitlist
 from radixserve.engine.io_struct import GenerateRequest, RequestOutput
-from radixserve.distributed import TensorParallel, check_divisible
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.model_stack import load_rank_model, make_kv_memory
 from radixserve.engine.tensor_parallel import (RecordingReqToTokenPool, SharedSampledTokens, TensorParallelLeader,
