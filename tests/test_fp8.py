@@ -320,7 +320,7 @@ def test_quantization_config_parsing():
 
 
 def test_decode_floor_counts_one_byte_per_fp8_weight():
-    from radixserve.bench_one_batch import ModelCost
+    from radixserve.bench.model_cost import ModelCost
 
     cfg = ModelConfig.from_dir(REPO_ROOT / "benchmarks" / "configs" / "qwen2-7b")
     bf16, fp8 = ModelCost(cfg), ModelCost(cfg, weight_elem=1)
