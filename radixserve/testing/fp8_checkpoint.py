@@ -54,7 +54,8 @@ def write_fp8_checkpoint(source: Union[str, Path], dest: Union[str, Path], *, fm
                          kv_scales: Optional[list[tuple[float, float]]] = None) -> Fp8Checkpoint:
     """Quantize `source` (a plain checkpoint directory, one model.safetensors) into `dest` in the
     given layout, and write `dest`-dequantized: the same model with every projection weight
-    replaced by weight * scale in float32 (what the FP8 weights stand for)."""
+    replaced by weight * scale in float32 (what the FP8 weights stand for), and the same KV
+    scales."""
     from safetensors.torch import load_file, save_file
 
     if fmt == "fp8" and per_channel:
@@ -89,8 +90,9 @@ def write_fp8_checkpoint(source: Union[str, Path], dest: Union[str, Path], *, fm
             quantized[f"{module}.input_scale"] = torch.tensor(value, dtype=torch.float32)
             result.input_scales[module] = value
     for layer, (k, v) in enumerate(kv_scales or []):
-        quantized[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k, dtype=torch.float32)
-        quantized[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v, dtype=torch.float32)
+        for out in (quantized, dequantized):  # the KV scales belong to both
+            out[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k, dtype=torch.float32)
+            out[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v, dtype=torch.float32)
     save_file(quantized, str(dest / "model.safetensors"), metadata={"format": "pt"})
     save_file(dequantized, str(dequant_dir / "model.safetensors"), metadata={"format": "pt"})
 
