@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 from radixserve.cache.kv_pool import ReqToTokenPool
 from radixserve.cache.radix_cache import RadixCache, TreeNode
+from radixserve.cache.tiered_cache import TieredRadixCache
 from radixserve.scheduler.batch import ScheduledBatch, StepInFlight
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.prefill import PrefillAdder
@@ -71,6 +72,9 @@ class Scheduler:
         self._arrivals = 0
         # Prefixes of finished requests held for --prefix-hold-s: (release time, node), oldest first.
         self._held: deque[tuple[float, TreeNode]] = deque()
+        # Host tier: requests not looked at for a load yet (loads start while they wait).
+        self.tiered: Optional[TieredRadixCache] = cache if isinstance(cache, TieredRadixCache) else None
+        self._load_candidates: deque[Req] = deque()
 
     def reset_stats(self) -> None:
         """Forget what earlier requests taught (after the engine's warm-up)."""
@@ -84,7 +88,12 @@ class Scheduler:
         req.arrival_seq = self._arrivals
         self._arrivals += 1
         self.reqs[req.rid] = req
+        self._enqueue(req)
+
+    def _enqueue(self, req: Req) -> None:
         self.waiting.add(req)
+        if self.tiered is not None:
+            self._load_candidates.append(req)
 
     def abort(self, rid: str) -> Optional[Req]:
         """Stop a request wherever it is; its computed KV stays in the tree. Returns it, if known."""
@@ -167,9 +176,37 @@ class Scheduler:
         return batch
 
     def _catch_up(self) -> None:
-        """Drop expired prefix holds and redo the waiting lookups the tree's changes affect."""
+        """Drop expired prefix holds and redo the waiting lookups the tree's changes affect; with a
+        host tier, take in finished copies and start loads for requests that arrived."""
         self._release_expired_holds()
+        if self.tiered is not None:
+            self.tiered.poll()
         self.waiting.refresh()
+        if self.tiered is not None:
+            self._start_loads()
+
+    # ------------------------------------------------------------------ host tier
+    def _start_loads(self) -> None:
+        """Copy back the host part of new waiting requests' prefixes while they wait, up to a
+        quarter of the device pool in flight, taking only memory nobody waits for."""
+        cap = max(self.kv.allocator.total_tokens // 4, self.kv.page_size)
+        while self._load_candidates and self.tiered.loading_tokens < cap:
+            req = self._load_candidates.popleft()
+            if req.state is ReqState.WAITING and req.peek_node is not None:
+                self._prefix_ready(req, spare_only=True)
+
+    def _prefix_ready(self, req: Req, *, spare_only: bool) -> bool:
+        """Whether req's cached prefix is on the device. If part of it is on the host, its load is
+        started (or already running) and req waits for it; when no device room can be had for the
+        load, req is ready with its device part and computes the rest itself."""
+        host, loading = self.tiered.host_part(req.peek_len, req.peek_node)
+        if not host:
+            return True
+        if loading or self.tiered.load(req.match_target(), spare_only=spare_only):
+            req.host_hit_len = max(req.host_hit_len, host)
+            return False
+        req.host_hit_len = 0
+        return True
 
     # ------------------------------------------------------------------ decode
     def _finishes_by_length(self, req: Req) -> bool:
@@ -209,7 +246,7 @@ class Scheduler:
         victim.state = ReqState.WAITING
         victim.num_retractions += 1
         self.stats.num_retractions += 1
-        self.waiting.add(victim)
+        self._enqueue(victim)
         self.new_token_ratio = min(1.0, max(INIT_NEW_TOKEN_RATIO * self._ratio_scale, self.new_token_ratio * 1.5))
         return victim
 
@@ -238,6 +275,8 @@ class Scheduler:
         for req in self.waiting.ordered():
             if adder.budget <= 0 or len(self.running) >= self.max_running or self.req_to_token.free_rows == 0:
                 break
+            if self.tiered is not None and not self._prefix_ready(req, spare_only=busy):
+                continue  # its prefix is being copied back from the host: others go first
             if adder.defers(req, in_flight_keys):
                 self.stats.in_batch_deferrals += 1
                 continue
@@ -254,6 +293,8 @@ class Scheduler:
             req.cached_tokens = req.locked_len
             self.cache.counters.prompt_tokens += len(req.origin_input_ids)
             self.cache.counters.cached_prompt_tokens += min(req.locked_len, len(req.origin_input_ids))
+            self.cache.counters.host_cached_prompt_tokens += min(req.host_hit_len, req.locked_len,
+                                                                 len(req.origin_input_ids))
         req.state = ReqState.RUNNING
         req.admitted_time = req.admitted_time or self.clock()
         self.running.append(req)
