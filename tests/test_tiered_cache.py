@@ -174,7 +174,9 @@ def test_a_loading_prefix_is_locked_until_poll_reports_its_copy() -> None:
     assert cache.peek(list(range(8)))[0] == 8 and cache.match(list(range(8))).length == 0
     assert cache.load(list(range(8)), spare_only=True) == 8
     assert cache.protected_size == 8 and cache.evict(16) == 0  # locked while loading
-    assert cache.flush() is False
+    assert cache.host_part(*cache.peek(list(range(8)))) == (8, True)
     cache.poll()
     assert cache.protected_size == 0 and cache.match(list(range(8))).length == 8
+    assert cache.host_part(*cache.peek(list(range(8)))) == (0, False)
     cache.check_invariants()
+    assert cache.flush()

@@ -362,10 +362,10 @@ class TieredRadixCache(RadixCache):
         return self.host_pool.alloc(tokens)
 
     def flush(self) -> bool:
+        self.copier.wait_all()
+        self.poll()  # finished loads unlock their nodes
         if self.protected_size:
             return False
-        self.copier.wait_all()
-        self.poll()
         for node in self.iter_nodes():
             if node is self.root:
                 continue

@@ -53,6 +53,7 @@ class Req:
     cached_tokens: int = -1
     # Host tier: the most prompt tokens this request waited to have copied back from the host.
     host_hit_len: int = 0
+    host_loads: int = 0  # loads started for it (a prefix evicted again before admission is reloaded)
     # The scheduler's view while waiting: length of the cached prefix and the node it reaches.
     peek_len: int = 0
     peek_node: Optional[TreeNode] = None

@@ -36,6 +36,7 @@ from radixserve.settings import ServerSettings
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
+MAX_LOADS_PER_REQUEST = 3
 
 
 @dataclass
@@ -202,7 +203,12 @@ class Scheduler:
         host, loading = self.tiered.host_part(req.peek_len, req.peek_node)
         if not host:
             return True
-        if loading or self.tiered.load(req.match_target(), spare_only=spare_only):
+        if loading:
+            req.host_hit_len = max(req.host_hit_len, host)
+            return False
+        # A prefix evicted again before its request got in is reloaded a few times, not forever.
+        if req.host_loads < MAX_LOADS_PER_REQUEST and self.tiered.load(req.match_target(), spare_only=spare_only):
+            req.host_loads += 1
             req.host_hit_len = max(req.host_hit_len, host)
             return False
         req.host_hit_len = 0
