@@ -404,7 +404,8 @@ class TieredRadixCache(RadixCache):
         held = sum(len(s) for s in host_slots)
         assert held == self.host_size, f"host counter {self.host_size} != {held}"
         free = self.host_allocator.free_tokens
-        assert free + (held - busy) + busy == total, f"host: free {free} + evictable {held - busy} + busy {busy} != {total}"
+        assert free + (held - busy) + busy == total, (
+            f"host: free {free} + evictable {held - busy} + busy {busy} != {total}")
         every = torch.cat(host_slots + [self.host_allocator.free_slot_tensor()])
         seen = torch.zeros(total + self.page_size, dtype=torch.bool)
         seen[every] = True
