@@ -177,42 +177,47 @@ class Scheduler:
         return batch
 
     def _catch_up(self) -> None:
-        """Drop expired prefix holds and redo the waiting lookups the tree's changes affect; with a
-        host tier, take in finished copies and start loads for requests that arrived."""
+        """Drop expired prefix holds, take in finished host-tier copies and redo the waiting
+        lookups the tree's changes affect."""
         self._release_expired_holds()
         if self.tiered is not None:
             self.tiered.poll()
         self.waiting.refresh()
-        if self.tiered is not None:
-            self._start_loads()
 
     # ------------------------------------------------------------------ host tier
-    def _start_loads(self) -> None:
-        """Copy back the host part of new waiting requests' prefixes while they wait, up to a
-        quarter of the device pool in flight, taking only memory nobody waits for."""
+    def _start_loads(self, adder: PrefillAdder) -> None:
+        """Copy back the host part of newly arrived requests' prefixes while they wait: up to a
+        quarter of the device pool in flight, within the memory admission could give them
+        (adder.available), taking only memory no waiting request needs."""
         cap = max(self.kv.allocator.total_tokens // 4, self.kv.page_size)
         while self._load_candidates and self.tiered.loading_tokens < cap:
-            req = self._load_candidates.popleft()
-            if req.state is ReqState.WAITING and req.peek_node is not None:
-                self._prefix_ready(req, spare_only=True)
+            req = self._load_candidates[0]
+            if req.state is ReqState.WAITING and req.peek_node is not None \
+                    and self._load_prefix(req, adder, spare_only=True) is None:
+                return  # no room now: the next step tries again
+            self._load_candidates.popleft()
 
-    def _prefix_ready(self, req: Req, *, spare_only: bool) -> bool:
-        """Whether req's cached prefix is on the device. If part of it is on the host, its load is
-        started (or already running) and req waits for it; when no device room can be had for the
-        load, req is ready with its device part and computes the rest itself."""
+    def _load_prefix(self, req: Req, adder: PrefillAdder, *, spare_only: bool) -> Optional[bool]:
+        """Whether req may be admitted with the device part of its cached prefix (True), waits for
+        the rest to be copied back from the host (False; the copy is started here if it was not
+        running), or cannot have it copied back now for lack of device room (None)."""
         host, loading = self.tiered.host_part(req.peek_len, req.peek_node)
         if not host:
             return True
         if loading:
             req.host_hit_len = max(req.host_hit_len, host)
             return False
-        # A prefix evicted again before its request got in is reloaded a few times, not forever.
-        if req.host_loads < MAX_LOADS_PER_REQUEST and self.tiered.load(req.match_target(), spare_only=spare_only):
-            req.host_loads += 1
-            req.host_hit_len = max(req.host_hit_len, host)
-            return False
-        req.host_hit_len = 0
-        return True
+        if req.host_loads >= MAX_LOADS_PER_REQUEST:
+            return True  # evicted again each time before it got in: it computes the rest itself
+        if host > adder.available:
+            return None
+        loaded = self.tiered.load(req.match_target(), spare_only=spare_only)
+        if not loaded:
+            return None
+        adder.available -= loaded
+        req.host_loads += 1
+        req.host_hit_len = max(req.host_hit_len, host)
+        return False
 
     # ------------------------------------------------------------------ decode
     def _finishes_by_length(self, req: Req) -> bool:
@@ -270,18 +275,19 @@ class Scheduler:
         # A request in the middle of a chunked prefill continues first.
         for req in [r for r in self.running if r.remaining > 1]:
             adder.add_chunk(req)
+        busy = None
+        if self.tiered is not None:  # loads start even in steps that admit nobody
+            busy = self._reserve(adder)
+            self._start_loads(adder)
         if adder.budget <= 0 or not len(self.waiting) or not all(batch.sample):
             return  # no budget, nobody waiting, or a request still mid-prompt: finish it first
         in_flight_keys = in_flight.shared_prefix_keys if in_flight is not None else set()
-        # Queue-aware admission: while running requests fill half the pool, prefixes that waiting
-        # requests (or a held, just-finished conversation) will reuse are no room for a new request;
-        # below that, a full batch comes first.
-        busy = self.cache.protected_size + self.held_by_running() >= self.kv.allocator.total_tokens // 2
-        adder.reserve_for(self.running, spare_waited=not busy)
+        if busy is None:
+            busy = self._reserve(adder)
         for req in self.waiting.ordered():
             if adder.budget <= 0 or len(self.running) >= self.max_running or self.req_to_token.free_rows == 0:
                 break
-            if self.tiered is not None and not self._prefix_ready(req, spare_only=busy):
+            if self.tiered is not None and self._load_prefix(req, adder, spare_only=busy) is False:
                 continue  # its prefix is being copied back from the host: others go first
             if adder.defers(req, in_flight_keys):
                 self.stats.in_batch_deferrals += 1
@@ -294,13 +300,21 @@ class Scheduler:
             if not batch.sample[-1]:
                 break  # it became the chunked request: one at a time
 
+    def _reserve(self, adder: PrefillAdder) -> bool:
+        """Start admission's memory arithmetic; returns whether running requests fill half the pool.
+        Queue-aware admission: while they do, prefixes that waiting requests (or a held, just-finished
+        conversation) will reuse are no room for a new request; below that, a full batch comes first."""
+        busy = self.cache.protected_size + self.held_by_running() >= self.kv.allocator.total_tokens // 2
+        adder.reserve_for(self.running, spare_waited=not busy)
+        return busy
+
     def _admit(self, req: Req) -> None:
         if req.cached_tokens < 0:  # first admission (not a retracted request coming back)
             req.cached_tokens = req.locked_len
             self.cache.counters.prompt_tokens += len(req.origin_input_ids)
             self.cache.counters.cached_prompt_tokens += min(req.locked_len, len(req.origin_input_ids))
-            self.cache.counters.host_cached_prompt_tokens += min(req.host_hit_len, req.locked_len,
-                                                                 len(req.origin_input_ids))
+            host_hits = req.host_hit_len if req.host_hit_len <= req.locked_len else 0
+            self.cache.counters.host_cached_prompt_tokens += min(host_hits, len(req.origin_input_ids))
         req.state = ReqState.RUNNING
         req.admitted_time = req.admitted_time or self.clock()
         self.running.append(req)
