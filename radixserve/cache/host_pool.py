@@ -66,9 +66,14 @@ def _pin(buffer: torch.Tensor) -> bool:
         return False
     start = time.perf_counter()
     nbytes = buffer.numel() * buffer.element_size()
-    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
-    if int(err) != 0:
-        logger.warning("could not pin the host tier (%d bytes, cuda error %s): copies will be slower", nbytes, err)
+    try:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+        failed = err != cudart.cudaError.success
+    except Exception as e:  # noqa: BLE001: serve unpinned (slower, blocking copies) rather than not at all
+        err, failed = e, True
+    if failed:
+        logger.warning("could not pin the host tier (%d bytes: %s): its copies will block and be slower", nbytes, err)
         return False
     logger.info("host tier: %.1f GB pinned in %.1f s", nbytes / 1e9, time.perf_counter() - start)
     return True
