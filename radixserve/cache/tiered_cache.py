@@ -156,6 +156,8 @@ class TieredRadixCache(RadixCache):
             n.host_seq = seq
         if not ok:
             self.dec_lock(frontier)
+            for n in segment:
+                self._push_host(n)  # host eviction may have passed over them meanwhile
             return 0
         slots = self.allocator.pages_to_slots(self.allocator.alloc_pages(need // self.page_size))
         seq = self.copier.load(torch.cat([n.host_value for n in segment]), slots)
@@ -211,7 +213,9 @@ class TieredRadixCache(RadixCache):
         if node.host_value is not None:
             upper.host_value = node.host_value[:n].clone()
             node.host_value = node.host_value[n:].clone()
-            if node.host_seq <= self.copier.done_seq:
+            if self._host_busy(node):  # offered to host eviction with node once its copy is done
+                next(nodes for seq, nodes in self._busy if seq == node.host_seq).append(upper)
+            else:
                 self._push_host(upper)
         parent.children[self._child_key(node.key, 0)] = upper
         node.key = node.key[n:]
@@ -237,6 +241,7 @@ class TieredRadixCache(RadixCache):
             if child.value is None:
                 child.value = slots[child_pos:child_pos + n].clone()
                 self._became_device(child)
+                self._push_host(child)  # its host copy may go now, whatever its children
                 if self._evictable_leaf(child):
                     self._push(child)
             else:
@@ -336,6 +341,10 @@ class TieredRadixCache(RadixCache):
     def _push_host(self, node: TreeNode) -> None:
         if node.host_value is not None and not node.removed:
             heapq.heappush(self._host_heap, (self._host_priority(node), node))
+            if len(self._host_heap) > 4 * self.num_nodes + 1024:
+                current = {n: (self._host_priority(n), n) for _, n in self._host_heap if self._host_evictable(n)}
+                self._host_heap = list(current.values())
+                heapq.heapify(self._host_heap)
 
     def _host_evictable(self, node: TreeNode) -> bool:
         """A host copy that may go: not in use by a copy, and not the only copy of a node with children."""
@@ -400,6 +409,9 @@ class TieredRadixCache(RadixCache):
                 assert len(node.host_value) == len(node.key), f"{node}: host key/value length mismatch"
                 host_slots.append(node.host_value)
                 busy += len(node.key) if self._host_busy(node) else 0
+        offered = {n for _, n in self._host_heap}
+        for node in self.iter_nodes():
+            assert not self._host_evictable(node) or node in offered, f"{node}'s host copy can never be evicted"
         total = self.host_allocator.total_tokens
         held = sum(len(s) for s in host_slots)
         assert held == self.host_size, f"host counter {self.host_size} != {held}"
