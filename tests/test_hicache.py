@@ -51,6 +51,46 @@ def test_greedy_equals_hf_with_a_small_device_pool_and_a_host_tier(oracle, confi
     assert stats["hit_rate"] == pytest.approx(stats["device_hit_rate"] + stats["host_hit_rate"])
 
 
+def test_memory_pressure_retracts_with_a_host_tier_without_changing_output(oracle):
+    path, prompts, expected = oracle
+    engine = Engine(str(path), max_total_tokens=96, chunked_prefill_size=16, schedule_conservativeness=0.0,
+                    hicache_ratio=4)
+    for _ in range(2):
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [r["output_ids"] for r in results] == expected
+        check_idle(engine)
+    stats = engine.cache_stats()
+    assert stats["retractions"] > 0 and stats["loaded_tokens"] > 0
+
+
+def evict_to_host(engine: Engine, prompt: list[int]) -> None:
+    """Serve prompt, then push it out of the device pool into the host tier."""
+    engine.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 1, "temperature": 0})
+    cache = engine.core.cache
+    cache.evict(cache.evictable_size)
+    assert cache.evictable_size == 0 and cache.host_size > 0
+
+
+def test_a_request_waiting_for_its_load_does_not_hold_up_others(tiny_dir):
+    engine = Engine(str(tiny_dir), max_total_tokens=512, hicache_ratio=4, page_size=4)
+    rng = random.Random(7)
+    on_host = [rng.randrange(3, 500) for _ in range(80)]
+    evict_to_host(engine, on_host)
+    core, params = engine.core, SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    core.add_request(GenerateRequest(rid="host-hit", input_ids=on_host, sampling_params=params))
+    core.add_request(GenerateRequest(rid="fresh", input_ids=[rng.randrange(3, 500) for _ in range(20)],
+                                     sampling_params=params))
+    core.step()  # its load is issued at once; the other request is admitted meanwhile
+    assert [r.rid for r in core.scheduler.running] == ["fresh"]
+    assert core.cache.loading_tokens == 76 and [r.rid for r in core.scheduler.waiting] == ["host-hit"]
+    core.step()  # the copy is done: admitted with its whole prefix cached
+    assert {r.rid for r in core.scheduler.running} == {"fresh", "host-hit"}
+    assert core.scheduler.reqs["host-hit"].cached_tokens == 76
+    while core.has_work:
+        core.step()
+    check_idle(engine)
+
+
 def run_one_by_one(engine: Engine, prompts: list[list[int]]) -> tuple[list[int], int]:
     """Serve prompts one after the other; (cached tokens of each, prompt tokens computed in all)."""
     core = engine.core

@@ -135,6 +135,32 @@ class TieredCacheMachine(RuleBasedStateMachine):
         _, node = self.locked.pop(index % len(self.locked))
         self.cache.dec_lock(node)
 
+    @precondition(lambda self: self.locked)
+    @rule(index=st.integers(0, 100), extra=TOKENS)
+    def leave(self, index: int, extra: list[int]) -> None:
+        """A running request leaves (finished or retracted): the pages it computed after its locked
+        prefix go into the tree, then its lock goes (KVManager.cache_req)."""
+        prefix, node = self.locked.pop(index % len(self.locked))
+        extra = self._aligned(extra)
+        own = self.alloc.alloc_pages(len(extra) // self.page)
+        if own is None:
+            self.cache.dec_lock(node)
+            return
+        tokens = prefix + extra
+        own_slots = self.alloc.pages_to_slots(own) if own else torch.empty(0, dtype=torch.int64)
+        for i, slot in enumerate(own_slots.tolist(), start=len(prefix)):
+            for layer in range(LAYERS):
+                self.pool.k_buffers[layer][slot] = kv_of(tuple(tokens[:i + 1]), layer)
+                self.pool.v_buffers[layer][slot, 0, 1] = -kv_of(tuple(tokens[:i + 1]), layer)
+        slots = torch.cat([self.cache.match(prefix).slots, own_slots])
+        already = self.cache.insert(tokens, slots)
+        assert already >= len(prefix), "the locked prefix stayed on the device"
+        self.alloc.free_slots(slots[len(prefix):already])
+        self.cache.dec_lock(node)
+        self.ref.update(tuple(tokens[:i]) for i in range(self.page, len(tokens) + 1, self.page))
+        self._check_kv(tokens, self.cache.match(tokens).slots)
+        self._sync()
+
     @rule(n=st.integers(1, 40))
     def evict(self, n: int) -> None:
         self.cache.evict(n)
