@@ -38,13 +38,18 @@ class HostKVPool:
         self.page_size = device_pool.page_size
         num_pages = num_tokens // self.page_size
         self.allocator = PageAllocator(num_pages, self.page_size)
-        k0 = device_pool.k_buffers[0]
         self.num_layers = len(device_pool.k_buffers)
-        self.row_bytes = k0[0].numel() * k0.element_size()  # one token's heads of one layer, k or v
-        self.bytes_per_token = 2 * self.num_layers * self.row_bytes
+        self.row_bytes = self.token_bytes(device_pool) // (2 * self.num_layers)  # one layer's k (or v)
+        self.bytes_per_token = self.token_bytes(device_pool)
         num_slots = (num_pages + 1) * self.page_size
         self.buffer = torch.empty((num_slots, self.num_layers, 2, self.row_bytes), dtype=torch.uint8)
         self.pinned = pin and _pin(self.buffer)
+
+    @staticmethod
+    def token_bytes(device_pool: KVPool) -> int:
+        """KV bytes of one token, every layer, k and v, in the device pool's own dtype."""
+        k0 = device_pool.k_buffers[0]
+        return 2 * len(device_pool.k_buffers) * k0[0].numel() * k0.element_size()
 
     @property
     def total_tokens(self) -> int:

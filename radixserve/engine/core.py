@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import torch
 
+from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.tiered_cache import make_tiered_cache
@@ -133,13 +134,14 @@ class EngineCore:
         return TorchAttentionBackend()
 
     def _make_cache(self) -> RadixCache:
-        s, cfg = self.settings, self.model_config
+        s = self.settings
         if not s.hicache_enabled:
             return RadixCache(self.kv_pool.allocator, page_size=s.page_size, eviction_policy=s.radix_eviction_policy,
                               disable=s.disable_radix_cache)
-        per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
-        return make_tiered_cache(self.kv_pool, s.hicache_tokens(self.pool_size, per_token),
-                                 eviction_policy=s.radix_eviction_policy,
+        per_token = HostKVPool.token_bytes(self.kv_pool)
+        tokens = s.hicache_tokens(self.pool_size, per_token)
+        logger.info("host tier: %d tokens (%.1f GB), %s", tokens, tokens * per_token / 1e9, s.hicache_write_policy)
+        return make_tiered_cache(self.kv_pool, tokens, eviction_policy=s.radix_eviction_policy,
                                  write_through=s.hicache_write_policy == "write_through")
 
     def _pool_tokens(self) -> int:
