@@ -277,11 +277,11 @@ class TieredRadixCache(RadixCache):
             node = entry[1]
             if node.host_value is None:
                 host = self._host_slots(len(node.key))
-                if host is None:
-                    if node.children:
-                        skipped.append(entry)  # its host-only children would lose their parent
+                if host is None:  # no host room: the node leaves the tree, with its host-only subtree
+                    if not self._remove_subtree(node):
+                        skipped.append(entry)  # a copy is using part of the subtree: not now
                         continue
-                    freed += self._remove_leaf(node)
+                    freed += len(node.key)
                     continue
                 node.host_value = host
                 self.host_size += len(node.key)
@@ -310,6 +310,21 @@ class TieredRadixCache(RadixCache):
             node.host_value = host
             self.host_size += len(node.key)
             self._copy_out([node], [node.value])
+
+    def _remove_subtree(self, node: TreeNode) -> bool:
+        """Take an unlocked device leaf and its host-only descendants out of the tree, unless a
+        copy is using one of them (False)."""
+        below, stack = [], list(node.children.values())
+        while stack:
+            n = stack.pop()
+            below.append(n)
+            stack.extend(n.children.values())
+        if any(self._host_busy(n) for n in below):
+            return False
+        for n in reversed(below):  # children before their parents
+            self._remove_leaf(n)
+        self._remove_leaf(node)
+        return True
 
     def _remove_leaf(self, node: TreeNode) -> int:
         """Take a childless, unlocked node out of the tree, freeing both its copies."""
