@@ -30,6 +30,9 @@ from radixserve.cache.kv_pool import KVPool, PageAllocator
 
 logger = logging.getLogger("radixserve")
 
+# Device staging of a load, in tokens (7B: 224 MiB): longer loads go through it in chunks.
+LOAD_CHUNK_TOKENS = 4096
+
 
 class HostKVPool:
     """Host slots in pages of the device pool's page size; page 0 is never handed out."""
@@ -241,12 +244,17 @@ class CudaCopyEngine(CopyEngine):
             self.stream.wait_event(launched)
             start.record(self.stream)
             idx = dev_slots.to(self.device, non_blocking=True)
-            staging = torch.empty((n, layers, 2, rows), dtype=torch.uint8, device=self.device)
-            for h, s, length in copy_runs(host_slots):
-                staging[s:s + length].copy_(self.host.buffer[h:h + length], non_blocking=True)
-            for layer, (k, v) in enumerate(zip(self.dev_k, self.dev_v)):
-                k[idx] = staging[:, layer, 0]
-                v[idx] = staging[:, layer, 1]
+            # One staging buffer of at most LOAD_CHUNK_TOKENS, reused chunk after chunk in stream order.
+            staging = torch.empty((min(n, LOAD_CHUNK_TOKENS), layers, 2, rows), dtype=torch.uint8,
+                                  device=self.device)
+            for first in range(0, n, LOAD_CHUNK_TOKENS):
+                count = min(LOAD_CHUNK_TOKENS, n - first)
+                for h, s, length in copy_runs(host_slots[first:first + count]):
+                    staging[s:s + length].copy_(self.host.buffer[h:h + length], non_blocking=True)
+                chunk = idx[first:first + count]
+                for layer, (k, v) in enumerate(zip(self.dev_k, self.dev_v)):
+                    k[chunk] = staging[:count, layer, 0]
+                    v[chunk] = staging[:count, layer, 1]
             end.record(self.stream)
         return end, start
 
