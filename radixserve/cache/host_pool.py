@@ -4,7 +4,7 @@ Layout: one byte buffer `[host slot, layer, k|v, bytes of one token's heads]`, t
 run of consecutive host slots holds every layer of those tokens in one contiguous block and a load
 of a run is a single host-to-device copy (page-batched, all layers at once). Bytes, not the device
 pool's dtype: any KV dtype (fp8 included) moves unchanged, and the host tier holds exactly the
-device pool's bytes.
+device pool's bytes (moved as 8-byte words where a row allows it).
 
 Copies complete in the order they are issued (one copy stream on CUDA), so a copy is named by its
 sequence number and "done" is one counter (`CopyEngine.done_seq`). A load: the copy stream waits
@@ -118,10 +118,15 @@ class CopyEngine:
 
     def __init__(self, device_pool: KVPool, host_pool: HostKVPool):
         self.host = host_pool
-        rows = host_pool.row_bytes
-        # The device buffers as bytes: [slot, bytes of one token's heads].
-        self.dev_k = [b.view(torch.uint8).view(b.shape[0], rows) for b in device_pool.k_buffers]
-        self.dev_v = [b.view(torch.uint8).view(b.shape[0], rows) for b in device_pool.v_buffers]
+        # Both pools seen as rows of machine words ([slot, words of one token's heads]): index copies
+        # move 8 bytes per element where the row allows it, not 1.
+        self.word = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                         if host_pool.row_bytes % torch.tensor([], dtype=d).element_size() == 0)
+        rows = host_pool.row_bytes // torch.tensor([], dtype=self.word).element_size()
+        self.row_words = rows
+        self.dev_k = [b.view(torch.uint8).view(b.shape[0], -1).view(self.word) for b in device_pool.k_buffers]
+        self.dev_v = [b.view(torch.uint8).view(b.shape[0], -1).view(self.word) for b in device_pool.v_buffers]
+        self.host_buf = host_pool.buffer.view(self.word)  # [slot, layer, k|v, words]
         self.device = device_pool.k_buffers[0].device
         self.issued_seq = 0
         self.done_seq = 0
@@ -192,7 +197,7 @@ class SyncCopyEngine(CopyEngine):
 
     def _write_back(self, dev_slots: torch.Tensor, host_slots: torch.Tensor) -> tuple[object, object]:
         start = time.perf_counter()
-        buf = self.host.buffer
+        buf = self.host_buf
         for layer, (k, v) in enumerate(zip(self.dev_k, self.dev_v)):
             buf[host_slots, layer, 0] = k[dev_slots]
             buf[host_slots, layer, 1] = v[dev_slots]
@@ -200,7 +205,7 @@ class SyncCopyEngine(CopyEngine):
 
     def _load(self, host_slots: torch.Tensor, dev_slots: torch.Tensor) -> tuple[object, object]:
         start = time.perf_counter()
-        staging = self.host.buffer[host_slots]
+        staging = self.host_buf[host_slots]
         for layer, (k, v) in enumerate(zip(self.dev_k, self.dev_v)):
             k[dev_slots] = staging[:, layer, 0]
             v[dev_slots] = staging[:, layer, 1]
@@ -215,11 +220,11 @@ class CudaCopyEngine(CopyEngine):
         self.stream = torch.cuda.Stream(self.device)
 
     def _write_back(self, dev_slots: torch.Tensor, host_slots: torch.Tensor) -> tuple[object, object]:
-        n, layers, rows = dev_slots.numel(), self.host.num_layers, self.host.row_bytes
+        n, layers, rows = dev_slots.numel(), self.host.num_layers, self.row_words
         # The gather runs on the compute stream: after every step that wrote these slots, before
         # any step that reuses them.
         idx = dev_slots.to(self.device, non_blocking=True)
-        staging = torch.empty((n, layers, 2, rows), dtype=torch.uint8, device=self.device)
+        staging = torch.empty((n, layers, 2, rows), dtype=self.word, device=self.device)
         for layer, (k, v) in enumerate(zip(self.dev_k, self.dev_v)):
             staging[:, layer, 0] = k[idx]
             staging[:, layer, 1] = v[idx]
@@ -230,13 +235,13 @@ class CudaCopyEngine(CopyEngine):
             self.stream.wait_event(gathered)
             start.record(self.stream)
             for h, s, length in copy_runs(host_slots):
-                self.host.buffer[h:h + length].copy_(staging[s:s + length], non_blocking=True)
+                self.host_buf[h:h + length].copy_(staging[s:s + length], non_blocking=True)
             end.record(self.stream)
         staging.record_stream(self.stream)  # not reused before the copy stream is done with it
         return end, start
 
     def _load(self, host_slots: torch.Tensor, dev_slots: torch.Tensor) -> tuple[object, object]:
-        n, layers, rows = dev_slots.numel(), self.host.num_layers, self.host.row_bytes
+        n, layers, rows = dev_slots.numel(), self.host.num_layers, self.row_words
         launched = torch.cuda.Event()
         launched.record()  # the destination slots are free once the compute stream passes this
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -245,12 +250,12 @@ class CudaCopyEngine(CopyEngine):
             start.record(self.stream)
             idx = dev_slots.to(self.device, non_blocking=True)
             # One staging buffer of at most LOAD_CHUNK_TOKENS, reused chunk after chunk in stream order.
-            staging = torch.empty((min(n, LOAD_CHUNK_TOKENS), layers, 2, rows), dtype=torch.uint8,
+            staging = torch.empty((min(n, LOAD_CHUNK_TOKENS), layers, 2, rows), dtype=self.word,
                                   device=self.device)
             for first in range(0, n, LOAD_CHUNK_TOKENS):
                 count = min(LOAD_CHUNK_TOKENS, n - first)
                 for h, s, length in copy_runs(host_slots[first:first + count]):
-                    staging[s:s + length].copy_(self.host.buffer[h:h + length], non_blocking=True)
+                    staging[s:s + length].copy_(self.host_buf[h:h + length], non_blocking=True)
                 chunk = idx[first:first + count]
                 for layer, (k, v) in enumerate(zip(self.dev_k, self.dev_v)):
                     k[chunk] = staging[:count, layer, 0]
