@@ -70,10 +70,10 @@ class ServerSettings:
     hicache_size: float = _opt(
         0.0, "Host-memory tier under the radix cache, in GB (pinned on CUDA): prefixes evicted from the "
         "device pool are copied here and copied back when a request needs them, instead of being computed "
-        "again. 0: off (the default).")
+        "again. 0 (default): off. With --dp-size, per worker.")
     hicache_ratio: float = _opt(
         0.0, "The host tier's size as a multiple of the device KV pool (e.g. 4); an alternative to "
-        "--hicache-size. 0: off (the default).")
+        "--hicache-size. 0 (default): off.")
     hicache_write_policy: str = _opt(
         "write_back", "When the host tier gets a copy: write_back (when the device evicts the prefix) or "
         "write_through (as soon as it is cached on the device, so eviction needs no copy).",
