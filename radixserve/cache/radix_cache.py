@@ -4,7 +4,8 @@ Each node holds a run of tokens (a whole number of pages) and the KV slot of eac
 Running requests lock the path to the node their prefix ends in; unlocked leaves are
 evictable, in the order of the eviction policy, from a heap that is never rebuilt by a full
 tree scan per eviction. Sizes are kept as counters so `free + evictable + protected + held ==
-total` can be checked at any time.
+total` can be checked at any time. `TieredRadixCache` (tiered_cache.py) puts a host-memory tier
+under this tree through the few hooks marked below; without it nothing here changes.
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ holds the tree path of its cached prefix locked and owns the slots of everything
 finished chunks and finished requests go back into the tree (`KVManager.cache_req`), so the next
 request with the same prefix finds them.
 
+With a host tier (`TieredRadixCache`), a waiting request whose prefix is partly on the host has
+that part copied back while it waits (`_start_loads`, and at the latest when admission reaches
+it); admission passes over it until the copy is done, so it holds up nobody.
+
 Overlap: the step before may still be in flight when a step is scheduled (`StepInFlight`).
 Everything here then works on positions, not token values; the decisions that need the values
 (stop tokens, stop strings) are taken when the step is collected, one step late, and a request
