@@ -40,6 +40,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
         self.exact = host_tokens >= 1024  # room for everything: nothing may be lost
         self.ref: set[tuple] = set()  # every cached page-aligned prefix
         self.locked: list = []
+        self.waiting: list = []  # nodes waiting requests are parked on (queue-aware eviction)
 
     def _aligned(self, tokens: list[int]) -> list[int]:
         return tokens[: len(tokens) - len(tokens) % self.page]
@@ -129,6 +130,17 @@ class TieredCacheMachine(RuleBasedStateMachine):
         self.cache.poll()
         assert self.cache.loading_tokens == 0  # CPU copies finish at once; poll reports them all
 
+    @rule(tokens=st.one_of(inserted, TOKENS))
+    def wait(self, tokens: list[int]) -> None:
+        _, node = self.cache.peek(tokens)
+        self.cache.add_waiter(node)
+        self.waiting.append(node)
+
+    @precondition(lambda self: self.waiting)
+    @rule(index=st.integers(0, 100))
+    def stop_waiting(self, index: int) -> None:
+        self.cache.remove_waiter(self.waiting.pop(index % len(self.waiting)))
+
     @precondition(lambda self: self.locked)
     @rule(index=st.integers(0, 100))
     def unlock(self, index: int) -> None:
@@ -172,7 +184,9 @@ class TieredCacheMachine(RuleBasedStateMachine):
     @rule()
     def flush(self) -> None:
         assert self.cache.flush()
-        self.ref = set()
+        for node in self.waiting:
+            self.cache.remove_waiter(node)
+        self.ref, self.waiting = set(), []
         assert self.alloc.free_tokens == self.alloc.total_tokens
         assert self.cache.host_allocator.free_tokens == self.cache.host_allocator.total_tokens
 
