@@ -36,11 +36,12 @@ def oracle(tiny_dir):
     dict(page_size=1),
     dict(page_size=4, chunked_prefill_size=7),
     dict(page_size=1, hicache_write_policy="write_through", disable_overlap_schedule=True),
+    dict(page_size=2, hicache_ratio=0.5),  # a host tier too small as well: it evicts too
 ])
 def test_greedy_equals_hf_with_a_small_device_pool_and_a_host_tier(oracle, config):
     path, prompts, expected = oracle
-    # 160 device tokens hold a few of the 24 prompts; the host tier holds them all.
-    engine = Engine(str(path), max_total_tokens=160, hicache_ratio=8, **config)
+    # 160 device tokens hold a few of the 24 prompts; the host tier (8x) holds them all.
+    engine = Engine(str(path), max_total_tokens=160, **{"hicache_ratio": 8, **config})
     for _ in range(2):
         results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         assert [r["output_ids"] for r in results] == expected
