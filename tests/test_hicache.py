@@ -4,6 +4,7 @@ from the host, and the server's /metrics."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import httpx
@@ -166,3 +167,18 @@ def test_server_metrics_show_the_host_tier(server_model_dir, tmp_path):
         assert info["stats"]["host_pool_tokens"] == values["radixserve:hicache_pool_tokens"]
     finally:
         server.stop()
+
+
+def test_agent_sessions_under_pressure_keep_their_prefixes_on_the_host():
+    """The seed's scenario scaled down, through the real scheduler and cache (no model): with a
+    host tier 4x the pool, later turns find their conversation again instead of computing it."""
+    from radixserve.bench.scheduler_sim import SimConfig, agent_sessions, simulate
+
+    cfg = SimConfig(sessions=64, turns=5, systems=4, system_len=512, user_len=64, assistant_len=32,
+                    output_len=32, pool=14000, think_s=0.1, prefix_hold_s=0.0)
+    sessions = agent_sessions(cfg)
+    plain = simulate(cfg, sessions)
+    tiered = simulate(dataclasses.replace(cfg, host_ratio=4.0), sessions)
+    assert tiered["hit_rate"] >= plain["hit_rate"] + 0.05, (tiered, plain)
+    assert tiered["host_hit_rate"] > 0
+    assert tiered["turns_that_lost_the_previous_prompt"] < plain["turns_that_lost_the_previous_prompt"]
