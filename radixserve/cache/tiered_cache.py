@@ -30,7 +30,7 @@ from radixserve.cache.host_pool import CopyEngine, CopyStats, HostKVPool, make_c
 from radixserve.cache.kv_pool import KVPool, PageAllocator
 from radixserve.cache.radix_cache import _EMPTY_SLOTS, ALL, MatchResult, RadixCache, TreeNode
 
-# host_seq of host copies a load being prepared will read: busy until the load is issued.
+# host_seq of host copies a copy being prepared will use: busy until the copy is issued.
 _RESERVED = 1 << 62
 
 
@@ -284,6 +284,7 @@ class TieredRadixCache(RadixCache):
                     freed += len(node.key)
                     continue
                 node.host_value = host
+                node.host_seq = _RESERVED  # busy from now: the copy into it is issued below
                 self.host_size += len(node.key)
                 copies.append((node, node.value))
             freed += len(node.key)
