@@ -376,3 +376,19 @@ def test_fp8_weights_with_tensor_parallelism_refused(tiny_dir, tmp_path):
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     lines = (run.stdout + run.stderr).strip().splitlines()
     assert run.returncode == 1 and len(lines) == 1 and "not supported yet" in lines[0], lines
+
+
+def test_fp8_kv_cache_round_trips_through_the_host_tier(tiny_dir):
+    """An FP8 pool's bytes go to the host tier and come back unchanged: the second pass over
+    prompts the device evicted finds them on the host and decodes what the first pass decoded."""
+    import random as _random
+
+    rng = _random.Random(4)
+    prompts = [[rng.randrange(3, 500) for _ in range(64)] for _ in range(6)]  # 384 tokens, pool of 128
+    params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    engine = Engine(str(tiny_dir), device="cpu", kv_cache_dtype="fp8_e4m3", max_total_tokens=128, hicache_ratio=8)
+    first = [engine.generate(input_ids=p, sampling_params=params) for p in prompts]
+    second = [engine.generate(input_ids=p, sampling_params=params) for p in prompts]
+    assert [r["output_ids"] for r in second] == [r["output_ids"] for r in first]
+    assert all(r["meta_info"]["cached_tokens"] == 63 for r in second)
+    assert engine.cache_stats()["loaded_tokens"] >= 6 * 63
