@@ -59,12 +59,21 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
             index = index.pin_memory()
         index = index.to(logits.device, non_blocking=True)
         sub, ids = logits.index_select(0, index), token_ids.index_select(0, index)
-    logprobs = torch.log_softmax(sub.float(), dim=-1)
-    chosen = logprobs.gather(1, ids.view(-1, 1)).view(-1)
-    k = min(max(top_nums), logits.shape[-1])
+    return gather_logprobs(sub, ids, top_nums, rows)
+
+
+def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_nums: list[int],
+                    rows: Optional[list[int]] = None) -> LogprobTensors:
+    """Log probabilities of token_ids[i] under row i of logits [R, V], and the top_nums[i] most
+    likely ids with theirs (one top-k at the largest). rows: the positions reported (default
+    0..R-1). No host sync."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids.view(-1, 1)).view(-1)
+    k = min(max(top_nums, default=0), logits.shape[-1])
     if k:
         top_values, top_ids = logprobs.topk(k, dim=-1)
     else:
-        top_values = logprobs.new_empty((len(rows), 0))
-        top_ids = torch.empty((len(rows), 0), dtype=torch.int64, device=logits.device)
-    return LogprobTensors(rows, top_nums, chosen, top_values, top_ids)
+        top_values = logprobs.new_empty((len(top_nums), 0))
+        top_ids = torch.empty((len(top_nums), 0), dtype=torch.int64, device=logits.device)
+    return LogprobTensors(list(range(len(top_nums))) if rows is None else rows, top_nums, chosen, top_values,
+                          top_ids)
