@@ -1,6 +1,7 @@
 """Constrained decoding in the offline engine: the bitmask keeps a random model inside its grammar,
 constrained and unconstrained requests share batches without changing each other's tokens, and
-overlap scheduling (switched off for steps with constrained rows) gives the same tokens as none."""
+overlap scheduling (a constrained step reads the step before it during its forward pass) gives
+the same tokens as none."""
 
 from __future__ import annotations
 
