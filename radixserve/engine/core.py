@@ -287,6 +287,7 @@ class EngineCore:
                     self.step()
         while self.has_work:
             self.step()
+        self.runner.warm_grammar_mask()
         self.cache.flush()
         self.cache.drain_touched()
         self.cache.counters = CacheCounters()

@@ -34,6 +34,15 @@ class GrammarMask:
         self.host = torch.empty(self.head + max_rows * self.words, dtype=torch.int32, pin_memory=on_cuda)
         self.on_device = torch.empty_like(self.host, device=device) if on_cuda else self.host
 
+    def warm_up(self) -> None:
+        """Mask one row of zero logits with an all-allowed bitmask (compiles the kernel)."""
+        logits = torch.zeros((1, self.compilers.vocab_size), dtype=torch.float32, device=self.device)
+        self.on_device[:1] = 0
+        self.on_device[self.head:self.head + self.words] = -1
+        apply_token_bitmask_(logits, self.on_device[self.head:self.head + self.words].view(1, self.words),
+                             self.on_device[:1])
+        assert bool(torch.isfinite(logits).all()), "an all-allowed bitmask masked a token"
+
     @staticmethod
     def constrained_rows(sampling: Sequence[Req]) -> list[int]:
         """The sampling rows a grammar constrains (a request that finished meanwhile is left out: its

@@ -286,11 +286,20 @@ class ModelRunner:
         rows = GrammarMask.constrained_rows(sampling)
         if not rows:
             return processed
-        if self._grammar_mask is None:
-            self._grammar_mask = GrammarMask(self.grammars, self.req_to_token.max_requests, self.device)
         if processed is raw and any(r.sampling_params.return_logprob for r in sampling):
             processed = raw.clone()
-        return self._grammar_mask.apply_(processed, sampling, rows)
+        return self._mask().apply_(processed, sampling, rows)
+
+    def _mask(self) -> GrammarMask:
+        if self._grammar_mask is None:
+            self._grammar_mask = GrammarMask(self.grammars, self.req_to_token.max_requests, self.device)
+        return self._grammar_mask
+
+    def warm_grammar_mask(self) -> None:
+        """Allocate the mask buffers and compile the masking kernel now: the first constrained step
+        would otherwise wait for both (a Triton compile takes a second or more)."""
+        if self.grammars is not None:
+            self._mask().warm_up()
 
     def forward(self, sb: ScheduledBatch) -> list[int]:
         """Run the batch and wait; one sampled token per request that samples, in batch order."""
