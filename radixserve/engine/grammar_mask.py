@@ -52,11 +52,19 @@ class GrammarMask:
     def apply_(self, logits: torch.Tensor, sampling: Sequence[Req], rows: list[int]) -> torch.Tensor:
         """Mask, in place, the logits rows `rows` of the sampling requests by their grammars'
         next-token bitmasks. The matchers must have accepted every earlier token."""
+        self.fill(sampling, rows)
+        return self.apply_filled_(logits, len(rows))
+
+    def fill(self, sampling: Sequence[Req], rows: list[int]) -> None:
+        """The host's part: the rows' indices and bitmasks into the host buffer."""
         n = len(rows)
         assert 0 < n <= self.max_rows
         bitmask = self.host[self.head:self.head + n * self.words].view(n, self.words)
         self.compilers.fill_bitmask([sampling[i].grammar for i in rows], bitmask)
         self.host[:n] = torch.tensor(rows, dtype=torch.int32)
+
+    def apply_filled_(self, logits: torch.Tensor, n: int) -> torch.Tensor:
+        """Queue the copy of the first n filled rows and the masking of the logits (no sync)."""
         used = self.head + n * self.words
         if self.on_device is not self.host:
             self.on_device[:used].copy_(self.host[:used], non_blocking=True)
