@@ -9,6 +9,8 @@
 - `radixserve.kernels.kv_store`: `store_kv(k, v, k_buf, v_buf, loc)`, the KV store alone
 - `radixserve.kernels.decode_attention`, `radixserve.kernels.extend_attention`: the attention
   kernels behind `radixserve.attention.triton_backend` (split-K decode, ragged extend)
+- `radixserve.kernels.token_bitmask`: `apply_token_bitmask_rows_(logits, bitmask, rows)`, grammar
+  masking of the constrained rows from xgrammar's packed bitmask, in place
 - `radixserve.kernels.launch`: `FastKernel`, which launches a compiled kernel through its C launcher
   after the first call of each specialisation (every kernel here goes through it)
 
@@ -23,7 +25,7 @@ def compiled_variant_counts() -> dict[str, int]:
     """How many compiled variants each of our Triton kernels holds in this process (CUDA only:
     imports triton). A count that grows while serving means a compile stalled the engine."""
     from radixserve.kernels import (activation, decode_attention, decode_linear, extend_attention, kv_store, norm,
-                                    rope)
+                                    rope, token_bitmask)
 
     kernels = {"decode_stage1": decode_attention._decode_stage1_kernel,
                "decode_stage2": decode_attention._decode_stage2_kernel,
@@ -31,7 +33,8 @@ def compiled_variant_counts() -> dict[str, int]:
                "rope": rope._rope_kernel, "rms_norm": norm._rms_norm_kernel,
                "silu_and_mul": activation._silu_and_mul_kernel,
                "decode_linear": decode_linear._decode_linear_kernel,
-               "decode_linear_reduce": decode_linear._reduce_partials_kernel}
+               "decode_linear_reduce": decode_linear._reduce_partials_kernel,
+               "token_bitmask": token_bitmask._apply_token_bitmask_kernel}
     counts = {}
     for name, fn in kernels.items():
         caches = getattr(fn, "device_caches", None)  # triton >= 3.2: {device: (kernel cache, ...)}
