@@ -82,3 +82,43 @@ def test_forced_parallel_tool_calls_parse(model_dir):
                 jsonschema.validate(arguments, params)
             else:
                 assert call["function"]["name"] == "noop" and isinstance(arguments, dict)
+
+
+def test_constrained_rows_with_logprobs_and_penalties(model_dir):
+    """A constrained request that also wants log probabilities and penalties: its log probabilities
+    are of the model's own logits (Hugging Face's log_softmax, not the masked distribution), its
+    penalties see every earlier token, and overlap scheduling gives the same tokens and values
+    as none while requests of different lengths finish around it."""
+    import torch
+    import transformers
+
+    params = [{"max_new_tokens": 60, "temperature": 0, "regex": REGEX, "return_logprob": True, "top_logprobs_num": 2,
+               "repetition_penalty": 1.3, "frequency_penalty": 0.5},
+              {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+              {"max_new_tokens": 30, "temperature": 1.0, "seed": 3, "json_schema": json.dumps(SCHEMA),
+               "return_logprob": True},
+              {"max_new_tokens": 9, "temperature": 0, "ignore_eos": True, "return_logprob": True}]
+    prompts = ["Answer", "Short one", "Describe a person", "Numbers"]
+    runs = []
+    for overlap in (True, False):
+        with Engine(str(model_dir), device="cpu", disable_overlap_schedule=not overlap) as engine:
+            runs.append(engine.generate(prompts, sampling_params=params))
+            engine.check_invariants()
+    with_overlap, without = runs
+    assert [r["output_ids"] for r in with_overlap] == [r["output_ids"] for r in without]
+    for a, b in zip(with_overlap, without):
+        if "output_token_logprobs" in a["meta_info"]:
+            assert [v for v, _, _ in a["meta_info"]["output_token_logprobs"]] == pytest.approx(
+                [v for v, _, _ in b["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    assert re.fullmatch(REGEX, with_overlap[0]["text"]), with_overlap[0]["text"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    prompt_ids = tokenizer.encode(prompts[0])
+    out = with_overlap[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt_ids + out["output_ids"]])).logits[0].float(), dim=-1)
+    for k, (value, token, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
+        row = ref[len(prompt_ids) + k - 1]
+        assert value == pytest.approx(row[token].item(), abs=1e-4)
+        top = out["meta_info"]["output_top_logprobs"][k]
+        assert [i for _, i, _ in top] == row.topk(2).indices.tolist()  # unmasked: any token may lead
