@@ -185,6 +185,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (GPUs) of the engine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -205,7 +206,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                               device="cuda", cuda_graph_max_bs=args.cuda_graph_max_bs,
                               disable_cuda_graph=args.disable_cuda_graph,
                               disable_overlap_schedule=args.disable_overlap_schedule,
-                              max_running_requests=args.max_running_requests, random_seed=args.seed)
+                              max_running_requests=args.max_running_requests, random_seed=args.seed,
+                              tp_size=args.tp_size)
     core = EngineCore(settings)
     startup = time.perf_counter() - t0
     capture = core.runner.graphs.capture_seconds if core.runner.graphs is not None else 0.0
@@ -223,6 +225,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         results.append(r)
         core.flush_cache()  # no hits across workloads
     core.runner.graphs = None
+    core.shutdown()  # the other tensor-parallel ranks, if any
     del core
     gc.collect()
     torch.cuda.empty_cache()

@@ -11,6 +11,10 @@ matmul rate (8192^3 on random data); then, for the model's shape,
     on cuBLAS instead of the decode-row GEMM (radixserve.kernels.decode_linear);
   * prefill of `--prefill-batch` x `--prefill-len` tokens (model, and attention alone), against
     FLOPs / matmul rate.
+With `--tp-size N`, run under `torchrun --nproc-per-node N`: each GPU holds its shard of the model
+and times the tensor-parallel decode step (fixed-count CUDA-event timing, the slowest rank's time)
+against the TP floor: its weight and KV bytes over the copy bandwidth, plus its all-reduce and
+all-gather bytes over `--nvlink-gb-s`.
 Times are medians of CUDA-event timings after warm-up, with the L2 cache flushed before each
 run (triton.testing.do_bench). K/V, weights and inputs are random, never zeros; slots are a
 random permutation of the pool, so every request's KV is scattered.
@@ -24,12 +28,13 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+import dataclasses
 from typing import Callable, Optional
 
 import torch
 
 from radixserve.attention.base import ForwardBatch, ForwardMode
+from radixserve.bench.model_cost import ModelCost
 from radixserve.cache.kv_pool import KVPool
 from radixserve.model.config import ModelConfig
 from radixserve.settings import DECODE_GEMM_MAX_ROWS
@@ -78,54 +83,6 @@ def measure_matmul_rate(device: torch.device, n: int = 8192) -> tuple[float, flo
     del a, b, out
     torch.cuda.empty_cache()
     return 2 * n ** 3 / (burst_ms * 1e-3), 2 * n ** 3 / (sustained_ms * 1e-3)
-
-
-@dataclass
-class ModelCost:
-    """Bytes and FLOPs of the model's shape (bf16)."""
-
-    cfg: ModelConfig
-    elem: int = 2
-
-    @property
-    def layer_params(self) -> int:
-        c = self.cfg
-        qkv = c.hidden_size * (c.q_size + 2 * c.kv_size) + (c.q_size + 2 * c.kv_size)
-        o = c.q_size * c.hidden_size
-        mlp = 3 * c.hidden_size * c.intermediate_size
-        return qkv + o + mlp + 2 * c.hidden_size
-
-    @property
-    def matmul_params(self) -> int:
-        """Parameters multiplied per token in the layers (no embedding, no lm_head)."""
-        return self.cfg.num_hidden_layers * self.layer_params
-
-    @property
-    def decode_weight_bytes(self) -> int:
-        """Weights read per decode step: all layers, final norm, lm_head (the embedding is gathered)."""
-        c = self.cfg
-        return (self.matmul_params + c.hidden_size + c.vocab_size * c.hidden_size) * self.elem
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        c = self.cfg
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.elem
-
-    def kv_bytes_per_token_layer(self) -> int:
-        return self.kv_bytes_per_token // self.cfg.num_hidden_layers
-
-    def attention_flops_layer(self, prefix: int, extend: int) -> float:
-        """QK^T and PV FLOPs of one layer for `extend` new tokens over `prefix` cached + causal."""
-        c = self.cfg
-        pairs = extend * prefix + extend * (extend + 1) / 2
-        return 4.0 * c.num_attention_heads * c.head_dim * pairs
-
-    def prefill_flops(self, batch: int, length: int) -> float:
-        c = self.cfg
-        linear = 2.0 * self.matmul_params * batch * length
-        attn = c.num_hidden_layers * batch * self.attention_flops_layer(0, length)
-        lm_head = 2.0 * c.hidden_size * c.vocab_size * batch  # logits of the last token only
-        return linear + attn + lm_head
 
 
 class Workload:
@@ -387,8 +344,9 @@ def bench_extend_attention(args, work: Workload, cost: ModelCost, rep: Report, f
                     tflops=fl / (ms * 1e-3) / 1e12)
 
 
-def _load_bf16_model(args, work: Workload, rep: Report, decode_gemm_max_rows: int):
-    """The model in bfloat16 on the GPU, or None (noted in the report) if it cannot be built."""
+def _load_bf16_model(args, work: Workload, rep: Report, decode_gemm_max_rows: int, tp=None):
+    """The model (this rank's shard with `tp`) in bfloat16 on the GPU, or None (noted in the report)
+    if it cannot be built."""
     from radixserve.attention.triton_backend import TritonAttentionBackend
     from radixserve.model.loader import load_model
 
@@ -396,13 +354,12 @@ def _load_bf16_model(args, work: Workload, rep: Report, decode_gemm_max_rows: in
     try:
         model, _ = load_model(args.model_path, load_format=args.load_format, dtype=torch.bfloat16,
                               device=work.device, attn_backend=backend, seed=args.seed,
-                              decode_gemm_max_rows=decode_gemm_max_rows)
+                              decode_gemm_max_rows=decode_gemm_max_rows, tp=tp)
     except Exception as e:
         rep.note(f"load_model failed ({e!r}): attention-only results")
         return None
-    cfg = work.cfg
-    backend.reserve_decode_workspace(max(args.batch_sizes), cfg.num_attention_heads, cfg.num_key_value_heads,
-                                     cfg.head_dim, work.device)
+    heads, kv_heads = model.local_heads
+    backend.reserve_decode_workspace(max(args.batch_sizes), heads, kv_heads, work.cfg.head_dim, work.device)
     return model
 
 
@@ -438,9 +395,10 @@ def bench_model(args, work: Workload, cost: ModelCost, rep: Report, bw: float, f
             torch.cuda.empty_cache()
 
 
-def bench_decode_steps(args, work: Workload, cost: ModelCost, rep: Report, bw: float, model, kind: str) -> None:
+def bench_decode_steps(args, work: Workload, cost: ModelCost, rep: Report, bw: float, model, kind: str,
+                       timer: Callable[..., float] = _bench) -> None:
     """The model's decode step at each batch size and context: eager and replayed from a graph."""
-    weight_ms = cost.decode_weight_bytes / bw * 1e3
+    link_bw = args.nvlink_gb_s * 1e9
     for dbs in args.batch_sizes:
         batch = work.decode_batch(dbs, max(args.contexts))
         graph = None
@@ -452,9 +410,9 @@ def bench_decode_steps(args, work: Workload, cost: ModelCost, rep: Report, bw: f
                 graph = None
         for ctx in args.contexts:
             work.set_decode_context(batch, ctx)
-            floor = weight_ms + dbs * ctx * cost.kv_bytes_per_token / bw * 1e3
-            eager = _bench(lambda: model(batch), rep_ms=300)
-            replay = _bench(graph.replay, rep_ms=300) if graph is not None else None
+            floor = cost.decode_floor_ms(dbs, ctx, bw, link_bw)
+            eager = timer(lambda: model(batch), rep_ms=300)
+            replay = timer(graph.replay, rep_ms=300) if graph is not None else None
             best = replay if replay is not None else eager
             extra = {}
             if args.profile:
@@ -491,9 +449,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also profile each model decode step (its kernels, their GPU time, the launch gaps) "
                         "and the host time of the eager prefill (cProfile)")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel ranks: run under torchrun --nproc-per-node N; times the decode step only")
+    p.add_argument("--nvlink-gb-s", type=float, default=450.0,
+                   help="NVLink bandwidth per GPU and direction for the TP floor (default: %(default)s, an H200's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write every row here")
     args = p.parse_args(argv)
+    if args.tp_size > 1:
+        return main_tensor_parallel(args)
 
     if not torch.cuda.is_available():
         print("bench_one_batch needs a CUDA GPU", file=sys.stderr)
@@ -554,6 +518,60 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.skip_model:
         bench_model(args, work, cost, rep, bw, flops)
     rep.save()
+    return 0
+
+
+def _bench_all_ranks(fn: Callable[[], object], rep_ms: int = 0, iters: int = 50, warmup: int = 10) -> float:
+    """Mean ms of `iters` back-to-back calls, the slowest rank's: a fixed count (do_bench's adaptive
+    count could differ between ranks, and every rank must make the same collectives)."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    ms = torch.tensor([start.elapsed_time(end) / iters], device="cuda")
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return float(ms.item())
+
+
+def main_tensor_parallel(args) -> int:
+    """The sharded model's decode steps on this rank's GPU (every rank runs this; rank 0 reports)."""
+    from radixserve.distributed import check_divisible, destroy
+    from radixserve.distributed.group import init_from_env
+
+    if int(os.environ.get("WORLD_SIZE", "1")) != args.tp_size or not torch.cuda.is_available():
+        print(f"--tp-size {args.tp_size} runs under torchrun --nproc-per-node {args.tp_size}, one GPU a rank",
+              file=sys.stderr)
+        return 2
+    cfg = ModelConfig.from_dir(args.model_path)
+    check_divisible(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, args.tp_size)
+    tp = init_from_env(torch.device("cuda", int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))))
+    if tp.rank != 0:
+        sys.stdout = open(os.devnull, "w")
+    torch.manual_seed(args.seed)
+    rep = Report(args.json if tp.rank == 0 else None)
+    rep.meta.update(device=torch.cuda.get_device_properties(tp.device).name, tp_size=tp.size, commit=_commit(),
+                    date=datetime.date.today().isoformat(), torch=torch.__version__, args=vars(args))
+    bw = measure_copy_bandwidth(tp.device)
+    rep.add("ceiling", "copy bandwidth (read+write)", None, None, tb_s=bw / 1e12)
+    cost = ModelCost(cfg, tp=tp.size)
+    local = dataclasses.replace(cfg, num_attention_heads=cost.local_heads, num_key_value_heads=cost.local_kv_heads)
+    max_bs, max_ctx = max(args.batch_sizes), max(args.contexts)
+    work = Workload(local, max_bs, max_ctx + 1, max_ctx, max_bs * max_ctx + 64, tp.device, args.seed)
+    rep.note(f"{args.model_path} at TP {tp.size}: per GPU {cost.decode_weight_bytes / 1e9:.2f} GB of weights, "
+             f"KV {cost.kv_bytes_per_token} B/token; NVLink {args.nvlink_gb_s:g} GB/s per direction")
+    model = _load_bf16_model(args, work, rep, args.decode_gemm_max_rows, tp=tp)
+    if model is not None:
+        bench_decode_steps(args, work, cost, rep, bw, model, f"decode-step-tp{tp.size}", timer=_bench_all_ranks)
+    rep.save()
+    destroy(tp)
     return 0
 
 

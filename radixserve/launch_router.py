@@ -138,9 +138,18 @@ def _settings_argv(settings) -> list[str]:
     return argv
 
 
+def worker_gpus(index: int, tp_size: int, gpus: int, workers: int) -> Optional[str]:
+    """CUDA_VISIBLE_DEVICES of data-parallel worker `index`: its own tp_size GPUs when there are
+    enough for every worker, else None (the workers share what is visible)."""
+    if gpus < workers * tp_size:
+        return None
+    return ",".join(str(index * tp_size + r) for r in range(tp_size))
+
+
 def run_data_parallel(settings, policy: str = "cache_aware") -> int:
-    """Start `settings.dp_size` workers on loopback ports and a router on settings.host:port."""
-    n = settings.dp_size
+    """Start `settings.dp_size` workers on loopback ports and a router on settings.host:port; with
+    --tp-size T each worker is a tensor-parallel engine on its own T GPUs (worker i: GPUs i*T..i*T+T-1)."""
+    n, tp = settings.dp_size, settings.tp_size
     gpus = 0
     if settings.resolved_device() == "cuda":
         import torch
@@ -155,8 +164,9 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
     for i in range(n):
         port = _free_port("127.0.0.1")
         env = dict(os.environ)
-        if gpus >= n:
-            env["CUDA_VISIBLE_DEVICES"] = str(i)
+        visible = worker_gpus(i, tp, gpus, n)
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
         cmd = [sys.executable, "-m", "radixserve.launch_server", *worker_argv, "--host", "127.0.0.1",
                "--port", str(port)]
         if settings.step_trace_file:  # the last occurrence of a flag wins

@@ -133,6 +133,13 @@ class ServerSettings:
         "tokens); summarise with `python -m radixserve.server.step_trace FILE`. With --dp-size, worker i "
         "writes FILE.i.")
     dp_size: int = _opt(1, "Data-parallel engine workers behind a built-in cache-aware router.")
+    tp_size: int = _opt(
+        1, "Tensor-parallel ranks per engine: the model's heads, MLP and vocabulary split over this many "
+        "processes, one per GPU (NCCL; gloo on the CPU). With --dp-size M, M x N GPUs.", aliases=("--tp",))
+    tp_all_reduce: str = _opt(
+        "nccl", "The all-reduce of tensor parallelism's decode steps: nccl, or symm-mem (torch's symmetric-memory "
+        "one-shot all-reduce over NVLink, CUDA only; prefill-sized messages still use NCCL). Compare them with "
+        "scripts/tp_allreduce_bench.py.", choices=("nccl", "symm-mem"))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -172,6 +179,8 @@ class ServerSettings:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.decode_gemm_max_rows < 0:
             raise ValueError(f"decode_gemm_max_rows must be >= 0, got {self.decode_gemm_max_rows}")
         if self.cuda_graph_max_bs < 1:

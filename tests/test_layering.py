@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("grammar", {"grammar"}),  # constrained decoding: xgrammar behind a small interface
     ("cache", {"cache"}),
     ("kernels", {"kernels"}),
+    ("distributed", {"distributed"}),  # tensor-parallel process groups and collectives (model layers call them)
     ("attention", {"attention"}),
     ("model", {"model"}),
     ("scheduler", {"scheduler"}),

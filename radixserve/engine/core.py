@@ -21,18 +21,22 @@ from typing import Any, Optional
 
 import torch
 
-from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
+from radixserve.cache.kv_pool import ReqToTokenPool
 from radixserve.cache.radix_cache import CacheCounters, RadixCache
+from radixserve.distributed import TensorParallel, check_divisible
 from radixserve.engine.grammar_wait import GrammarWaitlist
 from radixserve.engine.io_struct import GenerateRequest, RequestOutput
 from radixserve.engine.model_runner import ModelRunner
+from radixserve.engine.model_stack import load_rank_model, make_kv_memory
+from radixserve.engine.tensor_parallel import (RecordingReqToTokenPool, SharedSampledTokens, TensorParallelLeader,
+                                               TensorParallelRunner, check_tp_devices)
 from radixserve.grammar.spec import grammar_spec
 from radixserve.model.config import ModelConfig
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.batch import ScheduledBatch, StepInFlight
 from radixserve.scheduler.scheduler import Scheduler
-from radixserve.settings import CPU_KV_POOL_TOKENS, ServerSettings
+from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")
 
@@ -73,18 +77,33 @@ class EngineCore:
         self.tokenizer = load_tokenizer(settings.tokenizer_path or self.model_path)
         self.context_len = settings.context_length or self.model_config.max_position_embeddings
 
-        self.attn_backend = self._make_attention_backend()
-        from radixserve.model.loader import load_model
+        self.tp_leader = self._start_ranks()
+        try:
+            self._build(settings, self.tp_leader.tp if self.tp_leader is not None else None)
+        except BaseException:
+            self.shutdown()  # a tensor-parallel engine that failed to start stops its other ranks
+            raise
 
-        self.model, _ = load_model(self.model_path, load_format=settings.load_format, dtype=self.dtype,
-                                   device=self.device, attn_backend=self.attn_backend, seed=settings.random_seed,
-                                   context_length=self.context_len, decode_gemm_max_rows=settings.decode_gemm_max_rows)
+    def _start_ranks(self) -> Optional[TensorParallelLeader]:
+        """With tp_size > 1, the other ranks' processes joined in one group with this one (rank 0)."""
+        tp_size = self.settings.tp_size
+        if tp_size == 1:
+            return None
         cfg = self.model_config
-        pool_tokens = self._pool_tokens()
-        self.kv_pool = KVPool(pool_tokens, settings.page_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                              cfg.head_dim, self.dtype, self.device)
-        max_running = settings.resolved_max_running_requests(self.device.type)
-        self.req_to_token = ReqToTokenPool(max_running, self.context_len + 1, self.device)
+        check_divisible(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, tp_size)
+        self.device = check_tp_devices(tp_size, self.device)
+        if self.settings.tp_all_reduce == "symm-mem" and self.device.type != "cuda":
+            raise ValueError("tp_all_reduce=symm-mem needs CUDA GPUs")
+        return TensorParallelLeader(self.settings, self.device)
+
+    def _build(self, settings: ServerSettings, tp: Optional[TensorParallel]) -> None:
+        """The model (this rank's shard), KV memory, radix cache, scheduler and model runner."""
+        self.model, self.attn_backend = load_rank_model(settings, self.device, self.dtype, self.context_len, tp)
+        cfg = self.model_config
+        self.kv_pool, self.req_to_token = make_kv_memory(
+            settings, self.model, self.device, self.dtype, self.context_len, tp,
+            table_cls=RecordingReqToTokenPool if tp is not None else ReqToTokenPool)
+        max_running = self.req_to_token.max_requests
         self.cache = RadixCache(self.kv_pool.allocator, page_size=settings.page_size,
                                 eviction_policy=settings.radix_eviction_policy, disable=settings.disable_radix_cache)
         eos = list(cfg.eos_token_ids)
@@ -92,9 +111,15 @@ class EngineCore:
             eos.append(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(settings, self.cache, self.req_to_token, context_len=self.context_len,
                                    eos_token_ids=eos, decode_text=self._decode_tail if self.tokenizer else None)
-        self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, self.device, settings.random_seed,
-                                  cuda_graph_max_bs=min(settings.cuda_graph_max_bs, max_running),
-                                  disable_cuda_graph=settings.disable_cuda_graph)
+        runner_kwargs = dict(cuda_graph_max_bs=min(settings.cuda_graph_max_bs, max_running),
+                             disable_cuda_graph=settings.disable_cuda_graph)
+        if self.tp_leader is None:
+            self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, self.device, settings.random_seed,
+                                      **runner_kwargs)
+        else:
+            self.runner = TensorParallelRunner(
+                self.model, self.kv_pool, self.req_to_token, self.device, settings.random_seed, **runner_kwargs,
+                send=self.tp_leader.send, sampled=SharedSampledTokens(max_running, self.device, tp))
         self.runner.eos_token_ids = sorted(set(eos))
         self.grammar_wait = GrammarWaitlist(self.tokenizer, cfg.vocab_size, eos)
         if self.tokenizer is not None:
@@ -109,44 +134,14 @@ class EngineCore:
         self.in_flight: Optional[StepInFlight] = None  # the launched step whose tokens are unread
         if self.device.type == "cuda" and not settings.skip_warmup:
             self.warmup()
-        logger.info("engine ready: model=%s device=%s dtype=%s kv_pool=%d tokens page_size=%d max_running=%d",
-                    self.model_path, self.device, self.dtype, self.pool_size, settings.page_size, max_running)
+        logger.info("engine ready: model=%s device=%s dtype=%s kv_pool=%d tokens page_size=%d max_running=%d%s",
+                    self.model_path, self.device, self.dtype, self.pool_size, settings.page_size, max_running,
+                    f" tp_size={settings.tp_size}" if tp is not None else "")
 
-    # ------------------------------------------------------------------ setup helpers
-    def _make_attention_backend(self):
-        backend = self.settings.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
-        if backend == "triton":
-            if self.device.type != "cuda":
-                raise ValueError("attention_backend=triton needs a CUDA device")
-            try:
-                from radixserve.attention.triton_backend import TritonAttentionBackend
-            except ImportError:
-                if self.settings.attention_backend == "triton":
-                    raise
-                backend = "torch"  # auto and the Triton backend is not available here
-            else:
-                return TritonAttentionBackend()
-        from radixserve.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend()
-
-    def _pool_tokens(self) -> int:
-        s, cfg = self.settings, self.model_config
-        if s.max_total_tokens is not None:
-            tokens = s.max_total_tokens
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                               self.dtype)
-            budget = total * s.mem_fraction_static - (total - free)
-            tokens = int(budget // per_token)
-            if tokens < s.page_size:
-                raise ValueError(f"mem_fraction_static={s.mem_fraction_static} leaves no room for a KV pool")
-        else:
-            tokens = CPU_KV_POOL_TOKENS
-        return tokens - tokens % s.page_size
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (a tp_size 1 engine holds nothing to stop)."""
+        if self.tp_leader is not None:
+            self.tp_leader.close()
 
     @property
     def pool_size(self) -> int:

@@ -94,9 +94,9 @@ class DecodeCudaGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        cfg = self.model.config
-        self.model.attn_backend.reserve_decode_workspace(self.max_bs, cfg.num_attention_heads,
-                                                         cfg.num_key_value_heads, cfg.head_dim, self.device)
+        num_heads, num_kv_heads = self.model.local_heads  # this rank's heads under tensor parallelism
+        self.model.attn_backend.reserve_decode_workspace(self.max_bs, num_heads, num_kv_heads,
+                                                         self.model.config.head_dim, self.device)
         start = time.perf_counter()
         self.inputs.zero_()  # every row is a padded row while capturing
         stream = torch.cuda.Stream(device=self.device)

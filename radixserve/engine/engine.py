@@ -117,6 +117,9 @@ class Engine:
         self.core.check_invariants()
 
     def shutdown(self) -> None:
+        """Release the engine; with tp_size > 1 this stops its other rank processes."""
+        if self.core is not None:
+            self.core.shutdown()
         self.core = None  # type: ignore[assignment]
 
     def __enter__(self) -> "Engine":

@@ -119,14 +119,15 @@ class LaunchedForward:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_pool: KVPool, req_to_token: ReqToTokenPool,
                  device: torch.device, random_seed: int = 0, *, cuda_graph_max_bs: int = 256,
-                 disable_cuda_graph: bool = False):
+                 disable_cuda_graph: bool = False, sampled: Optional[LastSampledTokens] = None):
         self.model = model
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.device = torch.device(device)
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(random_seed)
-        self.sampled = LastSampledTokens(req_to_token.max_requests, self.device)
+        # A tensor-parallel rank passes its own (radixserve.engine.tensor_parallel).
+        self.sampled = sampled if sampled is not None else LastSampledTokens(req_to_token.max_requests, self.device)
         self.graphs: Optional[DecodeCudaGraphs] = None
         if not disable_cuda_graph and supports_cuda_graphs(model, self.device):
             self.graphs = DecodeCudaGraphs(model, kv_pool, req_to_token, self.device, cuda_graph_max_bs,
@@ -162,12 +163,19 @@ class ModelRunner:
     def build_forward_batch(self, sb: ScheduledBatch, extra_logit_rows: Optional[list[int]] = None) -> ForwardBatch:
         """extra_logit_rows: token rows whose logits are computed after the sampling rows (prompt
         log probabilities; extend batches only)."""
+        decode, parts, resolve = self.batch_parts(sb, extra_logit_rows)
+        return self.batch_from_parts(decode, parts, resolve)
+
+    def batch_parts(self, sb: ScheduledBatch, extra_logit_rows: Optional[list[int]] = None
+                    ) -> tuple[bool, tuple[list[int], ...], bool]:
+        """(decode-only, the step's index lists in `batch_from_parts`' order, whether an input id is
+        a placeholder to resolve on the device). extra_logit_rows: as in `build_forward_batch`."""
         decode = sb.is_decode_only
-        seq_lens = [p + n for p, n in zip(sb.kv_lens_before, sb.extend_lens)]
         if decode:
             input_ids, positions, out_cache_loc, req_pool_indices, seq_lens = self.decode_columns(sb)
             logits_indices = list(range(len(sb.reqs)))
         else:
+            seq_lens = [p + n for p, n in zip(sb.kv_lens_before, sb.extend_lens)]
             input_ids, positions, out_cache_loc, logits_indices = [], [], [], []
             offset = 0
             for req, prefix, n, samples in zip(sb.reqs, sb.kv_lens_before, sb.extend_lens, sb.sample):
@@ -181,12 +189,15 @@ class ModelRunner:
             req_pool_indices = [r.req_pool_idx for r in sb.reqs]
             if extra_logit_rows:
                 logits_indices = logits_indices + extra_logit_rows
+        parts = (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, list(sb.extend_lens),
+                 list(sb.kv_lens_before), logits_indices)
+        return decode, parts, any(r.pending for r in sb.reqs)
+
+    def batch_from_parts(self, decode: bool, parts: tuple[list[int], ...], resolve: bool) -> ForwardBatch:
         # One host-to-device copy for every index of the step; the tensors are views of it. Each
         # view starts on a 16-byte boundary: Triton compiles a kernel variant per pointer
         # alignment, and views at odd offsets would make new variants (seconds of compile in the
         # middle of serving) appear whenever a batch's lengths change parity.
-        parts = (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, sb.extend_lens, sb.kv_lens_before,
-                 logits_indices)
         flat: list[int] = []
         starts = []
         for part in parts:
@@ -197,12 +208,13 @@ class ModelRunner:
         packed = self._to_device(flat)
         views = [packed[start:start + len(part)] for start, part in zip(starts, parts)]
         ids_t, pos_t, loc_t, rows_t, seq_t, ext_t, pre_t, logit_t = views
-        if any(r.pending for r in sb.reqs):
+        if resolve:
             ids_t = self.sampled.resolve(ids_t)
+        seq_lens, extend_lens, prefix_lens = parts[4], parts[5], parts[6]
         return ForwardBatch(
             mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND, input_ids=ids_t, positions=pos_t,
             out_cache_loc=loc_t, req_pool_indices=rows_t, seq_lens=seq_t, extend_lens=ext_t, prefix_lens=pre_t,
-            seq_lens_cpu=seq_lens, extend_lens_cpu=list(sb.extend_lens), prefix_lens_cpu=list(sb.kv_lens_before),
+            seq_lens_cpu=seq_lens, extend_lens_cpu=extend_lens, prefix_lens_cpu=prefix_lens,
             req_to_token=self.req_to_token.table, kv_pool=self.kv_pool, logits_indices=logit_t)
 
     # ------------------------------------------------------------------ the step

@@ -2,7 +2,8 @@
 
 The loader knows no model's names: each checkpoint tensor goes to the parameter of the same name,
 or, for projections the model fuses, to the shard its `packed_modules_mapping` declares, through
-the owning layer's `load_weight`.
+the owning layer's `load_weight`. A tensor-parallel layer (`reads_slices`) is handed a lazy
+safetensors slice and reads only its rank's part of the tensor.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from radixserve.attention.base import AttentionBackend
+from radixserve.distributed import TensorParallel
 from radixserve.model.config import ModelConfig
 from radixserve.model.layers import KernelChoice, ShardId, copy_weight
 from radixserve.model.qwen2 import Qwen2ForCausalLM
@@ -40,14 +42,15 @@ _IGNORED = re.compile(r"(rotary_emb\.inv_freq|rotary_emb\.cos_cached|rotary_emb\
 def load_model(model_path: Union[str, os.PathLike], *, load_format: LoadFormat = "auto",
                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                attn_backend: AttentionBackend, seed: int = 0, context_length: Optional[int] = None,
-               triton_kernels: Optional[bool] = None, decode_gemm_max_rows: int = DECODE_GEMM_MAX_ROWS
-               ) -> tuple[Qwen2ForCausalLM, ModelConfig]:
+               triton_kernels: Optional[bool] = None, decode_gemm_max_rows: int = DECODE_GEMM_MAX_ROWS,
+               tp: Optional[TensorParallel] = None) -> tuple[Qwen2ForCausalLM, ModelConfig]:
     """The model in eval mode with every parameter set, and its config.
 
     `context_length` (if larger than the config's max_position_embeddings) extends the RoPE table.
     `triton_kernels` and `decode_gemm_max_rows` fix the layers' kernels (`KernelChoice.for_device`:
     by default Triton on CUDA in bfloat16/float16, torch ops elsewhere; False forces the torch
-    reference path).
+    reference path). `tp`: build and load this rank's shard of a tensor-parallel model (dummy
+    weights are then random per rank, not a sharding of the tp_size 1 model's).
     """
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format {load_format!r} is not one of auto, safetensors, dummy")
@@ -55,7 +58,7 @@ def load_model(model_path: Union[str, os.PathLike], *, load_format: LoadFormat =
     weight_files = [] if load_format == "dummy" else safetensors_files(model_path)
     kernels = KernelChoice.for_device(device, dtype, triton=triton_kernels, decode_gemm_max_rows=decode_gemm_max_rows)
     model = MODEL_CLASSES[config.architecture](config, attn_backend, dtype=dtype, device=device,
-                                               max_positions=context_length, kernels=kernels)
+                                               max_positions=context_length, kernels=kernels, tp=tp)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
@@ -116,14 +119,17 @@ def _tied_aliases(model: nn.Module) -> set[str]:
     return {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique
 
 
-def _load_one(model: nn.Module, param_name: str, shard_id: Optional[ShardId], tensor: torch.Tensor) -> None:
+def _load_one(model: nn.Module, param_name: str, shard_id: Optional[ShardId], f, name: str) -> None:
+    """Checkpoint tensor `name` of open file `f` into its parameter: as a lazy slice for a layer
+    that reads only its part (tensor parallelism), else read whole."""
     module_path, _, leaf = param_name.rpartition(".")
     module = model.get_submodule(module_path)
     load_weight = getattr(module, "load_weight", None)
     if load_weight is not None:
-        load_weight(leaf, tensor, shard_id)
+        load_weight(leaf, f.get_slice(name) if getattr(module, "reads_slices", False) else f.get_tensor(name),
+                    shard_id)
     else:
-        copy_weight(getattr(module, leaf), tensor)
+        copy_weight(getattr(module, leaf), f.get_tensor(name))
 
 
 @torch.no_grad()
@@ -145,7 +151,7 @@ def load_safetensors_weights(model: nn.Module, files: list[Path]) -> None:
                     continue
                 param_name, shard_id = targets[name]
                 try:
-                    _load_one(model, param_name, shard_id, f.get_tensor(name))
+                    _load_one(model, param_name, shard_id, f, name)
                 except ValueError as e:
                     raise ValueError(f"tensor {name!r} in {file.name} {e}") from None
                 loaded.add(name)

@@ -11,6 +11,11 @@ itself (and the KV cache) belongs to the attention backend passed in.
 Layers are called through `.forward`, not `nn.Module.__call__`: a layer makes ten such calls,
 and the eager (prefill and mixed) steps are bound by host time, where `__call__`'s hook
 bookkeeping would add about half a microsecond to each.
+
+With tensor parallelism (`tp`, see radixserve.model.layers.parallel) each rank builds the same
+model over its shard: its query and KV heads (KV heads replicated when there are fewer than
+ranks), its MLP columns, its vocabulary rows; o_proj and down_proj end in one all-reduce each,
+the embedding in one, and the LM head gathers the logits. Without `tp` no layer holds a group.
 """
 
 from __future__ import annotations
@@ -21,23 +26,40 @@ import torch
 from torch import nn
 
 from radixserve.attention.base import AttentionBackend, ForwardBatch
+from radixserve.distributed import TensorParallel, head_shard, vocab_shard
+from radixserve.distributed.sharding import even_shard
 from radixserve.model.config import ModelConfig
 from radixserve.model.layers import KernelChoice, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
+from radixserve.model.layers.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                              VocabParallelEmbedding)
 
 
 class Qwen2Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, attn_backend: AttentionBackend,
-                 rotary_emb: RotaryEmbedding, *, dtype: torch.dtype, kernels: KernelChoice):
+                 rotary_emb: RotaryEmbedding, *, dtype: torch.dtype, kernels: KernelChoice,
+                 tp: Optional[TensorParallel] = None):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
-        self.qkv_proj = MergedLinear(config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-                                     bias=True, dtype=dtype, kernels=kernels)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False, dtype=dtype, kernels=kernels)
+        self.head_dim = d = config.head_dim
+        if tp is None:
+            self.num_heads = config.num_attention_heads
+            self.num_kv_heads = config.num_key_value_heads
+            self.q_size = config.q_size
+            self.kv_size = config.kv_size
+            self.qkv_proj = MergedLinear(config.hidden_size, {"q": self.q_size, "k": self.kv_size,
+                                                              "v": self.kv_size},
+                                         bias=True, dtype=dtype, kernels=kernels)
+            self.o_proj = Linear(self.q_size, config.hidden_size, bias=False, dtype=dtype, kernels=kernels)
+        else:
+            heads = head_shard(config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank)
+            self.num_heads, self.num_kv_heads = heads.num_q, heads.num_kv
+            self.q_size, self.kv_size = heads.num_q * d, heads.num_kv * d
+            kv_rows = (heads.kv_start * d, self.kv_size)
+            self.qkv_proj = ColumnParallelLinear(
+                config.hidden_size, {"q": (heads.q_start * d, self.q_size), "k": kv_rows, "v": kv_rows},
+                bias=True, dtype=dtype, kernels=kernels)
+            self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, start=heads.q_start * d, dtype=dtype,
+                                            kernels=kernels, tp=tp)
         # Plain attributes, never submodules: the backend and the RoPE tables are shared by all
         # layers, and their state must survive the model's meta -> device move.
         object.__setattr__(self, "_backend", attn_backend)
@@ -57,12 +79,19 @@ class Qwen2Attention(nn.Module):
 
 
 class Qwen2MLP(nn.Module):
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, kernels: KernelChoice):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, kernels: KernelChoice,
+                 tp: Optional[TensorParallel] = None):
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {0: inter, 1: inter}, bias=False, dtype=dtype,
-                                         kernels=kernels, act=SiluAndMul(kernels=kernels))
-        self.down_proj = Linear(inter, config.hidden_size, bias=False, dtype=dtype, kernels=kernels)
+        if tp is None:
+            self.gate_up_proj = MergedLinear(config.hidden_size, {0: inter, 1: inter}, bias=False, dtype=dtype,
+                                             kernels=kernels, act=SiluAndMul(kernels=kernels))
+            self.down_proj = Linear(inter, config.hidden_size, bias=False, dtype=dtype, kernels=kernels)
+            return
+        start, size = even_shard(inter, tp.size, tp.rank)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, {0: (start, size), 1: (start, size)}, bias=False,
+                                                 dtype=dtype, kernels=kernels, act=SiluAndMul(kernels=kernels))
+        self.down_proj = RowParallelLinear(size, config.hidden_size, start=start, dtype=dtype, kernels=kernels, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward(self.gate_up_proj.forward(x))
@@ -70,10 +99,12 @@ class Qwen2MLP(nn.Module):
 
 class Qwen2DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, attn_backend: AttentionBackend,
-                 rotary_emb: RotaryEmbedding, *, dtype: torch.dtype, kernels: KernelChoice):
+                 rotary_emb: RotaryEmbedding, *, dtype: torch.dtype, kernels: KernelChoice,
+                 tp: Optional[TensorParallel] = None):
         super().__init__()
-        self.self_attn = Qwen2Attention(config, layer_id, attn_backend, rotary_emb, dtype=dtype, kernels=kernels)
-        self.mlp = Qwen2MLP(config, dtype=dtype, kernels=kernels)
+        self.self_attn = Qwen2Attention(config, layer_id, attn_backend, rotary_emb, dtype=dtype, kernels=kernels,
+                                        tp=tp)
+        self.mlp = Qwen2MLP(config, dtype=dtype, kernels=kernels, tp=tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, kernels=kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, kernels=kernels)
 
@@ -93,11 +124,16 @@ class Qwen2DecoderLayer(nn.Module):
 
 class Qwen2Model(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, rotary_emb: RotaryEmbedding, *,
-                 dtype: torch.dtype, kernels: KernelChoice):
+                 dtype: torch.dtype, kernels: KernelChoice, tp: Optional[TensorParallel] = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        if tp is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        else:
+            start, rows, real = vocab_shard(config.vocab_size, tp.size, tp.rank)
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, start=start, rows=rows,
+                                                       real=real, dtype=dtype, tp=tp)
         self.layers = nn.ModuleList(
-            Qwen2DecoderLayer(config, i, attn_backend, rotary_emb, dtype=dtype, kernels=kernels)
+            Qwen2DecoderLayer(config, i, attn_backend, rotary_emb, dtype=dtype, kernels=kernels, tp=tp)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, kernels=kernels)
 
@@ -121,6 +157,7 @@ class Qwen2ForCausalLM(nn.Module):
     `model.norm.weight`, `lm_head.weight`) except where projections are fused: see
     `packed_modules_mapping`. With tied embeddings `lm_head.weight` is `model.embed_tokens.weight`.
     `kernels` (default: `KernelChoice.for_device(device, dtype)`) fixes every layer's kernels.
+    `tp`: this rank's place in a tensor-parallel group (None: the whole model in this process).
     """
 
     # Checkpoint module name -> (our fused module, the shard it fills).
@@ -134,9 +171,10 @@ class Qwen2ForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_positions: Optional[int] = None,
-                 kernels: Optional[KernelChoice] = None):
+                 kernels: Optional[KernelChoice] = None, tp: Optional[TensorParallel] = None):
         super().__init__()
         self.config = config
+        self.tp = tp
         object.__setattr__(self, "attn_backend", attn_backend)  # see Qwen2Attention._backend
         self.dtype = dtype
         self.kernels = kernels if kernels is not None else KernelChoice.for_device(device, dtype)
@@ -146,17 +184,28 @@ class Qwen2ForCausalLM(nn.Module):
         # Built on the meta device, then given real (uninitialised) storage once: no time is spent
         # on random init that the weights would overwrite, and no CPU copy of a GPU model exists.
         with torch.device("meta"):
-            self.model = Qwen2Model(config, attn_backend, rotary_emb, dtype=dtype, kernels=self.kernels)
+            self.model = Qwen2Model(config, attn_backend, rotary_emb, dtype=dtype, kernels=self.kernels, tp=tp)
             self.lm_head: Optional[Linear] = None
             if not config.tie_word_embeddings:
-                self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
-                                      kernels=self.kernels)
+                self.lm_head = self._lm_head()
         self.to_empty(device=device)
         # Registered after to_empty, which would replace its computed tables with empty storage.
         self.model.rotary_emb = rotary_emb
         if self.lm_head is None:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
-                                  kernels=self.kernels, weight=self.model.embed_tokens.weight)
+            self.lm_head = self._lm_head(weight=self.model.embed_tokens.weight)
+        attn = self.model.layers[0].self_attn
+        # This rank's attention heads (all of them without tensor parallelism): the KV pool and the
+        # attention workspace are sized by them.
+        self.local_heads = (attn.num_heads, attn.num_kv_heads)
+
+    def _lm_head(self, weight: Optional[nn.Parameter] = None) -> Linear:
+        cfg = self.config
+        if self.tp is None:
+            return Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=self.dtype, kernels=self.kernels,
+                          weight=weight)
+        start, rows, real = vocab_shard(cfg.vocab_size, self.tp.size, self.tp.rank)
+        return ParallelLMHead(cfg.hidden_size, cfg.vocab_size, start=start, rows=rows, real=real, dtype=self.dtype,
+                              kernels=self.kernels, tp=self.tp, weight=weight)
 
     @property
     def max_positions(self) -> int:

@@ -379,6 +379,7 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
             governor.uninstall()
             if loop.step_trace is not None:  # SIGTERM ends run() with SystemExit
                 loop.step_trace.close()
+            core.shutdown()
     finally:
         pull.close(0)
         push.close(0 if os.getppid() != parent_pid else None)

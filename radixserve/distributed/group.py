@@ -1,0 +1,112 @@
+"""The tensor-parallel process group of one engine: NCCL on CUDA, gloo on the CPU.
+
+Every rank of a tensor-parallel engine joins one torch.distributed group of `size` processes
+through a TCP store that rank 0 opens on loopback (one node). A tp_size 1 engine creates no group
+at all, and its model holds no `TensorParallel`: no collective, no branch on its step's path.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("radixserve")
+
+# A collective that waits this long has a peer that is alive but stuck (a dead peer is found
+# sooner: the engine watches its ranks' processes). Long enough for a rank that compiles Triton
+# kernels or captures CUDA graphs while the others already wait on it.
+COLLECTIVE_TIMEOUT_S = 300.0
+
+# torch 2.13 renamed all_gather_into_tensor (and warns on the old name); older releases lack the new one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class TensorParallel:
+    """This process's rank in its engine's group of `size` ranks, and the collectives on it."""
+    rank: int
+    size: int
+    device: torch.device
+    # An all-reduce tried before NCCL (returns None when it does not take the message), or None.
+    fast_all_reduce: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = field(default=None, repr=False)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in place or as a new tensor: use the result (row-parallel
+        projections, the vocab-parallel embedding)."""
+        if self.fast_all_reduce is not None:
+            summed = self.fast_all_reduce(x)
+            if summed is not None:
+                return summed
+        dist.all_reduce(x)
+        return x
+
+    def use_symmetric_memory(self, dtype: torch.dtype, max_numel: int) -> None:
+        """All-reduce messages of up to max_numel elements of `dtype` through symmetric memory (CUDA
+        only; a collective: every rank calls it at the same point)."""
+        from radixserve.distributed.symmetric import SymmetricAllReduce
+
+        self.fast_all_reduce = SymmetricAllReduce(self.device, dtype, max_numel)
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, n] on each rank -> [rows, size * n], rank 0's columns first."""
+        x = x.contiguous()
+        out = torch.empty((self.size * x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+        _all_gather_single(out, x)
+        rows, n = x.shape
+        return out.view(self.size, rows, n).permute(1, 0, 2).reshape(rows, self.size * n)
+
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """x as rank 0 holds it, on every rank (in place)."""
+        dist.broadcast(x, src=0)
+        return x
+
+    def min_int(self, value: int) -> int:
+        """The smallest of the ranks' values (every rank must agree on, e.g., the KV pool size)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def open_store(port: int = 0, *, world_size: int, is_master: bool,
+               timeout_s: float = COLLECTIVE_TIMEOUT_S) -> dist.TCPStore:
+    """The rendezvous store on loopback; port 0 lets the OS pick a free one (read it from .port)."""
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def init_tensor_parallel(rank: int, size: int, device: torch.device, store: dist.TCPStore,
+                         timeout_s: float = COLLECTIVE_TIMEOUT_S) -> TensorParallel:
+    """Join the group (blocks until all `size` ranks have joined) as this process's default group."""
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a tensor-parallel group: shut its engine down first")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    logger.debug("tensor-parallel rank %d/%d joined (%s)", rank, size, backend_for(device))
+    return TensorParallel(rank, size, device)
+
+
+def init_from_env(device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> TensorParallel:
+    """Join the group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): benchmarks."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend_for(device), init_method="env://",
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return TensorParallel(dist.get_rank(), dist.get_world_size(), device)
+
+
+def destroy(tp: Optional[TensorParallel]) -> None:
+    if tp is not None and dist.is_initialized():
+        dist.destroy_process_group()

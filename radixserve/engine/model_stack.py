@@ -1,0 +1,82 @@
+"""What every rank of an engine builds the same way: the attention backend, the model (or its
+shard) and the KV memory sized for it."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
+from radixserve.distributed import TensorParallel
+from radixserve.model.config import ModelConfig
+from radixserve.settings import CPU_KV_POOL_TOKENS, ServerSettings
+
+
+def make_attention_backend(choice: str, device: torch.device):
+    backend = choice
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    if backend == "triton":
+        if device.type != "cuda":
+            raise ValueError("attention_backend=triton needs a CUDA device")
+        try:
+            from radixserve.attention.triton_backend import TritonAttentionBackend
+        except ImportError:
+            if choice == "triton":
+                raise
+            backend = "torch"  # auto and the Triton backend is not available here
+        else:
+            return TritonAttentionBackend()
+    from radixserve.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+def pool_tokens(settings: ServerSettings, cfg: ModelConfig, num_kv_heads: int, device: torch.device,
+                dtype: torch.dtype) -> int:
+    """KV pool size in tokens: --max-total-tokens, else what this device's memory holds of this
+    rank's KV heads, in whole pages."""
+    s = settings
+    if s.max_total_tokens is not None:
+        tokens = s.max_total_tokens
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, num_kv_heads, cfg.head_dim, dtype)
+        budget = total * s.mem_fraction_static - (total - free)
+        tokens = int(budget // per_token)
+        if tokens < s.page_size:
+            raise ValueError(f"mem_fraction_static={s.mem_fraction_static} leaves no room for a KV pool")
+    else:
+        tokens = CPU_KV_POOL_TOKENS
+    return tokens - tokens % s.page_size
+
+
+def load_rank_model(settings: ServerSettings, device: torch.device, dtype: torch.dtype, context_len: int,
+                    tp: Optional[TensorParallel]):
+    """The model (this rank's shard of it under tensor parallelism) and its attention backend."""
+    from radixserve.model.loader import load_model
+
+    backend = make_attention_backend(settings.attention_backend, device)
+    model, _ = load_model(settings.model_path, load_format=settings.load_format, dtype=dtype, device=device,
+                          attn_backend=backend, seed=settings.random_seed, context_length=context_len,
+                          decode_gemm_max_rows=settings.decode_gemm_max_rows, tp=tp)
+    if tp is not None and settings.tp_all_reduce == "symm-mem":
+        # Decode steps' messages: up to the largest CUDA-graph batch of [rows, hidden].
+        rows = min(settings.cuda_graph_max_bs, settings.resolved_max_running_requests(device.type))
+        tp.use_symmetric_memory(dtype, rows * model.config.hidden_size)
+    return model, backend
+
+
+def make_kv_memory(settings: ServerSettings, model, device: torch.device, dtype: torch.dtype, context_len: int,
+                   tp: Optional[TensorParallel], table_cls: type = ReqToTokenPool) -> tuple[KVPool, ReqToTokenPool]:
+    """This rank's KV pool (its KV heads of every slot) and the req_to_token table. Every rank of
+    a tensor-parallel engine gets the same number of slots: the fewest any rank has room for."""
+    cfg: ModelConfig = model.config
+    num_kv_heads = model.local_heads[1]
+    tokens = pool_tokens(settings, cfg, num_kv_heads, device, dtype)
+    if tp is not None:
+        tokens = tp.min_int(tokens)
+    kv_pool = KVPool(tokens, settings.page_size, cfg.num_hidden_layers, num_kv_heads, cfg.head_dim, dtype, device)
+    max_running = settings.resolved_max_running_requests(device.type)
+    return kv_pool, table_cls(max_running, context_len + 1, device)

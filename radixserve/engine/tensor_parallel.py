@@ -1,0 +1,252 @@
+"""Tensor parallelism, rank 0's side: one scheduler, one radix tree, N ranks running every step.
+
+Rank 0 is the engine process itself (the server's engine process, or the offline `Engine`'s own
+process). It starts ranks 1..N-1 (`python -m radixserve.engine.tp_worker`), each a process that
+holds the model's shard and its shard of the KV pool (its KV heads of every slot) and nothing
+else: no scheduler, no tree, no tokenizer.
+
+One scheduling decision per step, made by rank 0 and sent to the others. Rank 0 decides because
+its decisions depend on things only one process can see consistently: when each request
+arrived and how long it waited (LPM aging, prefix holds), when a grammar finished compiling, an
+abort from a client. Ranks deciding "identically" would each need every request at the same
+step and the same clock. What rank 0 sends is what the model runner builds anyway: the step's
+index lists (the ones packed into one int64 buffer), the req_to_token table writes made since the
+last step, and the request rows that sample. It goes over a ZMQ socket per rank, not a
+collective, so an idle rank waits without a collective timeout running.
+
+Sampling: rank 0 samples from the gathered logits and broadcasts the ids (one collective of
+batch x 8 bytes, in stream order); every rank records them as its rows' last tokens, so the next
+step's placeholders resolve to the same token everywhere. The sampling state (per-request seeded
+generators, penalties, logit bias, grammar matchers) thus lives only on rank 0, and no rank can
+disagree on a token.
+
+A rank that dies takes the engine down: rank 0 watches the processes and exits with a log line
+naming the rank (collectives with a dead peer would hang on NCCL); the server's engine-death
+path then ends the server. The other ranks die with rank 0 (parent-death signal).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from array import array
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import zmq
+
+from radixserve.cache.kv_pool import ReqToTokenPool
+from radixserve.distributed import TensorParallel, destroy, init_tensor_parallel
+from radixserve.distributed.group import open_store
+from radixserve.engine.model_runner import ModelRunner
+from radixserve.engine.prompt_logprobs import PromptLogprobPlan
+from radixserve.engine.sampled_tokens import LastSampledTokens
+from radixserve.scheduler.batch import ScheduledBatch
+from radixserve.settings import ServerSettings
+
+logger = logging.getLogger("radixserve")
+
+# How often rank 0 looks at its ranks' processes: a dead rank ends the engine within this.
+RANK_WATCH_S = 0.2
+RANK_DEATH_EXIT_CODE = 1
+SHUTDOWN_WAIT_S = 5.0
+
+
+def _ints(values) -> array:
+    return array("q", values)
+
+
+@dataclass
+class StepMessage:
+    """One step, as every rank runs it. `graph`: replay the decode CUDA graph with `parts` (its five
+    columns); else run eagerly with `parts` (ModelRunner.batch_parts). `table_writes`: (rows, cols,
+    slots) to apply to req_to_token first. `sample_rows`: request rows whose sampled ids rank 0
+    broadcasts after the forward."""
+    graph: bool
+    decode: bool
+    resolve: bool
+    parts: tuple[array, ...]
+    table_writes: Optional[tuple[array, array, array]]
+    sample_rows: array
+
+
+class RecordingReqToTokenPool(ReqToTokenPool):
+    """Rank 0's table: every write is applied here and kept for the next step's message."""
+
+    def __init__(self, max_requests: int, max_context: int, device: torch.device | str):
+        super().__init__(max_requests, max_context, device)
+        self.pending: tuple[array, array, array] = (_ints(()), _ints(()), _ints(()))
+
+    def write(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
+        super().write(rows, cols, slots)
+        self.pending[0].extend(rows)
+        self.pending[1].extend(cols)
+        self.pending[2].extend(slots)
+
+    def take(self) -> Optional[tuple[array, array, array]]:
+        if not self.pending[2]:
+            return None
+        taken, self.pending = self.pending, (_ints(()), _ints(()), _ints(()))
+        return taken
+
+
+class SharedSampledTokens(LastSampledTokens):
+    """The last sampled tokens, the same on every rank: rank 0's `record` broadcasts the ids it
+    sampled; the other ranks `receive` them."""
+
+    def __init__(self, num_rows: int, device: torch.device, tp: TensorParallel):
+        super().__init__(num_rows, device)
+        self.tp = tp
+
+    def record(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        ids = self.tp.broadcast_from_first(ids.to(torch.int64).contiguous())  # the dtype the others receive
+        super().record(rows, ids)
+
+    def receive(self, rows: array) -> None:
+        ids = torch.empty(len(rows), dtype=torch.int64, device=self.ids.device)
+        self.tp.broadcast_from_first(ids)
+        rows_t = torch.frombuffer(rows, dtype=torch.int64).to(self.ids.device, non_blocking=True)
+        super().record(rows_t, ids)
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's model runner: sends each step to the other ranks before running it itself."""
+
+    def __init__(self, *args, send: Callable[[StepMessage], None], **kwargs):
+        self.send = send
+        super().__init__(*args, **kwargs)
+
+    def run_model(self, sb: ScheduledBatch, prompt: Optional[PromptLogprobPlan] = None) -> torch.Tensor:
+        table = self.req_to_token
+        assert isinstance(table, RecordingReqToTokenPool)
+        rows = _ints(r.req_pool_idx for r, s in zip(sb.reqs, sb.sample) if s)
+        if sb.is_decode_only and self.graphs is not None and self.graphs.can_run(len(sb.reqs)):
+            columns = self.decode_columns(sb)
+            self.send(StepMessage(True, True, False, tuple(_ints(c) for c in columns), table.take(), rows))
+            self.num_graph_steps += 1
+            return self.graphs.replay(*columns)
+        decode, parts, resolve = self.batch_parts(sb, prompt.token_rows if prompt is not None else None)
+        self.send(StepMessage(False, decode, resolve, tuple(_ints(p) for p in parts), table.take(), rows))
+        self.num_eager_steps += 1
+        return self.model(self.batch_from_parts(decode, parts, resolve))
+
+
+class TensorParallelLeader:
+    """Rank 0's handle on the other ranks: their processes, their control sockets, the group."""
+
+    def __init__(self, settings: ServerSettings, device: torch.device,
+                 on_rank_death: Optional[Callable[[str], None]] = None):
+        self.size = settings.tp_size
+        self.device = device
+        self.on_rank_death = on_rank_death or _exit_engine
+        self.ipc_dir = tempfile.mkdtemp(prefix="radixserve-tp-")
+        self.ctx = zmq.Context()
+        self.sockets: list[zmq.Socket] = []
+        self.procs: list[subprocess.Popen] = []
+        self.closed = False
+        self._stop_watch = threading.Event()
+        # Kept open while the group lives: the group's rendezvous is rank 0's store.
+        self.store = open_store(0, world_size=self.size, is_master=True)
+        atexit.register(self.close)
+        try:
+            for rank in range(1, self.size):
+                self._spawn(rank, settings, self.store.port)
+            # Watching from before the group forms: a rank failing while it loads ends the wait.
+            threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True).start()
+            self.tp = init_tensor_parallel(0, self.size, device, self.store)
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, rank: int, settings: ServerSettings, store_port: int) -> None:
+        addr = f"ipc://{os.path.join(self.ipc_dir, f'rank{rank}')}"
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(addr)
+        self.sockets.append(sock)
+        env = dict(os.environ)
+        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+        cmd = [sys.executable, "-m", "radixserve.engine.tp_worker", "--settings-json", json.dumps(settings.to_dict()),
+               "--rank", str(rank), "--store-port", str(store_port), "--control-addr", addr,
+               "--parent-pid", str(os.getpid())]
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        self.procs.append(proc)
+        logger.info("tensor-parallel rank %d: pid %d", rank, proc.pid)
+
+    def send(self, msg: StepMessage) -> None:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        for sock in self.sockets:
+            sock.send(data, copy=False)
+
+    def _watch(self) -> None:
+        while not self._stop_watch.wait(RANK_WATCH_S):
+            for rank, proc in enumerate(self.procs, start=1):
+                code = proc.poll()
+                if code is not None and not self._stop_watch.is_set():
+                    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                    self.on_rank_death(f"tensor-parallel rank {rank} (pid {proc.pid}) exited ({how}); the "
+                                       f"other {self.size - 1} rank(s) cannot go on without it")
+                    return
+
+    def close(self) -> None:
+        """Stop the ranks (a shutdown message, then SIGTERM, then SIGKILL) and leave the group."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop_watch.set()
+        for sock in self.sockets:
+            try:
+                sock.send(pickle.dumps(None), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + SHUTDOWN_WAIT_S
+        clean = True
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                clean = False
+                proc.terminate()
+                try:
+                    proc.wait(2.0)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            clean = clean and proc.returncode == 0
+        for sock in self.sockets:
+            sock.close(0)
+        self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        # Leaving an NCCL group whose peers were killed could wait on their collectives; gloo's is safe.
+        if clean or self.device.type != "cuda":
+            destroy(getattr(self, "tp", None))
+
+
+def _exit_engine(reason: str) -> None:
+    """A rank is gone: the others would wait on its collectives forever, so the process ends now
+    (the server sees its engine exit and ends too, for its supervisor to restart it)."""
+    logger.error("%s; the engine exits (code %d)", reason, RANK_DEATH_EXIT_CODE)
+    logging.shutdown()
+    os._exit(RANK_DEATH_EXIT_CODE)
+
+
+def check_tp_devices(tp_size: int, device: torch.device) -> torch.device:
+    """Rank 0's device; ValueError when there are fewer GPUs than ranks."""
+    if device.type != "cuda":
+        return device
+    count = torch.cuda.device_count()
+    if count < tp_size:
+        raise ValueError(f"tp_size={tp_size} needs {tp_size} GPUs; {count} visible")
+    return torch.device("cuda", 0)

@@ -1,0 +1,137 @@
+"""A tensor-parallel rank other than 0: `python -m radixserve.engine.tp_worker` (started by rank 0).
+
+It joins the group, builds its shard of the model and of the KV pool exactly as rank 0 does (the
+same collectives in the same order), then runs each step rank 0 sends (see
+radixserve.engine.tensor_parallel) until told to stop. It exits when rank 0 dies (a parent-death
+signal, a parent check while idle, or a collective failing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import pickle
+import signal
+import sys
+import traceback
+from typing import Optional
+
+import torch
+import zmq
+
+from radixserve.distributed import TensorParallel, destroy, init_tensor_parallel
+from radixserve.distributed.group import open_store
+from radixserve.engine.core import DTYPES
+from radixserve.engine.model_runner import ModelRunner
+from radixserve.engine.model_stack import load_rank_model, make_kv_memory
+from radixserve.engine.tensor_parallel import SharedSampledTokens, StepMessage
+from radixserve.model.config import ModelConfig
+from radixserve.settings import ServerSettings
+
+logger = logging.getLogger("radixserve")
+
+IDLE_POLL_MS = 1000
+
+
+class WorkerRank:
+    """Rank `tp.rank`'s model, KV shard and runner; `run_step` mirrors rank 0's launch."""
+
+    def __init__(self, settings: ServerSettings, tp: TensorParallel):
+        device = tp.device
+        dtype = DTYPES.get(settings.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        config = ModelConfig.from_dir(settings.model_path)
+        context_len = settings.context_length or config.max_position_embeddings
+        self.model, _ = load_rank_model(settings, device, dtype, context_len, tp)
+        self.kv_pool, self.req_to_token = make_kv_memory(settings, self.model, device, dtype, context_len, tp)
+        sampled = SharedSampledTokens(self.req_to_token.max_requests, device, tp)
+        self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, device, settings.random_seed,
+                                  cuda_graph_max_bs=min(settings.cuda_graph_max_bs, self.req_to_token.max_requests),
+                                  disable_cuda_graph=settings.disable_cuda_graph, sampled=sampled)
+        self.sampled = sampled
+
+    @torch.inference_mode()
+    def run_step(self, msg: StepMessage) -> None:
+        if msg.table_writes is not None:
+            self.req_to_token.write(*(a.tolist() for a in msg.table_writes))
+        parts = tuple(p.tolist() for p in msg.parts)
+        if msg.graph:
+            self.runner.graphs.replay(*parts)
+        else:
+            self.model(self.runner.batch_from_parts(msg.decode, parts, msg.resolve))
+        if msg.sample_rows:
+            self.sampled.receive(msg.sample_rows)
+
+
+def _die_with_parent() -> None:
+    """SIGKILL when rank 0 dies: a rank left alone would wait on its collectives."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # best effort: the idle loop also checks the parent
+        pass
+
+
+def serve(rank: WorkerRank, sock: zmq.Socket, parent_pid: int) -> None:
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    while True:
+        if not poller.poll(IDLE_POLL_MS):
+            if os.getppid() != parent_pid:
+                logger.warning("tensor-parallel rank: rank 0 is gone; exiting")
+                return
+            continue
+        msg: Optional[StepMessage] = pickle.loads(sock.recv())
+        if msg is None:
+            return
+        rank.run_step(msg)
+
+
+def worker_main(settings: ServerSettings, rank: int, store_port: int, control_addr: str, parent_pid: int) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: rank 0 stops us
+    _die_with_parent()
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    if settings.log_file:
+        handlers.append(logging.FileHandler(settings.log_file))
+    logging.basicConfig(level=settings.log_level.upper(), handlers=handlers,
+                        format=f"[%(asctime)s %(process)d %(levelname)s tp-rank {rank}] %(message)s")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(control_addr)
+    device = torch.device(settings.resolved_device())
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+    tp = None
+    try:
+        store = open_store(store_port, world_size=settings.tp_size, is_master=False)
+        tp = init_tensor_parallel(rank, settings.tp_size, device, store)
+        serve(WorkerRank(settings, tp), sock, parent_pid)
+        return 0
+    except Exception:
+        logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
+        return 1
+    finally:
+        sock.close(0)
+        ctx.term()
+        destroy(tp)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="radixserve tensor-parallel rank (started by rank 0)")
+    parser.add_argument("--settings-json", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--store-port", type=int, required=True)
+    parser.add_argument("--control-addr", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    settings = ServerSettings(**json.loads(args.settings_json))
+    return worker_main(settings, args.rank, args.store_port, args.control_addr, args.parent_pid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Megatron-style tensor-parallel layers: each rank holds a slice of a weight and reads only that
+slice from the checkpoint (a safetensors slice is read lazily, so no rank reads a whole tensor).
+
+- `ColumnParallelLinear`: a fused projection (q|k|v, gate|up) whose every shard keeps this rank's
+  output rows; the output stays split (this rank's heads, this rank's MLP columns).
+- `RowParallelLinear`: this rank's input columns; the partial products are summed over the ranks
+  with one all-reduce (o_proj, down_proj).
+- `VocabParallelEmbedding` / `ParallelLMHead`: the vocabulary split in row blocks; the embedding
+  sums the one rank's row with everyone else's zeros (an all-reduce), the LM head gathers every
+  rank's logits so sampling sees the whole vocabulary.
+
+A checkpoint tensor arrives as a torch.Tensor or as a safetensors slice (`get_slice`); both index
+the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.distributed import TensorParallel
+from radixserve.model.layers.activation import SiluAndMul
+from radixserve.model.layers.kernel_choice import KernelChoice
+from radixserve.model.layers.linear import Linear, MergedLinear, ShardId, copy_weight
+
+# A checkpoint tensor or a lazily read safetensors slice of one.
+Loaded = Any
+
+
+def read_rows(loaded: Loaded, start: int, size: int) -> torch.Tensor:
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(0, start, size)
+    return loaded[start:start + size]
+
+
+def read_cols(loaded: Loaded, start: int, size: int) -> torch.Tensor:
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(1, start, size)
+    return loaded[:, start:start + size]
+
+
+class ColumnParallelLinear(MergedLinear):
+    """A MergedLinear holding, for each shard, rows [start, start + size) of its checkpoint tensor.
+    `shards`: {shard id: (start row in the checkpoint tensor, rows this rank holds)}."""
+
+    reads_slices = True
+
+    def __init__(self, input_size: int, shards: dict[ShardId, tuple[int, int]], *, bias: bool, dtype: torch.dtype,
+                 kernels: KernelChoice, act: Optional[SiluAndMul] = None):
+        super().__init__(input_size, {k: size for k, (_, size) in shards.items()}, bias=bias, dtype=dtype,
+                         kernels=kernels, act=act)
+        self.source_rows = dict(shards)
+
+    def load_weight(self, param: str, loaded: Loaded, shard_id: Optional[ShardId] = None) -> None:
+        if shard_id not in self.source_rows:
+            raise ValueError(f"{type(self).__name__} has no shard {shard_id!r} (shards: {list(self.source_rows)})")
+        start, size = self.source_rows[shard_id]
+        local_start, _ = self.shard_rows[shard_id]
+        dest = getattr(self, param).narrow(0, local_start, size)
+        copy_weight(dest, read_rows(loaded, start, size))
+
+
+class RowParallelLinear(Linear):
+    """Input columns [start, start + input_size) of the checkpoint weight; the output is summed over
+    the ranks. Without a bias (a bias would be added once, after the sum: Qwen2 has none here)."""
+
+    reads_slices = True
+
+    def __init__(self, input_size: int, output_size: int, *, start: int, dtype: torch.dtype, kernels: KernelChoice,
+                 tp: TensorParallel):
+        super().__init__(input_size, output_size, bias=False, dtype=dtype, kernels=kernels)
+        self.start = start
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))
+
+    def load_weight(self, param: str, loaded: Loaded, shard_id: Optional[ShardId] = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
+        copy_weight(self.weight, read_cols(loaded, self.start, self.input_size))
+
+
+def _load_vocab_rows(weight: torch.Tensor, loaded: Loaded, start: int, real: int) -> None:
+    """This rank's vocabulary rows; its padding rows (past the vocabulary) are zero."""
+    if real:
+        copy_weight(weight.narrow(0, 0, real), read_rows(loaded, start, real))
+    weight[real:].zero_()
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + rows) of the embedding; ids outside them give zeros, summed over ranks."""
+
+    reads_slices = True
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, start: int, rows: int, real: int, dtype: torch.dtype,
+                 tp: TensorParallel):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.start, self.rows, self.real = start, rows, real
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=dtype))
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.real)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(out)
+
+    def load_weight(self, param: str, loaded: Loaded, shard_id: Optional[ShardId] = None) -> None:
+        if param != "weight" or shard_id is not None:
+            raise ValueError(f"{type(self).__name__} has no {param!r} shard {shard_id!r}")
+        _load_vocab_rows(self.weight, loaded, self.start, self.real)
+
+
+class ParallelLMHead(Linear):
+    """This rank's vocabulary rows of the LM head; the logits of all ranks are gathered, padding cut."""
+
+    reads_slices = True
+
+    def __init__(self, hidden_size: int, vocab_size: int, *, start: int, rows: int, real: int, dtype: torch.dtype,
+                 kernels: KernelChoice, tp: TensorParallel, weight: Optional[nn.Parameter] = None):
+        super().__init__(hidden_size, rows, bias=False, dtype=dtype, kernels=kernels, weight=weight)
+        self.vocab_size = vocab_size
+        self.start, self.real = start, real
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_gather_last_dim(super().forward(x))[:, :self.vocab_size]
+
+    def load_weight(self, param: str, loaded: Loaded, shard_id: Optional[ShardId] = None) -> None:
+        if param != "weight" or shard_id is not None:
+            raise ValueError(f"{type(self).__name__} has no {param!r} shard {shard_id!r}")
+        _load_vocab_rows(self.weight, loaded, self.start, self.real)
