@@ -26,7 +26,8 @@ CACHE_ENTRIES = 256
 COMPILE_THREADS = 1
 # Threads filling a batch's bitmask rows: a JSON fill costs ~5-100 us per row, and one inside a
 # `maxLength` string costs milliseconds with xgrammar 0.2.8 (see docs/structured_outputs.md).
-FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+FILL_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) // 2 if hasattr(os, "sched_getaffinity")
+                          else (os.cpu_count() or 2) // 2))
 
 
 class RequestGrammar:

@@ -25,9 +25,10 @@ def reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> t
     return out
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("batch,vocab,rows", [(5, 512, [0, 3]), (3, 5000, [2, 0, 1]), (4, 77, []),
                                               (64, 2100, list(range(0, 64, 3)))])
-def test_matches_reference(batch, vocab, rows):
+def test_matches_reference(batch, vocab, rows, index_dtype):
     g = torch.Generator().manual_seed(batch * vocab)
     logits = torch.randn(batch, vocab, generator=g).to(DEVICE)
     words = (vocab + 31) // 32 + 1  # a padded row, as a persistent buffer has
@@ -36,6 +37,6 @@ def test_matches_reference(batch, vocab, rows):
     if rows:
         bitmask[0] = -1  # a row that allows everything
     expected = reference(logits, bitmask, rows)
-    out = apply_token_bitmask_rows_(logits, bitmask.to(DEVICE), torch.tensor(rows, dtype=torch.int64).to(DEVICE))
+    out = apply_token_bitmask_rows_(logits, bitmask.to(DEVICE), torch.tensor(rows, dtype=index_dtype).to(DEVICE))
     assert out.data_ptr() == logits.data_ptr()
     assert torch.equal(out.cpu(), expected.cpu())
