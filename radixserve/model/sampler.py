@@ -129,9 +129,12 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torc
         from radixserve.kernels.token_bitmask import apply_token_bitmask_rows_
 
         return apply_token_bitmask_rows_(logits, bitmask, rows)
-    vocab = logits.shape[-1]
+    vocab, n = logits.shape[-1], bitmask.shape[0]
     bits = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.shape[0], -1)[:, :vocab]
+    forbidden = ((bitmask[:, :, None] >> bits) & 1).reshape(n, -1)[:, :vocab] == 0
     rows = rows.long()
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    if torch.equal(rows, torch.arange(n, device=rows.device)):  # the first n rows: mask their view
+        logits[:n].masked_fill_(forbidden, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
     return logits
