@@ -503,6 +503,9 @@ def _fill_metrics_delta(m: BenchMetrics, before, after) -> None:
         m.metrics_source = after.get("source")
         if m.metrics_prompt_tokens > 0:
             m.metrics_hit_rate = m.metrics_cached_tokens / m.metrics_prompt_tokens
+            if before.get("engine_host_cached") is not None and after.get("engine_host_cached") is not None:
+                host = after["engine_host_cached"] - before["engine_host_cached"]
+                m.metrics_host_hit_rate = host / m.metrics_prompt_tokens
     if before.get("request_prompt") is not None and after.get("request_prompt") is not None:
         rp = after["request_prompt"] - before["request_prompt"]
         rc = after["request_cached"] - before["request_cached"]

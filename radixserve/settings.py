@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "lof", "random", "dfs-weight")
 EVICTION_POLICIES = ("lru", "lfu", "fifo")
+HICACHE_WRITE_POLICIES = ("write_back", "write_through")
 # Defaults that depend on the device the engine runs on.
 DEFAULT_MAX_RUNNING_REQUESTS = {"cuda": 1024, "cpu": 256}
 CPU_KV_POOL_TOKENS = 65536
@@ -66,6 +67,17 @@ class ServerSettings:
                                       aliases=("--radix-cache-policy",), choices=EVICTION_POLICIES)
     disable_radix_cache: bool = _opt(False, "Reuse nothing: every request computes its whole prompt and "
                                      "frees its KV at finish.")
+    hicache_size: float = _opt(
+        0.0, "Host-memory tier under the radix cache, in GB (pinned on CUDA): prefixes evicted from the "
+        "device pool are copied here and copied back when a request needs them, instead of being computed "
+        "again. 0 (default): off. With --dp-size, per worker.")
+    hicache_ratio: float = _opt(
+        0.0, "The host tier's size as a multiple of the device KV pool (e.g. 4); an alternative to "
+        "--hicache-size. 0 (default): off.")
+    hicache_write_policy: str = _opt(
+        "write_back", "When the host tier gets a copy: write_back (when the device evicts the prefix) or "
+        "write_through (as soon as it is cached on the device, so eviction needs no copy).",
+        choices=HICACHE_WRITE_POLICIES)
 
     # --- scheduling --------------------------------------------------------
     schedule_policy: str = _opt(
@@ -177,6 +189,16 @@ class ServerSettings:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
+        if self.hicache_size < 0 or self.hicache_ratio < 0:
+            raise ValueError("hicache_size and hicache_ratio must be >= 0")
+        if self.hicache_size > 0 and self.hicache_ratio > 0:
+            raise ValueError("give hicache_size or hicache_ratio, not both")
+        if self.hicache_enabled and self.tp_size > 1:
+            raise ValueError("the host tier (hicache_size/hicache_ratio) does not work with tensor parallelism "
+                             "(tp_size > 1) yet: each rank's KV shard would need its own copies")
+        if self.hicache_enabled and self.disable_radix_cache:
+            raise ValueError("the host tier (hicache_size/hicache_ratio) needs the radix cache; "
+                             "drop disable_radix_cache")
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
         if self.tp_size < 1:
@@ -196,6 +218,21 @@ class ServerSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def hicache_enabled(self) -> bool:
+        return self.hicache_size > 0 or self.hicache_ratio > 0
+
+    def hicache_tokens(self, pool_tokens: int, bytes_per_token: int) -> int:
+        """Host tier size in tokens (0: off), whole pages."""
+        if self.hicache_ratio > 0:
+            tokens = int(pool_tokens * self.hicache_ratio)
+        else:
+            tokens = int(self.hicache_size * 1e9 // bytes_per_token)
+        tokens -= tokens % self.page_size
+        if self.hicache_enabled and tokens < self.page_size:
+            raise ValueError(f"the host tier holds no page ({self.hicache_size} GB, ratio {self.hicache_ratio})")
+        return tokens
 
     def resolved_max_running_requests(self, device_type: str) -> int:
         return self.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS["cuda" if device_type == "cuda" else "cpu"]

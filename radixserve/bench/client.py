@@ -219,6 +219,8 @@ CACHE_COUNTERS = (
     ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
 )
 REQUEST_COUNTERS = ("radixserve:request_prompt_tokens_total", "radixserve:request_cached_tokens_total")
+# A radixserve server with a host tier (--hicache-size): cached prompt tokens copied back from the host.
+HOST_TIER_COUNTER = "radixserve:host_cached_prompt_tokens_total"
 
 
 def cache_counters(metrics: dict[str, float]) -> dict[str, Optional[float]]:
@@ -228,7 +230,8 @@ def cache_counters(metrics: dict[str, float]) -> dict[str, Optional[float]]:
 
     out: dict[str, Optional[float]] = {"engine_prompt": None, "engine_cached": None, "source": None,
                                        "request_prompt": total(REQUEST_COUNTERS[0]),
-                                       "request_cached": total(REQUEST_COUNTERS[1])}
+                                       "request_cached": total(REQUEST_COUNTERS[1]),
+                                       "engine_host_cached": total(HOST_TIER_COUNTER)}
     for prompt, cached in CACHE_COUNTERS:
         p, c = total(prompt), total(cached)
         if p is not None and c is not None:

@@ -50,6 +50,7 @@ class BenchMetrics:
     metrics_prompt_tokens: Optional[float] = None  # /metrics deltas over the run
     metrics_cached_tokens: Optional[float] = None
     metrics_hit_rate: Optional[float] = None
+    metrics_host_hit_rate: Optional[float] = None  # of the prompt tokens, those copied back from a host tier
     metrics_source: Optional[str] = None
     request_metrics_hit_rate: Optional[float] = None  # from usage counters of finished requests
     hit_rate_matches_metrics: Optional[bool] = None

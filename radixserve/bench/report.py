@@ -56,6 +56,8 @@ def format_report(m: BenchMetrics, *, backend: str, request_rate: float, max_con
     row("Cached prompt tokens:", m.cached_tokens if m.cached_tokens is not None else "n/a")
     row("Hit rate (responses):", _fmt(m.hit_rate, 4))
     row("Hit rate (/metrics delta):", _fmt(m.metrics_hit_rate, 4))
+    if m.metrics_host_hit_rate:
+        row("  of which from the host tier:", _fmt(m.metrics_host_hit_rate, 4))
     row("Responses agree with /metrics:",
         "n/a" if m.hit_rate_matches_metrics is None else ("yes" if m.hit_rate_matches_metrics else "NO"))
     row("Oracle hit rate (unlimited):", _fmt(m.oracle_hit_rate, 4))

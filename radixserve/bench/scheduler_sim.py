@@ -14,6 +14,7 @@ tok/s simulated, 0.691 and 94.0k measured); absolute times are only as good as t
 
     python -m radixserve.bench.scheduler_sim                    # the 7B agent workload, 216,825-token pool
     python -m radixserve.bench.scheduler_sim --policies lpm fcfs --pool 150000
+    python -m radixserve.bench.scheduler_sim --policies lpm --host-ratio 4   # with a host tier
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ import heapq
 import random
 from dataclasses import dataclass
 
-from radixserve.cache.kv_pool import PageAllocator, ReqToTokenPool
+import torch
+
+from radixserve.cache.kv_pool import KVPool, PageAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.tiered_cache import make_tiered_cache
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.scheduler.request import Req
@@ -43,6 +47,7 @@ class SimConfig:
     chunk: int = 8192
     overtake_s: float = ServerSettings.lpm_max_overtake_s
     prefix_hold_s: float = ServerSettings.prefix_hold_s
+    host_ratio: float = 0.0  # a host tier of this many times the pool (--hicache-ratio); its loads finish in a step
     max_running: int = 1024
     sessions: int = 256
     turns: int = 5
@@ -95,7 +100,11 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
     settings = ServerSettings(schedule_policy=cfg.policy, radix_eviction_policy=cfg.eviction,
                               max_total_tokens=cfg.pool, chunked_prefill_size=cfg.chunk,
                               lpm_max_overtake_s=cfg.overtake_s, prefix_hold_s=cfg.prefix_hold_s, device="cpu")
-    cache = RadixCache(PageAllocator(cfg.pool, 1), page_size=1, eviction_policy=cfg.eviction)
+    if cfg.host_ratio > 0:  # the KV itself is one float per token: only the bookkeeping is simulated
+        pool = KVPool(cfg.pool, 1, 1, 1, 1, torch.float32, "cpu")
+        cache = make_tiered_cache(pool, int(cfg.pool * cfg.host_ratio), eviction_policy=cfg.eviction)
+    else:
+        cache = RadixCache(PageAllocator(cfg.pool, 1), page_size=1, eviction_policy=cfg.eviction)
     rows = ReqToTokenPool(cfg.max_running, 1, "cpu")
     rows.write = lambda *a: None  # no model reads the slot table here
     now = [0.0]
@@ -135,7 +144,8 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
     sched.check_invariants()
     latencies.sort()
     return {
-        "policy": cfg.policy, "prefix_hold_s": cfg.prefix_hold_s, "hit_rate": round(cache.counters.hit_rate, 4),
+        "policy": cfg.policy, "prefix_hold_s": cfg.prefix_hold_s, "host_ratio": cfg.host_ratio,
+        "hit_rate": round(cache.counters.hit_rate, 4), "host_hit_rate": round(cache.counters.host_hit_rate, 4),
         "seconds": round(now[0], 2), "total_tok_s": round(tokens_served / now[0]),
         "p99_latency_s": round(latencies[int(0.99 * (len(latencies) - 1))], 2),
         "turns_that_lost_the_previous_prompt": lost_turns, "lost_tokens": lost_tokens,

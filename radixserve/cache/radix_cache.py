@@ -4,7 +4,8 @@ Each node holds a run of tokens (a whole number of pages) and the KV slot of eac
 Running requests lock the path to the node their prefix ends in; unlocked leaves are
 evictable, in the order of the eviction policy, from a heap that is never rebuilt by a full
 tree scan per eviction. Sizes are kept as counters so `free + evictable + protected + held ==
-total` can be checked at any time.
+total` can be checked at any time. `TieredRadixCache` (tiered_cache.py) puts a host-memory tier
+under this tree through the few hooks marked below; without it nothing here changes.
 """
 
 from __future__ import annotations
@@ -28,11 +29,16 @@ ALL = "all"
 
 class TreeNode:
     __slots__ = ("key", "value", "children", "parent", "lock_ref", "waiters", "last_access", "hit_count",
-                 "created", "node_id", "removed")
+                 "created", "node_id", "removed", "host_value", "host_seq", "loading_seq")
 
-    def __init__(self, key: list[int], value: torch.Tensor, parent: Optional["TreeNode"], tick: int, node_id: int):
+    def __init__(self, key: list[int], value: Optional[torch.Tensor], parent: Optional["TreeNode"], tick: int,
+                 node_id: int):
         self.key = key
-        self.value = value  # int64 slots, len(value) == len(key)
+        self.value = value  # int64 device slots, len(value) == len(key); None: not on the device (host tier)
+        # The host tier (TieredRadixCache): host slots, and the copies the node waits for.
+        self.host_value: Optional[torch.Tensor] = None
+        self.host_seq = 0  # the last copy that reads or writes host_value
+        self.loading_seq = 0  # the copy that fills value from the host
         self.children: dict = {}
         self.parent = parent
         self.lock_ref = 0
@@ -65,12 +71,21 @@ class MatchResult:
 class CacheCounters:
     prompt_tokens: int = 0  # prompt tokens of admitted requests
     cached_prompt_tokens: int = 0  # of which were found in the cache
+    host_cached_prompt_tokens: int = 0  # of those, found on the host tier (copied back, not computed)
     inserted_tokens: int = 0  # tokens newly added to the tree
     evicted_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def host_hit_rate(self) -> float:
+        return self.host_cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def device_hit_rate(self) -> float:
+        return self.hit_rate - self.host_hit_rate
 
 
 EVICTION_KEYS: dict[str, Callable[[TreeNode], tuple]] = {
@@ -174,7 +189,7 @@ class RadixCache:
             node.hit_count += 1
             pieces.append(node.value)
             last, length = node, pos + n
-        if last is not self.root and last.is_leaf and last.lock_ref == 0:
+        if last is not self.root and self._evictable_leaf(last) and last.lock_ref == 0:
             self._push(last)  # its access time changed
         slots = torch.cat(pieces) if pieces else _EMPTY_SLOTS
         return MatchResult(length, slots, last)
@@ -222,7 +237,7 @@ class RadixCache:
             self.touched.add((node, self._child_key(tokens, pos)))
             if self.event_listener is not None:
                 self.event_listener("insert", list(tokens))
-        elif node is not self.root and node.is_leaf and node.lock_ref == 0:
+        elif node is not self.root and self._evictable_leaf(node) and node.lock_ref == 0:
             self._push(node)  # its access time changed
         return pos
 
@@ -246,7 +261,7 @@ class RadixCache:
                 self.protected_size -= len(node.key)
                 if node.waiters:
                     self.waited_evictable_size += len(node.key)
-                if node.is_leaf:
+                if self._evictable_leaf(node):
                     self._push(node)
             node = node.parent
 
@@ -264,9 +279,9 @@ class RadixCache:
         while node.parent is not None:
             node.waiters += delta
             assert node.waiters >= 0, f"waiter count of {node} went negative"
-            if node.waiters == max(delta, 0) and node.lock_ref == 0 and not node.removed:
+            if node.waiters == max(delta, 0) and node.lock_ref == 0 and not node.removed and self._on_device(node):
                 self.waited_evictable_size += delta * len(node.key)
-                if node.is_leaf:
+                if self._evictable_leaf(node):
                     self._push(node)  # it just changed eviction class
             node = node.parent
 
@@ -276,6 +291,14 @@ class RadixCache:
         return self.evictable_size - self.waited_evictable_size
 
     # ------------------------------------------------------------------ eviction
+    # Tier hooks: every node of this tree is on the device; TieredRadixCache says otherwise.
+    def _evictable_leaf(self, node: TreeNode) -> bool:
+        """No child holds device slots, so evicting node keeps the device part of the tree a tree."""
+        return not node.children
+
+    def _on_device(self, node: TreeNode) -> bool:
+        return True
+
     def _priority(self, node: TreeNode) -> tuple:
         # Queue-aware: a prefix some waiting request will match goes after every prefix nobody waits for.
         return (node.waiters > 0,) + self._policy_key(node)
@@ -291,7 +314,7 @@ class RadixCache:
 
     def _is_current(self, entry: tuple[tuple, TreeNode]) -> bool:
         prio, node = entry
-        return (not node.removed and node.is_leaf and node.lock_ref == 0 and node is not self.root
+        return (not node.removed and self._evictable_leaf(node) and node.lock_ref == 0 and node is not self.root
                 and prio == self._priority(node))
 
     def evict(self, num_tokens: int) -> int:
@@ -314,7 +337,7 @@ class RadixCache:
             node.removed = True
             self.num_nodes -= 1
             self.touched.add((node, ALL))
-            if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
+            if parent is not self.root and self._evictable_leaf(parent) and parent.lock_ref == 0:
                 self._push(parent)
         self.counters.evicted_tokens += freed
         return freed
@@ -333,6 +356,9 @@ class RadixCache:
         if self.event_listener is not None:
             self.event_listener("flush", [])
         return True
+
+    def reset_counters(self) -> None:
+        self.counters = CacheCounters()
 
     def drain_touched(self) -> set[tuple[TreeNode, object]]:
         touched, self.touched = self.touched, set()
@@ -354,7 +380,7 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def all_slots(self) -> list[torch.Tensor]:
-        return [n.value for n in self.iter_nodes() if n is not self.root]
+        return [n.value for n in self.iter_nodes() if n is not self.root and self._on_device(n)]
 
     def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = ()) -> None:
         """Sizes add up to the pool, no slot is owned twice, locks and pages are consistent."""
@@ -362,14 +388,16 @@ class RadixCache:
         for node in self.iter_nodes():
             if node is self.root:
                 continue
-            if node.waiters and not node.lock_ref:
-                waited += len(node.key)
             assert not node.removed, f"{node} is in the tree but marked removed"
-            assert len(node.key) == len(node.value) > 0, f"{node}: key/value length mismatch"
-            assert len(node.key) % self.page_size == 0, f"{node}: not whole pages"
+            assert len(node.key) % self.page_size == 0 and node.key, f"{node}: not whole pages"
             assert node.parent.children.get(self._child_key(node.key, 0)) is node, f"{node}: bad parent link"
             if node.parent is not self.root:
                 assert node.parent.lock_ref >= node.lock_ref, f"{node}: locked more than its parent"
+            if not self._on_device(node):
+                continue  # a host-tier node: the tiered cache checks it
+            assert len(node.key) == len(node.value), f"{node}: key/value length mismatch"
+            if node.waiters and not node.lock_ref:
+                waited += len(node.key)
             if node.lock_ref:
                 protected += len(node.key)
             else:

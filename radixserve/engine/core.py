@@ -22,7 +22,9 @@ from typing import Any, Optional
 import torch
 
 from radixserve.cache.kv_pool import ReqToTokenPool
-from radixserve.cache.radix_cache import CacheCounters, RadixCache
+from radixserve.cache.host_pool import HostKVPool
+from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.tiered_cache import make_tiered_cache
 from radixserve.distributed import TensorParallel, check_divisible
 from radixserve.engine.grammar_wait import GrammarWaitlist
 from radixserve.engine.io_struct import GenerateRequest, RequestOutput
@@ -104,8 +106,7 @@ class EngineCore:
             settings, self.model, self.device, self.dtype, self.context_len, tp,
             table_cls=RecordingReqToTokenPool if tp is not None else ReqToTokenPool)
         max_running = self.req_to_token.max_requests
-        self.cache = RadixCache(self.kv_pool.allocator, page_size=settings.page_size,
-                                eviction_policy=settings.radix_eviction_policy, disable=settings.disable_radix_cache)
+        self.cache = self._make_cache()
         eos = list(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
@@ -137,6 +138,17 @@ class EngineCore:
         logger.info("engine ready: model=%s device=%s dtype=%s kv_pool=%d tokens page_size=%d max_running=%d%s",
                     self.model_path, self.device, self.dtype, self.pool_size, settings.page_size, max_running,
                     f" tp_size={settings.tp_size}" if tp is not None else "")
+
+    def _make_cache(self) -> RadixCache:
+        s = self.settings
+        if not s.hicache_enabled:
+            return RadixCache(self.kv_pool.allocator, page_size=s.page_size, eviction_policy=s.radix_eviction_policy,
+                              disable=s.disable_radix_cache)
+        per_token = HostKVPool.token_bytes(self.kv_pool)
+        tokens = s.hicache_tokens(self.pool_size, per_token)
+        logger.info("host tier: %d tokens (%.1f GB), %s", tokens, tokens * per_token / 1e9, s.hicache_write_policy)
+        return make_tiered_cache(self.kv_pool, tokens, eviction_policy=s.radix_eviction_policy,
+                                 write_through=s.hicache_write_policy == "write_through")
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any (a tp_size 1 engine holds nothing to stop)."""
@@ -285,7 +297,7 @@ class EngineCore:
         self.runner.warm_grammar_mask()
         self.cache.flush()
         self.cache.drain_touched()
-        self.cache.counters = CacheCounters()
+        self.cache.reset_counters()
         self.scheduler.reset_stats()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -338,9 +350,28 @@ class EngineCore:
             "inserted_tokens": c.inserted_tokens,
             "evicted_tokens": c.evicted_tokens,
             "hit_rate": c.hit_rate,
+            **self._tier_stats(),
             "retractions": s.num_retractions,
             "in_batch_deferrals": s.in_batch_deferrals,
             "new_token_ratio": self.scheduler.new_token_ratio,
+        }
+
+    def _tier_stats(self) -> dict[str, Any]:
+        """The host tier's pool and traffic (zeros without one, so every stats dict has the same keys)."""
+        c, tier = self.cache.counters, self.scheduler.tiered
+        copies = tier.copier.stats if tier is not None else None
+        return {
+            "device_hit_rate": c.device_hit_rate,
+            "host_hit_rate": c.host_hit_rate,
+            "host_cached_prompt_tokens": c.host_cached_prompt_tokens,
+            "host_pool_tokens": tier.host_allocator.total_tokens if tier else 0,
+            "host_free_tokens": tier.host_allocator.free_tokens if tier else 0,
+            "host_cached_tokens": tier.host_size if tier else 0,
+            "loading_tokens": tier.loading_tokens if tier else 0,
+            "loaded_tokens": copies.loaded_tokens if copies else 0,
+            "loaded_bytes": copies.loaded_bytes if copies else 0,
+            "written_back_bytes": copies.written_back_bytes if copies else 0,
+            "load_bandwidth_gbps": copies.load_bandwidth / 1e9 if copies else 0.0,
         }
 
 

@@ -32,6 +32,9 @@ def all_configs() -> list[Config]:
                description="FCFS, LRU eviction, small KV pool"),
         Config("lpm-fifo-small-pool", ["--schedule-policy", "lpm", "--radix-eviction-policy", "fifo"],
                small_pool=True, description="LPM, FIFO eviction, small KV pool"),
+        Config("lpm-hicache-small-pool", ["--schedule-policy", "lpm", "--radix-eviction-policy", "lru",
+                                          "--hicache-ratio", "4"], small_pool=True,
+               description="LPM, small KV pool plus a host tier 4x its size (evicted prefixes copied back)"),
     ]
 
 

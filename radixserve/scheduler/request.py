@@ -51,6 +51,9 @@ class Req:
     slots: list[int] = field(default_factory=list)
     # Cached prompt tokens found when first admitted (reported to the user).
     cached_tokens: int = -1
+    # Host tier: the most prompt tokens this request waited to have copied back from the host.
+    host_hit_len: int = 0
+    host_loads: int = 0  # loads started for it (a prefix evicted again before admission is reloaded)
     # The scheduler's view while waiting: length of the cached prefix and the node it reaches.
     peek_len: int = 0
     peek_node: Optional[TreeNode] = None

@@ -6,6 +6,10 @@ holds the tree path of its cached prefix locked and owns the slots of everything
 finished chunks and finished requests go back into the tree (`KVManager.cache_req`), so the next
 request with the same prefix finds them.
 
+With a host tier (`TieredRadixCache`), a waiting request whose prefix is partly on the host has
+that part copied back while it waits (`_start_loads`, and at the latest when admission reaches
+it); admission passes over it until the copy is done, so it holds up nobody.
+
 Overlap: the step before may still be in flight when a step is scheduled (`StepInFlight`).
 Everything here then works on positions, not token values; the decisions that need the values
 (stop tokens, stop strings) are taken when the step is collected, one step late, and a request
@@ -22,6 +26,7 @@ from typing import Callable, Optional
 
 from radixserve.cache.kv_pool import ReqToTokenPool
 from radixserve.cache.radix_cache import RadixCache, TreeNode
+from radixserve.cache.tiered_cache import TieredRadixCache
 from radixserve.scheduler.batch import ScheduledBatch, StepInFlight
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.prefill import PrefillAdder
@@ -35,6 +40,7 @@ from radixserve.settings import ServerSettings
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
+MAX_LOADS_PER_REQUEST = 3
 
 
 @dataclass
@@ -71,6 +77,9 @@ class Scheduler:
         self._arrivals = 0
         # Prefixes of finished requests held for --prefix-hold-s: (release time, node), oldest first.
         self._held: deque[tuple[float, TreeNode]] = deque()
+        # Host tier: requests not looked at for a load yet (loads start while they wait).
+        self.tiered: Optional[TieredRadixCache] = cache if isinstance(cache, TieredRadixCache) else None
+        self._load_candidates: deque[Req] = deque()
 
     def reset_stats(self) -> None:
         """Forget what earlier requests taught (after the engine's warm-up)."""
@@ -84,7 +93,12 @@ class Scheduler:
         req.arrival_seq = self._arrivals
         self._arrivals += 1
         self.reqs[req.rid] = req
+        self._enqueue(req)
+
+    def _enqueue(self, req: Req) -> None:
         self.waiting.add(req)
+        if self.tiered is not None:
+            self._load_candidates.append(req)
 
     def abort(self, rid: str) -> Optional[Req]:
         """Stop a request wherever it is; its computed KV stays in the tree. Returns it, if known."""
@@ -167,9 +181,47 @@ class Scheduler:
         return batch
 
     def _catch_up(self) -> None:
-        """Drop expired prefix holds and redo the waiting lookups the tree's changes affect."""
+        """Drop expired prefix holds, take in finished host-tier copies and redo the waiting
+        lookups the tree's changes affect."""
         self._release_expired_holds()
+        if self.tiered is not None:
+            self.tiered.poll()
         self.waiting.refresh()
+
+    # ------------------------------------------------------------------ host tier
+    def _start_loads(self, adder: PrefillAdder) -> None:
+        """Copy back the host part of newly arrived requests' prefixes while they wait: up to a
+        quarter of the device pool in flight, within the memory admission could give them
+        (adder.available), taking only memory no waiting request needs."""
+        cap = max(self.kv.allocator.total_tokens // 4, self.kv.page_size)
+        while self._load_candidates and self.tiered.loading_tokens < cap:
+            req = self._load_candidates[0]
+            if req.state is ReqState.WAITING and req.peek_node is not None \
+                    and self._load_prefix(req, adder, spare_only=True) is None:
+                return  # no room now: the next step tries again
+            self._load_candidates.popleft()
+
+    def _load_prefix(self, req: Req, adder: PrefillAdder, *, spare_only: bool) -> Optional[bool]:
+        """Whether req may be admitted with the device part of its cached prefix (True), waits for
+        the rest to be copied back from the host (False; the copy is started here if it was not
+        running), or cannot have it copied back now for lack of device room (None)."""
+        host, loading = self.tiered.host_part(req.peek_len, req.peek_node)
+        if not host:
+            return True
+        if loading:
+            req.host_hit_len = max(req.host_hit_len, host)
+            return False
+        if req.host_loads >= MAX_LOADS_PER_REQUEST:
+            return True  # evicted again each time before it got in: it computes the rest itself
+        if host > adder.available:
+            return None
+        loaded = self.tiered.load(req.match_target(), spare_only=spare_only)
+        if not loaded:
+            return None
+        adder.available -= loaded
+        req.host_loads += 1
+        req.host_hit_len = max(req.host_hit_len, host)
+        return False
 
     # ------------------------------------------------------------------ decode
     def _finishes_by_length(self, req: Req) -> bool:
@@ -209,7 +261,7 @@ class Scheduler:
         victim.state = ReqState.WAITING
         victim.num_retractions += 1
         self.stats.num_retractions += 1
-        self.waiting.add(victim)
+        self._enqueue(victim)
         self.new_token_ratio = min(1.0, max(INIT_NEW_TOKEN_RATIO * self._ratio_scale, self.new_token_ratio * 1.5))
         return victim
 
@@ -227,17 +279,20 @@ class Scheduler:
         # A request in the middle of a chunked prefill continues first.
         for req in [r for r in self.running if r.remaining > 1]:
             adder.add_chunk(req)
+        busy = None
+        if self.tiered is not None:  # loads start even in steps that admit nobody
+            busy = self._reserve(adder)
+            self._start_loads(adder)
         if adder.budget <= 0 or not len(self.waiting) or not all(batch.sample):
             return  # no budget, nobody waiting, or a request still mid-prompt: finish it first
         in_flight_keys = in_flight.shared_prefix_keys if in_flight is not None else set()
-        # Queue-aware admission: while running requests fill half the pool, prefixes that waiting
-        # requests (or a held, just-finished conversation) will reuse are no room for a new request;
-        # below that, a full batch comes first.
-        busy = self.cache.protected_size + self.held_by_running() >= self.kv.allocator.total_tokens // 2
-        adder.reserve_for(self.running, spare_waited=not busy)
+        if busy is None:
+            busy = self._reserve(adder)
         for req in self.waiting.ordered():
             if adder.budget <= 0 or len(self.running) >= self.max_running or self.req_to_token.free_rows == 0:
                 break
+            if self.tiered is not None and self._load_prefix(req, adder, spare_only=busy) is False:
+                continue  # its prefix is being copied back from the host: others go first
             if adder.defers(req, in_flight_keys):
                 self.stats.in_batch_deferrals += 1
                 continue
@@ -249,11 +304,21 @@ class Scheduler:
             if not batch.sample[-1]:
                 break  # it became the chunked request: one at a time
 
+    def _reserve(self, adder: PrefillAdder) -> bool:
+        """Start admission's memory arithmetic; returns whether running requests fill half the pool.
+        Queue-aware admission: while they do, prefixes that waiting requests (or a held, just-finished
+        conversation) will reuse are no room for a new request; below that, a full batch comes first."""
+        busy = self.cache.protected_size + self.held_by_running() >= self.kv.allocator.total_tokens // 2
+        adder.reserve_for(self.running, spare_waited=not busy)
+        return busy
+
     def _admit(self, req: Req) -> None:
         if req.cached_tokens < 0:  # first admission (not a retracted request coming back)
             req.cached_tokens = req.locked_len
             self.cache.counters.prompt_tokens += len(req.origin_input_ids)
             self.cache.counters.cached_prompt_tokens += min(req.locked_len, len(req.origin_input_ids))
+            host_hits = req.host_hit_len if req.host_hit_len <= req.locked_len else 0
+            self.cache.counters.host_cached_prompt_tokens += min(host_hits, len(req.origin_input_ids))
         req.state = ReqState.RUNNING
         req.admitted_time = req.admitted_time or self.clock()
         self.running.append(req)

@@ -3,7 +3,8 @@
 Two sources:
 - request-level series (TTFT, inter-token latency, end-to-end latency, queue time, generated
   tokens, finished requests by reason) are observed here as outputs arrive;
-- engine-side series (KV pool, radix tree, prefix hit rate, evictions, retractions) are read from
+- engine-side series (KV pool, radix tree, prefix hit rate, evictions, retractions, the host
+  tier's hit rate and copies) are read from
   the latest stats snapshot the engine process sends with its outputs (at least every 0.5 s while
   it works, and whenever a request finishes). Engine counters are cumulative in the engine, so
   they are exported as they are rather than re-counted here.
@@ -35,6 +36,11 @@ ENGINE_COUNTERS = (
     ("inserted_tokens", "radix_inserted_tokens", "Tokens inserted into the radix tree."),
     ("evicted_tokens", "evicted_tokens", "Tokens evicted from the radix tree."),
     ("retractions", "retractions", "Running requests moved back to the queue for lack of KV memory."),
+    ("host_cached_prompt_tokens", "host_cached_prompt_tokens",
+     "Of the cached prompt tokens, those copied back from the host tier (--hicache-size)."),
+    ("loaded_tokens", "hicache_loaded_tokens", "Tokens copied from the host tier to the device."),
+    ("loaded_bytes", "hicache_loaded_bytes", "Bytes copied from the host tier to the device."),
+    ("written_back_bytes", "hicache_written_back_bytes", "Bytes copied from the device to the host tier."),
 )
 ENGINE_GAUGES = (
     ("running_requests", "num_running_reqs", "Requests decoding or prefilling in the engine."),
@@ -49,6 +55,13 @@ ENGINE_GAUGES = (
     ("tree_nodes", "radix_tree_nodes", "Nodes in the radix tree."),
     ("hit_rate", "prefix_hit_rate", "Cumulative prefix hit rate: cached prompt tokens / prompt tokens."),
     ("hit_rate_window", "prefix_hit_rate_window", "Prefix hit rate over the last 60 seconds."),
+    ("device_hit_rate", "device_hit_rate", "Cumulative share of prompt tokens found on the device."),
+    ("host_hit_rate", "host_hit_rate", "Cumulative share of prompt tokens copied back from the host tier."),
+    ("load_bandwidth_gbps", "hicache_load_bandwidth_gbps", "Host-to-device load bandwidth so far, GB/s."),
+    ("host_pool_tokens", "hicache_pool_tokens", "Host tier size in tokens (0: no host tier)."),
+    ("host_free_tokens", "hicache_free_tokens", "Free host tier slots."),
+    ("host_cached_tokens", "hicache_cached_tokens", "Tokens with a copy in the host tier."),
+    ("loading_tokens", "hicache_loading_tokens", "Tokens being copied back from the host tier now."),
     ("new_token_ratio", "new_token_ratio", "Scheduler's estimate of future decode tokens per request."),
 )
 

@@ -1,0 +1,279 @@
+"""The host tier's KV memory and the copies between it and the device pool.
+
+Layout: one byte buffer `[host slot, layer, k|v, bytes of one token's heads]`, token-major, so a
+run of consecutive host slots holds every layer of those tokens in one contiguous block and a load
+of a run is a single host-to-device copy (page-batched, all layers at once). Bytes, not the device
+pool's dtype: any KV dtype (fp8 included) moves unchanged, and the host tier holds exactly the
+device pool's bytes (moved as 8-byte words where a row allows it).
+
+Copies complete in the order they are issued (one copy stream on CUDA), so a copy is named by its
+sequence number and "done" is one counter (`CopyEngine.done_seq`). A load: the copy stream waits
+for the work already launched on the compute stream (the destination slots may have been freed by
+it just now), copies runs of host slots into a device staging buffer and scatters it into each
+layer. A write-back: the compute stream gathers the evicted slots into a staging buffer (so the
+slots can be reused by the very next step), and the copy stream moves it to the host. On the CPU
+(the test suite's "device") the copies run synchronously, but their completion is still observed
+only by `poll`, so the scheduler's issued -> done path is the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from radixserve.cache.kv_pool import KVPool, PageAllocator
+
+logger = logging.getLogger("radixserve")
+
+# Device staging of a load, in tokens (7B: 224 MiB): longer loads go through it in chunks.
+LOAD_CHUNK_TOKENS = 4096
+
+
+class HostKVPool:
+    """Host slots in pages of the device pool's page size; page 0 is never handed out."""
+
+    def __init__(self, num_tokens: int, device_pool: KVPool, *, pin: bool):
+        self.page_size = device_pool.page_size
+        num_pages = num_tokens // self.page_size
+        self.allocator = PageAllocator(num_pages, self.page_size)
+        self.num_layers = len(device_pool.k_buffers)
+        self.row_bytes = self.token_bytes(device_pool) // (2 * self.num_layers)  # one layer's k (or v)
+        self.bytes_per_token = self.token_bytes(device_pool)
+        num_slots = (num_pages + 1) * self.page_size
+        self.buffer = torch.empty((num_slots, self.num_layers, 2, self.row_bytes), dtype=torch.uint8)
+        self.pinned = pin and _pin(self.buffer)
+
+    @staticmethod
+    def token_bytes(device_pool: KVPool) -> int:
+        """KV bytes of one token, every layer, k and v, in the device pool's own dtype."""
+        k0 = device_pool.k_buffers[0]
+        return 2 * len(device_pool.k_buffers) * k0[0].numel() * k0.element_size()
+
+    @property
+    def total_tokens(self) -> int:
+        return self.allocator.total_tokens
+
+    def alloc(self, num_tokens: int) -> Optional[torch.Tensor]:
+        """Slots for num_tokens (whole pages), ascending so neighbours form long copy runs; None when short."""
+        pages = self.allocator.alloc_pages(num_tokens // self.page_size)
+        if pages is None:
+            return None
+        pages.sort()
+        return self.allocator.pages_to_slots(pages)
+
+
+def _pin(buffer: torch.Tensor) -> bool:
+    """Page-lock the buffer in place (registering it, unlike pin_memory(), does not round the size up
+    to a power of two, which for tens of GB would double the host memory taken)."""
+    if not torch.cuda.is_available():
+        return False
+    start = time.perf_counter()
+    nbytes = buffer.numel() * buffer.element_size()
+    try:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+        failed = err != cudart.cudaError.success
+    except Exception as e:  # noqa: BLE001: serve unpinned (slower, blocking copies) rather than not at all
+        err, failed = e, True
+    if failed:
+        logger.warning("could not pin the host tier (%d bytes: %s): its copies will block and be slower", nbytes, err)
+        return False
+    logger.info("host tier: %.1f GB pinned in %.1f s", nbytes / 1e9, time.perf_counter() - start)
+    return True
+
+
+def copy_runs(host_slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(first host slot, first staging row, length) of each run of consecutive host slots."""
+    n = host_slots.numel()
+    if n == 0:
+        return []
+    cut = ((host_slots[1:] - host_slots[:-1]) != 1).nonzero().flatten().add_(1).tolist()
+    starts = [0] + cut
+    ends = cut + [n]
+    first = host_slots[torch.tensor(starts, dtype=torch.int64)].tolist()
+    return [(h, s, e - s) for h, s, e in zip(first, starts, ends)]
+
+
+@dataclass
+class CopyStats:
+    loaded_tokens: int = 0
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0  # time the loads' copies took (device-timed on CUDA)
+    written_back_tokens: int = 0
+    written_back_bytes: int = 0
+
+    @property
+    def load_bandwidth(self) -> float:
+        """Bytes per second of the loads measured so far (0 before the first)."""
+        return self.loaded_bytes / self.load_seconds if self.load_seconds > 0 else 0.0
+
+
+class CopyEngine:
+    """Issues copies between the device pool and the host pool; completion in issue order."""
+
+    def __init__(self, device_pool: KVPool, host_pool: HostKVPool):
+        self.host = host_pool
+        # Both pools seen as rows of machine words ([slot, words of one token's heads]): index copies
+        # move 8 bytes per element where the row allows it, not 1.
+        self.word = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                         if host_pool.row_bytes % torch.tensor([], dtype=d).element_size() == 0)
+        rows = host_pool.row_bytes // torch.tensor([], dtype=self.word).element_size()
+        self.row_words = rows
+        self.dev_k = [b.view(torch.uint8).view(b.shape[0], -1).view(self.word) for b in device_pool.k_buffers]
+        self.dev_v = [b.view(torch.uint8).view(b.shape[0], -1).view(self.word) for b in device_pool.v_buffers]
+        self.host_buf = host_pool.buffer.view(self.word)  # [slot, layer, k|v, words]
+        self.device = device_pool.k_buffers[0].device
+        self.issued_seq = 0
+        self.done_seq = 0
+        self.stats = CopyStats()
+        # (seq, tokens loaded or 0, end event, start event) of copies not yet seen done.
+        self._pending: deque[tuple[int, int, object, object]] = deque()
+
+    def _next(self) -> int:
+        self.issued_seq += 1
+        return self.issued_seq
+
+    def write_back(self, dev_slots: torch.Tensor, host_slots: torch.Tensor) -> int:
+        seq = self._next()
+        self.stats.written_back_tokens += dev_slots.numel()
+        self.stats.written_back_bytes += dev_slots.numel() * self.host.bytes_per_token
+        self._pending.append((seq, 0, *self._write_back(dev_slots, host_slots)))
+        return seq
+
+    def load(self, host_slots: torch.Tensor, dev_slots: torch.Tensor) -> int:
+        seq = self._next()
+        self._pending.append((seq, dev_slots.numel(), *self._load(host_slots, dev_slots)))
+        return seq
+
+    def poll(self) -> int:
+        """Advance done_seq past every copy that has completed; returns it."""
+        while self._pending and self._is_done(self._pending[0][2]):
+            self._retire(self._pending.popleft())
+        return self.done_seq
+
+    def wait(self, seq: int) -> None:
+        """Block until copy seq (and so every copy before it) has completed, then poll."""
+        while self._pending and self._pending[0][0] <= seq:
+            entry = self._pending.popleft()
+            self._synchronize(entry[2])
+            self._retire(entry)
+        self.poll()
+
+    def wait_all(self) -> None:
+        self.wait(self.issued_seq)
+
+    def _retire(self, entry: tuple[int, int, object, object]) -> None:
+        seq, tokens, end, start = entry
+        if tokens:
+            self.stats.loaded_tokens += tokens
+            self.stats.loaded_bytes += tokens * self.host.bytes_per_token
+            self.stats.load_seconds += self._elapsed(start, end)
+        self.done_seq = seq
+
+    # The device-specific parts.
+    def _write_back(self, dev_slots: torch.Tensor, host_slots: torch.Tensor) -> tuple[object, object]:
+        raise NotImplementedError
+
+    def _load(self, host_slots: torch.Tensor, dev_slots: torch.Tensor) -> tuple[object, object]:
+        raise NotImplementedError
+
+    def _is_done(self, event: object) -> bool:
+        return True
+
+    def _synchronize(self, event: object) -> None:
+        pass
+
+    def _elapsed(self, start: object, end: object) -> float:
+        return float(end) - float(start)  # type: ignore[arg-type]
+
+
+class SyncCopyEngine(CopyEngine):
+    """The copies run at issue (a CPU "device"); completion is still reported by poll()."""
+
+    def _write_back(self, dev_slots: torch.Tensor, host_slots: torch.Tensor) -> tuple[object, object]:
+        start = time.perf_counter()
+        buf = self.host_buf
+        for layer, (k, v) in enumerate(zip(self.dev_k, self.dev_v)):
+            buf[host_slots, layer, 0] = k[dev_slots]
+            buf[host_slots, layer, 1] = v[dev_slots]
+        return time.perf_counter(), start
+
+    def _load(self, host_slots: torch.Tensor, dev_slots: torch.Tensor) -> tuple[object, object]:
+        start = time.perf_counter()
+        staging = self.host_buf[host_slots]
+        for layer, (k, v) in enumerate(zip(self.dev_k, self.dev_v)):
+            k[dev_slots] = staging[:, layer, 0]
+            v[dev_slots] = staging[:, layer, 1]
+        return time.perf_counter(), start
+
+
+class CudaCopyEngine(CopyEngine):
+    """Copies on a dedicated stream; a load never waits in the compute stream."""
+
+    def __init__(self, device_pool: KVPool, host_pool: HostKVPool):
+        super().__init__(device_pool, host_pool)
+        self.stream = torch.cuda.Stream(self.device)
+
+    def _write_back(self, dev_slots: torch.Tensor, host_slots: torch.Tensor) -> tuple[object, object]:
+        n, layers, rows = dev_slots.numel(), self.host.num_layers, self.row_words
+        # The gather runs on the compute stream: after every step that wrote these slots, before
+        # any step that reuses them.
+        idx = dev_slots.to(self.device, non_blocking=True)
+        staging = torch.empty((n, layers, 2, rows), dtype=self.word, device=self.device)
+        for layer, (k, v) in enumerate(zip(self.dev_k, self.dev_v)):
+            staging[:, layer, 0] = k[idx]
+            staging[:, layer, 1] = v[idx]
+        gathered = torch.cuda.Event()
+        gathered.record()
+        start, end = torch.cuda.Event(), torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(gathered)
+            start.record(self.stream)
+            for h, s, length in copy_runs(host_slots):
+                self.host_buf[h:h + length].copy_(staging[s:s + length], non_blocking=True)
+            end.record(self.stream)
+        staging.record_stream(self.stream)  # not reused before the copy stream is done with it
+        return end, start
+
+    def _load(self, host_slots: torch.Tensor, dev_slots: torch.Tensor) -> tuple[object, object]:
+        n, layers, rows = dev_slots.numel(), self.host.num_layers, self.row_words
+        launched = torch.cuda.Event()
+        launched.record()  # the destination slots are free once the compute stream passes this
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(launched)
+            start.record(self.stream)
+            idx = dev_slots.to(self.device, non_blocking=True)
+            # One staging buffer of at most LOAD_CHUNK_TOKENS, reused chunk after chunk in stream order.
+            staging = torch.empty((min(n, LOAD_CHUNK_TOKENS), layers, 2, rows), dtype=self.word,
+                                  device=self.device)
+            for first in range(0, n, LOAD_CHUNK_TOKENS):
+                count = min(LOAD_CHUNK_TOKENS, n - first)
+                for h, s, length in copy_runs(host_slots[first:first + count]):
+                    staging[s:s + length].copy_(self.host_buf[h:h + length], non_blocking=True)
+                chunk = idx[first:first + count]
+                for layer, (k, v) in enumerate(zip(self.dev_k, self.dev_v)):
+                    k[chunk] = staging[:count, layer, 0]
+                    v[chunk] = staging[:count, layer, 1]
+            end.record(self.stream)
+        return end, start
+
+    def _is_done(self, event: object) -> bool:
+        return event.query()  # type: ignore[attr-defined]
+
+    def _synchronize(self, event: object) -> None:
+        event.synchronize()  # type: ignore[attr-defined]
+
+    def _elapsed(self, start: object, end: object) -> float:
+        return start.elapsed_time(end) / 1000.0  # type: ignore[attr-defined]  (loads' events are timed)
+
+
+def make_copy_engine(device_pool: KVPool, host_pool: HostKVPool) -> CopyEngine:
+    if device_pool.k_buffers[0].device.type == "cuda":
+        return CudaCopyEngine(device_pool, host_pool)
+    return SyncCopyEngine(device_pool, host_pool)
