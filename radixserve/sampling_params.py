@@ -37,11 +37,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # temperature and the top-k/top-p/min-p filters (vLLM's default, "raw logprobs").
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # Prompt log probabilities (SGLang's field): with return_logprob, those of the prompt tokens
+    # from this position on (the first token of a prompt has none); -1: none. The prompt's cached
+    # prefix is not reused past it, since logits exist only for positions the step computes.
+    logprob_start_len: int = -1
     # Constrained decoding (SGLang's names; at most one): a JSON Schema as text, a regular
     # expression, or an EBNF grammar (xgrammar's dialect). See radixserve.grammar.
     json_schema: Optional[str] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.logprob_start_len >= 0
 
     @property
     def is_greedy(self) -> bool:

@@ -95,6 +95,11 @@ def _validate_logit_processing(p: Any) -> None:
                                                      f"[0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs_num!r}")
     if p.top_logprobs_num and not p.return_logprob:
         raise SamplingValueError("top_logprobs_num", "top_logprobs_num needs return_logprob")
+    if not _is_int(p.logprob_start_len) or p.logprob_start_len < -1:
+        raise SamplingValueError("logprob_start_len", f"logprob_start_len must be an integer >= -1, "
+                                                      f"got {p.logprob_start_len!r}")
+    if p.logprob_start_len >= 0 and not p.return_logprob:
+        raise SamplingValueError("logprob_start_len", "logprob_start_len needs return_logprob")
 
 
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")

@@ -1,6 +1,7 @@
 """Constrained decoding in the offline engine: the bitmask keeps a random model inside its grammar,
 constrained and unconstrained requests share batches without changing each other's tokens, and
-overlap scheduling (switched off for steps with constrained rows) gives the same tokens as none."""
+overlap scheduling (a constrained step reads the step before it during its forward pass) gives
+the same tokens as none."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def mixed_batch(engine: Engine) -> list[dict]:
 def test_constrained_and_plain_share_batches(model_dir):
     with Engine(str(model_dir), device="cpu") as overlap, Engine(str(model_dir), device="cpu",
                                                                  disable_overlap_schedule=True) as plain:
+        overlap.core.runner.warm_grammar_mask()  # what the CUDA warm-up does; the mask must stay correct after
         results = mixed_batch(overlap)
         assert [r["output_ids"] for r in results] == [r["output_ids"] for r in mixed_batch(plain)]
         alone = plain.generate(["A server answers", "Once upon a time"],
@@ -80,3 +82,43 @@ def test_forced_parallel_tool_calls_parse(model_dir):
                 jsonschema.validate(arguments, params)
             else:
                 assert call["function"]["name"] == "noop" and isinstance(arguments, dict)
+
+
+def test_constrained_rows_with_logprobs_and_penalties(model_dir):
+    """A constrained request that also wants log probabilities and penalties: its log probabilities
+    are of the model's own logits (Hugging Face's log_softmax, not the masked distribution), its
+    penalties see every earlier token, and overlap scheduling gives the same tokens and values
+    as none while requests of different lengths finish around it."""
+    import torch
+    import transformers
+
+    params = [{"max_new_tokens": 60, "temperature": 0, "regex": REGEX, "return_logprob": True, "top_logprobs_num": 2,
+               "repetition_penalty": 1.3, "frequency_penalty": 0.5},
+              {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+              {"max_new_tokens": 30, "temperature": 1.0, "seed": 3, "json_schema": json.dumps(SCHEMA),
+               "return_logprob": True},
+              {"max_new_tokens": 9, "temperature": 0, "ignore_eos": True, "return_logprob": True}]
+    prompts = ["Answer", "Short one", "Describe a person", "Numbers"]
+    runs = []
+    for overlap in (True, False):
+        with Engine(str(model_dir), device="cpu", disable_overlap_schedule=not overlap) as engine:
+            runs.append(engine.generate(prompts, sampling_params=params))
+            engine.check_invariants()
+    with_overlap, without = runs
+    assert [r["output_ids"] for r in with_overlap] == [r["output_ids"] for r in without]
+    for a, b in zip(with_overlap, without):
+        if "output_token_logprobs" in a["meta_info"]:
+            assert [v for v, _, _ in a["meta_info"]["output_token_logprobs"]] == pytest.approx(
+                [v for v, _, _ in b["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    assert re.fullmatch(REGEX, with_overlap[0]["text"]), with_overlap[0]["text"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    prompt_ids = tokenizer.encode(prompts[0])
+    out = with_overlap[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt_ids + out["output_ids"]])).logits[0].float(), dim=-1)
+    for k, (value, token, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
+        row = ref[len(prompt_ids) + k - 1]
+        assert value == pytest.approx(row[token].item(), abs=1e-4)
+        top = out["meta_info"]["output_top_logprobs"][k]
+        assert [i for _, i, _ in top] == row.topk(2).indices.tolist()  # unmasked: any token may lead

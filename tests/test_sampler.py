@@ -142,3 +142,19 @@ def test_no_token_with_zero_probability_is_drawn(top_p):
     gen = torch.Generator().manual_seed(3)
     out = sample(logits, [P(top_p=top_p, min_p=0.01)] * 500, [None] * 500, gen)
     assert set(out) == {3, 7}
+
+
+def test_gather_logprobs_in_slices_equals_one_pass(monkeypatch):
+    """Prompt log probabilities go through log_softmax a slice of rows at a time: same values."""
+    from radixserve.model import logprobs as logprobs_module
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(10, 50, generator=g)
+    ids = torch.randint(0, 50, (10,), generator=g)
+    whole = logprobs_module.gather_logprobs(logits, ids, [2] * 10)
+    monkeypatch.setattr(logprobs_module, "SLICE_ROWS", 3)
+    sliced = logprobs_module.gather_logprobs(logits, ids, [2] * 10)
+    assert torch.equal(whole.chosen, sliced.chosen) and torch.equal(whole.top_ids, sliced.top_ids)
+    assert torch.allclose(whole.top_values, sliced.top_values)
+    expected = torch.log_softmax(logits, dim=-1).gather(1, ids[:, None]).view(-1)
+    assert torch.allclose(sliced.chosen, expected)

@@ -186,3 +186,41 @@ def test_bad_values_raise(engine):
     with pytest.raises(ValueError, match="vocabulary"):
         engine.generate(input_ids=[1, 2, 3], sampling_params={"logit_bias": {"100000": 1}})
     engine.check_invariants()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prompt_logprobs_equal_hf_log_softmax(hf, tiny, chunked):
+    """logprob_start_len: the prompt tokens' log probabilities from that position on, with the
+    prompt's prefix cached before (reused only up to the first scored position) and over chunked
+    prefill (gathered across chunks); other requests of the batch are unaffected."""
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 500) for _ in range(40)]
+    prompt = shared + [rng.randrange(3, 500) for _ in range(20)]
+    extra = {"chunked_prefill_size": 16} if chunked else {}
+    eng = Engine(str(tiny), max_total_tokens=4096, **extra)
+    eng.generate(input_ids=shared + [5, 6, 7], sampling_params=greedy())  # caches the shared prefix
+    for start in (0, 1, 7, 45, len(prompt) - 1):
+        other = prompts(1, seed=start)[0]
+        out, plain = eng.generate(input_ids=[prompt, other], sampling_params=[
+            greedy(return_logprob=True, top_logprobs_num=3, logprob_start_len=start), greedy(return_logprob=True)])
+        meta = out["meta_info"]
+        ref = hf_logprobs(hf, prompt + out["output_ids"])
+        entries, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
+        assert [t for _, t, _ in entries] == prompt[start:] and len(tops) == len(entries)
+        for k, ((value, token, _), top) in enumerate(zip(entries, tops)):
+            pos = start + k
+            if pos == 0:
+                assert value is None and top is None
+                continue
+            assert value == pytest.approx(ref[pos - 1, token].item(), abs=ATOL)
+            assert [i for _, i, _ in top] == ref[pos - 1].topk(3).indices.tolist()
+        assert meta["cached_tokens"] <= max(start - 1, 0)
+        for k, (value, token, _) in enumerate(meta["output_token_logprobs"]):
+            assert value == pytest.approx(ref[len(prompt) + k - 1, token].item(), abs=ATOL)
+        assert "input_token_logprobs" not in plain["meta_info"]
+        assert plain["output_ids"] == eng.generate(input_ids=other, sampling_params=greedy())["output_ids"]
+    eng.check_invariants()
+    with pytest.raises(ValueError, match="logprob_start_len"):
+        eng.generate(input_ids=[1, 2], sampling_params=greedy(return_logprob=True, logprob_start_len=2))
+    with pytest.raises(ValueError, match="needs return_logprob"):
+        eng.generate(input_ids=[1, 2], sampling_params=greedy(logprob_start_len=0))

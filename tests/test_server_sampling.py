@@ -8,6 +8,7 @@ import json
 import httpx
 import openai
 import pytest
+import torch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -89,6 +90,82 @@ def test_completion_logprobs(server, client, model, stream):
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
 
 
+LONG_PROMPT = [(7 * i * i + 3 * i + 11) % 480 + 10 for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def hf_prompt_logprobs(server_model_dir):
+    """log_softmax of Hugging Face's logits at every position of LONG_PROMPT (fp32)."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(server_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([LONG_PROMPT])).logits[0].float(), dim=-1)
+
+
+def check_prompt_entries(values: list, token_ids: list[int], start: int, ref: torch.Tensor) -> None:
+    """values[k]: the log probability reported for prompt token start + k (None for token 0)."""
+    assert len(values) == len(token_ids) == len(LONG_PROMPT) - start
+    assert token_ids == LONG_PROMPT[start:]
+    for k, value in enumerate(values):
+        pos = start + k
+        if pos == 0:
+            assert value is None
+        else:
+            assert value == pytest.approx(ref[pos - 1, LONG_PROMPT[pos]].item(), abs=ATOL)
+
+
+@pytest.mark.parametrize("start", [0, 25])
+def test_generate_prompt_logprobs_match_hf(server, hf_prompt_logprobs, start):
+    # The prompt cached first: the prefix is reused only up to the first position that is scored.
+    generate(server, input_ids=LONG_PROMPT, sampling_params={"max_new_tokens": 1})
+    out = generate(server, input_ids=LONG_PROMPT, return_logprob=True, top_logprobs_num=3, logprob_start_len=start,
+                   return_text_in_logprobs=True, sampling_params={"max_new_tokens": 3, "temperature": 0})
+    meta = out["meta_info"]
+    entries = meta["input_token_logprobs"]
+    check_prompt_entries([v for v, _, _ in entries], [t for _, t, _ in entries], start, hf_prompt_logprobs)
+    assert all(isinstance(text, str) for _, _, text in entries)
+    assert meta["cached_tokens"] <= max(start - 1, 0)
+    tops = meta["input_top_logprobs"]
+    assert len(tops) == len(entries) and (tops[0] is None) == (start == 0)
+    for k, top in enumerate(tops):
+        if top is not None:
+            expected = hf_prompt_logprobs[start + k - 1].topk(3)
+            assert [i for _, i, _ in top] == expected.indices.tolist()
+            assert [v for v, _, _ in top] == pytest.approx(expected.values.tolist(), abs=ATOL)
+    assert len(meta["output_token_logprobs"]) == 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_echo_logprobs_match_hf(server, client, model, hf_prompt_logprobs, stream):
+    kwargs = dict(model=model, prompt=LONG_PROMPT, max_tokens=4, temperature=0, logprobs=2, echo=True,
+                  extra_body={"ignore_eos": True})
+    if stream:
+        text, tokens, values, tops, offsets = "", [], [], [], []
+        for chunk in client.completions.create(stream=True, **kwargs):
+            text += chunk.choices[0].text
+            lp = chunk.choices[0].logprobs
+            if lp is not None:
+                tokens += lp.tokens
+                values += lp.token_logprobs
+                tops += lp.top_logprobs
+                offsets += lp.text_offset
+    else:
+        choice = client.completions.create(**kwargs).choices[0]
+        text, lp = choice.text, choice.logprobs
+        tokens, values, tops, offsets = lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
+    n = len(LONG_PROMPT)
+    assert len(tokens) == len(values) == len(tops) == n + 4
+    check_prompt_entries(values[:n], LONG_PROMPT, 0, hf_prompt_logprobs)
+    assert tops[0] is None and all(1 <= len(top) <= 2 for top in tops[1:])
+    assert text  # the echoed prompt, then the completion
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    plain = client.completions.create(model=model, prompt=LONG_PROMPT, max_tokens=4, temperature=0, logprobs=2,
+                                      extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert plain.tokens == tokens[n:]
+    assert plain.token_logprobs == pytest.approx(values[n:], abs=ATOL)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_logprobs(client, model, stream):
     kwargs = dict(model=model, messages=[{"role": "user", "content": "count the rivers"}], max_tokens=5,
@@ -159,7 +236,6 @@ def test_tokenize_round_trip_and_counts(server, client, model):
 
 BAD = [
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", None),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 2}, "echo", "unsupported_parameter"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", None),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"100000": 1}}, "logit_bias", None),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"7": 101}}, None, None),
@@ -169,7 +245,10 @@ BAD = [
      "conflicting_fields"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
                               "top_logprobs": 21}, "top_logprobs", None),
-    ("/generate", {"text": "x", "logprob_start_len": 0}, "logprob_start_len", "unsupported_parameter"),
+    ("/generate", {"text": "x", "logprob_start_len": 0}, "logprob_start_len", "conflicting_fields"),
+    ("/generate", {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len",
+     "conflicting_fields"),
+    ("/generate", {"text": "x", "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len", None),
     ("/generate", {"text": "x", "top_logprobs_num": 3}, "top_logprobs_num", "conflicting_fields"),
     ("/generate", {"text": "x", "sampling_params": {"logit_bias": {"abc": 1}}}, "sampling_params.logit_bias", None),
     ("/generate", {"text": "x", "sampling_params": {"min_new_tokens": 200}}, "sampling_params.min_new_tokens",

@@ -68,6 +68,27 @@ def test_tp2_equals_tp1_and_hf_with_prefix_hits_and_chunked_prefill(gqa2):
         assert [r["output_ids"] for r in engine.generate(input_ids=prompts[:6], sampling_params=SAMPLED)] == sampled
 
 
+def test_tp2_prompt_logprobs_and_grammar_masks_equal_tp1(gqa2):
+    """Prompt log probability rows travel in the broadcast step (every rank computes their logits);
+    grammar masks are rank 0's alone, read while the ranks run the forward pass."""
+    path, prompts, _ = gqa2
+    params = [{"max_new_tokens": 5, "temperature": 0, "return_logprob": True, "top_logprobs_num": 2,
+               "logprob_start_len": 0},
+              {"max_new_tokens": 12, "temperature": 0.8, "seed": 3, "regex": "[a-z]{2,8}"},
+              {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}]
+    batch = [max(prompts, key=len), prompts[1], prompts[2]]
+    runs = []
+    for tp_size in (1, 2):
+        with Engine(str(path), tp_size=tp_size, max_total_tokens=4096, chunked_prefill_size=7) as engine:
+            runs.append(engine.generate(input_ids=batch, sampling_params=params))
+    single, tp2 = runs
+    assert [r["output_ids"] for r in tp2] == [r["output_ids"] for r in single]
+    ref = single[0]["meta_info"]["input_token_logprobs"]
+    got = tp2[0]["meta_info"]["input_token_logprobs"]
+    assert len(got) == len(batch[0]) and got[0][0] is None
+    assert [v for v, _, _ in got[1:]] == pytest.approx([v for v, _, _ in ref[1:]], abs=1e-4)
+
+
 def test_tp2_replicates_a_single_kv_head_and_survives_retraction(kv1):
     path, prompts, expected = kv1
     # A small pool, and admission that reserves nothing for decode: the tree is evicted, then requests retract.

@@ -179,6 +179,9 @@ class EngineCore:
         bad = next((t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if params.logprob_start_len >= len(ids):
+            raise ValueError(f"logprob_start_len={params.logprob_start_len} is not a position of the prompt's "
+                             f"{len(ids)} tokens")
         if len(ids) >= self.context_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context length is {self.context_len}")
         if len(ids) + params.max_new_tokens > self.context_len:
@@ -224,9 +227,10 @@ class EngineCore:
             self.scheduler.add_request(req)
         return [self._output(r) for r in failed]
 
-    def _constrained(self, step: Optional[StepInFlight]) -> bool:
-        """Whether a launched step sampled for a grammar-constrained request still running."""
-        return step is not None and any(r.grammar is not None and r.finish_reason is None for r in step.batch.reqs)
+    @staticmethod
+    def _masks_rows(batch: ScheduledBatch) -> bool:
+        """Whether a batch samples for a grammar-constrained request still running."""
+        return any(s and r.grammar is not None and r.finish_reason is None for r, s in zip(batch.reqs, batch.sample))
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one batch, then collect the step before it (or this one, without
@@ -234,14 +238,16 @@ class EngineCore:
         start = time.perf_counter()
         outputs = self._admit_compiled()
         previous, self.in_flight = self.in_flight, None
-        if self._constrained(previous):
-            # The next mask of a constrained request needs the token the previous step sampled:
-            # no overlap for this step (see docs/structured_outputs.md for what it costs).
-            outputs += self._collect(previous)
-            previous = None
         batch = self.scheduler.schedule(previous)  # collects `previous` early if it must retract
         if batch is not None:
-            self.in_flight = StepInFlight(batch, self.runner.launch(batch))
+            forward = self.runner.launch_forward(batch)
+            if previous is not None and self._masks_rows(batch):
+                # The grammar masks of this step need the previous step's tokens: they are read,
+                # and the matchers advanced, while the device runs this step's forward pass (see
+                # docs/structured_outputs.md for what it costs).
+                outputs += self._collect(previous)
+                previous = None
+            self.in_flight = StepInFlight(batch, self.runner.launch_sampling(forward))
         outputs += self._collect(previous)
         if not self.overlap:
             outputs += self.sync()
@@ -290,6 +296,7 @@ class EngineCore:
                     self.step()
         while self.has_work:
             self.step()
+        self.runner.warm_grammar_mask()
         self.cache.flush()
         self.cache.drain_touched()
         self.cache.reset_counters()
@@ -305,8 +312,10 @@ class EngineCore:
         new_logprobs = req.output_logprobs[req.sent_len:] if req.sampling_params.return_logprob else []
         first = req.sent_len == 0 and bool(new)
         req.sent_len = len(req.output_ids)
+        input_logprobs = req.input_logprobs if first and req.sampling_params.wants_prompt_logprobs else []
         return RequestOutput(
-            rid=req.rid, new_token_ids=new, new_logprobs=new_logprobs, finished=req.finish_reason is not None,
+            rid=req.rid, new_token_ids=new, new_logprobs=new_logprobs, input_logprobs=input_logprobs,
+            finished=req.finish_reason is not None,
             finish_reason=req.finish_reason, prompt_tokens=len(req.origin_input_ids),
             cached_tokens=max(req.cached_tokens, 0), completion_tokens=len(req.output_ids),
             ttft=(req.first_token_time - req.arrival_time) if first and req.first_token_time else None,

@@ -72,16 +72,23 @@ class Engine:
         results: dict[str, dict] = {}
         outputs: dict[str, list[int]] = {r.rid: [] for r in reqs}
         logprobs: dict[str, list] = {r.rid: [] for r in reqs}
+        prompt_logprobs: dict[str, list] = {r.rid: [] for r in reqs}
         while len(results) < len(reqs):
             for out in self.core.step():
                 if out.rid not in outputs:
                     continue
                 outputs[out.rid].extend(out.new_token_ids)
                 logprobs[out.rid].extend(out.new_logprobs)
+                prompt_logprobs[out.rid].extend(out.input_logprobs)
                 if out.finished:
                     results[out.rid] = self._result(out, outputs[out.rid], reqs, start[out.rid])
+                    meta = results[out.rid]["meta_info"]
                     if logprobs[out.rid]:
-                        results[out.rid]["meta_info"].update(logprob_meta(outputs[out.rid], logprobs[out.rid]))
+                        meta.update(logprob_meta(outputs[out.rid], logprobs[out.rid]))
+                    request = next(r for r in reqs if r.rid == out.rid)
+                    if request.sampling_params.wants_prompt_logprobs:
+                        meta.update(prompt_logprob_meta(request.input_ids, request.sampling_params.logprob_start_len,
+                                                        prompt_logprobs[out.rid]))
         ordered = [results[r.rid] for r in reqs]
         return ordered[0] if single else ordered
 
@@ -129,3 +136,15 @@ def logprob_meta(output_ids: list[int], logprobs: list) -> dict[str, Any]:
     return {"output_token_logprobs": [[lp.logprob, t, None] for lp, t in zip(logprobs, output_ids)],
             "output_top_logprobs": [[[v, i, None] for v, i in zip(lp.top_logprobs, lp.top_ids)]
                                     for lp in logprobs]}
+
+
+def prompt_logprob_meta(prompt_ids: list[int], start: int, logprobs: list) -> dict[str, Any]:
+    """SGLang's prompt fields: [logprob, token id, None] per prompt token from `start` on (the
+    prompt's first token has no log probability: None), and per token its top entries (None for
+    the first)."""
+    head = [[None, prompt_ids[0], None]] if start == 0 else []
+    top_head: list = [None] if start == 0 else []
+    ids = prompt_ids[max(start, 1):]
+    return {"input_token_logprobs": head + [[lp.logprob, t, None] for lp, t in zip(logprobs, ids)],
+            "input_top_logprobs": top_head + [[[v, i, None] for v, i in zip(lp.top_logprobs, lp.top_ids)]
+                                              for lp in logprobs]}

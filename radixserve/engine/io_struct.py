@@ -31,6 +31,9 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     new_token_ids: list[int]
     # One per new token when the request asked for log probabilities, else empty.
     new_logprobs: list[TokenLogprob] = []
+    # Prompt log probabilities (sampling_params.logprob_start_len), all of them, with the first
+    # token only: of prompt tokens max(logprob_start_len, 1) onwards.
+    input_logprobs: list[TokenLogprob] = []
     finished: bool = False
     # {"type": "stop"|"length"|"abort", "matched": token id or stop string, "message": ...}
     finish_reason: Optional[dict] = None

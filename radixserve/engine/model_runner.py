@@ -8,7 +8,9 @@ come back in one small copy, the step's only host sync.
 `launch` queues all of that and returns a `StepFuture` without waiting, so the host can build
 the next step while the device runs this one (overlap scheduling). Each step's sampled ids also
 go to `sampled` (`LastSampledTokens`), from which a later step reads a token the host has not
-seen yet.
+seen yet. `launch` is `launch_forward` then `launch_sampling`: between the two the engine may
+read the previous step's tokens (a grammar's mask needs them) while the device runs the forward
+pass.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import torch
 from radixserve.attention.base import ForwardBatch, ForwardMode
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.engine.cuda_graph import DecodeCudaGraphs, supports_cuda_graphs
+from radixserve.engine.grammar_mask import GrammarMask
+from radixserve.engine.prompt_logprobs import PromptLogprobPlan, plan_prompt_logprobs
 from radixserve.engine.sampled_tokens import LastSampledTokens
 from radixserve.model.logit_processing import ProcessingRow, process_logits
-from radixserve.model.logprobs import LogprobTensors, token_logprobs
-from radixserve.model.sampler import apply_token_bitmask, sample_tensor
+from radixserve.model.logprobs import LogprobTensors, gather_logprobs, token_logprobs
+from radixserve.model.sampler import sample_tensor
 from radixserve.sampling_params import TokenLogprob
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.batch import ScheduledBatch
@@ -74,6 +78,9 @@ class StepFuture:
     host_ids: Optional[torch.Tensor]  # pinned on CUDA; None when the step samples nothing
     event: Optional["torch.cuda.Event"]
     host_logprobs: Optional[LogprobTensors] = None
+    # Prompt log probabilities gathered by this step, and which request each belongs to.
+    host_prompt_logprobs: Optional[LogprobTensors] = None
+    prompt_plan: Optional[PromptLogprobPlan] = None
 
     def result(self) -> list[int]:
         if self.host_ids is None:
@@ -88,6 +95,25 @@ class StepFuture:
         if self.host_logprobs is None or self.host_ids is None:
             return None
         return self.host_logprobs.per_row(len(self.host_ids))
+
+    def prompt_logprobs(self) -> Optional[list[list[TokenLogprob]]]:
+        """Per request of the batch, in order: the prompt log probabilities this step gathered for
+        it (often none); None when no request gathered any. Call after result()."""
+        if self.host_prompt_logprobs is None or self.prompt_plan is None:
+            return None
+        if self.event is not None:
+            self.event.synchronize()
+        return self.prompt_plan.split(self.host_prompt_logprobs.per_row(len(self.prompt_plan.targets)))
+
+
+@dataclass
+class LaunchedForward:
+    """A step whose forward pass is queued and whose sampling is not yet."""
+    batch: ScheduledBatch
+    logits: torch.Tensor  # the sampling rows' logits in batch order, then the prompt log probability rows
+    sampling: list[Req]
+    pool_rows: list[int]  # each sampling request's req_to_token row (taken now: a finished request drops it)
+    prompt: Optional[PromptLogprobPlan]
 
 
 class ModelRunner:
@@ -111,8 +137,10 @@ class ModelRunner:
         self.num_eager_steps = 0
         # Masked by min_new_tokens until a request has that many tokens (set by the engine).
         self.eos_token_ids: list[int] = []
-        # Set by the engine when the first constrained request arrives (GrammarCompilers).
+        # Set by the engine when it can serve grammars (GrammarCompilers); the mask buffer is made
+        # at the first constrained step.
         self.grammars = None
+        self._grammar_mask: Optional[GrammarMask] = None
 
     # ------------------------------------------------------------------ batch building
     @staticmethod
@@ -132,13 +160,16 @@ class ModelRunner:
             return host.pin_memory().to(self.device, non_blocking=True)
         return host
 
-    def build_forward_batch(self, sb: ScheduledBatch) -> ForwardBatch:
-        decode, parts, resolve = self.batch_parts(sb)
+    def build_forward_batch(self, sb: ScheduledBatch, extra_logit_rows: Optional[list[int]] = None) -> ForwardBatch:
+        """extra_logit_rows: token rows whose logits are computed after the sampling rows (prompt
+        log probabilities; extend batches only)."""
+        decode, parts, resolve = self.batch_parts(sb, extra_logit_rows)
         return self.batch_from_parts(decode, parts, resolve)
 
-    def batch_parts(self, sb: ScheduledBatch) -> tuple[bool, tuple[list[int], ...], bool]:
+    def batch_parts(self, sb: ScheduledBatch, extra_logit_rows: Optional[list[int]] = None
+                    ) -> tuple[bool, tuple[list[int], ...], bool]:
         """(decode-only, the step's index lists in `batch_from_parts`' order, whether an input id is
-        a placeholder to resolve on the device)."""
+        a placeholder to resolve on the device). extra_logit_rows: as in `build_forward_batch`."""
         decode = sb.is_decode_only
         if decode:
             input_ids, positions, out_cache_loc, req_pool_indices, seq_lens = self.decode_columns(sb)
@@ -156,6 +187,8 @@ class ModelRunner:
                 if samples:
                     logits_indices.append(offset - 1)
             req_pool_indices = [r.req_pool_idx for r in sb.reqs]
+            if extra_logit_rows:
+                logits_indices = logits_indices + extra_logit_rows
         parts = (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, list(sb.extend_lens),
                  list(sb.kv_lens_before), logits_indices)
         return decode, parts, any(r.pending for r in sb.reqs)
@@ -185,37 +218,68 @@ class ModelRunner:
             req_to_token=self.req_to_token.table, kv_pool=self.kv_pool, logits_indices=logit_t)
 
     # ------------------------------------------------------------------ the step
-    def run_model(self, sb: ScheduledBatch) -> torch.Tensor:
-        """Logits of the sampling rows, in batch order (a graph's output view for decode)."""
+    def run_model(self, sb: ScheduledBatch, prompt: Optional[PromptLogprobPlan] = None) -> torch.Tensor:
+        """Logits of the sampling rows, in batch order (a graph's output view for decode), then
+        those of the prompt log probability rows."""
         if sb.is_decode_only and self.graphs is not None and self.graphs.can_run(len(sb.reqs)):
             self.num_graph_steps += 1
             return self.graphs.replay(*self.decode_columns(sb))
         self.num_eager_steps += 1
-        return self.model(self.build_forward_batch(sb))
+        return self.model(self.build_forward_batch(sb, prompt.token_rows if prompt is not None else None))
 
     @torch.inference_mode()
     def launch(self, sb: ScheduledBatch) -> StepFuture:
         """Queue the batch's forward pass and sampling; the ids come back through the future."""
-        logits = self.run_model(sb)
+        return self.launch_sampling(self.launch_forward(sb))
+
+    @torch.inference_mode()
+    def launch_forward(self, sb: ScheduledBatch) -> LaunchedForward:
+        """Queue the batch's forward pass (no sync)."""
+        prompt = plan_prompt_logprobs(sb)
         sampling = [r for r, s in zip(sb.reqs, sb.sample) if s]
+        return LaunchedForward(sb, self.run_model(sb, prompt), sampling, [r.req_pool_idx for r in sampling], prompt)
+
+    @torch.inference_mode()
+    def launch_sampling(self, fwd: LaunchedForward) -> StepFuture:
+        """Queue the sampling of a launched forward pass: grammar masks (from the matchers as they
+        are now), logit processing, the draw, log probabilities, and the copies to the host."""
+        sampling, logits = fwd.sampling, fwd.logits
+        prompt_logprobs = None
+        if fwd.prompt is not None:
+            n = len(sampling)
+            targets = self._to_device(fwd.prompt.targets)
+            prompt_logprobs = gather_logprobs(logits[n:], targets, fwd.prompt.top_nums)
+            logits = logits[:n]
         if not sampling:
-            return StepFuture(None, None)
+            return self._future(None, None, prompt_logprobs, fwd.prompt) if prompt_logprobs is not None \
+                else StepFuture(None, None)
         params = [r.sampling_params for r in sampling]
-        processed = self._constrain(self.process_logits(logits, sampling), sampling)
+        processed = self._constrain(self.process_logits(logits, sampling), logits, sampling)
         ids = sample_tensor(processed, params, [self._generator(r) for r in sampling], self.default_generator)
         # Of the model's own logits (the graph's output view is still intact: nothing replays
-        # before these kernels run, in stream order).
+        # before these kernels run, in stream order; masking works on a copy when it is needed).
         logprobs = token_logprobs(logits, ids, params)
-        rows = [r.req_pool_idx for r in sampling]
-        self.sampled.record(self._to_device(rows), ids)
-        if self.device.type != "cuda":
-            return StepFuture(ids.cpu(), None, logprobs.to_host(False) if logprobs is not None else None)
-        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-        host.copy_(ids, non_blocking=True)
-        host_logprobs = logprobs.to_host(True) if logprobs is not None else None
-        event = torch.cuda.Event()
-        event.record()
-        return StepFuture(host, event, host_logprobs)
+        self.sampled.record(self._to_device(fwd.pool_rows), ids)
+        return self._future(ids, logprobs, prompt_logprobs, fwd.prompt)
+
+    def _future(self, ids: Optional[torch.Tensor], logprobs: Optional[LogprobTensors],
+                prompt_logprobs: Optional[LogprobTensors], plan: Optional[PromptLogprobPlan]) -> StepFuture:
+        """Copy what the step produced to the host (pinned, behind one event on CUDA)."""
+        cuda = self.device.type == "cuda"
+
+        def host(tensors: Optional[LogprobTensors]) -> Optional[LogprobTensors]:
+            return tensors.to_host(cuda) if tensors is not None else None
+
+        if not cuda:
+            return StepFuture(ids.cpu() if ids is not None else None, None, host(logprobs), host(prompt_logprobs), plan)
+        host_ids = None
+        if ids is not None:
+            host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host_ids.copy_(ids, non_blocking=True)
+        future = StepFuture(host_ids, None, host(logprobs), host(prompt_logprobs), plan)
+        future.event = torch.cuda.Event()
+        future.event.record()
+        return future
 
     def process_logits(self, logits: torch.Tensor, sampling: list[Req]) -> torch.Tensor:
         """min_new_tokens, logit_bias and penalties (the logits unchanged when no request asks)."""
@@ -224,17 +288,30 @@ class ModelRunner:
         rows = [ProcessingRow(r.sampling_params, r.origin_input_ids, _outputs_before_step(r)) for r in sampling]
         return process_logits(logits, rows, self.eos_token_ids, self.sampled.resolve)
 
-    def _constrain(self, logits: torch.Tensor, sampling: list[Req]) -> torch.Tensor:
-        """Logits with the tokens each grammar-constrained row may not take masked out. The host
-        fills the bitmask from the matchers, which have accepted every earlier token: the engine
-        never launches a constrained request while one of its tokens is still on the device."""
-        grammars = [r.grammar for r in sampling]
-        if self.grammars is None or all(g is None for g in grammars):
-            return logits
-        bitmask = self.grammars.fill_bitmask(grammars)
-        if self.device.type == "cuda":
-            bitmask = bitmask.pin_memory().to(self.device, non_blocking=True)
-        return apply_token_bitmask(logits, bitmask)
+    def _constrain(self, processed: torch.Tensor, raw: torch.Tensor, sampling: list[Req]) -> torch.Tensor:
+        """The logits with the tokens each grammar-constrained row may not take masked out (in
+        place; on a copy when they are the model's own logits and log probabilities read them).
+        The matchers must have accepted every earlier token: the engine collects the step before
+        a constrained step before it launches the constrained step's sampling."""
+        if self.grammars is None:
+            return processed
+        rows = GrammarMask.constrained_rows(sampling)
+        if not rows:
+            return processed
+        if processed is raw and any(r.sampling_params.return_logprob for r in sampling):
+            processed = raw.clone()
+        return self._mask().apply_(processed, sampling, rows)
+
+    def _mask(self) -> GrammarMask:
+        if self._grammar_mask is None:
+            self._grammar_mask = GrammarMask(self.grammars, self.req_to_token.max_requests, self.device)
+        return self._grammar_mask
+
+    def warm_grammar_mask(self) -> None:
+        """Allocate the mask buffers and compile the masking kernel now: the first constrained step
+        would otherwise wait for both (a Triton compile takes a second or more)."""
+        if self.grammars is not None:
+            self._mask().warm_up()
 
     def forward(self, sb: ScheduledBatch) -> list[int]:
         """Run the batch and wait; one sampled token per request that samples, in batch order."""

@@ -49,6 +49,7 @@ from radixserve.cache.kv_pool import ReqToTokenPool
 from radixserve.distributed import TensorParallel, destroy, init_tensor_parallel
 from radixserve.distributed.group import open_store
 from radixserve.engine.model_runner import ModelRunner
+from radixserve.engine.prompt_logprobs import PromptLogprobPlan
 from radixserve.engine.sampled_tokens import LastSampledTokens
 from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.settings import ServerSettings
@@ -125,7 +126,7 @@ class TensorParallelRunner(ModelRunner):
         self.send = send
         super().__init__(*args, **kwargs)
 
-    def run_model(self, sb: ScheduledBatch) -> torch.Tensor:
+    def run_model(self, sb: ScheduledBatch, prompt: Optional[PromptLogprobPlan] = None) -> torch.Tensor:
         table = self.req_to_token
         assert isinstance(table, RecordingReqToTokenPool)
         rows = _ints(r.req_pool_idx for r, s in zip(sb.reqs, sb.sample) if s)
@@ -134,7 +135,7 @@ class TensorParallelRunner(ModelRunner):
             self.send(StepMessage(True, True, False, tuple(_ints(c) for c in columns), table.take(), rows))
             self.num_graph_steps += 1
             return self.graphs.replay(*columns)
-        decode, parts, resolve = self.batch_parts(sb)
+        decode, parts, resolve = self.batch_parts(sb, prompt.token_rows if prompt is not None else None)
         self.send(StepMessage(False, decode, resolve, tuple(_ints(p) for p in parts), table.take(), rows))
         self.num_eager_steps += 1
         return self.model(self.batch_from_parts(decode, parts, resolve))

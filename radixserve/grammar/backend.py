@@ -5,16 +5,17 @@ Compiling a grammar against the vocabulary takes from a millisecond (a small reg
 of a second (a large JSON Schema on a 150k-token vocabulary), so it runs in a worker thread
 (`GrammarCompilers.compile` returns a future) and the engine keeps the request out of admission
 until it is done. Compiled grammars are cached by (kind, text): agents send the same tool schema
-on every call. The bitmask of a step holds one row per sampling request, -1 (every token allowed)
-for unconstrained rows; xgrammar fills the constrained rows in one batched call.
+on every call. The bitmask of a step holds one row per constrained sampling request; xgrammar fills
+them in one batched call, on several threads (`FILL_THREADS`), into a buffer the caller keeps.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
@@ -23,6 +24,10 @@ from radixserve.grammar.spec import build_grammar
 # Distinct compiled grammars kept; a compiled JSON Schema of a 150k vocabulary is about a megabyte.
 CACHE_ENTRIES = 256
 COMPILE_THREADS = 1
+# Threads filling a batch's bitmask rows: a JSON fill costs ~5-100 us per row, and one inside a
+# `maxLength` string costs milliseconds with xgrammar 0.2.8 (see docs/structured_outputs.md).
+FILL_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) // 2 if hasattr(os, "sched_getaffinity")
+                          else (os.cpu_count() or 2) // 2))
 
 
 class RequestGrammar:
@@ -55,7 +60,7 @@ class GrammarCompilers:
         self.vocab_size = vocab_size
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
         self.executor = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
-        self.batch_matcher = xgrammar.BatchGrammarMatcher(max_threads=1)
+        self.batch_matcher = xgrammar.BatchGrammarMatcher(max_threads=FILL_THREADS)
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -77,13 +82,10 @@ class GrammarCompilers:
         # The API process already parsed (kind, text) with build_grammar; this adds the vocabulary.
         return self.compiler.compile_grammar(build_grammar(kind, text))
 
-    def fill_bitmask(self, grammars: Sequence[Optional[RequestGrammar]]) -> torch.Tensor:
-        """[len(grammars), ceil(vocab / 32)] int32 on the host: each constrained row's allowed
-        tokens, -1 (all allowed) for a None row."""
-        bitmask = torch.full((len(grammars), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
-        rows = [i for i, g in enumerate(grammars) if g is not None]
-        self.batch_matcher.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], bitmask, rows)
-        return bitmask
+    def fill_bitmask(self, grammars: Sequence[RequestGrammar], out: torch.Tensor) -> None:
+        """Fill out[i] (int32 [>= len(grammars), ceil(vocab / 32)] on the host, contiguous) with the
+        tokens grammars[i] allows next."""
+        self.batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], out)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -11,6 +11,8 @@
 - `radixserve.kernels.kv_store`: `store_kv(k, v, k_buf, v_buf, loc)`, the KV store alone
 - `radixserve.kernels.decode_attention`, `radixserve.kernels.extend_attention`: the attention
   kernels behind `radixserve.attention.triton_backend` (split-K decode, ragged extend)
+- `radixserve.kernels.token_bitmask`: `apply_token_bitmask_rows_(logits, bitmask, rows)`, grammar
+  masking of the constrained rows from xgrammar's packed bitmask, in place
 - `radixserve.kernels.launch`: `FastKernel`, which launches a compiled kernel through its C launcher
   after the first call of each specialisation (every kernel here goes through it)
 
@@ -28,7 +30,7 @@ def compiled_variant_counts() -> dict[str, int]:
     """How many compiled variants each of our Triton kernels holds in this process (CUDA only:
     imports triton). A count that grows while serving means a compile stalled the engine."""
     from radixserve.kernels import (activation, decode_attention, decode_linear, decode_linear_fp8, extend_attention,
-                                    kv_store, norm, rope)
+                                    kv_store, norm, rope, token_bitmask)
 
     kernels = {"decode_stage1": decode_attention._decode_stage1_kernel,
                "decode_stage2": decode_attention._decode_stage2_kernel,
@@ -37,7 +39,8 @@ def compiled_variant_counts() -> dict[str, int]:
                "silu_and_mul": activation._silu_and_mul_kernel,
                "decode_linear": decode_linear._decode_linear_kernel,
                "decode_linear_fp8": decode_linear_fp8._decode_linear_fp8_kernel,
-               "decode_linear_reduce": decode_linear._reduce_partials_kernel}
+               "decode_linear_reduce": decode_linear._reduce_partials_kernel,
+               "token_bitmask": token_bitmask._apply_token_bitmask_kernel}
     counts = {}
     for name, fn in kernels.items():
         caches = getattr(fn, "device_caches", None)  # triton >= 3.2: {device: (kernel cache, ...)}

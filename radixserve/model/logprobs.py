@@ -15,6 +15,9 @@ import torch
 
 from radixserve.sampling_params import SamplingParams, TokenLogprob
 
+# Rows whose float32 log_softmax is taken at once (a decode batch is one slice; prompts are more).
+SLICE_ROWS = 1024
+
 
 @dataclass
 class LogprobTensors:
@@ -59,12 +62,32 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
             index = index.pin_memory()
         index = index.to(logits.device, non_blocking=True)
         sub, ids = logits.index_select(0, index), token_ids.index_select(0, index)
-    logprobs = torch.log_softmax(sub.float(), dim=-1)
-    chosen = logprobs.gather(1, ids.view(-1, 1)).view(-1)
-    k = min(max(top_nums), logits.shape[-1])
+    return gather_logprobs(sub, ids, top_nums, rows)
+
+
+def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_nums: list[int],
+                    rows: Optional[list[int]] = None) -> LogprobTensors:
+    """Log probabilities of token_ids[i] under row i of logits [R, V], and the top_nums[i] most
+    likely ids with theirs (one top-k at the largest). rows: the positions reported (default
+    0..R-1). Many rows (a prompt's) go through in slices, so the float32 log_softmax never holds
+    more than SLICE_ROWS of them. No host sync."""
+    k = min(max(top_nums, default=0), logits.shape[-1])
+    chosen, top_values, top_ids = [], [], []
+    for begin in range(0, logits.shape[0], SLICE_ROWS):
+        logprobs = torch.log_softmax(logits[begin:begin + SLICE_ROWS].float(), dim=-1)
+        chosen.append(logprobs.gather(1, token_ids[begin:begin + SLICE_ROWS].view(-1, 1)).view(-1))
+        if k:
+            values, ids = logprobs.topk(k, dim=-1)
+            top_values.append(values)
+            top_ids.append(ids)
     if k:
-        top_values, top_ids = logprobs.topk(k, dim=-1)
+        values_t, ids_t = _cat(top_values), _cat(top_ids)
     else:
-        top_values = logprobs.new_empty((len(rows), 0))
-        top_ids = torch.empty((len(rows), 0), dtype=torch.int64, device=logits.device)
-    return LogprobTensors(rows, top_nums, chosen, top_values, top_ids)
+        values_t = logits.new_empty((len(top_nums), 0), dtype=torch.float32)
+        ids_t = torch.empty((len(top_nums), 0), dtype=torch.int64, device=logits.device)
+    return LogprobTensors(list(range(len(top_nums))) if rows is None else rows, top_nums, _cat(chosen), values_t,
+                          ids_t)
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

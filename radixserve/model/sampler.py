@@ -120,10 +120,21 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     return sample_tensor(logits, params, generators, default_generator).tolist()
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Logits [S, V] with every token a grammar forbids set to -inf (a new tensor; `logits` may be a
-    CUDA graph's output buffer). bitmask: int32 [S, ceil(V / 32)] on the logits' device, bit j of
-    word w allowing token 32 * w + j (xgrammar's layout); rows of -1 allow everything."""
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Set to -inf, in place, every logit of row rows[i] that bitmask row i forbids; other rows are
+    untouched. bitmask: int32 [len(rows), >= ceil(V / 32)] on the logits' device, bit j of word w
+    allowing token 32 * w + j (xgrammar's layout). On CUDA one Triton kernel reads the packed words;
+    elsewhere the rows are unpacked with tensor operations."""
+    if logits.device.type == "cuda":
+        from radixserve.kernels.token_bitmask import apply_token_bitmask_rows_
+
+        return apply_token_bitmask_rows_(logits, bitmask, rows)
+    vocab, n = logits.shape[-1], bitmask.shape[0]
     bits = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.shape[0], -1)[:, :logits.shape[-1]]
-    return logits.masked_fill(~allowed, float("-inf"))
+    forbidden = ((bitmask[:, :, None] >> bits) & 1).reshape(n, -1)[:, :vocab] == 0
+    rows = rows.long()
+    if torch.equal(rows, torch.arange(n, device=rows.device)):  # the first n rows: mask their view
+        logits[:n].masked_fill_(forbidden, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
+    return logits

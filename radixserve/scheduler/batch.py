@@ -49,6 +49,10 @@ class TokenFuture(Protocol):
         """After result(): per sampled id its `TokenLogprob` (None where not asked for), or None
         when no request of the step asked."""
 
+    def prompt_logprobs(self) -> Optional[list]:
+        """After result(): per request of the batch the prompt `TokenLogprob`s the step gathered
+        for it, or None when it gathered none."""
+
 
 @dataclass
 class StepInFlight:

@@ -65,14 +65,17 @@ class Req:
     generator: Optional[torch.Generator] = None
     # Log probabilities of each output token, when the request asked for them (aligned with output_ids).
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Prompt log probabilities (sampling_params.logprob_start_len): of prompt tokens
+    # max(logprob_start_len, 1) onwards, in order, gathered over the prompt's chunks.
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)
     # Output tokens already sent to the caller.
     sent_len: int = 0
     # Tokens sampled by a launched step whose value the host has not read yet (0 or 1 when a step
     # is scheduled; see StepInFlight). Their positions count in seq_len: with overlap scheduling
     # the next step is built on positions alone and the model reads such a token from the device.
     pending: int = 0
-    # Constrained decoding: the matcher every sampled token advances (None: unconstrained). The
-    # engine never schedules such a request while a token of it is still on the device.
+    # Constrained decoding: the matcher every sampled token advances (None: unconstrained). A
+    # step sampling for it is masked only once the step before has been collected.
     grammar: Optional[TokenGrammar] = None
 
     @property
@@ -93,10 +96,30 @@ class Req:
         """Tokens whose KV is still to be computed before the next token can be sampled."""
         return self.seq_len - self.kv_len
 
+    @property
+    def prompt_logprobs_from(self) -> Optional[int]:
+        """The first position whose logits a prompt log probability still needs (the logits of
+        position q give the log probability of prompt token q + 1); None when none is needed."""
+        start = self.sampling_params.logprob_start_len
+        if start < 0:
+            return None
+        pos = max(start, 1) - 1 + len(self.input_logprobs)
+        return pos if pos < len(self.origin_input_ids) - 1 else None
+
+    def prompt_logprob_positions(self, start: int, end: int) -> range:
+        """Positions in [start, end) whose logits give a prompt log probability not yet gathered."""
+        first = self.prompt_logprobs_from
+        if first is None:
+            return range(0)
+        return range(max(start, first), min(end, len(self.origin_input_ids) - 1))
+
     def match_target(self) -> list[int]:
-        """Tokens looked up in the cache: all but the last, which must be computed to get logits."""
+        """Tokens looked up in the cache: all but the last, which must be computed to get logits,
+        and none from the first position whose logits prompt log probabilities need."""
         ids = self.fill_ids
-        return ids[: len(ids) - 1]
+        end = len(ids) - 1
+        first = self.prompt_logprobs_from
+        return ids[: end if first is None else min(end, first)]
 
     def remaining_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens - self.num_generated

@@ -329,22 +329,29 @@ class Scheduler:
         """Wait for a launched step's tokens and process them (once); the requests with news."""
         if step.updated is None:
             ids = step.tokens.result()
-            step.updated = self.process_results(step.batch, ids, step.tokens.logprobs())
+            step.updated = self.process_results(step.batch, ids, step.tokens.logprobs(),
+                                                step.tokens.prompt_logprobs())
         return step.updated
 
     def process_results(self, batch: ScheduledBatch, next_token_ids: list[int],
-                        logprobs: Optional[list[Optional[TokenLogprob]]] = None) -> list[Req]:
-        """Append sampled tokens (and their log probabilities, where asked for), finish what is
-        done; returns the requests with news for the caller."""
+                        logprobs: Optional[list[Optional[TokenLogprob]]] = None,
+                        prompt_logprobs: Optional[list[list[TokenLogprob]]] = None) -> list[Req]:
+        """Append sampled tokens (and their log probabilities, where asked for, and the prompt
+        log probabilities the step gathered), finish what is done; returns the requests with news
+        for the caller."""
         now = self.clock()
         updated: list[Req] = []
         sampled = iter(next_token_ids)
         sampled_logprobs = iter(logprobs) if logprobs is not None else None
+        gathered = iter(prompt_logprobs) if prompt_logprobs is not None else None
         for req, samples, extend in zip(batch.reqs, batch.sample, batch.extend_lens):
             token = next(sampled) if samples else None
             token_logprob = next(sampled_logprobs) if samples and sampled_logprobs is not None else None
+            prompt_entries = next(gathered) if gathered is not None else None
             if req.state is not ReqState.RUNNING:
                 continue  # finished or aborted after this step was built: its token is dropped
+            if prompt_entries:
+                req.input_logprobs.extend(prompt_entries)
             if samples:
                 req.pending -= 1
                 req.output_ids.append(token)

@@ -85,3 +85,29 @@ def sglang_logprobs(texts: Optional[TokenTexts], token_ids: Sequence[int],
 
     return {"output_token_logprobs": [triple(lp.logprob, t) for t, lp in zip(token_ids, logprobs)],
             "output_top_logprobs": [[triple(v, i) for v, i in zip(lp.top_logprobs, lp.top_ids)] for lp in logprobs]}
+
+
+def sglang_prompt_logprobs(texts: Optional[TokenTexts], prompt_ids: Sequence[int], start: int,
+                           logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """`/generate`'s prompt fields: a triple per prompt token from `start` on, the first token of
+    the prompt with a null log probability (nothing comes before it), and per token its top
+    entries (null for the first)."""
+    def triple(value: Optional[float], token_id: int) -> list:
+        return [None if value is None else _finite(value), token_id, texts(token_id) if texts is not None else None]
+
+    head = [triple(None, prompt_ids[0])] if start == 0 else []
+    top_head: list = [None] if start == 0 else []
+    scored = prompt_ids[max(start, 1):]
+    return {"input_token_logprobs": head + [triple(lp.logprob, t) for t, lp in zip(scored, logprobs)],
+            "input_top_logprobs": top_head + [[triple(v, i) for v, i in zip(lp.top_logprobs, lp.top_ids)]
+                                              for lp in logprobs]}
+
+
+def completion_prompt_logprobs(texts: TokenTexts, prompt_ids: Sequence[int],
+                               logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """The completions API's `logprobs` object for an echoed prompt (offsets from 0): the first
+    token's log probability and top entries are null."""
+    result = completion_logprobs(texts, prompt_ids, [], 0)
+    result["token_logprobs"] = [None] + [_finite(lp.logprob) for lp in logprobs]
+    result["top_logprobs"] = [None] + [_top_by_text(texts, lp) for lp in logprobs]
+    return result

@@ -4,8 +4,8 @@ Strict, so the schema allows exactly what the server accepts: no numeric strings
 into numbers (`max_tokens: "10"`, `max_tokens: true`, `stream: "yes"` are 400), finite floats only,
 ranges as OpenAI documents them and as `radixserve.validation` enforces for the engine. A field the
 server does not implement is refused by name (400 `unsupported_parameter`): unknown fields are
-forbidden, and the fields declared here only for their neutral value (`tool_choice: "none"`,
-`logprob_start_len: -1`, ...) are declared with that value alone in the schema.
+forbidden, and a field accepted only at some values (`best_of` equal to `n`, an empty `suffix`)
+says so in its schema.
 """
 
 from __future__ import annotations
@@ -64,15 +64,6 @@ MAX_N = 64
 # A /generate rid is a label: printable ASCII only, so it can never break a log line.
 RID_PATTERN = r"^[ -~]+$"
 ROLES = ("system", "user", "assistant", "tool", "developer")
-
-
-def neutral_only(value: Any, description: str) -> Any:
-    """A field accepted at its neutral `value` only (anything else is a 400 naming it)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        schema: dict[str, Any] = {"minimum": value, "maximum": value}
-    else:
-        schema = {"enum": [value] if value is None else [value, None]}
-    return Field(None, description=description, json_schema_extra=schema)
 
 
 class _Body(BaseModel):
@@ -135,14 +126,7 @@ class _SamplingFields(_Body):
                           "against the schema, enforced by a grammar whether strict or not).")
 
 
-# Prompt log probabilities (echo with logprobs) are not served: the schema says so.
-_NO_ECHO_WITH_LOGPROBS = {"not": {"required": ["echo", "logprobs"],
-                                  "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}}}}
-
-
 class CompletionRequest(_SamplingFields):
-    model_config = ConfigDict(json_schema_extra=_NO_ECHO_WITH_LOGPROBS)
-
     # Token lists first, tried in order: pydantic's default ("smart") union validated a 2,000-id
     # prompt against every member, reporting an error per element for list[str], ~1 ms a request,
     # a third of the API's time when a burst of requests arrives; in order it takes ~0.13 ms.
@@ -150,9 +134,11 @@ class CompletionRequest(_SamplingFields):
                   Annotated[list[NonEmptyStr], Field(min_length=1)]] = Field(union_mode="left_to_right")
     max_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None,
                                       description="Default: min(2048, context length - prompt length).")
-    echo: bool = False
-    logprobs: Optional[TopLogprobs] = Field(None, description="Log probabilities of each output token and "
-                                                              "of this many most likely ones (not with echo).")
+    echo: bool = Field(False, description="Prepend the prompt to the text; with logprobs, the prompt's tokens "
+                                          "come first in the logprobs too (the first with null).")
+    logprobs: Optional[TopLogprobs] = Field(None, description="Log probabilities of each output token (and "
+                                                              "prompt token, with echo) and of this many most "
+                                                              "likely ones.")
     best_of: Optional[bounded_int(1, MAX_N)] = Field(None, description="Only equal to n is supported.",
                                    json_schema_extra={"maximum": 1})
     suffix: Optional[str] = Field(None, description="Not supported (null or empty only).",
@@ -292,7 +278,10 @@ class GenerateBody(_Body):
     top_logprobs_num: Optional[TopLogprobs] = Field(None, description="meta_info.output_top_logprobs: this "
                                                                       "many most likely tokens per position.")
     return_text_in_logprobs: bool = Field(False, description="Fill the text of the logprob triples.")
-    logprob_start_len: Optional[int] = neutral_only(-1, "Prompt log probabilities are not served (-1 only).")
+    logprob_start_len: Optional[bounded_int(-1, MAX_INT32)] = Field(
+        None, description="With return_logprob: meta_info.input_token_logprobs (and input_top_logprobs) for the "
+                          "prompt tokens from this position on (the first prompt token's logprob is null); -1: "
+                          "none. The cached prefix is reused only up to it.")
 
 
 class TokenizeBody(_Body):

@@ -57,6 +57,8 @@ class Tracker:
     last_token_at: Optional[float] = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when asked for
+    # Prompt log probabilities (params.logprob_start_len), of prompt tokens max(start, 1) onwards.
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)
     logprob_text_offset: int = 0  # characters of token text already reported (completions' text_offset)
     finish_reason: Optional[dict] = None
     prompt_tokens: int = 0
@@ -245,6 +247,7 @@ class ServingContext:
             self.metrics.queue_time.observe(out.queue_time)
         t.output_ids.extend(out.new_token_ids)
         t.logprobs.extend(out.new_logprobs)
+        t.input_logprobs.extend(out.input_logprobs)
         t.prompt_tokens = out.prompt_tokens
         t.cached_tokens = out.cached_tokens
         t.completion_tokens = out.completion_tokens

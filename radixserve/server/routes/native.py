@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from radixserve.grammar.spec import grammar_spec
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
-from radixserve.server.logprob_format import TokenTexts, sglang_logprobs
+from radixserve.server.logprob_format import TokenTexts, sglang_logprobs, sglang_prompt_logprobs
 from radixserve.server.protocol import GenerateBody
 from radixserve.server.responses import per_output, run_request
 from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, new_id, request_label, sse
@@ -36,6 +36,8 @@ def meta_info(t: Tracker, logprob_texts: Optional[TokenTexts] = None) -> dict[st
             "e2e_latency": t.e2e_latency}
     if t.params.return_logprob:
         info.update(sglang_logprobs(logprob_texts, t.output_ids, t.logprobs))
+    if t.params.wants_prompt_logprobs:
+        info.update(sglang_prompt_logprobs(logprob_texts, t.input_ids, t.params.logprob_start_len, t.input_logprobs))
     return info
 
 
@@ -63,13 +65,21 @@ def generate_params(ctx: ServingContext, body: GenerateBody, prompts: list[list[
     else:
         sp_list = [sp.values() if sp is not None else {}] * len(prompts)
     logprob_values: dict[str, Any] = {}
+    start = body.logprob_start_len if body.logprob_start_len is not None else -1
     if body.return_logprob:
-        logprob_values = {"return_logprob": True, "top_logprobs_num": body.top_logprobs_num or 0}
+        logprob_values = {"return_logprob": True, "top_logprobs_num": body.top_logprobs_num or 0,
+                          "logprob_start_len": start}
     elif body.top_logprobs_num:
         raise bad_request("top_logprobs_num needs return_logprob: true", "top_logprobs_num", code=CONFLICTING_FIELDS)
+    elif start != -1:
+        raise bad_request("logprob_start_len needs return_logprob: true", "logprob_start_len",
+                          code=CONFLICTING_FIELDS)
     params_per_prompt: list[list[SamplingParams]] = []
     for ids, values in zip(prompts, sp_list):
         ctx.check_prompt(ids, param)
+        if start >= len(ids):
+            raise bad_request(f"logprob_start_len={start} is not a position of the prompt's {len(ids)} tokens",
+                              "logprob_start_len", code=CONFLICTING_FIELDS)
         if "logit_bias" in values:
             values = {**values, "logit_bias": ctx.logit_bias(values["logit_bias"], "sampling_params.logit_bias")}
         params = ctx.sampling_params({**values, **logprob_values})
@@ -81,9 +91,6 @@ def generate_params(ctx: ServingContext, body: GenerateBody, prompts: list[list[
 @router.post("/generate")
 async def generate(body: GenerateBody, request: Request, ctx: Ctx):
     arrival = time.perf_counter()
-    if body.logprob_start_len is not None and body.logprob_start_len != -1:
-        raise APIError(400, f"logprob_start_len={body.logprob_start_len} asks for prompt log probabilities, which "
-                            f"are not served (-1 only)", param="logprob_start_len", code="unsupported_parameter")
     label = request_label(body.rid)
     prompts, single, param = await generate_prompts(ctx, body)
     if not prompts:

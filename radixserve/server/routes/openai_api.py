@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
-from radixserve.server.logprob_format import chat_logprobs, completion_logprobs
+from radixserve.server.logprob_format import chat_logprobs, completion_logprobs, completion_prompt_logprobs
 from radixserve.server.protocol import ROLES, ChatCompletionRequest, CompletionRequest
 from radixserve.server.responses import per_output, run_request, usage
 from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, finish_reason_name, new_id, sse
@@ -29,9 +29,10 @@ def check_neutral(body, name: str, ok: Callable[[Any], bool], why: str) -> None:
 
 
 def openai_params(body, max_tokens: int, seed_offset: int, top_logprobs: Optional[int] = None,
-                  logit_bias: Optional[dict[int, float]] = None) -> dict[str, Any]:
+                  logit_bias: Optional[dict[int, float]] = None, prompt_logprobs: bool = False) -> dict[str, Any]:
     """The engine's sampling values of one choice; top_logprobs None: no log probabilities;
-    logit_bias: the body's, its keys already checked as token ids."""
+    logit_bias: the body's, its keys already checked as token ids; prompt_logprobs: those of the
+    whole prompt too (echo)."""
     values: dict[str, Any] = {"max_new_tokens": max_tokens,
                               "temperature": 1.0 if body.temperature is None else body.temperature,
                               "ignore_eos": body.ignore_eos, "skip_special_tokens": body.skip_special_tokens,
@@ -48,6 +49,8 @@ def openai_params(body, max_tokens: int, seed_offset: int, top_logprobs: Optiona
     if top_logprobs is not None:
         values["return_logprob"] = True
         values["top_logprobs_num"] = top_logprobs
+        if prompt_logprobs:
+            values["logprob_start_len"] = 0
     if body.stop is not None:
         values["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
     if body.seed is not None:
@@ -58,15 +61,17 @@ def openai_params(body, max_tokens: int, seed_offset: int, top_logprobs: Optiona
 
 def build_choices(ctx: ServingContext, body, prompts: list[list[int]], param: str, max_tokens: Optional[int],
                   max_param: str, top_logprobs: Optional[int],
-                  grammar: Optional[tuple[str, str]] = None) -> list[list[SamplingParams]]:
-    """grammar: (kind, text) every choice's output is constrained by (see radixserve.grammar)."""
+                  grammar: Optional[tuple[str, str]] = None, prompt_logprobs: bool = False) -> list[list[SamplingParams]]:
+    """grammar: (kind, text) every choice's output is constrained by (see radixserve.grammar);
+    prompt_logprobs: the prompt's log probabilities too (completions' echo with logprobs)."""
     extra = {grammar[0]: grammar[1]} if grammar is not None else {}
     out = []
     bias = ctx.logit_bias(body.logit_bias, "logit_bias")
     for ids in prompts:
         ctx.check_prompt(ids, param)
         mnt = ctx.max_new_tokens(ids, max_tokens, max_param)
-        out.append([ctx.sampling_params({**openai_params(body, mnt, j, top_logprobs, bias), **extra}, "")
+        out.append([ctx.sampling_params({**openai_params(body, mnt, j, top_logprobs, bias, prompt_logprobs), **extra},
+                                        "")
                     for j in range(body.n)])
     return out
 
@@ -95,15 +100,14 @@ async def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> tu
 async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
     arrival = time.perf_counter()
     ctx.check_model(body.model)
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs asks for the prompt's log probabilities, which are not served",
-                       param="echo", code="unsupported_parameter")
     check_neutral(body, "suffix", lambda v: v == "", "insertion is not implemented")
     check_neutral(body, "best_of", lambda v: v in (1, body.n), "only best_of == n")
     grammar = response_format_grammar(body.response_format)
     await checked_grammar(ctx, grammar, "response_format")
     texts, prompts = await completion_prompts(ctx, body)
-    choices = build_choices(ctx, body, prompts, "prompt", body.max_tokens, "max_tokens", body.logprobs, grammar)
+    echo_logprobs = body.echo and body.logprobs is not None
+    choices = build_choices(ctx, body, prompts, "prompt", body.max_tokens, "max_tokens", body.logprobs, grammar,
+                            prompt_logprobs=echo_logprobs)
     if body.echo and ctx.tokenizer is not None:  # token-id prompts echo as their text
         texts = [t if t is not None else await ctx.run_blocking(ctx.tokenizer.decode, ids)
                  for t, ids in zip(texts, prompts)]
@@ -114,17 +118,23 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
     def echo_text(t: Tracker) -> str:
         return (texts[t.prompt_index] or "") if body.echo else ""
 
-    def logprobs_of(t: Tracker, token_ids: list[int], logprobs: list) -> Optional[dict]:
+    def logprobs_of(t: Tracker, token_ids: list[int], logprobs: list, with_prompt: bool) -> Optional[dict]:
+        """with_prompt: the echoed prompt's entries come first (the first chunk or the whole reply)."""
         if body.logprobs is None:
             return None
         result = completion_logprobs(ctx.token_texts, token_ids, logprobs, t.logprob_text_offset)
+        if echo_logprobs and with_prompt:
+            head = completion_prompt_logprobs(ctx.token_texts, t.input_ids, t.input_logprobs)
+            shift = sum(len(token) for token in head["tokens"])
+            result = {key: head[key] + (result[key] if key != "text_offset" else [o + shift for o in result[key]])
+                      for key in result}
         t.logprob_text_offset += sum(len(token) for token in result["tokens"])
         return result
 
     def final(ts: list[Tracker]):
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": [{"index": t.index, "text": echo_text(t) + t.text,
-                             "logprobs": logprobs_of(t, t.output_ids, t.logprobs),
+                             "logprobs": logprobs_of(t, t.output_ids, t.logprobs, True),
                              "finish_reason": finish_reason_name(t.finish_reason)} for t in ts],
                 "usage": usage(ts)}
 
@@ -140,12 +150,13 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
     async def stream(outputs, close):
         echoed: set[str] = set()
         async for t, out, delta in per_output(ctx, outputs, trackers):
-            if t.rid not in echoed:
+            first = t.rid not in echoed
+            if first:
                 echoed.add(t.rid)
                 delta = echo_text(t) + delta
-            if delta or t.finished or out.new_logprobs:
+            if delta or t.finished or out.new_logprobs or (first and echo_logprobs):
                 yield chunk([{"index": t.index, "text": delta,
-                              "logprobs": logprobs_of(t, out.new_token_ids, out.new_logprobs),
+                              "logprobs": logprobs_of(t, out.new_token_ids, out.new_logprobs, first),
                               "finish_reason": finish_reason_name(t.finish_reason)}])
         close()
         if include_usage:
