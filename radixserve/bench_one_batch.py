@@ -537,7 +537,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-def _bench_all_ranks(fn: Callable[[], object], rep_ms: int = 0, iters: int = 50, warmup: int = 10) -> float:
+def time_on_all_ranks_ms(fn: Callable[[], object], rep_ms: int = 0, iters: int = 50, warmup: int = 10) -> float:
     """Mean ms of `iters` back-to-back calls, the slowest rank's: a fixed count (do_bench's adaptive
     count could differ between ranks, and every rank must make the same collectives)."""
     import torch.distributed as dist
@@ -585,7 +585,7 @@ def main_tensor_parallel(args) -> int:
              f"KV {cost.kv_bytes_per_token} B/token; NVLink {args.nvlink_gb_s:g} GB/s per direction")
     model = _load_bf16_model(args, work, rep, args.decode_gemm_max_rows, tp=tp)
     if model is not None:
-        bench_decode_steps(args, work, cost, rep, bw, model, f"decode-step-tp{tp.size}", timer=_bench_all_ranks)
+        bench_decode_steps(args, work, cost, rep, bw, model, f"decode-step-tp{tp.size}", timer=time_on_all_ranks_ms)
     rep.save()
     destroy(tp)
     return 0

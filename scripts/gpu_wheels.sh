@@ -36,7 +36,7 @@ PACKAGES=(
   httpx2==2.16.2
   httpcore2==2.16.2
   truststore==0.10.5
-  xgrammar==0.2.8
+  xgrammar==0.2.9
   apache-tvm-ffi==0.1.15.post2
 )
 

@@ -7,8 +7,8 @@ documents (staggered, so the rows sit in different states) and times, per step, 
 does for a constrained step: xgrammar's batched fill into the persistent bitmask buffer
 (`GrammarMask.fill`), and masking the [batch, vocab] logits from the packed bitmask
 (`GrammarMask.apply_filled_`: on a GPU the copy and one Triton kernel, timed to completion; on the
-CPU the tensor-operation fallback). `--schema unbounded` drops the schema's `maxLength`s:
-xgrammar 0.2.8 fills masks inside a `maxLength` string orders of magnitude slower.
+CPU the tensor-operation fallback). `--schema unbounded` drops the schema's `maxLength`s (before
+0.2.9, xgrammar filled masks inside a `maxLength` string orders of magnitude slower).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ completes (with dummy weights the outputs are random, so the schema bounds how l
 the unconstrained one with ignore_eos and, request by request, the same number of output tokens
 (so both pay the same prefill and the same shrinking batch). The figure to compare is output
 tok/s; the constrained batch also pays the bitmask fill and masking. The tool schema bounds its
-strings with `maxLength`, which xgrammar 0.2.8 fills masks for very slowly; the same schema
-without its `maxLength`s is run as well.
+strings with `maxLength` (slow to fill before xgrammar 0.2.9); the same schema without its
+`maxLength`s is run as well.
 """
 
 from __future__ import annotations

@@ -27,21 +27,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from radixserve.bench_one_batch import time_on_all_ranks_ms
+
 
 def timed_us(fn: Callable[[], object], calls_per_fn: int, iters: int = 50, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    us = torch.tensor([start.elapsed_time(end) * 1e3 / (iters * calls_per_fn)], device="cuda")
-    dist.all_reduce(us, op=dist.ReduceOp.MAX)
-    return float(us.item())
+    return time_on_all_ranks_ms(fn, iters=iters, warmup=warmup) * 1e3 / calls_per_fn
 
 
 def in_graph(fn: Callable[[], object], calls: int) -> Callable[[], None]:

@@ -228,18 +228,24 @@ class RadixCache:
             child.last_access = tick
             node, pos = child, child_pos + n
         if pos < len(tokens):
-            leaf = TreeNode(list(tokens[pos:]), slots[pos:].clone(), node, tick, next(self._ids))
-            node.children[self._child_key(tokens, pos)] = leaf
-            self.num_nodes += 1
-            self.evictable_size += len(leaf.key)
-            self.counters.inserted_tokens += len(leaf.key)
-            self._push(leaf)
-            self.touched.add((node, self._child_key(tokens, pos)))
-            if self.event_listener is not None:
-                self.event_listener("insert", list(tokens))
+            self._add_leaf(node, tokens, pos, slots, tick)
         elif node is not self.root and self._evictable_leaf(node) and node.lock_ref == 0:
             self._push(node)  # its access time changed
         return pos
+
+    def _add_leaf(self, parent: TreeNode, tokens: Sequence[int], pos: int, slots: torch.Tensor,
+                  tick: int) -> TreeNode:
+        """tokens[pos:] as a new evictable leaf under parent, owning slots[pos:]."""
+        leaf = TreeNode(list(tokens[pos:]), slots[pos:].clone(), parent, tick, next(self._ids))
+        parent.children[self._child_key(tokens, pos)] = leaf
+        self.num_nodes += 1
+        self.evictable_size += len(leaf.key)
+        self.counters.inserted_tokens += len(leaf.key)
+        self._push(leaf)
+        self.touched.add((parent, self._child_key(tokens, pos)))
+        if self.event_listener is not None:
+            self.event_listener("insert", list(tokens))
+        return leaf
 
     # ------------------------------------------------------------------ locking
     def inc_lock(self, node: TreeNode) -> None:

@@ -248,17 +248,9 @@ class TieredRadixCache(RadixCache):
                 device_end = child_pos + n
             node, pos = child, child_pos + n
         if pos < len(tokens):
-            leaf = TreeNode(list(tokens[pos:]), slots[pos:].clone(), node, tick, next(self._ids))
-            node.children[self._child_key(tokens, pos)] = leaf
-            self.num_nodes += 1
-            self.evictable_size += len(leaf.key)
-            self.counters.inserted_tokens += len(leaf.key)
-            self._push(leaf)
-            self.touched.add((node, self._child_key(tokens, pos)))
+            leaf = self._add_leaf(node, tokens, pos, slots, tick)
             if self.write_through:
                 self._write_through(leaf)
-            if self.event_listener is not None:
-                self.event_listener("insert", list(tokens))
         elif node is not self.root and self._evictable_leaf(node) and node.lock_ref == 0:
             self._push(node)
         return device_end

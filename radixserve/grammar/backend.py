@@ -24,8 +24,8 @@ from radixserve.grammar.spec import build_grammar
 # Distinct compiled grammars kept; a compiled JSON Schema of a 150k vocabulary is about a megabyte.
 CACHE_ENTRIES = 256
 COMPILE_THREADS = 1
-# Threads filling a batch's bitmask rows: a JSON fill costs ~5-100 us per row, and one inside a
-# `maxLength` string costs milliseconds with xgrammar 0.2.8 (see docs/structured_outputs.md).
+# Threads filling a batch's bitmask rows: a JSON fill costs ~5-100 us per row (see
+# docs/structured_outputs.md, "What the fill costs").
 FILL_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) // 2 if hasattr(os, "sched_getaffinity")
                           else (os.cpu_count() or 2) // 2))
 
