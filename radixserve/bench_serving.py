@@ -37,7 +37,7 @@ from radixserve.bench.datasets import (DATASETS, WORDS, BenchRequest, DatasetArg
                                        dataset_summary)
 from radixserve.bench.belady import belady_hit_rate
 from radixserve.bench.closed_loop import extend_turn
-from radixserve.bench.metrics import BenchMetrics, compute_metrics
+from radixserve.bench.metrics import BenchMetrics, compute_metrics, lost_previous_prompts
 from radixserve.bench.oracle import OracleRequest, oracle_hit_rate
 from radixserve.bench.report import format_report
 from radixserve.http_common.loop_lag import watch_loop_lag
@@ -395,6 +395,9 @@ async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False, progre
     metrics.oracle_belady_hit_rate = oracles["belady"]
     metrics.oracle_capacity_tokens = capacity
     metrics.oracle_page_size, metrics.oracle_running = page_size, args.oracle_running
+    lost = lost_previous_prompts([(r.session_id, r.turn) for r in requests], results)
+    if lost is not None:
+        metrics.later_turns, metrics.turns_that_lost_the_previous_prompt, metrics.lost_prompt_tokens = lost
     if metrics.hit_rate is not None:
         ratio = lambda bound: metrics.hit_rate / bound if bound else None  # noqa: E731
         metrics.achieved_over_oracle = ratio(oracles["unlimited"])

@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from radixserve.bench.client import RequestResult
+from radixserve.bench.metrics import lost_previous_prompts
 from radixserve.bench_serving import BenchError, build_parser, main, run_benchmark
 from tests.conftest import ServerProcess, free_port, seed_launch_args
 
@@ -81,6 +83,21 @@ def test_hit_rate_from_responses_equals_metrics_and_respects_the_oracle(server):
     assert m.achieved_over_oracle == pytest.approx(m.hit_rate / m.oracle_hit_rate)
     assert "Prefix Cache" in out.report and "Oracle hit rate" in out.report
     assert "Belady bound" in out.report and "LRU at capacity" in out.report
+    # 4 sessions x 3 later turns, each finding its whole previous prompt in the large pool
+    assert (m.later_turns, m.turns_that_lost_the_previous_prompt) == (12, 0)
+    line = next(x for x in out.report.splitlines() if x.startswith("Later turns that lost the previous prompt:"))
+    assert line.endswith("0 of 12 (0 tokens)")
+
+
+def test_lost_previous_prompts_counts_turns_whose_conversation_was_evicted():
+    sessions = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (None, 0)]
+    results = [RequestResult(i, success=True, prompt_len=n, cached_tokens=c)
+               for i, (n, c) in enumerate([(300, 0), (400, 299), (500, 100), (300, 200), (380, 230), (50, 0)])]
+    # turn (0, 1) kept all 299 reusable tokens; (0, 2) lost 299 of 399; (1, 1) lost 69 (> 64)
+    assert lost_previous_prompts(sessions, results) == (3, 2, 299 + 69)
+    assert lost_previous_prompts([(None, 0)] * 6, results) is None
+    results[1].success = False  # a failed turn is no evidence; the next turn has no previous one
+    assert lost_previous_prompts(sessions, results) == (1, 1, 69)
 
 
 @pytest.mark.parametrize("backend", ["openai", "openai-chat", "sglang"])

@@ -64,6 +64,11 @@ class BenchMetrics:
     achieved_over_belady: Optional[float] = None
     oracle_page_size: Optional[int] = None
     oracle_running: Optional[int] = None
+    # Multi-turn sessions: later turns whose cached tokens fell short of the previous turn's whole
+    # prompt (by more than LOST_SLACK_TOKENS), i.e. whose conversation was evicted between turns.
+    later_turns: Optional[int] = None
+    turns_that_lost_the_previous_prompt: Optional[int] = None
+    lost_prompt_tokens: Optional[int] = None
     # The client's own event-loop stalls (over LAG_THRESHOLD_S) and worst lag while the requests ran:
     # a stalled client reads its own pause as the server's latency.
     client_loop_stalls: int = 0
@@ -95,6 +100,32 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float) -> Benc
         tpot_ms=Dist.of(tpots), itl_ms=Dist.of(itls),
         cached_tokens=cached, hit_rate=(cached / cached_prompt if with_cache and cached_prompt else None),
     )
+
+
+# A later turn may fall short of its previous prompt by a partial last page and the tokens a
+# template renders differently at the end of a turn; more than this is a lost conversation.
+LOST_SLACK_TOKENS = 64
+
+
+def lost_previous_prompts(sessions: Sequence[tuple[Optional[int], int]], results: Sequence[RequestResult]
+                          ) -> Optional[tuple[int, int, int]]:
+    """(later turns, turns that lost the previous turn's prompt, tokens lost) over requests that
+    carry (session id, turn), index-aligned with `sessions`; None without multi-turn sessions.
+
+    The scheduler simulator (radixserve/bench/scheduler_sim.py) reports the same count, so a real
+    run and its simulation can be compared on what the cache kept, not only on the hit rate."""
+    by_turn = {sessions[r.index]: r for r in results
+               if r.success and r.cached_tokens is not None and sessions[r.index][0] is not None}
+    later = lost_turns = lost_tokens = 0
+    for (sid, turn), r in by_turn.items():
+        previous = by_turn.get((sid, turn - 1)) if turn else None
+        if previous is None:
+            continue
+        later += 1
+        lost = previous.prompt_len - 1 - r.cached_tokens
+        lost_turns += lost > LOST_SLACK_TOKENS
+        lost_tokens += max(lost, 0)
+    return (later, lost_turns, lost_tokens) if later else None
 
 
 def hit_rate_over_time(results: Sequence[RequestResult], t0: float) -> list[tuple[float, float]]:

@@ -67,6 +67,9 @@ def format_report(m: BenchMetrics, *, backend: str, request_rate: float, max_con
     row("Achieved / oracle (unlimited):", _fmt(m.achieved_over_oracle, 3))
     row("Achieved / Belady bound:", _fmt(m.achieved_over_belady, 3))
     row("Achieved / LRU at capacity:", _fmt(m.achieved_over_oracle_capacity, 3))
+    if m.later_turns:
+        row("Later turns that lost the previous prompt:",
+            f"{m.turns_that_lost_the_previous_prompt} of {m.later_turns} ({m.lost_prompt_tokens} tokens)")
     if m.failure_reasons:
         title(" Failures ", "-")
         for reason, count in sorted(m.failure_reasons.items(), key=lambda kv: -kv[1]):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.bench.metrics import LOST_SLACK_TOKENS
 from radixserve.cache.kv_pool import KVPool, PageAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.tiered_cache import make_tiered_cache
@@ -137,7 +138,7 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
             sid, turn = map(int, req.rid.split("-"))
             if turn > 0:  # the previous turn's prompt could have been found cached
                 lost = len(sessions[sid][turn - 1].prompt) - 1 - req.cached_tokens
-                lost_turns += lost > 64
+                lost_turns += lost > LOST_SLACK_TOKENS
                 lost_tokens += max(lost, 0)
             if turn + 1 < len(sessions[sid]):
                 heapq.heappush(arrivals, (now[0] + sessions[sid][turn + 1].think_s, sid, turn + 1))
