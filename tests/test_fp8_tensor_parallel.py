@@ -33,12 +33,12 @@ import transformers
 from test_engine import check_idle, make_prompts
 
 from radixserve import Engine
+from radixserve.launch_server import parse_settings
 from radixserve.model.layers.fp8 import FP8_DTYPE, quantize_rows
 from radixserve.model.layers.kernel_choice import KernelChoice
 from radixserve.model.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from radixserve.model.quantization import Fp8Config
 from radixserve.server.startup import check_quantization
-from radixserve.launch_server import parse_settings
 from radixserve.testing.fp8_checkpoint import write_fp8_checkpoint
 from radixserve.testing.tiny_model import build_tiny_model
 
@@ -72,11 +72,11 @@ def run(path: Path, tp_size: int, prompts: list[list[int]], **settings):
     return tokens, logprobs, weights
 
 
-def hf_sliced_fake_quant(dequantized: Path, slices: int):
+def hf_sliced_fake_quant(dequantized: Path, slices: int, device: str = "cpu"):
     """transformers' Qwen2 on the dequantized weights, each projection's input rounded to e4m3 per
     token, the way `slices` ranks see it: o_proj's and down_proj's inputs in `slices` column blocks,
     each with its own per-token scale."""
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval()
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(dequantized, dtype=torch.float32).to(device).eval()
 
     def fake_quant(x: torch.Tensor) -> torch.Tensor:
         scale = (x.abs().amax(dim=-1, keepdim=True) / 448.0).clamp_min(1e-12)
