@@ -215,3 +215,23 @@ def test_server_start_up_accepts_fp8_weights_with_tp(tmp_path):
     """The start-up check no longer refuses --quantization fp8 with --tp-size 2."""
     tiny = build_tiny_model(tmp_path / "tiny", layers=1)
     check_quantization(parse_settings(["--model-path", str(tiny), "--quantization", "fp8", "--tp-size", "2"]))
+
+
+def test_tp_decode_floor_counts_fp8_weights_and_kv_of_the_shard():
+    """bench_one_batch --tp-size 8 --quantization fp8 --kv-cache-dtype fp8_e4m3: one byte per
+    weight and KV value of a rank's shard (plus a float32 scale per output row)."""
+    from argparse import Namespace
+
+    from radixserve.bench.model_cost import ModelCost
+    from radixserve.bench_one_batch import Report, model_cost
+    from radixserve.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(Path(__file__).resolve().parents[1] / "benchmarks/configs/qwen2-72b")
+    rep = Report(None)
+    cost, kv_dtype = model_cost(Namespace(quantization="fp8", kv_cache_dtype="fp8_e4m3"), cfg, rep, tp=8)
+    bf16 = ModelCost(cfg, tp=8)
+    assert kv_dtype == FP8_DTYPE and rep.meta["weights"] == "fp8"
+    assert cost.kv_bytes_per_token == bf16.kv_bytes_per_token // 2 == 2 * 80 * 1 * 128
+    # Per rank and layer: q|k|v 1024 + 2 x 128 rows, o_proj 8192, gate|up 2 x 3696, down_proj 8192.
+    projections, scale_rows = 80 * bf16.layer_projection_params, 80 * (1280 + 8192 + 7392 + 8192)
+    assert bf16.decode_weight_bytes - cost.decode_weight_bytes == projections - 4 * scale_rows
