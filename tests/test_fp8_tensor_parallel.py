@@ -20,25 +20,28 @@ to a neighbouring e4m3 value. Hence:
   as FP8 against bf16 on this model).
   Their greedy tokens are not compared: the random tiny model's logits are nearly uniform
   (log probabilities about -6.2 = log 1/512), so its top two tokens are often closer than that.
+The server starts with FP8 weights at --tp-size 2 and answers with tp 1's text; loading the shards
+is checked layer by layer (whole-row scales, per-channel scale slices); the TP decode floor of
+bench_one_batch counts the FP8 bytes of a rank's shard.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 import transformers
 
+from conftest import ServerProcess
 from test_engine import check_idle, make_prompts
 
 from radixserve import Engine
-from radixserve.launch_server import parse_settings
 from radixserve.model.layers.fp8 import FP8_DTYPE, quantize_rows
 from radixserve.model.layers.kernel_choice import KernelChoice
 from radixserve.model.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from radixserve.model.quantization import Fp8Config
-from radixserve.server.startup import check_quantization
 from radixserve.testing.fp8_checkpoint import write_fp8_checkpoint
 from radixserve.testing.tiny_model import build_tiny_model
 
@@ -149,12 +152,17 @@ def prompts() -> list[list[int]]:
     return make_prompts(512, seed=2)[:6]
 
 
-def test_fp8_checkpoint_per_tensor_static_tp2_equals_tp1(tmp_path_factory, prompts):
+@pytest.fixture(scope="module")
+def static_ckpt(tmp_path_factory) -> Path:
+    """quant_method fp8, per-tensor weight scales, static activation scales."""
+    tiny = build_tiny_model(tmp_path_factory.mktemp("fp8tp-src"), seed=1, num_heads=4, num_kv_heads=2)
+    return write_fp8_checkpoint(tiny, tiny.parent / "fp8-static", fmt="fp8", static_activations=True).path
+
+
+def test_fp8_checkpoint_per_tensor_static_tp2_equals_tp1(static_ckpt, prompts):
     """quant_method fp8: a per-tensor weight scale on every row of each shard, the static input scale
     the same on every rank."""
-    tiny = build_tiny_model(tmp_path_factory.mktemp("fp8tp-src"), seed=1, num_heads=4, num_kv_heads=2)
-    ckpt = write_fp8_checkpoint(tiny, tiny.parent / "fp8-static", fmt="fp8", static_activations=True)
-    one, two = run(ckpt.path, 1, prompts), run(ckpt.path, 2, prompts)
+    one, two = run(static_ckpt, 1, prompts), run(static_ckpt, 2, prompts)
     assert two[0] == one[0]
     assert prompt_spread(one, two, prompts) < STATIC_TOL
     assert all(max(abs(a - b) for a, b in zip(r1, r2)) < STATIC_TOL for r1, r2 in zip(one[1], two[1]))
@@ -162,7 +170,7 @@ def test_fp8_checkpoint_per_tensor_static_tp2_equals_tp1(tmp_path_factory, promp
     assert torch.equal(two[2]["self_attn.qkv_proj.input_scale"], one[2]["self_attn.qkv_proj.input_scale"])
 
 
-def test_fp8_per_channel_checkpoint_with_a_replicated_kv_head_tp2_equals_tp1(tmp_path_factory, prompts):
+def test_fp8_per_channel_checkpoint_with_a_replicated_kv_head_at_tp2(tmp_path_factory, prompts):
     """compressed-tensors per-channel scales, sliced with the rows; the single KV head (and its
     scales) on both ranks; tied embeddings."""
     tiny = build_tiny_model(tmp_path_factory.mktemp("fp8tp-kv1"), seed=3, num_heads=4, num_kv_heads=1,
@@ -172,7 +180,7 @@ def test_fp8_per_channel_checkpoint_with_a_replicated_kv_head_tp2_equals_tp1(tmp
     check_rank0_shard(one[2], two[2], q=32, kv=16, kv_start=0, inter=64, hidden_q=64)
 
 
-def test_quantize_at_load_tp2_equals_tp1(tmp_path_factory, prompts):
+def test_quantize_at_load_at_tp2_holds_tp1s_weights(tmp_path_factory, prompts):
     """--quantization fp8 on a bf16 checkpoint: a row-parallel rank scales each row by its max over
     all the row's columns, so its e4m3 columns are exactly tp 1's."""
     tiny = build_tiny_model(tmp_path_factory.mktemp("fp8tp-bf16"), seed=4, dtype=torch.bfloat16)
@@ -211,10 +219,24 @@ def test_column_parallel_slices_per_channel_scales_and_refuses_block_scales():
         layer.load_weight("weight_scale", torch.ones(8, 2), 0)
 
 
-def test_server_start_up_accepts_fp8_weights_with_tp(tmp_path):
-    """The start-up check no longer refuses --quantization fp8 with --tp-size 2."""
-    tiny = build_tiny_model(tmp_path / "tiny", layers=1)
-    check_quantization(parse_settings(["--model-path", str(tiny), "--quantization", "fp8", "--tp-size", "2"]))
+def test_server_serves_an_fp8_checkpoint_with_tp2(static_ckpt, server_workdir):
+    """The server starts with FP8 weights and --tp-size 2 (and an FP8 KV cache) and answers through
+    the openai SDK with tp 1's text (static activation scales: the same roundings)."""
+    prompt, settings = "The river ran past", {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    with Engine(str(static_ckpt), **SETTINGS, kv_cache_dtype="fp8_e4m3") as single:
+        expected = single.generate(prompt=prompt, sampling_params=settings)["text"]
+    proc = ServerProcess(["--model-path", str(static_ckpt), "--device", "cpu", "--dtype", "float32", "--tp-size",
+                          "2", "--kv-cache-dtype", "fp8_e4m3", "--max-total-tokens", "2048"],
+                         server_workdir).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused")
+        model = client.models.list().data[0].id
+        completion = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        assert completion.choices[0].text == expected
+        assert proc.server_info()["settings"]["tp_size"] == 2
+    finally:
+        proc.stop(timeout_s=20)
 
 
 def test_tp_decode_floor_counts_fp8_weights_and_kv_of_the_shard():
