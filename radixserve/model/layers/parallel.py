@@ -31,8 +31,8 @@ from torch import nn
 
 from radixserve.distributed import TensorParallel
 from radixserve.model.layers.activation import SiluAndMul
-from radixserve.model.layers.kernel_choice import KernelChoice
 from radixserve.model.layers.fp8 import FP8_DTYPE, row_scales
+from radixserve.model.layers.kernel_choice import KernelChoice
 from radixserve.model.layers.linear import Linear, MergedLinear, ShardId, copy_weight
 from radixserve.model.quantization import Fp8Config
 
