@@ -17,7 +17,8 @@ pool holds one byte per value (the floors count that).
 With `--tp-size N`, run under `torchrun --nproc-per-node N`: each GPU holds its shard of the model
 and times the tensor-parallel decode step (fixed-count CUDA-event timing, the slowest rank's time)
 against the TP floor: its weight and KV bytes over the copy bandwidth, plus its all-reduce and
-all-gather bytes over `--nvlink-gb-s`.
+all-gather bytes over `--nvlink-gb-s` (--quantization fp8 and --kv-cache-dtype fp8_e4m3 apply to
+the shards and their floors alike).
 Times are medians of CUDA-event timings after warm-up, with the L2 cache flushed before each
 run (triton.testing.do_bench). K/V, weights and inputs are random, never zeros; slots are a
 random permutation of the pool, so every request's KV is scattered.
@@ -497,10 +498,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rep.add("ceiling", "bf16 matmul 8192^3, sustained", None, None, tflop_s=sustained / 1e12)
 
     cfg = ModelConfig.from_dir(args.model_path)
-    fp8_weights = args.quantization == "fp8" or cfg.quantization is not None
-    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else torch.bfloat16
-    cost = ModelCost(cfg, kv_elem=1 if kv_dtype == torch.float8_e4m3fn else 2, weight_elem=1 if fp8_weights else 2)
-    rep.meta.update(weights="fp8" if fp8_weights else "bf16", kv_cache_dtype=str(kv_dtype))
+    cost, kv_dtype = model_cost(args, cfg, rep)
     max_bs, max_ctx = max(args.batch_sizes), max(args.contexts)
     row_len = max(max_ctx, args.prefill_len, 1024 + 128) + 1
     rows = max(max_bs, args.prefill_batch, 16)
@@ -535,6 +533,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         bench_model(args, work, cost, rep, bw, flops)
     rep.save()
     return 0
+
+
+def model_cost(args, cfg: ModelConfig, rep: Report, tp: int = 1) -> tuple[ModelCost, torch.dtype]:
+    """The floors' bytes (one per FP8 weight or KV value; `tp`: a rank's shard) and the KV dtype."""
+    fp8_weights, fp8_kv = args.quantization == "fp8" or cfg.quantization is not None, args.kv_cache_dtype != "auto"
+    kv_dtype = torch.float8_e4m3fn if fp8_kv else torch.bfloat16
+    rep.meta.update(weights="fp8" if fp8_weights else "bf16", kv_cache_dtype=str(kv_dtype))
+    return ModelCost(cfg, tp=tp, kv_elem=1 if fp8_kv else 2, weight_elem=1 if fp8_weights else 2), kv_dtype
 
 
 def time_on_all_ranks_ms(fn: Callable[[], object], rep_ms: int = 0, iters: int = 50, warmup: int = 10) -> float:
@@ -577,10 +583,11 @@ def main_tensor_parallel(args) -> int:
                     date=datetime.date.today().isoformat(), torch=torch.__version__, args=vars(args))
     bw = measure_copy_bandwidth(tp.device)
     rep.add("ceiling", "copy bandwidth (read+write)", None, None, tb_s=bw / 1e12)
-    cost = ModelCost(cfg, tp=tp.size)
+    cost, kv_dtype = model_cost(args, cfg, rep, tp=tp.size)
     local = dataclasses.replace(cfg, num_attention_heads=cost.local_heads, num_key_value_heads=cost.local_kv_heads)
     max_bs, max_ctx = max(args.batch_sizes), max(args.contexts)
-    work = Workload(local, max_bs, max_ctx + 1, max_ctx, max_bs * max_ctx + 64, tp.device, args.seed)
+    work = Workload(local, max_bs, max_ctx + 1, max_ctx, max_bs * max_ctx + 64, tp.device, args.seed,
+                    dtype=kv_dtype)
     rep.note(f"{args.model_path} at TP {tp.size}: per GPU {cost.decode_weight_bytes / 1e9:.2f} GB of weights, "
              f"KV {cost.kv_bytes_per_token} B/token; NVLink {args.nvlink_gb_s:g} GB/s per direction")
     model = _load_bf16_model(args, work, rep, args.decode_gemm_max_rows, tp=tp)

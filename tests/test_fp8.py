@@ -355,7 +355,8 @@ def test_scaled_mm_call_matches_reference_on_cpu(static):
 def test_fp8_kv_cache_with_tensor_parallelism_equals_one_rank(tiny_dir, tmp_path):
     """Each rank's FP8 pool holds its KV heads with the model's per-layer scales: 2 ranks give the
     tokens 1 rank gives (the tiny model has 2 KV heads: one a rank)."""
-    # FP8 weights are refused with tensor parallelism: the dequantized twin carries the KV scales.
+    # The dequantized twin: plain weights carrying the KV scales, so the KV cache is the only FP8 part
+    # (FP8 weights under tensor parallelism: test_fp8_tensor_parallel.py).
     plain = write_fp8_checkpoint(tiny_dir, tmp_path / "tp-kv", kv_scales=[(0.5, 0.25), (1.0, 2.0)]).dequantized
     prompts = [random_tokens(n, 512, 20 + n) for n in (5, 9, 14)]
     params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -366,16 +367,6 @@ def test_fp8_kv_cache_with_tensor_parallelism_equals_one_rank(tiny_dir, tmp_path
     with Engine(str(plain), tp_size=2, **settings) as engine:
         assert engine.core.kv_pool.k_buffers[0].dtype == FP8_KV_DTYPE and engine.core.kv_pool.v_scales == [0.25, 2.0]
         assert [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)] == expected
-
-
-def test_fp8_weights_with_tensor_parallelism_refused(tiny_dir, tmp_path):
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        Engine(str(tiny_dir), device="cpu", quantization="fp8", tp_size=2)
-    run = subprocess.run([sys.executable, "-m", "radixserve.launch_server", "--device", "cpu", "--model-path",
-                          str(tiny_dir), "--quantization", "fp8", "--tp-size", "2", "--port", str(free_port())],
-                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    lines = (run.stdout + run.stderr).strip().splitlines()
-    assert run.returncode == 1 and len(lines) == 1 and "not supported yet" in lines[0], lines
 
 
 def test_fp8_kv_cache_round_trips_through_the_host_tier(tiny_dir):

@@ -18,7 +18,8 @@ ranks), its MLP columns, its vocabulary rows; o_proj and down_proj end in one al
 the embedding in one, and the LM head gathers the logits. Without `tp` no layer holds a group.
 
 With `fp8` every decoder layer's projections hold e4m3 weights (radixserve.model.layers.fp8); the
-embedding and the LM head keep `dtype`.
+embedding and the LM head keep `dtype`; with `tp` they shard like the plain weights (rows with
+their scales, or input columns), see radixserve.model.layers.parallel.
 """
 
 from __future__ import annotations
@@ -62,9 +63,9 @@ class Qwen2Attention(nn.Module):
             kv_rows = (heads.kv_start * d, self.kv_size)
             self.qkv_proj = ColumnParallelLinear(
                 config.hidden_size, {"q": (heads.q_start * d, self.q_size), "k": kv_rows, "v": kv_rows},
-                bias=True, dtype=dtype, kernels=kernels)
+                bias=True, dtype=dtype, kernels=kernels, fp8=fp8)
             self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, start=heads.q_start * d, dtype=dtype,
-                                            kernels=kernels, tp=tp)
+                                            kernels=kernels, tp=tp, fp8=fp8)
         # Plain attributes, never submodules: the backend and the RoPE tables are shared by all
         # layers, and their state must survive the model's meta -> device move.
         object.__setattr__(self, "_backend", attn_backend)
@@ -97,8 +98,9 @@ class Qwen2MLP(nn.Module):
             return
         start, size = even_shard(inter, tp.size, tp.rank)
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, {0: (start, size), 1: (start, size)}, bias=False,
-                                                 dtype=dtype, kernels=kernels, act=SiluAndMul(kernels=kernels))
-        self.down_proj = RowParallelLinear(size, config.hidden_size, start=start, dtype=dtype, kernels=kernels, tp=tp)
+                                                 dtype=dtype, kernels=kernels, act=SiluAndMul(kernels=kernels), fp8=fp8)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, start=start, dtype=dtype, kernels=kernels, tp=tp,
+                                           fp8=fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward(self.gate_up_proj.forward(x))
@@ -166,7 +168,7 @@ class Qwen2ForCausalLM(nn.Module):
     `packed_modules_mapping`. With tied embeddings `lm_head.weight` is `model.embed_tokens.weight`.
     `kernels` (default: `KernelChoice.for_device(device, dtype)`) fixes every layer's kernels.
     `tp`: this rank's place in a tensor-parallel group (None: the whole model in this process).
-    `fp8`: the projections of every decoder layer hold FP8 weights (not with `tp` yet).
+    `fp8`: the projections of every decoder layer hold FP8 weights (sharded like the rest with `tp`).
     `kv_cache_scales`: per layer the (k, v) scales of an FP8 KV cache, 1.0 unless the checkpoint
     carries them (the loader fills them).
     """
@@ -189,9 +191,6 @@ class Qwen2ForCausalLM(nn.Module):
                  kernels: Optional[KernelChoice] = None, tp: Optional[TensorParallel] = None,
                  fp8: Optional[Fp8Config] = None):
         super().__init__()
-        if fp8 is not None and tp is not None:
-            raise ValueError("FP8 weights with tensor parallelism (tp_size > 1) are not supported yet; an FP8 KV "
-                             "cache is")
         self.config = config
         self.tp = tp
         self.fp8 = fp8

@@ -57,12 +57,9 @@ def check_quantization(settings: ServerSettings) -> None:
     if not isinstance(raw, dict):
         raise StartupError(f"--model-path {path!r}: config.json must hold a JSON object")
     try:
-        fp8 = quantization_config(raw, settings.quantization, source=f"--model-path {path!r}")
+        quantization_config(raw, settings.quantization, source=f"--model-path {path!r}")
     except ValueError as e:
         raise StartupError(str(e)) from None
-    if fp8 is not None and settings.tp_size > 1:
-        raise StartupError(f"--tp-size {settings.tp_size}: FP8 weights ({fp8.source}) with tensor parallelism are "
-                           "not supported yet (an FP8 KV cache is: --kv-cache-dtype fp8_e4m3)")
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -6,6 +6,14 @@ checkpoint scale is expanded over its tensor's rows, so the shards of a fused q|
 (dynamic: max |x| of the row / 448) or the checkpoint's per-tensor `input_scale` (static; a fused
 projection takes the largest of its shards', as the activation is one tensor).
 
+Under tensor parallelism (radixserve.model.layers.parallel) a column-parallel shard holds its
+output rows with their scales, so its rows are tp 1's; a row-parallel shard holds every output row
+with the whole row's scale and a slice of the input columns (quantized at load, the scale comes
+from the whole row, so the e4m3 values are tp 1's too). Its activations are quantized per token
+over the rank's own slice of them: a rank's scale is the max |x| of its slice, not of the whole
+row, which rounds a little differently from tp 1 (within the FP8 tolerance; a static
+`input_scale` is the same on every rank).
+
 Paths, picked per call from the input:
 - CUDA, M <= the decode-row limit with the Triton kernels: the weight-streaming decode GEMM's FP8
   variant (radixserve.kernels.decode_linear): e4m3 weights read, bf16 activations unquantized,
@@ -32,9 +40,14 @@ FP8_MAX = 448.0  # the largest finite e4m3fn value
 MIN_SCALE = 1e-12
 
 
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    """float32 [M]: the scale that maps each row's largest |value| to 448."""
+    return (x.abs().amax(dim=-1).float() / FP8_MAX).clamp_min(MIN_SCALE)
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [M, K], float32 scales [M]): each row scaled so its largest |value| maps to 448."""
-    scale = (x.abs().amax(dim=-1).float() / FP8_MAX).clamp_min(MIN_SCALE)
+    scale = row_scales(x)
     return quantize_with(x, scale[:, None]), scale
 
 
@@ -109,11 +122,14 @@ class Fp8LinearMethod:
             layer.register_parameter("input_scale", None)
 
     # ------------------------------------------------------------------ loading
-    def load(self, layer: nn.Module, param: str, loaded: torch.Tensor, shard: Any, rows: tuple[int, int]) -> None:
-        """Fill `param` of the rows [start, start + size) that shard `shard` owns."""
+    def load(self, layer: nn.Module, param: str, loaded: torch.Tensor, shard: Any, rows: tuple[int, int],
+             row_scale: Optional[torch.Tensor] = None) -> None:
+        """Fill `param` of the rows [start, start + size) that shard `shard` owns. `row_scale`
+        (quantized at load): the rows' scales, when `loaded` holds only some columns of each row
+        (a row-parallel slice) and the scale must be the whole row's."""
         start, size = rows
         if param == "weight":
-            self._load_weight(layer, loaded, start, size)
+            self._load_weight(layer, loaded, start, size, row_scale)
         elif param == "weight_scale":
             dest = layer.weight_scale.narrow(0, start, size)
             flat = loaded.reshape(-1).float()
@@ -133,7 +149,8 @@ class Fp8LinearMethod:
         else:
             raise ValueError(f"has no FP8 parameter {param!r}")
 
-    def _load_weight(self, layer: nn.Module, loaded: torch.Tensor, start: int, size: int) -> None:
+    def _load_weight(self, layer: nn.Module, loaded: torch.Tensor, start: int, size: int,
+                     row_scale: Optional[torch.Tensor]) -> None:
         dest = layer.weight.narrow(0, start, size)
         if loaded.dtype == FP8_DTYPE:
             if not self.config.from_checkpoint:
@@ -144,7 +161,11 @@ class Fp8LinearMethod:
             raise ValueError(f"is {loaded.dtype}, but config.json declares FP8 weights ({self.config.source})")
         _check_shape(dest, loaded)
         # Per output row: quantizing a shard alone gives the same rows as quantizing the fused weight.
-        wq, scale = quantize_rows(loaded.to(dest.device))
+        if row_scale is None:
+            wq, scale = quantize_rows(loaded.to(dest.device))
+        else:
+            scale = row_scale.to(dest.device)
+            wq = quantize_with(loaded.to(dest.device), scale[:, None])
         dest.copy_(wq)
         layer.weight_scale.narrow(0, start, size).copy_(scale)
 

@@ -11,10 +11,18 @@ slice from the checkpoint (a safetensors slice is read lazily, so no rank reads 
 
 A checkpoint tensor arrives as a torch.Tensor or as a safetensors slice (`get_slice`); both index
 the same way.
+
+FP8 projections (`fp8`, radixserve.model.layers.fp8) shard the same way. Column-parallel: the
+e4m3 rows and their per-row scales (a per-tensor scale applies to every row; a per-channel one is
+sliced with the rows, replicated KV heads' rows included). Row-parallel: every output row with its
+whole scale, this rank's input columns of the e4m3 weight. Quantized at load, a row-parallel rank
+reads the whole tensor once to take each row's max |w| over all columns, so every rank's scale,
+and each e4m3 value, is tp 1's.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -23,8 +31,10 @@ from torch import nn
 
 from radixserve.distributed import TensorParallel
 from radixserve.model.layers.activation import SiluAndMul
+from radixserve.model.layers.fp8 import FP8_DTYPE, row_scales
 from radixserve.model.layers.kernel_choice import KernelChoice
 from radixserve.model.layers.linear import Linear, MergedLinear, ShardId, copy_weight
+from radixserve.model.quantization import Fp8Config
 
 # A checkpoint tensor or a lazily read safetensors slice of one.
 Loaded = Any
@@ -42,6 +52,26 @@ def read_cols(loaded: Loaded, start: int, size: int) -> torch.Tensor:
     return loaded[:, start:start + size]
 
 
+def read_all(loaded: Loaded) -> torch.Tensor:
+    return loaded[...]
+
+
+def shape_of(loaded: Loaded) -> tuple[int, ...]:
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def read_scale_rows(loaded: Loaded, start: int, size: int) -> torch.Tensor:
+    """An FP8 weight scale for rows [start, start + size): a per-tensor scale whole, a per-channel
+    one ([N] or [N, 1]) sliced like the weight's rows."""
+    shape = shape_of(loaded)
+    if math.prod(shape) == 1:
+        return read_all(loaded)
+    if not shape or shape[0] < start + size or math.prod(shape[1:]) != 1:
+        raise ValueError(f"has shape {shape}: a weight scale is one value or one per output row (this rank "
+                         f"reads rows {start}..{start + size - 1}); block-wise scales are not supported")
+    return read_rows(loaded, start, size)
+
+
 class ColumnParallelLinear(MergedLinear):
     """A MergedLinear holding, for each shard, rows [start, start + size) of its checkpoint tensor.
     `shards`: {shard id: (start row in the checkpoint tensor, rows this rank holds)}."""
@@ -49,9 +79,9 @@ class ColumnParallelLinear(MergedLinear):
     reads_slices = True
 
     def __init__(self, input_size: int, shards: dict[ShardId, tuple[int, int]], *, bias: bool, dtype: torch.dtype,
-                 kernels: KernelChoice, act: Optional[SiluAndMul] = None):
+                 kernels: KernelChoice, act: Optional[SiluAndMul] = None, fp8: Optional[Fp8Config] = None):
         super().__init__(input_size, {k: size for k, (_, size) in shards.items()}, bias=bias, dtype=dtype,
-                         kernels=kernels, act=act)
+                         kernels=kernels, act=act, fp8=fp8)
         self.source_rows = dict(shards)
 
     def load_weight(self, param: str, loaded: Loaded, shard_id: Optional[ShardId] = None) -> None:
@@ -59,6 +89,15 @@ class ColumnParallelLinear(MergedLinear):
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r} (shards: {list(self.source_rows)})")
         start, size = self.source_rows[shard_id]
         local_start, _ = self.shard_rows[shard_id]
+        if self.quant is not None:
+            if param == "weight_scale":
+                part = read_scale_rows(loaded, start, size)
+            elif param == "input_scale":  # one value per checkpoint tensor, the same on every rank
+                part = read_all(loaded)
+            else:
+                part = read_rows(loaded, start, size)
+            self.quant.load(self, param, part, shard_id, (local_start, size))
+            return
         dest = getattr(self, param).narrow(0, local_start, size)
         copy_weight(dest, read_rows(loaded, start, size))
 
@@ -70,8 +109,8 @@ class RowParallelLinear(Linear):
     reads_slices = True
 
     def __init__(self, input_size: int, output_size: int, *, start: int, dtype: torch.dtype, kernels: KernelChoice,
-                 tp: TensorParallel):
-        super().__init__(input_size, output_size, bias=False, dtype=dtype, kernels=kernels)
+                 tp: TensorParallel, fp8: Optional[Fp8Config] = None):
+        super().__init__(input_size, output_size, bias=False, dtype=dtype, kernels=kernels, fp8=fp8)
         self.start = start
         self.tp = tp
 
@@ -81,7 +120,30 @@ class RowParallelLinear(Linear):
     def load_weight(self, param: str, loaded: Loaded, shard_id: Optional[ShardId] = None) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
-        copy_weight(self.weight, read_cols(loaded, self.start, self.input_size))
+        if self.quant is None:
+            copy_weight(self.weight, read_cols(loaded, self.start, self.input_size))
+        elif param != "weight" or self.quant.config.from_checkpoint or _is_fp8(loaded):
+            # Scales cover every output row, all of which this rank holds; the e4m3 weight its columns.
+            part = read_cols(loaded, self.start, self.input_size) if param == "weight" else read_all(loaded)
+            self.quant.load(self, param, part, None, (0, self.output_size))
+        else:
+            self._quantize_columns(read_all(loaded))
+
+    def _quantize_columns(self, full: torch.Tensor) -> None:
+        """Quantize this rank's columns of a plain weight with each row's scale over all its columns
+        (tp 1's scale; every rank computes the same one)."""
+        if full.dim() != 2 or full.shape[1] < self.start + self.input_size:
+            raise ValueError(f"has shape {tuple(full.shape)}, expected ({self.output_size}, K >= "
+                             f"{self.start + self.input_size}) from config.json")
+        full = full.to(self.weight.device)
+        self.quant.load(self, "weight", full.narrow(1, self.start, self.input_size), None, (0, self.output_size),
+                        row_scale=row_scales(full))
+
+
+def _is_fp8(loaded: Loaded) -> bool:
+    if isinstance(loaded, torch.Tensor):
+        return loaded.dtype == FP8_DTYPE
+    return loaded.get_dtype() == "F8_E4M3"
 
 
 def _load_vocab_rows(weight: torch.Tensor, loaded: Loaded, start: int, real: int) -> None:
