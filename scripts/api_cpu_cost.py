@@ -1,0 +1,158 @@
+"""The API process's own CPU time per request when 1,024 requests arrive at once.
+
+    python scripts/api_cpu_cost.py [--repeats 3] [--num-prompts 1024] [--output api_cpu.json]
+
+Starts a CPU server (the built-in tiny model unless --model-path is given) per repeat and sends it
+bursts of `--num-prompts` requests with `bench_serving --request-rate inf` (64-token random-id
+prompts): streamed `/generate` with 4 and with 16 output tokens, streamed `/v1/completions` with
+4, and (from this script, as bench_serving always streams) non-streamed `/generate` with 4. For
+each burst it reads the API process's utime + stime (/proc/PID/stat) before and after, and
+reports CPU milliseconds per request; the difference between the 16- and the 4-token streamed
+bursts, divided by 12, is the CPU per further streamed token (one event each, unless the API
+falls behind and merges a request's waiting tokens into one event). Also counts the API's
+event-loop stalls over 100 ms that the server logged during the bursts.
+
+CPU time, unlike the wall-clock stall count, is about the same on a busy machine as on a quiet
+one: what other processes do delays this one but does not add to its own CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+INPUT_LEN = 64
+SHORT_OUTPUT, LONG_OUTPUT = 4, 16
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (all its threads), from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # fields 14 and 15 of proc(5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, log_file: Path, model_path: Optional[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "radixserve.launch_server", "--port", str(port), "--log-file", str(log_file)]
+    if model_path:
+        cmd += ["--model-path", model_path]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}; see {log_file}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("the server did not become ready")
+
+
+def bench_serving(port: int, backend: str, num_prompts: int, output_len: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".jsonl") as out:
+        subprocess.run([sys.executable, "-m", "radixserve.bench_serving", "--backend", backend, "--port", str(port),
+                        "--dataset-name", "random-ids", "--num-prompts", str(num_prompts),
+                        "--random-input-len", str(INPUT_LEN), "--random-output-len", str(output_len),
+                        "--request-rate", "inf", "--disable-tqdm", "--output-file", out.name],
+                       cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(Path(out.name).read_text().splitlines()[-1])
+
+
+async def plain_burst(port: int, num_prompts: int, vocab: int) -> int:
+    """num_prompts non-streamed /generate requests at once; returns how many were answered 200."""
+    rng = random.Random(1)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as client:
+        async def one() -> int:
+            body = {"input_ids": [rng.randrange(vocab) for _ in range(INPUT_LEN)],
+                    "sampling_params": {"max_new_tokens": SHORT_OUTPUT, "ignore_eos": True, "temperature": 0.0}}
+            return (await client.post("/generate", json=body)).status_code
+        codes = await asyncio.gather(*(one() for _ in range(num_prompts)))
+    return sum(code == 200 for code in codes)
+
+
+def stalls(log_file: Path, since: int) -> list[int]:
+    text = log_file.read_text(errors="replace")[since:]
+    return [int(ms) for ms in re.findall(r"api: event loop stalled for (\d+) ms", text)]
+
+
+def one_repeat(args, repeat: int) -> dict:
+    port = free_port()
+    log_file = Path(tempfile.mkdtemp()) / "server.log"
+    proc = start_server(port, log_file, args.model_path)
+    try:
+        vocab = httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=10).json().get("vocab_size", 1000)
+        bursts = {
+            "generate_stream_4": lambda: bench_serving(port, "sglang", args.num_prompts, SHORT_OUTPUT),
+            "generate_stream_16": lambda: bench_serving(port, "sglang", args.num_prompts, LONG_OUTPUT),
+            "completions_stream_4": lambda: bench_serving(port, "openai", args.num_prompts, SHORT_OUTPUT),
+            "generate_plain_4": lambda: {"completed": asyncio.run(plain_burst(port, args.num_prompts, vocab))},
+        }
+        row: dict = {"repeat": repeat}
+        for name, run in bursts.items():
+            log_at = log_file.stat().st_size
+            before = cpu_seconds(proc.pid)
+            result = run()
+            used = cpu_seconds(proc.pid) - before
+            row[name] = {"cpu_ms_per_request": 1000 * used / args.num_prompts, "completed": result.get("completed"),
+                         "stalls_ms": stalls(log_file, log_at)}
+            print(f"repeat {repeat} {name}: {row[name]}", flush=True)
+        extra = row["generate_stream_16"]["cpu_ms_per_request"] - row["generate_stream_4"]["cpu_ms_per_request"]
+        row["cpu_ms_per_further_token"] = extra / (LONG_OUTPUT - SHORT_OUTPUT)
+        return row
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.mean(values):.3f} (min {min(values):.3f}, max {max(values):.3f})"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=1024)
+    p.add_argument("--model-path", default=None, help="Default: the built-in tiny model.")
+    p.add_argument("--output", default=None, help="Write the rows as JSON here.")
+    args = p.parse_args()
+    rows = [one_repeat(args, r) for r in range(args.repeats)]
+    print("API process CPU ms per request, mean (min, max) over", args.repeats, "repeats:")
+    for name in ("generate_stream_4", "generate_stream_16", "completions_stream_4", "generate_plain_4"):
+        print(f"  {name}: {spread([r[name]['cpu_ms_per_request'] for r in rows])}, "
+              f"stalls over 100 ms: {[r[name]['stalls_ms'] for r in rows]}")
+    print(f"  per further streamed token: {spread([r['cpu_ms_per_further_token'] for r in rows])}")
+    if args.output:
+        Path(args.output).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
