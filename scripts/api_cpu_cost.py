@@ -4,13 +4,14 @@
 
 Starts a CPU server (the built-in tiny model unless --model-path is given) per repeat and sends it
 bursts of `--num-prompts` requests with `bench_serving --request-rate inf` (64-token random-id
-prompts): streamed `/generate` with 4 and with 16 output tokens, streamed `/v1/completions` with
-4, and (from this script, as bench_serving always streams) non-streamed `/generate` with 4. For
-each burst it reads the API process's utime + stime (/proc/PID/stat) before and after, and
-reports CPU milliseconds per request; the difference between the 16- and the 4-token streamed
-bursts, divided by 12, is the CPU per further streamed token (one event each, unless the API
-falls behind and merges a request's waiting tokens into one event). Also counts the API's
-event-loop stalls over 100 ms that the server logged during the bursts.
+prompts, 4 output tokens): streamed `/generate` and streamed `/v1/completions`; then from this
+script's own client (bench_serving always streams, and does not count events) non-streamed
+`/generate` with 4 tokens and streamed `/generate` with 4 and with 64, counting the events each
+stream carried. For each burst it reads the API process's utime + stime (/proc/PID/stat) before
+and after, and reports CPU milliseconds per request; the CPU the 64-token streams took over the
+4-token ones, divided by the events they carried over them, is the CPU per streamed chunk (the
+API merges a request's tokens that arrive together into one event, so chunks are fewer than
+tokens). Also counts the API's event-loop stalls over 100 ms that the server logged.
 
 CPU time, unlike the wall-clock stall count, is about the same on a busy machine as on a quiet
 one: what other processes do delays this one but does not add to its own CPU time.
@@ -38,7 +39,7 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 INPUT_LEN = 64
-SHORT_OUTPUT, LONG_OUTPUT = 4, 16
+SHORT_OUTPUT, LONG_OUTPUT = 4, 64
 
 
 def cpu_seconds(pid: int) -> float:
@@ -83,17 +84,27 @@ def bench_serving(port: int, backend: str, num_prompts: int, output_len: int) ->
         return json.loads(Path(out.name).read_text().splitlines()[-1])
 
 
-async def plain_burst(port: int, num_prompts: int, vocab: int) -> int:
-    """num_prompts non-streamed /generate requests at once; returns how many were answered 200."""
+async def own_burst(port: int, num_prompts: int, vocab: int, output_len: int, stream: bool) -> dict:
+    """num_prompts /generate requests at once: how many were answered in full, and the events
+    their streams carried (the final [DONE] not counted)."""
     rng = random.Random(1)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as client:
-        async def one() -> int:
-            body = {"input_ids": [rng.randrange(vocab) for _ in range(INPUT_LEN)],
-                    "sampling_params": {"max_new_tokens": SHORT_OUTPUT, "ignore_eos": True, "temperature": 0.0}}
-            return (await client.post("/generate", json=body)).status_code
-        codes = await asyncio.gather(*(one() for _ in range(num_prompts)))
-    return sum(code == 200 for code in codes)
+        async def one() -> tuple[bool, int]:
+            body = {"input_ids": [rng.randrange(vocab) for _ in range(INPUT_LEN)], "stream": stream,
+                    "sampling_params": {"max_new_tokens": output_len, "ignore_eos": True, "temperature": 0.0}}
+            if not stream:
+                return (await client.post("/generate", json=body)).status_code == 200, 0
+            events, done = 0, False
+            async with client.stream("POST", "/generate", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        events += 1
+            return r.status_code == 200 and done, events
+        answers = await asyncio.gather(*(one() for _ in range(num_prompts)))
+    return {"completed": sum(ok for ok, _ in answers), "events": sum(n for _, n in answers)}
 
 
 def stalls(log_file: Path, since: int) -> list[int]:
@@ -109,9 +120,10 @@ def one_repeat(args, repeat: int) -> dict:
         vocab = httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=10).json().get("vocab_size", 1000)
         bursts = {
             "generate_stream_4": lambda: bench_serving(port, "sglang", args.num_prompts, SHORT_OUTPUT),
-            "generate_stream_16": lambda: bench_serving(port, "sglang", args.num_prompts, LONG_OUTPUT),
             "completions_stream_4": lambda: bench_serving(port, "openai", args.num_prompts, SHORT_OUTPUT),
-            "generate_plain_4": lambda: {"completed": asyncio.run(plain_burst(port, args.num_prompts, vocab))},
+            "generate_plain_4": lambda: asyncio.run(own_burst(port, args.num_prompts, vocab, SHORT_OUTPUT, False)),
+            "counted_stream_4": lambda: asyncio.run(own_burst(port, args.num_prompts, vocab, SHORT_OUTPUT, True)),
+            "counted_stream_64": lambda: asyncio.run(own_burst(port, args.num_prompts, vocab, LONG_OUTPUT, True)),
         }
         row: dict = {"repeat": repeat}
         for name, run in bursts.items():
@@ -119,11 +131,12 @@ def one_repeat(args, repeat: int) -> dict:
             before = cpu_seconds(proc.pid)
             result = run()
             used = cpu_seconds(proc.pid) - before
-            row[name] = {"cpu_ms_per_request": 1000 * used / args.num_prompts, "completed": result.get("completed"),
+            row[name] = {"cpu_ms_per_request": 1000 * used / args.num_prompts, "cpu_ms": 1000 * used,
+                         "completed": result.get("completed"), "events": result.get("events"),
                          "stalls_ms": stalls(log_file, log_at)}
             print(f"repeat {repeat} {name}: {row[name]}", flush=True)
-        extra = row["generate_stream_16"]["cpu_ms_per_request"] - row["generate_stream_4"]["cpu_ms_per_request"]
-        row["cpu_ms_per_further_token"] = extra / (LONG_OUTPUT - SHORT_OUTPUT)
+        short, long = row["counted_stream_4"], row["counted_stream_64"]
+        row["cpu_ms_per_chunk"] = (long["cpu_ms"] - short["cpu_ms"]) / max(1, long["events"] - short["events"])
         return row
     finally:
         proc.terminate()
@@ -146,10 +159,12 @@ def main() -> None:
     args = p.parse_args()
     rows = [one_repeat(args, r) for r in range(args.repeats)]
     print("API process CPU ms per request, mean (min, max) over", args.repeats, "repeats:")
-    for name in ("generate_stream_4", "generate_stream_16", "completions_stream_4", "generate_plain_4"):
+    for name in ("generate_stream_4", "completions_stream_4", "generate_plain_4", "counted_stream_4",
+                 "counted_stream_64"):
         print(f"  {name}: {spread([r[name]['cpu_ms_per_request'] for r in rows])}, "
               f"stalls over 100 ms: {[r[name]['stalls_ms'] for r in rows]}")
-    print(f"  per further streamed token: {spread([r['cpu_ms_per_further_token'] for r in rows])}")
+    print(f"  per streamed chunk: {spread([r['cpu_ms_per_chunk'] for r in rows])} "
+          f"(chunks per 64-token stream: {[r['counted_stream_64']['events'] / args.num_prompts for r in rows]})")
     if args.output:
         Path(args.output).write_text(json.dumps(rows, indent=1))
 
