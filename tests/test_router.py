@@ -424,7 +424,10 @@ def test_health_transitions_and_kill_mid_run(workers, victim, router_workdir):
             assert text.rstrip().endswith("data: [DONE]")
         for broken, text in results:
             if not broken:
-                assert text.rstrip().endswith("data: [DONE]") and '"finish_reason": "length"' in text
+                events = [json.loads(line[len("data: "):]) for line in text.splitlines()
+                          if line.startswith("data: {")]
+                assert text.rstrip().endswith("data: [DONE]")
+                assert events[-1]["choices"][0]["finish_reason"] == "length"
         assert all(r.status_code == 200 for r in after), [r.text for r in after]
         assert _metric(router, "radixserve:router_errors_total{kind=\"stream_broken\"") == 2
         assert _metric(router, "radixserve:router_retries_total") >= 1

@@ -318,7 +318,8 @@ def test_request_id_is_a_label(server):
     with server.client() as http:
         with http.stream("POST", "/generate", json=body) as first:
             lines = first.iter_lines()
-            assert '"id": "my-request"' in next(line for line in lines if line.startswith("data: "))
+            event = json.loads(next(line for line in lines if line.startswith("data: "))[len("data: "):])
+            assert event["meta_info"]["id"] == "my-request"
             second = http.post("/generate", json={**body, "stream": False,
                                                   "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
             assert second.status_code == 200, second.text

@@ -93,8 +93,9 @@ class RequestGroup:
         that is gone stops its requests even while nothing is being written to it. One task waits
         in the ASGI receive channel (the body was read already); polling every waiting request
         for a disconnect instead took a quarter of the API process's time with 1,000 requests
-        waiting for their first token. Stop before anything else reads the channel (a streaming
-        response does): two readers would steal each other's messages."""
+        waiting for their first token. The server's event streams keep it watching until they end
+        (they never read the channel themselves); stop it before anything else reads the channel:
+        two readers would steal each other's messages."""
         async def watch() -> None:
             while (await receive()).get("type") != "http.disconnect":
                 pass

@@ -12,7 +12,7 @@ import logging
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from radixserve.server.engine_client import EngineDeadError, EngineRequestError, QueueFullError
 from radixserve.server.errors import error_body, map_engine_error
@@ -24,20 +24,40 @@ logger = logging.getLogger("radixserve")
 ENGINE_ERRORS = (QueueFullError, EngineDeadError, EngineRequestError)
 
 RenderFinal = Callable[[list[Tracker]], Any]
-RenderStream = Callable[[AsyncIterator, Callable[[], None]], AsyncIterator[str]]
+RenderStream = Callable[[AsyncIterator, Callable[[], None]], AsyncIterator[bytes]]
 
 
-class ClosingStreamingResponse(StreamingResponse):
-    """A streaming response that runs `on_close` however it ends (done, error, disconnect)."""
+# Starlette's StreamingResponse headers for text/event-stream, in its order.
+EVENT_STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+                        (b"content-type", b"text/event-stream; charset=utf-8"))
 
-    def __init__(self, content, on_close: Callable[[], None], **kwargs):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, **kwargs)
+
+class EventStreamResponse(Response):
+    """Server-sent events written straight to the ASGI channel; runs `on_close` however the
+    stream ends (done, error, disconnect).
+
+    Starlette's StreamingResponse starts a task group and a task per response to listen for the
+    client going away; here the request group's own watcher (`RequestGroup.watch_disconnect`),
+    started before the first token, keeps watching for the whole stream and ends the group's
+    outputs when the client goes away, so its requests are aborted in the engine even while
+    nothing is being written. Each send waits while the client's socket buffer is full (the
+    server's flow control), so a slow reader holds back its own stream only."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]):
+        self.events = events
         self.on_close = on_close
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = list(EVENT_STREAM_HEADERS)
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             self.on_close()
 
@@ -65,8 +85,7 @@ async def run_request(ctx: ServingContext, request: Request, trackers: list[Trac
             if not all(t.finished for t in trackers):  # the client went away
                 return Response(status_code=CLIENT_CLOSED_STATUS)
             return JSONResponse(render_final(trackers))
-        first, rest = await first_then_rest(outputs)
-        group.stop_watching()  # from here the streaming response watches the client
+        first, rest = await first_then_rest(outputs)  # the group goes on watching the client
     except ENGINE_ERRORS as e:
         close()
         raise map_engine_error(e) from None
@@ -80,7 +99,7 @@ async def run_request(ctx: ServingContext, request: Request, trackers: list[Trac
         close()
         return Response(status_code=CLIENT_CLOSED_STATUS)
 
-    async def guarded() -> AsyncIterator[str]:
+    async def guarded() -> AsyncIterator[bytes]:
         try:
             async for chunk in render_stream(rest, close):
                 yield chunk
@@ -93,7 +112,7 @@ async def run_request(ctx: ServingContext, request: Request, trackers: list[Trac
             yield sse(error_body(500, f"internal error: {type(e).__name__}", code="internal_error"))
             yield SSE_DONE
 
-    return ClosingStreamingResponse(guarded(), on_close=close)
+    return EventStreamResponse(guarded(), on_close=close)
 
 
 def per_output(ctx: ServingContext, outputs: AsyncIterator, trackers: list[Tracker]):

@@ -8,7 +8,6 @@ One HTTP request becomes one or more engine requests (prompts x `n`); each is tr
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, AsyncIterator, Callable, Optional, TypeVar
 
+import msgspec
 from fastapi import Depends, Request
 
 from radixserve.engine.io_struct import GenerateRequest, RequestOutput
@@ -303,8 +303,10 @@ def request_label(rid: Optional[str]) -> Optional[str]:
     return rid
 
 
-def serving_context(request: Request) -> ServingContext:
-    """The app's one `ServingContext` (a FastAPI dependency of every router)."""
+async def serving_context(request: Request) -> ServingContext:
+    """The app's one `ServingContext` (a FastAPI dependency of every router). A coroutine so that
+    FastAPI calls it on the event loop: a plain function it would run in a worker thread, a thread
+    hop per request for one attribute read."""
     return request.app.state.ctx
 
 
@@ -315,11 +317,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
 
 
-def sse(data: Any) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+def sse(data: Any) -> bytes:
+    """One server-sent event: compact JSON, UTF-8 (msgspec's encoder takes a tenth of the json
+    module's time, and a stream pays it once per token)."""
+    return b"data: " + msgspec.json.encode(data) + b"\n\n"
 
 
-SSE_DONE = "data: [DONE]\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 async def first_then_rest(agen: AsyncIterator[RequestOutput]) -> tuple[Optional[RequestOutput],

@@ -140,7 +140,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def chunk(choices_: list[dict]) -> str:
+    def chunk(choices_: list[dict]) -> bytes:
         data = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": choices_}
         if include_usage:
@@ -289,7 +289,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def chunk(index: int, delta: dict, finish: Optional[str], logprobs: Optional[dict] = None) -> str:
+    def chunk(index: int, delta: dict, finish: Optional[str], logprobs: Optional[dict] = None) -> bytes:
         data = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         if include_usage:
