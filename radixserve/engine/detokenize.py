@@ -2,10 +2,39 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import weakref
+from typing import Callable, Optional
 
 from radixserve.sampling_params import SamplingParams
 
+Decode = Callable[..., str]  # (ids, skip_special_tokens=...) -> text
+_decoders: "weakref.WeakKeyDictionary[object, Decode]" = weakref.WeakKeyDictionary()
+
+
+def plain_decode(tokenizer) -> Decode:
+    """`tokenizer.decode`, or the Rust tokenizer's own decode where transformers' wrapper adds
+    nothing to it (no clean-up of spaces, no subclass override): the wrapper's argument
+    conversion cost as much as the decoding, twice per streamed event."""
+    try:
+        return _decoders[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    decode = tokenizer.decode
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        cls = type(tokenizer)
+        if cls.decode is PreTrainedTokenizerBase.decode and cls._decode is TokenizersBackend._decode \
+                and not tokenizer.clean_up_tokenization_spaces:
+            decode = tokenizer._tokenizer.decode
+    except (ImportError, AttributeError):
+        pass
+    try:
+        _decoders[tokenizer] = decode
+    except TypeError:  # not weakly referable: looked up again next time
+        pass
+    return decode
 
 def cut_at_stop(text: str, params: SamplingParams, finish_reason: Optional[dict]) -> str:
     """Drop a matched stop string and everything after it (the stop token ids are dropped by decode)."""
@@ -19,5 +48,5 @@ def cut_at_stop(text: str, params: SamplingParams, finish_reason: Optional[dict]
 def decode_output(tokenizer, output_ids: list[int], params: SamplingParams, finish_reason: Optional[dict]) -> str:
     if tokenizer is None:
         return ""
-    text = tokenizer.decode(output_ids, skip_special_tokens=params.skip_special_tokens)
+    text = plain_decode(tokenizer)(output_ids, skip_special_tokens=params.skip_special_tokens)
     return cut_at_stop(text, params, finish_reason)

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 from typing import Optional
 
-from radixserve.engine.detokenize import decode_output
+from radixserve.engine.detokenize import decode_output, plain_decode
 from radixserve.sampling_params import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
-
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, params: SamplingParams):
         self.tokenizer = tokenizer
         self.params = params
+        self._plain_decode = plain_decode(tokenizer) if tokenizer is not None else None
         self.ids: list[int] = []
         self.text = ""  # decoded so far (before the stop-string hold-back)
         self.sent = ""  # handed to the caller so far
@@ -29,7 +29,7 @@ class IncrementalDetokenizer:
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+        return self._plain_decode(ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def add(self, new_ids: list[int]) -> str:
         """Take new token ids; return the text that can be shown now (may be empty)."""
