@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any, AsyncIterator, Callable
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -30,6 +31,14 @@ RenderStream = Callable[[AsyncIterator, Callable[[], None]], AsyncIterator[bytes
 # Starlette's StreamingResponse headers for text/event-stream, in its order.
 EVENT_STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
                         (b"content-type", b"text/event-stream; charset=utf-8"))
+
+
+class ResultResponse(JSONResponse):
+    """A generation's JSON body: compact UTF-8 like Starlette's, encoded by msgspec in a fraction
+    of the time (log probabilities are made finite before they get here)."""
+
+    def render(self, content: Any) -> bytes:
+        return msgspec.json.encode(content)
 
 
 class EventStreamResponse(Response):
@@ -84,7 +93,7 @@ async def run_request(ctx: ServingContext, request: Request, trackers: list[Trac
                 ctx.on_output(by_rid[out.rid], out)
             if not all(t.finished for t in trackers):  # the client went away
                 return Response(status_code=CLIENT_CLOSED_STATUS)
-            return JSONResponse(render_final(trackers))
+            return ResultResponse(render_final(trackers))
         first, rest = await first_then_rest(outputs)  # the group goes on watching the client
     except ENGINE_ERRORS as e:
         close()
