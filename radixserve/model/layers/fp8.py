@@ -139,7 +139,8 @@ class Fp8LinearMethod:
                 dest.copy_(flat)
             else:
                 raise ValueError(f"has shape {tuple(loaded.shape)}: a weight scale is one value or one per output "
-                                 f"row ({size}); block-wise scales are not supported")
+                                 f"row ({size}); block-wise scales are `weight_scale_inv` under a "
+                                 "weight_block_size")
         elif param == "input_scale":
             if loaded.numel() != 1:
                 raise ValueError(f"has shape {tuple(loaded.shape)}: a static input scale is one value per tensor")

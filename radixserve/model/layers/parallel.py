@@ -73,7 +73,8 @@ def read_scale_rows(loaded: Loaded, start: int, size: int) -> torch.Tensor:
         return read_all(loaded)
     if not shape or shape[0] < start + size or math.prod(shape[1:]) != 1:
         raise ValueError(f"has shape {shape}: a weight scale is one value or one per output row (this rank "
-                         f"reads rows {start}..{start + size - 1}); block-wise scales are not supported")
+                         f"reads rows {start}..{start + size - 1}); block-wise scales are "
+                         "`weight_scale_inv` under a weight_block_size")
     return read_rows(loaded, start, size)
 
 
