@@ -22,7 +22,8 @@ from radixserve.model.layers.fp8 import FP8_DTYPE
 from radixserve.model.layers.fp8_block import (dequantize_blocks, fp8_block_linear_reference,
                                                quantize_activation_groups, quantize_blocks)
 from radixserve.model.loader import load_model
-from radixserve.model.quantization import quantization_config
+from radixserve.model.config import ModelConfig
+from radixserve.model.quantization import check_block_alignment, quantization_config
 from radixserve.testing.fp8_checkpoint import write_fp8_checkpoint
 from radixserve.testing.tiny_model import build_tiny_model
 
@@ -162,3 +163,47 @@ def test_block_config_parsing(tiny_dir):
         raw["quantization_config"]["weight_block_size"] = bad
         with pytest.raises(ValueError, match="weight_block_size"):
             quantization_config(raw)
+
+
+@pytest.mark.parametrize("name, tp_size, refused", [("qwen2-7b", 1, None), ("qwen2-7b", 2, None),
+                                                    ("qwen2-7b", 4, None), ("qwen2-72b", 1, None),
+                                                    ("qwen2-72b", 2, "gate_proj rows 14784"),
+                                                    ("qwen2-72b", 8, "gate_proj rows 3696")])
+def test_block_grid_of_the_published_shapes(name, tp_size, refused):
+    """128 x 128 blocks on the 7B and 72B shapes: which tp sizes keep every cut on the grid."""
+    cfg = ModelConfig.from_dir(Path(__file__).resolve().parents[1] / "benchmarks" / "configs" / name)
+    fp8 = quantization_config({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+    dims = dict(head_dim=cfg.head_dim, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                intermediate_size=cfg.intermediate_size, tp_size=tp_size)
+    if refused is None:
+        check_block_alignment(fp8, **dims)
+    else:
+        with pytest.raises(ValueError, match=f"tp_size={tp_size} gives each rank .*{refused}"):
+            check_block_alignment(fp8, **dims)
+
+
+@torch.no_grad()
+def test_dequantized_fallback_is_the_block_dequantized_weight():
+    """What CUDA runs: the weight dequantized once into the model dtype, then a plain projection
+    on unrounded activations (here on the CPU, in bfloat16)."""
+    from radixserve.model.layers import KernelChoice, MergedLinear
+
+    g = torch.Generator().manual_seed(1)
+    fp8 = quantization_config({"quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 32]}})
+    layer = MergedLinear(64, {"a": 32, "b": 16}, bias=True, dtype=torch.bfloat16,
+                         kernels=KernelChoice.for_device("cpu", torch.bfloat16), fp8=fp8)
+    w = torch.randn(48, 64, generator=g)
+    for shard, rows in (("a", slice(0, 32)), ("b", slice(32, 48))):
+        wq, scale = quantize_blocks(w[rows], (16, 32))
+        layer.load_weight("weight", wq, shard)
+        layer.load_weight("weight_scale_inv", scale, shard)
+        layer.load_weight("bias", torch.zeros(rows.stop - rows.start), shard)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    rounded = layer.forward(x).float()
+    dense = dequantize_blocks(layer.weight, layer.weight_scale_inv, (16, 32))
+    layer.quant.dequantize(layer)
+    assert layer.weight.dtype == torch.bfloat16 and torch.equal(layer.weight, dense.to(torch.bfloat16))
+    exact = x.float() @ dense.T
+    plain = layer.forward(x).float()
+    assert float((plain - exact).norm() / exact.norm()) < 1e-2  # bf16 rounding only
+    assert float((rounded - exact).norm() / exact.norm()) < 0.1  # plus the activations' e4m3 rounding

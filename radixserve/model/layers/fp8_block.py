@@ -34,6 +34,10 @@ from radixserve.model.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_
 from radixserve.model.quantization import Fp8Config
 
 
+# Weight rows dequantized per step (float32 temporaries of about 2 x 1,024 x K x 4 bytes).
+DEQUANT_ROWS = 1024
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -44,10 +48,20 @@ def expand_blocks(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, i
     return scale.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:rows, :cols]
 
 
-def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """float32 [N, K]: e4m3 weight x its block's scale."""
+def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, K] in `dtype`: e4m3 weight x its block's scale, computed in float32 a few block rows at
+    a time, so the float32 temporaries stay small (on a GPU, the KV pool is sized from the memory
+    left after loading, cached temporaries included)."""
     n, k = weight.shape
-    return weight.float() * expand_blocks(scale, n, k, block)
+    bn = block[0]
+    out = torch.empty((n, k), dtype=dtype, device=weight.device)
+    step = bn * max(1, DEQUANT_ROWS // bn)
+    for start in range(0, n, step):
+        rows = weight[start:start + step]
+        scales = scale[start // bn:(start + rows.shape[0] + bn - 1) // bn]
+        out[start:start + rows.shape[0]] = rows.float() * expand_blocks(scales, rows.shape[0], k, block)
+    return out
 
 
 def block_scales(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -143,8 +157,15 @@ class Fp8BlockLinearMethod:
 
     def finish_loading(self, layer: nn.Module) -> None:
         """On CUDA: the weight dequantized once into the model dtype (see the module docstring)."""
-        if layer.weight.is_cuda and layer.weight.dtype == FP8_DTYPE:
-            dense = dequantize_blocks(layer.weight, layer.weight_scale_inv, self.block).to(self.dtype)
+        if layer.weight.is_cuda:
+            self.dequantize(layer)
+
+    def dequantize(self, layer: nn.Module) -> None:
+        """Replace the e4m3 weight by weight x block scale in the model dtype; `apply` then runs a
+        plain projection (and a Triton-built Linear's decode rows the bf16 decode-row GEMM, whose
+        tiling was chosen from the same [N, K] shape)."""
+        if layer.weight.dtype == FP8_DTYPE:
+            dense = dequantize_blocks(layer.weight, layer.weight_scale_inv, self.block, self.dtype)
             layer.weight = nn.Parameter(dense, requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
