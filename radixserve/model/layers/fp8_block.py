@@ -106,16 +106,19 @@ class Fp8BlockLinearMethod:
 
     `create_weights` registers on the layer `weight` e4m3 [N, K] and `weight_scale_inv` float32
     [ceil(N/bn), ceil(K/bk)], both filled from the checkpoint; `input_scale` is None (dynamic
-    activations only). `dtype`: what the CUDA path dequantizes to.
+    activations only). `dtype`: what the CUDA path dequantizes to. `triton`: the layer runs the
+    Triton kernels (its decode rows the bf16 decode-row GEMM), so the weight is dequantized at
+    load wherever it is (the Triton interpreter runs on the CPU).
     """
 
-    def __init__(self, config: Fp8Config, shard_ids: list[Any], dtype: torch.dtype):
+    def __init__(self, config: Fp8Config, shard_ids: list[Any], dtype: torch.dtype, triton: bool = False):
         if config.block is None:
             raise ValueError("Fp8BlockLinearMethod needs a weight_block_size")
         self.config = config
         self.block = config.block
         self.shard_ids = list(shard_ids)
         self.dtype = dtype
+        self.triton = triton
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
         bn, bk = self.block
@@ -156,8 +159,9 @@ class Fp8BlockLinearMethod:
             layer.bias.normal_(0.0, std, generator=generator)
 
     def finish_loading(self, layer: nn.Module) -> None:
-        """On CUDA: the weight dequantized once into the model dtype (see the module docstring)."""
-        if layer.weight.is_cuda:
+        """On CUDA (or with the Triton kernels): the weight dequantized once into the model dtype
+        (see the module docstring)."""
+        if layer.weight.is_cuda or self.triton:
             self.dequantize(layer)
 
     def dequantize(self, layer: nn.Module) -> None:
