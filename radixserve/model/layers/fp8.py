@@ -4,7 +4,8 @@ The weight is e4m3 [N, K] with one float32 scale per output row (`weight_scale` 
 checkpoint scale is expanded over its tensor's rows, so the shards of a fused q|k|v or gate|up
 (whose per-tensor scales differ) need no requantization. Activations get a scale per token
 (dynamic: max |x| of the row / 448) or the checkpoint's per-tensor `input_scale` (static; a fused
-projection takes the largest of its shards', as the activation is one tensor).
+projection takes the largest of its shards', as the activation is one tensor). Block-wise
+checkpoints (one scale per block of the weight) are radixserve.model.layers.fp8_block's.
 
 Under tensor parallelism (radixserve.model.layers.parallel) a column-parallel shard holds its
 output rows with their scales, so its rows are tp 1's; a row-parallel shard holds every output row
