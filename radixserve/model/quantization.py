@@ -37,8 +37,8 @@ class Fp8Config:
     `input_scale`) tensors; False: it stores bf16/fp16/fp32 weights quantized per output channel
     as they load. weight_scales: "tensor" (one scale per checkpoint tensor), "channel" (one per
     output row) or "block" (one `weight_scale_inv` per `block` = (bn, bk) rows x columns of the
-    weight; activations then get a scale per token per bk columns). activations: "dynamic" (a scale per token, computed at run time) or "static"
-    (the checkpoint's per-tensor `input_scale`).
+    weight; activations then get a scale per token per bk columns). activations: "dynamic" (a
+    scale per token, computed at run time) or "static" (the checkpoint's per-tensor `input_scale`).
     """
 
     from_checkpoint: bool
