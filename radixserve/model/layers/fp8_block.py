@@ -9,13 +9,14 @@ has one scale on either side.
 The fused q|k|v and gate|up weights stack their checkpoint tensors by rows: each shard must start
 on a bn-row block, else one block's scale would have to cover two tensors. Such checkpoints are
 refused when the model is built (radixserve.model.quantization.check_block_alignment), as is a
-tensor-parallel size that would cut a rank's rows or input columns off the block grid; the
-published 7B/72B-size models keep every cut on 128.
+tensor-parallel size that would cut a rank's rows or input columns off the block grid (the
+Qwen2 7B and 72B shapes keep every tp 1 cut on 128; at tp > 1 see docs/tuning.md).
 
 Paths:
 - CPU (the reference): activations quantized and dequantized per token per bk group, the weight
   dequantized block by block, then an fp32 matmul.
-- CUDA: the weight is dequantized once at load into the model dtype (bf16: two bytes per weight,
+- CUDA (and wherever the layer runs the Triton kernels): the weight is dequantized once at load
+  into the model dtype (bf16: two bytes per weight,
   what a bf16 checkpoint holds, twice the FP8 bytes) and runs as a plain projection (cuBLAS, and
   the bf16 decode-row GEMM), activations unquantized. A correct fallback: it costs FP8's memory
   and decode-speed gains, not accuracy. torch's block-wise scaled GEMM (1x128 activations, 128x128
