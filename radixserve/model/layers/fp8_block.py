@@ -16,9 +16,9 @@ Paths:
 - CPU (the reference): activations quantized and dequantized per token per bk group, the weight
   dequantized block by block, then an fp32 matmul.
 - CUDA (and wherever the layer runs the Triton kernels): the weight is dequantized once at load
-  into the model dtype (bf16: two bytes per weight,
-  what a bf16 checkpoint holds, twice the FP8 bytes) and runs as a plain projection (cuBLAS, and
-  the bf16 decode-row GEMM), activations unquantized. A correct fallback: it costs FP8's memory
+  into the model dtype (bf16: two bytes per weight, what a bf16 checkpoint holds, twice the FP8
+  bytes) and runs as a plain projection (cuBLAS, and the bf16 decode-row GEMM), activations
+  unquantized. A correct fallback: it costs FP8's memory
   and decode-speed gains, not accuracy. torch's block-wise scaled GEMM (1x128 activations, 128x128
   weights on Hopper with CUDA 12.9+) would keep one byte per weight; it is not used yet.
 """
