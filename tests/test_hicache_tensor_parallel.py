@@ -7,7 +7,8 @@ a tier, and Hugging Face's; a second pass over prompts the device evicted finds 
 and computes no prefill (their loads start while nothing runs, so they reach rank 1 in a message
 of their own), and decodes what the first pass decoded; an FP8 KV pool's bytes round-trip through
 both ranks' host tiers. Rank 1's KV head differs from rank 0's, so a copy it missed or ran out of
-order would change the tokens.
+order would change the tokens. Without processes: a replayed copy moves the replaying rank's own
+bytes between the same slots, and a rank whose copies diverged from rank 0's stops with an error.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from test_engine import GREEDY, check_idle, hf_greedy, make_prompts
 
 from radixserve import Engine
+from radixserve.cache.host_pool import HostKVPool, make_copy_engine
+from radixserve.cache.kv_pool import KVPool
 from radixserve.engine.io_struct import GenerateRequest
 from radixserve.sampling_params import SamplingParams
 from radixserve.testing.tiny_model import build_tiny_model
@@ -93,3 +97,23 @@ def test_tp2_second_pass_over_evicted_prompts_is_cached_and_decodes_the_same(gqa
         stats = engine.cache_stats()
         assert stats["host_cached_prompt_tokens"] == 8 * aligned and stats["loaded_tokens"] >= 8 * aligned
         check_idle(engine)
+
+
+def test_a_replayed_copy_moves_this_ranks_shard_between_rank_0s_slots():
+    shards = [KVPool(64, 4, 2, 1, 8, torch.float32, "cpu") for _ in range(2)]
+    first, other = (make_copy_engine(pool, HostKVPool(128, pool, pin=False)) for pool in shards)
+    first.orders = []
+    for rank, pool in enumerate(shards):
+        for buffer in pool.k_buffers + pool.v_buffers:
+            buffer[8:16] = rank + torch.arange(8.0)[:, None, None]
+    first.write_back(torch.arange(8, 16), first.host.alloc(8))
+    first.load(torch.arange(4, 12), torch.arange(20, 28))  # host slots 4..11 hold device slots 8..15
+    for order in first.orders:
+        other.replay(order)
+    other.compute_waits_for(first.issued_seq)
+    for rank, pool in enumerate(shards):
+        for buffer in pool.k_buffers + pool.v_buffers:
+            assert torch.equal(buffer[20:28], buffer[8:16]) and buffer[20, 0, 0] == rank
+    stale = first.orders[0]
+    with pytest.raises(RuntimeError, match="diverged"):
+        other.replay(stale)

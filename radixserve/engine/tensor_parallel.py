@@ -2,8 +2,8 @@
 
 Rank 0 is the engine process itself (the server's engine process, or the offline `Engine`'s own
 process). It starts ranks 1..N-1 (`python -m radixserve.engine.tp_worker`), each a process that
-holds the model's shard and its shard of the KV pool (its KV heads of every slot) and nothing
-else: no scheduler, no tree, no tokenizer.
+holds the model's shard and its shard of the KV pool (its KV heads of every slot; with a host
+tier, their host copies too) and nothing else: no scheduler, no tree, no tokenizer.
 
 One scheduling decision per step, made by rank 0 and sent to the others. Rank 0 decides because
 its decisions depend on things only one process can see consistently: when each request
