@@ -5,8 +5,8 @@ pool for its own KV shard (one of the tiny model's two KV heads), rank 1 replayi
 Greedy tokens with a device pool too small for the workload and a host tier equal tp 1's without
 a tier, and Hugging Face's; a second pass over prompts the device evicted finds them on the host
 and computes no prefill (their loads start while nothing runs, so they reach rank 1 in a message
-of their own), and decodes what the first pass decoded; an FP8 KV pool's bytes round-trip through
-both ranks' host tiers. Rank 1's KV head differs from rank 0's, so a copy it missed or ran out of
+of their own), and decodes what the first pass decoded; --hicache-size is per rank, in the rank's
+shard bytes; an FP8 KV pool's bytes round-trip through both ranks' host tiers. Rank 1's KV head differs from rank 0's, so a copy it missed or ran out of
 order would change the tokens. Without processes: a replayed copy moves the replaying rank's own
 bytes between the same slots, and a rank whose copies diverged from rank 0's stops with an error.
 """
@@ -79,15 +79,20 @@ def serve_one_by_one(engine: Engine, prompts: list[list[int]]) -> tuple[list[lis
 
 
 @pytest.mark.parametrize("settings", [
-    dict(page_size=4),
-    dict(page_size=1, kv_cache_dtype="fp8_e4m3"),  # FP8 bytes move unchanged on every rank
-], ids=["page4", "fp8-kv"])
+    # --hicache-size is per rank, in this rank's bytes: 2 layers x k|v x 1 KV head of 16 fp32 = 256 B
+    # a token (tp 1: 512 B), so 400 KB hold 1,560 tokens (whole pages of 4).
+    dict(page_size=4, hicache_size=0.0004),
+    dict(page_size=1, hicache_ratio=8, kv_cache_dtype="fp8_e4m3"),  # FP8 bytes move unchanged on every rank
+], ids=["page4-size", "fp8-kv-ratio"])
 def test_tp2_second_pass_over_evicted_prompts_is_cached_and_decodes_the_same(gqa2, settings):
     path = gqa2[0]
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 500) for _ in range(64)] for _ in range(8)]  # 512 tokens, pool of 128
     aligned = (64 - 1) // settings["page_size"] * settings["page_size"]
-    with Engine(str(path), tp_size=2, max_total_tokens=128, hicache_ratio=8, **settings) as engine:
+    with Engine(str(path), tp_size=2, max_total_tokens=128, **settings) as engine:
+        if "hicache_size" in settings:
+            assert HostKVPool.token_bytes(engine.core.kv_pool) == 256
+            assert engine.cache_stats()["host_pool_tokens"] == 1560
         first, cached, computed = serve_one_by_one(engine, prompts)
         assert cached == [0] * 8
         second, cached, computed_again = serve_one_by_one(engine, prompts)
