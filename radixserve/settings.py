@@ -56,8 +56,8 @@ class ServerSettings:
     quantization: Optional[str] = _opt(
         None, "fp8: quantize a bf16/fp16/fp32 checkpoint's projections to FP8 (e4m3) as it loads, one scale "
         "per output channel, activations scaled per token (the embedding and lm_head stay in --dtype). An "
-        "FP8 checkpoint (quantization_config quant_method fp8, or compressed-tensors float8) loads as FP8 "
-        "without this flag; any other quantization_config (awq, gptq, ...) is refused. (default: none)",
+        "FP8 checkpoint (quantization_config quant_method fp8, per-tensor or block-wise, or compressed-tensors "
+        "float8) loads as FP8 without this flag; any other quantization_config (awq, gptq, ...) is refused. (default: none)",
         choices=("fp8",))
     kv_cache_dtype: str = _opt(
         "auto", "KV cache dtype. auto: --dtype; fp8_e4m3: one byte per value with per-layer k/v scales (the "

@@ -272,7 +272,7 @@ REFUSED = {
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128},
     "bitsandbytes": {"quant_method": "bitsandbytes", "load_in_4bit": True},
     "gguf": {"quant_method": "gguf"},
-    "weight_block_size": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    "weight_block_size": {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
     "int4": {"quant_method": "compressed-tensors", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
     "keeping layers unquantized": {"quant_method": "fp8", "ignored_layers": ["model.layers.0.mlp.down_proj"]},

@@ -215,7 +215,7 @@ def test_column_parallel_slices_per_channel_scales_and_refuses_block_scales():
     layer.load_weight("weight_scale", scales, 0)
     layer.load_weight("weight_scale", torch.tensor(0.5), 1)
     assert layer.weight_scale.tolist() == [5.0, 6.0, 7.0, 8.0] + [0.5] * 4
-    with pytest.raises(ValueError, match="block-wise scales are not supported"):
+    with pytest.raises(ValueError, match="block-wise scales are `weight_scale_inv` under a weight_block_size"):
         layer.load_weight("weight_scale", torch.ones(8, 2), 0)
 
 

@@ -19,7 +19,8 @@ the embedding in one, and the LM head gathers the logits. Without `tp` no layer 
 
 With `fp8` every decoder layer's projections hold e4m3 weights (radixserve.model.layers.fp8); the
 embedding and the LM head keep `dtype`; with `tp` they shard like the plain weights (rows with
-their scales, or input columns), see radixserve.model.layers.parallel.
+their scales, or input columns), see radixserve.model.layers.parallel. A block-wise checkpoint
+whose fused shards or rank cuts fall off its block grid is refused before anything is built.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.layers import KernelChoice, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
 from radixserve.model.layers.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                               VocabParallelEmbedding)
-from radixserve.model.quantization import Fp8Config
+from radixserve.model.quantization import Fp8Config, check_block_alignment
 
 
 class Qwen2Attention(nn.Module):
@@ -198,6 +199,9 @@ class Qwen2ForCausalLM(nn.Module):
         object.__setattr__(self, "attn_backend", attn_backend)  # see Qwen2Attention._backend
         self.dtype = dtype
         self.kernels = kernels if kernels is not None else KernelChoice.for_device(device, dtype)
+        check_block_alignment(fp8, head_dim=config.head_dim, num_heads=config.num_attention_heads,
+                              num_kv_heads=config.num_key_value_heads, intermediate_size=config.intermediate_size,
+                              tp_size=tp.size if tp is not None else 1)
         n_pos = max(max_positions or 0, config.max_position_embeddings)
         rotary_emb = RotaryEmbedding(config.head_dim, n_pos, config.rope_theta, dtype=dtype, device=device,
                                      kernels=self.kernels)

@@ -3,6 +3,8 @@ checkpoints use, plus the dequantized checkpoint they stand for: the oracle of t
 
 - "fp8": quantization_config {quant_method: fp8, activation_scheme: dynamic | static}; one
   float32 `weight_scale` per projection tensor (shape []), static: an `input_scale` per tensor.
+  Block-wise (`block=(bn, bk)`, dynamic only): `weight_block_size` [bn, bk] in the config and a
+  float32 `weight_scale_inv` [ceil(N/bn), ceil(K/bk)] per tensor, one scale per block.
 - "compressed-tensors": one config group of float8 Linear weights, strategy "tensor"
   (`weight_scale` [1]) or "channel" (`weight_scale` [N, 1]), per-token dynamic activations.
 
@@ -49,8 +51,27 @@ def quantize_tensor(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, t
     return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, float32 scale [ceil(N/bn), ceil(K/bk)]) with each block's max |w| -> 448."""
+    bn, bk = block
+    w = w.float()
+    n, k = w.shape
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(rows * bn, cols * bk)
+    padded[:n, :k] = w.abs()
+    scale = (padded.view(rows, bn, cols, bk).amax(dim=(1, 3)) / FP8_MAX).clamp_min(1e-12)
+    full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+    return (w / full).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize_blocks(wq: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    n, k = wq.shape
+    return wq.float() * scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:n, :k]
+
+
 def write_fp8_checkpoint(source: Union[str, Path], dest: Union[str, Path], *, fmt: Format = "fp8",
                          per_channel: bool = False, static_activations: bool = False,
+                         block: Optional[tuple[int, int]] = None,
                          kv_scales: Optional[list[tuple[float, float]]] = None) -> Fp8Checkpoint:
     """Quantize `source` (a plain checkpoint directory, one model.safetensors) into `dest` in the
     given layout, and write `dest`-dequantized: the same model with every projection weight
@@ -59,7 +80,9 @@ def write_fp8_checkpoint(source: Union[str, Path], dest: Union[str, Path], *, fm
     from safetensors.torch import load_file, save_file
 
     if fmt == "fp8" and per_channel:
-        raise ValueError("the fp8 format has per-tensor weight scales only")
+        raise ValueError("the fp8 format has per-tensor (or block-wise) weight scales only")
+    if block is not None and (fmt != "fp8" or static_activations):
+        raise ValueError("block-wise scales are written in the fp8 format, with dynamic activations")
     if fmt == "compressed-tensors" and static_activations:
         raise ValueError("these compressed-tensors checkpoints use dynamic per-token activations")
     source, dest = Path(source), Path(dest)
@@ -78,8 +101,14 @@ def write_fp8_checkpoint(source: Union[str, Path], dest: Union[str, Path], *, fm
             quantized[name] = w
             dequantized[name] = w.float()
             continue
-        wq, scale = quantize_tensor(w, per_channel)
         module = name[:-len(".weight")]
+        if block is not None:
+            wq, scale = quantize_blocks(w, block)
+            quantized[name] = wq
+            quantized[f"{module}.weight_scale_inv"] = scale
+            dequantized[name] = dequantize_blocks(wq, scale, block)
+            continue
+        wq, scale = quantize_tensor(w, per_channel)
         quantized[name] = wq
         quantized[f"{module}.weight_scale"] = scale.reshape(-1, 1) if per_channel else (
             scale.reshape(1) if fmt == "compressed-tensors" else scale.reshape(()))
@@ -98,6 +127,8 @@ def write_fp8_checkpoint(source: Union[str, Path], dest: Union[str, Path], *, fm
 
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = _quantization_config(fmt, per_channel, static_activations)
+    if block is not None:
+        config["quantization_config"]["weight_block_size"] = list(block)
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     plain = json.loads((source / "config.json").read_text())
     plain["dtype"] = "float32"

@@ -282,3 +282,41 @@ def test_fp8_decode_rows_match_dequantized_bf16_layers(tmp_path):
     (ext_p, dec_p), _ = extend_then_decode(plain.eval(), prompts, kv_dtype=kv)
     assert torch.isfinite(ext_f).all() and torch.isfinite(dec_f).all()
     assert rel_err(ext_f, ext_p) < 1e-2 and rel_err(dec_f, dec_p) < 1e-2
+
+
+def test_block_checkpoint_runs_as_its_dequantized_twin(tmp_path):
+    """A block-wise FP8 checkpoint with the Triton kernels: dequantized at load into LOW, its layers
+    hold the dequantized checkpoint's weights, and extend and decode (decode rows through the bf16
+    decode-row GEMM) give that checkpoint's logits."""
+    from radixserve.model.config import ModelConfig
+    from radixserve.model.layers import KernelChoice
+    from radixserve.model.loader import load_safetensors_weights, safetensors_files
+    from radixserve.model.qwen2 import Qwen2ForCausalLM
+    from radixserve.testing.fp8_checkpoint import write_fp8_checkpoint
+    from radixserve.testing.tiny_model import build_tiny_model
+    from test_triton_layers import MAX_ROWS, extend_then_decode
+
+    num_sms = None if FULL else 8  # the interpreter has no device to ask
+    kernels = KernelChoice(triton=True, decode_gemm_max_rows=MAX_ROWS)
+
+    def load(path):  # load_model's steps, with the Triton kernels on whatever DEVICE is
+        cfg = ModelConfig.from_dir(path)
+        model = Qwen2ForCausalLM(cfg, TritonAttentionBackend(num_sms=num_sms), dtype=LOW, device=DEVICE,
+                                 kernels=kernels, fp8=cfg.quantization)
+        load_safetensors_weights(model, safetensors_files(path))
+        for module in model.modules():
+            if hasattr(module, "finish_loading"):
+                module.finish_loading()
+        return model.eval()
+
+    ckpt = write_fp8_checkpoint(build_tiny_model(tmp_path / "tiny"), tmp_path / "block", block=(32, 32))
+    block, twin = load(ckpt.path), load(ckpt.dequantized)
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        ours, theirs = block.model.layers[1].get_submodule(name), twin.model.layers[1].get_submodule(name)
+        assert ours.weight.dtype == LOW and torch.equal(ours.weight, theirs.weight), name
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (4, 9, 6)]
+    (ext_b, dec_b), _ = extend_then_decode(block, prompts)
+    (ext_t, dec_t), _ = extend_then_decode(twin, prompts)
+    assert torch.isfinite(ext_b).all() and torch.isfinite(dec_b).all()
+    assert rel_err(ext_b, ext_t) < 1e-3 and rel_err(dec_b, dec_t) < 1e-3

@@ -4,7 +4,8 @@ The weight is e4m3 [N, K] with one float32 scale per output row (`weight_scale` 
 checkpoint scale is expanded over its tensor's rows, so the shards of a fused q|k|v or gate|up
 (whose per-tensor scales differ) need no requantization. Activations get a scale per token
 (dynamic: max |x| of the row / 448) or the checkpoint's per-tensor `input_scale` (static; a fused
-projection takes the largest of its shards', as the activation is one tensor).
+projection takes the largest of its shards', as the activation is one tensor). Block-wise
+checkpoints (one scale per block of the weight) are radixserve.model.layers.fp8_block's.
 
 Under tensor parallelism (radixserve.model.layers.parallel) a column-parallel shard holds its
 output rows with their scales, so its rows are tp 1's; a row-parallel shard holds every output row
@@ -139,7 +140,8 @@ class Fp8LinearMethod:
                 dest.copy_(flat)
             else:
                 raise ValueError(f"has shape {tuple(loaded.shape)}: a weight scale is one value or one per output "
-                                 f"row ({size}); block-wise scales are not supported")
+                                 f"row ({size}); block-wise scales are `weight_scale_inv` under a "
+                                 "weight_block_size")
         elif param == "input_scale":
             if loaded.numel() != 1:
                 raise ValueError(f"has shape {tuple(loaded.shape)}: a static input scale is one value per tensor")

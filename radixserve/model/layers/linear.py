@@ -12,6 +12,7 @@ from torch import nn
 
 from radixserve.model.layers.activation import SiluAndMul
 from radixserve.model.layers.fp8 import Fp8LinearMethod
+from radixserve.model.layers.fp8_block import Fp8BlockLinearMethod
 from radixserve.model.layers.kernel_choice import KernelChoice
 from radixserve.model.quantization import Fp8Config
 
@@ -37,7 +38,9 @@ class Linear(nn.Module):
     activation) for weights it can tile; everything else runs F.linear (cuBLAS), then `act`.
     `weight`: share an existing parameter (a tied lm_head) instead of allocating one.
     `fp8`: hold FP8 weights; `self.quant` (radixserve.model.layers.fp8) then owns the weight's
-    layout, its loading and the matmul (`shards`: a MergedLinear's shard ids, in row order).
+    layout, its loading and the matmul (`shards`: a MergedLinear's shard ids, in row order);
+    block-wise FP8 (radixserve.model.layers.fp8_block) runs on CUDA as the bf16 weight it
+    dequantizes to at load, so its decode rows take the bf16 decode-row GEMM.
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool, dtype: torch.dtype,
@@ -46,11 +49,12 @@ class Linear(nn.Module):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.quant: Optional[Fp8LinearMethod] = None
+        self.quant: Optional[Fp8LinearMethod | Fp8BlockLinearMethod] = None
         if fp8 is not None:
             if weight is not None:
                 raise ValueError("an FP8 projection cannot share another layer's weight")
-            self.quant = Fp8LinearMethod(fp8, list(shards))
+            self.quant = Fp8LinearMethod(fp8, list(shards)) if fp8.block is None else \
+                Fp8BlockLinearMethod(fp8, list(shards), dtype, triton=kernels.triton)
             self.quant.create_weights(self, input_size, output_size)
         elif weight is None:
             weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype))
@@ -75,7 +79,7 @@ class Linear(nn.Module):
             if self._decode_config is not None:
                 self._decode_linear = decode_linear
                 self._decode_max_rows = kernels.decode_gemm_max_rows
-                if self.quant is not None:
+                if isinstance(self.quant, Fp8LinearMethod):
                     from radixserve.kernels.decode_linear_fp8 import decode_linear_fp8
 
                     self._decode_linear = self._fp8_decode_linear
@@ -92,8 +96,8 @@ class Linear(nn.Module):
         return self._decode_linear_fp8(x, weight, self.weight_scale, bias, config, silu_mul=silu_mul)
 
     def load_weight(self, param: str, loaded: torch.Tensor, shard_id: Optional[ShardId] = None) -> None:
-        """Fill parameter `param` ("weight" or "bias"; FP8 also "weight_scale", "input_scale")
-        from one checkpoint tensor."""
+        """Fill parameter `param` ("weight" or "bias"; FP8 also "weight_scale", "input_scale", or
+        block-wise "weight_scale_inv") from one checkpoint tensor."""
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
         if self.quant is not None:

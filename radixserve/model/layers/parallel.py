@@ -18,6 +18,11 @@ sliced with the rows, replicated KV heads' rows included). Row-parallel: every o
 whole scale, this rank's input columns of the e4m3 weight. Quantized at load, a row-parallel rank
 reads the whole tensor once to take each row's max |w| over all columns, so every rank's scale,
 and each e4m3 value, is tp 1's.
+
+Block-wise FP8 (`weight_scale_inv` per bn x bk block): a rank's rows or input columns start and
+end on the block grid (radixserve.model.quantization.check_block_alignment refuses any other
+tp size), so it reads the block rows or block columns of its part, and since activations are
+quantized per bk columns, its o_proj and down_proj inputs round exactly as tp 1's.
 """
 
 from __future__ import annotations
@@ -68,7 +73,8 @@ def read_scale_rows(loaded: Loaded, start: int, size: int) -> torch.Tensor:
         return read_all(loaded)
     if not shape or shape[0] < start + size or math.prod(shape[1:]) != 1:
         raise ValueError(f"has shape {shape}: a weight scale is one value or one per output row (this rank "
-                         f"reads rows {start}..{start + size - 1}); block-wise scales are not supported")
+                         f"reads rows {start}..{start + size - 1}); block-wise scales are "
+                         "`weight_scale_inv` under a weight_block_size")
     return read_rows(loaded, start, size)
 
 
@@ -92,6 +98,9 @@ class ColumnParallelLinear(MergedLinear):
         if self.quant is not None:
             if param == "weight_scale":
                 part = read_scale_rows(loaded, start, size)
+            elif param == "weight_scale_inv":  # block-wise: the block rows of this rank's rows
+                bn = self.quant.config.block[0]
+                part = read_rows(loaded, start // bn, -(-size // bn))
             elif param == "input_scale":  # one value per checkpoint tensor, the same on every rank
                 part = read_all(loaded)
             else:
@@ -123,8 +132,15 @@ class RowParallelLinear(Linear):
         if self.quant is None:
             copy_weight(self.weight, read_cols(loaded, self.start, self.input_size))
         elif param != "weight" or self.quant.config.from_checkpoint or _is_fp8(loaded):
-            # Scales cover every output row, all of which this rank holds; the e4m3 weight its columns.
-            part = read_cols(loaded, self.start, self.input_size) if param == "weight" else read_all(loaded)
+            # Scales cover every output row, all of which this rank holds; the e4m3 weight its columns
+            # (block-wise scales: the block columns of its columns).
+            if param == "weight":
+                part = read_cols(loaded, self.start, self.input_size)
+            elif param == "weight_scale_inv":
+                bk = self.quant.config.block[1]
+                part = read_cols(loaded, self.start // bk, -(-self.input_size // bk))
+            else:
+                part = read_all(loaded)
             self.quant.load(self, param, part, None, (0, self.output_size))
         else:
             self._quantize_columns(read_all(loaded))
