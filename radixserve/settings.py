@@ -81,7 +81,8 @@ class ServerSettings:
     hicache_size: float = _opt(
         0.0, "Host-memory tier under the radix cache, in GB (pinned on CUDA): prefixes evicted from the "
         "device pool are copied here and copied back when a request needs them, instead of being computed "
-        "again. 0 (default): off. With --dp-size, per worker.")
+        "again. 0 (default): off. With --tp-size, per rank (each rank keeps its own KV shard there); with "
+        "--dp-size, per worker.")
     hicache_ratio: float = _opt(
         0.0, "The host tier's size as a multiple of the device KV pool (e.g. 4); an alternative to "
         "--hicache-size. 0 (default): off.")
@@ -204,9 +205,6 @@ class ServerSettings:
             raise ValueError("hicache_size and hicache_ratio must be >= 0")
         if self.hicache_size > 0 and self.hicache_ratio > 0:
             raise ValueError("give hicache_size or hicache_ratio, not both")
-        if self.hicache_enabled and self.tp_size > 1:
-            raise ValueError("the host tier (hicache_size/hicache_ratio) does not work with tensor parallelism "
-                             "(tp_size > 1) yet: each rank's KV shard would need its own copies")
         if self.hicache_enabled and self.disable_radix_cache:
             raise ValueError("the host tier (hicache_size/hicache_ratio) needs the radix cache; "
                              "drop disable_radix_cache")

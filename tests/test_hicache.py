@@ -136,8 +136,6 @@ def test_hicache_settings_are_checked(tiny_dir):
         Engine(str(tiny_dir), hicache_size=1.0, hicache_ratio=2.0)
     with pytest.raises(ValueError, match="needs the radix cache"):
         Engine(str(tiny_dir), hicache_ratio=2.0, disable_radix_cache=True)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        Engine(str(tiny_dir), hicache_ratio=2.0, tp_size=2)
     with pytest.raises(ValueError, match="hicache_write_policy"):
         Engine(str(tiny_dir), hicache_ratio=2.0, hicache_write_policy="sometimes")
 

@@ -14,12 +14,19 @@ layer. A write-back: the compute stream gathers the evicted slots into a staging
 slots can be reused by the very next step), and the copy stream moves it to the host. On the CPU
 (the test suite's "device") the copies run synchronously, but their completion is still observed
 only by `poll`, so the scheduler's issued -> done path is the same.
+
+Under tensor parallelism each rank holds a host pool for its own KV shard, with the same slot
+numbering. Rank 0's engine records every copy it issues (`CopyOrder`, when `orders` is a list); the
+other ranks replay them in the same order on their own shard (`replay`) and make their compute
+stream wait for them when rank 0 has seen its own copies done (`compute_waits_for`); see
+docs/tensor_parallel.md for why that ordering is enough.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
@@ -29,6 +36,8 @@ import torch
 from radixserve.cache.kv_pool import KVPool, PageAllocator
 
 logger = logging.getLogger("radixserve")
+
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 # Device staging of a load, in tokens (7B: 224 MiB): longer loads go through it in chunks.
 LOAD_CHUNK_TOKENS = 4096
@@ -99,6 +108,21 @@ def copy_runs(host_slots: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(h, s, e - s) for h, s, e in zip(first, starts, ends)]
 
 
+def _slot_array(slots: torch.Tensor) -> array:
+    out = array("q")
+    out.frombytes(slots.to(torch.int64).numpy().tobytes())
+    return out
+
+
+@dataclass
+class CopyOrder:
+    """One copy as rank 0 issued it (its sequence number), for another rank to issue on its shard."""
+    seq: int
+    load: bool  # host -> device; else a write-back, device -> host
+    dev_slots: array
+    host_slots: array
+
+
 @dataclass
 class CopyStats:
     loaded_tokens: int = 0
@@ -133,22 +157,47 @@ class CopyEngine:
         self.stats = CopyStats()
         # (seq, tokens loaded or 0, end event, start event) of copies not yet seen done.
         self._pending: deque[tuple[int, int, object, object]] = deque()
+        # Every copy issued, kept for the other tensor-parallel ranks (None: not kept).
+        self.orders: Optional[list[CopyOrder]] = None
 
-    def _next(self) -> int:
+    def _next(self, load: bool, dev_slots: torch.Tensor, host_slots: torch.Tensor) -> int:
         self.issued_seq += 1
+        if self.orders is not None:
+            self.orders.append(CopyOrder(self.issued_seq, load, _slot_array(dev_slots), _slot_array(host_slots)))
         return self.issued_seq
 
     def write_back(self, dev_slots: torch.Tensor, host_slots: torch.Tensor) -> int:
-        seq = self._next()
+        seq = self._next(False, dev_slots, host_slots)
         self.stats.written_back_tokens += dev_slots.numel()
         self.stats.written_back_bytes += dev_slots.numel() * self.host.bytes_per_token
         self._pending.append((seq, 0, *self._write_back(dev_slots, host_slots)))
         return seq
 
     def load(self, host_slots: torch.Tensor, dev_slots: torch.Tensor) -> int:
-        seq = self._next()
+        seq = self._next(True, dev_slots, host_slots)
         self._pending.append((seq, dev_slots.numel(), *self._load(host_slots, dev_slots)))
         return seq
+
+    def replay(self, order: CopyOrder) -> None:
+        """Issue rank 0's copy on this rank's shard; it gets the same sequence number."""
+        dev = torch.frombuffer(order.dev_slots, dtype=torch.int64) if order.dev_slots else _NO_SLOTS
+        host = torch.frombuffer(order.host_slots, dtype=torch.int64) if order.host_slots else _NO_SLOTS
+        seq = self.load(host, dev) if order.load else self.write_back(dev, host)
+        if seq != order.seq:
+            raise RuntimeError(f"copy {order.seq} of rank 0 was issued here as copy {seq}: the ranks' host tiers "
+                               "have diverged")
+
+    def compute_waits_for(self, seq: int) -> None:
+        """Make the work queued from now on the compute stream wait for the loads up to copy seq
+        (the host does not block), and forget the copies up to it (their completion is rank 0's to
+        observe). Write-backs need no wait: their device reads are queued on the compute stream."""
+        last_load = None
+        while self._pending and self._pending[0][0] <= seq:
+            entry = self._pending.popleft()
+            if entry[1]:
+                last_load = entry[2]
+        if last_load is not None:
+            self._stream_waits(last_load)  # copies complete in issue order: the last covers the rest
 
     def poll(self) -> int:
         """Advance done_seq past every copy that has completed; returns it."""
@@ -187,6 +236,9 @@ class CopyEngine:
 
     def _synchronize(self, event: object) -> None:
         pass
+
+    def _stream_waits(self, event: object) -> None:
+        pass  # a synchronous copy is complete at issue
 
     def _elapsed(self, start: object, end: object) -> float:
         return float(end) - float(start)  # type: ignore[arg-type]
@@ -268,6 +320,9 @@ class CudaCopyEngine(CopyEngine):
 
     def _synchronize(self, event: object) -> None:
         event.synchronize()  # type: ignore[attr-defined]
+
+    def _stream_waits(self, event: object) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)  # type: ignore[arg-type]
 
     def _elapsed(self, start: object, end: object) -> float:
         return start.elapsed_time(end) / 1000.0  # type: ignore[attr-defined]  (loads' events are timed)

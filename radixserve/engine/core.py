@@ -21,15 +21,15 @@ from typing import Any, Optional
 
 import torch
 
-from radixserve.cache.kv_pool import ReqToTokenPool
 from radixserve.cache.host_pool import HostKVPool
+from radixserve.cache.kv_pool import ReqToTokenPool
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.cache.tiered_cache import make_tiered_cache
+from radixserve.cache.tiered_cache import TieredRadixCache, make_tiered_cache
 from radixserve.distributed import TensorParallel, check_divisible
 from radixserve.engine.grammar_wait import GrammarWaitlist
 from radixserve.engine.io_struct import GenerateRequest, RequestOutput
 from radixserve.engine.model_runner import ModelRunner
-from radixserve.engine.model_stack import load_rank_model, make_kv_memory
+from radixserve.engine.model_stack import host_tier_tokens, load_rank_model, make_kv_memory
 from radixserve.engine.tensor_parallel import (RecordingReqToTokenPool, SharedSampledTokens, TensorParallelLeader,
                                                TensorParallelRunner, check_tp_devices)
 from radixserve.grammar.spec import grammar_spec
@@ -110,7 +110,7 @@ class EngineCore:
             settings, self.model, self.device, self.dtype, self.context_len, tp,
             table_cls=RecordingReqToTokenPool if tp is not None else ReqToTokenPool)
         max_running = self.req_to_token.max_requests
-        self.cache = self._make_cache()
+        self.cache = self._make_cache(tp)
         eos = list(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
@@ -122,9 +122,10 @@ class EngineCore:
             self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, self.device, settings.random_seed,
                                       **runner_kwargs)
         else:
+            copier = self.cache.copier if isinstance(self.cache, TieredRadixCache) else None
             self.runner = TensorParallelRunner(
                 self.model, self.kv_pool, self.req_to_token, self.device, settings.random_seed, **runner_kwargs,
-                send=self.tp_leader.send, sampled=SharedSampledTokens(max_running, self.device, tp))
+                send=self.tp_leader.send, copier=copier, sampled=SharedSampledTokens(max_running, self.device, tp))
         self.runner.eos_token_ids = sorted(set(eos))
         self.grammar_wait = GrammarWaitlist(self.tokenizer, cfg.vocab_size, eos)
         if self.tokenizer is not None:
@@ -145,14 +146,15 @@ class EngineCore:
                     self.pool_size, settings.page_size, max_running,
                     f" tp_size={settings.tp_size}" if tp is not None else "")
 
-    def _make_cache(self) -> RadixCache:
+    def _make_cache(self, tp: Optional[TensorParallel]) -> RadixCache:
         s = self.settings
         if not s.hicache_enabled:
             return RadixCache(self.kv_pool.allocator, page_size=s.page_size, eviction_policy=s.radix_eviction_policy,
                               disable=s.disable_radix_cache)
         per_token = HostKVPool.token_bytes(self.kv_pool)
-        tokens = s.hicache_tokens(self.pool_size, per_token)
-        logger.info("host tier: %d tokens (%.1f GB), %s", tokens, tokens * per_token / 1e9, s.hicache_write_policy)
+        tokens = host_tier_tokens(s, self.kv_pool, tp)
+        logger.info("host tier: %d tokens (%.1f GB%s), %s", tokens, tokens * per_token / 1e9,
+                    f" on each of {tp.size} ranks" if tp is not None else "", s.hicache_write_policy)
         return make_tiered_cache(self.kv_pool, tokens, eviction_policy=s.radix_eviction_policy,
                                  write_through=s.hicache_write_policy == "write_through")
 
@@ -252,6 +254,8 @@ class EngineCore:
                 outputs += self._collect(previous)
                 previous = None
             self.in_flight = StepInFlight(batch, self.runner.launch_sampling(forward))
+        elif isinstance(self.runner, TensorParallelRunner):
+            self.runner.send_copies()  # loads started while every request waits: every rank starts them now
         outputs += self._collect(previous)
         if not self.overlap:
             outputs += self.sync()

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.distributed import TensorParallel
 from radixserve.model.config import ModelConfig
@@ -92,3 +93,14 @@ def make_kv_memory(settings: ServerSettings, model, device: torch.device, dtype:
                      kv_scales=model.kv_cache_scales)
     max_running = settings.resolved_max_running_requests(device.type)
     return kv_pool, table_cls(max_running, context_len + 1, device)
+
+
+def host_tier_tokens(settings: ServerSettings, kv_pool: KVPool, tp: Optional[TensorParallel]) -> int:
+    """Slots of this rank's host tier (0: none): --hicache-size GB of this rank's KV bytes per
+    token (so per rank), or --hicache-ratio times the device pool. Every rank of a
+    tensor-parallel engine gets the same number, the fewest any rank computed: rank 0's tree numbers
+    the host slots of every rank."""
+    if not settings.hicache_enabled:
+        return 0
+    tokens = settings.hicache_tokens(kv_pool.allocator.total_tokens, HostKVPool.token_bytes(kv_pool))
+    return tp.min_int(tokens) if tp is not None else tokens

@@ -2,8 +2,8 @@
 
 Rank 0 is the engine process itself (the server's engine process, or the offline `Engine`'s own
 process). It starts ranks 1..N-1 (`python -m radixserve.engine.tp_worker`), each a process that
-holds the model's shard and its shard of the KV pool (its KV heads of every slot) and nothing
-else: no scheduler, no tree, no tokenizer.
+holds the model's shard and its shard of the KV pool (its KV heads of every slot; with a host
+tier, their host copies too) and nothing else: no scheduler, no tree, no tokenizer.
 
 One scheduling decision per step, made by rank 0 and sent to the others. Rank 0 decides because
 its decisions depend on things only one process can see consistently: when each request
@@ -11,8 +11,9 @@ arrived and how long it waited (LPM aging, prefix holds), when a grammar finishe
 abort from a client. Ranks deciding "identically" would each need every request at the same
 step and the same clock. What rank 0 sends is what the model runner builds anyway: the step's
 index lists (the ones packed into one int64 buffer), the req_to_token table writes made since the
-last step, and the request rows that sample. It goes over a ZMQ socket per rank, not a
-collective, so an idle rank waits without a collective timeout running.
+last step, the host-tier copies issued since the last step, and the request rows that sample. It
+goes over a ZMQ socket per rank, not a collective, so an idle rank waits without a collective
+timeout running.
 
 Sampling: rank 0 samples from the gathered logits and broadcasts the ids (one collective of
 batch x 8 bytes, in stream order); every rank records them as its rows' last tokens, so the next
@@ -45,6 +46,7 @@ from typing import Callable, Optional
 import torch
 import zmq
 
+from radixserve.cache.host_pool import CopyEngine, CopyOrder
 from radixserve.cache.kv_pool import ReqToTokenPool
 from radixserve.distributed import TensorParallel, destroy, init_tensor_parallel
 from radixserve.distributed.group import open_store
@@ -67,17 +69,28 @@ def _ints(values) -> array:
 
 
 @dataclass
+class CopyBatch:
+    """The host-tier copies rank 0 issued since its last message, in issue order, and the last copy
+    rank 0 has seen complete (`done_seq`): a rank issues the copies on its own shard, then makes
+    its compute stream wait for its own copies up to done_seq (docs/tensor_parallel.md says why
+    that is enough). Sent alone when rank 0 issued copies in a step that launched nothing."""
+    orders: list[CopyOrder]
+    done_seq: int
+
+
+@dataclass
 class StepMessage:
     """One step, as every rank runs it. `graph`: replay the decode CUDA graph with `parts` (its five
     columns); else run eagerly with `parts` (ModelRunner.batch_parts). `table_writes`: (rows, cols,
-    slots) to apply to req_to_token first. `sample_rows`: request rows whose sampled ids rank 0
-    broadcasts after the forward."""
+    slots) to apply to req_to_token first; `copies`: the host-tier copies to issue before the
+    forward. `sample_rows`: request rows whose sampled ids rank 0 broadcasts after the forward."""
     graph: bool
     decode: bool
     resolve: bool
     parts: tuple[array, ...]
     table_writes: Optional[tuple[array, array, array]]
     sample_rows: array
+    copies: Optional[CopyBatch] = None
 
 
 class RecordingReqToTokenPool(ReqToTokenPool):
@@ -120,11 +133,33 @@ class SharedSampledTokens(LastSampledTokens):
 
 
 class TensorParallelRunner(ModelRunner):
-    """Rank 0's model runner: sends each step to the other ranks before running it itself."""
+    """Rank 0's model runner: sends each step to the other ranks before running it itself.
+    `copier`: the host tier's copy engine, whose copies go to the other ranks with the steps."""
 
-    def __init__(self, *args, send: Callable[[StepMessage], None], **kwargs):
+    def __init__(self, *args, send: Callable[[StepMessage | CopyBatch], None], copier: Optional[CopyEngine] = None,
+                 **kwargs):
         self.send = send
+        self.copier = copier
+        self.sent_done_seq = 0
+        if copier is not None:
+            copier.orders = []
         super().__init__(*args, **kwargs)
+
+    def take_copies(self) -> Optional[CopyBatch]:
+        """The copies issued since the last message, unless there is none and no copy completed since."""
+        copier = self.copier
+        if copier is None or (not copier.orders and copier.done_seq == self.sent_done_seq):
+            return None
+        orders, copier.orders = copier.orders, []
+        self.sent_done_seq = copier.done_seq
+        return CopyBatch(orders, copier.done_seq)
+
+    def send_copies(self) -> None:
+        """Send the copies issued in a step that launched nothing (loads started while every request
+        waits), so that the other ranks' copies run beside rank 0's rather than after them."""
+        copies = self.take_copies()
+        if copies is not None:
+            self.send(copies)
 
     def run_model(self, sb: ScheduledBatch, prompt: Optional[PromptLogprobPlan] = None) -> torch.Tensor:
         table = self.req_to_token
@@ -132,11 +167,13 @@ class TensorParallelRunner(ModelRunner):
         rows = _ints(r.req_pool_idx for r, s in zip(sb.reqs, sb.sample) if s)
         if sb.is_decode_only and self.graphs is not None and self.graphs.can_run(len(sb.reqs)):
             columns = self.decode_columns(sb)
-            self.send(StepMessage(True, True, False, tuple(_ints(c) for c in columns), table.take(), rows))
+            self.send(StepMessage(True, True, False, tuple(_ints(c) for c in columns), table.take(), rows,
+                                  self.take_copies()))
             self.num_graph_steps += 1
             return self.graphs.replay(*columns)
         decode, parts, resolve = self.batch_parts(sb, prompt.token_rows if prompt is not None else None)
-        self.send(StepMessage(False, decode, resolve, tuple(_ints(p) for p in parts), table.take(), rows))
+        self.send(StepMessage(False, decode, resolve, tuple(_ints(p) for p in parts), table.take(), rows,
+                              self.take_copies()))
         self.num_eager_steps += 1
         return self.model(self.batch_from_parts(decode, parts, resolve))
 
@@ -185,7 +222,7 @@ class TensorParallelLeader:
         self.procs.append(proc)
         logger.info("tensor-parallel rank %d: pid %d", rank, proc.pid)
 
-    def send(self, msg: StepMessage) -> None:
+    def send(self, msg: StepMessage | CopyBatch) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self.sockets:
             sock.send(data, copy=False)

@@ -21,12 +21,13 @@ from typing import Optional
 import torch
 import zmq
 
+from radixserve.cache.host_pool import CopyEngine, HostKVPool, make_copy_engine
 from radixserve.distributed import TensorParallel, destroy, init_tensor_parallel
 from radixserve.distributed.group import open_store
 from radixserve.engine.core import DTYPES
 from radixserve.engine.model_runner import ModelRunner
-from radixserve.engine.model_stack import load_rank_model, make_kv_memory
-from radixserve.engine.tensor_parallel import SharedSampledTokens, StepMessage
+from radixserve.engine.model_stack import host_tier_tokens, load_rank_model, make_kv_memory
+from radixserve.engine.tensor_parallel import CopyBatch, SharedSampledTokens, StepMessage
 from radixserve.model.config import ModelConfig
 from radixserve.settings import ServerSettings
 
@@ -45,16 +46,37 @@ class WorkerRank:
         context_len = settings.context_length or config.max_position_embeddings
         self.model, _ = load_rank_model(settings, device, dtype, context_len, tp)
         self.kv_pool, self.req_to_token = make_kv_memory(settings, self.model, device, dtype, context_len, tp)
+        self.copier = self._make_copier(settings, tp)
         sampled = SharedSampledTokens(self.req_to_token.max_requests, device, tp)
         self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, device, settings.random_seed,
                                   cuda_graph_max_bs=min(settings.cuda_graph_max_bs, self.req_to_token.max_requests),
                                   disable_cuda_graph=settings.disable_cuda_graph, sampled=sampled)
         self.sampled = sampled
 
+    def _make_copier(self, settings: ServerSettings, tp: TensorParallel) -> Optional[CopyEngine]:
+        """This rank's host tier (its KV shard's bytes, rank 0's slot numbering) and copy engine."""
+        tokens = host_tier_tokens(settings, self.kv_pool, tp)
+        if not tokens:
+            return None
+        host = HostKVPool(tokens, self.kv_pool, pin=self.kv_pool.k_buffers[0].device.type == "cuda")
+        return make_copy_engine(self.kv_pool, host)
+
+    @torch.inference_mode()
+    def run_copies(self, copies: CopyBatch) -> None:
+        """Issue rank 0's copies on this shard, then hold this rank's compute stream until its own
+        loads up to the last one rank 0 has seen complete are complete."""
+        if self.copier is None:
+            raise RuntimeError("rank 0 sent host-tier copies to a rank without a host tier")
+        for order in copies.orders:
+            self.copier.replay(order)
+        self.copier.compute_waits_for(copies.done_seq)
+
     @torch.inference_mode()
     def run_step(self, msg: StepMessage) -> None:
         if msg.table_writes is not None:
             self.req_to_token.write(*(a.tolist() for a in msg.table_writes))
+        if msg.copies is not None:
+            self.run_copies(msg.copies)
         parts = tuple(p.tolist() for p in msg.parts)
         if msg.graph:
             self.runner.graphs.replay(*parts)
@@ -85,10 +107,13 @@ def serve(rank: WorkerRank, sock: zmq.Socket, parent_pid: int) -> None:
                 logger.warning("tensor-parallel rank: rank 0 is gone; exiting")
                 return
             continue
-        msg: Optional[StepMessage] = pickle.loads(sock.recv())
+        msg: Optional[StepMessage | CopyBatch] = pickle.loads(sock.recv())
         if msg is None:
             return
-        rank.run_step(msg)
+        if isinstance(msg, CopyBatch):
+            rank.run_copies(msg)
+        else:
+            rank.run_step(msg)
 
 
 def worker_main(settings: ServerSettings, rank: int, store_port: int, control_addr: str, parent_pid: int) -> int:
