@@ -354,7 +354,7 @@ class RadixCache:
             return False
         for node in self.iter_nodes():
             if node is not self.root:
-                self.allocator.free_slots(node.value)
+                self._free_node_slots(node)
                 node.removed = True
                 self.touched.add((node, ALL))
         self.touched.add((self.root, ALL))
@@ -362,6 +362,10 @@ class RadixCache:
         if self.event_listener is not None:
             self.event_listener("flush", [])
         return True
+
+    def _free_node_slots(self, node: TreeNode) -> None:
+        """Give back what a node being dropped with the whole tree owns."""
+        self.allocator.free_slots(node.value)
 
     def reset_counters(self) -> None:
         self.counters = CacheCounters()

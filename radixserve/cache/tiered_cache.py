@@ -381,22 +381,13 @@ class TieredRadixCache(RadixCache):
     def flush(self) -> bool:
         self.copier.wait_all()
         self.poll()  # finished loads unlock their nodes
-        if self.protected_size:
-            return False
-        for node in self.iter_nodes():
-            if node is self.root:
-                continue
-            if node.value is not None:
-                self.allocator.free_slots(node.value)
-            if node.host_value is not None:
-                self.host_allocator.free_slots(node.host_value)
-            node.removed = True
-            self.touched.add((node, ALL))
-        self.touched.add((self.root, ALL))
-        self._reset()
-        if self.event_listener is not None:
-            self.event_listener("flush", [])
-        return True
+        return super().flush()
+
+    def _free_node_slots(self, node: TreeNode) -> None:
+        if node.value is not None:
+            self.allocator.free_slots(node.value)
+        if node.host_value is not None:
+            self.host_allocator.free_slots(node.host_value)
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = ()) -> None:
