@@ -176,13 +176,16 @@ class RadixCache:
         return length, last, self._child_key(tokens, length)
 
     def match(self, tokens: Sequence[int]) -> MatchResult:
-        """Longest cached prefix; splits the last node so the match ends at a node boundary."""
+        """Longest cached prefix whose KV is usable now (`_ready`); splits the last node so the match
+        ends at a node boundary."""
         if self.disabled:
             return MatchResult(0, _EMPTY_SLOTS, self.root)
         tick = self._next_tick()
         pieces: list[torch.Tensor] = []
         last, length = self.root, 0
         for node, n, pos in self._walk(tokens):
+            if not self._ready(node):
+                break
             if n < len(node.key):
                 node = self._split(node, n)
             node.last_access = tick
@@ -195,6 +198,10 @@ class RadixCache:
         return MatchResult(length, slots, last)
 
     # ------------------------------------------------------------------ mutation
+    def _ready(self, node: TreeNode) -> bool:
+        """Whether a node's KV can be read now: always, with one tier."""
+        return True
+
     def _split(self, node: TreeNode, n: int) -> TreeNode:
         """Cut node after n tokens; returns the new upper part. Keys and values are copied, not viewed."""
         parent = node.parent

@@ -28,7 +28,7 @@ import torch
 
 from radixserve.cache.host_pool import CopyEngine, CopyStats, HostKVPool, make_copy_engine
 from radixserve.cache.kv_pool import KVPool, PageAllocator
-from radixserve.cache.radix_cache import _EMPTY_SLOTS, ALL, MatchResult, RadixCache, TreeNode
+from radixserve.cache.radix_cache import ALL, RadixCache, TreeNode
 
 # host_seq of host copies a copy being prepared will use: busy until the copy is issued.
 _RESERVED = 1 << 62
@@ -62,7 +62,8 @@ class TieredRadixCache(RadixCache):
         return node.loading_seq > self.copier.done_seq
 
     def _ready(self, node: TreeNode) -> bool:
-        """On the device with its KV in place (not waiting for a load)."""
+        """On the device with its KV in place (not waiting for a load): host-only and loading nodes
+        end a match."""
         return node.value is not None and node.loading_seq <= self.copier.done_seq
 
     def _host_busy(self, node: TreeNode) -> bool:
@@ -95,25 +96,6 @@ class TieredRadixCache(RadixCache):
             self._push(parent)
 
     # ------------------------------------------------------------------ lookup
-    def match(self, tokens: Sequence[int]) -> MatchResult:
-        """The longest prefix whose KV is on the device now; host-only and loading nodes end it."""
-        tick = self._next_tick()
-        pieces: list[torch.Tensor] = []
-        last, length = self.root, 0
-        for node, n, pos in self._walk(tokens):
-            if not self._ready(node):
-                break
-            if n < len(node.key):
-                node = self._split(node, n)
-            node.last_access = tick
-            node.hit_count += 1
-            pieces.append(node.value)
-            last, length = node, pos + n
-        if last is not self.root and self._evictable_leaf(last) and last.lock_ref == 0:
-            self._push(last)
-        slots = torch.cat(pieces) if pieces else _EMPTY_SLOTS
-        return MatchResult(length, slots, last)
-
     def host_part(self, length: int, node: TreeNode) -> tuple[int, bool]:
         """Of a match of `length` tokens ending in node (from peek): how many are not on the device
         ready to use, and whether a load of some of them is in flight."""
