@@ -48,6 +48,13 @@ TUNED: dict[tuple[int, int], DecodeLinearConfig] = {
 }
 
 
+# Per (N, K), the variants for e4m3 weights (radixserve.kernels.decode_linear_fp8), where they differ
+# from the bf16 choice: one byte a weight puts half the bytes of a BLOCK_N x BLOCK_K tile in flight,
+# so the fastest tile may be longer along K. Filled from `decode_linear_sweep.py --fp8` on an H200;
+# a shape not listed takes the bf16 variant.
+TUNED_FP8: dict[tuple[int, int], DecodeLinearConfig] = {}
+
+
 def default_config(n: int, k: int) -> Optional[DecodeLinearConfig]:
     """64-row strips; K split until there are ~128 programs, each streaming >= 16 K tiles; deeper
     pipelines for small matrices (their programs are few and short). None if K is not a whole
@@ -60,11 +67,13 @@ def default_config(n: int, k: int) -> Optional[DecodeLinearConfig]:
 
 
 def config_for(weight: torch.Tensor) -> Optional[DecodeLinearConfig]:
-    """The variant for this weight, or None when decode_linear cannot take it."""
+    """The variant for this weight (e4m3 weights: `TUNED_FP8` first), or None when decode_linear
+    cannot take it."""
     if weight.dim() != 2:
         return None
     n, k = weight.shape
-    config = TUNED.get((n, k)) or default_config(n, k)
+    fp8 = TUNED_FP8.get((n, k)) if weight.dtype == torch.float8_e4m3fn else None
+    config = fp8 or TUNED.get((n, k)) or default_config(n, k)
     return config if config is not None and supported(weight, config) else None
 
 
@@ -81,11 +90,15 @@ def split_plan(k: int, config: DecodeLinearConfig) -> tuple[int, int]:
     return per_split, _cdiv(k_tiles, per_split)
 
 
-def pipeline_stages(config: DecodeLinearConfig, block_m: int, element_size: int) -> int:
+def pipeline_stages(config: DecodeLinearConfig, block_m: int, element_size: int,
+                    weight_element_size: Optional[int] = None) -> int:
     """config.num_stages, fewer if a stage's weight and x tiles would overflow shared memory
-    (an H100/H200 SM has 227 KB): a row count above the tuned ones must not fail to compile."""
+    (an H100/H200 SM has 227 KB): a row count above the tuned ones must not fail to compile.
+    element_size: bytes of an x element; weight_element_size: of a weight element (default the same)."""
+    w_size = element_size if weight_element_size is None else weight_element_size
+    stage_bytes = (config.block_n * w_size + block_m * element_size) * config.block_k
     stages = config.num_stages
-    while stages > 2 and stages * (config.block_n + block_m) * config.block_k * element_size > SHARED_MEMORY_BUDGET:
+    while stages > 2 and stages * stage_bytes > SHARED_MEMORY_BUDGET:
         stages -= 1
     return stages
 

@@ -1,5 +1,6 @@
 """The FP8 paths of the Triton kernels against float64/float32 references: the decode-row GEMM over
-e4m3 weights, the KV store into an FP8 pool, and both attention kernels reading one.
+e4m3 weights, the per-token activation quantization, the KV store into an FP8 pool, and both
+attention kernels reading one.
 
 Runs on a CUDA GPU, and under TRITON_INTERPRET=1 on the CPU (fp16 instead of bf16). The
 interpreter loads e4m3 correctly, but its float32 -> e4m3 conversion gets the rounding wrong
@@ -28,7 +29,9 @@ from radixserve.kernels.decode_linear_config import DecodeLinearConfig  # noqa: 
 from radixserve.kernels.decode_linear_fp8 import decode_linear_fp8  # noqa: E402
 from radixserve.kernels.extend_attention import extend_attention, plan_extend_tiles  # noqa: E402
 from radixserve.kernels.kv_store import store_kv  # noqa: E402
+from radixserve.kernels.quant_fp8 import quantize_rows_fp8  # noqa: E402
 from radixserve.kernels.rope import apply_rope_  # noqa: E402
+from radixserve.model.layers.fp8 import quantize_activations  # noqa: E402
 from test_triton_attention import BF16_TOL, Cache, _make_batch, check, reference  # noqa: E402
 
 FULL = DEVICE == "cuda"
@@ -88,6 +91,70 @@ def test_decode_linear_fp8_silu_mul(m, inter, k, split):
     gate, up = gate_up[:, :inter], gate_up[:, inter:]
     assert not torch.isnan(out).any()
     assert rel_err(out, gate * torch.sigmoid(gate) * up) < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 17])
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("gated", [False, True])
+def test_decode_linear_fp8_activations_and_fp16_dot(m, split, gated):
+    """x quantized per token (FP8 x FP8 dot, the row scale in the epilogue) against the reference
+    of the quantized x; the fp16 dot against the unquantized one."""
+    n, k = 200, 256
+    g = torch.Generator(device=DEVICE).manual_seed(m + split + gated)
+    x = torch.randn(m, k, device=DEVICE, generator=g).to(LOW)
+    wq, scale = fp8_weight(n, k, g)
+    cfg = DecodeLinearConfig(block_n=64, block_k=128, split=split)
+    w = wq.double() * scale.double()[:, None]
+    xq, x_scale = quantize_rows_fp8(x)
+    got = {"fp8": decode_linear_fp8(xq, wq, scale, None, cfg, silu_mul=gated, x_scale=x_scale, out_dtype=LOW),
+           "fp16": decode_linear_fp8(x, wq, scale, None, cfg, silu_mul=gated, dot_fp16=True)}
+    for kind, xd in (("fp8", xq.double() * x_scale.double()), ("fp16", x.double())):
+        ref = xd @ w.T
+        if gated:
+            ref = ref.to(LOW).double()
+            ref = ref[:, :n // 2] * torch.sigmoid(ref[:, :n // 2]) * ref[:, n // 2:]
+        assert got[kind].dtype == LOW and rel_err(got[kind], ref) < 1e-2, kind
+
+
+def test_decode_linear_fp8_refuses_activation_scales_that_do_not_fit():
+    x = torch.randn(2, 128, device=DEVICE).to(LOW)
+    wq, scale = fp8_weight(64, 128, torch.Generator(device=DEVICE).manual_seed(0))
+    with pytest.raises(ValueError, match="x_scale"):
+        decode_linear_fp8(x, wq, scale, None, DecodeLinearConfig(), x_scale=torch.ones(2, device=DEVICE))
+    with pytest.raises(ValueError, match="x_scale"):
+        decode_linear_fp8(x.to(FP8), wq, scale, None, DecodeLinearConfig())
+
+
+# --------------------------------------------------------------------------- activation quantization
+
+@pytest.mark.parametrize("m,k", [(1, 64), (5, 2500)])
+@pytest.mark.parametrize("static", [False, True])
+def test_quantize_rows_exact_values(m, k, static):
+    """Rows whose values e4m3 holds exactly once scaled (the interpreter's float32 -> e4m3
+    rounding is wrong at binade edges): the scales and values equal the torch path's."""
+    g = torch.Generator(device=DEVICE).manual_seed(m + k)
+    x = (torch.randn(m, k, device=DEVICE, generator=g) * 50).clamp(-448, 448).to(FP8).float()
+    x[:, 0] = 448.0  # each row's max |x| is 448 times its power of two below: that is its scale
+    # Static scale 1: an e4m3 value times 2^j (j >= 0) is an e4m3 value or saturates to 448.
+    x = x * torch.tensor([2.0 ** (i % 3) for i in range(m)], device=DEVICE)[:, None]
+    if m > 1:
+        x[1] = 0.0  # a zero row gets MIN_SCALE, not a division by zero
+    x = x.to(LOW)
+    input_scale = torch.tensor([1.0], device=DEVICE) if static else None
+    q, s = quantize_rows_fp8(x, input_scale)
+    rq, rs = quantize_activations(x, input_scale)
+    assert q.dtype == FP8 and s.shape == (m, 1) and torch.equal(s, rs)
+    assert torch.equal(q.float(), rq.float())
+
+
+@pytest.mark.skipif(not FULL, reason="the interpreter rounds float32 -> e4m3 wrongly at binade edges")
+@pytest.mark.parametrize("m,k", [(7, 3584), (300, 18944)])
+def test_quantize_rows_matches_torch_bit_for_bit(m, k):
+    g = torch.Generator(device=DEVICE).manual_seed(m)
+    x = (torch.randn(m, k, device=DEVICE, generator=g) * torch.logspace(-3, 3, m, device=DEVICE)[:, None]).to(LOW)
+    q, s = quantize_rows_fp8(x)
+    rq, rs = quantize_activations(x, None)
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
 
 
 def test_decode_linear_fp8_refuses_other_weights():
