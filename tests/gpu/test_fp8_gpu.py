@@ -70,13 +70,14 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
 @pytest.mark.skipif(not HOPPER_OR_ADA, reason="FP8 tensor cores: compute capability 8.9+")
 @pytest.mark.parametrize("m,n,k", [(1, 4608, 3584), (300, 4608, 3584), (77, 896, 4864)])
 @pytest.mark.parametrize("static", [False, True])
-def test_scaled_mm_matches_reference(m, n, k, static):
+@pytest.mark.parametrize("fused_quant", [False, True])
+def test_scaled_mm_matches_reference(m, n, k, static, fused_quant):
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     wq, scale = quantize_rows(torch.randn(n, k, device="cuda", generator=g) * 0.02)
     bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
     input_scale = torch.tensor([0.01], device="cuda") if static else None
-    out = fp8_linear_scaled_mm(x, wq, scale, bias, input_scale)
+    out = fp8_linear_scaled_mm(x, wq, scale, bias, input_scale, fused_quant=fused_quant)
     ref = fp8_linear_reference(x.float(), wq, scale, bias, input_scale)
     err = float((out.double() - ref.double()).norm() / ref.double().norm())
     assert out.dtype == torch.bfloat16 and err < 1e-2
