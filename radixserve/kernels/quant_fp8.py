@@ -1,10 +1,10 @@
 """Activations to e4m3 with one scale per token, in one kernel: the quantization in front of the FP8
 tensor-core GEMM (radixserve.model.layers.fp8).
 
-In torch ops the same thing is six full passes over the activations (abs, amax, a float32 copy,
-divide, clamp, cast; the float32 copies twice the size of the input); here each row is read twice
-(its max |x|, then the cast; the second read comes from L2 for all but the longest rows) and the
-e4m3 row written once. Bit for bit what `radixserve.model.layers.fp8.quantize_activations`
+In torch ops the same thing is nine launches, six of them full passes over the activations (abs,
+amax, a float32 copy, divide, clamp, cast; the float32 copies twice the size of the input); here
+one program per row reads it twice (its max |x|, then the cast; the second read mostly from L2)
+and writes the e4m3 row once. Bit for bit what `radixserve.model.layers.fp8.quantize_activations`
 computes: the scale is max |x| / 448 (at least MIN_SCALE), each value x / scale rounded to nearest
 even and saturated at +-448. Both divisions are IEEE (`div_rn`), as torch's are; Triton's `/` on
 float32 is an approximate one.

@@ -91,7 +91,7 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
                          fused_quant: bool = False) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] e4m3 * weight_scale [N])^T on the FP8 tensor cores. fused_quant:
     the activations are quantized by one Triton kernel (CUDA; the same e4m3 values and scales as
-    the torch ops, in one pass instead of six)."""
+    the torch ops, in one launch instead of nine)."""
     if fused_quant:
         from radixserve.kernels.quant_fp8 import quantize_rows_fp8
 
