@@ -22,10 +22,12 @@ kernel with its tuned variant and cuBLAS; the FP8 decode-row GEMM with the varia
 today; torch._scaled_mm with row-wise scales (the model's path above the decode-row limit: the
 activations quantized per token, by one kernel and by torch ops; alone on pre-quantized
 activations, with fast accumulation, with the bias in the GEMM); then the FP8 kernel over
-FP8_GRID (e4m3 widened to bf16, as today) and FP8_MODE_GRID (the fp16 dot; FP8 activations,
-with and without their quantization), within --grid-budget-s (rows in the order given: the
-first M of each shape gets the compiles). Prints per shape the FP8 floor (one byte a weight), the
-best of each family and the fastest six; then per shape the fastest FP8 tile over M <= 32 (what
+FP8_GRID (e4m3 widened to bf16, as today) and FP8_MODE_GRID (the fp16 dot; FP8 activations per
+token, with and without their quantization; FP8 activations per K slice, quantized in the
+kernel), within --grid-budget-s (rows in the order given: the
+first M of each shape gets the compiles). Prints per shape the FP8 floor (one byte a weight), what
+quantizing the activations costs in accuracy (relative error of the product against unquantized
+activations, per token and per 128-wide slice), the best of each family and the fastest six; then per shape the fastest FP8 tile over M <= 32 (what
 decode_linear_config.TUNED_FP8 would hold).
 --fp8-prefill: at --prefill-rows rows (8,192), bf16 F.linear against the FP8 path as the model
 runs it, _scaled_mm alone, the activation quantization alone and the bias add, per shape and
@@ -35,6 +37,7 @@ per prefill (times the layers).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import sys
@@ -209,11 +212,21 @@ ACT = torch.bfloat16
 # K splits of FP8_SPLITS (a tile too big for shared memory gets fewer stages, or is skipped).
 FP8_GRID = [(64, 256, 3, 4), (64, 256, 5, 4), (128, 256, 4, 8), (64, 512, 3, 4), (64, 512, 4, 8),
             (32, 512, 4, 4)]
-# The other two ways of multiplying (fp16 dot; FP8 activations, timed with and without their
-# quantization), on fewer tiles.
-FP8_MODE_GRID = [(64, 128, 5, 4), (64, 256, 3, 4), (128, 256, 4, 8), (64, 512, 3, 4)]
+# The other ways of multiplying (fp16 dot; FP8 activations quantized per token, timed with and
+# without their quantization; FP8 activations quantized per K slice in the kernel), on fewer tiles.
+FP8_MODE_GRID = [(64, 128, 5, 4), (64, 256, 3, 4), (128, 256, 4, 8)]
 FP8_SPLITS = (1, 2, 4, 8)
 FP8_TOL = 2e-2  # relative error against the variant's own reference (bf16 output rounding)
+
+
+def tile_quantized(x: torch.Tensor, block_k: int) -> torch.Tensor:
+    """float32 x with each token's block_k slices quantized to e4m3 by the slice's max |x| / 448 (what
+    decode_linear_fp8's x_tile_fp8 multiplies)."""
+    m, k = x.shape
+    xs = x.float().view(m, k // block_k, block_k)
+    amax = xs.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
+    q = (xs * (448.0 / amax)).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    return (q * (amax / 448.0)).view(m, k)
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -330,7 +343,7 @@ def fp8_grid_variants(v: Variants, x: torch.Tensor, w8: list, b: Optional[torch.
     m, k = x.shape
     xq, x_scale = quantize_rows_fp8(x)
     modes = [("fp8", FP8_GRID, {}), ("fp8 fp16-dot", FP8_MODE_GRID, dict(dot_fp16=True)),
-             ("fp8 fp8-act", FP8_MODE_GRID, None)]
+             ("fp8 fp8-act", FP8_MODE_GRID, None), ("fp8 tile-act", FP8_MODE_GRID, dict(x_tile_fp8=True))]
     for family, grid, kwargs in modes:
         for bn, bk, st, wp in grid:
             if k % bk:
@@ -360,13 +373,14 @@ def fp8_grid_variants(v: Variants, x: torch.Tensor, w8: list, b: Optional[torch.
                     def call(i, c=c, kwargs=kwargs):
                         return lambda: decode_linear_fp8(x, *w8[i], b, c, out=y, partial=part, silu_mul=gated,
                                                          **kwargs)
-                    v.run(f"{family} {cfg_label(c)}", family, call, refs["x"], config=cfg_tuple(c))
+                    ref = refs["tile"](bk) if kwargs.get("x_tile_fp8") else refs["x"]
+                    v.run(f"{family} {cfg_label(c)}", family, call, ref, config=cfg_tuple(c))
     del xq, x_scale
 
 
 # The families each summary line shows the best of (best_us).
 FP8_FAMILIES = ("bf16", "fp8 current", "scaled_mm", "scaled_mm alone", "fp8", "fp8 fp16-dot", "fp8 fp8-act",
-                "fp8 fp8-act pre-quantized")
+                "fp8 fp8-act pre-quantized", "fp8 tile-act")
 
 
 def best_us(v: Variants, family: str, floor_ms: float) -> str:
@@ -402,7 +416,13 @@ def sweep_fp8(cfg: ModelConfig, name: str, rows: list[int], layers, budget_s: fl
             bias = b.float() if b is not None else 0.0
             raw = {"bf16": x.float() @ w16[0].float().T + bias, "x": x.float() @ deq.T + bias,
                    "q": (xq.float() * x_scale) @ deq.T + bias, "q_nobias": (xq.float() * x_scale) @ deq.T}
-            refs = {key: silu_and_mul(r.to(ACT)) if gated else r.to(ACT) for key, r in raw.items()}
+            post = (lambda r: silu_and_mul(r.to(ACT))) if gated else (lambda r: r.to(ACT))  # noqa: E731
+            refs = {key: post(r) for key, r in raw.items()}
+            refs["tile"] = functools.lru_cache(None)(
+                lambda bk, x=x, bias=bias, post=post: post(tile_quantized(x, bk) @ deq.T + bias))
+            # What quantizing the activations costs in accuracy: against the unquantized x.
+            act_err = f"act err per token {rel_err(refs['q'], refs['x']):.3f}, per 128 slice " \
+                      f"{rel_err(refs['tile'](128), refs['x']):.3f}"
             y = torch.empty(m, n_out, dtype=ACT, device=dev)
             part = torch.empty(max(FP8_SPLITS) * 2 * m * n, dtype=torch.float32, device=dev)
             v = Variants(len(w8))
@@ -411,7 +431,7 @@ def sweep_fp8(cfg: ModelConfig, name: str, rows: list[int], layers, budget_s: fl
             floor8 = (n * k + (m * k + m * n_out) * 2) / bw * 1e3
             floor16 = (n * k + m * k + m * n_out) * 2 / bw * 1e3
             head = f"{name} {layer + ('+silu' if gated else ''):12s} M={m:3d} N={n:6d} K={k:6d}"
-            line = (f"{head} fp8 floor {floor8 * 1e3:6.1f} us (bf16 {floor16 * 1e3:6.1f}) | "
+            line = (f"{head} fp8 floor {floor8 * 1e3:6.1f} us (bf16 {floor16 * 1e3:6.1f}, {act_err}) | "
                     + " | ".join(f"{fam} {best_us(v, fam, floor8)}" for fam in FP8_FAMILIES)
                     + f" | best {v.best()[0]}")
             ranked = sorted(v.results, key=lambda r: r[1])

@@ -18,6 +18,11 @@ What the tensor cores multiply, by the arguments:
 - `x_scale` given: x is e4m3 too (activations quantized per token, scales float32 [M], as the
   prefill path's `torch._scaled_mm` takes them): an FP8 x FP8 dot, no widening, the row scale
   applied with the column scale.
+- `x_tile_fp8`: x stays bf16 in memory and each program quantizes the slice it loads, one scale
+  per token per BLOCK_K slice (max |x| of the slice / 448); every slice's FP8 x FP8 dot is scaled
+  by it into the float32 accumulator. The FP8 tensor cores on both operands with no quantization
+  launch; each activation off by up to 1/16 of its slice's largest (per-token scales: of its
+  token's largest), so a little closer to bf16 than the prefill path's numerics.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from radixserve.kernels.launch import FastKernel
 def _decode_linear_fp8_kernel(
     X, W, Scale, XScale, Bias, Y, M, N, K, stride_xm, stride_ym, tiles_per_split,
     HAS_BIAS: tl.constexpr, WRITE_PARTIAL: tl.constexpr, GATED: tl.constexpr, EVEN_N: tl.constexpr,
-    X_FP8: tl.constexpr, DOT_FP16: tl.constexpr,
+    X_FP8: tl.constexpr, DOT_FP16: tl.constexpr, X_TILE_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -70,6 +75,12 @@ def _decode_linear_fp8_kernel(
         x = tl.load(x_ptrs, mask=mask_m[None, :], other=0.0)
         if X_FP8:
             acc = tl.dot(w, x, acc)
+        elif X_TILE_FP8:
+            xf = x.to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-12)  # [BLOCK_M]; padding rows are 0
+            xq = tl.minimum(tl.maximum(xf * (448.0 / amax)[None, :], -448.0), 448.0).to(W.dtype.element_ty,
+                                                                                       fp_downcast_rounding="rtne")
+            acc += tl.dot(w, xq) * (amax / 448.0)[None, :]
         elif DOT_FP16:
             x16 = tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
             acc = tl.dot(w.to(tl.float16), x16, acc)
@@ -103,12 +114,13 @@ def decode_linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
                       config: DecodeLinearConfig, out: Optional[torch.Tensor] = None,
                       partial: Optional[torch.Tensor] = None, silu_mul: bool = False,
                       x_scale: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
-                      dot_fp16: bool = False) -> torch.Tensor:
+                      dot_fp16: bool = False, x_tile_fp8: bool = False) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] e4m3 * weight_scale [N] float32)^T + bias [N] -> [M, N] in x's
     dtype, float32 accumulation. silu_mul, config, partial: as `decode_linear`.
 
     x_scale (float32 [M]): x is e4m3, x[i] * x_scale[i] the activations; the result is out_dtype
-    (or out's). dot_fp16: multiply in fp16 (see the module's docstring)."""
+    (or out's). dot_fp16: multiply in fp16; x_tile_fp8: quantize x's slices in the kernel (see the
+    module's docstring)."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.dtype != torch.float8_e4m3fn or weight_scale.dtype != torch.float32 or weight_scale.shape != (n,):
@@ -146,6 +158,7 @@ def decode_linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     _linear_fp8[grid](x, weight, weight_scale, x_scale_arg, bias_arg, y if split == 1 else partial, m, n, k,
                       x.stride(0), y.stride(0), tiles_per_split, HAS_BIAS=has_bias, WRITE_PARTIAL=split > 1,
                       GATED=silu_mul, EVEN_N=n_out % cols == 0, X_FP8=x_fp8, DOT_FP16=dot_fp16 and not x_fp8,
+                      X_TILE_FP8=x_tile_fp8 and not x_fp8,
                       BLOCK_M=block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps,
                       num_stages=stages)
     if split > 1:
