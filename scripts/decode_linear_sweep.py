@@ -23,12 +23,13 @@ today; torch._scaled_mm with row-wise scales (the model's path above the decode-
 activations quantized per token, by one kernel and by torch ops; alone on pre-quantized
 activations, with fast accumulation, with the bias in the GEMM); then the FP8 kernel over
 FP8_GRID (e4m3 widened to bf16, as today) and FP8_MODE_GRID (the fp16 dot; FP8 activations per
-token, with and without their quantization; FP8 activations per K slice, quantized in the
-kernel), within --grid-budget-s (rows in the order given: the
-first M of each shape gets the compiles). Prints per shape the FP8 floor (one byte a weight), what
-quantizing the activations costs in accuracy (relative error of the product against unquantized
-activations, per token and per 128-wide slice), the best of each family and the fastest six; then per shape the fastest FP8 tile over M <= 32 (what
-decode_linear_config.TUNED_FP8 would hold).
+token, with and without their quantization; FP8 activations per K tile, quantized in the kernel),
+within --grid-budget-s (rows in the order given: the first M of each shape gets the compiles).
+Prints per shape the FP8 floor (one byte a weight), what quantizing the activations costs in
+accuracy (relative error of the product against unquantized activations, per token and per
+128-wide slice), the best of each family and the fastest six; then per shape the fastest FP8
+variant over M <= 32, widened and of any fp8_mode (the entry decode_linear_config.TUNED_FP8 would
+hold).
 --fp8-prefill: at --prefill-rows rows (8,192), bf16 F.linear against the FP8 path as the model
 runs it, _scaled_mm alone, the activation quantization alone and the bias add, per shape and
 per prefill (times the layers).
@@ -42,6 +43,7 @@ import itertools
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -325,7 +327,7 @@ def fp8_decode_variants(v: Variants, x: torch.Tensor, w16: list, w8: list, b: Op
 
 
 def cfg_tuple(c) -> tuple:
-    return (c.block_n, c.block_k, c.split, c.num_warps, c.num_stages)
+    return (c.block_n, c.block_k, c.split, c.num_warps, c.num_stages, c.fp8_mode)
 
 
 def cfg_label(c) -> str:
@@ -335,28 +337,29 @@ def cfg_label(c) -> str:
 def fp8_grid_variants(v: Variants, x: torch.Tensor, w8: list, b: Optional[torch.Tensor], gated: bool, refs: dict,
                       part: torch.Tensor, y: torch.Tensor, deadline: float) -> None:
     """The FP8 decode-row GEMM over FP8_GRID (widened to bf16, as today), then FP8_MODE_GRID with
-    the fp16 dot and with FP8 activations; until `deadline` (time.monotonic())."""
+    the fp16 dot, FP8 activations per token (a launch of their own: not a TUNED_FP8 candidate) and
+    FP8 activations per K tile; until `deadline` (time.monotonic())."""
     from radixserve.kernels.decode_linear_config import DecodeLinearConfig, block_m_for, pipeline_stages, supported
     from radixserve.kernels.decode_linear_fp8 import decode_linear_fp8
     from radixserve.kernels.quant_fp8 import quantize_rows_fp8
 
     m, k = x.shape
     xq, x_scale = quantize_rows_fp8(x)
-    modes = [("fp8", FP8_GRID, {}), ("fp8 fp16-dot", FP8_MODE_GRID, dict(dot_fp16=True)),
-             ("fp8 fp8-act", FP8_MODE_GRID, None), ("fp8 tile-act", FP8_MODE_GRID, dict(x_tile_fp8=True))]
-    for family, grid, kwargs in modes:
+    modes = [("fp8", FP8_GRID, "widen"), ("fp8 fp16-dot", FP8_MODE_GRID, "fp16"),
+             ("fp8 fp8-act", FP8_MODE_GRID, None), ("fp8 tile-act", FP8_MODE_GRID, "tile_fp8")]
+    for family, grid, mode in modes:
         for bn, bk, st, wp in grid:
             if k % bk:
                 continue
             for split in FP8_SPLITS:
                 if k // bk // split < 2 or time.monotonic() > deadline:
                     continue
-                c = DecodeLinearConfig(block_n=bn, block_k=bk, split=split, num_warps=wp, num_stages=st)
+                c = DecodeLinearConfig(bn, bk, split, wp, st, mode or "widen")
                 if not supported(w8[0][0], c):
                     continue
-                x_size = 1 if kwargs is None else 2
-                c = DecodeLinearConfig(bn, bk, split, wp, pipeline_stages(c, block_m_for(m), x_size, 1))
-                if kwargs is None:  # the activations quantized per token, then the FP8 x FP8 dot
+                # The stages that run (fewer where the tiles would overflow shared memory).
+                c = replace(c, num_stages=pipeline_stages(c, block_m_for(m), 1 if mode is None else 2, 1))
+                if mode is None:  # the activations quantized per token, then the FP8 x FP8 dot
                     def call(i, c=c):
                         def run():
                             q, s = quantize_rows_fp8(x)
@@ -366,14 +369,13 @@ def fp8_grid_variants(v: Variants, x: torch.Tensor, w8: list, b: Optional[torch.
                     def call_prequantized(i, c=c):
                         return lambda: decode_linear_fp8(xq, *w8[i], b, c, out=y, partial=part, silu_mul=gated,
                                                          x_scale=x_scale)
-                    v.run(f"{family} {cfg_label(c)}", family, call, refs["q"], config=cfg_tuple(c))
+                    v.run(f"{family} {cfg_label(c)}", family, call, refs["q"])
                     v.run(f"{family} pre-quantized {cfg_label(c)}", family + " pre-quantized", call_prequantized,
-                          refs["q"], config=cfg_tuple(c))
+                          refs["q"])
                 else:
-                    def call(i, c=c, kwargs=kwargs):
-                        return lambda: decode_linear_fp8(x, *w8[i], b, c, out=y, partial=part, silu_mul=gated,
-                                                         **kwargs)
-                    ref = refs["tile"](bk) if kwargs.get("x_tile_fp8") else refs["x"]
+                    def call(i, c=c):
+                        return lambda: decode_linear_fp8(x, *w8[i], b, c, out=y, partial=part, silu_mul=gated)
+                    ref = refs["tile"](bk) if mode == "tile_fp8" else refs["x"]
                     v.run(f"{family} {cfg_label(c)}", family, call, ref, config=cfg_tuple(c))
     del xq, x_scale
 
@@ -437,8 +439,8 @@ def sweep_fp8(cfg: ModelConfig, name: str, rows: list[int], layers, budget_s: fl
             ranked = sorted(v.results, key=lambda r: r[1])
             print(line + "\n    top: " + "; ".join(f"{r[0]} {r[1] * 1e3:.1f}" for r in ranked[:6]), flush=True)
             summary.append(line)
-            for _label, ms, family, config in v.results:
-                if family == "fp8" or family == "fp8 current":
+            for _label, ms, _family, config in v.results:
+                if config is not None:  # the FP8 kernel as the model can run it (no launch of its own)
                     by_config.setdefault(config, {})[m] = ms
             out.append(dict(kind="fp8", model=name, layer=layer, m=m, n=n, k=k, floor_ms=floor8,
                             bf16_floor_ms=floor16, results=[dict(variant=r[0], family=r[2], ms=r[1]) for r in ranked]))
@@ -447,10 +449,14 @@ def sweep_fp8(cfg: ModelConfig, name: str, rows: list[int], layers, budget_s: fl
             del part
         small = [m for m in rows if m <= 32]
         full = [cfg for cfg, t in by_config.items() if all(m in t for m in small)]
-        if small and full:
-            bn, bk, split, wp, st = min(full, key=lambda cfg: sum(by_config[cfg][m] for m in small))
-            summary.append(f"{name} {layer}: fastest FP8 decode tile over M={small}: TUNED_FP8[({n}, {k})] = "
-                           f"DecodeLinearConfig({bn}, {bk}, {split}, {wp}, {st})")
+        for mode in (("widen",), ("widen", "fp16", "tile_fp8")):
+            fits = [cfg for cfg in full if cfg[-1] in mode]
+            if small and fits:
+                bn, bk, split, wp, st, fp8_mode = min(fits, key=lambda cfg: sum(by_config[cfg][m] for m in small))
+                total = sum(by_config[(bn, bk, split, wp, st, fp8_mode)][m] for m in small) * 1e3
+                summary.append(f"{name} {layer}: fastest FP8 decode variant over M={small} ({'/'.join(mode)}), "
+                               f"{total:.1f} us summed: TUNED_FP8[({n}, {k})] = "
+                               f"DecodeLinearConfig({bn}, {bk}, {split}, {wp}, {st}, {fp8_mode!r})")
         del w16, w8, deq
         torch.cuda.empty_cache()
     print("\n# summary (fp8)\n" + "\n".join(summary), flush=True)

@@ -18,16 +18,29 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# How the FP8 kernel (radixserve.kernels.decode_linear_fp8) multiplies e4m3 weights by bf16 rows:
+# "widen" (weights widened to bf16 in registers, activations exact), "fp16" (weights widened to
+# fp16, activations rounded to fp16), "tile_fp8" (activations quantized to e4m3 per token and K
+# tile inside the kernel, FP8 tensor cores on both operands). The bf16 kernel ignores it.
+FP8_MODES = ("widen", "fp16", "tile_fp8")
+
+
 @dataclass(frozen=True)
 class DecodeLinearConfig:
     """Rows of W per program (output columns; half gate, half up with silu_mul), the K tile, the
-    number of K splits, and the launch's warps and pipeline stages."""
+    number of K splits, the launch's warps and pipeline stages, and for e4m3 weights how they are
+    multiplied (FP8_MODES)."""
 
     block_n: int = 64
     block_k: int = 128
     split: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    fp8_mode: str = "widen"
+
+    def __post_init__(self) -> None:
+        if self.fp8_mode not in FP8_MODES:
+            raise ValueError(f"fp8_mode {self.fp8_mode!r}: expected one of {FP8_MODES}")
 
 
 # Per (N, K), for the projections of Qwen2-7B and Qwen2-0.5B: the variant fastest over 1-32 rows
@@ -50,8 +63,9 @@ TUNED: dict[tuple[int, int], DecodeLinearConfig] = {
 
 # Per (N, K), the variants for e4m3 weights (radixserve.kernels.decode_linear_fp8), where they differ
 # from the bf16 choice: one byte a weight puts half the bytes of a BLOCK_N x BLOCK_K tile in flight,
-# so the fastest tile may be longer along K. Filled from `decode_linear_sweep.py --fp8` on an H200;
-# a shape not listed takes the bf16 variant.
+# so the fastest tile may be longer along K, and the fp8_mode decides what the tensor cores read.
+# Filled from `decode_linear_sweep.py --fp8` on an H200 (its summary prints the entries); a shape
+# not listed takes the bf16 variant, widened.
 TUNED_FP8: dict[tuple[int, int], DecodeLinearConfig] = {}
 
 

@@ -7,18 +7,18 @@ byte per weight: half the bytes a decode step streams) and each output column's 
 multiplies its accumulator before anything is stored, so split partials, the bias and the SiLU see
 dequantized values.
 
-What the tensor cores multiply, by the arguments:
-- default: the weight tile widened to the activation dtype in registers (exact: every e4m3 value is
+What the tensor cores multiply, by `config.fp8_mode` (radixserve.kernels.decode_linear_config):
+- "widen": the weight tile widened to the activation dtype in registers (exact: every e4m3 value is
   a bf16/fp16 value), activations as they are (at a handful of rows their bytes are nothing next
   to the weights', and they lose no precision).
-- `dot_fp16`: weights widened to fp16 (one conversion instruction per two weights on sm89+, where
+- "fp16": weights widened to fp16 (one conversion instruction per two weights on sm89+, where
   e4m3 -> bf16 takes three) and bf16 activations rounded to fp16, saturating at +-65504. The same
   products as the default for activations of magnitude 2^-17 to 65504 (fp16 holds every bf16 value
   there); smaller ones lose low bits, larger ones saturate.
-- `x_scale` given: x is e4m3 too (activations quantized per token, scales float32 [M], as the
+- whatever the mode, with `x_scale` given: x is e4m3 too (activations quantized per token, scales float32 [M], as the
   prefill path's `torch._scaled_mm` takes them): an FP8 x FP8 dot, no widening, the row scale
   applied with the column scale.
-- `x_tile_fp8`: x stays bf16 in memory and each program quantizes the slice it loads, one scale
+- "tile_fp8": x stays bf16 in memory and each program quantizes the slice it loads, one scale
   per token per BLOCK_K slice (max |x| of the slice / 448); every slice's FP8 x FP8 dot is scaled
   by it into the float32 accumulator. The FP8 tensor cores on both operands with no quantization
   launch; each activation off by up to 1/16 of its slice's largest (per-token scales: of its
@@ -113,14 +113,13 @@ _linear_fp8 = FastKernel(_decode_linear_fp8_kernel)
 def decode_linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor],
                       config: DecodeLinearConfig, out: Optional[torch.Tensor] = None,
                       partial: Optional[torch.Tensor] = None, silu_mul: bool = False,
-                      x_scale: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
-                      dot_fp16: bool = False, x_tile_fp8: bool = False) -> torch.Tensor:
+                      x_scale: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16
+                      ) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] e4m3 * weight_scale [N] float32)^T + bias [N] -> [M, N] in x's
     dtype, float32 accumulation. silu_mul, config, partial: as `decode_linear`.
 
     x_scale (float32 [M]): x is e4m3, x[i] * x_scale[i] the activations; the result is out_dtype
-    (or out's). dot_fp16: multiply in fp16; x_tile_fp8: quantize x's slices in the kernel (see the
-    module's docstring)."""
+    (or out's); otherwise config.fp8_mode says how x is multiplied (see the module's docstring)."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.dtype != torch.float8_e4m3fn or weight_scale.dtype != torch.float32 or weight_scale.shape != (n,):
@@ -157,8 +156,8 @@ def decode_linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     x_scale_arg = x_scale.reshape(m) if x_fp8 else weight_scale
     _linear_fp8[grid](x, weight, weight_scale, x_scale_arg, bias_arg, y if split == 1 else partial, m, n, k,
                       x.stride(0), y.stride(0), tiles_per_split, HAS_BIAS=has_bias, WRITE_PARTIAL=split > 1,
-                      GATED=silu_mul, EVEN_N=n_out % cols == 0, X_FP8=x_fp8, DOT_FP16=dot_fp16 and not x_fp8,
-                      X_TILE_FP8=x_tile_fp8 and not x_fp8,
+                      GATED=silu_mul, EVEN_N=n_out % cols == 0, X_FP8=x_fp8,
+                      DOT_FP16=c.fp8_mode == "fp16" and not x_fp8, X_TILE_FP8=c.fp8_mode == "tile_fp8" and not x_fp8,
                       BLOCK_M=block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps,
                       num_stages=stages)
     if split > 1:

@@ -41,10 +41,11 @@ def _quantize_rows_kernel(X, Q, Scale, M, K, stride_xm, stride_qm, STATIC: tl.co
             amax = tl.maximum(amax, tl.abs(x))
         scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
         tl.store(Scale + row, scale)
+    scales = tl.zeros((BLOCK,), dtype=tl.float32) + scale  # div_rn takes operands of one shape
     for k0 in range(0, K, BLOCK):
         mask = k0 + cols < K
         x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scales), -FP8_MAX), FP8_MAX)
         tl.store(q_row + k0 + cols, q.to(Q.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 

@@ -12,6 +12,7 @@ the fused RoPE + FP8 store, whose rotated values are arbitrary, runs on CUDA onl
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -107,7 +108,7 @@ def test_decode_linear_fp8_activations_and_fp16_dot(m, split, gated):
     w = wq.double() * scale.double()[:, None]
     xq, x_scale = quantize_rows_fp8(x)
     got = {"fp8": decode_linear_fp8(xq, wq, scale, None, cfg, silu_mul=gated, x_scale=x_scale, out_dtype=LOW),
-           "fp16": decode_linear_fp8(x, wq, scale, None, cfg, silu_mul=gated, dot_fp16=True)}
+           "fp16": decode_linear_fp8(x, wq, scale, None, replace(cfg, fp8_mode="fp16"), silu_mul=gated)}
     for kind, xd in (("fp8", xq.double() * x_scale.double()), ("fp16", x.double())):
         ref = xd @ w.T
         if gated:
@@ -118,7 +119,7 @@ def test_decode_linear_fp8_activations_and_fp16_dot(m, split, gated):
 
 def tile_quantized(x: torch.Tensor, block_k: int) -> torch.Tensor:
     """x with each token's BLOCK_K slices quantized to e4m3 by the slice's max |x| / 448, as
-    float64 values (what the x_tile_fp8 kernel multiplies)."""
+    float64 values (what fp8_mode "tile_fp8" multiplies)."""
     m, k = x.shape
     xs = x.double().view(m, k // block_k, block_k)
     amax = xs.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
@@ -131,7 +132,7 @@ def tile_quantized(x: torch.Tensor, block_k: int) -> torch.Tensor:
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("exact", [True, False])
 def test_decode_linear_fp8_quantizes_activation_tiles(m, split, gated, exact):
-    """x_tile_fp8 against x quantized slice by slice in float64. `exact`: every slice is e4m3
+    """fp8_mode "tile_fp8" against x quantized slice by slice in float64. `exact`: every slice is e4m3
     values times a power of two with a largest of 448 times it, so quantizing loses nothing (the
     interpreter's float32 -> e4m3 rounding is wrong at binade edges; random x runs on CUDA)."""
     if not exact and not FULL:
@@ -149,8 +150,8 @@ def test_decode_linear_fp8_quantizes_activation_tiles(m, split, gated, exact):
     else:
         x = torch.randn(m, k, device=DEVICE, generator=g).to(LOW)
     wq, scale = fp8_weight(n, k, g)
-    cfg = DecodeLinearConfig(block_n=64, block_k=block_k, split=split)
-    got = decode_linear_fp8(x, wq, scale, None, cfg, silu_mul=gated, x_tile_fp8=True)
+    cfg = DecodeLinearConfig(block_n=64, block_k=block_k, split=split, fp8_mode="tile_fp8")
+    got = decode_linear_fp8(x, wq, scale, None, cfg, silu_mul=gated)
     xd = x.double() if exact else tile_quantized(x, block_k)
     ref = xd @ (wq.double() * scale.double()[:, None]).T
     if gated:
