@@ -22,14 +22,15 @@ kernel with its tuned variant and cuBLAS; the FP8 decode-row GEMM with the varia
 today; torch._scaled_mm with row-wise scales (the model's path above the decode-row limit: the
 activations quantized per token, by one kernel and by torch ops; alone on pre-quantized
 activations, with fast accumulation, with the bias in the GEMM); then the FP8 kernel over
-FP8_GRID (e4m3 widened to bf16, as today) and FP8_MODE_GRID (the fp16 dot; FP8 activations per
-token, with and without their quantization; FP8 activations per K tile, quantized in the kernel),
-within --grid-budget-s (rows in the order given: the first M of each shape gets the compiles).
-Prints per shape the FP8 floor (one byte a weight), what quantizing the activations costs in
-accuracy (relative error of the product against unquantized activations, per token and per
-128-wide slice), the best of each family and the fastest six; then per shape the fastest FP8
-variant over M <= 32, widened and of any fp8_mode (the entry decode_linear_config.TUNED_FP8 would
-hold).
+FP8_GRID (e4m3 widened to bf16, as today) and FP8_MODE_GRID (FP8 activations per K tile,
+quantized in the kernel in one e4m3 term or two; FP8 activations per token, with and without
+their quantization; the fp16 dot), within --grid-budget-s (rows in the order given: the first M
+of each shape gets the compiles). Prints per shape the FP8 floor (one byte a weight), what
+quantizing the activations costs in accuracy (relative error of the product against unquantized
+activations, per token, per 128-wide slice and with a second term), the best of each family and
+the fastest six; then per shape the fastest FP8 variant over M <= 32: widened, of the modes
+within about bf16's accuracy, and of any fp8_mode (the entry decode_linear_config.TUNED_FP8
+would hold).
 --fp8-prefill: at --prefill-rows rows (8,192), bf16 F.linear against the FP8 path as the model
 runs it, _scaled_mm alone, the activation quantization alone and the bias add, per shape and
 per prefill (times the layers).
@@ -214,21 +215,26 @@ ACT = torch.bfloat16
 # K splits of FP8_SPLITS (a tile too big for shared memory gets fewer stages, or is skipped).
 FP8_GRID = [(64, 256, 3, 4), (64, 256, 5, 4), (128, 256, 4, 8), (64, 512, 3, 4), (64, 512, 4, 8),
             (32, 512, 4, 4)]
-# The other ways of multiplying (fp16 dot; FP8 activations quantized per token, timed with and
-# without their quantization; FP8 activations quantized per K slice in the kernel), on fewer tiles.
+# The other ways of multiplying (FP8 activations quantized per K slice in the kernel, in one e4m3
+# term and in two; FP8 activations quantized per token, timed with and without their quantization;
+# the fp16 dot, on two of them), on fewer tiles.
 FP8_MODE_GRID = [(64, 128, 5, 4), (64, 256, 3, 4), (128, 256, 4, 8)]
 FP8_SPLITS = (1, 2, 4, 8)
 FP8_TOL = 2e-2  # relative error against the variant's own reference (bf16 output rounding)
 
 
-def tile_quantized(x: torch.Tensor, block_k: int) -> torch.Tensor:
-    """float32 x with each token's block_k slices quantized to e4m3 by the slice's max |x| / 448 (what
-    decode_linear_fp8's x_tile_fp8 multiplies)."""
+def tile_quantized(x: torch.Tensor, block_k: int, terms: int = 1) -> torch.Tensor:
+    """float32 x with each token's block_k slices quantized to e4m3 by the slice's max |x| / 448
+    (what fp8_mode "tile_fp8" multiplies); terms=2: plus the first term's error, quantized the
+    same way ("tile_fp8x2")."""
     m, k = x.shape
     xs = x.float().view(m, k // block_k, block_k)
-    amax = xs.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
-    q = (xs * (448.0 / amax)).clamp(-448, 448).to(torch.float8_e4m3fn).float()
-    return (q * (amax / 448.0)).view(m, k)
+    out = torch.zeros_like(xs)
+    for _ in range(terms):
+        rest = xs - out
+        amax = rest.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+        out = out + (rest * (448.0 / amax)).clamp(-448, 448).to(torch.float8_e4m3fn).float() * (amax / 448.0)
+    return out.view(m, k)
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -345,8 +351,9 @@ def fp8_grid_variants(v: Variants, x: torch.Tensor, w8: list, b: Optional[torch.
 
     m, k = x.shape
     xq, x_scale = quantize_rows_fp8(x)
-    modes = [("fp8", FP8_GRID, "widen"), ("fp8 fp16-dot", FP8_MODE_GRID, "fp16"),
-             ("fp8 fp8-act", FP8_MODE_GRID, None), ("fp8 tile-act", FP8_MODE_GRID, "tile_fp8")]
+    modes = [("fp8", FP8_GRID, "widen"), ("fp8 tile-act", FP8_MODE_GRID, "tile_fp8"),
+             ("fp8 tile-act x2", FP8_MODE_GRID, "tile_fp8x2"), ("fp8 fp8-act", FP8_MODE_GRID, None),
+             ("fp8 fp16-dot", FP8_MODE_GRID[:2], "fp16")]
     for family, grid, mode in modes:
         for bn, bk, st, wp in grid:
             if k % bk:
@@ -375,14 +382,14 @@ def fp8_grid_variants(v: Variants, x: torch.Tensor, w8: list, b: Optional[torch.
                 else:
                     def call(i, c=c):
                         return lambda: decode_linear_fp8(x, *w8[i], b, c, out=y, partial=part, silu_mul=gated)
-                    ref = refs["tile"](bk) if mode == "tile_fp8" else refs["x"]
+                    ref = refs["tile"](bk, 2 if mode == "tile_fp8x2" else 1) if mode.startswith("tile") else refs["x"]
                     v.run(f"{family} {cfg_label(c)}", family, call, ref, config=cfg_tuple(c))
     del xq, x_scale
 
 
 # The families each summary line shows the best of (best_us).
-FP8_FAMILIES = ("bf16", "fp8 current", "scaled_mm", "scaled_mm alone", "fp8", "fp8 fp16-dot", "fp8 fp8-act",
-                "fp8 fp8-act pre-quantized", "fp8 tile-act")
+FP8_FAMILIES = ("bf16", "fp8 current", "scaled_mm", "scaled_mm alone", "fp8", "fp8 tile-act", "fp8 tile-act x2",
+                "fp8 fp8-act", "fp8 fp8-act pre-quantized", "fp8 fp16-dot")
 
 
 def best_us(v: Variants, family: str, floor_ms: float) -> str:
@@ -421,10 +428,11 @@ def sweep_fp8(cfg: ModelConfig, name: str, rows: list[int], layers, budget_s: fl
             post = (lambda r: silu_and_mul(r.to(ACT))) if gated else (lambda r: r.to(ACT))  # noqa: E731
             refs = {key: post(r) for key, r in raw.items()}
             refs["tile"] = functools.lru_cache(None)(
-                lambda bk, x=x, bias=bias, post=post: post(tile_quantized(x, bk) @ deq.T + bias))
+                lambda bk, terms, x=x, bias=bias, post=post: post(tile_quantized(x, bk, terms) @ deq.T + bias))
             # What quantizing the activations costs in accuracy: against the unquantized x.
-            act_err = f"act err per token {rel_err(refs['q'], refs['x']):.3f}, per 128 slice " \
-                      f"{rel_err(refs['tile'](128), refs['x']):.3f}"
+            act_err = (f"act err per token {rel_err(refs['q'], refs['x']):.4f}, per 128 slice "
+                       f"{rel_err(refs['tile'](128, 1), refs['x']):.4f}, two terms "
+                       f"{rel_err(refs['tile'](128, 2), refs['x']):.4f}")
             y = torch.empty(m, n_out, dtype=ACT, device=dev)
             part = torch.empty(max(FP8_SPLITS) * 2 * m * n, dtype=torch.float32, device=dev)
             v = Variants(len(w8))
@@ -449,7 +457,7 @@ def sweep_fp8(cfg: ModelConfig, name: str, rows: list[int], layers, budget_s: fl
             del part
         small = [m for m in rows if m <= 32]
         full = [cfg for cfg, t in by_config.items() if all(m in t for m in small)]
-        for mode in (("widen",), ("widen", "fp16", "tile_fp8")):
+        for mode in (("widen",), ("widen", "fp16", "tile_fp8x2"), ("widen", "fp16", "tile_fp8", "tile_fp8x2")):
             fits = [cfg for cfg in full if cfg[-1] in mode]
             if small and fits:
                 bn, bk, split, wp, st, fp8_mode = min(fits, key=lambda cfg: sum(by_config[cfg][m] for m in small))

@@ -21,8 +21,9 @@ def _cdiv(a: int, b: int) -> int:
 # How the FP8 kernel (radixserve.kernels.decode_linear_fp8) multiplies e4m3 weights by bf16 rows:
 # "widen" (weights widened to bf16 in registers, activations exact), "fp16" (weights widened to
 # fp16, activations rounded to fp16), "tile_fp8" (activations quantized to e4m3 per token and K
-# tile inside the kernel, FP8 tensor cores on both operands). The bf16 kernel ignores it.
-FP8_MODES = ("widen", "fp16", "tile_fp8")
+# tile inside the kernel, FP8 tensor cores on both operands), "tile_fp8x2" (the same plus a second
+# e4m3 term for the first one's error: nearly bf16 activations). The bf16 kernel ignores it.
+FP8_MODES = ("widen", "fp16", "tile_fp8", "tile_fp8x2")
 
 
 @dataclass(frozen=True)
