@@ -9,11 +9,11 @@ float32 activations take the reference FP8 GEMM at every position: the reference
 position, and what is left is float32 order flipping an e4m3 rounding now and then (measured with
 the CPU engine: at tp 1 |delta| up to 0.074, mean under 2e-3; at tp 2 against this reference none,
 against the unsliced one a mean of 0.036, which F32_MEAN_TOL rejects); quantizing the plain
-checkpoint at load gives the same tokens as its per-channel FP8 twin. bf16 (the FP8 decode-row GEMM and cuBLASLt's FP8 GEMM on
-each rank's shard): graphs on and off give the same tokens, and the reference follows within
-bf16's tolerance, rounding the prefill's positions, and every position of o_proj (32 input
-columns per rank, which the decode-row GEMM cannot tile, so decode steps take cuBLASLt's FP8 GEMM
-there too).
+checkpoint at load gives the same tokens as its per-channel FP8 twin. bf16 (the FP8 decode-row
+GEMM and cuBLASLt's FP8 GEMM on each rank's shard): graphs on and off give the same tokens, and
+the reference follows within bf16's tolerance, rounding the prefill's positions, and every
+position of o_proj (32 input columns per rank, which the decode-row GEMM cannot tile, so decode
+steps take cuBLASLt's FP8 GEMM there too).
 """
 
 from __future__ import annotations
