@@ -191,7 +191,7 @@ def test_decode_linear_fp8_refuses_activation_scales_that_do_not_fit():
 
 # --------------------------------------------------------------------------- activation quantization
 
-@pytest.mark.parametrize("m,k", [(1, 64), (5, 2500)])
+@pytest.mark.parametrize("m,k", [(1, 64), (5, 2500), (3, 9000)])  # one block; a row of three blocks
 @pytest.mark.parametrize("static", [False, True])
 def test_quantize_rows_exact_values(m, k, static):
     """Rows whose values e4m3 holds exactly once scaled (the interpreter's float32 -> e4m3
