@@ -80,7 +80,7 @@ def hf_fake_quant(dequantized: Path, input_scales: dict[str, float], dtype: torc
             def hook(_m, args, static=static):
                 x = args[0].float()
                 if static is None:
-                    scale = (x.abs().amax(dim=-1, keepdim=True) / 448.0).clamp_min(1e-12)
+                    scale = (x.abs().amax(dim=-1, keepdim=True) * (1.0 / 448.0)).clamp_min(1e-12)  # as the engine
                 else:
                     scale = torch.tensor(static, device=x.device)
                 return (((x / scale).clamp(-448, 448).to(FP8_DTYPE).float() * scale).to(args[0].dtype),)

@@ -82,7 +82,7 @@ def hf_sliced_fake_quant(dequantized: Path, slices: int, device: str = "cpu"):
     hf = transformers.Qwen2ForCausalLM.from_pretrained(dequantized, dtype=torch.float32).to(device).eval()
 
     def fake_quant(x: torch.Tensor) -> torch.Tensor:
-        scale = (x.abs().amax(dim=-1, keepdim=True) / 448.0).clamp_min(1e-12)
+        scale = (x.abs().amax(dim=-1, keepdim=True) * (1.0 / 448.0)).clamp_min(1e-12)  # as the engine
         return (x / scale).clamp(-448, 448).to(FP8_DTYPE).float() * scale
 
     for name, module in hf.named_modules():

@@ -5,9 +5,9 @@ In torch ops the same thing is nine launches, six of them full passes over the a
 amax, a float32 copy, divide, clamp, cast; the float32 copies twice the size of the input); here
 one program per row reads it once (rows of up to 4,096 values stay in registers; longer ones are
 read twice, the second time mostly from L2) and writes the e4m3 row once. Bit for bit what `radixserve.model.layers.fp8.quantize_activations`
-computes: the scale is max |x| / 448 (at least MIN_SCALE), each value x / scale rounded to nearest
-even and saturated at +-448. Both divisions are IEEE (`div_rn`), as torch's are; Triton's `/` on
-float32 is an approximate one.
+computes: the scale is max |x| times the float32 reciprocal of 448 (at least MIN_SCALE), each value
+x / scale rounded to nearest even and saturated at +-448. That division is IEEE (`div_rn`), as
+torch's division of two tensors is; Triton's `/` on float32 is an approximate one.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from radixserve.kernels.launch import FastKernel
 # As radixserve.model.layers.fp8's FP8_MAX and MIN_SCALE (kernels import nothing from the model layer).
 FP8_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1e-12)
+_INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # rounded to float32 in the kernel, as torch rounds the scalar
 _BLOCK = 4096  # columns a program holds at once (8 warps: 16 values a thread); longer rows loop twice
 
 
@@ -44,7 +45,7 @@ def _quantize_rows_kernel(X, Q, Scale, M, K, stride_xm, stride_qm, STATIC: tl.co
         if STATIC:
             scale = tl.load(Scale)
         else:
-            scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), MIN_SCALE)
+            scale = tl.maximum(tl.max(tl.abs(x), axis=0) * _INV_FP8_MAX, MIN_SCALE)
             tl.store(Scale + row, scale)
         _store_quantized(q_row + cols, x, tl.zeros((BLOCK,), dtype=tl.float32) + scale, cols < K)
     else:
@@ -55,7 +56,7 @@ def _quantize_rows_kernel(X, Q, Scale, M, K, stride_xm, stride_qm, STATIC: tl.co
             for k0 in range(0, K, BLOCK):
                 x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-            scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
+            scale = tl.maximum(tl.max(amax, axis=0) * _INV_FP8_MAX, MIN_SCALE)
             tl.store(Scale + row, scale)
         scales = tl.zeros((BLOCK,), dtype=tl.float32) + scale  # div_rn takes operands of one shape
         for k0 in range(0, K, BLOCK):

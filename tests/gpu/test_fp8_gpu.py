@@ -118,7 +118,7 @@ def hf_fp8_reference(dequantized: Path, slices: int = 1):
     hf.rounded_everywhere = frozenset()
 
     def fake_quant(x: torch.Tensor) -> torch.Tensor:
-        scale = (x.abs().amax(dim=-1, keepdim=True) / 448.0).clamp_min(1e-12)
+        scale = (x.abs().amax(dim=-1, keepdim=True) * (1.0 / 448.0)).clamp_min(1e-12)  # as the engine
         return (x / scale).clamp(-448, 448).to(FP8_DTYPE).float() * scale
 
     def hook(args, leaf: str, parts: int):

@@ -61,8 +61,10 @@ def quantize_with(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def quantize_activations(x: torch.Tensor, input_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [M, K], float32 scales [M, 1]): per token, or the static per-tensor scale."""
     if input_scale is None:
-        xq, scale = quantize_rows(x)
-        return xq, scale[:, None]
+        # Times the reciprocal, not a division: torch divides by a scalar that way on CUDA and not
+        # on the CPU, so spelling it out gives one result on both, and the fused kernel matches it.
+        scale = (x.abs().amax(dim=-1).float() * (1.0 / FP8_MAX)).clamp_min(MIN_SCALE)[:, None]
+        return quantize_with(x, scale), scale
     return quantize_with(x, input_scale), input_scale.expand(x.shape[0], 1)
 
 
