@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_sweep import linear_shapes, time_per_call  # noqa: E402
 
 from radixserve.bench_one_batch import measure_copy_bandwidth  # noqa: E402
+from radixserve.kernels.decode_linear_fp8 import tile_quantized_reference  # noqa: E402
 from radixserve.model.config import ModelConfig  # noqa: E402
 
 
@@ -222,20 +223,6 @@ FP8_GRID = [(64, 256, 3, 4), (64, 256, 5, 4), (128, 256, 4, 8), (64, 512, 3, 4),
 FP8_MODE_GRID = [(64, 128, 5, 4), (128, 128, 4, 4), (128, 256, 4, 8)]
 FP8_SPLITS = (1, 2, 4, 8)
 FP8_TOL = 2e-2  # relative error against the variant's own reference (bf16 output rounding)
-
-
-def tile_quantized(x: torch.Tensor, block_k: int, terms: int = 1) -> torch.Tensor:
-    """float32 x with each token's block_k slices quantized to e4m3 by the slice's max |x| / 448
-    (what fp8_mode "tile_fp8" multiplies); terms=2: plus the first term's error, quantized the
-    same way ("tile_fp8x2")."""
-    m, k = x.shape
-    xs = x.float().view(m, k // block_k, block_k)
-    out = torch.zeros_like(xs)
-    for _ in range(terms):
-        rest = xs - out
-        amax = rest.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
-        out = out + (rest * (448.0 / amax)).clamp(-448, 448).to(torch.float8_e4m3fn).float() * (amax / 448.0)
-    return out.view(m, k)
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -429,7 +416,8 @@ def sweep_fp8(cfg: ModelConfig, name: str, rows: list[int], layers, budget_s: fl
             post = (lambda r: silu_and_mul(r.to(ACT))) if gated else (lambda r: r.to(ACT))  # noqa: E731
             refs = {key: post(r) for key, r in raw.items()}
             refs["tile"] = functools.lru_cache(None)(
-                lambda bk, terms, x=x, bias=bias, post=post: post(tile_quantized(x, bk, terms) @ deq.T + bias))
+                lambda bk, terms, x=x, bias=bias, post=post:
+                post(tile_quantized_reference(x, bk, terms, torch.float32) @ deq.T + bias))
             # What quantizing the activations costs in accuracy: against the unquantized x.
             act_err = (f"act err per token {rel_err(refs['q'], refs['x']):.4f}, per 128 slice "
                        f"{rel_err(refs['tile'](128, 1), refs['x']):.4f}, two terms "

@@ -180,3 +180,18 @@ def decode_linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         _reduce[(m, triton.cdiv(n_out, block))](partial, bias_arg, y, m, n, y.stride(0), split,
                                                HAS_BIAS=has_bias, GATED=silu_mul, BLOCK=block, num_warps=4)
     return y
+
+
+def tile_quantized_reference(x: torch.Tensor, block_k: int, terms: int = 1,
+                             dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """What the tile modes multiply, computed with torch: x [M, K] with each token's block_k slices
+    quantized to e4m3 by the slice's max |x| / 448 ("tile_fp8"); terms=2 adds the first term's
+    error quantized the same way ("tile_fp8x2"). Returned in dtype."""
+    m, k = x.shape
+    xs = x.to(dtype).view(m, k // block_k, block_k)
+    out = torch.zeros_like(xs)
+    for _ in range(terms):
+        rest = xs - out
+        amax = rest.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+        out = out + (rest * (448.0 / amax)).clamp(-448, 448).to(torch.float8_e4m3fn).to(dtype) * (amax / 448.0)
+    return out.view(m, k)

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.gpu
 from radixserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from radixserve.kernels.decode_attention import decode_attention  # noqa: E402
 from radixserve.kernels.decode_linear_config import DecodeLinearConfig  # noqa: E402
-from radixserve.kernels.decode_linear_fp8 import decode_linear_fp8  # noqa: E402
+from radixserve.kernels.decode_linear_fp8 import decode_linear_fp8, tile_quantized_reference  # noqa: E402
 from radixserve.kernels.extend_attention import extend_attention, plan_extend_tiles  # noqa: E402
 from radixserve.kernels.kv_store import store_kv  # noqa: E402
 from radixserve.kernels.quant_fp8 import quantize_rows_fp8  # noqa: E402
@@ -117,20 +117,6 @@ def test_decode_linear_fp8_activations_and_fp16_dot(m, split, gated):
         assert got[kind].dtype == LOW and rel_err(got[kind], ref) < 1e-2, kind
 
 
-def tile_quantized(x: torch.Tensor, block_k: int, terms: int = 1) -> torch.Tensor:
-    """x with each token's BLOCK_K slices quantized to e4m3 by the slice's max |x| / 448, as
-    float64 values (what fp8_mode "tile_fp8" multiplies); terms=2: plus the first term's error
-    quantized the same way ("tile_fp8x2")."""
-    m, k = x.shape
-    xs = x.double().view(m, k // block_k, block_k)
-    out = torch.zeros_like(xs)
-    for _ in range(terms):
-        rest = xs - out
-        amax = rest.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
-        out = out + (rest * (448.0 / amax)).clamp(-448, 448).to(FP8).double() * (amax / 448.0)
-    return out.view(m, k)
-
-
 @pytest.mark.parametrize("m", [1, 17])
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("gated", [False, True])
@@ -157,7 +143,7 @@ def test_decode_linear_fp8_quantizes_activation_tiles(m, split, gated, exact, mo
     wq, scale = fp8_weight(n, k, g)
     cfg = DecodeLinearConfig(block_n=64, block_k=block_k, split=split, fp8_mode=mode)
     got = decode_linear_fp8(x, wq, scale, None, cfg, silu_mul=gated)
-    xd = x.double() if exact else tile_quantized(x, block_k, 2 if mode == "tile_fp8x2" else 1)
+    xd = x.double() if exact else tile_quantized_reference(x, block_k, 2 if mode == "tile_fp8x2" else 1)
     ref = xd @ (wq.double() * scale.double()[:, None]).T
     if gated:
         ref = ref.to(LOW).double()
