@@ -1,14 +1,19 @@
 """What the API process does with a request before any endpoint sees it: refuse a body over
-`--max-request-bytes` (413, before reading it), and count and log every request it rejects.
+`--max-request-bytes` (413, before reading it), count and log every request it rejects, and
+parse JSON bodies with msgspec (`MsgspecJSONRoute`).
 
-Both are pure ASGI middleware, so streams pass through untouched.
+The first two are pure ASGI middleware, so streams pass through untouched.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Callable
+from typing import Any, Callable, Coroutine
+
+import msgspec
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
 
 from radixserve.http_common.errors import error_response
 from radixserve.server.metrics import ServerMetrics
@@ -110,3 +115,30 @@ class RejectionRecorder:
 
 def _escaped(value) -> str:
     return str(value).encode("unicode_escape").decode("ascii")
+
+
+class MsgspecJSONRequest(Request):
+    """A request whose JSON body is parsed by msgspec: a prompt of 2,000 token ids takes the json
+    module ~0.24 ms, on the event loop, msgspec a third of that. Whatever msgspec refuses (NaN,
+    a lone surrogate, a byte-order mark, malformed JSON) is parsed by the json module as before,
+    so the values and the errors stay the json module's."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            try:
+                self._json = msgspec.json.decode(body)
+            except msgspec.DecodeError:
+                self._json = json.loads(body)
+        return self._json
+
+
+class MsgspecJSONRoute(APIRoute):
+    """An API route whose endpoint gets its JSON body through `MsgspecJSONRequest`."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def msgspec_json_handler(request: Request) -> Response:
+            return await handler(MsgspecJSONRequest(request.scope, request.receive, request._send))
+        return msgspec_json_handler
