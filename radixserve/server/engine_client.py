@@ -7,6 +7,7 @@ milliseconds, once per request of a burst; outputs come back on a PULL socket re
 A watchdog notices when the engine process exits, fails everything that waits on it (HTTP 503)
 and calls `on_death`, so the server can exit and be restarted. `drain()` serves a shutdown: new
 requests and health probes are refused at once, those in flight get a deadline to finish.
+Outputs are handed to their requests at most `OUTPUTS_PER_ITERATION` per event-loop iteration.
 
 Engine request ids are always made here: a client's `rid` is only a label, so a reused or forged
 one can never reach another request's outputs.
@@ -37,6 +38,10 @@ from radixserve.settings import ServerSettings
 logger = logging.getLogger("radixserve")
 
 WATCHDOG_INTERVAL_S = 0.2
+# Engine outputs handed to their requests per event-loop iteration: each wakes a stream that then
+# renders and writes an event (~0.1 ms), so the first tokens of a thousand requests, which arrive
+# in one message, are handed out over several short iterations instead of one long one.
+OUTPUTS_PER_ITERATION = 64
 HEALTH_RID_PREFIX = "health-"
 
 
@@ -359,7 +364,7 @@ class EngineClient:
                         exc = QueueFullError(err.message) if err.queue_full else EngineRequestError(err.message)
                         exc.rid = err.rid
                         group.queue.put_nowait(exc)
-                for out in msg.outputs:
+                for i, out in enumerate(msg.outputs, 1):
                     group = self.groups.get(out.rid)
                     if group is not None:
                         group.queue.put_nowait(out)
@@ -367,6 +372,8 @@ class EngineClient:
                             self.groups.pop(out.rid, None)
                     elif out.finished and self.on_untracked_finish is not None:
                         self.on_untracked_finish(out)
+                    if i % OUTPUTS_PER_ITERATION == 0 and i < len(msg.outputs):
+                        await asyncio.sleep(0)  # the streams woken so far run before the next ones wake
             elif isinstance(msg, m.ControlReply):
                 fut = self.replies.pop(msg.reply_id, None)
                 if fut is not None and not fut.done():
