@@ -11,15 +11,42 @@ pointer loads and, where this Triton has them, TMA tensor-descriptor loads. With
 gate_up runs with the fused activation (against cuBLAS + our silu_and_mul). Prints, per shape,
 the floor (weights + activations once at the measured copy bandwidth), cuBLAS and the best
 three variants.
+
+FP8 weights (e4m3, one scale per output row, as `--quantization fp8` loads them):
+
+    python scripts/decode_linear_sweep.py --models benchmarks/configs/qwen2-7b --fp8-prefill --fp8 \
+        --rows 64 16 1 256 --json fp8_linear.json
+
+--fp8: qkv, o, gate_up (with the fused SiLU) and down at each M, timed the same way: the bf16
+kernel with its tuned variant and cuBLAS; the FP8 decode-row GEMM with the variant the model runs
+today; torch._scaled_mm with row-wise scales (the model's path above the decode-row limit: the
+activations quantized per token, by one kernel and by torch ops; alone on pre-quantized
+activations, with fast accumulation, with the bias in the GEMM); then the FP8 kernel over
+FP8_GRID (e4m3 widened to bf16, as today) and FP8_MODE_GRID (FP8 activations per K tile,
+quantized in the kernel in one e4m3 term or two; FP8 activations per token, with and without
+their quantization; the fp16 dot), within --grid-budget-s (rows in the order given: the first M
+of each shape gets the compiles). Prints per shape the FP8 floor (one byte a weight), what
+quantizing the activations costs in accuracy (relative error of the product against unquantized
+activations, per token, per 128-wide slice and with a second term), the best of each family and
+the fastest six; then per shape the fastest FP8 variant over M <= 32: widened, of the modes
+within about bf16's accuracy, and of any fp8_mode (the entry decode_linear_config.TUNED_FP8
+would hold).
+--fp8-prefill: at --prefill-rows rows (8,192), bf16 F.linear against the FP8 path as the model
+runs it, _scaled_mm alone, the activation quantization alone and the bias add, per shape and
+per prefill (times the layers).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -69,27 +96,14 @@ def tma_kernel():
     return kernel, TensorDescriptor
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", required=True)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
-    p.add_argument("--layers", nargs="+", default=None, help="only these projections (qkv o gate_up down lm_head)")
-    p.add_argument("--silu-mul", action="store_true",
-                   help="gate_up with the fused silu(gate) * up epilogue (cuBLAS: matmul + silu_and_mul)")
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
-        return 2
+def sweep_bf16(args: argparse.Namespace, dev: torch.device, bw: float) -> None:
+    """The bf16 decode-row GEMM against cuBLAS (the default mode)."""
     import triton
 
     from radixserve.kernels.activation import silu_and_mul
     from radixserve.kernels.decode_linear import _reduce, decode_linear
     from radixserve.kernels.decode_linear_config import DecodeLinearConfig, block_m_for, supported
 
-    dev = torch.device("cuda")
-    bw = measure_copy_bandwidth(dev)
-    print(f"# copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     tma = tma_kernel()
     if tma is not None:
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))
@@ -162,7 +176,8 @@ def main() -> int:
                                     if ss > 1:
                                         blk = min(1024, triton.next_power_of_2(n))
                                         _reduce[(m, triton.cdiv(n, blk))](part, weights[0], y, m, n, y.stride(0),
-                                                                         ss, HAS_BIAS=False, BLOCK=blk, num_warps=4)
+                                                                         ss, HAS_BIAS=False, GATED=False, BLOCK=blk,
+                                                                         num_warps=4)
 
                                 tma_call(descs[0])
                                 torch.cuda.synchronize()
@@ -190,6 +205,369 @@ def main() -> int:
             torch.cuda.empty_cache()
     print("\n# summary")
     print("\n".join(summary))
+
+
+# --------------------------------------------------------------------------- FP8 weights
+# The activation dtype of the FP8 rows (bf16, as the model runs them).
+ACT = torch.bfloat16
+# The FP8 decode-row GEMM's tiles (BLOCK_N, BLOCK_K, stages, warps): with one byte a weight, a
+# BLOCK_K of 256 puts the bytes of a bf16 128-wide tile in flight, 512 twice that. Each runs at
+# K splits of FP8_SPLITS (a tile too big for shared memory gets fewer stages, or is skipped).
+FP8_GRID = [(64, 256, 3, 4), (64, 256, 5, 4), (128, 256, 4, 8), (64, 512, 3, 4), (64, 512, 4, 8),
+            (32, 512, 4, 4)]
+# The other ways of multiplying (FP8 activations quantized per K slice in the kernel, in one e4m3
+# term and in two; FP8 activations quantized per token, timed with and without their quantization;
+# the fp16 dot, on two of them), on fewer tiles.
+# Wider strips amortize the in-kernel quantization of the x tile over more weight rows.
+FP8_MODE_GRID = [(64, 128, 5, 4), (128, 128, 4, 4), (128, 256, 4, 8)]
+FP8_SPLITS = (1, 2, 4, 8)
+FP8_TOL = 2e-2  # relative error against the variant's own reference (bf16 output rounding)
+
+
+def tile_quantized(x: torch.Tensor, block_k: int, terms: int = 1) -> torch.Tensor:
+    """float32 x with each token's block_k slices quantized to e4m3 by the slice's max |x| / 448
+    (what fp8_mode "tile_fp8" multiplies); terms=2: plus the first term's error, quantized the
+    same way ("tile_fp8x2")."""
+    m, k = x.shape
+    xs = x.float().view(m, k // block_k, block_k)
+    out = torch.zeros_like(xs)
+    for _ in range(terms):
+        rest = xs - out
+        amax = rest.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+        out = out + (rest * (448.0 / amax)).clamp(-448, 448).to(torch.float8_e4m3fn).float() * (amax / 448.0)
+    return out.view(m, k)
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def fp8_shapes(cfg: ModelConfig, layers) -> list[tuple[str, int, int, bool]]:
+    return [s for s in linear_shapes(cfg) if s[0] != "lm_head" and (not layers or s[0] in layers)]
+
+
+class Variants:
+    """Checks each variant's first call against its reference, then times it over the weight copies
+    (time_per_call); keeps (label, ms, family, config) for the ones that ran and were right."""
+
+    def __init__(self, copies: int):
+        self.copies = copies
+        self.results: list[tuple[str, float, str, Optional[tuple]]] = []
+
+    def run(self, label: str, family: str, make_call, ref: torch.Tensor, config: Optional[tuple] = None) -> None:
+        if any(r[0] == label for r in self.results):
+            return
+        try:
+            got = make_call(0)()
+            torch.cuda.synchronize()
+            err = rel_err(got, ref)
+            if not err < FP8_TOL:
+                print(f"  WRONG {label}: rel err {err:.3g}", flush=True)
+                return
+            ms = time_per_call([make_call(i) for i in range(self.copies)])
+        except Exception as e:  # a tile that does not fit in shared memory, an M _scaled_mm refuses
+            print(f"  skip {label}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            return
+        self.results.append((label, ms, family, config))
+
+    def best(self, family: Optional[str] = None) -> tuple[str, float, str, Optional[tuple]]:
+        rows = [r for r in self.results if family is None or r[2] == family]
+        return min(rows, key=lambda r: r[1]) if rows else ("-", float("nan"), "", None)
+
+
+def scaled_mm_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as torch._scaled_mm takes it: unchanged, or its rows padded to a multiple of 16 on a torch
+    that refuses other M (the padding rows are zeros)."""
+    try:
+        torch._scaled_mm(torch.zeros(x.shape[0], 16, dtype=torch.float8_e4m3fn, device=x.device),
+                         torch.zeros(16, 16, dtype=torch.float8_e4m3fn, device=x.device).t(),
+                         scale_a=torch.ones(x.shape[0], 1, device=x.device),
+                         scale_b=torch.ones(1, 16, device=x.device), out_dtype=ACT)
+        return x
+    except RuntimeError:
+        padded = torch.zeros(-(-x.shape[0] // 16) * 16, x.shape[1], dtype=x.dtype, device=x.device)
+        padded[:x.shape[0]] = x
+        return padded
+
+
+def fp8_decode_variants(v: Variants, x: torch.Tensor, w16: list, w8: list, b: Optional[torch.Tensor], gated: bool,
+                        refs: dict, part: torch.Tensor, y: torch.Tensor) -> None:
+    """The baselines of one shape at one M: bf16 (our kernel, tuned; cuBLAS), the FP8 kernel as
+    the model runs it today, and torch._scaled_mm the ways it can run."""
+    from radixserve.kernels.activation import silu_and_mul
+    from radixserve.kernels.decode_linear import decode_linear
+    from radixserve.kernels.decode_linear_config import config_for
+    from radixserve.kernels.decode_linear_fp8 import decode_linear_fp8
+    from radixserve.kernels.quant_fp8 import quantize_rows_fp8
+    from radixserve.model.layers.fp8 import fp8_linear_scaled_mm
+
+    m = x.shape[0]
+    post = (lambda t: silu_and_mul(t, out=y)) if gated else (lambda t: t)
+    c16 = config_for(w16[0])
+    if c16 is not None:
+        v.run(f"bf16 tuned {cfg_label(c16)}", "bf16", lambda i: lambda: decode_linear(
+            x, w16[i % len(w16)], b, c16, out=y, partial=part, silu_mul=gated), refs["bf16"])
+    v.run("bf16 cublas", "bf16", lambda i: lambda: post(
+        torch.matmul(x, w16[i % len(w16)].T) if b is None else torch.addmm(b, x, w16[i % len(w16)].T)), refs["bf16"])
+    c8 = config_for(w8[0][0])
+    if c8 is not None:
+        v.run(f"fp8 current {cfg_label(c8)}", "fp8 current", lambda i: lambda: decode_linear_fp8(
+            x, *w8[i], b, c8, out=y, partial=part, silu_mul=gated), refs["x"], config=cfg_tuple(c8))
+    xs = scaled_mm_rows(x)
+    pad = " (M padded to 16)" if xs.shape[0] != m else ""
+    cut = (lambda t: post(t[:m])) if pad else post
+    v.run("scaled_mm, one-kernel quant" + pad, "scaled_mm", lambda i: lambda: cut(fp8_linear_scaled_mm(
+        xs, *w8[i], b, None, fused_quant=True)), refs["q"])
+    v.run("scaled_mm, torch-op quant" + pad, "scaled_mm", lambda i: lambda: cut(fp8_linear_scaled_mm(
+        xs, *w8[i], b, None, fused_quant=False)), refs["q"])
+    xq, x_scale = quantize_rows_fp8(xs)
+
+    def mm(i: int, fast: bool, with_bias: bool):
+        w, s = w8[i]
+        return lambda: cut(torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=s[None, :], out_dtype=ACT,
+                                            bias=b if with_bias else None, use_fast_accum=fast))
+    ref_mm = refs["q"] if b is None else refs["q_nobias"]
+    v.run("scaled_mm alone (pre-quantized)" + pad, "scaled_mm alone", lambda i: mm(i, False, False), ref_mm)
+    v.run("scaled_mm alone, fast accum" + pad, "scaled_mm alone", lambda i: mm(i, True, False), ref_mm)
+    if b is not None:
+        v.run("scaled_mm alone, bias in the GEMM" + pad, "scaled_mm alone", lambda i: mm(i, False, True), refs["q"])
+
+
+def cfg_tuple(c) -> tuple:
+    return (c.block_n, c.block_k, c.split, c.num_warps, c.num_stages, c.fp8_mode)
+
+
+def cfg_label(c) -> str:
+    return f"bn={c.block_n} bk={c.block_k} st={c.num_stages} w={c.num_warps} split={c.split}"
+
+
+def fp8_grid_variants(v: Variants, x: torch.Tensor, w8: list, b: Optional[torch.Tensor], gated: bool, refs: dict,
+                      part: torch.Tensor, y: torch.Tensor, deadline: float) -> None:
+    """The FP8 decode-row GEMM over FP8_GRID (widened to bf16, as today), then FP8_MODE_GRID with
+    the fp16 dot, FP8 activations per token (a launch of their own: not a TUNED_FP8 candidate) and
+    FP8 activations per K tile; until `deadline` (time.monotonic())."""
+    from radixserve.kernels.decode_linear_config import DecodeLinearConfig, block_m_for, pipeline_stages, supported
+    from radixserve.kernels.decode_linear_fp8 import decode_linear_fp8
+    from radixserve.kernels.quant_fp8 import quantize_rows_fp8
+
+    m, k = x.shape
+    xq, x_scale = quantize_rows_fp8(x)
+    modes = [("fp8", FP8_GRID, "widen"), ("fp8 tile-act", FP8_MODE_GRID, "tile_fp8"),
+             ("fp8 tile-act x2", FP8_MODE_GRID, "tile_fp8x2"), ("fp8 fp8-act", FP8_MODE_GRID, None),
+             ("fp8 fp16-dot", FP8_MODE_GRID[:2], "fp16")]
+    for family, grid, mode in modes:
+        for bn, bk, st, wp in grid:
+            if k % bk:
+                continue
+            for split in FP8_SPLITS:
+                if k // bk // split < 2 or time.monotonic() > deadline:
+                    continue
+                c = DecodeLinearConfig(bn, bk, split, wp, st, mode or "widen")
+                if not supported(w8[0][0], c):
+                    continue
+                # The stages that run (fewer where the tiles would overflow shared memory).
+                c = replace(c, num_stages=pipeline_stages(c, block_m_for(m), 1 if mode is None else 2, 1))
+                if mode is None:  # the activations quantized per token, then the FP8 x FP8 dot
+                    def call(i, c=c):
+                        def run():
+                            q, s = quantize_rows_fp8(x)
+                            return decode_linear_fp8(q, *w8[i], b, c, out=y, partial=part, silu_mul=gated, x_scale=s)
+                        return run
+
+                    def call_prequantized(i, c=c):
+                        return lambda: decode_linear_fp8(xq, *w8[i], b, c, out=y, partial=part, silu_mul=gated,
+                                                         x_scale=x_scale)
+                    v.run(f"{family} {cfg_label(c)}", family, call, refs["q"])
+                    v.run(f"{family} pre-quantized {cfg_label(c)}", family + " pre-quantized", call_prequantized,
+                          refs["q"])
+                else:
+                    def call(i, c=c):
+                        return lambda: decode_linear_fp8(x, *w8[i], b, c, out=y, partial=part, silu_mul=gated)
+                    ref = refs["tile"](bk, 2 if mode == "tile_fp8x2" else 1) if mode.startswith("tile") else refs["x"]
+                    v.run(f"{family} {cfg_label(c)}", family, call, ref, config=cfg_tuple(c))
+    del xq, x_scale
+
+
+# The families each summary line shows the best of (best_us).
+FP8_FAMILIES = ("bf16", "fp8 current", "scaled_mm", "scaled_mm alone", "fp8", "fp8 tile-act", "fp8 tile-act x2",
+                "fp8 fp8-act", "fp8 fp8-act pre-quantized", "fp8 fp16-dot")
+
+
+def best_us(v: Variants, family: str, floor_ms: float) -> str:
+    label, ms, _, _ = v.best(family)
+    return "-" if label == "-" else f"{ms * 1e3:7.1f} us ({ms / floor_ms:.2f}x)"
+
+
+def sweep_fp8(cfg: ModelConfig, name: str, rows: list[int], layers, budget_s: float, dev: torch.device,
+              out: list[dict], json_path: Optional[str], bw: float) -> None:
+    """Per projection and M: the FP8 floor, the bf16 baselines, the FP8 kernel as configured today,
+    torch._scaled_mm, and the FP8 kernel's grids; then the fastest FP8 decode-kernel tile per shape
+    over M <= 32 (what `TUNED_FP8` would hold)."""
+    from radixserve.kernels.activation import silu_and_mul
+    from radixserve.model.layers.fp8 import quantize_activations, quantize_rows
+
+    shapes = fp8_shapes(cfg, layers)
+    start = time.monotonic()
+    summary: list[str] = []
+    for idx, (layer, n, k, has_bias) in enumerate(shapes):
+        deadline = start + budget_s * (idx + 1) / len(shapes)
+        gated = layer == "gate_up"
+        n_out = n // 2 if gated else n
+        # Each set of copies far bigger than the L2 cache, as a model's layers are.
+        copies = max(2, min(64, -(-(384 << 20) // (n * k))))  # of the FP8 weights; half as many bf16
+        w16 = [torch.randn(n, k, dtype=ACT, device=dev) * 0.02 for _ in range(max(2, copies // 2))]
+        w8 = [quantize_rows(torch.randn(n, k, dtype=ACT, device=dev) * 0.02) for _ in range(copies)]
+        b = torch.randn(n, dtype=ACT, device=dev) if has_bias else None
+        deq = w8[0][0].float() * w8[0][1][:, None]
+        by_config: dict[tuple, dict[int, float]] = {}
+        for m in rows:
+            x = torch.randn(m, k, dtype=ACT, device=dev)
+            xq, x_scale = quantize_activations(x, None)
+            bias = b.float() if b is not None else 0.0
+            raw = {"bf16": x.float() @ w16[0].float().T + bias, "x": x.float() @ deq.T + bias,
+                   "q": (xq.float() * x_scale) @ deq.T + bias, "q_nobias": (xq.float() * x_scale) @ deq.T}
+            post = (lambda r: silu_and_mul(r.to(ACT))) if gated else (lambda r: r.to(ACT))  # noqa: E731
+            refs = {key: post(r) for key, r in raw.items()}
+            refs["tile"] = functools.lru_cache(None)(
+                lambda bk, terms, x=x, bias=bias, post=post: post(tile_quantized(x, bk, terms) @ deq.T + bias))
+            # What quantizing the activations costs in accuracy: against the unquantized x.
+            act_err = (f"act err per token {rel_err(refs['q'], refs['x']):.4f}, per 128 slice "
+                       f"{rel_err(refs['tile'](128, 1), refs['x']):.4f}, two terms "
+                       f"{rel_err(refs['tile'](128, 2), refs['x']):.4f}")
+            y = torch.empty(m, n_out, dtype=ACT, device=dev)
+            part = torch.empty(max(FP8_SPLITS) * 2 * m * n, dtype=torch.float32, device=dev)
+            v = Variants(len(w8))
+            fp8_decode_variants(v, x, w16, w8, b, gated, refs, part, y)
+            fp8_grid_variants(v, x, w8, b, gated, refs, part, y, deadline)
+            floor8 = (n * k + (m * k + m * n_out) * 2) / bw * 1e3
+            floor16 = (n * k + m * k + m * n_out) * 2 / bw * 1e3
+            head = f"{name} {layer + ('+silu' if gated else ''):12s} M={m:3d} N={n:6d} K={k:6d}"
+            line = (f"{head} fp8 floor {floor8 * 1e3:6.1f} us (bf16 {floor16 * 1e3:6.1f}, {act_err}) | "
+                    + " | ".join(f"{fam} {best_us(v, fam, floor8)}" for fam in FP8_FAMILIES)
+                    + f" | best {v.best()[0]}")
+            ranked = sorted(v.results, key=lambda r: r[1])
+            print(line + "\n    top: " + "; ".join(f"{r[0]} {r[1] * 1e3:.1f}" for r in ranked[:6]), flush=True)
+            summary.append(line)
+            for _label, ms, _family, config in v.results:
+                if config is not None:  # the FP8 kernel as the model can run it (no launch of its own)
+                    by_config.setdefault(config, {})[m] = ms
+            out.append(dict(kind="fp8", model=name, layer=layer, m=m, n=n, k=k, floor_ms=floor8,
+                            bf16_floor_ms=floor16, results=[dict(variant=r[0], family=r[2], ms=r[1]) for r in ranked]))
+            if json_path:
+                Path(json_path).write_text(json.dumps(dict(bandwidth=bw, rows=out), indent=1))
+            del part
+        small = [m for m in rows if m <= 32]
+        full = [cfg for cfg, t in by_config.items() if all(m in t for m in small)]
+        for mode in (("widen",), ("widen", "fp16", "tile_fp8x2"), ("widen", "fp16", "tile_fp8", "tile_fp8x2")):
+            fits = [cfg for cfg in full if cfg[-1] in mode]
+            if small and fits:
+                bn, bk, split, wp, st, fp8_mode = min(fits, key=lambda cfg: sum(by_config[cfg][m] for m in small))
+                total = sum(by_config[(bn, bk, split, wp, st, fp8_mode)][m] for m in small) * 1e3
+                summary.append(f"{name} {layer}: fastest FP8 decode variant over M={small} ({'/'.join(mode)}), "
+                               f"{total:.1f} us summed: TUNED_FP8[({n}, {k})] = "
+                               f"DecodeLinearConfig({bn}, {bk}, {split}, {wp}, {st}, {fp8_mode!r})")
+        del w16, w8, deq
+        torch.cuda.empty_cache()
+    print("\n# summary (fp8)\n" + "\n".join(summary), flush=True)
+
+
+def sweep_fp8_prefill(cfg: ModelConfig, name: str, m: int, layers, dev: torch.device, out: list[dict],
+                      json_path: Optional[str], bw: float) -> None:
+    """Where an FP8 prefill's projection time goes, at m rows: bf16 F.linear; the FP8 path as the
+    model runs it (one-kernel quantization + _scaled_mm + bias), and as it ran with torch-op
+    quantization; _scaled_mm alone on pre-quantized inputs (with and without fast accumulation);
+    the quantization alone both ways; the bias add. Per shape, then per prefill (x layers)."""
+    import torch.nn.functional as F
+
+    from radixserve.kernels.quant_fp8 import quantize_rows_fp8
+    from radixserve.model.layers.fp8 import fp8_linear_scaled_mm, quantize_activations, quantize_rows
+
+    totals: dict[str, float] = {}
+    for layer, n, k, has_bias in fp8_shapes(cfg, layers):
+        w16 = [torch.randn(n, k, dtype=ACT, device=dev) * 0.02 for _ in range(2)]
+        w8 = [quantize_rows(w) for w in w16]
+        b = torch.randn(n, dtype=ACT, device=dev) if has_bias else None
+        x = torch.randn(m, k, dtype=ACT, device=dev)
+        xq, x_scale = quantize_rows_fp8(x)
+        y = fp8_linear_scaled_mm(x, *w8[0], b, None, fused_quant=True)
+        ref = (xq.float() * x_scale) @ (w8[0][0].float() * w8[0][1][:, None]).T + (b.float() if b is not None else 0)
+        err = rel_err(y, ref)
+        del ref
+        calls = {
+            "bf16 F.linear": lambda w: lambda: F.linear(x, w16[w], b),
+            "fp8 model path": lambda w: lambda: fp8_linear_scaled_mm(x, *w8[w], b, None, fused_quant=True),
+            "fp8 model path, torch-op quant": lambda w: lambda: fp8_linear_scaled_mm(x, *w8[w], b, None),
+            "scaled_mm alone": lambda w: lambda: torch._scaled_mm(xq, w8[w][0].t(), scale_a=x_scale,
+                                                                  scale_b=w8[w][1][None, :], out_dtype=ACT),
+            "scaled_mm alone, fast accum": lambda w: lambda: torch._scaled_mm(
+                xq, w8[w][0].t(), scale_a=x_scale, scale_b=w8[w][1][None, :], out_dtype=ACT, use_fast_accum=True),
+            "quant one kernel": lambda w: lambda: quantize_rows_fp8(x),
+            "quant torch ops": lambda w: lambda: quantize_activations(x, None),
+        }
+        if b is not None:
+            calls["bias add"] = lambda w: lambda: y + b
+        flops = 2 * m * n * k
+        # Bytes the memory-bound steps must move at least (the rest are GEMMs: FLOP/s).
+        moved = {"quant one kernel": m * k * 3, "quant torch ops": m * k * 3, "bias add": m * n * 4}
+        results = {}
+        for label, make in calls.items():
+            try:
+                make(0)()
+                torch.cuda.synchronize()
+                results[label] = time_per_call([make(i % 2) for i in range(4)], replays=5)
+            except Exception as e:
+                print(f"  skip {label}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
+            totals[label] = totals.get(label, 0.0) + results[label] * cfg.num_hidden_layers
+        rate = lambda lab: (f"{results[lab] * 1e3:8.1f} us"  # noqa: E731
+                            + (f" ({moved[lab] / results[lab] / 1e9:5.0f} GB/s)" if lab in moved
+                               else f" ({flops / results[lab] / 1e9:5.0f} TFLOP/s)"))
+        print(f"{name} prefill {layer:8s} M={m} N={n:6d} K={k:6d} (fp8 path rel err {err:.2g}) | "
+              + " | ".join(f"{lab} {rate(lab)}" for lab in results), flush=True)
+        out.append(dict(kind="fp8_prefill", model=name, layer=layer, m=m, n=n, k=k, rel_err=err,
+                        results=[dict(variant=lab, ms=t) for lab, t in results.items()]))
+        if json_path:
+            Path(json_path).write_text(json.dumps(dict(bandwidth=bw, rows=out), indent=1))
+        del w16, w8, x, xq, y
+        torch.cuda.empty_cache()
+    print(f"{name} prefill of {m} tokens, projections x {cfg.num_hidden_layers} layers (SiLU, attention and the "
+          "rest not counted): " + "; ".join(f"{lab} {t:.1f} ms" for lab, t in totals.items()), flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", required=True)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--layers", nargs="+", default=None, help="only these projections (qkv o gate_up down lm_head)")
+    p.add_argument("--silu-mul", action="store_true",
+                   help="gate_up with the fused silu(gate) * up epilogue (cuBLAS: matmul + silu_and_mul)")
+    p.add_argument("--fp8", action="store_true",
+                   help="e4m3 weights instead: the FP8 decode-row GEMM's variants and torch._scaled_mm "
+                        "(gate_up always with the fused SiLU; lm_head, which stays bf16, left out)")
+    p.add_argument("--fp8-prefill", action="store_true",
+                   help="where an FP8 prefill's projection time goes, at --prefill-rows rows")
+    p.add_argument("--prefill-rows", type=int, default=8192)
+    p.add_argument("--grid-budget-s", type=float, default=300.0,
+                   help="--fp8: seconds for the config grids over all shapes (each shape its share; the "
+                        "baselines always run)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    bw = measure_copy_bandwidth(dev)
+    print(f"# copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    if not (args.fp8 or args.fp8_prefill):
+        sweep_bf16(args, dev, bw)
+        return 0
+    out: list[dict] = []
+    for path in args.models:
+        cfg = ModelConfig.from_dir(path)
+        if args.fp8_prefill:
+            sweep_fp8_prefill(cfg, Path(path).name, args.prefill_rows, args.layers, dev, out, args.json, bw)
+        if args.fp8:
+            sweep_fp8(cfg, Path(path).name, args.rows, args.layers, args.grid_budget_s, dev, out, args.json, bw)
     return 0
 
 

@@ -6,12 +6,18 @@
 #   PART=serving  bash scripts/gpu_fp8_bench.sh   # the ANCHORS workloads on dummy FP8 weights
 #   PART=pressure bash scripts/gpu_fp8_bench.sh   # gsp: a 150k-token bf16 KV pool, then an FP8 pool of
 #                                                 # the same bytes (300k tokens)
+#   PART=sweep    bash scripts/gpu_fp8_bench.sh   # the projections alone: FP8 decode-row GEMM tiles and
+#                                                 # torch._scaled_mm against bf16 at M 64/16/1/256, and
+#                                                 # where an 8,192-token FP8 prefill's projection time goes
 #
 # decode: bench_one_batch with --quantization fp8 (its floors count one byte per projection weight),
 # bf16 rows beside it for the ratio; serving: scripts/gpu_serving_bench.sh with
 # SERVER_ARGS="--quantization fp8" (compare with its bf16 rows); pressure: scripts/gpu_agent_bench.sh
-# with WORKLOAD=gsp and two configurations. Results under $OUT (else runs/fp8).
-# Environment: MODEL (default the Qwen2-7B config), OUT, PART, BF16_POOL (default 150000 tokens).
+# with WORKLOAD=gsp and two configurations; sweep: scripts/decode_linear_sweep.py --fp8-prefill --fp8
+# (about 6 minutes: its config grids stop after GRID_BUDGET_S seconds, default 270). Results under $OUT
+# (else runs/fp8).
+# Environment: MODEL (default the Qwen2-7B config), OUT, PART, BF16_POOL (default 150000 tokens),
+# GRID_BUDGET_S.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/fp8}
@@ -39,5 +45,10 @@ case "$PART" in
       CONFIGS="bf16-kv:--schedule-policy,lpm fp8-kv:--schedule-policy,lpm,--kv-cache-dtype,fp8_e4m3,--max-total-tokens,$((2 * BF16_POOL))" \
       bash scripts/gpu_agent_bench.sh
     ;;
-  *) echo "PART must be decode, serving or pressure" >&2; exit 2 ;;
+  sweep)
+    . scripts/gpu_run.sh || exit 1
+    python3 scripts/decode_linear_sweep.py --models "$MODEL" --fp8-prefill --fp8 --rows 64 16 1 256 \
+      --grid-budget-s "${GRID_BUDGET_S:-270}" --json "$OUT/fp8_linear_sweep.json" 2>&1 | tee "$OUT/fp8_linear_sweep.txt"
+    ;;
+  *) echo "PART must be decode, serving, pressure or sweep" >&2; exit 2 ;;
 esac

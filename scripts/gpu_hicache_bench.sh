@@ -20,6 +20,7 @@ case "${1:-agent}" in
       CONFIGS=${CONFIGS:-"lpm:--schedule-policy,lpm lpm-hicache:--schedule-policy,lpm,--hicache-ratio,8"} \
       exec bash scripts/gpu_agent_bench.sh ;;
   bandwidth)
+    set --  # gpu_run.sh runs its arguments as a command: source it with none
     . scripts/gpu_run.sh || exit 1
     mkdir -p "${OUT:-runs/hicache-bandwidth}"
     exec python3 scripts/hicache_bandwidth.py --json "${OUT:-runs/hicache-bandwidth}/bandwidth.json" ;;

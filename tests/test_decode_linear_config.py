@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.kernels.decode_linear_config import (SHARED_MEMORY_BUDGET, TUNED, DecodeLinearConfig, block_m_for,
-                                                     config_for, default_config, pipeline_stages, split_plan)
+from radixserve.kernels.decode_linear_config import (SHARED_MEMORY_BUDGET, TUNED, TUNED_FP8, DecodeLinearConfig,
+                                                     block_m_for, config_for, default_config, pipeline_stages,
+                                                     split_plan)
 from radixserve.model.config import ModelConfig
 from radixserve.model.layers import KernelChoice, Linear, MergedLinear, SiluAndMul
 from radixserve.settings import DECODE_GEMM_MAX_ROWS, ServerSettings
@@ -51,6 +52,39 @@ def test_pipeline_shrinks_instead_of_overflowing_shared_memory():
     assert pipeline_stages(deep, 16, 2) == 5
     stages = pipeline_stages(deep, 64, 2)  # 5 x (128 + 64) x 128 x 2 B = 240 KB
     assert 2 <= stages < 5 and stages * (128 + 64) * 128 * 2 <= SHARED_MEMORY_BUDGET
+
+
+def test_pipeline_counts_one_byte_weights():
+    wide = DecodeLinearConfig(block_n=64, block_k=512, num_stages=5)
+    bf16 = pipeline_stages(wide, 64, 2)  # (64 + 64) x 512 x 2 B = 128 KB a stage
+    fp8 = pipeline_stages(wide, 64, 2, 1)  # (64 x 1 + 64 x 2) x 512 = 96 KB a stage
+    assert bf16 == 2 and fp8 == 2
+    assert pipeline_stages(DecodeLinearConfig(64, 256, num_stages=5), 16, 2, 1) == 5  # 5 x 24 KB
+    assert pipeline_stages(DecodeLinearConfig(64, 256, num_stages=5), 16, 2) == 5  # 5 x 40 KB
+    assert pipeline_stages(DecodeLinearConfig(128, 256, num_stages=5), 64, 2, 1) == 3  # 64 KB a stage
+
+
+@pytest.mark.parametrize("path", QWEN2_CONFIGS)
+def test_fp8_weights_take_their_own_variant_else_the_bf16_one(path, monkeypatch):
+    cfg = ModelConfig.from_dir(path)
+    n, k = cfg.hidden_size, cfg.q_size  # o_proj
+    fp8 = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
+    bf16 = torch.empty(n, k, dtype=torch.bfloat16, device="meta")
+    assert config_for(fp8) == config_for(bf16)
+    own = DecodeLinearConfig(64, 128, 2, 4, 3, "tile_fp8")
+    monkeypatch.setitem(TUNED_FP8, (n, k), own)
+    assert config_for(fp8) is own and config_for(bf16) is not own
+
+
+@pytest.mark.parametrize("shape,config", list(TUNED_FP8.items()))
+def test_tuned_fp8_variants_tile_their_shape(shape, config):
+    n, k = shape
+    assert k % config.block_k == 0 and split_plan(k, config)[1] == config.split
+
+
+def test_fp8_mode_is_checked():
+    with pytest.raises(ValueError, match="fp8_mode"):
+        DecodeLinearConfig(fp8_mode="int8")
 
 
 def test_default_config():

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from array import array
 from collections import deque
 from dataclasses import dataclass
@@ -56,6 +57,10 @@ class HostKVPool:
         num_slots = (num_pages + 1) * self.page_size
         self.buffer = torch.empty((num_slots, self.num_layers, 2, self.row_bytes), dtype=torch.uint8)
         self.pinned = pin and _pin(self.buffer)
+        if self.pinned:
+            # Unregister before the buffer's memory goes back: a later allocation at the same
+            # addresses could not be registered again ("already registered").
+            weakref.finalize(self, _unpin, self.buffer)
 
     @staticmethod
     def token_bytes(device_pool: KVPool) -> int:
@@ -83,17 +88,35 @@ def _pin(buffer: torch.Tensor) -> bool:
         return False
     start = time.perf_counter()
     nbytes = buffer.numel() * buffer.element_size()
+    cudart = torch.cuda.cudart()
     try:
-        cudart = torch.cuda.cudart()
         err = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
         failed = err != cudart.cudaError.success
     except Exception as e:  # noqa: BLE001: serve unpinned (slower, blocking copies) rather than not at all
         err, failed = e, True
     if failed:
-        logger.warning("could not pin the host tier (%d bytes: %s): its copies will block and be slower", nbytes, err)
+        logger.warning("could not pin the host tier (%d bytes: %s): its copies will block and be slower",
+                       nbytes, _error_name(cudart, err))
+        # The failed call left its error as the thread's last CUDA error, which the next kernel
+        # launch's check would report as its own: take it now.
+        try:
+            torch.zeros(1, device="cuda")
+        except RuntimeError:
+            pass
         return False
     logger.info("host tier: %.1f GB pinned in %.1f s", nbytes / 1e9, time.perf_counter() - start)
     return True
+
+
+def _unpin(buffer: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
+def _error_name(cudart, err) -> str:
+    try:
+        return f"{int(err)} ({cudart.cudaGetErrorString(err)})"
+    except Exception:  # noqa: BLE001: an exception, or an error code the binding cannot name
+        return str(err)
 
 
 def copy_runs(host_slots: torch.Tensor) -> list[tuple[int, int, int]]:

@@ -49,6 +49,10 @@ def pool_tokens(settings: ServerSettings, cfg: ModelConfig, num_kv_heads: int, d
     if s.max_total_tokens is not None:
         tokens = s.max_total_tokens
     elif device.type == "cuda":
+        # Blocks the caching allocator holds but nothing uses (the temporaries of loading, such as
+        # the wider copies --quantization fp8 quantizes) are free memory: hand them back first, or
+        # they would count as in use and shrink the pool.
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, num_kv_heads, cfg.head_dim, dtype)
         budget = total * s.mem_fraction_static - (total - free)

@@ -18,16 +18,30 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# How the FP8 kernel (radixserve.kernels.decode_linear_fp8) multiplies e4m3 weights by bf16 rows:
+# "widen" (weights widened to bf16 in registers, activations exact), "fp16" (weights widened to
+# fp16, activations rounded to fp16), "tile_fp8" (activations quantized to e4m3 per token and K
+# tile inside the kernel, FP8 tensor cores on both operands), "tile_fp8x2" (the same plus a second
+# e4m3 term for the first one's error: nearly bf16 activations). The bf16 kernel ignores it.
+FP8_MODES = ("widen", "fp16", "tile_fp8", "tile_fp8x2")
+
+
 @dataclass(frozen=True)
 class DecodeLinearConfig:
     """Rows of W per program (output columns; half gate, half up with silu_mul), the K tile, the
-    number of K splits, and the launch's warps and pipeline stages."""
+    number of K splits, the launch's warps and pipeline stages, and for e4m3 weights how they are
+    multiplied (FP8_MODES)."""
 
     block_n: int = 64
     block_k: int = 128
     split: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    fp8_mode: str = "widen"
+
+    def __post_init__(self) -> None:
+        if self.fp8_mode not in FP8_MODES:
+            raise ValueError(f"fp8_mode {self.fp8_mode!r}: expected one of {FP8_MODES}")
 
 
 # Per (N, K), for the projections of Qwen2-7B and Qwen2-0.5B: the variant fastest over 1-32 rows
@@ -48,6 +62,14 @@ TUNED: dict[tuple[int, int], DecodeLinearConfig] = {
 }
 
 
+# Per (N, K), the variants for e4m3 weights (radixserve.kernels.decode_linear_fp8), where they differ
+# from the bf16 choice: one byte a weight puts half the bytes of a BLOCK_N x BLOCK_K tile in flight,
+# so the fastest tile may be longer along K, and the fp8_mode decides what the tensor cores read.
+# Filled from `decode_linear_sweep.py --fp8` on an H200 (its summary prints the entries); a shape
+# not listed takes the bf16 variant, widened.
+TUNED_FP8: dict[tuple[int, int], DecodeLinearConfig] = {}
+
+
 def default_config(n: int, k: int) -> Optional[DecodeLinearConfig]:
     """64-row strips; K split until there are ~128 programs, each streaming >= 16 K tiles; deeper
     pipelines for small matrices (their programs are few and short). None if K is not a whole
@@ -60,11 +82,13 @@ def default_config(n: int, k: int) -> Optional[DecodeLinearConfig]:
 
 
 def config_for(weight: torch.Tensor) -> Optional[DecodeLinearConfig]:
-    """The variant for this weight, or None when decode_linear cannot take it."""
+    """The variant for this weight (e4m3 weights: `TUNED_FP8` first), or None when decode_linear
+    cannot take it."""
     if weight.dim() != 2:
         return None
     n, k = weight.shape
-    config = TUNED.get((n, k)) or default_config(n, k)
+    fp8 = TUNED_FP8.get((n, k)) if weight.dtype == torch.float8_e4m3fn else None
+    config = fp8 or TUNED.get((n, k)) or default_config(n, k)
     return config if config is not None and supported(weight, config) else None
 
 
@@ -81,11 +105,15 @@ def split_plan(k: int, config: DecodeLinearConfig) -> tuple[int, int]:
     return per_split, _cdiv(k_tiles, per_split)
 
 
-def pipeline_stages(config: DecodeLinearConfig, block_m: int, element_size: int) -> int:
+def pipeline_stages(config: DecodeLinearConfig, block_m: int, element_size: int,
+                    weight_element_size: Optional[int] = None) -> int:
     """config.num_stages, fewer if a stage's weight and x tiles would overflow shared memory
-    (an H100/H200 SM has 227 KB): a row count above the tuned ones must not fail to compile."""
+    (an H100/H200 SM has 227 KB): a row count above the tuned ones must not fail to compile.
+    element_size: bytes of an x element; weight_element_size: of a weight element (default the same)."""
+    w_size = element_size if weight_element_size is None else weight_element_size
+    stage_bytes = (config.block_n * w_size + block_m * element_size) * config.block_k
     stages = config.num_stages
-    while stages > 2 and stages * (config.block_n + block_m) * config.block_k * element_size > SHARED_MEMORY_BUDGET:
+    while stages > 2 and stages * stage_bytes > SHARED_MEMORY_BUDGET:
         stages -= 1
     return stages
 

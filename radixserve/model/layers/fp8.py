@@ -20,8 +20,9 @@ Paths, picked per call from the input:
   variant (radixserve.kernels.decode_linear): e4m3 weights read, bf16 activations unquantized,
   the row scale applied in the epilogue. Decode reads the weights once, so half the bytes is
   about half the time.
-- CUDA, capability 8.9+ (Ada, Hopper): activations quantized, then `torch._scaled_mm` (cuBLASLt
-  FP8 tensor cores, row-wise scales).
+- CUDA, capability 8.9+ (Ada, Hopper): activations quantized (with the Triton kernels, in one
+  kernel: radixserve.kernels.quant_fp8), then `torch._scaled_mm` (cuBLASLt FP8 tensor cores,
+  row-wise scales).
 - Elsewhere (the CPU reference): activations quantized and dequantized the same way, the weight
   dequantized, then an fp32 matmul.
 """
@@ -86,11 +87,21 @@ def _scaled_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         bias: Optional[torch.Tensor], input_scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [M, K] @ (weight [N, K] e4m3 * weight_scale [N])^T on the FP8 tensor cores."""
-    xq, x_scale = quantize_activations(x, input_scale)
-    y = torch._scaled_mm(xq.contiguous(), weight.t(), scale_a=x_scale.float().contiguous(),
-                         scale_b=weight_scale[None, :], out_dtype=x.dtype)
+                         bias: Optional[torch.Tensor], input_scale: Optional[torch.Tensor],
+                         fused_quant: bool = False) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] e4m3 * weight_scale [N])^T on the FP8 tensor cores. fused_quant:
+    the activations are quantized by one Triton kernel (CUDA; the same e4m3 values and scales as
+    the torch ops, in one launch instead of nine)."""
+    if fused_quant:
+        from radixserve.kernels.quant_fp8 import quantize_rows_fp8
+
+        xq, x_scale = quantize_rows_fp8(x, input_scale)
+    else:
+        xq, x_scale = quantize_activations(x, input_scale)
+    # weight.t() is a view (the column-major operand _scaled_mm wants); the scales are float32
+    # already, and a per-token [M, 1] is contiguous: only a static scale's expand is copied.
+    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.contiguous(), scale_b=weight_scale[None, :],
+                         out_dtype=x.dtype)
     return y if bias is None else y + bias
 
 
@@ -100,12 +111,13 @@ class Fp8LinearMethod:
     `create_weights` registers on the layer: `weight` e4m3 [N, K]; `weight_scale` float32 [N];
     with static activations `input_scale` float32 [number of shards]. Where the checkpoint holds
     them they are parameters (the loader requires them); quantized at load, `weight_scale` is a
-    buffer the weight's loading fills.
+    buffer the weight's loading fills. `triton`: the layer runs the Triton kernels.
     """
 
-    def __init__(self, config: Fp8Config, shard_ids: list[Any]):
+    def __init__(self, config: Fp8Config, shard_ids: list[Any], triton: bool = False):
         self.config = config
         self.shard_ids = list(shard_ids)
+        self.triton = triton  # then the activation quantization in front of the FP8 GEMM is one kernel
         # Set by finish_loading: None with per-token scales.
         self.static_scale: Optional[torch.Tensor] = None
 
@@ -192,7 +204,8 @@ class Fp8LinearMethod:
         if x.shape[0] == 0:
             return torch.empty((0, layer.weight.shape[0]), dtype=x.dtype, device=x.device)
         if _scaled_mm_ok(x, layer.weight):
-            return fp8_linear_scaled_mm(x, layer.weight, layer.weight_scale, layer.bias, self.static_scale)
+            return fp8_linear_scaled_mm(x, layer.weight, layer.weight_scale, layer.bias, self.static_scale,
+                                        fused_quant=self.triton and x.stride(-1) == 1)
         return fp8_linear_reference(x, layer.weight, layer.weight_scale, layer.bias, self.static_scale)
 
 

@@ -53,7 +53,7 @@ class Linear(nn.Module):
         if fp8 is not None:
             if weight is not None:
                 raise ValueError("an FP8 projection cannot share another layer's weight")
-            self.quant = Fp8LinearMethod(fp8, list(shards)) if fp8.block is None else \
+            self.quant = Fp8LinearMethod(fp8, list(shards), triton=kernels.triton) if fp8.block is None else \
                 Fp8BlockLinearMethod(fp8, list(shards), dtype, triton=kernels.triton)
             self.quant.create_weights(self, input_size, output_size)
         elif weight is None:
