@@ -2,12 +2,13 @@
 
 Requests go out on a PUSH socket (no high-water mark, so a send never blocks the event loop),
 gathered over one event-loop iteration and sent together at its end (`_flush`): each send wakes
-ZMQ's I/O thread, and on a busy machine the woken thread took the event loop's core for
-milliseconds, once per request of a burst; outputs come back on a PULL socket read by one task that routes them to per-request queues.
-A watchdog notices when the engine process exits, fails everything that waits on it (HTTP 503)
-and calls `on_death`, so the server can exit and be restarted. `drain()` serves a shutdown: new
+ZMQ's I/O thread, and on a busy machine the woken thread can take the event loop's core for
+milliseconds, which once per request of a burst added up to a second. Outputs come back on a
+PULL socket read by one task that routes them to per-request queues, at most
+`OUTPUTS_PER_ITERATION` per event-loop iteration. A watchdog notices when the engine process
+exits, fails everything that waits on it (HTTP 503) and calls `on_death`, so the server can exit
+and be restarted. `drain()` serves a shutdown: new
 requests and health probes are refused at once, those in flight get a deadline to finish.
-Outputs are handed to their requests at most `OUTPUTS_PER_ITERATION` per event-loop iteration.
 
 Engine request ids are always made here: a client's `rid` is only a label, so a reused or forged
 one can never reach another request's outputs.
