@@ -7,8 +7,8 @@ milliseconds, which once per request of a burst added up to a second. Outputs co
 PULL socket read by one task that routes them to per-request queues, at most
 `OUTPUTS_PER_ITERATION` per event-loop iteration. A watchdog notices when the engine process
 exits, fails everything that waits on it (HTTP 503) and calls `on_death`, so the server can exit
-and be restarted. `drain()` serves a shutdown: new
-requests and health probes are refused at once, those in flight get a deadline to finish.
+and be restarted. `drain()` serves a shutdown: new requests and health probes are refused at
+once, those in flight get a deadline to finish.
 
 Engine request ids are always made here: a client's `rid` is only a label, so a reused or forged
 one can never reach another request's outputs.
