@@ -1,11 +1,12 @@
 """The API process's own CPU time per request when 1,024 requests arrive at once.
 
-    python scripts/api_cpu_cost.py [--repeats 3] [--num-prompts 1024] [--output api_cpu.json]
+    python scripts/api_cpu_cost.py [--repeats 3] [--num-prompts 1024] [--input-len 64] [--shared-prefix]
+                                   [--output api_cpu.json]
 
 Starts a CPU server (the built-in tiny model unless --model-path is given) per repeat and sends it
-bursts of `--num-prompts` requests with `bench_serving --request-rate inf` (64-token random-id
-prompts, 4 output tokens): streamed `/generate` and streamed `/v1/completions`; then from this
-script's own client (bench_serving always streams, and does not count events) non-streamed
+bursts of `--num-prompts` requests with `bench_serving --request-rate inf` (token-id prompts of
+`--input-len` ids, 64 by default, random or with --shared-prefix one gsp group; 4 output tokens):
+streamed `/generate` and streamed `/v1/completions`; then from this script's own client (bench_serving always streams, and does not count events) non-streamed
 `/generate` with 4 tokens and streamed `/generate` with 4 and with 64, counting the events each
 stream carried. For each burst it reads the API process's utime + stime (/proc/PID/stat) before
 and after, and reports CPU milliseconds per request; the CPU the 64-token streams took over the
@@ -38,8 +39,10 @@ import httpx
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-INPUT_LEN = 64
+DEFAULT_INPUT_LEN = 64
 SHORT_OUTPUT, LONG_OUTPUT = 4, 64
+# With --shared-prefix, the ids at the end of a prompt that differ from request to request.
+UNSHARED_TAIL = 16
 
 
 def cpu_seconds(pid: int) -> float:
@@ -74,24 +77,34 @@ def start_server(port: int, log_file: Path, model_path: Optional[str]) -> subpro
     raise RuntimeError("the server did not become ready")
 
 
-def bench_serving(port: int, backend: str, num_prompts: int, output_len: int) -> dict:
+def bench_serving(port: int, backend: str, num_prompts: int, input_len: int, output_len: int,
+                  shared_prefix: bool) -> dict:
+    if shared_prefix:  # one gsp group, sent as token ids
+        dataset = ["--dataset-name", "generated-shared-prefix", "--prompt-ids", "--gsp-num-groups", "1",
+                   "--gsp-prompts-per-group", str(num_prompts), "--gsp-question-len", str(UNSHARED_TAIL),
+                   "--gsp-system-prompt-len", str(input_len - UNSHARED_TAIL), "--gsp-output-len", str(output_len)]
+    else:
+        dataset = ["--dataset-name", "random-ids", "--random-input-len", str(input_len),
+                   "--random-output-len", str(output_len)]
     with tempfile.NamedTemporaryFile(suffix=".jsonl") as out:
         subprocess.run([sys.executable, "-m", "radixserve.bench_serving", "--backend", backend, "--port", str(port),
-                        "--dataset-name", "random-ids", "--num-prompts", str(num_prompts),
-                        "--random-input-len", str(INPUT_LEN), "--random-output-len", str(output_len),
+                        "--num-prompts", str(num_prompts), *dataset,
                         "--request-rate", "inf", "--disable-tqdm", "--output-file", out.name],
                        cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL)
         return json.loads(Path(out.name).read_text().splitlines()[-1])
 
 
-async def own_burst(port: int, num_prompts: int, vocab: int, output_len: int, stream: bool) -> dict:
+async def own_burst(port: int, num_prompts: int, vocab: int, input_len: int, output_len: int, stream: bool,
+                    shared_prefix: bool) -> dict:
     """num_prompts /generate requests at once: how many were answered in full, and the events
     their streams carried (the final [DONE] not counted)."""
     rng = random.Random(1)
+    shared = [rng.randrange(vocab) for _ in range(input_len - UNSHARED_TAIL)] if shared_prefix else []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as client:
         async def one() -> tuple[bool, int]:
-            body = {"input_ids": [rng.randrange(vocab) for _ in range(INPUT_LEN)], "stream": stream,
+            ids = shared + [rng.randrange(vocab) for _ in range(input_len - len(shared))]
+            body = {"input_ids": ids, "stream": stream,
                     "sampling_params": {"max_new_tokens": output_len, "ignore_eos": True, "temperature": 0.0}}
             if not stream:
                 return (await client.post("/generate", json=body)).status_code == 200, 0
@@ -118,15 +131,16 @@ def one_repeat(args, repeat: int) -> dict:
     proc = start_server(port, log_file, args.model_path)
     try:
         vocab = httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=10).json().get("vocab_size", 1000)
+        n, length, shared = args.num_prompts, args.input_len, args.shared_prefix
         bursts = {
-            "generate_stream_4": lambda: bench_serving(port, "sglang", args.num_prompts, SHORT_OUTPUT),
-            "completions_stream_4": lambda: bench_serving(port, "openai", args.num_prompts, SHORT_OUTPUT),
-            "generate_plain_4": lambda: asyncio.run(own_burst(port, args.num_prompts, vocab, SHORT_OUTPUT, False)),
-            "counted_stream_4": lambda: asyncio.run(own_burst(port, args.num_prompts, vocab, SHORT_OUTPUT, True)),
-            "counted_stream_64": lambda: asyncio.run(own_burst(port, args.num_prompts, vocab, LONG_OUTPUT, True)),
+            "generate_stream_4": lambda: bench_serving(port, "sglang", n, length, SHORT_OUTPUT, shared),
+            "completions_stream_4": lambda: bench_serving(port, "openai", n, length, SHORT_OUTPUT, shared),
+            "generate_plain_4": lambda: asyncio.run(own_burst(port, n, vocab, length, SHORT_OUTPUT, False, shared)),
+            "counted_stream_4": lambda: asyncio.run(own_burst(port, n, vocab, length, SHORT_OUTPUT, True, shared)),
+            "counted_stream_64": lambda: asyncio.run(own_burst(port, n, vocab, length, LONG_OUTPUT, True, shared)),
         }
         if args.warmup:  # first-time costs (lazy imports, caches) kept out of the figures
-            asyncio.run(own_burst(port, args.warmup, vocab, SHORT_OUTPUT, True))
+            asyncio.run(own_burst(port, args.warmup, vocab, length, SHORT_OUTPUT, True, shared))
         row: dict = {"repeat": repeat}
         for name, run in bursts.items():
             if args.bursts and name not in args.bursts:
@@ -159,6 +173,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-prompts", type=int, default=1024)
+    p.add_argument("--input-len", type=int, default=DEFAULT_INPUT_LEN,
+                   help="Prompt length in token ids (default: %(default)s).")
+    p.add_argument("--shared-prefix", action="store_true",
+                   help=f"Prompts share all but their last {UNSHARED_TAIL} ids (one generated-shared-prefix "
+                        "group), so the engine prefills little and a burst of long prompts takes seconds on a "
+                        "CPU while the API still takes in every id.")
     p.add_argument("--model-path", default=None, help="Default: the built-in tiny model.")
     p.add_argument("--output", default=None, help="Write the rows as JSON here.")
     p.add_argument("--bursts", default=None, type=lambda v: v.split(","),

@@ -184,12 +184,13 @@ class EngineLoop:
                 frames = self.pull.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            try:
-                msg = m.decode(frames)
-            except Exception as e:  # a bug on the sending side; never fatal here
-                logger.error("engine: dropping undecodable message: %s", e)
-                continue
-            self.handle(msg)
+            for one in m.unbatched(frames):
+                try:
+                    msg = m.decode(one)
+                except Exception as e:  # a bug on the sending side; never fatal here
+                    logger.error("engine: dropping undecodable message: %s", e)
+                    continue
+                self.handle(msg)
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, GenerateRequest):

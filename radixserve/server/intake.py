@@ -1,14 +1,22 @@
 """What the API process does with a request before any endpoint sees it: refuse a body over
-`--max-request-bytes` (413, before reading it), and count and log every request it rejects.
+`--max-request-bytes` (413, before reading it), count and log every request it rejects, let at
+most `INTAKE_PER_ITERATION` requests begin per event-loop iteration (`IntakePacing`), and parse
+JSON bodies with msgspec (`MsgspecJSONRoute`).
 
-Both are pure ASGI middleware, so streams pass through untouched.
+The first three are pure ASGI middleware, so streams pass through untouched.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from typing import Callable
+from collections import deque
+from typing import Any, Callable, Coroutine
+
+import msgspec
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
 
 from radixserve.http_common.errors import error_response
 from radixserve.server.metrics import ServerMetrics
@@ -22,6 +30,10 @@ REQUEST_BYTES_PER_CONTEXT_TOKEN = 4 * 16
 NOT_REJECTIONS = ("/health",)
 # The status a client that went away is answered with (nobody reads it).
 CLIENT_CLOSED_STATUS = 499
+# Requests that may begin (parse, validate, submit: ~1-2 ms each on a busy 2-core machine) in one
+# event-loop iteration; the rest wait for the next ones, so a burst is taken in over many short
+# iterations instead of one long one that holds up every stream and timer.
+INTAKE_PER_ITERATION = 16
 
 
 class _TooLarge(Exception):
@@ -64,6 +76,61 @@ class BodyLimitMiddleware:
         response = error_response(413, f"the request body is larger than {limit} bytes (--max-request-bytes)",
                                   code="request_too_large", headers={"Connection": "close"})
         await response(scope, receive, send)
+
+
+class IterationGate:
+    """`await turn()` returns in an event-loop iteration that has let fewer than `per_iteration`
+    callers through, first come first served. asyncio runs every callback that is ready when an
+    iteration starts, so without it 1,000 requests arriving together all do their synchronous
+    work in one iteration."""
+
+    def __init__(self, per_iteration: int):
+        self.per_iteration = per_iteration
+        self.admitted = 0  # let through in the current iteration
+        self.waiting: deque[asyncio.Future] = deque()
+        self.tick_scheduled = False
+
+    async def turn(self) -> None:
+        if not self.waiting and self.admitted < self.per_iteration:
+            self.admitted += 1
+            self._schedule_tick()
+            return
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append(future)
+        self._schedule_tick()
+        await future
+
+    def _schedule_tick(self) -> None:
+        if not self.tick_scheduled:
+            self.tick_scheduled = True
+            asyncio.get_running_loop().call_soon(self._tick)
+
+    def _tick(self) -> None:
+        """Once per iteration while requests come in: the next iteration's allowance, waiters first
+        (a future's waiter runs in the iteration after the one that resolves it)."""
+        self.tick_scheduled = False
+        self.admitted = 0
+        while self.waiting and self.admitted < self.per_iteration:
+            future = self.waiting.popleft()
+            if not future.done():  # not cancelled
+                future.set_result(None)
+                self.admitted += 1
+        if self.waiting or self.admitted:
+            self._schedule_tick()
+
+
+class IntakePacing:
+    """Every POST (the generation and tokenizer endpoints) waits its turn at an `IterationGate`
+    before anything reads or parses its body; GETs (/health, /metrics) pass at once."""
+
+    def __init__(self, app, per_iteration: int = INTAKE_PER_ITERATION):
+        self.app = app
+        self.gate = IterationGate(per_iteration)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            await self.gate.turn()
+        await self.app(scope, receive, send)
 
 
 class RejectionRecorder:
@@ -110,3 +177,30 @@ class RejectionRecorder:
 
 def _escaped(value) -> str:
     return str(value).encode("unicode_escape").decode("ascii")
+
+
+class MsgspecJSONRequest(Request):
+    """A request whose JSON body is parsed by msgspec: a prompt of 2,000 token ids takes the json
+    module ~0.24 ms, on the event loop, msgspec a third of that. Whatever msgspec refuses (NaN,
+    a lone surrogate, a byte-order mark, malformed JSON) is parsed by the json module as before,
+    so the values and the errors stay the json module's."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            try:
+                self._json = msgspec.json.decode(body)
+            except msgspec.DecodeError:
+                self._json = json.loads(body)
+        return self._json
+
+
+class MsgspecJSONRoute(APIRoute):
+    """An API route whose endpoint gets its JSON body through `MsgspecJSONRequest`."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def msgspec_json_handler(request: Request) -> Response:
+            return await handler(MsgspecJSONRequest(request.scope, request.receive, request._send))
+        return msgspec_json_handler

@@ -1,6 +1,8 @@
 """Messages between the API process and the engine process, beyond the request structs.
 
-Every ZMQ message is two frames: a short kind name and a msgpack payload. The request structs
+Every ZMQ message is a short kind name and one or more msgpack payloads of that kind, a frame
+each: consecutive messages of one kind travel together (`batched`), so a burst of requests costs
+one send. The request structs
 (`GenerateRequest`, `AbortRequest`, `RequestOutput`) come from `radixserve.engine.io_struct`, so the
 offline engine and the server validate the same way; the control messages live here.
 """
@@ -98,6 +100,26 @@ _DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in _TYPES.items()}
 
 def encode(msg: msgspec.Struct) -> list[bytes]:
     return [type(msg).__name__.encode(), _ENCODER.encode(msg)]
+
+
+def batched(encoded: list[list[bytes]]) -> list[list[bytes]]:
+    """`encode`d messages, in order, as ZMQ messages: each run of one kind as its kind frame
+    followed by every payload of the run."""
+    out: list[list[bytes]] = []
+    for kind, payload in encoded:
+        if out and out[-1][0] == kind:
+            out[-1].append(payload)
+        else:
+            out.append([kind, payload])
+    return out
+
+
+def unbatched(frames: list[bytes]) -> list[list[bytes]]:
+    """A received ZMQ message as one `decode`-able frame pair per payload (a message `decode`
+    refuses stays whole)."""
+    if len(frames) <= 2:
+        return [frames]
+    return [[frames[0], payload] for payload in frames[1:]]
 
 
 def decode(frames: list[bytes]) -> Any:

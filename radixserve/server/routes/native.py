@@ -13,13 +13,14 @@ from fastapi import APIRouter, Request
 from radixserve.grammar.spec import grammar_spec
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
+from radixserve.server.intake import MsgspecJSONRoute
 from radixserve.server.logprob_format import TokenTexts, sglang_logprobs, sglang_prompt_logprobs
 from radixserve.server.protocol import GenerateBody
 from radixserve.server.responses import per_output, run_request
 from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, new_id, request_label, sse
 from radixserve.server.structured import check_request_grammar
 
-router = APIRouter()
+router = APIRouter(route_class=MsgspecJSONRoute)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "chat_template.jinja", "chat_template.json", "added_tokens.json",

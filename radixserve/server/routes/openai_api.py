@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
+from radixserve.server.intake import MsgspecJSONRoute
 from radixserve.server.logprob_format import chat_logprobs, completion_logprobs, completion_prompt_logprobs
 from radixserve.server.protocol import ROLES, ChatCompletionRequest, CompletionRequest
 from radixserve.server.responses import per_output, run_request, usage
@@ -19,7 +20,7 @@ from radixserve.server.tool_calls import (ToolCallStream, ToolPolicy, forced_cal
                                          template_tool_calls, tool_policy)
 from radixserve.validation import choice_seed
 
-router = APIRouter()
+router = APIRouter(route_class=MsgspecJSONRoute)
 
 
 def check_neutral(body, name: str, ok: Callable[[Any], bool], why: str) -> None:

@@ -15,11 +15,12 @@ from typing import Any
 from fastapi import APIRouter
 
 from radixserve.server.errors import bad_request
+from radixserve.server.intake import MsgspecJSONRoute
 from radixserve.server.protocol import DetokenizeBody, TokenizeBody
 from radixserve.server.routes.openai_api import chat_prompt_text
 from radixserve.server.serving import INLINE_TOKENIZE_CHARS, Ctx, ServingContext
 
-router = APIRouter()
+router = APIRouter(route_class=MsgspecJSONRoute)
 
 
 async def _tokens(ctx: ServingContext, body: TokenizeBody) -> list[int]:

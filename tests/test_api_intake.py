@@ -1,0 +1,144 @@
+"""How the API process takes in a burst: at most a few requests begin per event-loop iteration,
+the engine messages of an iteration travel as one ZMQ message, and a burst of long token-id
+prompts is served whole by a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import httpx
+import msgspec
+import pytest
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from conftest import ServerProcess
+from radixserve.engine.io_struct import AbortRequest, GenerateRequest
+from radixserve.http_common.errors import _validation_error
+from radixserve.sampling_params import SamplingParams
+from radixserve.server import messages as m
+from radixserve.server.intake import IterationGate, MsgspecJSONRequest
+from radixserve.server.protocol import CompletionRequest, GenerateBody
+
+pytestmark = pytest.mark.timeout(300)
+
+
+async def passes_per_iteration(per_iteration: int, callers: int) -> list[int]:
+    """How many of `callers` tasks, all started together, got through the gate in each iteration."""
+    gate = IterationGate(per_iteration)
+    iteration = 0
+    running = True
+
+    def count_iterations() -> None:  # runs once per iteration: call_soon callbacks wait for the next
+        nonlocal iteration
+        iteration += 1
+        if running:
+            asyncio.get_running_loop().call_soon(count_iterations)
+
+    passed: list[int] = []
+
+    async def caller() -> None:
+        await gate.turn()
+        passed.append(iteration)
+
+    asyncio.get_running_loop().call_soon(count_iterations)
+    await asyncio.gather(*(caller() for _ in range(callers)))
+    running = False
+    return list(collections.Counter(passed).values())
+
+
+def test_the_gate_lets_a_few_requests_through_per_iteration_and_all_of_them_in_the_end():
+    counts = asyncio.run(passes_per_iteration(4, 50))
+    assert sum(counts) == 50
+    assert max(counts) <= 4, counts
+    assert asyncio.run(passes_per_iteration(16, 5)) == [5]  # a few requests pass in their own iteration
+
+
+def test_a_cancelled_waiter_gives_its_turn_to_the_next():
+    async def run() -> list[str]:
+        gate = IterationGate(1)
+        order: list[str] = []
+
+        async def caller(name: str) -> None:
+            await gate.turn()
+            order.append(name)
+
+        first = asyncio.ensure_future(caller("first"))
+        gone = asyncio.ensure_future(caller("gone"))
+        last = asyncio.ensure_future(caller("last"))
+        await asyncio.sleep(0)  # all three at the gate: first through, two waiting
+        gone.cancel()
+        await asyncio.gather(first, last)
+        return order
+
+    assert asyncio.run(run()) == ["first", "last"]
+
+
+def test_messages_of_one_kind_travel_together_in_order():
+    params = SamplingParams(max_new_tokens=2)
+    sent = [GenerateRequest(rid="a", input_ids=[1, 2], sampling_params=params), AbortRequest(rid="x"),
+            GenerateRequest(rid="b", input_ids=[3], sampling_params=params),
+            GenerateRequest(rid="c", input_ids=[4, 5, 6], sampling_params=params)]
+    zmq_messages = m.batched([m.encode(msg) for msg in sent])
+    assert [len(frames) for frames in zmq_messages] == [2, 2, 3]  # a, the abort, b and c together
+    received = [m.decode(one) for frames in zmq_messages for one in m.unbatched(frames)]
+    assert received == sent
+    with pytest.raises(ValueError):
+        m.decode(m.unbatched([b"NoSuchKind", b"\x80"])[0])
+
+
+def test_long_token_id_lists_are_checked_as_before():
+    ids = list(range(2176))
+    assert CompletionRequest.model_validate({"prompt": ids}).prompt == ids
+    assert GenerateBody.model_validate({"input_ids": [ids, [7.0]]}).input_ids == [ids, [7]]  # 7.0 is an integer
+    for bad, why in (([*ids, True], "a valid integer"), ([*ids, -1], "greater than or equal to 0"),
+                     ([*ids, 2 ** 31], "less than or equal to 2147483647"), ([*ids, 1.5], "a valid integer")):
+        with pytest.raises(ValidationError) as e:
+            CompletionRequest.model_validate({"prompt": bad})
+        errors = [{**error, "loc": ("body", *error["loc"])} for error in e.value.errors()]
+        message, param, _ = _validation_error(RequestValidationError(errors))
+        assert param == "prompt[2176]" and why in message, message
+
+
+def test_json_bodies_parse_as_the_json_module_parses_them():
+    async def parse(body: bytes):
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await MsgspecJSONRequest({"type": "http", "method": "POST", "headers": []}, receive).json()
+
+    for body, expected in ((b'{"a": [1, 2.5, "x"], "a": 3}', {"a": 3}), (b'[1e400]', [float("inf")]),
+                           (b'"a\\ud800b"', "a\ud800b"), (b'\xef\xbb\xbf[1]', [1])):
+        assert asyncio.run(parse(body)) == expected
+    nan = asyncio.run(parse(b'[NaN]'))[0]
+    assert nan != nan
+    with pytest.raises(ValueError):
+        asyncio.run(parse(b'[1]x'))
+    assert msgspec.json.decode(b'[1]') == [1]
+
+
+def test_a_burst_of_long_token_id_prompts_is_served_whole(server_model_dir, server_workdir):
+    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu", "--max-total-tokens", "32768"],
+                         server_workdir)
+    try:
+        proc.wait_ready()
+        shared = [(7 * i) % 500 for i in range(1000)]
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=proc.base_url, timeout=120,
+                                         limits=httpx.Limits(max_connections=None)) as http:
+                generate = [http.post("/generate", json={"input_ids": shared + [i], "stream": True,
+                                                         "sampling_params": {"max_new_tokens": 2}})
+                            for i in range(40)]
+                complete = [http.post("/v1/completions", json={"prompt": shared + [i], "max_tokens": 2})
+                            for i in range(40)]
+                bad = [http.post("/v1/completions", json={"prompt": shared + [-1], "max_tokens": 2})]
+                return await asyncio.gather(*generate, *complete, *bad)
+
+        answers = asyncio.run(burst())
+        assert [r.status_code for r in answers] == [200] * 80 + [400]
+        assert all(r.text.endswith("data: [DONE]\n\n") for r in answers[:40])
+        assert all(r.json()["usage"]["prompt_tokens"] == 1001 for r in answers[40:80])
+        assert answers[80].json()["error"]["param"] == "prompt[1000]"
+    finally:
+        proc.stop()
