@@ -59,8 +59,9 @@ class HostKVPool:
         self.pinned = pin and _pin(self.buffer)
         if self.pinned:
             # Unregister before the buffer's memory goes back: a later allocation at the same
-            # addresses could not be registered again ("already registered").
-            weakref.finalize(self, _unpin, self.buffer)
+            # addresses could not be registered again ("already registered"). Not at exit: the
+            # driver drops it with the process, and unregistering tens of GB would delay the exit.
+            weakref.finalize(self, _unpin, self.buffer).atexit = False
 
     @staticmethod
     def token_bytes(device_pool: KVPool) -> int:
