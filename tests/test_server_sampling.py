@@ -64,23 +64,31 @@ def test_generate_logprob_fields(server):
         [x[0] for x in meta["output_token_logprobs"]], abs=ATOL)
 
 
+def completion_logprobs(client, stream: bool, **kwargs) -> tuple[str, list, list, list, list]:
+    """A completion's text, tokens, token log probabilities, top log probabilities and text
+    offsets, gathered from the stream's chunks or read from the one response."""
+    if not stream:
+        choice = client.completions.create(**kwargs).choices[0]
+        lp = choice.logprobs
+        return choice.text, lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
+    text, tokens, values, tops, offsets = "", [], [], [], []
+    for chunk in client.completions.create(stream=True, **kwargs):
+        text += chunk.choices[0].text
+        lp = chunk.choices[0].logprobs
+        if lp is not None:
+            tokens += lp.tokens
+            values += lp.token_logprobs
+            tops += lp.top_logprobs
+            offsets += lp.text_offset
+    return text, tokens, values, tops, offsets
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_completion_logprobs(server, client, model, stream):
     ref = reference(server, 6, 5)
     kwargs = dict(model=model, prompt=PROMPT_IDS, max_tokens=6, temperature=0, logprobs=5,
                   extra_body={"ignore_eos": True})
-    if stream:
-        tokens, values, tops, offsets = [], [], [], []
-        for chunk in client.completions.create(stream=True, **kwargs):
-            lp = chunk.choices[0].logprobs
-            if lp is not None:
-                tokens += lp.tokens
-                values += lp.token_logprobs
-                tops += lp.top_logprobs
-                offsets += lp.text_offset
-    else:
-        lp = client.completions.create(**kwargs).choices[0].logprobs
-        tokens, values, tops, offsets = lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
+    _, tokens, values, tops, offsets = completion_logprobs(client, stream, **kwargs)
     meta = ref["meta_info"]
     assert tokens == [text for _, _, text in meta["output_token_logprobs"]]
     assert values == pytest.approx([v for v, _, _ in meta["output_token_logprobs"]], abs=ATOL)
@@ -140,20 +148,7 @@ def test_generate_prompt_logprobs_match_hf(server, hf_prompt_logprobs, start):
 def test_completion_echo_logprobs_match_hf(server, client, model, hf_prompt_logprobs, stream):
     kwargs = dict(model=model, prompt=LONG_PROMPT, max_tokens=4, temperature=0, logprobs=2, echo=True,
                   extra_body={"ignore_eos": True})
-    if stream:
-        text, tokens, values, tops, offsets = "", [], [], [], []
-        for chunk in client.completions.create(stream=True, **kwargs):
-            text += chunk.choices[0].text
-            lp = chunk.choices[0].logprobs
-            if lp is not None:
-                tokens += lp.tokens
-                values += lp.token_logprobs
-                tops += lp.top_logprobs
-                offsets += lp.text_offset
-    else:
-        choice = client.completions.create(**kwargs).choices[0]
-        text, lp = choice.text, choice.logprobs
-        tokens, values, tops, offsets = lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
+    text, tokens, values, tops, offsets = completion_logprobs(client, stream, **kwargs)
     n = len(LONG_PROMPT)
     assert len(tokens) == len(values) == len(tops) == n + 4
     check_prompt_entries(values[:n], LONG_PROMPT, 0, hf_prompt_logprobs)

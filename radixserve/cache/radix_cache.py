@@ -337,23 +337,29 @@ class RadixCache:
             entry = heapq.heappop(self._heap)
             if not self._is_current(entry):
                 continue
-            node = entry[1]
-            if self.event_listener is not None:
-                self.event_listener("evict", self._path_tokens(node))
-            self.allocator.free_slots(node.value)
-            freed += len(node.key)
+            freed += self._remove_leaf(entry[1])
+        self.counters.evicted_tokens += freed
+        return freed
+
+    def _remove_leaf(self, node: TreeNode) -> int:
+        """Take a childless, unlocked node out of the tree, freeing its device slots (if it has
+        them); its parent is offered for eviction once it is a leaf. Returns the node's tokens."""
+        if self.event_listener is not None:
+            self.event_listener("evict", self._path_tokens(node))
+        if node.value is not None:
             self.evictable_size -= len(node.key)
             if node.waiters:
                 self.waited_evictable_size -= len(node.key)
-            parent = node.parent
-            del parent.children[self._child_key(node.key, 0)]
-            node.removed = True
-            self.num_nodes -= 1
-            self.touched.add((node, ALL))
-            if parent is not self.root and self._evictable_leaf(parent) and parent.lock_ref == 0:
-                self._push(parent)
-        self.counters.evicted_tokens += freed
-        return freed
+            self.allocator.free_slots(node.value)
+        parent = node.parent
+        del parent.children[self._child_key(node.key, 0)]
+        node.removed = True
+        self.num_nodes -= 1
+        self.touched.add((node, ALL))
+        if parent is not self.root and parent.value is not None and parent.lock_ref == 0 \
+                and self._evictable_leaf(parent):
+            self._push(parent)
+        return len(node.key)
 
     def flush(self) -> bool:
         """Drop the whole tree and free its slots; refused (False) while any request holds a lock."""

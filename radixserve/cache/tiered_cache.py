@@ -302,27 +302,14 @@ class TieredRadixCache(RadixCache):
         return True
 
     def _remove_leaf(self, node: TreeNode) -> int:
-        """Take a childless, unlocked node out of the tree, freeing both its copies."""
-        if self.event_listener is not None:
-            self.event_listener("evict", self._path_tokens(node))
-        if node.value is not None:
-            self.evictable_size -= len(node.key)
-            if node.waiters:
-                self.waited_evictable_size -= len(node.key)
-            self.allocator.free_slots(node.value)
+        """As the base, freeing the node's host copy too; the parent may now leave the host."""
         if node.host_value is not None:
             self.host_allocator.free_slots(node.host_value)
             self.host_size -= len(node.key)
-        parent = node.parent
-        del parent.children[self._child_key(node.key, 0)]
-        node.removed = True
-        self.num_nodes -= 1
-        self.touched.add((node, ALL))
-        if parent is not self.root:
-            if parent.value is not None and parent.lock_ref == 0 and self._evictable_leaf(parent):
-                self._push(parent)
-            self._push_host(parent)
-        return len(node.key)
+        tokens = super()._remove_leaf(node)
+        if node.parent is not self.root:
+            self._push_host(node.parent)
+        return tokens
 
     # ------------------------------------------------------------------ the host pool
     def _host_priority(self, node: TreeNode) -> tuple:
