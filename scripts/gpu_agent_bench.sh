@@ -15,6 +15,7 @@
 #   CLIENT_ARGS bench_serving workload flags replacing the above (a quick CPU check of the script)
 #   REPEAT      how many times the list of configurations is run, alternating (default 1)
 #   DEADLINE_S  the whole script's budget (default 540)
+#   MIN_LEFT_S  a configuration starts only with this much of the budget left (default 120)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -28,6 +29,7 @@ WORKLOAD=${WORKLOAD:-agent}
 REPEAT=${REPEAT:-1}
 CONFIGS=${CONFIGS:-"lpm:--schedule-policy,lpm fcfs:--schedule-policy,fcfs lpm-hold:--schedule-policy,lpm,--prefix-hold-s,0.25"}
 DEADLINE_S=${DEADLINE_S:-540}
+MIN_LEFT_S=${MIN_LEFT_S:-120}
 PORT=${PORT:-30000}
 RESULTS=$OUT/results.jsonl
 left() { echo $((DEADLINE_S - ($(date +%s) - T0))); }
@@ -46,7 +48,7 @@ fi
 for round in $(seq "$REPEAT"); do
   for entry in $CONFIGS; do
     label=${entry%%:*}; flags=${entry#*:}; IFS=, read -r -a extra <<< "$flags"
-    if [ "$(left)" -lt 120 ]; then log "skip $label: $(left)s left"; continue; fi
+    if [ "$(left)" -lt "$MIN_LEFT_S" ]; then log "skip $label: $(left)s left"; continue; fi
     log "start $label (round $round): ${extra[*]}"
     if ! start_server "$OUT/server-$label-$round" --model-path "$MODEL" --load-format dummy \
         ${TOKENIZER:+--tokenizer-path "$TOKENIZER"} --max-total-tokens "$POOL" --radix-eviction-policy lru "${extra[@]}"; then
