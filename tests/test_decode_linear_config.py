@@ -5,14 +5,18 @@ The kernel itself is checked against a reference on the GPU (tests/gpu/test_deco
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from radixserve.kernels.decode_linear_config import (SHARED_MEMORY_BUDGET, TUNED, TUNED_FP8, DecodeLinearConfig,
-                                                     block_m_for, config_for, default_config, pipeline_stages,
-                                                     split_plan)
+from radixserve.kernels.decode_linear_config import (DEFAULT_FP8_MODE, SHARED_MEMORY_BUDGET, TUNED, TUNED_FP8,
+                                                     DecodeLinearConfig, block_m_for, config_for, default_config,
+                                                     pipeline_stages, split_plan)
 from radixserve.model.config import ModelConfig
 from radixserve.model.layers import KernelChoice, Linear, MergedLinear, SiluAndMul
+from radixserve.model.layers.linear import FP8_DECODE_ROWS_FACTOR
+from radixserve.model.quantization import Fp8Config
 from radixserve.settings import DECODE_GEMM_MAX_ROWS, ServerSettings
 
 QWEN2_CONFIGS = ["benchmarks/configs/qwen2-7b", "benchmarks/configs/qwen2-0.5b"]
@@ -70,7 +74,7 @@ def test_fp8_weights_take_their_own_variant_else_the_bf16_one(path, monkeypatch)
     n, k = cfg.hidden_size, cfg.q_size  # o_proj
     fp8 = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
     bf16 = torch.empty(n, k, dtype=torch.bfloat16, device="meta")
-    assert config_for(fp8) == config_for(bf16)
+    assert config_for(fp8) == (TUNED_FP8.get((n, k)) or replace(config_for(bf16), fp8_mode=DEFAULT_FP8_MODE))
     own = DecodeLinearConfig(64, 128, 2, 4, 3, "tile_fp8")
     monkeypatch.setitem(TUNED_FP8, (n, k), own)
     assert config_for(fp8) is own and config_for(bf16) is not own
@@ -135,3 +139,7 @@ def test_a_projection_takes_the_decode_gemm_only_with_the_triton_kernels():
                                act=SiluAndMul(kernels=triton))
         assert gate_up._decode_config is TUNED[(37888, 3584)]  # SiLU-and-mul fused into its epilogue
         assert Linear(100, 64, bias=False, dtype=torch.bfloat16, kernels=triton)._decode_config is None  # K untileable
+        fp8 = MergedLinear(3584, {"q": 3584, "k": 512, "v": 512}, bias=True, dtype=torch.bfloat16, kernels=triton,
+                           fp8=Fp8Config(from_checkpoint=False))
+        assert fp8._decode_config is TUNED_FP8[(4608, 3584)] and fp8._decode_config.fp8_mode == "token_fp8"
+        assert fp8._decode_max_rows == FP8_DECODE_ROWS_FACTOR * DECODE_GEMM_MAX_ROWS

@@ -6,7 +6,7 @@ decode_linear.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -19,11 +19,14 @@ def _cdiv(a: int, b: int) -> int:
 
 
 # How the FP8 kernel (radixserve.kernels.decode_linear_fp8) multiplies e4m3 weights by bf16 rows:
-# "widen" (weights widened to bf16 in registers, activations exact), "fp16" (weights widened to
-# fp16, activations rounded to fp16), "tile_fp8" (activations quantized to e4m3 per token and K
-# tile inside the kernel, FP8 tensor cores on both operands), "tile_fp8x2" (the same plus a second
-# e4m3 term for the first one's error: nearly bf16 activations). The bf16 kernel ignores it.
-FP8_MODES = ("widen", "fp16", "tile_fp8", "tile_fp8x2")
+# "token_fp8" (activations quantized to e4m3 per token by one kernel in front, as the prefill
+# path's cuBLASLt GEMM takes them: FP8 tensor cores on both operands; the default, fastest on an
+# H200), "widen" (weights widened to bf16 in registers, activations exact), "fp16" (weights widened
+# to fp16, activations rounded to fp16), "tile_fp8" (activations quantized to e4m3 per token and K
+# tile inside the kernel), "tile_fp8x2" (the same plus a second e4m3 term for the first one's
+# error: nearly bf16 activations). The bf16 kernel ignores it.
+FP8_MODES = ("token_fp8", "widen", "fp16", "tile_fp8", "tile_fp8x2")
+DEFAULT_FP8_MODE = "token_fp8"
 
 
 @dataclass(frozen=True)
@@ -63,11 +66,16 @@ TUNED: dict[tuple[int, int], DecodeLinearConfig] = {
 
 
 # Per (N, K), the variants for e4m3 weights (radixserve.kernels.decode_linear_fp8), where they differ
-# from the bf16 choice: one byte a weight puts half the bytes of a BLOCK_N x BLOCK_K tile in flight,
-# so the fastest tile may be longer along K, and the fp8_mode decides what the tensor cores read.
-# Filled from `decode_linear_sweep.py --fp8` on an H200 (its summary prints the entries); a shape
-# not listed takes the bf16 variant, widened.
-TUNED_FP8: dict[tuple[int, int], DecodeLinearConfig] = {}
+# from the bf16 choice, from `scripts/decode_linear_sweep.py --fp8` on an H200 (docs/benchmarks.md,
+# "FP8 decode"). Comments: us per call at 64 rows, activation quantization included, against the
+# bf16 kernel / cuBLAS and cuBLASLt's FP8 GEMM (`torch._scaled_mm`, quantization included).
+# A shape not listed takes the bf16 variant in DEFAULT_FP8_MODE.
+TUNED_FP8: dict[tuple[int, int], DecodeLinearConfig] = {
+    (4608, 3584): DecodeLinearConfig(64, 128, 1, 4, 5, "token_fp8"),   # 7B qkv: 13.5 (14.2 / 11.2; 19.9)
+    (3584, 3584): DecodeLinearConfig(64, 128, 2, 4, 5, "token_fp8"),   # 7B o: 12.8 (13.8 / 9.7; 16.7)
+    (37888, 3584): DecodeLinearConfig(64, 128, 1, 4, 5, "token_fp8"),  # 7B gate_up+SiLU: 49.3 (79.5; 62.5)
+    (3584, 18944): DecodeLinearConfig(64, 128, 4, 4, 5, "token_fp8"),  # 7B down: 34.3 (40.6 / 41.7; 57.5)
+}
 
 
 def default_config(n: int, k: int) -> Optional[DecodeLinearConfig]:
@@ -87,8 +95,9 @@ def config_for(weight: torch.Tensor) -> Optional[DecodeLinearConfig]:
     if weight.dim() != 2:
         return None
     n, k = weight.shape
-    fp8 = TUNED_FP8.get((n, k)) if weight.dtype == torch.float8_e4m3fn else None
-    config = fp8 or TUNED.get((n, k)) or default_config(n, k)
+    config = TUNED.get((n, k)) or default_config(n, k)
+    if weight.dtype == torch.float8_e4m3fn:
+        config = TUNED_FP8.get((n, k)) or (config and replace(config, fp8_mode=DEFAULT_FP8_MODE))
     return config if config is not None and supported(weight, config) else None
 
 

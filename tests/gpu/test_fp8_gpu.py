@@ -9,11 +9,9 @@ position the reference must rank the engine's token within a tolerance of its be
 numeric error) and give it the log probability the engine reported, within a tolerance.
 
 The reference (`hf_fp8_reference`) is transformers' Qwen2 in float32 on the dequantized weights
-with the engine's activation rounding: a bf16 engine quantizes a projection's input to e4m3 (per
-token) only on the FP8 tensor-core path, which takes batches of more rows than the decode-row
-limit (the prefill of the whole batch here); the FP8 decode-row GEMM (decode steps) reads bf16
-activations unrounded. So the reference rounds the inputs of the prompt's positions, not those of
-the generated tokens fed back.
+with the engine's activation rounding: the engine quantizes every projection's input to e4m3 per
+token on every path (the FP8 tensor-core GEMM of a prefill, the FP8 decode-row GEMM of a decode
+step, the CPU's reference GEMM), so the reference rounds every position's.
 
 Tolerances (log probabilities, nats): bf16 rounds every layer's output (2^-9 relative), and a
 value that moves by that much crosses an e4m3 rounding boundary (steps of 2^-3 relative) now and
@@ -47,11 +45,8 @@ import transformers  # noqa: E402
 
 from radixserve import Engine  # noqa: E402
 from radixserve.kernels import compiled_variant_counts  # noqa: E402
-from radixserve.kernels.decode_linear_config import config_for  # noqa: E402
-from radixserve.model.layers import Linear  # noqa: E402
 from radixserve.model.layers.fp8 import (FP8_DTYPE, fp8_linear_reference, fp8_linear_scaled_mm,  # noqa: E402
                                          quantize_rows)
-from radixserve.settings import DECODE_GEMM_MAX_ROWS  # noqa: E402
 from radixserve.testing.fp8_checkpoint import write_fp8_checkpoint  # noqa: E402
 from radixserve.testing.tiny_model import build_tiny_model  # noqa: E402
 from test_fp8 import hf_fake_quant  # noqa: E402
@@ -111,60 +106,31 @@ def engine_logprobs(path, dtype: str, batch: list[list[int]], **settings
 def hf_fp8_reference(dequantized: Path, slices: int = 1):
     """transformers' Qwen2 in float32 on the dequantized weights; each projection's input rounded to
     e4m3 per token (o_proj's and down_proj's per column block of `slices`, as tensor-parallel ranks
-    see them) at the positions before `hf.quantized_positions` (every position when None), and at
-    every position for the projections named in `hf.rounded_everywhere`."""
+    see them), as the engine rounds it on every path: prefill and decode rows alike."""
     hf = transformers.Qwen2ForCausalLM.from_pretrained(dequantized, dtype=torch.float32).to("cuda").eval()
-    hf.quantized_positions = None
-    hf.rounded_everywhere = frozenset()
 
     def fake_quant(x: torch.Tensor) -> torch.Tensor:
         scale = (x.abs().amax(dim=-1, keepdim=True) * (1.0 / 448.0)).clamp_min(1e-12)  # as the engine
         return (x / scale).clamp(-448, 448).to(FP8_DTYPE).float() * scale
 
-    def hook(args, leaf: str, parts: int):
-        x = args[0]  # [1, positions, features]
-        rounded = torch.cat([fake_quant(c) for c in x.chunk(parts, -1)], -1)
-        n = None if leaf in hf.rounded_everywhere else hf.quantized_positions
-        return (rounded if n is None else torch.cat([rounded[:, :n], x[:, n:]], 1),)
+    def hook(args, parts: int):
+        return (torch.cat([fake_quant(c) for c in args[0].chunk(parts, -1)], -1),)
 
     for name, module in hf.named_modules():
         if isinstance(module, torch.nn.Linear) and name != "lm_head":
-            leaf = name.rpartition(".")[2]
-            parts = slices if leaf in ("o_proj", "down_proj") else 1
-            module.register_forward_pre_hook(lambda _m, args, leaf=leaf, parts=parts: hook(args, leaf, parts))
+            parts = slices if name.rpartition(".")[2] in ("o_proj", "down_proj") else 1
+            module.register_forward_pre_hook(lambda _m, args, parts=parts: hook(args, parts))
     return hf
 
 
-def rounded_in_decode(model) -> frozenset[str]:
-    """transformers' names of the projections whose decode steps still take the FP8 tensor-core GEMM
-    (activations rounded) in the engine's `model` (with the Triton kernels): those the decode-row
-    GEMM cannot tile, whose input columns are not a whole number of its K tiles (o_proj's 32 per
-    rank at tp 2 here)."""
-    names = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-    rounded = set()
-    for name, module in model.model.layers[0].named_modules():
-        if isinstance(module, Linear) and module.quant is not None and config_for(module.weight) is None:
-            leaf = name.rpartition(".")[2]
-            rounded.update(names.get(leaf, (leaf,)))
-    return frozenset(rounded)
-
-
 def check_teacher_forced(hf, batch: list[list[int]], tokens: list[list[int]], logprobs: list[list[float]], *,
-                         max_tol: float, mean_tol: float, decode_rows_quantized: bool = False,
-                         rounded_everywhere: frozenset[str] = frozenset()) -> None:
+                         max_tol: float, mean_tol: float) -> None:
     """The reference run over each prompt + the engine's tokens: at every generated position the
     engine's token is the reference's best within max_tol, and its log probability is the
-    reference's within max_tol; both means within mean_tol. decode_rows_quantized: the engine
-    rounds the generated tokens' activations too (float32: the reference GEMM everywhere);
-    rounded_everywhere: the projections of which it does (see `rounded_in_decode`)."""
-    # The bf16 engine's prefill takes the FP8 tensor cores (activations rounded) only when it has
-    # more rows than the decode-row limit; its decode steps fewer.
-    assert decode_rows_quantized or (sum(map(len, batch)) > DECODE_GEMM_MAX_ROWS >= len(batch))
-    hf.rounded_everywhere = rounded_everywhere
+    reference's within max_tol; both means within mean_tol."""
     gaps, deltas = [], []
     for prompt, out, lps in zip(batch, tokens, logprobs):
         assert len(out) == len(lps) == MAX_NEW
-        hf.quantized_positions = None if decode_rows_quantized else len(prompt)
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + out], device="cuda")).logits[0].float()
         rows = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1).cpu()  # the rows predicting `out`
@@ -210,7 +176,6 @@ def test_fp8_bf16_close_to_reference(fp8_ckpt):
     batch = prompts(6, 500, seed=11)
     tokens, logprobs, engine = engine_logprobs(fp8_ckpt.path, "bfloat16", batch)
     assert engine.core.model.kernels.triton and engine.core.runner.num_graph_steps > 0
-    assert not rounded_in_decode(engine.core.model)  # every projection's decode rows: the decode-row GEMM
     check_teacher_forced(hf_fp8_reference(fp8_ckpt.dequantized), batch, tokens, logprobs,
                          max_tol=BF16_MAX_TOL, mean_tol=BF16_MEAN_TOL)
 
@@ -224,7 +189,6 @@ def test_fp8_kv_cache_close_to_bf16_kv(fp8_ckpt):
     batch = prompts(6, 500, seed=12)
     tokens, logprobs, engine = engine_logprobs(fp8_ckpt.path, "bfloat16", batch, kv_cache_dtype="fp8_e4m3")
     assert engine.core.kv_pool.k_buffers[0].dtype == torch.float8_e4m3fn
-    assert not rounded_in_decode(engine.core.model)
     check_teacher_forced(hf_fp8_reference(fp8_ckpt.dequantized), batch, tokens, logprobs,
                          max_tol=FP8_KV_MAX_TOL, mean_tol=FP8_KV_MEAN_TOL)
 

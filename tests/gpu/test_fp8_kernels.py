@@ -175,6 +175,24 @@ def test_decode_linear_fp8_refuses_activation_scales_that_do_not_fit():
         decode_linear_fp8(x.to(FP8), wq, scale, None, DecodeLinearConfig())
 
 
+@pytest.mark.parametrize("m", [1, 17])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("static", [False, True])
+def test_token_fp8_mode_quantizes_the_rows_first(m, gated, static):
+    """fp8_mode "token_fp8" on LOW rows: exactly the FP8 x FP8 path on the e4m3 rows and scales
+    quantize_rows_fp8 makes of them (per token, or with the static scale), in x's dtype."""
+    n, k = 200, 256
+    g = torch.Generator(device=DEVICE).manual_seed(m + 2 * gated + 4 * static)
+    x = torch.randn(m, k, device=DEVICE, generator=g).to(LOW)
+    wq, scale = fp8_weight(n, k, g)
+    cfg = DecodeLinearConfig(block_n=64, block_k=128, split=1 if gated else 2, fp8_mode="token_fp8")
+    input_scale = torch.tensor([0.02], device=DEVICE) if static else None
+    xq, x_scale = quantize_rows_fp8(x, input_scale)
+    want = decode_linear_fp8(xq, wq, scale, None, cfg, silu_mul=gated, x_scale=x_scale, out_dtype=LOW)
+    got = decode_linear_fp8(x, wq, scale, None, cfg, silu_mul=gated, input_scale=input_scale)
+    assert got.dtype == LOW and torch.equal(got, want)
+
+
 # --------------------------------------------------------------------------- activation quantization
 
 @pytest.mark.parametrize("m,k", [(1, 64), (5, 2500), (3, 9000)])  # one block; a row of three blocks
@@ -372,21 +390,21 @@ def dequantized_state(model) -> dict[str, torch.Tensor]:
 
 def test_fp8_decode_rows_match_dequantized_bf16_layers(tmp_path):
     """Every FP8 projection of the model on a few rows (an extend of 16 rows, then a decode step of 3:
-    both at most the decode-row limit) runs the FP8 decode-row GEMM (SiLU fused for gate|up), which
-    does not quantize activations. Given the same input rows it equals the decode-row GEMM over the
-    dequantized weights up to the rounding of those weights (and of the outputs) to LOW: at most
-    2^-9 of each weight in bf16, 3e-3 to 5e-3 of a projection's output (4e-4 in fp16 under the
-    interpreter), so rel_err < 1e-2 for every projection and call.
+    both at most the decode-row limit) runs the FP8 decode-row GEMM (SiLU fused for gate|up) in its
+    default mode: the activations quantized per token, then an FP8 x FP8 dot. Given the same input
+    rows it equals the bf16 layer over the dequantized weights applied to the dequantized
+    activations, up to the rounding of those weights, activations and outputs to LOW: 2^-9 of each
+    in bf16, 3e-3 to 5e-3 of a projection's output (4e-4 in fp16 under the interpreter), so
+    rel_err < 1e-2 for every projection and call.
 
-    The whole model's logits differ more than one projection does: every layer's output is rounded
-    to LOW, and an input that differs in its last bit rounds differently downstream, which grows
-    the weight rounding to about 1% of the tiny random model's logits in bf16 (1.2e-3 in fp16; the
-    Triton and torch layers on the same weights get 2e-2 in test_triton_layers for the same
-    reason): hence 3e-2 there, and the tight check per projection, on identical inputs. The pool
-    is in the activations' dtype: an e4m3 pool turns those ~1e-3 differences of K and V into whole
-    e4m3 steps (2^-3 relative) for the values near a rounding boundary (1.9% of the logits on an
-    H200), which measures the FP8 KV cache, not the GEMM; the FP8 pool has its own tests above and
-    in test_fp8_gpu."""
+    On CUDA the whole model is compared with itself on the other FP8 path (the decode-row GEMM off: the
+    prefill path's `torch._scaled_mm` on CUDA, the dequantized fp32 matmul under the interpreter),
+    which quantizes activations the same way: every layer's output is rounded to LOW, and an input
+    that differs in its last bit rounds differently downstream (and may cross an e4m3 step), which
+    grows the roundings to about 1% of the tiny random model's logits in bf16 (the Triton and torch
+    layers on the same weights get 2e-2 in test_triton_layers for the same reason): hence 3e-2
+    there, and the tight check per projection, on identical inputs. The pool is in the
+    activations' dtype; the FP8 pool has its own tests above and in test_fp8_gpu."""
     from radixserve.model.layers import KernelChoice, Linear
     from radixserve.model.loader import load_model
     from radixserve.model.qwen2 import Qwen2ForCausalLM
@@ -397,18 +415,21 @@ def test_fp8_decode_rows_match_dequantized_bf16_layers(tmp_path):
     path = build_tiny_model(tmp_path / "tiny")
     quantized, _ = load_model(path, dtype=LOW, device=DEVICE, attn_backend=TritonAttentionBackend(num_sms=num_sms),
                               triton_kernels=False, quantization="fp8")
-    kernels = KernelChoice(triton=True, decode_gemm_max_rows=MAX_ROWS)
-    fp8_model = Qwen2ForCausalLM(quantized.config, TritonAttentionBackend(num_sms=num_sms), dtype=LOW, device=DEVICE,
-                                 kernels=kernels, fp8=quantized.fp8)
-    fp8_model.load_state_dict(quantized.state_dict())
-    plain = Qwen2ForCausalLM(quantized.config, TritonAttentionBackend(num_sms=num_sms), dtype=LOW, device=DEVICE,
-                             kernels=kernels)
-    plain.load_state_dict(dequantized_state(quantized))
-    fp8_model.eval()
-    plain.eval()
+
+    def build(kernels, fp8):
+        model = Qwen2ForCausalLM(quantized.config, TritonAttentionBackend(num_sms=num_sms), dtype=LOW, device=DEVICE,
+                                 kernels=kernels, fp8=quantized.fp8 if fp8 else None)
+        model.load_state_dict(quantized.state_dict() if fp8 else dequantized_state(quantized))
+        model.eval()
+        return model
+
+    fp8_model = build(KernelChoice(triton=True, decode_gemm_max_rows=MAX_ROWS), fp8=True)
+    other_path = build(KernelChoice(triton=True, decode_gemm_max_rows=0), fp8=True)
+    plain = build(KernelChoice(triton=True, decode_gemm_max_rows=MAX_ROWS), fp8=False)
     assert fp8_model.model.layers[0].mlp.gate_up_proj.weight.dtype == FP8
     projections = {m: name for name, m in fp8_model.named_modules() if isinstance(m, Linear) and m.quant is not None}
     assert len(projections) == 4 * quantized.config.num_hidden_layers  # q|k|v, o, gate|up, down
+    assert all(m._decode_config.fp8_mode == "token_fp8" for m in projections)
     calls = []  # (projection, its input, its output) of every call
 
     def record(module):  # the model calls `forward` itself (no module hooks), so wrap it
@@ -426,16 +447,18 @@ def test_fp8_decode_rows_match_dequantized_bf16_layers(tmp_path):
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (4, 9, 6)]  # 16 extend rows, 3 decode rows
     (ext_f, dec_f), _ = extend_then_decode(fp8_model, prompts)
-    (ext_p, dec_p), _ = extend_then_decode(plain, prompts)
+    (ext_o, dec_o), _ = extend_then_decode(other_path, prompts)
     assert torch.isfinite(ext_f).all() and torch.isfinite(dec_f).all()
     assert sorted(x.shape[0] for _, x, _ in calls) == [3] * len(projections) + [16] * len(projections)
     assert 16 <= MAX_ROWS  # so both calls of every projection take the decode-row GEMM
     with torch.no_grad():
         for module, x, y in calls:
-            ref = plain.get_submodule(projections[module])(x)
+            xq, x_scale = quantize_rows_fp8(x)  # torch's rounding on CUDA; the interpreter's own (above)
+            ref = plain.get_submodule(projections[module])((xq.float() * x_scale).to(LOW))
             assert rel_err(y, ref) < 1e-2, (projections[module], x.shape[0], rel_err(y, ref))
-    assert rel_err(ext_f, ext_p) < 3e-2 and rel_err(dec_f, dec_p) < 3e-2, (rel_err(ext_f, ext_p),
-                                                                           rel_err(dec_f, dec_p))
+    if FULL:  # the interpreter rounds a few percent of the values it quantizes wrongly (above)
+        assert rel_err(ext_f, ext_o) < 3e-2 and rel_err(dec_f, dec_o) < 3e-2, (rel_err(ext_f, ext_o),
+                                                                               rel_err(dec_f, dec_o))
 
 
 def test_block_checkpoint_runs_as_its_dequantized_twin(tmp_path):

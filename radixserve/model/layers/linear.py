@@ -17,6 +17,8 @@ from radixserve.model.layers.kernel_choice import KernelChoice
 from radixserve.model.quantization import Fp8Config
 
 ShardId = Hashable
+# FP8 projections run the decode-row GEMM up to this many times `decode_gemm_max_rows` rows.
+FP8_DECODE_ROWS_FACTOR = 2
 
 
 def copy_weight(dest: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -39,6 +41,7 @@ class Linear(nn.Module):
     `weight`: share an existing parameter (a tied lm_head) instead of allocating one.
     `fp8`: hold FP8 weights; `self.quant` (radixserve.model.layers.fp8) then owns the weight's
     layout, its loading and the matmul (`shards`: a MergedLinear's shard ids, in row order);
+    FP8 weights take the decode-row GEMM up to FP8_DECODE_ROWS_FACTOR times as many rows;
     block-wise FP8 (radixserve.model.layers.fp8_block) runs on CUDA as the bf16 weight it
     dequantizes to at load, so its decode rows take the bf16 decode-row GEMM.
     """
@@ -84,6 +87,9 @@ class Linear(nn.Module):
 
                     self._decode_linear = self._fp8_decode_linear
                     self._decode_linear_fp8 = decode_linear_fp8
+                    # e4m3 tiles are half the bytes: on an H200 this GEMM beat cuBLASLt's FP8 GEMM
+                    # (with its activation quantization) up to twice bf16's limit (docs/benchmarks.md).
+                    self._decode_max_rows *= FP8_DECODE_ROWS_FACTOR
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if 0 < x.shape[0] <= self._decode_max_rows and x.stride(-1) == 1:
@@ -93,7 +99,8 @@ class Linear(nn.Module):
 
     def _fp8_decode_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], config,
                            silu_mul: bool) -> torch.Tensor:
-        return self._decode_linear_fp8(x, weight, self.weight_scale, bias, config, silu_mul=silu_mul)
+        return self._decode_linear_fp8(x, weight, self.weight_scale, bias, config, silu_mul=silu_mul,
+                                       input_scale=self.quant.static_scale)
 
     def load_weight(self, param: str, loaded: torch.Tensor, shard_id: Optional[ShardId] = None) -> None:
         """Fill parameter `param` ("weight" or "bias"; FP8 also "weight_scale", "input_scale", or
