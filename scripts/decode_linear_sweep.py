@@ -22,15 +22,16 @@ kernel with its tuned variant and cuBLAS; the FP8 decode-row GEMM with the varia
 today; torch._scaled_mm with row-wise scales (the model's path above the decode-row limit: the
 activations quantized per token, by one kernel and by torch ops; alone on pre-quantized
 activations, with fast accumulation, with the bias in the GEMM); then the FP8 kernel over
-FP8_GRID (e4m3 widened to bf16, as today) and FP8_MODE_GRID (FP8 activations per K tile,
-quantized in the kernel in one e4m3 term or two; FP8 activations per token, with and without
-their quantization; the fp16 dot), within --grid-budget-s (rows in the order given: the first M
-of each shape gets the compiles). Prints per shape the FP8 floor (one byte a weight), what
-quantizing the activations costs in accuracy (relative error of the product against unquantized
-activations, per token, per 128-wide slice and with a second term), the best of each family and
-the fastest six; then per shape the fastest FP8 variant over M <= 32: widened, of the modes
-within about bf16's accuracy, and of any fp8_mode (the entry decode_linear_config.TUNED_FP8
-would hold).
+FP8_MODE_GRID with activations quantized per token in front ("token_fp8", the model's default;
+also timed on activations already quantized: what folding the quantization into the op before
+would save), FP8_GRID widened to bf16, and FP8_MODE_GRID again with the activations quantized
+per K tile in the kernel (one e4m3 term or two) and with the fp16 dot, within --grid-budget-s
+(rows in the order given: the first M of each shape gets the compiles). Prints per shape the FP8
+floor (one byte a weight), what quantizing the activations costs in accuracy (relative error of
+the product against unquantized activations, per token, per 128-wide slice and with a second
+term), the best of each family and the fastest six; then per shape the fastest FP8 variant over
+the rows up to the FP8 decode-row limit (64): in token_fp8, and of any fp8_mode (the entry
+decode_linear_config.TUNED_FP8 would hold).
 --fp8-prefill: at --prefill-rows rows (8,192), bf16 F.linear against the FP8 path as the model
 runs it, _scaled_mm alone, the activation quantization alone and the bias add, per shape and
 per prefill (times the layers).
@@ -56,8 +57,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_sweep import linear_shapes, time_per_call  # noqa: E402
 
 from radixserve.bench_one_batch import measure_copy_bandwidth  # noqa: E402
+from radixserve.kernels.decode_linear_config import FP8_MODES  # noqa: E402
 from radixserve.kernels.decode_linear_fp8 import tile_quantized_reference  # noqa: E402
 from radixserve.model.config import ModelConfig  # noqa: E402
+from radixserve.model.layers.linear import FP8_DECODE_ROWS_FACTOR  # noqa: E402
+from radixserve.settings import DECODE_GEMM_MAX_ROWS  # noqa: E402
 
 
 def tma_kernel():
@@ -216,9 +220,9 @@ ACT = torch.bfloat16
 # K splits of FP8_SPLITS (a tile too big for shared memory gets fewer stages, or is skipped).
 FP8_GRID = [(64, 256, 3, 4), (64, 256, 5, 4), (128, 256, 4, 8), (64, 512, 3, 4), (64, 512, 4, 8),
             (32, 512, 4, 4)]
-# The other ways of multiplying (FP8 activations quantized per K slice in the kernel, in one e4m3
-# term and in two; FP8 activations quantized per token, timed with and without their quantization;
-# the fp16 dot, on two of them), on fewer tiles.
+# The other ways of multiplying (FP8 activations quantized per token in front, timed with and
+# without that quantization; quantized per K slice in the kernel, in one e4m3 term and in two; the
+# fp16 dot, on two of them), on fewer tiles.
 # Wider strips amortize the in-kernel quantization of the x tile over more weight rows.
 FP8_MODE_GRID = [(64, 128, 5, 4), (128, 128, 4, 4), (128, 256, 4, 8)]
 FP8_SPLITS = (1, 2, 4, 8)
@@ -298,8 +302,8 @@ def fp8_decode_variants(v: Variants, x: torch.Tensor, w16: list, w8: list, b: Op
         torch.matmul(x, w16[i % len(w16)].T) if b is None else torch.addmm(b, x, w16[i % len(w16)].T)), refs["bf16"])
     c8 = config_for(w8[0][0])
     if c8 is not None:
-        v.run(f"fp8 current {cfg_label(c8)}", "fp8 current", lambda i: lambda: decode_linear_fp8(
-            x, *w8[i], b, c8, out=y, partial=part, silu_mul=gated), refs["x"], config=cfg_tuple(c8))
+        v.run(f"fp8 current {c8.fp8_mode} {cfg_label(c8)}", "fp8 current", lambda i: lambda: decode_linear_fp8(
+            x, *w8[i], b, c8, out=y, partial=part, silu_mul=gated), mode_ref(refs, c8), config=cfg_tuple(c8))
     xs = scaled_mm_rows(x)
     pad = " (M padded to 16)" if xs.shape[0] != m else ""
     cut = (lambda t: post(t[:m])) if pad else post
@@ -320,6 +324,16 @@ def fp8_decode_variants(v: Variants, x: torch.Tensor, w16: list, w8: list, b: Op
         v.run("scaled_mm alone, bias in the GEMM" + pad, "scaled_mm alone", lambda i: mm(i, False, True), refs["q"])
 
 
+def mode_ref(refs: dict, c) -> torch.Tensor:
+    """The reference of what config c's fp8_mode multiplies: x quantized per token, per K tile
+    (in one e4m3 term or two), or x itself."""
+    if c.fp8_mode == "token_fp8":
+        return refs["q"]
+    if c.fp8_mode.startswith("tile"):
+        return refs["tile"](c.block_k, 2 if c.fp8_mode == "tile_fp8x2" else 1)
+    return refs["x"]
+
+
 def cfg_tuple(c) -> tuple:
     return (c.block_n, c.block_k, c.split, c.num_warps, c.num_stages, c.fp8_mode)
 
@@ -330,17 +344,17 @@ def cfg_label(c) -> str:
 
 def fp8_grid_variants(v: Variants, x: torch.Tensor, w8: list, b: Optional[torch.Tensor], gated: bool, refs: dict,
                       part: torch.Tensor, y: torch.Tensor, deadline: float) -> None:
-    """The FP8 decode-row GEMM over FP8_GRID (widened to bf16, as today), then FP8_MODE_GRID with
-    the fp16 dot, FP8 activations per token (a launch of their own: not a TUNED_FP8 candidate) and
-    FP8 activations per K tile; until `deadline` (time.monotonic())."""
+    """The FP8 decode-row GEMM over FP8_MODE_GRID in token_fp8 (and on pre-quantized activations),
+    over FP8_GRID widened to bf16, then FP8_MODE_GRID with FP8 activations per K tile and the fp16
+    dot; until `deadline` (time.monotonic())."""
     from radixserve.kernels.decode_linear_config import DecodeLinearConfig, block_m_for, pipeline_stages, supported
     from radixserve.kernels.decode_linear_fp8 import decode_linear_fp8
     from radixserve.kernels.quant_fp8 import quantize_rows_fp8
 
     m, k = x.shape
     xq, x_scale = quantize_rows_fp8(x)
-    modes = [("fp8", FP8_GRID, "widen"), ("fp8 tile-act", FP8_MODE_GRID, "tile_fp8"),
-             ("fp8 tile-act x2", FP8_MODE_GRID, "tile_fp8x2"), ("fp8 fp8-act", FP8_MODE_GRID, None),
+    modes = [("fp8 token", FP8_MODE_GRID, "token_fp8"), ("fp8 widen", FP8_GRID, "widen"),
+             ("fp8 tile-act", FP8_MODE_GRID, "tile_fp8"), ("fp8 tile-act x2", FP8_MODE_GRID, "tile_fp8x2"),
              ("fp8 fp16-dot", FP8_MODE_GRID[:2], "fp16")]
     for family, grid, mode in modes:
         for bn, bk, st, wp in grid:
@@ -349,35 +363,27 @@ def fp8_grid_variants(v: Variants, x: torch.Tensor, w8: list, b: Optional[torch.
             for split in FP8_SPLITS:
                 if k // bk // split < 2 or time.monotonic() > deadline:
                     continue
-                c = DecodeLinearConfig(bn, bk, split, wp, st, mode or "widen")
+                c = DecodeLinearConfig(bn, bk, split, wp, st, mode)
                 if not supported(w8[0][0], c):
                     continue
                 # The stages that run (fewer where the tiles would overflow shared memory).
-                c = replace(c, num_stages=pipeline_stages(c, block_m_for(m), 1 if mode is None else 2, 1))
-                if mode is None:  # the activations quantized per token, then the FP8 x FP8 dot
-                    def call(i, c=c):
-                        def run():
-                            q, s = quantize_rows_fp8(x)
-                            return decode_linear_fp8(q, *w8[i], b, c, out=y, partial=part, silu_mul=gated, x_scale=s)
-                        return run
+                c = replace(c, num_stages=pipeline_stages(c, block_m_for(m), 1 if mode == "token_fp8" else 2, 1))
 
+                def call(i, c=c):
+                    return lambda: decode_linear_fp8(x, *w8[i], b, c, out=y, partial=part, silu_mul=gated)
+                v.run(f"{family} {cfg_label(c)}", family, call, mode_ref(refs, c), config=cfg_tuple(c))
+                if mode == "token_fp8":  # the GEMM alone, as if the op before had quantized x
                     def call_prequantized(i, c=c):
                         return lambda: decode_linear_fp8(xq, *w8[i], b, c, out=y, partial=part, silu_mul=gated,
                                                          x_scale=x_scale)
-                    v.run(f"{family} {cfg_label(c)}", family, call, refs["q"])
                     v.run(f"{family} pre-quantized {cfg_label(c)}", family + " pre-quantized", call_prequantized,
                           refs["q"])
-                else:
-                    def call(i, c=c):
-                        return lambda: decode_linear_fp8(x, *w8[i], b, c, out=y, partial=part, silu_mul=gated)
-                    ref = refs["tile"](bk, 2 if mode == "tile_fp8x2" else 1) if mode.startswith("tile") else refs["x"]
-                    v.run(f"{family} {cfg_label(c)}", family, call, ref, config=cfg_tuple(c))
     del xq, x_scale
 
 
 # The families each summary line shows the best of (best_us).
-FP8_FAMILIES = ("bf16", "fp8 current", "scaled_mm", "scaled_mm alone", "fp8", "fp8 tile-act", "fp8 tile-act x2",
-                "fp8 fp8-act", "fp8 fp8-act pre-quantized", "fp8 fp16-dot")
+FP8_FAMILIES = ("bf16", "fp8 current", "scaled_mm", "scaled_mm alone", "fp8 token", "fp8 token pre-quantized",
+                "fp8 widen", "fp8 tile-act", "fp8 tile-act x2", "fp8 fp16-dot")
 
 
 def best_us(v: Variants, family: str, floor_ms: float) -> str:
@@ -389,7 +395,7 @@ def sweep_fp8(cfg: ModelConfig, name: str, rows: list[int], layers, budget_s: fl
               out: list[dict], json_path: Optional[str], bw: float) -> None:
     """Per projection and M: the FP8 floor, the bf16 baselines, the FP8 kernel as configured today,
     torch._scaled_mm, and the FP8 kernel's grids; then the fastest FP8 decode-kernel tile per shape
-    over M <= 32 (what `TUNED_FP8` would hold)."""
+    over the rows up to the FP8 decode-row limit (what `TUNED_FP8` would hold)."""
     from radixserve.kernels.activation import silu_and_mul
     from radixserve.model.layers.fp8 import quantize_activations, quantize_rows
 
@@ -437,16 +443,16 @@ def sweep_fp8(cfg: ModelConfig, name: str, rows: list[int], layers, budget_s: fl
             print(line + "\n    top: " + "; ".join(f"{r[0]} {r[1] * 1e3:.1f}" for r in ranked[:6]), flush=True)
             summary.append(line)
             for _label, ms, _family, config in v.results:
-                if config is not None:  # the FP8 kernel as the model can run it (no launch of its own)
+                if config is not None:  # the FP8 kernel as the model can run it
                     by_config.setdefault(config, {})[m] = ms
             out.append(dict(kind="fp8", model=name, layer=layer, m=m, n=n, k=k, floor_ms=floor8,
                             bf16_floor_ms=floor16, results=[dict(variant=r[0], family=r[2], ms=r[1]) for r in ranked]))
             if json_path:
                 Path(json_path).write_text(json.dumps(dict(bandwidth=bw, rows=out), indent=1))
             del part
-        small = [m for m in rows if m <= 32]
+        small = [m for m in rows if m <= FP8_DECODE_ROWS_FACTOR * DECODE_GEMM_MAX_ROWS]
         full = [cfg for cfg, t in by_config.items() if all(m in t for m in small)]
-        for mode in (("widen",), ("widen", "fp16", "tile_fp8x2"), ("widen", "fp16", "tile_fp8", "tile_fp8x2")):
+        for mode in (("token_fp8",), FP8_MODES):
             fits = [cfg for cfg in full if cfg[-1] in mode]
             if small and fits:
                 bn, bk, split, wp, st, fp8_mode = min(fits, key=lambda cfg: sum(by_config[cfg][m] for m in small))
