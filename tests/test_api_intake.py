@@ -20,6 +20,7 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.server import messages as m
 from radixserve.server.intake import IterationGate, MsgspecJSONRequest
 from radixserve.server.protocol import CompletionRequest, GenerateBody
+from radixserve.settings import ServerSettings
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -115,6 +116,56 @@ def test_json_bodies_parse_as_the_json_module_parses_them():
     with pytest.raises(ValueError):
         asyncio.run(parse(b'[1]x'))
     assert msgspec.json.decode(b'[1]') == [1]
+
+
+def test_engine_messages_waiting_together_reach_each_request_merged():
+    """Engine messages (steps) already waiting when the API reads are routed as one: a request's
+    outputs of those steps reach it merged (one event to write), outputs before an error first,
+    control replies answered, a finished request nobody waits for reported. Over real ZMQ sockets,
+    the messages sent before the reader runs."""
+    import zmq
+    import zmq.asyncio
+
+    from radixserve.engine.io_struct import RequestOutput
+    from radixserve.server.engine_client import EngineClient, RequestGroup
+
+    def out(rid: str, *ids: int, **kw) -> RequestOutput:
+        return RequestOutput(rid=rid, new_token_ids=list(ids), **kw)
+
+    async def scenario() -> tuple[list, list, list, m.ControlReply, list]:
+        client = EngineClient(ServerSettings())  # never started: aborts go nowhere
+        ctx = zmq.asyncio.Context()
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        pull.bind("inproc://engine-outputs")
+        push.connect("inproc://engine-outputs")
+        client._pull = pull
+        a, b = RequestGroup(client, ["a"]), RequestGroup(client, ["b"])
+        client.groups.update(a=a, b=b)
+        reply = asyncio.get_running_loop().create_future()
+        client.replies["r1"] = reply
+        untracked: list = []
+        client.on_untracked_finish = untracked.append
+        steps = [m.OutputBatch(outputs=[out("a", 1, ttft=0.5), out("b", 7)]),
+                 m.ControlReply(reply_id="r1", ok=True),
+                 m.OutputBatch(outputs=[out("a", 2), out("gone", 9, finished=True)]),
+                 m.OutputBatch(outputs=[out("a", 3, finished=True, completion_tokens=3), out("b", 8)],
+                               errors=[m.RequestError(rid="b", message="bad b")])]
+        for msg in steps:
+            await push.send_multipart(m.encode(msg))
+        await asyncio.sleep(0.05)  # all four are waiting before the reader starts
+        reader = asyncio.create_task(client._receive_loop())
+        got_a = [o async for o in a.outputs()]
+        got_b = [b.queue.get_nowait() for _ in range(b.queue.qsize())]
+        reader.cancel()
+        pull.close(0)
+        push.close(0)
+        ctx.term()
+        return got_a, got_b, untracked, reply.result(), list(client.groups)
+
+    got_a, got_b, untracked, reply, groups = asyncio.run(scenario())
+    assert [(o.new_token_ids, o.finished, o.ttft, o.completion_tokens) for o in got_a] == [([1, 2, 3], True, 0.5, 3)]
+    assert [o.new_token_ids for o in got_b[:-1]] == [[7]] and str(got_b[-1]) == "bad b"  # b's step 4 is cut
+    assert [o.rid for o in untracked] == ["gone"] and reply.ok and groups == []
 
 
 def test_a_burst_of_long_token_id_prompts_is_served_whole(server_model_dir, server_workdir):
