@@ -184,8 +184,8 @@ def test_fp8_kv_cache_close_to_bf16_kv(fp8_ckpt):
     """An FP8 KV cache: teacher-forced over the engine's greedy tokens, the reference (whose K and V
     are unrounded, as a bf16 cache's are to within bf16) picks them and gives their log
     probabilities within the bf16 tolerance plus e4m3's rounding of K and V. The reference, not a
-    bf16-KV engine: an engine fed the tokens as a prompt would run them through the prefill's GEMM,
-    which rounds activations that the decode steps do not."""
+    bf16-KV engine: an engine fed the tokens as a prompt would sum them in the prefill GEMM's order,
+    adding bf16 noise of its own to the comparison."""
     batch = prompts(6, 500, seed=12)
     tokens, logprobs, engine = engine_logprobs(fp8_ckpt.path, "bfloat16", batch, kv_cache_dtype="fp8_e4m3")
     assert engine.core.kv_pool.k_buffers[0].dtype == torch.float8_e4m3fn

@@ -16,10 +16,10 @@ row, which rounds a little differently from tp 1 (within the FP8 tolerance; a st
 `input_scale` is the same on every rank).
 
 Paths, picked per call from the input:
-- CUDA, M <= the decode-row limit with the Triton kernels: the weight-streaming decode GEMM's FP8
-  variant (radixserve.kernels.decode_linear): e4m3 weights read, bf16 activations unquantized,
-  the row scale applied in the epilogue. Decode reads the weights once, so half the bytes is
-  about half the time.
+- CUDA, M <= the FP8 decode-row limit (radixserve.model.layers.linear) with the Triton kernels:
+  the weight-streaming decode GEMM's FP8 variant (radixserve.kernels.decode_linear_fp8): the
+  activations quantized per token as below, then e4m3 x e4m3, both scales applied in the
+  epilogue. Decode reads the weights once, so half the bytes is less time.
 - CUDA, capability 8.9+ (Ada, Hopper): activations quantized (with the Triton kernels, in one
   kernel: radixserve.kernels.quant_fp8), then `torch._scaled_mm` (cuBLASLt FP8 tensor cores,
   row-wise scales).
