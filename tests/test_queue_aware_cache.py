@@ -150,3 +150,7 @@ def test_agent_sessions_under_pressure_lpm_keeps_more_than_fcfs():
     fcfs = simulate(dataclasses.replace(cfg, policy="fcfs"), sessions)
     assert lpm["hit_rate"] >= fcfs["hit_rate"] + 0.01, (lpm, fcfs)
     assert lpm["turns_that_lost_the_previous_prompt"] < fcfs["turns_that_lost_the_previous_prompt"]
+    for run in (lpm, fcfs):  # the latency figures are the client's: first token within the whole
+        assert 0 < run["p99_ttft_s"] <= run["p99_latency_s"], run
+        if run["retractions"] == 0:  # a stream never put back in the queue waits one step at most
+            assert run["longest_pause_s"] < 0.5, run

@@ -116,6 +116,9 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
     total = sum(len(s) for s in sessions)
     tokens_served, latencies, lost_turns, lost_tokens, steps = 0, [], 0, 0, 0
     sent_at: dict[str, float] = {}
+    ttfts: list[float] = []
+    last_token_at: dict[str, float] = {}
+    longest_pause = 0.0  # between two tokens of one request (a retraction shows here)
     while len(latencies) < total:
         while arrivals and arrivals[0][0] <= now[0]:
             t, sid, turn = heapq.heappop(arrivals)
@@ -131,6 +134,11 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
         steps += 1
         now[0] += step_seconds(batch, cfg)
         for req in sched.process_results(batch, [rng.randrange(VOCAB) for s in batch.sample if s]):
+            if req.rid in last_token_at:
+                longest_pause = max(longest_pause, now[0] - last_token_at[req.rid])
+            else:
+                ttfts.append(now[0] - sent_at[req.rid])
+            last_token_at[req.rid] = now[0]
             if req.finish_reason is None:
                 continue
             latencies.append(now[0] - sent_at[req.rid])
@@ -144,11 +152,13 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
                 heapq.heappush(arrivals, (now[0] + sessions[sid][turn + 1].think_s, sid, turn + 1))
     sched.check_invariants()
     latencies.sort()
+    ttfts.sort()
     return {
         "policy": cfg.policy, "prefix_hold_s": cfg.prefix_hold_s, "host_ratio": cfg.host_ratio,
         "hit_rate": round(cache.counters.hit_rate, 4), "host_hit_rate": round(cache.counters.host_hit_rate, 4),
         "seconds": round(now[0], 2), "total_tok_s": round(tokens_served / now[0]),
         "p99_latency_s": round(latencies[int(0.99 * (len(latencies) - 1))], 2),
+        "p99_ttft_s": round(ttfts[int(0.99 * (len(ttfts) - 1))], 2), "longest_pause_s": round(longest_pause, 2),
         "turns_that_lost_the_previous_prompt": lost_turns, "lost_tokens": lost_tokens,
         "evicted_tokens": cache.counters.evicted_tokens, "retractions": sched.stats.num_retractions, "steps": steps,
     }
