@@ -16,6 +16,9 @@
 #   REPEAT      how many times the list of configurations is run, alternating (default 1)
 #   DEADLINE_S  the whole script's budget (default 540)
 #   MIN_LEFT_S  a configuration starts only with this much of the budget left (default 120)
+#   BACKEND     the client's endpoint: sglang (default, /generate: every event carries the whole
+#               output so far, as the anchors ran) or openai (/v1/completions, deltas: less work
+#               for the host per streamed token, for repeats that should measure the engine)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -30,6 +33,7 @@ REPEAT=${REPEAT:-1}
 CONFIGS=${CONFIGS:-"lpm:--schedule-policy,lpm fcfs:--schedule-policy,fcfs lpm-hold:--schedule-policy,lpm,--prefix-hold-s,0.25"}
 DEADLINE_S=${DEADLINE_S:-540}
 MIN_LEFT_S=${MIN_LEFT_S:-120}
+BACKEND=${BACKEND:-sglang}
 PORT=${PORT:-30000}
 RESULTS=$OUT/results.jsonl
 left() { echo $((DEADLINE_S - ($(date +%s) - T0))); }
@@ -55,7 +59,7 @@ for round in $(seq "$REPEAT"); do
       log "$label did not come up"; continue
     fi
     log "run $label"
-    timeout -k 5 "$(left)" python3 -m radixserve.bench_serving --backend sglang --port "$PORT" \
+    timeout -k 5 "$(left)" python3 -m radixserve.bench_serving --backend "$BACKEND" --port "$PORT" \
       ${TOKENIZER:+--tokenizer "$TOKENIZER"} --seed 1 --disable-tqdm --output-file "$RESULTS" \
       "${CLIENT[@]}" | grep -iE "hit|throughput|latency|TTFT|Belady|LRU|oracle|Successful|Failed" \
       || log "$label: client exit $?"
