@@ -16,7 +16,7 @@ from radixserve.cache.kv_pool import PageAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.request import Req
-from radixserve.scheduler.scheduler import Scheduler
+from radixserve.scheduler.scheduler import CONVERSATION_WINDOW, Scheduler
 from radixserve.settings import ServerSettings
 
 
@@ -123,20 +123,62 @@ def test_waiting_prefix_is_no_room_for_a_new_request_while_busy():
     sched.check_invariants()
 
 
-def test_prefix_hold_keeps_a_finished_prefix_for_its_duration():
+def test_a_finished_prompt_end_is_marked_and_found_by_the_next_turn_only():
+    cache = RadixCache(PageAllocator(256, 1))
+    system, question = list(range(100, 120)), list(range(200, 220))
+    prompt = system + question
+    _insert(cache, prompt + [1, 2, 3])  # a finished request: its prompt and its output
+    cache.mark_prompt_end(prompt, beyond=0)
+    _, node = cache.peek(prompt)
+    assert node.ends_prompt and len(cache._path_tokens(node)) == len(prompt)  # split at the prompt's end
+    next_turn = prompt + [9, 9] + list(range(300, 310))  # the conversation so far (another reply), more
+    assert cache.extends_a_prompt(cache.match(next_turn).last_node)
+    other = system + list(range(400, 420))  # another question under the same system prompt
+    assert not cache.extends_a_prompt(cache.match(other).last_node)  # split inside the marked node ...
+    assert cache.extends_a_prompt(cache.match(next_turn).last_node)  # ... whose lower part keeps the mark
+    cache.mark_prompt_end(other, beyond=len(other))  # found whole in the cache: marks nothing
+    assert not cache.extends_a_prompt(cache.match(other).last_node)
+    cache.check_invariants()
+
+
+def test_prefix_hold_keeps_a_conversation_turns_prefix_for_its_duration():
     now = [0.0]
     sched = _scheduler(1024, lambda: now[0], prefix_hold_s=1.0)
-    ids = list(range(400, 500))
-    sched.add_request(_req("turn-1", ids, 0.0, max_new=3))
+    first = list(range(400, 500))
+    sched.add_request(_req("turn-1", first, 0.0, max_new=3))
     _run_to_end(sched)
-    assert sched.cache.waited_evictable_size == 100 + 2  # the prompt and the outputs with KV
+    assert sched.cache.waited_evictable_size == 0  # nothing says anyone comes back for it: not held
+    second = first + [7, 7] + list(range(600, 620))  # the previous prompt, a reply, the next message
+    sched.add_request(_req("turn-2", second, 0.0, max_new=3))
+    _run_to_end(sched)
+    assert sched.cache.waited_evictable_size == len(second) + 2  # the prompt and the outputs with KV
     sched.check_invariants()
     now[0] = 0.9
-    sched.schedule()
-    assert sched.cache.waited_evictable_size == 102
+    assert not sched.release_expired_holds() and sched.cache.waited_evictable_size == len(second) + 2
     now[0] = 1.1
-    sched.schedule()
+    assert sched.release_expired_holds() and sched.cache.waited_evictable_size == 0
+    sched.check_invariants()
+
+
+def test_mostly_conversation_traffic_holds_every_finished_prefix():
+    """Once a quarter of the recent admissions continued a conversation, first turns are held too
+    (the next turn of each is likely); before that, one-off requests hold nothing."""
+    now = [0.0]
+    sched = _scheduler(8192, lambda: now[0], prefix_hold_s=5.0)
+    sessions = [list(range(1000 + 40 * i, 1020 + 40 * i)) for i in range(CONVERSATION_WINDOW // 4)]
+    for i, prompt in enumerate(sessions):
+        sched.add_request(_req(f"s{i}-1", prompt, 0.0, max_new=3))
+    _run_to_end(sched)
     assert sched.cache.waited_evictable_size == 0
+    for i, prompt in enumerate(sessions):
+        sched.add_request(_req(f"s{i}-2", prompt + [7, 7, 5000 + i], 0.0, max_new=3))
+    _run_to_end(sched)
+    held_turns = sched.cache.waited_evictable_size
+    assert held_turns == len(sessions) * (20 + 3 + 2)  # every second turn: its prompt and outputs with KV
+    one_off = list(range(9000, 9030))
+    sched.add_request(_req("one-off", one_off, 0.0, max_new=3))
+    _run_to_end(sched)
+    assert sched.cache.waited_evictable_size == held_turns + len(one_off) + 2
     sched.check_invariants()
 
 

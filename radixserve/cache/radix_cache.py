@@ -29,7 +29,7 @@ ALL = "all"
 
 class TreeNode:
     __slots__ = ("key", "value", "children", "parent", "lock_ref", "waiters", "last_access", "hit_count",
-                 "created", "node_id", "removed", "host_value", "host_seq", "loading_seq")
+                 "created", "node_id", "removed", "host_value", "host_seq", "loading_seq", "ends_prompt")
 
     def __init__(self, key: list[int], value: Optional[torch.Tensor], parent: Optional["TreeNode"], tick: int,
                  node_id: int):
@@ -48,6 +48,9 @@ class TreeNode:
         self.created = tick
         self.node_id = node_id
         self.removed = False
+        # A finished request's prompt ended exactly here (`mark_prompt_end`); a split keeps it on the
+        # lower part, which still ends there.
+        self.ends_prompt = False
 
     @property
     def is_leaf(self) -> bool:
@@ -197,7 +200,27 @@ class RadixCache:
         slots = torch.cat(pieces) if pieces else _EMPTY_SLOTS
         return MatchResult(length, slots, last)
 
+    def extends_a_prompt(self, node: TreeNode) -> bool:
+        """Whether the path to node (a request's match) runs through the end of a finished
+        request's prompt: the request continues that request's conversation."""
+        while node is not self.root:
+            if node.ends_prompt:
+                return True
+            node = node.parent
+        return False
+
     # ------------------------------------------------------------------ mutation
+    def mark_prompt_end(self, prompt: Sequence[int], beyond: int) -> None:
+        """Mark the node boundary at the end of a finished request's prompt (whole pages; split
+        there if needed), when that end lies beyond `beyond` tokens (what the request found
+        cached: a prompt that only repeats a shared prefix marks nothing) and is still cached."""
+        end = self._page_floor(len(prompt))
+        if self.disabled or end <= beyond:
+            return
+        for node, n, pos in self._walk(prompt[:end]):
+            if pos + n == end:
+                (node if n == len(node.key) else self._split(node, n)).ends_prompt = True
+
     def _ready(self, node: TreeNode) -> bool:
         """Whether a node's KV can be read now: always, with one tier."""
         return True

@@ -51,6 +51,9 @@ class Req:
     slots: list[int] = field(default_factory=list)
     # Cached prompt tokens found when first admitted (reported to the user).
     cached_tokens: int = -1
+    # Whether its cached prefix, when first admitted, ran through a finished request's whole prompt
+    # (RadixCache.extends_a_prompt): a later turn of a conversation.
+    continues_conversation: bool = False
     # Host tier: the most prompt tokens this request waited to have copied back from the host.
     host_hit_len: int = 0
     host_loads: int = 0  # loads started for it (a prefix evicted again before admission is reloaded)

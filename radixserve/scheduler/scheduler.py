@@ -41,6 +41,11 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 MAX_LOADS_PER_REQUEST = 3
+# --prefix-hold-s holds every finished prefix while at least CONVERSATION_SHARE of the last
+# CONVERSATION_WINDOW admitted requests continued a conversation (traffic that comes back for its
+# prefixes); otherwise only the prefixes of the turns that did.
+CONVERSATION_WINDOW = 256
+CONVERSATION_SHARE = 0.25
 
 
 @dataclass
@@ -77,6 +82,8 @@ class Scheduler:
         self._arrivals = 0
         # Prefixes of finished requests held for --prefix-hold-s: (release time, node), oldest first.
         self._held: deque[tuple[float, TreeNode]] = deque()
+        # Whether each of the last CONVERSATION_WINDOW admitted requests continued a conversation.
+        self._continued: deque[bool] = deque(maxlen=CONVERSATION_WINDOW)
         # Host tier: requests not looked at for a load yet (loads start while they wait).
         self.tiered: Optional[TieredRadixCache] = cache if isinstance(cache, TieredRadixCache) else None
         self._load_candidates: deque[Req] = deque()
@@ -140,18 +147,27 @@ class Scheduler:
     def _hold_prefix(self, req: Req) -> None:
         """Keep a finished request's prefix out of eviction and admission for --prefix-hold-s: under
         pressure, a conversation's next turn otherwise finds it evicted by a request that arrived
-        during the turn's think time."""
+        during the turn's think time. A turn that continued a conversation is held; so is every
+        request while the traffic is mostly conversations (CONVERSATION_SHARE), its first turns
+        included. Traffic whose finished prompts nobody continues (one-off questions under shared
+        system prompts) holds nothing: there it would only take memory from the batch."""
         if self.settings.prefix_hold_s <= 0 or self.cache.disabled:
+            return
+        if not (req.continues_conversation or sum(self._continued) >= CONVERSATION_SHARE * CONVERSATION_WINDOW):
             return
         _, node = self.cache.peek(req.fill_ids)
         if node is not self.cache.root:
             self.cache.add_waiter(node)
             self._held.append((self.clock() + self.settings.prefix_hold_s, node))
 
-    def _release_expired_holds(self) -> None:
+    def release_expired_holds(self) -> bool:
+        """Let go of the prefix holds whose time is up (each step does; an idle engine calls it
+        too); whether any was."""
         now = self.clock()
+        released = bool(self._held) and self._held[0][0] <= now
         while self._held and self._held[0][0] <= now:
             self.cache.remove_waiter(self._held.popleft()[1])
+        return released
 
     # ------------------------------------------------------------------ the step
     def schedule(self, in_flight: Optional[StepInFlight] = None) -> Optional[ScheduledBatch]:
@@ -183,7 +199,7 @@ class Scheduler:
     def _catch_up(self) -> None:
         """Drop expired prefix holds, take in finished host-tier copies and redo the waiting
         lookups the tree's changes affect."""
-        self._release_expired_holds()
+        self.release_expired_holds()
         if self.tiered is not None:
             self.tiered.poll()
         self.waiting.refresh()
@@ -315,6 +331,8 @@ class Scheduler:
     def _admit(self, req: Req) -> None:
         if req.cached_tokens < 0:  # first admission (not a retracted request coming back)
             req.cached_tokens = req.locked_len
+            req.continues_conversation = self.cache.extends_a_prompt(req.last_node)
+            self._continued.append(req.continues_conversation)
             self.cache.counters.prompt_tokens += len(req.origin_input_ids)
             self.cache.counters.cached_prompt_tokens += min(req.locked_len, len(req.origin_input_ids))
             host_hits = req.host_hit_len if req.host_hit_len <= req.locked_len else 0
@@ -370,6 +388,7 @@ class Scheduler:
                 req.finish_reason = reason
                 self.running.remove(req)
                 self.kv.cache_req(req, finished=True)
+                self.cache.mark_prompt_end(req.origin_input_ids, beyond=req.cached_tokens)
                 self._hold_prefix(req)
                 req.state = ReqState.FINISHED
                 del self.reqs[req.rid]

@@ -293,6 +293,8 @@ class EngineLoop:
                         self.stats_due = True
                 if not self.core.has_work:
                     self.stats_due = True
+            elif self.core.scheduler.release_expired_holds():
+                self.stats_due = True  # the protected prefixes went back to plain cache
             elif not self.checked_idle:
                 now = time.monotonic()
                 self.idle_since = self.idle_since or now
