@@ -32,7 +32,12 @@ class WaitingQueue:
         return iter(self._reqs.values())
 
     def add(self, req: Req) -> None:
+        """Enqueue req in arrival order: one put back (it did not fit this step, or was retracted)
+        takes its old place, not the back of the queue."""
+        put_back = bool(self._reqs) and req.arrival_seq < next(reversed(self._reqs))
         self._reqs[req.arrival_seq] = req
+        if put_back:
+            self._reqs = dict(sorted(self._reqs.items()))
         self._peek(req)
 
     def remove(self, req: Req) -> None:
