@@ -210,12 +210,18 @@ class RadixCache:
         return False
 
     # ------------------------------------------------------------------ mutation
-    def mark_prompt_end(self, prompt: Sequence[int], beyond: int) -> None:
+    def mark_prompt_end(self, prompt: Sequence[int], beyond: int,
+                        locked: Optional[tuple[TreeNode, int]] = None) -> None:
         """Mark the node boundary at the end of a finished request's prompt (whole pages; split
         there if needed), when that end lies beyond `beyond` tokens (what the request found
-        cached: a prompt that only repeats a shared prefix marks nothing) and is still cached."""
+        cached: a prompt that only repeats a shared prefix marks nothing) and is still cached.
+        locked: the node the request held and its path's length; when that is the prompt's end
+        (its prompt went into the tree when computed), the node is marked without a walk."""
         end = self._page_floor(len(prompt))
         if self.disabled or end <= beyond:
+            return
+        if locked is not None and locked[1] == end and locked[0] is not self.root:
+            locked[0].ends_prompt = True
             return
         for node, n, pos in self._walk(prompt[:end]):
             if pos + n == end:

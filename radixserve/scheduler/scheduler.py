@@ -82,8 +82,10 @@ class Scheduler:
         self._arrivals = 0
         # Prefixes of finished requests held for --prefix-hold-s: (release time, node), oldest first.
         self._held: deque[tuple[float, TreeNode]] = deque()
-        # Whether each of the last CONVERSATION_WINDOW admitted requests continued a conversation.
+        # Whether each of the last CONVERSATION_WINDOW admitted requests continued a conversation,
+        # and how many did.
         self._continued: deque[bool] = deque(maxlen=CONVERSATION_WINDOW)
+        self._continued_count = 0
         # Host tier: requests not looked at for a load yet (loads start while they wait).
         self.tiered: Optional[TieredRadixCache] = cache if isinstance(cache, TieredRadixCache) else None
         self._load_candidates: deque[Req] = deque()
@@ -153,7 +155,7 @@ class Scheduler:
         system prompts) holds nothing: there it would only take memory from the batch."""
         if self.settings.prefix_hold_s <= 0 or self.cache.disabled:
             return
-        if not (req.continues_conversation or sum(self._continued) >= CONVERSATION_SHARE * CONVERSATION_WINDOW):
+        if not (req.continues_conversation or self._continued_count >= CONVERSATION_SHARE * CONVERSATION_WINDOW):
             return
         _, node = self.cache.peek(req.fill_ids)
         if node is not self.cache.root:
@@ -332,7 +334,10 @@ class Scheduler:
         if req.cached_tokens < 0:  # first admission (not a retracted request coming back)
             req.cached_tokens = req.locked_len
             req.continues_conversation = self.cache.extends_a_prompt(req.last_node)
+            if len(self._continued) == CONVERSATION_WINDOW:
+                self._continued_count -= self._continued[0]  # about to drop out of the window
             self._continued.append(req.continues_conversation)
+            self._continued_count += req.continues_conversation
             self.cache.counters.prompt_tokens += len(req.origin_input_ids)
             self.cache.counters.cached_prompt_tokens += min(req.locked_len, len(req.origin_input_ids))
             host_hits = req.host_hit_len if req.host_hit_len <= req.locked_len else 0
@@ -387,8 +392,9 @@ class Scheduler:
             if reason is not None:
                 req.finish_reason = reason
                 self.running.remove(req)
+                locked = (req.last_node, req.locked_len)  # cache_req lets go of them
                 self.kv.cache_req(req, finished=True)
-                self.cache.mark_prompt_end(req.origin_input_ids, beyond=req.cached_tokens)
+                self.cache.mark_prompt_end(req.origin_input_ids, beyond=req.cached_tokens, locked=locked)
                 self._hold_prefix(req)
                 req.state = ReqState.FINISHED
                 del self.reqs[req.rid]
