@@ -383,3 +383,65 @@ def test_fp8_kv_cache_round_trips_through_the_host_tier(tiny_dir):
     assert [r["output_ids"] for r in second] == [r["output_ids"] for r in first]
     assert all(r["meta_info"]["cached_tokens"] == 63 for r in second)
     assert engine.cache_stats()["loaded_tokens"] >= 6 * 63
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_projection_takes_activations_the_norm_quantized(gated):
+    """What the RMSNorm in front hands q|k|v and gate|up with the Triton kernels (Fp8Activations:
+    e4m3 rows and per-token scales) is what a projection makes of the bf16 rows itself, and the
+    projection multiplies it as it is: the result equals fp8_linear_reference on the normed bf16
+    rows (then SiLU-and-mul for a gate|up), bit for bit, here on the reference GEMM."""
+    from radixserve.model.layers import KernelChoice, MergedLinear, RMSNorm, SiluAndMul
+    from radixserve.model.layers.fp8 import Fp8Activations, fp8_linear_reference, quantize_activations
+
+    g = torch.Generator().manual_seed(int(gated))
+    k, half, dtype, kernels = 64, 24, torch.bfloat16, KernelChoice()
+    act = SiluAndMul(kernels=kernels) if gated else None
+    layer = MergedLinear(k, {0: half, 1: half}, bias=not gated, dtype=dtype, kernels=kernels, act=act,
+                         fp8=Fp8Config(from_checkpoint=False))
+    norm = RMSNorm(k, 1e-6, dtype=dtype, kernels=kernels)
+    with torch.no_grad():  # as the loader fills parameters
+        for shard in (0, 1):
+            layer.load_weight("weight", torch.randn(half, k, generator=g) * 0.05, shard)
+            if not gated:
+                layer.load_weight("bias", torch.randn(half, generator=g).to(dtype), shard)
+        layer.finish_loading()
+        norm.weight.copy_(torch.rand(k, generator=g) + 0.5)
+    x, residual = (torch.randn(7, k, generator=g).to(dtype) for _ in range(2))
+
+    normed, summed = norm.forward(x, residual)
+    acts, summed_too = norm.forward(x, residual, fp8=True)
+    assert isinstance(acts, Fp8Activations) and acts.dtype == dtype and torch.equal(summed_too, summed)
+    values, scales = quantize_activations(normed, None)
+    assert torch.equal(acts.values.view(torch.uint8), values.view(torch.uint8)) and torch.equal(acts.scales, scales)
+    assert torch.equal(norm.forward(x, fp8=True).scales, quantize_activations(norm.forward(x), None)[1])
+
+    ref = fp8_linear_reference(normed, layer.weight, layer.weight_scale, layer.bias, None)
+    ref = ref if act is None else act.forward(ref)
+    out = layer.forward(acts)
+    assert out.dtype == dtype and torch.equal(out, ref) and torch.equal(out, layer.forward(normed))
+    empty = layer.forward(Fp8Activations(acts.values[:0], acts.scales[:0], dtype))
+    assert empty.shape == (0, half if gated else 2 * half)
+
+
+def test_which_projections_take_quantized_activations():
+    """Only FP8 projections with the Triton kernels and per-token activation scales: the torch
+    path quantizes in the projection, and a static input scale is not the norm's per-token one
+    (handed Fp8Activations anyway, such a projection refuses them)."""
+    from radixserve.model.layers import KernelChoice, Linear
+    from radixserve.model.layers.fp8 import Fp8Activations
+
+    def linear(triton: bool, activations: str = "dynamic", fp8: bool = True) -> Linear:
+        config = Fp8Config(from_checkpoint=False, activations=activations) if fp8 else None
+        return Linear(32, 16, bias=False, dtype=torch.bfloat16, fp8=config,
+                      kernels=KernelChoice(triton=triton, decode_gemm_max_rows=0))
+
+    assert linear(triton=True).takes_fp8_activations
+    assert not linear(triton=False).takes_fp8_activations
+    assert not linear(triton=True, activations="static").takes_fp8_activations
+    assert not linear(triton=True, fp8=False).takes_fp8_activations
+    static = linear(triton=False, activations="static")
+    static.finish_loading()
+    acts = Fp8Activations(torch.zeros(2, 32, dtype=FP8_DTYPE), torch.ones(2, 1), torch.bfloat16)
+    with pytest.raises(ValueError, match="static input scale"):
+        static.forward(acts)

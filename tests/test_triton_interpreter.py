@@ -26,9 +26,10 @@ FILES = ["tests/gpu/test_triton_fused.py", "tests/gpu/test_decode_linear.py", "t
 SELECTION = ("not tile_shapes and (not test_matches_reference or 200-256) "
              "and (not test_silu_mul_matches_unfused or 100-128)")
 # What the interpreter cannot run: CUDA graph replays (2), the direct C launcher (1), and the fused
-# RoPE + FP8 KV store and the FP8 activation quantization of random values (20: the interpreter
-# rounds float32 -> e4m3 wrongly where it carries into the exponent, see tests/gpu/test_fp8_kernels.py).
-EXPECTED_SKIPS = 23
+# RoPE + FP8 KV store and the FP8 activation quantization of random values compared with torch's
+# (21: the interpreter rounds float32 -> e4m3 wrongly where it carries into the exponent, see
+# tests/gpu/test_fp8_kernels.py).
+EXPECTED_SKIPS = 24
 
 
 @pytest.mark.slow

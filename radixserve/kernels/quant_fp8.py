@@ -1,13 +1,17 @@
 """Activations to e4m3 with one scale per token, in one kernel: the quantization in front of the FP8
-tensor-core GEMM (radixserve.model.layers.fp8).
+tensor-core GEMM (radixserve.model.layers.fp8) for the projections whose input is not an RMSNorm's
+(o_proj, down_proj; and every projection with a static input scale). The inputs of q|k|v and
+gate|up come out of the RMSNorm already quantized (radixserve.kernels.norm, `rms_norm_fp8`), which
+stores its rows through `store_row_quantized` below, so both round alike.
 
 In torch ops the same thing is nine launches, six of them full passes over the activations (abs,
 amax, a float32 copy, divide, clamp, cast; the float32 copies twice the size of the input); here
 one program per row reads it once (rows of up to 4,096 values stay in registers; longer ones are
-read twice, the second time mostly from L2) and writes the e4m3 row once. Bit for bit what `radixserve.model.layers.fp8.quantize_activations`
-computes: the scale is max |x| times the float32 reciprocal of 448 (at least MIN_SCALE), each value
-x / scale rounded to nearest even and saturated at +-448. That division is IEEE (`div_rn`), as
-torch's division of two tensors is; Triton's `/` on float32 is an approximate one.
+read twice, the second time mostly from L2) and writes the e4m3 row once. Bit for bit what
+`radixserve.model.layers.fp8.quantize_activations` computes: the scale is max |x| times the
+float32 reciprocal of 448 (at least MIN_SCALE), each value x / scale rounded to nearest even and
+saturated at +-448. That division is IEEE (`div_rn`), as torch's division of two tensors is;
+Triton's `/` on float32 is an approximate one.
 """
 
 from __future__ import annotations
@@ -33,6 +37,15 @@ def _store_quantized(q_ptrs, x, scales, mask):
     tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
+@triton.jit
+def store_row_quantized(q_ptrs, x, mask):
+    """Store a float32 row held whole in registers (masked-off values 0) as e4m3 with its per-token
+    scale (max |x| / 448, at least MIN_SCALE); returns that scale for the caller to store."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) * _INV_FP8_MAX, MIN_SCALE)
+    _store_quantized(q_ptrs, x, tl.zeros_like(x) + scale, mask)  # div_rn takes operands of one shape
+    return scale
+
+
 @triton.jit(do_not_specialize=["M"])
 def _quantize_rows_kernel(X, Q, Scale, M, K, stride_xm, stride_qm, STATIC: tl.constexpr, ONE_BLOCK: tl.constexpr,
                           BLOCK: tl.constexpr):
@@ -43,11 +56,9 @@ def _quantize_rows_kernel(X, Q, Scale, M, K, stride_xm, stride_qm, STATIC: tl.co
     if ONE_BLOCK:  # the row in registers: read once
         x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
         if STATIC:
-            scale = tl.load(Scale)
+            _store_quantized(q_row + cols, x, tl.zeros((BLOCK,), dtype=tl.float32) + tl.load(Scale), cols < K)
         else:
-            scale = tl.maximum(tl.max(tl.abs(x), axis=0) * _INV_FP8_MAX, MIN_SCALE)
-            tl.store(Scale + row, scale)
-        _store_quantized(q_row + cols, x, tl.zeros((BLOCK,), dtype=tl.float32) + scale, cols < K)
+            tl.store(Scale + row, store_row_quantized(q_row + cols, x, cols < K))
     else:
         if STATIC:
             scale = tl.load(Scale)

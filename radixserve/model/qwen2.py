@@ -19,7 +19,11 @@ the embedding in one, and the LM head gathers the logits. Without `tp` no layer 
 
 With `fp8` every decoder layer's projections hold e4m3 weights (radixserve.model.layers.fp8); the
 embedding and the LM head keep `dtype`; with `tp` they shard like the plain weights (rows with
-their scales, or input columns), see radixserve.model.layers.parallel. A block-wise checkpoint
+their scales, or input columns), see radixserve.model.layers.parallel. Their activations are
+quantized to e4m3 per token: with the Triton kernels (and dynamic activation scales) the input
+and post-attention norms write q|k|v's and gate|up's input that way themselves (their input is
+replicated on every rank, so under `tp` too), and o_proj and down_proj quantize theirs in front
+of their GEMM; the final norm, before the bf16 LM head, writes bf16. A block-wise checkpoint
 whose fused shards or rank cuts fall off its block grid is refused before anything is built.
 """
 
@@ -36,6 +40,7 @@ from radixserve.distributed import TensorParallel, head_shard, vocab_shard
 from radixserve.distributed.sharding import even_shard
 from radixserve.model.config import ModelConfig
 from radixserve.model.layers import KernelChoice, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
+from radixserve.model.layers.norm import Normed
 from radixserve.model.layers.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                               VocabParallelEmbedding)
 from radixserve.model.quantization import Fp8Config, check_block_alignment
@@ -72,9 +77,9 @@ class Qwen2Attention(nn.Module):
         object.__setattr__(self, "_backend", attn_backend)
         object.__setattr__(self, "_rotary_emb", rotary_emb)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj.forward(x)
+    def forward(self, x: Normed, batch: ForwardBatch) -> torch.Tensor:
+        qkv = self.qkv_proj.forward(x)  # x may be FP8 activations (see Qwen2DecoderLayer.forward)
+        t = qkv.shape[0]
         q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
@@ -103,7 +108,7 @@ class Qwen2MLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, start=start, dtype=dtype, kernels=kernels, tp=tp,
                                            fp8=fp8)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Normed) -> torch.Tensor:
         return self.down_proj.forward(self.gate_up_proj.forward(x))
 
 
@@ -122,13 +127,17 @@ class Qwen2DecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output not yet added to the residual, the residual stream); the first
         layer gets residual=None and h as the residual stream."""
+        # An FP8 q|k|v or gate|up may take its input quantized by the norm (fp8=True): one
+        # quantization launch fewer each.
+        qkv_fp8 = self.self_attn.qkv_proj.takes_fp8_activations
         if residual is None:
             residual = h
-            normed = self.input_layernorm.forward(h)
+            normed = self.input_layernorm.forward(h, fp8=qkv_fp8)
         else:
-            normed, residual = self.input_layernorm.forward(h, residual)
+            normed, residual = self.input_layernorm.forward(h, residual, fp8=qkv_fp8)
         a = self.self_attn.forward(normed, batch)
-        normed, residual = self.post_attention_layernorm.forward(a, residual)
+        normed, residual = self.post_attention_layernorm.forward(a, residual,
+                                                                 fp8=self.mlp.gate_up_proj.takes_fp8_activations)
         return self.mlp.forward(normed), residual
 
 

@@ -15,21 +15,27 @@ over the rank's own slice of them: a rank's scale is the max |x| of its slice, n
 row, which rounds a little differently from tp 1 (within the FP8 tolerance; a static
 `input_scale` is the same on every rank).
 
+Activations come as a tensor, quantized here in front of the GEMM, or already quantized per token
+as `Fp8Activations`: with the Triton kernels and dynamic activation scales, the RMSNorm in front
+of q|k|v and of gate|up writes e4m3 values and their scales itself (radixserve.kernels.norm,
+`rms_norm_fp8`; `Linear.takes_fp8_activations` says which projections take them), bit for bit
+what quantizing its bf16 output here would give; o_proj and down_proj quantize their input here.
+
 Paths, picked per call from the input:
 - CUDA, M <= the FP8 decode-row limit (radixserve.model.layers.linear) with the Triton kernels:
   the weight-streaming decode GEMM's FP8 variant (radixserve.kernels.decode_linear_fp8): the
-  activations quantized per token as below, then e4m3 x e4m3, both scales applied in the
-  epilogue. Decode reads the weights once, so half the bytes is less time.
+  activations quantized per token as below (unless they come quantized), then e4m3 x e4m3, both
+  scales applied in the epilogue. Decode reads the weights once, so half the bytes is less time.
 - CUDA, capability 8.9+ (Ada, Hopper): activations quantized (with the Triton kernels, in one
-  kernel: radixserve.kernels.quant_fp8), then `torch._scaled_mm` (cuBLASLt FP8 tensor cores,
-  row-wise scales).
+  kernel: radixserve.kernels.quant_fp8; or by the norm before), then `torch._scaled_mm`
+  (cuBLASLt FP8 tensor cores, row-wise scales).
 - Elsewhere (the CPU reference): activations quantized and dequantized the same way, the weight
   dequantized, then an fp32 matmul.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -40,6 +46,15 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 # A row of zeros gets this scale instead of 0, so quantizing it divides by something finite.
 MIN_SCALE = 1e-12
+
+
+class Fp8Activations(NamedTuple):
+    """Activations quantized per token, as an FP8 projection multiplies them: `values` e4m3 [M, K],
+    `scales` float32 [M, 1] (row i stands for values[i] * scales[i]); the projection returns `dtype`."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
 
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:
@@ -73,16 +88,23 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     """What the FP8 tensor-core GEMM computes, in fp32: quantized activations times the
     dequantized weight, + bias; in x's dtype."""
     xq, x_scale = quantize_activations(x, input_scale)
+    return fp8_linear_dequantized(xq, x_scale, weight, weight_scale, bias, x.dtype)
+
+
+def fp8_linear_dequantized(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                           bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """(xq * x_scale) @ (weight * weight_scale)^T (+ bias) in fp32, for e4m3 activations xq [M, K]
+    with scales [M, 1]; in out_dtype."""
     w = weight.float() * weight_scale[:, None]
     y = (xq.float() * x_scale) @ w.T
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y.to(out_dtype)
 
 
-def _scaled_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _scaled_mm_ok(x: torch.Tensor, out_dtype: torch.dtype, weight: torch.Tensor) -> bool:
     # Row-wise scaled FP8 GEMMs write bf16.
-    if not x.is_cuda or x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 9):
+    if not x.is_cuda or out_dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 9):
         return False
     # cuBLASLt's FP8 GEMM needs K and N in multiples of 16.
     return weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
@@ -100,10 +122,17 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
         xq, x_scale = quantize_rows_fp8(x, input_scale)
     else:
         xq, x_scale = quantize_activations(x, input_scale)
+    return fp8_scaled_mm(xq, x_scale, weight, weight_scale, bias, x.dtype)
+
+
+def fp8_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                  bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 activations xq [M, K] with float32 scales [M, 1] times the e4m3 weight on the FP8
+    tensor cores (`torch._scaled_mm`, row-wise scales), + bias, in out_dtype."""
     # weight.t() is a view (the column-major operand _scaled_mm wants); the scales are float32
     # already, and a per-token [M, 1] is contiguous: only a static scale's expand is copied.
     y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.contiguous(), scale_b=weight_scale[None, :],
-                         out_dtype=x.dtype)
+                         out_dtype=out_dtype)
     return y if bias is None else y + bias
 
 
@@ -202,13 +231,28 @@ class Fp8LinearMethod:
         """Once every tensor is in: the static activation scale [1] of the fused projection."""
         self.static_scale = None if layer.input_scale is None else layer.input_scale.max().reshape(1)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
+        """x [M, K] @ the layer's weight^T (+ bias): x a tensor (quantized here, per token or with
+        the static scale) or Fp8Activations (per token already: multiplied as they are)."""
+        if isinstance(x, Fp8Activations):
+            return self._apply_quantized(layer, x)
         if x.shape[0] == 0:
             return torch.empty((0, layer.weight.shape[0]), dtype=x.dtype, device=x.device)
-        if _scaled_mm_ok(x, layer.weight):
+        if _scaled_mm_ok(x, x.dtype, layer.weight):
             return fp8_linear_scaled_mm(x, layer.weight, layer.weight_scale, layer.bias, self.static_scale,
                                         fused_quant=self.triton and x.stride(-1) == 1)
         return fp8_linear_reference(x, layer.weight, layer.weight_scale, layer.bias, self.static_scale)
+
+    def _apply_quantized(self, layer: nn.Module, x: Fp8Activations) -> torch.Tensor:
+        if layer.input_scale is not None:
+            raise ValueError("a projection with a static input scale quantizes its input itself; it takes no "
+                             "per-token FP8 activations")
+        values = x.values
+        if values.shape[0] == 0:
+            return torch.empty((0, layer.weight.shape[0]), dtype=x.dtype, device=values.device)
+        if _scaled_mm_ok(values, x.dtype, layer.weight):
+            return fp8_scaled_mm(values, x.scales, layer.weight, layer.weight_scale, layer.bias, x.dtype)
+        return fp8_linear_dequantized(values, x.scales, layer.weight, layer.weight_scale, layer.bias, x.dtype)
 
 
 def _check_shape(dest: torch.Tensor, loaded: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.model.layers.activation import SiluAndMul
-from radixserve.model.layers.fp8 import Fp8LinearMethod
+from radixserve.model.layers.fp8 import Fp8Activations, Fp8LinearMethod
 from radixserve.model.layers.fp8_block import Fp8BlockLinearMethod
 from radixserve.model.layers.kernel_choice import KernelChoice
 from radixserve.model.quantization import Fp8Config
@@ -44,6 +44,9 @@ class Linear(nn.Module):
     FP8 weights take the decode-row GEMM up to FP8_DECODE_ROWS_FACTOR times as many rows;
     block-wise FP8 (radixserve.model.layers.fp8_block) runs on CUDA as the bf16 weight it
     dequantizes to at load, so its decode rows take the bf16 decode-row GEMM.
+    An FP8 projection whose `takes_fp8_activations` is set also takes its input already quantized
+    per token (`Fp8Activations`, from the RMSNorm in front of it): the same GEMMs, minus the
+    quantization launch.
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool, dtype: torch.dtype,
@@ -90,11 +93,34 @@ class Linear(nn.Module):
                     # e4m3 tiles are half the bytes: on an H200 this GEMM beat cuBLASLt's FP8 GEMM
                     # (with its activation quantization) up to twice bf16's limit (docs/benchmarks.md).
                     self._decode_max_rows *= FP8_DECODE_ROWS_FACTOR
+        # Per-token FP8 activations from the layer before are what this projection would make of a
+        # bf16 input itself: with the Triton kernels, on every path (the decode-row GEMM's default
+        # "token_fp8" mode and cuBLASLt's FP8 GEMM quantize per token the same way).
+        self._fp8_token_input = isinstance(self.quant, Fp8LinearMethod) and self.quant.triton and (
+            self._decode_config is None or self._decode_config.fp8_mode == "token_fp8")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def takes_fp8_activations(self) -> bool:
+        """Whether the layer in front may hand this projection `Fp8Activations` (per token) instead
+        of a tensor: FP8 weights with the Triton kernels and dynamic activation scales (a static
+        `input_scale` quantizes differently)."""
+        return self._fp8_token_input and self.input_scale is None
+
+    def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
+        if isinstance(x, Fp8Activations):
+            return self._forward_fp8_activations(x)
         if 0 < x.shape[0] <= self._decode_max_rows and x.stride(-1) == 1:
             return self._decode_linear(x, self.weight, self.bias, self._decode_config, silu_mul=self.act is not None)
         y = F.linear(x, self.weight, self.bias) if self.quant is None else self.quant.apply(self, x)
+        return y if self.act is None else self.act.forward(y)
+
+    def _forward_fp8_activations(self, x: Fp8Activations) -> torch.Tensor:
+        if not isinstance(self.quant, Fp8LinearMethod):
+            raise TypeError(f"{type(self).__name__} without per-channel FP8 weights takes a tensor, not Fp8Activations")
+        if 0 < x.values.shape[0] <= self._decode_max_rows:
+            return self._decode_linear_fp8(x.values, self.weight, self.weight_scale, self.bias, self._decode_config,
+                                           silu_mul=self.act is not None, x_scale=x.scales, out_dtype=x.dtype)
+        y = self.quant.apply(self, x)
         return y if self.act is None else self.act.forward(y)
 
     def _fp8_decode_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], config,
