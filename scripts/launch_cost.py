@@ -78,8 +78,8 @@ def main() -> None:
     from radixserve.kernels import norm
 
     y = torch.empty_like(x)
-    args = (x, x, w, y, x, x.stride(0), x.stride(0), y.stride(0), x.stride(0), hidden, 1e-6)
-    consts = dict(HAS_RESIDUAL=False, BLOCK=1024, num_warps=2)
+    args = (x, x, w, y, x, w, x.stride(0), x.stride(0), y.stride(0), x.stride(0), hidden, 1e-6)
+    consts = dict(HAS_RESIDUAL=False, FP8_OUT=False, BLOCK=1024, num_warps=2)
     rows["triton rms_norm: dispatch"] = lambda: norm._rms_norm_kernel[(t,)](*args, **consts)
     try:
         from triton import knobs
@@ -87,7 +87,7 @@ def main() -> None:
 
         kernel = norm._rms_norm_kernel[(t,)](*args, **consts)
         stream = driver.active.get_current_stream(driver.active.get_current_device())
-        bound = list(args) + [False, 1024]
+        bound = list(args) + [False, False, 1024]
         meta = kernel.launch_metadata((t,), stream, *bound)
         rows["triton rms_norm: C launch"] = lambda: kernel.run(
             t, 1, 1, stream, kernel.function, kernel.packed_metadata, meta, knobs.runtime.launch_enter_hook,

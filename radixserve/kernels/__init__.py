@@ -1,6 +1,9 @@
 """Every Triton kernel of the package (CUDA; the CPU runs them only under TRITON_INTERPRET=1).
 
-- `radixserve.kernels.norm`: `rms_norm(x, weight, eps)`, `add_rms_norm(x, residual, weight, eps)`
+- `radixserve.kernels.norm`: `rms_norm(x, weight, eps)`, `add_rms_norm(x, residual, weight, eps)`,
+  and `rms_norm_fp8(x, weight, eps, residual)`, either one writing e4m3 rows with per-token scales
+  for an FP8 projection
+- `radixserve.kernels.quant_fp8`: `quantize_rows_fp8(x)`, activations to e4m3 with per-token scales
 - `radixserve.kernels.activation`: `silu_and_mul(gate_up)`
 - `radixserve.kernels.decode_linear`: `decode_linear(x, weight, bias, config)`, the GEMM of a decode
   batch's few rows (weights streamed by many programs; K split with a deterministic reduce)

@@ -19,12 +19,13 @@ def _cdiv(a: int, b: int) -> int:
 
 
 # How the FP8 kernel (radixserve.kernels.decode_linear_fp8) multiplies e4m3 weights by bf16 rows:
-# "token_fp8" (activations quantized to e4m3 per token by one kernel in front, as the prefill
-# path's cuBLASLt GEMM takes them: FP8 tensor cores on both operands; the default, fastest on an
-# H200), "widen" (weights widened to bf16 in registers, activations exact), "fp16" (weights widened
-# to fp16, activations rounded to fp16), "tile_fp8" (activations quantized to e4m3 per token and K
-# tile inside the kernel), "tile_fp8x2" (the same plus a second e4m3 term for the first one's
-# error: nearly bf16 activations). The bf16 kernel ignores it.
+# "token_fp8" (activations quantized to e4m3 per token in front, by one kernel or by the RMSNorm
+# before the projection, as the prefill path's cuBLASLt GEMM takes them: FP8 tensor cores on both
+# operands; the default, fastest on an H200), "widen" (weights widened to bf16 in registers,
+# activations exact), "fp16" (weights widened to fp16, activations rounded to fp16), "tile_fp8"
+# (activations quantized to e4m3 per token and K tile inside the kernel), "tile_fp8x2" (the same
+# plus a second e4m3 term for the first one's error: nearly bf16 activations). The bf16 kernel
+# ignores it.
 FP8_MODES = ("token_fp8", "widen", "fp16", "tile_fp8", "tile_fp8x2")
 DEFAULT_FP8_MODE = "token_fp8"
 

@@ -9,10 +9,13 @@ dequantized values.
 
 What the tensor cores multiply, by `config.fp8_mode` (radixserve.kernels.decode_linear_config):
 - "token_fp8" (the model's default): bf16 activations quantized to e4m3 first, one scale per
-  token (radixserve.kernels.quant_fp8, one launch; or the checkpoint's static scale), then the
-  FP8 x FP8 dot below: the numerics of the prefill path's `torch._scaled_mm`, so a token's
-  logits do not depend on whether its rows ran as decode or as prefill, and an e4m3 x tile is
-  half a bf16 one's bytes and instructions. On an H200 the fastest mode from 1 to 64 rows.
+  token, then the FP8 x FP8 dot below (as with `x_scale`). The quantization is one launch of
+  radixserve.kernels.quant_fp8 here (or with the checkpoint's static scale); the model hands
+  q|k|v and gate|up their rows in e4m3 with scales already (the RMSNorm in front writes them,
+  radixserve.kernels.norm.rms_norm_fp8, bit for bit the same). The numerics of the prefill
+  path's `torch._scaled_mm`, so a token's logits do not depend on whether its rows ran as decode
+  or as prefill, and an e4m3 x tile is half a bf16 one's bytes and instructions. On an H200 the
+  fastest mode from 1 to 64 rows.
 - "widen": the weight tile widened to the activation dtype in registers (exact: every e4m3 value is
   a bf16/fp16 value), activations as they are (at a handful of rows their bytes are nothing next
   to the weights', and they lose no precision).
