@@ -116,7 +116,8 @@ class Linear(nn.Module):
 
     def _forward_fp8_activations(self, x: Fp8Activations) -> torch.Tensor:
         if not isinstance(self.quant, Fp8LinearMethod):
-            raise TypeError(f"{type(self).__name__} without per-channel FP8 weights takes a tensor, not Fp8Activations")
+            raise TypeError(f"{type(self).__name__}: Fp8Activations are for FP8 weights with per-row scales; this "
+                            "projection takes a tensor")
         if 0 < x.values.shape[0] <= self._decode_max_rows:
             return self._decode_linear_fp8(x.values, self.weight, self.weight_scale, self.bias, self._decode_config,
                                            silu_mul=self.act is not None, x_scale=x.scales, out_dtype=x.dtype)
