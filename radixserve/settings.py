@@ -136,6 +136,10 @@ class ServerSettings:
     disable_overlap_schedule: bool = _opt(
         False, "Build each step only after the previous one's tokens are back. By default the next step "
         "is scheduled and launched while the device still runs the current one; outputs are the same.")
+    disable_cpu_affinity: bool = _opt(
+        False, "Leave the engine process where the OS puts it. By default, on a machine with several NUMA "
+        "nodes, each engine process is bound to the CPU cores local to its GPU (kernel launches and pinned "
+        "copies from the far node cost more, and where a process lands changes from start to start).")
 
     # --- server ------------------------------------------------------------
     host: str = _opt("127.0.0.1", "Address the HTTP server binds.")

@@ -16,6 +16,8 @@
 #   REPEAT      how many times the list of configurations is run, alternating (default 1)
 #   DEADLINE_S  the whole script's budget (default 540)
 #   MIN_LEFT_S  a configuration starts only with this much of the budget left (default 120)
+#   MONITOR     1: record GPU clocks and the busiest host threads every second of each run
+#               (monitor-LABEL-ROUND.txt; see scripts/server_process.sh)
 #   BACKEND     the client's endpoint: sglang (default, /generate: every event carries the whole
 #               output so far, as the anchors ran) or openai (/v1/completions, deltas: less work
 #               for the host per streamed token, for repeats that should measure the engine)
@@ -59,10 +61,12 @@ for round in $(seq "$REPEAT"); do
       log "$label did not come up"; continue
     fi
     log "run $label"
+    if [ -n "${MONITOR:-}" ]; then start_monitor "$OUT/monitor-$label-$round.txt"; fi
     timeout -k 5 "$(left)" python3 -m radixserve.bench_serving --backend "$BACKEND" --port "$PORT" \
       ${TOKENIZER:+--tokenizer "$TOKENIZER"} --seed 1 --disable-tqdm --output-file "$RESULTS" \
       "${CLIENT[@]}" | grep -iE "hit|throughput|latency|TTFT|Belady|LRU|oracle|Successful|Failed" \
       || log "$label: client exit $?"
+    stop_monitor
     stop_server
   done
 done

@@ -26,6 +26,7 @@ from radixserve.cache.kv_pool import ReqToTokenPool
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.tiered_cache import TieredRadixCache, make_tiered_cache
 from radixserve.distributed import TensorParallel, check_divisible
+from radixserve.engine.cpu_affinity import bind_near_gpu
 from radixserve.engine.grammar_wait import GrammarWaitlist
 from radixserve.engine.io_struct import GenerateRequest, RequestOutput
 from radixserve.engine.model_runner import ModelRunner
@@ -72,6 +73,8 @@ class EngineCore:
         self.device = torch.device(settings.resolved_device())
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device=cuda was asked for, but no CUDA GPU is visible")
+        if not settings.disable_cpu_affinity:  # before pinned buffers and threads exist
+            bind_near_gpu(self.device)
         self.dtype = DTYPES.get(settings.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         if not settings.model_path:
             raise ValueError("model_path is required (the entry points resolve the default model)")

@@ -25,6 +25,7 @@ from radixserve.cache.host_pool import CopyEngine, HostKVPool, make_copy_engine
 from radixserve.distributed import TensorParallel, destroy, init_tensor_parallel
 from radixserve.distributed.group import open_store
 from radixserve.engine.core import DTYPES
+from radixserve.engine.cpu_affinity import bind_near_gpu
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.model_stack import host_tier_tokens, load_rank_model, make_kv_memory
 from radixserve.engine.tensor_parallel import CopyBatch, SharedSampledTokens, StepMessage
@@ -131,6 +132,8 @@ def worker_main(settings: ServerSettings, rank: int, store_port: int, control_ad
     device = torch.device(settings.resolved_device())
     if device.type == "cuda":
         device = torch.device("cuda", rank)
+        if not settings.disable_cpu_affinity:
+            bind_near_gpu(device)
     tp = None
     try:
         store = open_store(store_port, world_size=settings.tp_size, is_master=False)

@@ -200,3 +200,31 @@ def test_no_kernel_compiles_after_warmup(tiny_dir):
             params[0] = {"max_new_tokens": 6, "temperature": 0.7, "regex": "[a-z]{1,5}"}
         engine.generate(input_ids=batch, sampling_params=params)
     assert compiled_variant_counts() == before
+
+
+def test_cpu_affinity_near_the_gpu():
+    """The sysfs lookup works for this GPU, and binding (in a child, to keep this process's mask)
+    picks cores both local to the GPU and allowed, or leaves a one-node machine alone."""
+    import multiprocessing
+
+    from radixserve.engine.cpu_affinity import gpu_local_cpus
+
+    local = gpu_local_cpus(torch.device("cuda", 0))
+    assert local is None or len(local) > 0
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        bound, after, allowed = pool.apply(_bind_in_child)
+    if bound is None:
+        assert after == allowed
+    else:
+        assert after == bound and bound < allowed and local is not None and bound <= local
+
+
+def _bind_in_child():
+    import os
+
+    from radixserve.engine.cpu_affinity import bind_near_gpu
+
+    allowed = os.sched_getaffinity(0)
+    bound = bind_near_gpu(torch.device("cuda", 0))
+    return bound, os.sched_getaffinity(0), allowed
