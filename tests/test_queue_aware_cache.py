@@ -13,7 +13,7 @@ import torch
 
 from radixserve.bench.scheduler_sim import SimConfig, agent_sessions, simulate
 from radixserve.cache.kv_pool import PageAllocator, ReqToTokenPool
-from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.radix_cache import PROMPT_END_SLACK, RadixCache
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.scheduler import CONVERSATION_WINDOW, Scheduler
@@ -155,6 +155,36 @@ def test_a_finished_prompt_end_is_marked_and_found_by_the_next_turn_only():
     cache.mark_prompt_end(other, beyond=len(other))  # found whole in the cache: marks nothing
     assert not cache.extends_a_prompt(cache.match(other).last_node)
     cache.check_invariants()
+
+
+def test_a_next_turn_that_retokenized_the_prompts_last_token_still_continues_it():
+    """A client sending text re-reads the previous prompt's last token together with the reply
+    after it: the next turn's match stops a token short of the mark and still counts; a match that
+    stops further short (another question under the same system prompt) does not."""
+    cache = RadixCache(PageAllocator(256, 1))
+    system, question = list(range(100, 120)), list(range(200, 220))
+    prompt = system + question
+    _insert(cache, prompt + [1, 2, 3])
+    cache.mark_prompt_end(prompt, beyond=0)
+    retokenized = prompt[:-1] + [219_000] + list(range(300, 310))
+    match = cache.match(retokenized)
+    assert match.length == len(prompt) - 1 and cache.extends_a_prompt(match.last_node)
+    far_short = prompt[:-PROMPT_END_SLACK - 1] + list(range(500, 520))
+    assert not cache.extends_a_prompt(cache.match(far_short).last_node)
+    cache.check_invariants()
+
+
+def test_prefix_hold_holds_a_turn_sent_as_text():
+    now = [0.0]
+    sched = _scheduler(1024, lambda: now[0], prefix_hold_s=1.0)
+    first = list(range(400, 500))
+    sched.add_request(_req("turn-1", first, 0.0, max_new=3))
+    _run_to_end(sched)
+    second = first[:-1] + [4999, 7, 7] + list(range(600, 620))  # the boundary token re-read differently
+    sched.add_request(_req("turn-2", second, 0.0, max_new=3))
+    _run_to_end(sched)
+    assert sched.cache.waited_evictable_size == len(second) + 2
+    sched.check_invariants()
 
 
 def test_prefix_hold_keeps_a_conversation_turns_prefix_for_its_duration():

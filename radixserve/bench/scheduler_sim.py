@@ -58,6 +58,10 @@ class SimConfig:
     assistant_len: int = 128
     output_len: int = 128
     think_s: float = 0.5
+    # A client sending text: its tokenizer reads the previous prompt's last token together with the
+    # reply after it, so the next turn's ids differ there (on an H200 every later turn of the agent
+    # workload found its previous prompt cached less one token).
+    retokenized_boundary: bool = True
     kv_bytes_per_token: float = 57344  # 7B: 28 layers x 4 KV heads x 128 x (K, V) x 2 bytes
     prefill_us: float = 25.0  # per prompt token computed
     seed: int = 1
@@ -84,6 +88,8 @@ def agent_sessions(cfg: SimConfig) -> list[list[Turn]]:
         for t in range(cfg.turns):
             history += ids(cfg.user_len)
             turns.append(Turn(list(history), 0.0 if t == 0 else rng.expovariate(1.0 / cfg.think_s)))
+            if cfg.retokenized_boundary:
+                history[-1] = rng.randrange(VOCAB)
             history += ids(cfg.assistant_len)  # a fixed reply, not the model's output
         sessions.append(turns)
     return sessions

@@ -25,6 +25,9 @@ _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 # ends at a node's end waits on the child key of its next token; ALL marks a removed node.
 PARTIAL = "partial"
 ALL = "all"
+# How far short of a finished prompt's end a match may stop and still count as its continuation
+# (see RadixCache.extends_a_prompt).
+PROMPT_END_SLACK = 8
 
 
 class TreeNode:
@@ -201,8 +204,16 @@ class RadixCache:
         return MatchResult(length, slots, last)
 
     def extends_a_prompt(self, node: TreeNode) -> bool:
-        """Whether the path to node (a request's match) runs through the end of a finished
-        request's prompt: the request continues that request's conversation."""
+        """Whether the path to node (a request's match, split to end there) runs through the end of
+        a finished request's prompt, or stops at most PROMPT_END_SLACK tokens (a page) short of
+        one: the request continues that request's conversation. A client sending text re-tokenizes
+        the previous prompt's last token together with the reply after it, so the next turn's
+        match usually ends a token before the mark."""
+        if node is self.root:
+            return False
+        slack = max(PROMPT_END_SLACK, self.page_size)
+        if any(child.ends_prompt and len(child.key) <= slack for child in node.children.values()):
+            return True
         while node is not self.root:
             if node.ends_prompt:
                 return True
