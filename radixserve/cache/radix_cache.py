@@ -211,9 +211,12 @@ class RadixCache:
         match usually ends a token before the mark."""
         if node is self.root:
             return False
-        slack = max(PROMPT_END_SLACK, self.page_size)
-        if any(child.ends_prompt and len(child.key) <= slack for child in node.children.values()):
-            return True
+        # Such a match split the prompt's last node where it stopped: the marked rest is a child
+        # (usually the only one). A node with many children is where prompts branch; not scanned.
+        if len(node.children) <= 4:
+            slack = max(PROMPT_END_SLACK, self.page_size)
+            if any(child.ends_prompt and len(child.key) <= slack for child in node.children.values()):
+                return True
         while node is not self.root:
             if node.ends_prompt:
                 return True
