@@ -218,7 +218,7 @@ class EngineCore:
 
     def abort(self, rid: str) -> Optional[RequestOutput]:
         req = self.scheduler.abort(rid) or self.grammar_wait.abort(rid)
-        return self._output(req) if req is not None else None
+        return request_output(req) if req is not None else None
 
     @property
     def has_work(self) -> bool:
@@ -234,7 +234,7 @@ class EngineCore:
         ready, failed = self.grammar_wait.take_ready()
         for req in ready:
             self.scheduler.add_request(req)
-        return [self._output(r) for r in failed]
+        return [request_output(r) for r in failed]
 
     @staticmethod
     def _masks_rows(batch: ScheduledBatch) -> bool:
@@ -273,7 +273,7 @@ class EngineCore:
     def _collect(self, step: Optional[StepInFlight]) -> list[RequestOutput]:
         if step is None:
             return []
-        return [self._output(r) for r in self.scheduler.collect(step)]
+        return [request_output(r) for r in self.scheduler.collect(step)]
 
     def warmup(self) -> float:
         """Serve a few throw-away requests, then forget them: compiles every Triton kernel variant
@@ -317,20 +317,6 @@ class EngineCore:
         seconds = time.perf_counter() - start
         logger.info("warm-up: %d requests in %.2f s", len(prompts), seconds)
         return seconds
-
-    def _output(self, req: Req) -> RequestOutput:
-        new = req.output_ids[req.sent_len:]
-        new_logprobs = req.output_logprobs[req.sent_len:] if req.sampling_params.return_logprob else []
-        first = req.sent_len == 0 and bool(new)
-        req.sent_len = len(req.output_ids)
-        input_logprobs = req.input_logprobs if first and req.sampling_params.wants_prompt_logprobs else []
-        return RequestOutput(
-            rid=req.rid, new_token_ids=new, new_logprobs=new_logprobs, input_logprobs=input_logprobs,
-            finished=req.finish_reason is not None,
-            finish_reason=req.finish_reason, prompt_tokens=len(req.origin_input_ids),
-            cached_tokens=max(req.cached_tokens, 0), completion_tokens=len(req.output_ids),
-            ttft=(req.first_token_time - req.arrival_time) if first and req.first_token_time else None,
-            queue_time=(req.admitted_time - req.arrival_time) if first and req.admitted_time else None)
 
     def flush_cache(self) -> bool:
         if self.scheduler.has_work:
@@ -386,6 +372,25 @@ class EngineCore:
             "written_back_bytes": copies.written_back_bytes if copies else 0,
             "load_bandwidth_gbps": copies.load_bandwidth / 1e9 if copies else 0.0,
         }
+
+
+def request_output(req: Req) -> RequestOutput:
+    """What is new for the caller in req since its last output (and marks it sent). Made for
+    every request with news every step: no log probabilities are the shared empty tuple, not a
+    new list each."""
+    params = req.sampling_params
+    new = req.output_ids[req.sent_len:]
+    new_logprobs = req.output_logprobs[req.sent_len:] if params.return_logprob else ()
+    first = req.sent_len == 0 and bool(new)
+    req.sent_len = len(req.output_ids)
+    input_logprobs = req.input_logprobs if first and params.wants_prompt_logprobs else ()
+    return RequestOutput(
+        rid=req.rid, new_token_ids=new, new_logprobs=new_logprobs, input_logprobs=input_logprobs,
+        finished=req.finish_reason is not None,
+        finish_reason=req.finish_reason, prompt_tokens=len(req.origin_input_ids),
+        cached_tokens=max(req.cached_tokens, 0), completion_tokens=len(req.output_ids),
+        ttft=(req.first_token_time - req.arrival_time) if first and req.first_token_time else None,
+        queue_time=(req.admitted_time - req.arrival_time) if first and req.admitted_time else None)
 
 
 def new_request_id() -> str:

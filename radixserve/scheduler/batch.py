@@ -30,13 +30,22 @@ class ScheduledBatch:
 
     @property
     def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.extend_lens) and self.num_new_tokens == 0
+        # list.count runs in C: every stage of a step asks this of a batch of up to ~1,000 requests.
+        return self.num_new_tokens == 0 and self.extend_lens.count(1) == len(self.extend_lens)
 
     def add(self, req: Req, kv_len_before: int, extend: int, sample: bool) -> None:
         self.reqs.append(req)
         self.kv_lens_before.append(kv_len_before)
         self.extend_lens.append(extend)
         self.sample.append(sample)
+
+    def add_decode(self, reqs: list[Req], kv_lens_before: list[int]) -> None:
+        """One new position for each request, each sampling a token: the decode part of a step,
+        added in one go (it is most of a step's requests)."""
+        self.reqs.extend(reqs)
+        self.kv_lens_before.extend(kv_lens_before)
+        self.extend_lens.extend([1] * len(reqs))
+        self.sample.extend([True] * len(reqs))
 
 
 class TokenFuture(Protocol):

@@ -71,10 +71,23 @@ class KVManager:
         req.kv_len = upto
         return True
 
-    def grow_decoding(self, reqs: list[Req]) -> None:
-        """One more position for each request; the memory must have been ensured. One allocation
-        for every request that starts a new page (one per request at page size 1)."""
+    def grow_decoding(self, reqs: list[Req]) -> list[int]:
+        """One more position for each request; the memory must have been ensured. Returns each
+        request's new position (its kv_len before). One allocation for every request that starts
+        a new page; at page size 1 (every request does) the table writes are queued as one
+        extension per list, since this runs for every decoding request every step."""
+        positions = [r.kv_len for r in reqs]
         ps = self.page_size
+        if ps == 1:
+            slots = self.allocator.alloc_pages(len(reqs))
+            assert slots is not None, "decode memory is ensured before it is taken"
+            self._rows.extend([r.req_pool_idx for r in reqs])
+            self._cols.extend(positions)  # a request has one slot per position at page size 1
+            self._slots.extend(slots)
+            for req, slot in zip(reqs, slots):
+                req.slots.append(slot)
+                req.kv_len += 1
+            return positions
         growing = [r for r in reqs if r.kv_len % ps == 0]
         if growing:
             pages = self.allocator.alloc_pages(len(growing))
@@ -86,6 +99,7 @@ class KVManager:
                 req.slots.extend(slots)
         for req in reqs:
             req.kv_len += 1
+        return positions
 
     def _slots_of(self, pages: list[int]) -> list[int]:
         """The KV slots of these pages, page by page (a page is its slot at page size 1)."""

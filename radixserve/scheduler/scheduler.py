@@ -177,14 +177,16 @@ class Scheduler:
         the host has not read yet; it is collected here when decode memory is short, because
         retraction needs every token on the host."""
         self._catch_up()
-        if in_flight is not None and not in_flight.collected:
-            decoding = self._decoding()
-            if decoding and not self._decode_fits(decoding):
-                self.collect(in_flight)
-                self._catch_up()
+        decoding, chunked = self._split_running()
+        fits = self._decode_fits(decoding)
+        if not fits and in_flight is not None and not in_flight.collected:
+            self.collect(in_flight)
+            self._catch_up()
+            decoding, chunked = self._split_running()  # the collected step may have finished some
+            fits = self._decode_fits(decoding)
         batch = ScheduledBatch()
-        self._schedule_decode(batch)
-        self._schedule_prefill(batch, in_flight)
+        self._schedule_decode(batch, decoding, fits)
+        self._schedule_prefill(batch, in_flight, chunked)
         self.stats.num_steps += 1
         if not batch.reqs:
             return None
@@ -242,31 +244,42 @@ class Scheduler:
         return False
 
     # ------------------------------------------------------------------ decode
-    def _finishes_by_length(self, req: Req) -> bool:
-        """True when a token still on the device is req's last: no step after it is needed."""
-        return req.pending > 0 and (req.num_generated >= req.sampling_params.max_new_tokens
-                                    or req.seq_len >= self.context_len)
-
-    def _decoding(self) -> list[Req]:
-        return [r for r in self.running if r.remaining == 1 and not self._finishes_by_length(r)]
+    def _split_running(self) -> tuple[list[Req], list[Req]]:
+        """The running requests that decode this step, and those in the middle of a chunked
+        prompt (more than one position left to compute), in running order. A request whose
+        prompt is computed decodes unless a token still on the device is its last (max_new_tokens
+        or the context length reached): no step after that one is needed."""
+        decoding: list[Req] = []
+        chunked: list[Req] = []
+        for req in self.running:
+            # Req.num_generated and Req.seq_len spelled out: this runs for every running request
+            # every step, and the two property calls were half its time.
+            generated = len(req.output_ids) + req.pending
+            seq_len = len(req.origin_input_ids) + generated
+            remaining = seq_len - req.kv_len
+            if remaining > 1:
+                chunked.append(req)
+            elif remaining == 1 and not (req.pending and (
+                    generated >= req.sampling_params.max_new_tokens or seq_len >= self.context_len)):
+                decoding.append(req)
+        return decoding, chunked
 
     def _decode_fits(self, decoding: list[Req]) -> bool:
         """Whether one more position for each decoding request fits (evicting the tree if needed)."""
         ps = self.kv.page_size
-        new_pages = sum(1 for r in decoding if r.kv_len % ps == 0)
+        new_pages = len(decoding) if ps == 1 else sum(1 for r in decoding if r.kv_len % ps == 0)
         if self.kv.ensure_free(new_pages * ps):
             return True
         # Validated at intake: a lone request always fits once everything else is evicted.
         return len(decoding) == 1 and len(self.running) == 1
 
-    def _schedule_decode(self, batch: ScheduledBatch) -> None:
-        decoding = self._decoding()
-        while decoding and not self._decode_fits(decoding):
+    def _schedule_decode(self, batch: ScheduledBatch, decoding: list[Req], fits: bool) -> None:
+        """Add the decoding requests to the batch, retracting some first while their next
+        positions do not fit (fits: whether they do now)."""
+        while not fits:
             self._retract_one(decoding)
-        kv_lens_before = [r.kv_len for r in decoding]
-        self.kv.grow_decoding(decoding)
-        for req, before in zip(decoding, kv_lens_before):
-            batch.add(req, before, 1, True)
+            fits = self._decode_fits(decoding)
+        batch.add_decode(decoding, self.kv.grow_decoding(decoding))
 
     def _retract_one(self, candidates: list[Req]) -> Req:
         # Cheapest to redo: least decoded output, then the longest prompt (most KV freed, and the
@@ -290,12 +303,12 @@ class Scheduler:
             return min(s.max_prefill_tokens, s.chunked_prefill_size)
         return s.max_prefill_tokens
 
-    def _schedule_prefill(self, batch: ScheduledBatch, in_flight: Optional[StepInFlight]) -> None:
+    def _schedule_prefill(self, batch: ScheduledBatch, in_flight: Optional[StepInFlight], chunked: list[Req]) -> None:
+        """chunked: the running requests in the middle of a chunked prompt; they continue first."""
         adder = PrefillAdder(self.kv, batch, budget=self._prefill_budget(),
                              chunking=self.settings.chunked_prefill_size > 0, new_token_ratio=self.new_token_ratio,
                              min_shared_prefix=self.settings.in_batch_prefix_min_len)
-        # A request in the middle of a chunked prefill continues first.
-        for req in [r for r in self.running if r.remaining > 1]:
+        for req in chunked:
             adder.add_chunk(req)
         busy = None
         if self.tiered is not None:  # loads start even in steps that admit nobody
@@ -404,6 +417,19 @@ class Scheduler:
         return updated
 
     def _finish_reason(self, req: Req, token: int) -> Optional[dict]:
+        """Why req ends with the token it just sampled (appended), or None if it goes on."""
+        params = req.sampling_params
+        if (req.grammar is None and token not in self.eos_token_ids and token not in params.stop_token_ids
+                and not (params.stop and self.decode_text is not None)):
+            # The common case, decided cheaply (this runs for every sampled token): no grammar,
+            # no stop string to look for, and the token is neither an end-of-sequence nor a stop
+            # id, so only the length can end the request, as `_finish_reason_by_rules` finds too.
+            return self._length_reason(req)
+        return self._finish_reason_by_rules(req, token)
+
+    def _finish_reason_by_rules(self, req: Req, token: int) -> Optional[dict]:
+        """`_finish_reason`, every rule in order: the grammar, min_new_tokens, stop and
+        end-of-sequence ids, stop strings, the length."""
         params = req.sampling_params
         if req.grammar is not None:
             if not req.grammar.accept(token):  # masked sampling never picks one; a bug if it does
@@ -424,7 +450,7 @@ class Scheduler:
         return self._length_reason(req)
 
     def _length_reason(self, req: Req) -> Optional[dict]:
-        if (len(req.output_ids) >= req.sampling_params.max_new_tokens
-                or len(req.origin_input_ids) + len(req.output_ids) >= self.context_len):
-            return {"type": "length", "length": len(req.output_ids)}
+        n = len(req.output_ids)
+        if n >= req.sampling_params.max_new_tokens or len(req.origin_input_ids) + n >= self.context_len:
+            return {"type": "length", "length": n}
         return None

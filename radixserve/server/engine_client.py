@@ -78,8 +78,8 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput
     counts of the later, the first-token and queue times of the earlier where it has them."""
     return RequestOutput(
         rid=later.rid, new_token_ids=earlier.new_token_ids + later.new_token_ids,
-        new_logprobs=earlier.new_logprobs + later.new_logprobs,
-        input_logprobs=earlier.input_logprobs + later.input_logprobs, finished=later.finished,
+        new_logprobs=[*earlier.new_logprobs, *later.new_logprobs],
+        input_logprobs=[*earlier.input_logprobs, *later.input_logprobs], finished=later.finished,
         finish_reason=later.finish_reason, prompt_tokens=later.prompt_tokens, cached_tokens=later.cached_tokens,
         completion_tokens=later.completion_tokens,
         ttft=earlier.ttft if earlier.ttft is not None else later.ttft,
