@@ -174,20 +174,10 @@ def test_a_next_turn_that_retokenized_the_prompts_last_token_still_continues_it(
     cache.check_invariants()
 
 
-def test_prefix_hold_holds_a_turn_sent_as_text():
-    now = [0.0]
-    sched = _scheduler(1024, lambda: now[0], prefix_hold_s=1.0)
-    first = list(range(400, 500))
-    sched.add_request(_req("turn-1", first, 0.0, max_new=3))
-    _run_to_end(sched)
-    second = first[:-1] + [4999, 7, 7] + list(range(600, 620))  # the boundary token re-read differently
-    sched.add_request(_req("turn-2", second, 0.0, max_new=3))
-    _run_to_end(sched)
-    assert sched.cache.waited_evictable_size == len(second) + 2
-    sched.check_invariants()
-
-
-def test_prefix_hold_keeps_a_conversation_turns_prefix_for_its_duration():
+@pytest.mark.parametrize("sent_as", ["ids", "text"])
+def test_prefix_hold_keeps_a_conversation_turns_prefix_for_its_duration(sent_as):
+    """A later turn is held whether its ids repeat the previous prompt exactly or, as a client
+    sending text re-tokenizes it, differ in the previous prompt's last token."""
     now = [0.0]
     sched = _scheduler(1024, lambda: now[0], prefix_hold_s=1.0)
     first = list(range(400, 500))
@@ -195,6 +185,8 @@ def test_prefix_hold_keeps_a_conversation_turns_prefix_for_its_duration():
     _run_to_end(sched)
     assert sched.cache.waited_evictable_size == 0  # nothing says anyone comes back for it: not held
     second = first + [7, 7] + list(range(600, 620))  # the previous prompt, a reply, the next message
+    if sent_as == "text":
+        second[len(first) - 1] = 4999  # the boundary token re-read together with the reply
     sched.add_request(_req("turn-2", second, 0.0, max_new=3))
     _run_to_end(sched)
     assert sched.cache.waited_evictable_size == len(second) + 2  # the prompt and the outputs with KV
