@@ -14,6 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.client import AsyncClient
 
+from conftest import ServerProcess
+
 pytestmark = pytest.mark.timeout(300)
 
 SYSTEM_PROMPT = ("You are a helpful assistant. Answer the question as clearly and briefly as you can. "
@@ -211,6 +213,32 @@ def test_generate_native_and_sse(server):
 
 
 # ---------------------------------------------------------------------------------------------- prefix cache
+def test_a_conversations_next_turn_sent_as_text_is_recognised_and_held(server_model_dir, server_workdir):
+    """As a client sending text makes it: the second turn's prompt is the first's text, a reply and
+    a new message, and the tokenizer reads the first prompt's last word together with the reply
+    ("tree" + "s ..."), so the ids differ at that boundary. The second turn still counts as
+    continuing the conversation and, finished, its prefix is held (`--prefix-hold-s`); both show
+    on /metrics."""
+    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu", "--max-total-tokens", "32768",
+                          "--prefix-hold-s", "30"], server_workdir).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused")
+        model = proc.server_info()["served_model_name"]
+        first_prompt = SYSTEM_PROMPT + "\nUser: What is a radix tree?\nAssistant: A radix tree"
+        first = client.completions.create(model=model, prompt=first_prompt, max_tokens=6, temperature=0)
+        assert metric_values(proc.base_url)["radixserve:continued_turns_total"] == 0
+        second_prompt = first_prompt + "s a trie with merged edges.\nUser: And how does a server use one?\nAssistant:"
+        second = client.completions.create(model=model, prompt=second_prompt, max_tokens=6, temperature=0)
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert first.usage.prompt_tokens - 8 <= cached < first.usage.prompt_tokens  # the boundary token differs
+        wait_idle(proc)
+        values = metric_values(proc.base_url)
+        assert values["radixserve:continued_turns_total"] == 1
+        assert values["radixserve:prefix_holds_total"] >= 1  # the second turn's prefix, held 30 s
+    finally:
+        proc.stop()
+
+
 def test_shared_system_prompt_cached_tokens_metrics_and_log(server):
     with server.client() as http:
         assert http.post("/flush_cache").status_code == 200

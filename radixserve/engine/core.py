@@ -352,6 +352,8 @@ class EngineCore:
             **self._tier_stats(),
             "retractions": s.num_retractions,
             "in_batch_deferrals": s.in_batch_deferrals,
+            "continued_turns": s.continued_turns,
+            "prefix_holds": s.prefix_holds,
             "new_token_ratio": self.scheduler.new_token_ratio,
         }
 

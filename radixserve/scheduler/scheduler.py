@@ -55,6 +55,10 @@ class SchedulerStats:
     num_decode_steps: int = 0
     admitted: int = 0
     in_batch_deferrals: int = 0
+    # Admissions recognised as a later turn of a conversation, and finished prefixes held for
+    # --prefix-hold-s: whether the hold engages shows here (and on /metrics).
+    continued_turns: int = 0
+    prefix_holds: int = 0
 
 
 class Scheduler:
@@ -161,6 +165,7 @@ class Scheduler:
         if node is not self.cache.root:
             self.cache.add_waiter(node)
             self._held.append((self.clock() + self.settings.prefix_hold_s, node))
+            self.stats.prefix_holds += 1
 
     def release_expired_holds(self) -> bool:
         """Let go of the prefix holds whose time is up (each step does; an idle engine calls it
@@ -351,6 +356,7 @@ class Scheduler:
                 self._continued_count -= self._continued[0]  # about to drop out of the window
             self._continued.append(req.continues_conversation)
             self._continued_count += req.continues_conversation
+            self.stats.continued_turns += req.continues_conversation
             self.cache.counters.prompt_tokens += len(req.origin_input_ids)
             self.cache.counters.cached_prompt_tokens += min(req.locked_len, len(req.origin_input_ids))
             host_hits = req.host_hit_len if req.host_hit_len <= req.locked_len else 0
