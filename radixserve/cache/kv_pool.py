@@ -155,11 +155,19 @@ class ReqToTokenPool:
     def write(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
         """table[rows[i], cols[i]] = slots[i] for all i, as one device operation."""
         device = self.table.device
-        index = (_int64_tensor(rows).to(device, non_blocking=True), _int64_tensor(cols).to(device, non_blocking=True))
-        self.table.index_put_(index, _int64_tensor(slots).to(device, non_blocking=True))
+        index = (int64_tensor(rows).to(device, non_blocking=True), int64_tensor(cols).to(device, non_blocking=True))
+        self.table.index_put_(index, int64_tensor(slots).to(device, non_blocking=True))
 
 
-def _int64_tensor(values: list[int]) -> torch.Tensor:
-    """A host int64 tensor of values. Through array('q'): a decode step writes a position for every
-    running request, and torch.tensor(list) takes several times longer over a long list."""
-    return torch.frombuffer(array("q", values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
+def int64_tensor(values: Sequence[int]) -> torch.Tensor:
+    """A host int64 tensor of values (a list or an array). Through array('q'): a decode step writes
+    a position for every running request, and torch.tensor(list) takes several times longer over a
+    long list (array.fromlist converts a list fastest)."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    if isinstance(values, list):
+        host = array("q")
+        host.fromlist(values)
+    else:
+        host = array("q", values)
+    return torch.frombuffer(host, dtype=torch.int64)

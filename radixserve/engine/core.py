@@ -250,7 +250,7 @@ class EngineCore:
         batch = self.scheduler.schedule(previous)  # collects `previous` early if it must retract
         if batch is not None:
             forward = self.runner.launch_forward(batch)
-            if previous is not None and self._masks_rows(batch):
+            if previous is not None and forward.may_constrain and self._masks_rows(batch):
                 # The grammar masks of this step need the previous step's tokens: they are read,
                 # and the matchers advanced, while the device runs this step's forward pass (see
                 # docs/structured_outputs.md for what it costs).

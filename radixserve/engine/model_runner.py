@@ -16,13 +16,16 @@ pass.
 from __future__ import annotations
 
 import logging
+from array import array
 from dataclasses import dataclass
-from typing import Optional
+from functools import reduce
+from operator import or_
+from typing import Optional, Sequence
 
 import torch
 
 from radixserve.attention.base import ForwardBatch, ForwardMode
-from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
+from radixserve.cache.kv_pool import KVPool, ReqToTokenPool, int64_tensor
 from radixserve.engine.cuda_graph import DecodeCudaGraphs, supports_cuda_graphs
 from radixserve.engine.grammar_mask import GrammarMask
 from radixserve.engine.prompt_logprobs import PromptLogprobPlan, plan_prompt_logprobs
@@ -30,7 +33,8 @@ from radixserve.engine.sampled_tokens import LastSampledTokens
 from radixserve.model.logit_processing import ProcessingRow, process_logits
 from radixserve.model.logprobs import LogprobTensors, gather_logprobs, token_logprobs
 from radixserve.model.sampler import sample_tensor
-from radixserve.sampling_params import TokenLogprob
+from radixserve.sampling_params import (CONSTRAINED, PROCESSES_LOGITS, RETURNS_LOGPROBS, SAMPLES, SEEDED,
+                                        TokenLogprob)
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.batch import ScheduledBatch
 
@@ -114,6 +118,12 @@ class LaunchedForward:
     sampling: list[Req]
     pool_rows: list[int]  # each sampling request's req_to_token row (taken now: a finished request drops it)
     prompt: Optional[PromptLogprobPlan]
+    flags: int  # the sampling requests' sampling_flags OR-ed (radixserve.sampling_params)
+
+    @property
+    def may_constrain(self) -> bool:
+        """Whether a sampling request may have a grammar (else no row is masked)."""
+        return bool(self.flags & CONSTRAINED)
 
 
 class ModelRunner:
@@ -154,8 +164,8 @@ class ModelRunner:
         seq_lens = [p + 1 for p in positions]
         return input_ids, positions, out_cache_loc, req_pool_indices, seq_lens
 
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        host = torch.tensor(values, dtype=torch.int64)
+    def _to_device(self, values: Sequence[int]) -> torch.Tensor:
+        host = int64_tensor(values)
         if self.device.type == "cuda":
             return host.pin_memory().to(self.device, non_blocking=True)
         return host
@@ -198,11 +208,11 @@ class ModelRunner:
         # view starts on a 16-byte boundary: Triton compiles a kernel variant per pointer
         # alignment, and views at odd offsets would make new variants (seconds of compile in the
         # middle of serving) appear whenever a batch's lengths change parity.
-        flat: list[int] = []
+        flat = array("q")  # filled part by part with fromlist: faster than torch.tensor over one long list
         starts = []
         for part in parts:
             starts.append(len(flat))
-            flat.extend(part)
+            flat.fromlist(part)
             if len(flat) % 2:
                 flat.append(0)
         packed = self._to_device(flat)
@@ -236,8 +246,10 @@ class ModelRunner:
     def launch_forward(self, sb: ScheduledBatch) -> LaunchedForward:
         """Queue the batch's forward pass (no sync)."""
         prompt = plan_prompt_logprobs(sb)
-        sampling = [r for r, s in zip(sb.reqs, sb.sample) if s]
-        return LaunchedForward(sb, self.run_model(sb, prompt), sampling, [r.req_pool_idx for r in sampling], prompt)
+        sampling = list(sb.reqs) if all(sb.sample) else [r for r, s in zip(sb.reqs, sb.sample) if s]
+        flags = reduce(or_, [r.sampling_flags for r in sampling], 0)
+        return LaunchedForward(sb, self.run_model(sb, prompt), sampling, [r.req_pool_idx for r in sampling], prompt,
+                               flags)
 
     @torch.inference_mode()
     def launch_sampling(self, fwd: LaunchedForward) -> StepFuture:
@@ -253,12 +265,20 @@ class ModelRunner:
         if not sampling:
             return self._future(None, None, prompt_logprobs, fwd.prompt) if prompt_logprobs is not None \
                 else StepFuture(None, None)
+        # Each per-request pass below runs only when the batch's flags say some request needs it.
+        flags = fwd.flags
         params = [r.sampling_params for r in sampling]
-        processed = self._constrain(self.process_logits(logits, sampling), logits, sampling)
-        ids = sample_tensor(processed, params, [self._generator(r) for r in sampling], self.default_generator)
+        processed = self.process_logits(logits, sampling) if flags & PROCESSES_LOGITS else logits
+        if fwd.may_constrain:
+            processed = self._constrain(processed, logits, sampling)
+        if flags & SAMPLES:
+            generators = [self._generator(r) for r in sampling] if flags & SEEDED else [None] * len(sampling)
+            ids = sample_tensor(processed, params, generators, self.default_generator)
+        else:
+            ids = processed.argmax(dim=-1)  # every row greedy: what sample_tensor draws then
         # Of the model's own logits (the graph's output view is still intact: nothing replays
         # before these kernels run, in stream order; masking works on a copy when it is needed).
-        logprobs = token_logprobs(logits, ids, params)
+        logprobs = token_logprobs(logits, ids, params) if flags & RETURNS_LOGPROBS else None
         self.sampled.record(self._to_device(fwd.pool_rows), ids)
         return self._future(ids, logprobs, prompt_logprobs, fwd.prompt)
 

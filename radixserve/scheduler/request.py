@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional, Protocol
 
 import torch
@@ -80,6 +81,11 @@ class Req:
     # Constrained decoding: the matcher every sampled token advances (None: unconstrained). A
     # step sampling for it is masked only once the step before has been collected.
     grammar: Optional[TokenGrammar] = None
+
+    @cached_property
+    def sampling_flags(self) -> int:
+        """sampling_params.sampling_flags(), worked out once: every decode step reads it."""
+        return self.sampling_params.sampling_flags()
 
     @property
     def fill_ids(self) -> list[int]:
