@@ -8,6 +8,7 @@ a request brings its own seed), and the chosen ids come back to the host in one 
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -36,10 +37,15 @@ class FilterPlan:
 
 def _row_params(params: Sequence[SamplingParams], vocab: int, device: torch.device) -> torch.Tensor:
     """[S, 4] float32 on the device: temperature, top_k (vocab when off), top_p, min_p. One copy."""
-    # top_p >= 1 keeps everything: 2.0 stays above any rounded cumulative sum.
-    rows = [(max(p.temperature, 1e-6), float(p.top_k if 0 < p.top_k < vocab else vocab),
-             p.top_p if p.top_p < 1.0 else 2.0, p.min_p) for p in params]
-    host = torch.tensor(rows, dtype=torch.float32)
+    if not params:
+        return torch.empty((0, 4), dtype=torch.float32, device=device)
+    # top_p >= 1 keeps everything: 2.0 stays above any rounded cumulative sum. One flat list
+    # through array('f'): torch.tensor over ~1,000 rows of tuples takes about twice as long.
+    flat = array("f")
+    flat.fromlist([value for p in params for value in (max(p.temperature, 1e-6),
+                                                       float(p.top_k if 0 < p.top_k < vocab else vocab),
+                                                       p.top_p if p.top_p < 1.0 else 2.0, p.min_p)])
+    host = torch.frombuffer(flat, dtype=torch.float32).view(len(params), 4)
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
