@@ -158,7 +158,16 @@ class ModelRunner:
         """input_ids, positions, out_cache_loc, req_pool_indices, seq_lens of a decode-only batch."""
         reqs = sb.reqs
         positions = list(sb.kv_lens_before)
-        input_ids = [_token_at(r, p) for r, p in zip(reqs, positions)]
+        # Each input is its request's newest token, found without _token_at's per-request call in
+        # the two usual cases: still being sampled by the step in flight (overlap scheduling), it
+        # sits just past the host's tokens and is read on the device (its row's placeholder);
+        # else it is the host's last output token.
+        known = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
+        placeholder = LastSampledTokens.placeholder
+        input_ids = [placeholder(r.req_pool_idx) if p == k and r.pending
+                     else r.output_ids[-1] if p == k - 1 and r.output_ids
+                     else _token_at(r, p)
+                     for r, p, k in zip(reqs, positions, known)]
         out_cache_loc = [r.slots[p] for r, p in zip(reqs, positions)]
         req_pool_indices = [r.req_pool_idx for r in reqs]
         seq_lens = [p + 1 for p in positions]
