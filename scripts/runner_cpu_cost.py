@@ -75,7 +75,7 @@ class CpuGraphReplay(DecodeCudaGraphs):
     """`DecodeCudaGraphs.replay` as it runs on a GPU, on the CPU: its buffers are CPU tensors and each
     captured graph is a no-op whose output is the stub's logits."""
 
-    def __init__(self, max_bs: int, logits: torch.Tensor):  # noqa: super().__init__ would allocate on CUDA
+    def __init__(self, max_bs: int, logits: torch.Tensor):  # not super().__init__(): it allocates on CUDA
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         self.inputs = torch.zeros((NUM_INPUT_ROWS, self.max_bs), dtype=torch.int64)
