@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import pstats
 import random
 import tempfile
@@ -47,10 +46,11 @@ from radixserve.attention.base import ForwardBatch
 from radixserve.engine.core import EngineCore
 from radixserve.engine.cuda_graph import NUM_INPUT_ROWS, DecodeCudaGraphs, graph_batch_sizes
 from radixserve.engine.io_struct import GenerateRequest
-from radixserve.http_common.gc_tuning import FullCollectionGovernor, freeze_startup_objects
 from radixserve.sampling_params import SamplingParams
 from radixserve.settings import ServerSettings
 from radixserve.testing.tiny_model import build_tiny_model
+# The sibling script in scripts/ (run as `python scripts/runner_cpu_cost.py`, its folder is on the path).
+from scheduler_cpu_cost import common_arguments, engine_like_collections
 
 STUB_VOCAB = 32
 WARMUP_STEPS = 4  # decode steps after the prefill before timing: the in-flight pipeline is full
@@ -136,31 +136,18 @@ def measure(model_dir: str, running: int, args: argparse.Namespace, path: str,
     runner.launch_forward = timed(runner.launch_forward, times)
     runner.launch_sampling = timed(runner.launch_sampling, times)
     core._masks_rows = timed(core._masks_rows, times)
-    # As in the engine process: what was built before is frozen, full collections are kept off the
-    # busy path, young collections run as usual.
-    freeze_startup_objects()
-    governor = FullCollectionGovernor("runner_cpu_cost").install()
-    if profile is not None:
-        profile.enable()
-    start = time.process_time()
-    for _ in range(args.steps):
-        core.step()
-    times.step_s = time.process_time() - start
-    if profile is not None:
-        profile.disable()
-    governor.uninstall()
-    gc.unfreeze()
+    with engine_like_collections("runner_cpu_cost", profile):
+        start = time.process_time()
+        for _ in range(args.steps):
+            core.step()
+        times.step_s = time.process_time() - start
     assert core.last_step.batch is not None and core.last_step.batch.is_decode_only
     assert len(core.scheduler.running) == running, "every request should still be decoding"
     return times
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--running", type=int, nargs="+", default=[256, 1024], help="running requests (each a run)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per count; the best is reported")
-    parser.add_argument("--steps", type=int, default=100, help="decode steps timed per run")
-    parser.add_argument("--input-len", type=int, default=16, help="prompt tokens per request")
+    parser = common_arguments(__doc__.splitlines()[0], input_len=16)
     parser.add_argument("--path", nargs="+", choices=("eager", "graph"), default=["eager", "graph"],
                         help="decode paths to time (graph: the CUDA-graph replay's host work)")
     parser.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")

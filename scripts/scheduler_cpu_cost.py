@@ -31,8 +31,9 @@ import gc
 import pstats
 import random
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 from radixserve.cache.kv_pool import PageAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import RadixCache
@@ -116,27 +117,41 @@ def measure(running: int, args: argparse.Namespace, profile: Optional[cProfile.P
     token_ids = [rng.randrange(VOCAB) for _ in range(running)]
     run_steps(scheduler, warmup, token_ids, None)
     assert len(scheduler.running) == running and not len(scheduler.waiting), "every request should be decoding"
-    # As in the engine process: what was built before is frozen, full collections are kept off the
-    # busy path, young collections run as usual.
-    freeze_startup_objects()
-    governor = FullCollectionGovernor("scheduler_cpu_cost").install()
     times = StepTimes()
-    if profile is not None:
-        profile.enable()
-    run_steps(scheduler, args.steps, token_ids, times)
-    if profile is not None:
-        profile.disable()
-    governor.uninstall()
-    gc.unfreeze()
+    with engine_like_collections("scheduler_cpu_cost", profile):
+        run_steps(scheduler, args.steps, token_ids, times)
     return times
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+@contextmanager
+def engine_like_collections(name: str, profile: Optional[cProfile.Profile]) -> Iterator[None]:
+    """The timed steps, as in the engine process: what was built before is frozen, full collections
+    are kept off the busy path, young collections run as usual; profiled when asked."""
+    freeze_startup_objects()
+    governor = FullCollectionGovernor(name).install()
+    if profile is not None:
+        profile.enable()
+    try:
+        yield
+    finally:
+        if profile is not None:
+            profile.disable()
+        governor.uninstall()
+        gc.unfreeze()
+
+
+def common_arguments(description: str, input_len: int) -> argparse.ArgumentParser:
+    """The options both host-cost scripts take (this one and scripts/runner_cpu_cost.py)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--running", type=int, nargs="+", default=[256, 1024], help="running requests (each a run)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per count; the best is reported")
     parser.add_argument("--steps", type=int, default=100, help="decode steps timed per run")
-    parser.add_argument("--input-len", type=int, default=512, help="prompt tokens per request")
+    parser.add_argument("--input-len", type=int, default=input_len, help="prompt tokens per request")
+    return parser
+
+
+def main() -> None:
+    parser = common_arguments(__doc__.splitlines()[0], input_len=512)
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="print a cProfile of one more run at the largest count")
     args = parser.parse_args()
