@@ -3,7 +3,6 @@ memory arithmetic and the choice of the request to retract."""
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
 from pathlib import Path
@@ -11,13 +10,8 @@ from pathlib import Path
 import pytest
 
 from radixserve import Engine
-from radixserve.cache.kv_pool import PageAllocator, ReqToTokenPool
-from radixserve.cache.radix_cache import RadixCache
 from radixserve.engine.io_struct import GenerateRequest
 from radixserve.sampling_params import SamplingParams
-from radixserve.scheduler.request import Req
-from radixserve.scheduler.scheduler import Scheduler
-from radixserve.settings import ServerSettings
 from radixserve.testing.tiny_model import build_tiny_model
 
 
@@ -183,29 +177,3 @@ def test_retraction_takes_the_request_with_the_least_output(tiny_dir, overlap):
     assert engine.cache_stats()["retractions"] == reqs["late"].num_retractions
     assert outputs == expected
     engine.check_invariants()
-
-
-def test_finish_reason_fast_path_agrees_with_every_rule():
-    """`_finish_reason` decides the common case (no grammar, no stop string to look for, a token
-    that is neither an end-of-sequence nor a stop id) on the length alone: for stop ids, end-of-
-    sequence ids with and without ignore_eos, min_new_tokens, max_new_tokens, the context length
-    and stop strings (with and without a tokenizer to look for them) it gives exactly what the
-    full rules give."""
-    context_len, eos, stop_id, plain = 40, [2, 3], 7, 9
-    reasons = []
-    for decode_text in (None, lambda ids: " ".join(map(str, ids))):
-        sched = Scheduler(ServerSettings(device="cpu"), RadixCache(PageAllocator(64, 1), page_size=1),
-                          ReqToTokenPool(2, context_len, "cpu"), context_len=context_len, eos_token_ids=eos,
-                          decode_text=decode_text)
-        for stop_token_ids, ignore_eos, min_new, max_new, prompt_len, stop in itertools.product(
-                ([], [stop_id]), (False, True), (0, 3), (5, 30), (10, 36), ([], ["9 9"])):
-            params = SamplingParams(max_new_tokens=max_new, min_new_tokens=min_new, stop_token_ids=stop_token_ids,
-                                    ignore_eos=ignore_eos, stop=stop)
-            for generated in range(1, 7):
-                for token in (*eos, stop_id, plain):
-                    req = Req(rid="r", origin_input_ids=[5] * prompt_len, sampling_params=params, arrival_time=0.0,
-                              arrival_seq=0, output_ids=[plain] * (generated - 1) + [token])
-                    reason = sched._finish_reason(req, token)
-                    assert reason == sched._finish_reason_by_rules(req, token), (params, req.output_ids)
-                    reasons.append(None if reason is None else (reason["type"], reason.get("matched")))
-    assert {None, ("length", None), ("stop", 2), ("stop", 3), ("stop", stop_id), ("stop", "9 9")} <= set(reasons)

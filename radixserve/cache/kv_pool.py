@@ -56,14 +56,10 @@ class PageAllocator:
 
     def free_slot_tensor(self) -> torch.Tensor:
         """Every free slot, as a new int64 tensor."""
-        pages = torch.frombuffer(self._free_pages, dtype=torch.int64).clone() if self._free_pages \
-            else torch.empty(0, dtype=torch.int64)
-        return self._expand_pages(pages)
+        return self._expand_pages(int64_tensor(self._free_pages))  # a copy: the free list changes
 
     def pages_to_slots(self, pages: list[int]) -> torch.Tensor:
-        # array('q') converts a long list several times faster than torch.tensor(list).
-        p = torch.frombuffer(array("q", pages), dtype=torch.int64) if pages else torch.empty(0, dtype=torch.int64)
-        return self._expand_pages(p)
+        return self._expand_pages(int64_tensor(pages))
 
     def _expand_pages(self, pages: torch.Tensor) -> torch.Tensor:
         if self.page_size == 1:

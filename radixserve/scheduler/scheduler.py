@@ -423,19 +423,8 @@ class Scheduler:
         return updated
 
     def _finish_reason(self, req: Req, token: int) -> Optional[dict]:
-        """Why req ends with the token it just sampled (appended), or None if it goes on."""
-        params = req.sampling_params
-        if (req.grammar is None and token not in self.eos_token_ids and token not in params.stop_token_ids
-                and not (params.stop and self.decode_text is not None)):
-            # The common case, decided cheaply (this runs for every sampled token): no grammar,
-            # no stop string to look for, and the token is neither an end-of-sequence nor a stop
-            # id, so only the length can end the request, as `_finish_reason_by_rules` finds too.
-            return self._length_reason(req)
-        return self._finish_reason_by_rules(req, token)
-
-    def _finish_reason_by_rules(self, req: Req, token: int) -> Optional[dict]:
-        """`_finish_reason`, every rule in order: the grammar, min_new_tokens, stop and
-        end-of-sequence ids, stop strings, the length."""
+        """Why req ends with the token it just sampled (appended), or None if it goes on: the
+        grammar, min_new_tokens, stop and end-of-sequence ids, stop strings, the length."""
         params = req.sampling_params
         if req.grammar is not None:
             if not req.grammar.accept(token):  # masked sampling never picks one; a bug if it does

@@ -107,25 +107,22 @@ class Linear(nn.Module):
         return self._fp8_token_input and self.input_scale is None
 
     def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
+        rows = x
         if isinstance(x, Fp8Activations):
-            return self._forward_fp8_activations(x)
-        if 0 < x.shape[0] <= self._decode_max_rows and x.stride(-1) == 1:
+            if not isinstance(self.quant, Fp8LinearMethod):
+                raise TypeError(f"{type(self).__name__}: Fp8Activations are for FP8 weights with per-row scales; "
+                                "this projection takes a tensor")
+            rows = x.values
+        if 0 < rows.shape[0] <= self._decode_max_rows and rows.stride(-1) == 1:
             return self._decode_linear(x, self.weight, self.bias, self._decode_config, silu_mul=self.act is not None)
         y = F.linear(x, self.weight, self.bias) if self.quant is None else self.quant.apply(self, x)
         return y if self.act is None else self.act.forward(y)
 
-    def _forward_fp8_activations(self, x: Fp8Activations) -> torch.Tensor:
-        if not isinstance(self.quant, Fp8LinearMethod):
-            raise TypeError(f"{type(self).__name__}: Fp8Activations are for FP8 weights with per-row scales; this "
-                            "projection takes a tensor")
-        if 0 < x.values.shape[0] <= self._decode_max_rows:
-            return self._decode_linear_fp8(x.values, self.weight, self.weight_scale, self.bias, self._decode_config,
-                                           silu_mul=self.act is not None, x_scale=x.scales, out_dtype=x.dtype)
-        y = self.quant.apply(self, x)
-        return y if self.act is None else self.act.forward(y)
-
-    def _fp8_decode_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], config,
-                           silu_mul: bool) -> torch.Tensor:
+    def _fp8_decode_linear(self, x: torch.Tensor | Fp8Activations, weight: torch.Tensor,
+                           bias: Optional[torch.Tensor], config, silu_mul: bool) -> torch.Tensor:
+        if isinstance(x, Fp8Activations):  # quantized per token already
+            return self._decode_linear_fp8(x.values, weight, self.weight_scale, bias, config, silu_mul=silu_mul,
+                                           x_scale=x.scales, out_dtype=x.dtype)
         return self._decode_linear_fp8(x, weight, self.weight_scale, bias, config, silu_mul=silu_mul,
                                        input_scale=self.quant.static_scale)
 
