@@ -171,6 +171,10 @@ def test_a_next_turn_that_retokenized_the_prompts_last_token_still_continues_it(
     assert match.length == len(prompt) - 1 and cache.extends_a_prompt(match.last_node)
     far_short = prompt[:-PROMPT_END_SLACK - 1] + list(range(500, 520))
     assert not cache.extends_a_prompt(cache.match(far_short).last_node)
+    # The same prompt sent again (its last token left to compute) continues nothing.
+    again = cache.match(prompt[:-1])
+    assert not cache.extends_a_prompt(again.last_node, uncached=1)
+    assert cache.extends_a_prompt(cache.match(retokenized).last_node, uncached=len(retokenized) - match.length)
     cache.check_invariants()
 
 
@@ -195,6 +199,19 @@ def test_prefix_hold_keeps_a_conversation_turns_prefix_for_its_duration(sent_as)
     assert not sched.release_expired_holds() and sched.cache.waited_evictable_size == len(second) + 2
     now[0] = 1.1
     assert sched.release_expired_holds() and sched.cache.waited_evictable_size == 0
+    sched.check_invariants()
+
+
+def test_the_same_prompt_sent_again_is_no_later_turn():
+    """A retry or a health probe repeats a finished prompt exactly: it finds all of it cached but
+    the last token, and is neither counted as a conversation's turn nor held."""
+    now = [0.0]
+    sched = _scheduler(1024, lambda: now[0], prefix_hold_s=1.0)
+    prompt = list(range(400, 500))
+    for rid in ("first", "again", "once more"):
+        sched.add_request(_req(rid, prompt, 0.0, max_new=1))
+        _run_to_end(sched)
+    assert sched.stats.continued_turns == 0 and sched.stats.prefix_holds == 0
     sched.check_invariants()
 
 

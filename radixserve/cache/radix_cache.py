@@ -203,18 +203,22 @@ class RadixCache:
         slots = torch.cat(pieces) if pieces else _EMPTY_SLOTS
         return MatchResult(length, slots, last)
 
-    def extends_a_prompt(self, node: TreeNode) -> bool:
+    def extends_a_prompt(self, node: TreeNode, uncached: Optional[int] = None) -> bool:
         """Whether the path to node (a request's match, split to end there) runs through the end of
         a finished request's prompt, or stops at most PROMPT_END_SLACK tokens (a page) short of
-        one: the request continues that request's conversation. A client sending text re-tokenizes
-        the previous prompt's last token together with the reply after it, so the next turn's
-        match usually ends a token before the mark."""
+        one that the request goes past (`uncached`: its prompt tokens after the match; None: it
+        does): the request continues that request's conversation. A client sending text
+        re-tokenizes the previous prompt's last token together with the reply after it, so the
+        next turn's match usually ends a token before the mark; the same prompt sent again (a
+        retry, a health probe) ends there too, and continues nothing."""
         if node is self.root:
             return False
         # Such a match split the prompt's last node where it stopped: the marked rest is a child
         # (usually the only one). A node with many children is where prompts branch; not scanned.
         if len(node.children) <= 4:
             slack = max(PROMPT_END_SLACK, self.page_size)
+            if uncached is not None:
+                slack = min(slack, uncached - 1)
             if any(child.ends_prompt and len(child.key) <= slack for child in node.children.values()):
                 return True
         while node is not self.root:

@@ -351,7 +351,8 @@ class Scheduler:
     def _admit(self, req: Req) -> None:
         if req.cached_tokens < 0:  # first admission (not a retracted request coming back)
             req.cached_tokens = req.locked_len
-            req.continues_conversation = self.cache.extends_a_prompt(req.last_node)
+            req.continues_conversation = self.cache.extends_a_prompt(
+                req.last_node, uncached=len(req.origin_input_ids) - req.locked_len)
             if len(self._continued) == CONVERSATION_WINDOW:
                 self._continued_count -= self._continued[0]  # about to drop out of the window
             self._continued.append(req.continues_conversation)
