@@ -67,6 +67,9 @@ for round in $(seq "$REPEAT"); do
       "${CLIENT[@]}" | grep -iE "hit|throughput|latency|TTFT|Belady|LRU|oracle|Successful|Failed" \
       || log "$label: client exit $?"
     stop_monitor
+    # What the scheduler did for conversations (the prefix hold's counters), before the server goes.
+    curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^radixserve:(continued_turns|prefix_holds)_total" \
+      | sed "s/^/[$label] /"
     stop_server
   done
 done

@@ -130,10 +130,12 @@ def fp8_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     """e4m3 activations xq [M, K] with float32 scales [M, 1] times the e4m3 weight on the FP8
     tensor cores (`torch._scaled_mm`, row-wise scales), + bias, in out_dtype."""
     # weight.t() is a view (the column-major operand _scaled_mm wants); the scales are float32
-    # already, and a per-token [M, 1] is contiguous: only a static scale's expand is copied.
+    # already, and a per-token [M, 1] is contiguous: only a static scale's expand is copied. A bias
+    # in the output dtype is added in the GEMM's epilogue (in float32, one launch fewer).
+    in_gemm = bias is not None and bias.dtype == out_dtype
     y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.contiguous(), scale_b=weight_scale[None, :],
-                         out_dtype=out_dtype)
-    return y if bias is None else y + bias
+                         bias=bias if in_gemm else None, out_dtype=out_dtype)
+    return y if bias is None or in_gemm else y + bias
 
 
 class Fp8LinearMethod:
