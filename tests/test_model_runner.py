@@ -1,5 +1,5 @@
 """The model runner's host-side step building: decode columns, the CUDA-graph input packing (its
-CPU part), the batch sampling flags and the int64 index tensors."""
+CPU part), the batch sampling flags, the int64 index tensors and the request table's batched writes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from array import array
 import pytest
 import torch
 
-from radixserve.cache.kv_pool import int64_tensor
+from radixserve.cache.kv_pool import ReqToTokenPool, TableWrites, int64_tensor
 from radixserve.engine.cuda_graph import NUM_INPUT_ROWS, pack_decode_inputs
 from radixserve.engine.model_runner import ModelRunner, _token_at
 from radixserve.sampling_params import (CONSTRAINED, PROCESSES_LOGITS, RETURNS_LOGPROBS, SAMPLES, SEEDED,
@@ -79,3 +79,22 @@ def test_int64_tensor_from_a_list_an_array_or_nothing():
     assert int64_tensor(range(3)).tolist() == [0, 1, 2]
     empty = int64_tensor([])
     assert empty.dtype == torch.int64 and empty.numel() == 0
+
+
+def test_table_writes_apply_single_positions_and_runs_as_assigned_one_by_one():
+    pool, expected = ReqToTokenPool(4, 16, "cpu"), torch.zeros((4, 16), dtype=torch.int64)
+    writes = TableWrites()
+    assert not writes
+    writes.add_run(2, 0, torch.tensor([7, 8, 9]))  # a cached prefix's slots, as the tree holds them
+    writes.add_run(0, 5, [40, 41])  # newly allocated slots, a list
+    writes.add_run(3, 1, [])  # nothing: no write
+    writes.rows.extend([1, 2])  # two decoding requests' next positions
+    writes.cols.extend([4, 3])
+    writes.slots.extend([50, 60])
+    writes.add_run(1, 10, array("q", [70, 71, 72]))
+    assert writes
+    for row, col, slot in [(2, 0, 7), (2, 1, 8), (2, 2, 9), (0, 5, 40), (0, 6, 41), (1, 4, 50), (2, 3, 60),
+                           (1, 10, 70), (1, 11, 71), (1, 12, 72)]:
+        expected[row, col] = slot
+    pool.write(writes)
+    assert torch.equal(pool.table, expected)

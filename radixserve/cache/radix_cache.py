@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from radixserve.cache.kv_pool import PageAllocator
+from radixserve.cache.kv_pool import PageAllocator, int64_tensor
 from radixserve.cache.prefix import common_prefix_len
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
@@ -99,6 +99,11 @@ EVICTION_KEYS: dict[str, Callable[[TreeNode], tuple]] = {
     "lfu": lambda n: (n.hit_count, n.last_access),
     "fifo": lambda n: (n.created,),
 }
+
+
+def slots_tensor(slots: Sequence[int] | torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """slots[start:end] as a tensor the tree owns (a copy of a tensor's slice; a list converted)."""
+    return slots[start:end].clone() if isinstance(slots, torch.Tensor) else int64_tensor(slots[start:end])
 
 
 class RadixCache:
@@ -265,8 +270,10 @@ class RadixCache:
         self.touched.add((node, PARTIAL))
         return upper
 
-    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
+    def insert(self, tokens: Sequence[int], slots: Sequence[int] | torch.Tensor) -> int:
         """Add tokens (whole pages) with their slots; returns how many leading tokens were already cached.
+        Slots may be a list: only the part the tree takes is converted (a finished request's
+        prompt is mostly its cached prefix).
 
         The caller owns slots[:returned length] only where it did not get them from the tree: those
         are duplicates it must free. The tree takes ownership of slots[returned length:].
@@ -287,10 +294,10 @@ class RadixCache:
             self._push(node)  # its access time changed
         return pos
 
-    def _add_leaf(self, parent: TreeNode, tokens: Sequence[int], pos: int, slots: torch.Tensor,
+    def _add_leaf(self, parent: TreeNode, tokens: Sequence[int], pos: int, slots: Sequence[int] | torch.Tensor,
                   tick: int) -> TreeNode:
         """tokens[pos:] as a new evictable leaf under parent, owning slots[pos:]."""
-        leaf = TreeNode(list(tokens[pos:]), slots[pos:].clone(), parent, tick, next(self._ids))
+        leaf = TreeNode(list(tokens[pos:]), slots_tensor(slots, pos, len(tokens)), parent, tick, next(self._ids))
         parent.children[self._child_key(tokens, pos)] = leaf
         self.num_nodes += 1
         self.evictable_size += len(leaf.key)

@@ -28,7 +28,7 @@ import torch
 
 from radixserve.cache.host_pool import CopyEngine, CopyStats, HostKVPool, make_copy_engine
 from radixserve.cache.kv_pool import KVPool, PageAllocator
-from radixserve.cache.radix_cache import ALL, RadixCache, TreeNode
+from radixserve.cache.radix_cache import ALL, RadixCache, TreeNode, slots_tensor
 
 # host_seq of host copies a copy being prepared will use: busy until the copy is issued.
 _RESERVED = 1 << 62
@@ -209,7 +209,7 @@ class TieredRadixCache(RadixCache):
         self.touched.add((node, "partial"))
         return upper
 
-    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
+    def insert(self, tokens: Sequence[int], slots: Sequence[int] | torch.Tensor) -> int:
         """As RadixCache.insert; a host-only node on the path takes the caller's slots (the caller
         computed those tokens itself), so the returned length is where the device copies end."""
         assert len(tokens) % self.page_size == 0 and len(tokens) == len(slots)
@@ -221,7 +221,7 @@ class TieredRadixCache(RadixCache):
                 child = self._split(child, n)
             child.last_access = tick
             if child.value is None:
-                child.value = slots[child_pos:child_pos + n].clone()
+                child.value = slots_tensor(slots, child_pos, child_pos + n)
                 self._became_device(child)
                 self._push_host(child)  # its host copy may go now, whatever its children
                 if self._evictable_leaf(child):

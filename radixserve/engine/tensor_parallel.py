@@ -47,7 +47,7 @@ import torch
 import zmq
 
 from radixserve.cache.host_pool import CopyEngine, CopyOrder
-from radixserve.cache.kv_pool import ReqToTokenPool
+from radixserve.cache.kv_pool import ReqToTokenPool, TableWrites
 from radixserve.distributed import TensorParallel, destroy, init_tensor_parallel
 from radixserve.distributed.group import open_store
 from radixserve.engine.model_runner import ModelRunner
@@ -100,11 +100,11 @@ class RecordingReqToTokenPool(ReqToTokenPool):
         super().__init__(max_requests, max_context, device)
         self.pending: tuple[array, array, array] = (_ints(()), _ints(()), _ints(()))
 
-    def write(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
-        super().write(rows, cols, slots)
-        self.pending[0].extend(rows)
-        self.pending[1].extend(cols)
-        self.pending[2].extend(slots)
+    def write(self, writes: TableWrites) -> None:
+        tensors = writes.tensors()
+        self.write_tensors(*tensors)
+        for pending, values in zip(self.pending, tensors):
+            pending.frombytes(values.numpy().tobytes())
 
     def take(self) -> Optional[tuple[array, array, array]]:
         if not self.pending[2]:

@@ -75,7 +75,7 @@ class WorkerRank:
     @torch.inference_mode()
     def run_step(self, msg: StepMessage) -> None:
         if msg.table_writes is not None:
-            self.req_to_token.write(*(a.tolist() for a in msg.table_writes))
+            self.req_to_token.write_tensors(*(torch.frombuffer(a, dtype=torch.int64) for a in msg.table_writes))
         if msg.copies is not None:
             self.run_copies(msg.copies)
         parts = tuple(p.tolist() for p in msg.parts)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.cache.kv_pool import PageAllocator, ReqToTokenPool
+from radixserve.cache.kv_pool import PageAllocator, ReqToTokenPool, TableWrites, int64_tensor
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.scheduler.request import Req
 
@@ -22,9 +22,7 @@ class KVManager:
         self.page_size = cache.page_size
         self.req_to_token = req_to_token
         # Device table writes collected during scheduling, applied in one operation per step.
-        self._rows: list[int] = []
-        self._cols: list[int] = []
-        self._slots: list[int] = []
+        self._writes = TableWrites()
 
     # ------------------------------------------------------------------ arithmetic
     def page_ceil(self, n: int) -> int:
@@ -53,8 +51,7 @@ class KVManager:
         req.locked_len = match.length
         req.slots = match.slots.tolist()
         req.kv_len = match.length
-        if req.slots:  # the row may hold a previous request's slots
-            self._queue_table_write(req.req_pool_idx, 0, req.slots)
+        self._writes.add_run(req.req_pool_idx, 0, match.slots)  # the row may hold a previous request's slots
 
     def grow(self, req: Req, upto: int) -> bool:
         """Give req slots for positions up to `upto`; False (nothing taken) when memory is short."""
@@ -67,7 +64,7 @@ class KVManager:
             assert pages is not None
             slots = self._slots_of(pages)
             req.slots.extend(slots)
-            self._queue_table_write(req.req_pool_idx, have, slots)
+            self._writes.add_run(req.req_pool_idx, have, slots)
         req.kv_len = upto
         return True
 
@@ -81,9 +78,9 @@ class KVManager:
         if ps == 1:
             slots = self.allocator.alloc_pages(len(reqs))
             assert slots is not None, "decode memory is ensured before it is taken"
-            self._rows.extend([r.req_pool_idx for r in reqs])
-            self._cols.extend(positions)  # a request has one slot per position at page size 1
-            self._slots.extend(slots)
+            self._writes.rows.extend([r.req_pool_idx for r in reqs])
+            self._writes.cols.extend(positions)  # a request has one slot per position at page size 1
+            self._writes.slots.extend(slots)
             for req, slot in zip(reqs, slots):
                 req.slots.append(slot)
                 req.kv_len += 1
@@ -95,7 +92,7 @@ class KVManager:
             all_slots = self._slots_of(pages)
             for i, req in enumerate(growing):
                 slots = all_slots[i * ps:(i + 1) * ps]
-                self._queue_table_write(req.req_pool_idx, len(req.slots), slots)
+                self._writes.add_run(req.req_pool_idx, len(req.slots), slots)
                 req.slots.extend(slots)
         for req in reqs:
             req.kv_len += 1
@@ -118,7 +115,7 @@ class KVManager:
         n = self.page_floor(req.kv_len)
         if not finished and n <= req.locked_len:
             return  # no new whole page
-        already = self.cache.insert(req.fill_ids[:n], torch.tensor(req.slots[:n], dtype=torch.int64))
+        already = self.cache.insert(req.fill_ids[:n], req.slots[:n])
         self._free_slots(req.slots[req.locked_len:already])  # duplicates of tokens cached meanwhile
         if finished:
             self._free_slots(req.slots[n:])  # the partly filled last page
@@ -132,7 +129,7 @@ class KVManager:
         if already > req.locked_len:  # take the tree's copies of the duplicated positions
             tree_slots = match.slots[req.locked_len:already].tolist()
             req.slots[req.locked_len:already] = tree_slots
-            self._queue_table_write(req.req_pool_idx, req.locked_len, tree_slots)
+            self._writes.add_run(req.req_pool_idx, req.locked_len, tree_slots)
         req.last_node, req.locked_len = match.last_node, n
 
     def _drop(self, req: Req) -> None:
@@ -142,18 +139,13 @@ class KVManager:
 
     def _free_slots(self, slots: list[int]) -> None:
         if slots:
-            self.allocator.free_slots(torch.tensor(slots, dtype=torch.int64))
+            self.allocator.free_slots(int64_tensor(slots))
 
     # ------------------------------------------------------------------ the device table
-    def _queue_table_write(self, row: int, start: int, slots: list[int]) -> None:
-        self._rows.extend([row] * len(slots))
-        self._cols.extend(range(start, start + len(slots)))
-        self._slots.extend(slots)
-
     def flush_table_writes(self) -> None:
-        if self._slots:
-            self.req_to_token.write(self._rows, self._cols, self._slots)
-            self._rows, self._cols, self._slots = [], [], []
+        if self._writes:
+            self.req_to_token.write(self._writes)
+            self._writes = TableWrites()
 
     # ------------------------------------------------------------------ accounting
     @staticmethod
