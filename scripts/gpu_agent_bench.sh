@@ -18,6 +18,8 @@
 #   MIN_LEFT_S  a configuration starts only with this much of the budget left (default 120)
 #   MONITOR     1: record GPU clocks and the busiest host threads every second of each run
 #               (monitor-LABEL-ROUND.txt; see scripts/server_process.sh)
+#   PROFILE     1: sample the engine process's Python stacks during each run with py-spy (when it is
+#               installed: carry its wheel in .whl) into pyspy-LABEL-ROUND.txt (collapsed stacks)
 #   BACKEND     the client's endpoint: sglang (default, /generate: every event carries the whole
 #               output so far, as the anchors ran) or openai (/v1/completions, deltas: less work
 #               for the host per streamed token, for repeats that should measure the engine)
@@ -62,6 +64,11 @@ for round in $(seq "$REPEAT"); do
     fi
     log "run $label"
     if [ -n "${MONITOR:-}" ]; then start_monitor "$OUT/monitor-$label-$round.txt"; fi
+    if [ -n "${PROFILE:-}" ] && command -v py-spy >/dev/null; then
+      py-spy record --nonblocking --rate 250 --format raw --duration "${PROFILE_S:-25}" \
+        --pid "$(pgrep -f radixserve.server.engine_process | head -1)" -o "$OUT/pyspy-$label-$round.txt" \
+        > "$OUT/pyspy-$label-$round.log" 2>&1 &
+    fi
     timeout -k 5 "$(left)" python3 -m radixserve.bench_serving --backend "$BACKEND" --port "$PORT" \
       ${TOKENIZER:+--tokenizer "$TOKENIZER"} --seed 1 --disable-tqdm --output-file "$RESULTS" \
       "${CLIENT[@]}" | grep -iE "hit|throughput|latency|TTFT|Belady|LRU|oracle|Successful|Failed" \

@@ -38,6 +38,7 @@ PACKAGES=(
   truststore==0.10.5
   xgrammar==0.2.9
   apache-tvm-ffi==0.1.15.post2
+  py-spy==0.4.3                 # the engine's Python stacks during a run (gpu_agent_bench.sh PROFILE=1)
 )
 
 PYTHON=${PYTHON:-python3}
