@@ -126,7 +126,11 @@ class ServerSettings:
     # --- model runner ------------------------------------------------------
     attention_backend: str = _opt("auto", "auto: triton on CUDA, torch elsewhere.",
                                   choices=("auto", "torch", "triton"))
-    cuda_graph_max_bs: int = _opt(256, "Largest decode batch replayed from a CUDA graph.")
+    cuda_graph_max_bs: int = _opt(
+        1024, "Largest decode batch replayed from a CUDA graph (at most --max-running-requests is captured). "
+        "Larger batches launch every kernel from Python: a small model's host-bound decode (0.5B, 1,024 "
+        "streams on an H200) ran 1.8x faster with graphs up to 1024 than up to 256. Lower it to start "
+        "faster or to keep the graphs' memory for the KV pool.")
     disable_cuda_graph: bool = _opt(False, "Run decode steps eagerly.")
     decode_gemm_max_rows: int = _opt(
         DECODE_GEMM_MAX_ROWS, "On CUDA, projections of at most this many rows (decode batches) run our weight-streaming "

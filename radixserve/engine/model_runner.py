@@ -128,7 +128,7 @@ class LaunchedForward:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_pool: KVPool, req_to_token: ReqToTokenPool,
-                 device: torch.device, random_seed: int = 0, *, cuda_graph_max_bs: int = 256,
+                 device: torch.device, random_seed: int = 0, *, cuda_graph_max_bs: int = 1024,
                  disable_cuda_graph: bool = False, sampled: Optional[LastSampledTokens] = None):
         self.model = model
         self.kv_pool = kv_pool

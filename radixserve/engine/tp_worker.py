@@ -25,7 +25,7 @@ from radixserve.cache.host_pool import CopyEngine, HostKVPool, make_copy_engine
 from radixserve.distributed import TensorParallel, destroy, init_tensor_parallel
 from radixserve.distributed.group import open_store
 from radixserve.engine.core import DTYPES
-from radixserve.engine.cpu_affinity import bind_near_gpu
+from radixserve.engine.cpu_affinity import bind_near_gpu, one_host_thread
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.model_stack import host_tier_tokens, load_rank_model, make_kv_memory
 from radixserve.engine.tensor_parallel import CopyBatch, SharedSampledTokens, StepMessage
@@ -138,7 +138,9 @@ def worker_main(settings: ServerSettings, rank: int, store_port: int, control_ad
     try:
         store = open_store(store_port, world_size=settings.tp_size, is_master=False)
         tp = init_tensor_parallel(rank, settings.tp_size, device, store)
-        serve(WorkerRank(settings, tp), sock, parent_pid)
+        worker = WorkerRank(settings, tp)
+        one_host_thread(device)  # after loading, which may convert weights on the CPU
+        serve(worker, sock, parent_pid)
         return 0
     except Exception:
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())

@@ -361,6 +361,7 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
     try:
         try:
             from radixserve.engine.core import EngineCore
+            from radixserve.engine.cpu_affinity import one_host_thread
 
             core = EngineCore(settings)
         except Exception as e:
@@ -371,6 +372,7 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
             pid=os.getpid(), model_path=core.model_path, pool_size=core.pool_size, context_len=core.context_len,
             vocab_size=core.model_config.vocab_size, max_running_requests=core.scheduler.max_running,
             device=str(core.device), dtype=str(core.dtype).replace("torch.", ""))))
+        one_host_thread(core.device)  # after loading, which may convert weights on the CPU
         governor = govern_collections("engine")
         loop = EngineLoop(core, settings, pull, push, parent_pid, gc_governor=governor)
         try:
