@@ -2,6 +2,7 @@
 
     python scripts/scheduler_cpu_cost.py [--running 256 1024] [--repeats 3] [--steps 100] [--input-len 512]
                                          [--page-size 1] [--profile]
+    python scripts/scheduler_cpu_cost.py --burst [--repeats 3] [--profile]
 
 With many concurrent streams of a small model the engine process is host-bound: on an H200 a
 0.5B model decoding 1,024 streams keeps the engine's one core busy while the GPU idles most of
@@ -13,6 +14,11 @@ with the real `Scheduler`, radix cache, KV allocator and request table (on the C
 processes step N's tokens (ids drawn in advance; none is an end-of-sequence token and no request
 reaches max_new_tokens, so all keep running). Each updated request then becomes a `RequestOutput`
 (`request_output`) and the step's outputs one encoded message to the API process.
+
+`--burst` measures the admission of a burst instead, the 0.5B gsp run's first two seconds: 1,024
+requests (64 groups of 16 sharing 2,048-token system prompts, 128-token questions), 60 more
+arriving before each step, prefilled 8,192 tokens a step under LPM until all run; it prints the
+scheduler's CPU time over those steps (the best of `--repeats`).
 
 Prints, per running count, microseconds per running request per decode step, in all and split
 into the scheduler's part (`schedule` + `collect`) and the outputs', and milliseconds per step:
@@ -150,11 +156,53 @@ def common_arguments(description: str, input_len: int) -> argparse.ArgumentParse
     return parser
 
 
+def burst_cpu_seconds(profile: Optional[cProfile.Profile] = None) -> tuple[float, int]:
+    """CPU seconds of the scheduling steps that admit and prefill a gsp burst, and their count."""
+    rng = random.Random(0)
+    groups, per_group, system_len, question_len, arriving_per_step = 64, 16, 2048, 128, 60
+    systems = [[rng.randrange(VOCAB) for _ in range(system_len)] for _ in range(groups)]
+    prompts = [system + [rng.randrange(VOCAB) for _ in range(question_len)] for system in systems
+               for _ in range(per_group)]
+    rng.shuffle(prompts)
+    running, context, pool = len(prompts), system_len + question_len + 64, 1_500_000
+    settings = ServerSettings(max_total_tokens=pool, device="cpu", schedule_policy="lpm", max_running_requests=running)
+    scheduler = Scheduler(settings, RadixCache(PageAllocator(pool, 1), page_size=1),
+                          ReqToTokenPool(running, context, "cpu"), context_len=context, eos_token_ids=EOS_TOKEN_IDS)
+    params = SamplingParams(max_new_tokens=32, temperature=0.0)
+    token_ids = [rng.randrange(VOCAB) for _ in range(running)]
+    previous: Optional[StepInFlight] = None
+    sent, steps, cpu_s = 0, 0, 0.0
+    with engine_like_collections("scheduler_cpu_cost", profile):
+        while sent < len(prompts) or len(scheduler.waiting):
+            for prompt in prompts[sent:sent + arriving_per_step]:
+                scheduler.add_request(Req(rid=f"req-{sent}", origin_input_ids=prompt, sampling_params=params,
+                                          arrival_time=time.monotonic(), arrival_seq=-1))
+                sent += 1
+            start = time.process_time()
+            batch = scheduler.schedule(previous)
+            current = StepInFlight(batch, PresetTokens(token_ids[:sum(batch.sample)]))
+            updated = scheduler.collect(previous) if previous is not None else []
+            m.encode(m.OutputBatch(outputs=[request_output(r) for r in updated], errors=[], stats=None, kv_events=[]))
+            cpu_s += time.process_time() - start
+            steps += 1
+            previous = current
+    return cpu_s, steps
+
+
 def main() -> None:
     parser = common_arguments(__doc__.splitlines()[0], input_len=512)
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="print a cProfile of one more run at the largest count")
+    parser.add_argument("--burst", action="store_true", help="measure the admission of a gsp burst instead")
     args = parser.parse_args()
+    if args.burst:
+        cpu_s, steps = min(burst_cpu_seconds() for _ in range(args.repeats))
+        print(f"gsp burst: {cpu_s:.3f} s of scheduler CPU time over {steps} steps ({cpu_s / steps * 1e3:.1f} ms a step)")
+        if args.profile:
+            profile = cProfile.Profile()
+            burst_cpu_seconds(profile)
+            pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+        return
     for running in args.running:
         runs = [measure(running, args) for _ in range(args.repeats)]
         best = min(runs, key=lambda t: t.scheduler_s + t.outputs_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from array import array
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 
@@ -182,18 +183,21 @@ class TableWrites:
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rows, cols, slots) as host int64 tensors, the single positions first."""
-        rows, cols, slots = [int64_tensor(self.rows)], [int64_tensor(self.cols)], [int64_tensor(self.slots)]
-        if self._runs:
-            run_rows, starts, parts = zip(*self._runs)
-            lengths = int64_tensor([len(p) for p in parts])
-            values = torch.cat([p if isinstance(p, torch.Tensor) else int64_tensor(p) for p in parts])
-            # Position i of the concatenation is run k's (i - offset_k)-th: its column is start_k + that.
-            offsets = torch.cumsum(lengths, 0) - lengths
-            shift = torch.repeat_interleave(int64_tensor(list(starts)) - offsets, lengths)
-            rows.append(torch.repeat_interleave(int64_tensor(list(run_rows)), lengths))
-            cols.append(torch.arange(len(values), dtype=torch.int64) + shift)
-            slots.append(values.to(torch.int64))
-        return torch.cat(rows), torch.cat(cols), torch.cat(slots)
+        singles = (int64_tensor(self.rows), int64_tensor(self.cols), int64_tensor(self.slots))
+        if not self._runs:
+            return singles
+        # The runs expanded with numpy (a third of torch's time for a burst of prompts on one thread).
+        run_rows, starts, parts = zip(*self._runs)
+        lengths = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
+        values = np.concatenate([(p if isinstance(p, torch.Tensor) else int64_tensor(p)).numpy() for p in parts])
+        rows = np.repeat(np.array(run_rows, dtype=np.int64), lengths)
+        # Position i of the concatenation is run k's (i - offset_k)-th: its column is start_k + that.
+        shift = np.array(starts, dtype=np.int64) - (np.cumsum(lengths) - lengths)
+        cols = np.arange(len(values), dtype=np.int64) + np.repeat(shift, lengths)
+        runs = (torch.from_numpy(rows), torch.from_numpy(cols), torch.from_numpy(values))
+        if not self.slots:
+            return runs
+        return torch.cat((singles[0], runs[0])), torch.cat((singles[1], runs[1])), torch.cat((singles[2], runs[2]))
 
 
 def int64_tensor(values: Sequence[int]) -> torch.Tensor:
