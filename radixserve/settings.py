@@ -156,6 +156,11 @@ class ServerSettings:
     graceful_shutdown_timeout: float = _opt(
         30.0, "On SIGTERM, seconds in-flight requests get to finish (/health answers 503 meanwhile); what is "
         "left then gets a 503 error body, or an error event and [DONE] on a stream.")
+    stream_interval: int = _opt(
+        1, "A streamed request gets an event every this many tokens (and with its first and its last); "
+        "larger values send fewer, bigger events, which saves host time in the engine and the API at "
+        "high concurrency. A request that does not stream gets its first token and its end only, "
+        "whatever this is.")
     log_requests: bool = _opt(False, "Log each request's arrival and finish, and each rejected request "
                               "(its status and reason, never its text).")
     max_request_bytes: Optional[int] = _opt(
@@ -226,6 +231,8 @@ class ServerSettings:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.decode_gemm_max_rows < 0:
             raise ValueError(f"decode_gemm_max_rows must be >= 0, got {self.decode_gemm_max_rows}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
 

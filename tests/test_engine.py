@@ -396,3 +396,26 @@ def test_slow_steps_are_logged_with_their_batch(tiny_dir, caplog):
     assert any("prefill/mixed, 4 new tokens" in line for line in lines), lines
     assert any("(decode, " in line for line in lines), lines
     assert all("compiled since the last slow step: none; CUDA allocator retries: +0" in line for line in lines)
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_outputs_come_every_stream_interval_and_once_at_the_end_unstreamed(tiny_dir, interval):
+    """A streamed request's output every `stream_interval` tokens (its first token at once); a
+    request that does not stream gets its first token and then everything at the end; the tokens
+    are the same."""
+    engine = Engine(str(tiny_dir), max_total_tokens=4096, stream_interval=interval)
+    core = engine.core
+    params = SamplingParams(max_new_tokens=9, temperature=0.0, ignore_eos=True)
+    prompt = list(range(3, 40))
+    core.add_request(GenerateRequest(rid="streamed", input_ids=prompt, sampling_params=params))
+    core.add_request(GenerateRequest(rid="whole", input_ids=prompt, sampling_params=params, stream=False))
+    sizes: dict[str, list[int]] = {"streamed": [], "whole": []}
+    tokens: dict[str, list[int]] = {"streamed": [], "whole": []}
+    while core.has_work:
+        for out in core.step():
+            sizes[out.rid].append(len(out.new_token_ids))
+            tokens[out.rid].extend(out.new_token_ids)
+    assert sizes["streamed"] == ([1] * 9 if interval == 1 else [1, 4, 4])
+    assert sizes["whole"] == [1, 8]
+    assert tokens["streamed"] == tokens["whole"] and len(tokens["whole"]) == 9
+    check_idle(engine)

@@ -212,6 +212,37 @@ def test_generate_native_and_sse(server):
         assert isinstance(batch, list) and len(batch) == 2
 
 
+def test_stream_interval_sends_fewer_bigger_events_with_the_same_tokens(server_model_dir, server_workdir):
+    """--stream-interval 4: a 10-token stream arrives in at most 4 events (the first token, then
+    every 4, then the end), cumulative as ever, ending with exactly what the unstreamed request
+    returns; the OpenAI SDK's chunks add up to the same text."""
+    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu", "--max-total-tokens", "32768",
+                          "--stream-interval", "4"], server_workdir).wait_ready()
+    try:
+        with proc.client() as http:
+            body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 10, "temperature": 0,
+                                                                   "ignore_eos": True}}
+            plain = http.post("/generate", json=body).json()
+            with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        decoded = [json.loads(e) for e in events[:-1]]
+        # The engine sends 1, 4, 4 and 1 tokens; the API may merge outputs that arrive together.
+        counts = [len(e["output_ids"]) for e in decoded]
+        steps = [b - a for a, b in zip([0] + counts, counts)]
+        assert len(decoded) <= 4 and counts[-1] == 10 and all(n >= 4 for n in steps[1:-1])
+        assert decoded[-1]["output_ids"] == plain["output_ids"] and decoded[-1]["text"] == plain["text"]
+        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused")
+        model = proc.server_info()["served_model_name"]
+        chunks = list(client.completions.create(model=model, prompt="Once upon a time", max_tokens=10,
+                                                temperature=0, stream=True))
+        whole = client.completions.create(model=model, prompt="Once upon a time", max_tokens=10, temperature=0)
+        assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+        assert len([c for c in chunks if c.choices and c.choices[0].text]) <= 4
+    finally:
+        proc.stop()
+
+
 # ---------------------------------------------------------------------------------------------- prefix cache
 def test_a_conversations_next_turn_sent_as_text_is_recognised_and_held(server_model_dir, server_workdir):
     """As a client sending text makes it: the second turn's prompt is the first's text, a reply and

@@ -204,7 +204,8 @@ class EngineCore:
         if request.rid in self.scheduler.reqs or request.rid in self.grammar_wait:
             raise ValueError(f"request id {request.rid!r} is already in use")
         return Req(rid=request.rid, origin_input_ids=list(ids), sampling_params=params,
-                   arrival_time=request.arrival_time or time.monotonic(), arrival_seq=-1, log=request.log)
+                   arrival_time=request.arrival_time or time.monotonic(), arrival_seq=-1, log=request.log,
+                   stream=request.stream)
 
     def add_request(self, request: GenerateRequest) -> None:
         self.submit(self.make_req(request))
@@ -271,9 +272,15 @@ class EngineCore:
         return self._collect(step)
 
     def _collect(self, step: Optional[StepInFlight]) -> list[RequestOutput]:
+        """Outputs for the requests the step updated that are due one: a finished request, a first
+        token, and a streamed request's --stream-interval tokens (request_output sends every
+        token since the last output)."""
         if step is None:
             return []
-        return [request_output(r) for r in self.scheduler.collect(step)]
+        interval = self.settings.stream_interval
+        return [request_output(r) for r in self.scheduler.collect(step)
+                if r.finish_reason is not None or r.sent_len == 0
+                or (r.stream and len(r.output_ids) - r.sent_len >= interval)]
 
     def warmup(self) -> float:
         """Serve a few throw-away requests, then forget them: compiles every Triton kernel variant

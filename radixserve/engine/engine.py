@@ -57,8 +57,8 @@ class Engine:
             if spec is not None:
                 check_grammar(*spec)  # a bad grammar is a ValueError before anything is queued
         now = time.monotonic()
-        reqs = [GenerateRequest(rid=new_request_id(), input_ids=ids, sampling_params=p, arrival_time=now)
-                for ids, p in zip(ids_list, params)]
+        reqs = [GenerateRequest(rid=new_request_id(), input_ids=ids, sampling_params=p, arrival_time=now,
+                                stream=False) for ids, p in zip(ids_list, params)]
         return reqs, single
 
     def generate(self, prompt: Prompt = None, input_ids: InputIds = None,

@@ -18,6 +18,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     log: bool = False  # log arrival/finish of this request (--log-requests)
+    # False: the caller wants the whole result only; the engine sends the first token (for the
+    # time to first token) and the end, not every step's token.
+    stream: bool = True
 
 
 class AbortRequest(msgspec.Struct, kw_only=True):

@@ -38,6 +38,7 @@ class Req:
     arrival_time: float
     arrival_seq: int
     log: bool = False
+    stream: bool = True  # outputs every --stream-interval tokens; else the first token and the end
 
     state: ReqState = ReqState.WAITING
     output_ids: list[int] = field(default_factory=list)

@@ -74,7 +74,7 @@ class EventStreamResponse(Response):
 async def run_request(ctx: ServingContext, request: Request, trackers: list[Tracker], stream: bool,
                       render_final: RenderFinal, render_stream: RenderStream) -> Response:
     """Submit `trackers` and answer with `render_final`'s JSON or `render_stream`'s events."""
-    group = ctx.submit(trackers)
+    group = ctx.submit(trackers, stream)
     closed = False
 
     def close() -> None:

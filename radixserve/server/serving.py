@@ -207,10 +207,12 @@ class ServingContext:
                                         label=label))
         return trackers
 
-    def submit(self, trackers: list[Tracker]) -> RequestGroup:
+    def submit(self, trackers: list[Tracker], stream: bool = True) -> RequestGroup:
+        """Send the trackers' requests to the engine; stream=False: the reply is the whole result,
+        so the engine sends each request's first token and end only."""
         now = time.monotonic()
         reqs = [GenerateRequest(rid=t.rid, input_ids=t.input_ids, sampling_params=t.params, arrival_time=now,
-                                log=self.settings.log_requests) for t in trackers]
+                                log=self.settings.log_requests, stream=stream) for t in trackers]
         if self.settings.log_requests:
             for t in trackers:
                 logger.info("Request arrived. id: %s, #prompt-token: %d, max-new-tokens: %d, temperature: %g%s",
