@@ -8,7 +8,7 @@
 #
 # Environment:
 #   CONFIGS     space-separated "label:server flags" entries, flags joined by commas
-#               (default: lpm, fcfs, lpm with --prefix-hold-s 0.25)
+#               (default: lpm, fcfs, lpm with the prefix hold off: --prefix-hold-s 0)
 #   MODEL       model dir (dummy weights; default the Qwen2-7B config)
 #   POOL        --max-total-tokens (default 216825, as the ANCHORS runs)
 #   WORKLOAD    agent (default) or gsp (64 groups x 16, 2,048-token system prompts, 1,024 at once)
@@ -34,7 +34,7 @@ TOKENIZER=${TOKENIZER-.qwen2-tokenizer}
 POOL=${POOL:-216825}
 WORKLOAD=${WORKLOAD:-agent}
 REPEAT=${REPEAT:-1}
-CONFIGS=${CONFIGS:-"lpm:--schedule-policy,lpm fcfs:--schedule-policy,fcfs lpm-hold:--schedule-policy,lpm,--prefix-hold-s,0.25"}
+CONFIGS=${CONFIGS:-"lpm:--schedule-policy,lpm fcfs:--schedule-policy,fcfs lpm-nohold:--schedule-policy,lpm,--prefix-hold-s,0"}
 DEADLINE_S=${DEADLINE_S:-540}
 MIN_LEFT_S=${MIN_LEFT_S:-120}
 BACKEND=${BACKEND:-sglang}
