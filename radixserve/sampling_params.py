@@ -20,6 +20,9 @@ SEEDED = 4  # samples from its own generator
 RETURNS_LOGPROBS = 8
 CONSTRAINED = 16  # names a grammar (only such a request is ever given a matcher)
 
+# The sampling parameters that name a grammar (radixserve.grammar.spec reads them).
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_new_tokens: int = 128
@@ -80,8 +83,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return ((PROCESSES_LOGITS if self.processes_logits else 0) | (0 if greedy else SAMPLES)
                 | (SEEDED if self.seed is not None and not greedy else 0)
                 | (RETURNS_LOGPROBS if self.return_logprob else 0)
-                | (CONSTRAINED if self.json_schema is not None or self.regex is not None or self.ebnf is not None
-                   else 0))
+                | (CONSTRAINED if any(getattr(self, kind) is not None for kind in GRAMMAR_KINDS) else 0))
 
     def validate(self) -> None:
         """Raise ValueError (a `SamplingValueError` naming the field) for values no request can be

@@ -88,9 +88,7 @@ def test_table_writes_apply_single_positions_and_runs_as_assigned_one_by_one():
     writes.add_run(2, 0, torch.tensor([7, 8, 9]))  # a cached prefix's slots, as the tree holds them
     writes.add_run(0, 5, [40, 41])  # newly allocated slots, a list
     writes.add_run(3, 1, [])  # nothing: no write
-    writes.rows.extend([1, 2])  # two decoding requests' next positions
-    writes.cols.extend([4, 3])
-    writes.slots.extend([50, 60])
+    writes.add_singles([1, 2], [4, 3], [50, 60])  # two decoding requests' next positions
     writes.add_run(1, 10, array("q", [70, 71, 72]))
     assert writes
     for row, col, slot in [(2, 0, 7), (2, 1, 8), (2, 2, 9), (0, 5, 40), (0, 6, 41), (1, 4, 50), (2, 3, 60),

@@ -168,13 +168,19 @@ class TableWrites:
     extensions (with 50 such prompts a step, that was most of a prefill step's host time)."""
 
     def __init__(self) -> None:
-        self.rows: list[int] = []
-        self.cols: list[int] = []
-        self.slots: list[int] = []
+        self._rows: list[int] = []
+        self._cols: list[int] = []
+        self._slots: list[int] = []
         self._runs: list[tuple[int, int, Sequence[int] | torch.Tensor]] = []
 
     def __bool__(self) -> bool:
-        return bool(self.slots) or bool(self._runs)
+        return bool(self._slots) or bool(self._runs)
+
+    def add_singles(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
+        """table[rows[i], cols[i]] = slots[i]."""
+        self._rows.extend(rows)
+        self._cols.extend(cols)
+        self._slots.extend(slots)
 
     def add_run(self, row: int, start: int, slots: Sequence[int] | torch.Tensor) -> None:
         """table[row, start + i] = slots[i]."""
@@ -183,7 +189,7 @@ class TableWrites:
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rows, cols, slots) as host int64 tensors, the single positions first."""
-        singles = (int64_tensor(self.rows), int64_tensor(self.cols), int64_tensor(self.slots))
+        singles = (int64_tensor(self._rows), int64_tensor(self._cols), int64_tensor(self._slots))
         if not self._runs:
             return singles
         # The runs expanded with numpy (a third of torch's time for a burst of prompts on one thread).
@@ -195,7 +201,7 @@ class TableWrites:
         shift = np.array(starts, dtype=np.int64) - (np.cumsum(lengths) - lengths)
         cols = np.arange(len(values), dtype=np.int64) + np.repeat(shift, lengths)
         runs = (torch.from_numpy(rows), torch.from_numpy(cols), torch.from_numpy(values))
-        if not self.slots:
+        if not self._slots:
             return runs
         return torch.cat((singles[0], runs[0])), torch.cat((singles[1], runs[1])), torch.cat((singles[2], runs[2]))
 

@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any, Optional
 
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
+from radixserve.sampling_params import GRAMMAR_KINDS
 # Outputs are compact JSON (", " and ": " separators, no other whitespace): a model cannot pad
 # an object with whitespace forever, and a schema's output has one spelling.
 JSON_SEPARATORS = (", ", ": ")

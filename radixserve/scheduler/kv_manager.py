@@ -78,9 +78,8 @@ class KVManager:
         if ps == 1:
             slots = self.allocator.alloc_pages(len(reqs))
             assert slots is not None, "decode memory is ensured before it is taken"
-            self._writes.rows.extend([r.req_pool_idx for r in reqs])
-            self._writes.cols.extend(positions)  # a request has one slot per position at page size 1
-            self._writes.slots.extend(slots)
+            # A request has one slot per position at page size 1.
+            self._writes.add_singles([r.req_pool_idx for r in reqs], positions, slots)
             for req, slot in zip(reqs, slots):
                 req.slots.append(slot)
                 req.kv_len += 1
