@@ -96,17 +96,27 @@ def make_scheduler(running: int, input_len: int, max_new_tokens: int, page_size:
     return scheduler
 
 
+def schedule_and_collect(scheduler: Scheduler, previous: Optional[StepInFlight],
+                         token_ids: list[int]) -> tuple[StepInFlight, list[Req]]:
+    """One overlapped step: build and "launch" the next batch, then collect the one before it."""
+    batch = scheduler.schedule(previous)
+    current = StepInFlight(batch, PresetTokens(token_ids[:sum(batch.sample)]))
+    return current, scheduler.collect(previous) if previous is not None else []
+
+
+def send_outputs(updated: list[Req]) -> None:
+    """What the engine hands the API for those requests: their outputs, as one encoded message."""
+    m.encode(m.OutputBatch(outputs=[request_output(r) for r in updated], errors=[], stats=None, kv_events=[]))
+
+
 def run_steps(scheduler: Scheduler, steps: int, token_ids: list[int], times: Optional[StepTimes]) -> None:
     """Drive the overlap loop for `steps` steps; times (when given) gets the CPU time of each part."""
     previous: Optional[StepInFlight] = None
     for _ in range(steps):
         start = time.process_time()
-        batch = scheduler.schedule(previous)
-        current = StepInFlight(batch, PresetTokens(token_ids[:sum(batch.sample)]))
-        updated = scheduler.collect(previous) if previous is not None else []
+        current, updated = schedule_and_collect(scheduler, previous, token_ids)
         collected = time.process_time()
-        outputs = [request_output(r) for r in updated]
-        m.encode(m.OutputBatch(outputs=outputs, errors=[], stats=None, kv_events=[]))
+        send_outputs(updated)
         if times is not None:
             times.scheduler_s += collected - start
             times.outputs_s += time.process_time() - collected
@@ -179,13 +189,10 @@ def burst_cpu_seconds(profile: Optional[cProfile.Profile] = None) -> tuple[float
                                           arrival_time=time.monotonic(), arrival_seq=-1))
                 sent += 1
             start = time.process_time()
-            batch = scheduler.schedule(previous)
-            current = StepInFlight(batch, PresetTokens(token_ids[:sum(batch.sample)]))
-            updated = scheduler.collect(previous) if previous is not None else []
-            m.encode(m.OutputBatch(outputs=[request_output(r) for r in updated], errors=[], stats=None, kv_events=[]))
+            previous, updated = schedule_and_collect(scheduler, previous, token_ids)
+            send_outputs(updated)
             cpu_s += time.process_time() - start
             steps += 1
-            previous = current
     return cpu_s, steps
 
 
