@@ -61,6 +61,7 @@ class PresetTokens:
 
     def __init__(self, ids: list[int]):
         self.ids = ids
+        self.wait_s = 0.0
 
     def result(self) -> list[int]:
         return self.ids

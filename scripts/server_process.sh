@@ -30,9 +30,12 @@ start_monitor() {
     while :; do
       echo "== $(date +%T.%N | cut -c1-12)"
       nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu --format=csv,noheader
-      # The second of two samples half a second apart (the first one's %CPU is since boot), with
-      # each thread's last core (ps psr) in front.
-      top -b -H -n 2 -d 0.5 -w 160 -o %CPU | awk '/^top -/ {n++} n == 2' | sed -n '8,19p' \
+      # The second of two samples half a second apart (the first one's %CPU is since boot): the
+      # machine's CPU line (its "st" is time a virtual machine's CPUs waited for the host), then the
+      # busiest threads, each with its last core (ps psr) in front.
+      sample=$(top -b -H -n 2 -d 0.5 -w 160 -o %CPU | awk '/^top -/ {n++} n == 2')
+      grep -m1 '^%Cpu' <<< "$sample"
+      sed -n '8,19p' <<< "$sample" \
         | awk 'NR == FNR {core[$1] = $2; next} {print "cpu " core[$1] "\t" $0}' <(ps -eLo tid=,psr=) -
       sleep 1
     done

@@ -65,6 +65,8 @@ class StepInfo:
     batch: Optional[ScheduledBatch]
     seconds: float
     started: float = 0.0  # time.perf_counter() at the step's start
+    # Of `seconds`, the time spent waiting for the device's sampled tokens; the rest was the host's.
+    waited: float = 0.0
 
 
 class EngineCore:
@@ -248,6 +250,7 @@ class EngineCore:
         start = time.perf_counter()
         outputs = self._admit_compiled()
         previous, self.in_flight = self.in_flight, None
+        collected = [previous]
         batch = self.scheduler.schedule(previous)  # collects `previous` early if it must retract
         if batch is not None:
             forward = self.runner.launch_forward(batch)
@@ -262,8 +265,10 @@ class EngineCore:
             self.runner.send_copies()  # loads started while every request waits: every rank starts them now
         outputs += self._collect(previous)
         if not self.overlap:
+            collected.append(self.in_flight)
             outputs += self.sync()
-        self.last_step = StepInfo(batch, time.perf_counter() - start, start)
+        waited = sum(s.tokens.wait_s for s in collected if s is not None)
+        self.last_step = StepInfo(batch, time.perf_counter() - start, start, waited)
         return outputs
 
     def sync(self) -> list[RequestOutput]:

@@ -16,6 +16,7 @@ pass.
 from __future__ import annotations
 
 import logging
+import time
 from array import array
 from dataclasses import dataclass
 from functools import reduce
@@ -85,12 +86,17 @@ class StepFuture:
     # Prompt log probabilities gathered by this step, and which request each belongs to.
     host_prompt_logprobs: Optional[LogprobTensors] = None
     prompt_plan: Optional[PromptLogprobPlan] = None
+    # Seconds result() waited for the device: the part of the step's device time the host's work
+    # did not cover (about 0 when the host is the bottleneck).
+    wait_s: float = 0.0
 
     def result(self) -> list[int]:
         if self.host_ids is None:
             return []
         if self.event is not None:
+            start = time.perf_counter()
             self.event.synchronize()
+            self.wait_s = time.perf_counter() - start
         return self.host_ids.tolist()
 
     def logprobs(self) -> Optional[list[Optional[TokenLogprob]]]:

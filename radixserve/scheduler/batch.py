@@ -51,6 +51,8 @@ class ScheduledBatch:
 class TokenFuture(Protocol):
     """The ids a launched step samples, one per sampling request in batch order."""
 
+    wait_s: float  # how long result() waited for the device (0 before it is called)
+
     def result(self) -> list[int]:
         """Wait until they are on the host and return them."""
 

@@ -2,7 +2,9 @@
 
 Columns: t (seconds since the engine loop started, at the step's start), step_ms (the step call:
 schedule + launch the next batch + wait for and process the one before it, so with overlap it
-tracks the GPU time of the step before), gap_ms (loop time since the previous step ended:
+tracks the GPU time of the step before), wait_ms (of step_ms, the wait for the device's sampled
+tokens: step_ms - wait_ms is the host's work, and a run of steps waiting ~0 ms was host-bound,
+its GPU idle part of each step), gap_ms (loop time since the previous step ended:
 receiving requests, sending outputs, stats), kind (decode or mixed: any step with prompt
 tokens), requests, new_tokens (prompt tokens computed), cached_tokens (prompt tokens read from
 the radix cache).
@@ -18,7 +20,7 @@ import sys
 import time
 from typing import Optional, TextIO
 
-HEADER = ["t", "step_ms", "gap_ms", "kind", "requests", "new_tokens", "cached_tokens"]
+HEADER = ["t", "step_ms", "wait_ms", "gap_ms", "kind", "requests", "new_tokens", "cached_tokens"]
 
 
 class StepTrace:
@@ -39,8 +41,8 @@ class StepTrace:
         else:
             kind = "decode" if batch.is_decode_only else "mixed"
             requests, new_tokens, cached_tokens = len(batch.reqs), batch.num_new_tokens, batch.num_cached_tokens
-        self.writer.writerow([f"{info.started - self.t0:.6f}", f"{info.seconds * 1e3:.3f}", f"{gap * 1e3:.3f}", kind,
-                              requests, new_tokens, cached_tokens])
+        self.writer.writerow([f"{info.started - self.t0:.6f}", f"{info.seconds * 1e3:.3f}", f"{info.waited * 1e3:.3f}",
+                              f"{gap * 1e3:.3f}", kind, requests, new_tokens, cached_tokens])
 
     def close(self) -> None:
         self.file.close()
@@ -55,15 +57,17 @@ def summarize(path: str) -> str:
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     lines = [f"{'kind':8s} {'steps':>7s} {'total s':>8s} {'mean ms':>8s} {'p50 ms':>7s} {'p99 ms':>7s} "
-             f"{'gap mean ms':>11s} {'requests':>8s} {'new tok':>8s}"]
+             f"{'wait mean ms':>12s} {'gap mean ms':>11s} {'requests':>8s} {'new tok':>8s}"]
     for kind in sorted({r["kind"] for r in rows}):
         sel = [r for r in rows if r["kind"] == kind]
         ms = [float(r["step_ms"]) for r in sel]
         gaps = [float(r["gap_ms"]) for r in sel]
+        waits = [float(r["wait_ms"]) for r in sel]
         reqs = sum(int(r["requests"]) for r in sel) / len(sel)
         new = sum(int(r["new_tokens"]) for r in sel) / len(sel)
         lines.append(f"{kind:8s} {len(sel):7d} {sum(ms) / 1e3:8.2f} {sum(ms) / len(ms):8.3f} {_quantile(ms, 0.5):7.3f} "
-                     f"{_quantile(ms, 0.99):7.3f} {sum(gaps) / len(gaps):11.3f} {reqs:8.1f} {new:8.1f}")
+                     f"{_quantile(ms, 0.99):7.3f} {sum(waits) / len(waits):12.3f} {sum(gaps) / len(gaps):11.3f} "
+                     f"{reqs:8.1f} {new:8.1f}")
     # Every request in a step waits out the whole step: weighting steps by their requests gives
     # the time per token the engine delivered, close to a client's mean TPOT.
     weight = sum(int(r["requests"]) for r in rows)

@@ -228,3 +228,14 @@ def _bind_in_child():
     allowed = os.sched_getaffinity(0)
     bound = bind_near_gpu(torch.device("cuda", 0))
     return bound, os.sched_getaffinity(0), allowed
+
+
+def test_step_records_its_wait_for_the_device(tiny_dir):
+    """A step's time splits into the host's work and the wait for the device's sampled tokens
+    (the step trace's wait_ms): without overlap every step waits for its own forward pass."""
+    engine = Engine(tiny_dir, device="cuda", dtype="bfloat16", max_total_tokens=8192, cuda_graph_max_bs=16,
+                    disable_overlap_schedule=True)
+    batch = prompts(4, 500, seed=9)
+    engine.generate(input_ids=batch, sampling_params=[{"max_new_tokens": 8, "ignore_eos": True}] * len(batch))
+    info = engine.core.last_step
+    assert info.batch is not None and 0 < info.waited <= info.seconds, info
