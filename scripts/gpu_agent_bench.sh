@@ -20,6 +20,8 @@
 #               (monitor-LABEL-ROUND.txt; see scripts/server_process.sh)
 #   PROFILE     1: sample the engine process's Python stacks during each run with py-spy (when it is
 #               installed: carry its wheel in .whl) into pyspy-LABEL-ROUND.txt (collapsed stacks)
+#   TRACE       1: the engine's step trace (--step-trace-file) into steps-LABEL-ROUND.csv, its
+#               summary printed after each run (a step's wait for the device against its host work)
 #   BACKEND     the client's endpoint: sglang (default, /generate: every event carries the whole
 #               output so far, as the anchors ran) or openai (/v1/completions, deltas: less work
 #               for the host per streamed token, for repeats that should measure the engine)
@@ -58,8 +60,11 @@ for round in $(seq "$REPEAT"); do
     label=${entry%%:*}; flags=${entry#*:}; IFS=, read -r -a extra <<< "$flags"
     if [ "$(left)" -lt "$MIN_LEFT_S" ]; then log "skip $label: $(left)s left"; continue; fi
     log "start $label (round $round): ${extra[*]}"
+    trace=()
+    if [ -n "${TRACE:-}" ]; then trace=(--step-trace-file "$OUT/steps-$label-$round.csv"); fi
     if ! start_server "$OUT/server-$label-$round" --model-path "$MODEL" --load-format dummy \
-        ${TOKENIZER:+--tokenizer-path "$TOKENIZER"} --max-total-tokens "$POOL" --radix-eviction-policy lru "${extra[@]}"; then
+        ${TOKENIZER:+--tokenizer-path "$TOKENIZER"} --max-total-tokens "$POOL" --radix-eviction-policy lru \
+        "${trace[@]}" "${extra[@]}"; then
       log "$label did not come up"; continue
     fi
     log "run $label"
@@ -78,6 +83,7 @@ for round in $(seq "$REPEAT"); do
     curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^radixserve:(continued_turns|prefix_holds)_total" \
       | sed "s/^/[$label] /"
     stop_server
+    if [ -n "${TRACE:-}" ]; then python3 -m radixserve.server.step_trace "$OUT/steps-$label-$round.csv" | sed "s/^/[$label] /"; fi
   done
 done
 log "done"
