@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 from radixserve.bench.client import (BACKENDS, FailFast, RequestResult, ServerUnreachable, api_path, build_payload,
                                      check_reachable, encode_payload, fetch_json, fetch_metrics, fetch_tokenizer_dir,
-                                     send_request)
+                                     open_connections, send_request)
 from radixserve.bench.datasets import (DATASETS, WORDS, BenchRequest, DatasetArgs, DatasetError, build_dataset,
                                        dataset_summary)
 from radixserve.bench.belady import belady_hit_rate
@@ -207,8 +207,8 @@ def load_tokenizer(path: str):
         raise BenchError(f"cannot load a tokenizer from {path!r}: {e}") from None
 
 
-async def _issue_all(session, url: str, args: argparse.Namespace, requests: list[BenchRequest], model: Optional[str],
-                     use_ids: bool, headers: dict[str, str], progress,
+async def _issue_all(session, url: str, args: argparse.Namespace, requests: list[BenchRequest], bodies: list[bytes],
+                     model: Optional[str], use_ids: bool, headers: dict[str, str], progress,
                      tokenizer=None, on_result: Optional[Callable[[RequestResult], None]] = None
                      ) -> tuple[list[RequestResult], float]:
     rng = random.Random(args.seed)
@@ -219,11 +219,6 @@ async def _issue_all(session, url: str, args: argparse.Namespace, requests: list
         if r.session_id is not None:
             finished[(r.session_id, r.turn)] = asyncio.Event()
     results: list[Optional[RequestResult]] = [None] * len(requests)
-    # Every body is encoded before the clock starts: with all requests sent at once, encoding
-    # them inside the run held the client's loop (a quarter of its ~0.7 s stall at the start with
-    # 1,000 prompts of 1,024 ids), and the first requests' tokens waited in the socket meanwhile,
-    # read as server latency.
-    bodies = [encode_payload(build_payload(args.backend, r, model, use_ids)) for r in requests]
     closed_loop = getattr(args, "agent_closed_loop", False)
     index_of = {(r.session_id, r.turn): i for i, r in enumerate(requests) if r.session_id is not None}
     t0 = time.perf_counter()
@@ -271,6 +266,15 @@ async def _issue_all(session, url: str, args: argparse.Namespace, requests: list
     if any(task.cancelled() for task in tasks):
         raise BenchError(fail_fast.message())
     return [r for r in results if r is not None], t0
+
+
+def _opening_burst(args: argparse.Namespace, requests: list[BenchRequest]) -> int:
+    """How many requests are sent at the start, at once: with --request-rate inf every request that
+    waits for no earlier turn, up to --max-concurrency; at a finite rate they come one by one."""
+    if not math.isinf(args.request_rate):
+        return 0
+    n = sum(1 for r in requests if r.session_id is None or r.turn == 0)
+    return min(n, args.max_concurrency) if args.max_concurrency else n
 
 
 def _oracle(requests: list[BenchRequest], results: list[RequestResult], capacity: Optional[int], tokenizer,
@@ -364,6 +368,12 @@ async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False, progre
                             say(f"warning: /flush_cache answered HTTP {resp.status}; the cache was not flushed")
                 except aiohttp.ClientError as e:
                     say(f"warning: /flush_cache failed: {e}")
+            # Before the clock starts, every body is encoded and the connections the opening burst
+            # needs are open: inside the run both held the client's loop (with 1,024 prompts of
+            # ~2,000 ids, 0.4-0.6 s, a tenth of a 0.5B gsp run), the first requests' tokens
+            # waiting in their sockets meanwhile, read as server latency.
+            bodies = [encode_payload(build_payload(args.backend, r, model, use_ids)) for r in requests]
+            await open_connections(session, base_url, headers, _opening_burst(args, requests))
             metrics_urls = [u.rstrip("/") for u in args.metrics_url] or [base_url]
             before = await _fetch_counters(session, metrics_urls, headers)
             progress = None
@@ -374,7 +384,7 @@ async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False, progre
             start = time.perf_counter()
             try:
                 async with watch_loop_lag("bench client", log=False) as lag:
-                    results, t0 = await _issue_all(session, url, args, requests, model, use_ids, headers, progress,
+                    results, t0 = await _issue_all(session, url, args, requests, bodies, model, use_ids, headers, progress,
                                                    tokenizer=tokenizer, on_result=on_result)
             finally:
                 if progress is not None:

@@ -195,3 +195,60 @@ def test_server_dying_mid_run(server_model_dir, tmp_path):
     assert m.completed == 1 and m.failed == 5
     assert all(r.startswith("connection") for r in m.failure_reasons), m.failure_reasons
     assert m.metrics_hit_rate is None  # /metrics was gone after the run
+
+def test_the_opening_burst_reuses_connections_opened_before_the_clock():
+    """open_connections leaves n keep-alive connections in the pool: a burst of n requests right
+    after opens none of its own (a real aiohttp server on loopback records each request's port)."""
+    import aiohttp
+    from aiohttp import web
+
+    from radixserve.bench.client import open_connections
+
+    async def scenario() -> tuple[set, list]:
+        ports: list[int] = []
+
+        async def record(request: web.Request) -> web.Response:
+            ports.append(request.transport.get_extra_info("peername")[1])
+            await asyncio.sleep(0.05)  # all n at once: each needs its own connection
+            return web.json_response({"data": []})
+
+        app = web.Application()
+        app.router.add_get("/v1/models", record)
+        app.router.add_post("/v1/completions", record)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        base = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+                await open_connections(session, base, {}, 8)
+                opened = set(ports)
+
+                async def post() -> None:
+                    async with session.post(base + "/v1/completions", data=b"{}") as resp:
+                        await resp.read()
+
+                await asyncio.gather(*(post() for _ in range(8)))
+        finally:
+            await runner.cleanup()
+        return opened, ports[8:]
+
+    opened, burst_ports = asyncio.run(scenario())
+    assert len(opened) == 8 and len(burst_ports) == 8
+    assert set(burst_ports) == opened
+
+
+def test_the_opening_burst_is_what_is_sent_at_once():
+    from radixserve.bench.datasets import BenchRequest
+    from radixserve.bench_serving import _opening_burst
+
+    def args(*argv):
+        return build_parser().parse_args(list(argv))
+
+    single = [BenchRequest(prompt_ids=[1, 2], output_len=2) for _ in range(10)]
+    turns = [BenchRequest(prompt_ids=[1], output_len=1, session_id=s, turn=t) for s in range(3) for t in range(4)]
+    assert _opening_burst(args("--request-rate", "inf"), single) == 10
+    assert _opening_burst(args("--request-rate", "inf", "--max-concurrency", "4"), single) == 4
+    assert _opening_burst(args("--request-rate", "inf"), turns) == 3  # later turns wait for earlier ones
+    assert _opening_burst(args("--request-rate", "5"), single) == 0  # one by one
