@@ -384,8 +384,8 @@ async def run_benchmark(args: argparse.Namespace, *, quiet: bool = False, progre
             start = time.perf_counter()
             try:
                 async with watch_loop_lag("bench client", log=False) as lag:
-                    results, t0 = await _issue_all(session, url, args, requests, bodies, model, use_ids, headers, progress,
-                                                   tokenizer=tokenizer, on_result=on_result)
+                    results, t0 = await _issue_all(session, url, args, requests, bodies, model, use_ids, headers,
+                                                   progress, tokenizer=tokenizer, on_result=on_result)
             finally:
                 if progress is not None:
                     progress.close()
