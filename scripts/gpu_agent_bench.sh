@@ -22,6 +22,8 @@
 #               installed: carry its wheel in .whl) into pyspy-LABEL-ROUND.txt (collapsed stacks)
 #   TRACE       1: the engine's step trace (--step-trace-file) into steps-LABEL-ROUND.csv, its
 #               summary printed after each run (a step's wait for the device against its host work)
+#   (a configuration with --log-requests among its flags gets its slowest 1% listed after its run:
+#   arrival, prompt and cached tokens, TTFT; radixserve.bench.request_log)
 #   BACKEND     the client's endpoint: sglang (default, /generate: every event carries the whole
 #               output so far, as the anchors ran) or openai (/v1/completions, deltas: less work
 #               for the host per streamed token, for repeats that should measure the engine)
@@ -84,6 +86,9 @@ for round in $(seq "$REPEAT"); do
       | sed "s/^/[$label] /"
     stop_server
     if [ -n "${TRACE:-}" ]; then python3 -m radixserve.server.step_trace "$OUT/steps-$label-$round.csv" | sed "s/^/[$label] /"; fi
+    # With --log-requests among the flags: who the slowest 1% were.
+    case " ${extra[*]} " in *" --log-requests "*)
+      python3 -m radixserve.bench.request_log "$OUT/server-$label-$round.log" | sed "s/^/[$label] /" ;; esac
   done
 done
 log "done"

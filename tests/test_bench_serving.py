@@ -252,3 +252,31 @@ def test_the_opening_burst_is_what_is_sent_at_once():
     assert _opening_burst(args("--request-rate", "inf", "--max-concurrency", "4"), single) == 4
     assert _opening_burst(args("--request-rate", "inf"), turns) == 3  # later turns wait for earlier ones
     assert _opening_burst(args("--request-rate", "5"), single) == 0  # one by one
+
+
+def test_request_log_lists_the_slowest_requests_of_a_run(server):
+    """The server's --log-requests lines, read back: one finished entry per request of the run,
+    with its prompt and output tokens, the slowest first."""
+    import time
+
+    from radixserve.bench.request_log import parse, report, slowest
+
+    def logged():
+        with open(server.log_file) as f:
+            return parse(f)
+
+    before = len(logged())
+    out = bench(server, "--num-prompts", "6", "--random-input-len", "30", "--random-output-len", "5",
+                "--warmup-requests", "0", "--request-rate", "inf")
+    deadline = time.monotonic() + 10
+    while len(logged()) < before + 6 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the log line may trail the stream's end
+    run = logged()[before:]
+    assert len(run) == 6 and all(r.prompt_tokens == 30 and r.output_tokens == 5 for r in run)
+    assert all(r.arrived is not None and r.ttft_s is not None and 0 < r.ttft_s <= r.latency_s for r in run)
+    # The server's latency (arrival at the API to the last token) is within the client's.
+    assert max(r.latency_s for r in run) <= max(res.latency for res in out.results) + 0.05
+    top = slowest(run, 0.5)
+    assert [r.latency_s for r in top] == sorted((r.latency_s for r in run), reverse=True)[:3]
+    text = report(run, 0.5)
+    assert "6 finished requests; the slowest 3" in text and all(r.rid in text for r in top)
