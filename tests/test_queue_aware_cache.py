@@ -100,6 +100,25 @@ def test_lpm_is_pure_within_the_overtake_window_and_bounded_across():
     assert order == ["hot-early", "cold-early", "hot-late"]
 
 
+def test_lpm_wait_bound_puts_the_overdue_first_oldest_first():
+    now = [0.0]
+    sched = _scheduler(4096, lambda: now[0], lpm_max_wait_s=4.0)
+    system = list(range(100, 300))
+    sched.add_request(_req("warm", system + [1], 0.0))
+    _run_to_end(sched)
+    sched.add_request(_req("cold-1", [5] * 50, 1.0))
+    sched.add_request(_req("cold-2", [6] * 50, 2.0))
+    sched.add_request(_req("hot", system + [2], 3.0))
+    now[0] = 3.0  # nobody has waited 4 s: pure LPM
+    assert [r.rid for r in sched.waiting.ordered()] == ["hot", "cold-1", "cold-2"]
+    now[0] = 5.5  # cold-1 has waited 4.5 s
+    assert [r.rid for r in sched.waiting.ordered()] == ["cold-1", "hot", "cold-2"]
+    now[0] = 7.0  # both cold requests are overdue: in arrival order, before the longer match
+    assert [r.rid for r in sched.waiting.ordered()] == ["cold-1", "cold-2", "hot"]
+    assert _run_to_end(sched) == ["cold-1", "cold-2", "hot"]
+    sched.check_invariants()
+
+
 def test_waiting_prefix_is_no_room_for_a_new_request_while_busy():
     now = [0.0]
     sched = _scheduler(600, lambda: now[0])

@@ -10,16 +10,21 @@ queue length times the prompt length.
 from __future__ import annotations
 
 import random
+import time
 from collections import defaultdict
+from typing import Callable
 from radixserve.cache.radix_cache import ALL, RadixCache, TreeNode
 from radixserve.scheduler.request import Req
 
 
 class WaitingQueue:
-    def __init__(self, cache: RadixCache, policy: str, *, max_overtake_s: float, seed: int = 0):
+    def __init__(self, cache: RadixCache, policy: str, *, max_overtake_s: float, max_wait_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic, seed: int = 0):
         self.cache = cache
         self.policy = policy
         self.max_overtake_s = max_overtake_s
+        self.max_wait_s = max_wait_s  # 0: no wait bound
+        self.clock = clock
         self._rng = random.Random(seed)
         self._reqs: dict[int, Req] = {}  # arrival_seq -> req, in arrival order
         self._parked: dict[TreeNode, dict[object, set[Req]]] = {}  # node -> park key -> requests
@@ -99,7 +104,19 @@ class WaitingQueue:
         than max_overtake_s after it, and within that bound the order is pure LPM. (A priority that
         trades matched tokens for waiting time instead blurs LPM into FCFS whenever prefixes are
         short next to that exchange rate: on multi-turn agents its hit rate equalled FCFS's.)
+
+        With max_wait_s, a request that has waited that long goes before every request that has
+        not, the overdue in arrival order: a bound on the wait itself, where the windows bound only
+        who may overtake (a request late in a window can be overtaken for most of another window).
         """
+        if self.max_wait_s > 0:
+            due = self.clock() - self.max_wait_s
+            overdue = [r for r in reqs if r.arrival_time <= due]
+            if overdue:
+                return overdue + self._windows([r for r in reqs if r.arrival_time > due])
+        return self._windows(reqs)
+
+    def _windows(self, reqs: list[Req]) -> list[Req]:
         window: dict[int, int] = {}
         index, opened = -1, float("-inf")
         for req in sorted(reqs, key=lambda r: (r.arrival_time, r.arrival_seq)):
