@@ -24,6 +24,9 @@
 #               summary printed after each run (a step's wait for the device against its host work)
 #   (a configuration with --log-requests among its flags gets its slowest 1% listed after its run:
 #   arrival, prompt and cached tokens, TTFT; radixserve.bench.request_log)
+#   PIN         "ENGINE API CLIENT" cpu lists (taskset -c form): every thread of the engine, of the API
+#               process and the client kept on those CPUs (scripts/cpu_pairs_probe.py says which
+#               CPUs slow each other down)
 #   BACKEND     the client's endpoint: sglang (default, /generate: every event carries the whole
 #               output so far, as the anchors ran) or openai (/v1/completions, deltas: less work
 #               for the host per streamed token, for repeats that should measure the engine)
@@ -69,6 +72,13 @@ for round in $(seq "$REPEAT"); do
         "${trace[@]}" "${extra[@]}"; then
       log "$label did not come up"; continue
     fi
+    client_pin=()
+    if [ -n "${PIN:-}" ]; then
+      read -r pin_engine pin_api pin_client <<< "$PIN"
+      for pid in $(pgrep -f radixserve.server.engine_process); do taskset -apc "$pin_engine" "$pid" > /dev/null; done
+      taskset -apc "$pin_api" "$SERVER_PID" > /dev/null
+      client_pin=(taskset -c "$pin_client")
+    fi
     log "run $label"
     if [ -n "${MONITOR:-}" ]; then start_monitor "$OUT/monitor-$label-$round.txt"; fi
     if [ -n "${PROFILE:-}" ] && command -v py-spy >/dev/null; then
@@ -76,7 +86,7 @@ for round in $(seq "$REPEAT"); do
         --pid "$(pgrep -f radixserve.server.engine_process | head -1)" -o "$OUT/pyspy-$label-$round.txt" \
         > "$OUT/pyspy-$label-$round.log" 2>&1 &
     fi
-    timeout -k 5 "$(left)" python3 -m radixserve.bench_serving --backend "$BACKEND" --port "$PORT" \
+    timeout -k 5 "$(left)" "${client_pin[@]}" python3 -m radixserve.bench_serving --backend "$BACKEND" --port "$PORT" \
       ${TOKENIZER:+--tokenizer "$TOKENIZER"} --seed 1 --disable-tqdm --output-file "$RESULTS" \
       "${CLIENT[@]}" | grep -iE "hit|throughput|latency|TTFT|Belady|LRU|oracle|Successful|Failed" \
       || log "$label: client exit $?"
