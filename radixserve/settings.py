@@ -95,12 +95,9 @@ class ServerSettings:
     schedule_policy: str = _opt(
         "lpm", "Order of the waiting queue: lpm (longest cached prefix first), fcfs, lof (longest output "
         "first), random, dfs-weight (depth-first over the radix tree).", choices=SCHEDULE_POLICIES)
-    lpm_max_overtake_s: float = _opt(
-        10.0, "LPM aging: a request is never overtaken by requests that arrived more than this many "
-        "seconds after it, however long their cached prefix (bounds starvation).")
     lpm_max_wait_s: float = _opt(
-        0.0, "LPM aging by waiting time: a request that has waited this many seconds goes before every "
-        "request that has not (oldest first), however long their cached prefix. 0: off.")
+        8.0, "LPM's starvation bound: a request that has waited this many seconds goes before every "
+        "request that has not (oldest first), however long their cached prefix.")
     prefix_hold_s: float = _opt(
         0.25, "Multi-turn tuning: a finished conversation turn's prefix is kept this many seconds as if a "
         "request were waiting for it (evicted after prefixes nobody waits for; while running requests fill "
@@ -211,10 +208,8 @@ class ServerSettings:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.graceful_shutdown_timeout < 0:
             raise ValueError(f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout}")
-        if self.lpm_max_overtake_s <= 0:
-            raise ValueError(f"lpm_max_overtake_s must be > 0, got {self.lpm_max_overtake_s}")
-        if self.lpm_max_wait_s < 0:
-            raise ValueError(f"lpm_max_wait_s must be >= 0, got {self.lpm_max_wait_s}")
+        if self.lpm_max_wait_s <= 0:
+            raise ValueError(f"lpm_max_wait_s must be > 0, got {self.lpm_max_wait_s}")
         if self.prefix_hold_s < 0:
             raise ValueError(f"prefix_hold_s must be >= 0, got {self.prefix_hold_s}")
         if self.schedule_conservativeness < 0:

@@ -46,7 +46,6 @@ class SimConfig:
     pool: int = 216_825  # KV pool in tokens
     eviction: str = "lru"
     chunk: int = 8192
-    overtake_s: float = ServerSettings.lpm_max_overtake_s
     max_wait_s: float = ServerSettings.lpm_max_wait_s
     prefix_hold_s: float = ServerSettings.prefix_hold_s
     host_ratio: float = 0.0  # a host tier of this many times the pool (--hicache-ratio); its loads finish in a step
@@ -107,7 +106,6 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
     """Run every session to its end; the figures a benchmark client would report, plus lost hits."""
     settings = ServerSettings(schedule_policy=cfg.policy, radix_eviction_policy=cfg.eviction,
                               max_total_tokens=cfg.pool, chunked_prefill_size=cfg.chunk,
-                              lpm_max_overtake_s=cfg.overtake_s,
                               lpm_max_wait_s=cfg.max_wait_s, prefix_hold_s=cfg.prefix_hold_s, device="cpu")
     if cfg.host_ratio > 0:  # the KV itself is one float per token: only the bookkeeping is simulated
         pool = KVPool(cfg.pool, 1, 1, 1, 1, torch.float32, "cpu")

@@ -72,11 +72,11 @@ def _why(losses: list[tuple[str, str, Optional[bool]]]) -> str:
     if less_work:
         out.append(f"LPM is slower on {', '.join(less_work)} while computing no more prompt tokens than FCFS, so the "
                    "time went to the order (cached prefixes first: a request with nothing cached waits, "
-                   "--lpm-max-overtake-s bounds it), to LPM's own scheduling work each step, or to the machine's "
+                   "--lpm-max-wait-s bounds it), to LPM's own scheduling work each step, or to the machine's "
                    "timing noise (compare runs)")
     if unknown:
         out.append(f"LPM is slower on {', '.join(unknown)}: the order (cached prefixes first: a request with nothing "
-                   "cached waits, --lpm-max-overtake-s bounds it), LPM's own scheduling work each step, or the "
+                   "cached waits, --lpm-max-wait-s bounds it), LPM's own scheduling work each step, or the "
                    "machine's timing noise (compare runs)")
     if more_work:
         out.append(f"LPM loses on {', '.join(more_work)} because it computed more prompt tokens there")

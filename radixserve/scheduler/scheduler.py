@@ -75,7 +75,6 @@ class Scheduler:
         self.clock = clock
         self.max_running = req_to_token.max_requests  # one row of the table per running request
         self.waiting = WaitingQueue(cache, settings.schedule_policy,
-                                    max_overtake_s=settings.lpm_max_overtake_s,
                                     max_wait_s=settings.lpm_max_wait_s, clock=clock,
                                     seed=settings.random_seed)
         self.running: list[Req] = []
