@@ -97,7 +97,8 @@ class ServerSettings:
         "first), random, dfs-weight (depth-first over the radix tree).", choices=SCHEDULE_POLICIES)
     lpm_max_wait_s: float = _opt(
         8.0, "LPM's starvation bound: a request that has waited this many seconds goes before every "
-        "request that has not (oldest first), however long their cached prefix.")
+        "request that has not, however long their cached prefix (the overdue among themselves by cached "
+        "length, within arrival windows of this many seconds).")
     prefix_hold_s: float = _opt(
         0.25, "Multi-turn tuning: a finished conversation turn's prefix is kept this many seconds as if a "
         "request were waiting for it (evicted after prefixes nobody waits for; while running requests fill "

@@ -85,7 +85,7 @@ def _run_to_end(sched: Scheduler) -> list[str]:
     return finished
 
 
-def test_lpm_wait_bound_puts_the_overdue_first_oldest_first():
+def test_lpm_wait_bound_puts_the_overdue_first():
     now = [0.0]
     sched = _scheduler(4096, lambda: now[0], lpm_max_wait_s=4.0)
     system = list(range(100, 300))
@@ -98,9 +98,14 @@ def test_lpm_wait_bound_puts_the_overdue_first_oldest_first():
     assert [r.rid for r in sched.waiting.ordered()] == ["hot", "cold-1", "cold-2"]
     now[0] = 5.5  # cold-1 has waited 4.5 s
     assert [r.rid for r in sched.waiting.ordered()] == ["cold-1", "hot", "cold-2"]
-    now[0] = 7.0  # both cold requests are overdue: in arrival order, before the longer match
+    now[0] = 6.5  # both cold requests are overdue, hot is not: they go first
     assert [r.rid for r in sched.waiting.ordered()] == ["cold-1", "cold-2", "hot"]
-    assert _run_to_end(sched) == ["cold-1", "cold-2", "hot"]
+    # All overdue (a burst that outlasts the bound): LPM again among them, within arrival
+    # windows of 4 s, so the order does not collapse into FCFS.
+    sched.add_request(_req("hot-late", system + [3], 5.5))  # a window after cold-1's
+    now[0] = 10.0
+    assert [r.rid for r in sched.waiting.ordered()] == ["hot", "cold-1", "cold-2", "hot-late"]
+    assert _run_to_end(sched) == ["hot", "cold-1", "cold-2", "hot-late"]
     sched.check_invariants()
 
 
