@@ -1,10 +1,12 @@
-"""Which of this machine's CPUs slow each other down: a busy Python loop pinned to one CPU, alone
-and beside a second busy loop pinned to each other CPU.
+"""How fast each of this machine's CPUs runs a busy Python loop, alone and beside a second busy
+loop pinned to each other CPU.
 
-A virtual machine can list every vCPU as its own core while two of them are hyperthreads of one
-physical core on the host; two busy threads placed there (the engine's loop and the API's) run
-at a fraction of their speed, for as long as the placement lasts. The ratio printed per pair is
-the first loop's speed beside the second over its speed alone (1.0: independent).
+A host-bound engine runs at the speed of the core its thread landed on. A virtual machine lists
+every vCPU as its own core, but what the host runs beside a vCPU (another of its hyperthreads,
+other guests) sets that vCPU's speed, which the guest cannot see (its steal time stays 0). On an
+H200 machine the 16 vCPUs ran the loop at 16.0 to 26.7 M loops/s alone. The ratio printed per
+pair is the first loop's speed beside the second over its speed alone (1.0: independent; a pair
+consistently below it shares a physical core).
 
     python scripts/cpu_pairs_probe.py                # CPUs 0-3 against every other
     python scripts/cpu_pairs_probe.py --bases 0 5 --seconds 0.3

@@ -25,8 +25,8 @@
 #   (a configuration with --log-requests among its flags gets its slowest 1% listed after its run:
 #   arrival, prompt and cached tokens, TTFT; radixserve.bench.request_log)
 #   PIN         "ENGINE API CLIENT" cpu lists (taskset -c form): every thread of the engine, of the API
-#               process and the client kept on those CPUs (scripts/cpu_pairs_probe.py says which
-#               CPUs slow each other down)
+#               process and the client kept on those CPUs, for repeats at one core's speed
+#               (scripts/cpu_pairs_probe.py measures each CPU's speed, alone and beside another)
 #   BACKEND     the client's endpoint: sglang (default, /generate: every event carries the whole
 #               output so far, as the anchors ran) or openai (/v1/completions, deltas: less work
 #               for the host per streamed token, for repeats that should measure the engine)
