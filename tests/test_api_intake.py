@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import socket
 
 import httpx
 import msgspec
@@ -54,6 +55,37 @@ def test_the_gate_lets_a_few_requests_through_per_iteration_and_all_of_them_in_t
     assert sum(counts) == 50
     assert max(counts) <= 4, counts
     assert asyncio.run(passes_per_iteration(16, 5)) == [5]  # a few requests pass in their own iteration
+
+
+def test_the_gate_runs_a_few_callbacks_per_iteration_in_order():
+    """`call(fn)` (how the HTTP protocol parses a burst's connections) keeps the same allowance
+    as `turn()`, first come first served, callbacks and awaiting callers in one queue."""
+    async def run() -> tuple[list[int], list[str]]:
+        gate = IterationGate(4)
+        iteration, running = 0, True
+
+        def count_iterations() -> None:
+            nonlocal iteration
+            iteration += 1
+            if running:
+                asyncio.get_running_loop().call_soon(count_iterations)
+
+        asyncio.get_running_loop().call_soon(count_iterations)
+        ran: list[tuple[str, int]] = []
+
+        async def caller(name: str) -> None:
+            await gate.turn()
+            ran.append((name, iteration))
+
+        for i in range(30):
+            gate.call(lambda i=i: ran.append((f"c{i}", iteration)))
+        await caller("late")  # queued behind the 26 callbacks still waiting
+        running = False
+        return list(collections.Counter(it for _, it in ran).values()), [name for name, _ in ran]
+
+    counts, order = asyncio.run(run())
+    assert max(counts) <= 4 and sum(counts) == 31, counts
+    assert order == [f"c{i}" for i in range(30)] + ["late"]
 
 
 def test_a_cancelled_waiter_gives_its_turn_to_the_next():
@@ -188,6 +220,19 @@ def test_a_burst_of_long_token_id_prompts_is_served_whole(server_model_dir, serv
 
         answers = asyncio.run(burst())
         assert [r.status_code for r in answers] == [200] * 80 + [400]
+        # Two requests written at once on one connection (pipelined): the paced HTTP protocol
+        # parses a connection's later bytes after its earlier ones, so both are answered, in order.
+        body = b'{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}'
+        first = (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body)) + body
+        second = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", proc.port), timeout=60) as sock:
+            sock.sendall(first + second)
+            raw = b""
+            while chunk := sock.recv(65536):
+                raw += chunk
+        assert raw.count(b"HTTP/1.1 200") == 2, raw[:500]
+        assert 0 < raw.index(b'"text"') < raw.index(b'"data"'), raw[:500]
         assert all(r.text.endswith("data: [DONE]\n\n") for r in answers[:40])
         assert all(r.json()["usage"]["prompt_tokens"] == 1001 for r in answers[40:80])
         assert answers[80].json()["error"]["param"] == "prompt[1000]"

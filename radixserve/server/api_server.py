@@ -27,7 +27,7 @@ from radixserve.http_common.gc_tuning import governed_collections
 from radixserve.http_common.loop_lag import watch_loop_lag
 from radixserve.server.lifecycle import CLOSE_TIMEOUT_S, ServingServer
 from radixserve.server.intake import (REQUEST_BYTES_PER_CONTEXT_TOKEN, BodyLimitMiddleware, IntakePacing,
-                                     RejectionRecorder)
+                                     PacedHttpProtocol, RejectionRecorder)
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.openapi import install_openapi
 from radixserve.server.routes import native, observability, openai_api, tokenize
@@ -112,8 +112,8 @@ def run_server(settings: ServerSettings) -> int:
     import importlib.util
 
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, loop=loop, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=CLOSE_TIMEOUT_S, lifespan="on")
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, loop=loop, http=PacedHttpProtocol,
+                            log_level="warning", access_log=False, timeout_graceful_shutdown=CLOSE_TIMEOUT_S, lifespan="on")
     # Open /kv_events streams never end by themselves; they are closed when the drain ends.
     server = ServingServer(config, engine, settings.graceful_shutdown_timeout,
                            announce=f"serving {model_path} on http://{settings.host}:{settings.port}",
