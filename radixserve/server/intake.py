@@ -1,9 +1,9 @@
-"""What the API process does with a request before any endpoint sees it: refuse a body over
-`--max-request-bytes` (413, before reading it), count and log every request it rejects, let at
-most `INTAKE_PER_ITERATION` requests begin per event-loop iteration (`IntakePacing`), and parse
-JSON bodies with msgspec (`MsgspecJSONRoute`).
+"""What the API process does with a request before any endpoint sees it: parse the HTTP bytes
+of at most `INTAKE_PER_ITERATION` connections per event-loop iteration (`PacedHttpProtocol`),
+refuse a body over `--max-request-bytes` (413, before reading it), count and log every request it
+rejects, and parse JSON bodies with msgspec (`MsgspecJSONRoute`).
 
-The first three are pure ASGI middleware, so streams pass through untouched.
+The body limit and the rejection count are pure ASGI middleware, so streams pass through untouched.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ REQUEST_BYTES_PER_CONTEXT_TOKEN = 4 * 16
 NOT_REJECTIONS = ("/health",)
 # The status a client that went away is answered with (nobody reads it).
 CLIENT_CLOSED_STATUS = 499
-# Requests that may begin (parse, validate, submit: ~1-2 ms each on a busy 2-core machine) in one
-# event-loop iteration; the rest wait for the next ones, so a burst is taken in over many short
-# iterations instead of one long one that holds up every stream and timer.
+# Connections whose request bytes are parsed in one event-loop iteration (each request then begins:
+# parse, validate, submit, ~1-2 ms on a busy 2-core machine); the rest wait for the next ones, so a
+# burst is taken in over many short iterations instead of one long one that holds up every stream.
 INTAKE_PER_ITERATION = 16
 
 
@@ -81,34 +81,21 @@ class BodyLimitMiddleware:
 
 
 class IterationGate:
-    """`await turn()` returns, and `call(fn)` runs fn, in an event-loop iteration that has let fewer
-    than `per_iteration` callers through, first come first served. asyncio runs every callback
-    that is ready when an iteration starts, so without it 1,000 requests arriving together all do
-    their synchronous work in one iteration."""
+    """`call(fn)` runs fn in an event-loop iteration that has run fewer than `per_iteration` of
+    them, first come first served. The event loop runs every callback that is ready when an
+    iteration starts, so without it 1,000 requests arriving together are all taken in by one
+    iteration that holds up every stream and timer."""
 
     def __init__(self, per_iteration: int):
         self.per_iteration = per_iteration
-        self.admitted = 0  # let through in the current iteration
-        self.waiting: deque[asyncio.Future | Callable[[], None]] = deque()
+        self.admitted = 0  # run in the current iteration
+        self.waiting: deque[Callable[[], None]] = deque()
         self.tick_scheduled = False
 
-    def _has_room(self) -> bool:
+    def call(self, fn: Callable[[], None]) -> None:
         if not self.waiting and self.admitted < self.per_iteration:
             self.admitted += 1
             self._schedule_tick()
-            return True
-        return False
-
-    async def turn(self) -> None:
-        if self._has_room():
-            return
-        future = asyncio.get_running_loop().create_future()
-        self.waiting.append(future)
-        self._schedule_tick()
-        await future
-
-    def call(self, fn: Callable[[], None]) -> None:
-        if self._has_room():
             fn()
             return
         self.waiting.append(fn)
@@ -120,21 +107,17 @@ class IterationGate:
             asyncio.get_running_loop().call_soon(self._tick)
 
     def _tick(self) -> None:
-        """Once per iteration while requests come in: the next iteration's allowance, waiters first
-        (a future's waiter runs in the iteration after the one that resolves it)."""
+        """Once per iteration while requests come in: the next iteration's allowance, the waiting
+        first (a callback scheduled now runs in the next iteration)."""
         self.tick_scheduled = False
         self.admitted = 0
-        while self.waiting and self.admitted < self.per_iteration:
-            waiter = self.waiting.popleft()
-            if isinstance(waiter, asyncio.Future):
-                if waiter.done():  # cancelled
-                    continue
-                waiter.set_result(None)
-            else:
-                waiter()
-            self.admitted += 1
-        if self.waiting or self.admitted:
-            self._schedule_tick()
+        try:
+            while self.waiting and self.admitted < self.per_iteration:
+                self.admitted += 1
+                self.waiting.popleft()()
+        finally:
+            if self.waiting or self.admitted:
+                self._schedule_tick()
 
 
 class PacedHttpProtocol(HttpToolsProtocol):
@@ -155,20 +138,6 @@ class PacedHttpProtocol(HttpToolsProtocol):
     def _parse(self, data: bytes) -> None:
         if self.parser is not None:  # the connection is still there
             super().data_received(data)
-
-
-class IntakePacing:
-    """Every POST (the generation and tokenizer endpoints) waits its turn at an `IterationGate`
-    before anything reads or parses its body; GETs (/health, /metrics) pass at once."""
-
-    def __init__(self, app, per_iteration: int = INTAKE_PER_ITERATION):
-        self.app = app
-        self.gate = IterationGate(per_iteration)
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] == "POST":
-            await self.gate.turn()
-        await self.app(scope, receive, send)
 
 
 class RejectionRecorder:
