@@ -90,14 +90,15 @@ def run_router(settings: RouterSettings) -> int:
 
     import uvicorn
 
+    from radixserve.http_common.paced_http import PacedHttpProtocol
     from radixserve.router.app import create_router_app
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     app = create_router_app(settings)
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, loop=loop, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=30, lifespan="on")
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, loop=loop, http=PacedHttpProtocol,
+                            log_level="warning", access_log=False, timeout_graceful_shutdown=30, lifespan="on")
     server = uvicorn.Server(config)
     logging.getLogger("radixserve.router").info(
         "router (%s) on http://%s:%d over %d worker(s)", settings.policy, settings.host, settings.port,

@@ -25,9 +25,9 @@ from radixserve.server.engine_client import EngineClient
 from radixserve.http_common.errors import install_error_handlers
 from radixserve.http_common.gc_tuning import governed_collections
 from radixserve.http_common.loop_lag import watch_loop_lag
+from radixserve.http_common.paced_http import PacedHttpProtocol
 from radixserve.server.lifecycle import CLOSE_TIMEOUT_S, ServingServer
-from radixserve.server.intake import (REQUEST_BYTES_PER_CONTEXT_TOKEN, BodyLimitMiddleware, PacedHttpProtocol,
-                                     RejectionRecorder)
+from radixserve.server.intake import REQUEST_BYTES_PER_CONTEXT_TOKEN, BodyLimitMiddleware, RejectionRecorder
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.openapi import install_openapi
 from radixserve.server.routes import native, observability, openai_api, tokenize
