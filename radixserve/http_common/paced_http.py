@@ -64,10 +64,8 @@ class IterationGate:
 
 class PacedHttpProtocol(HttpToolsProtocol):
     """uvicorn's HTTP/1.1 protocol, parsing the bytes of at most `INTAKE_PER_ITERATION`
-    connections per event-loop iteration. The event loop hands every connection whose request
-    arrived to its protocol in one iteration, before any ASGI middleware runs: a burst of 1,024
-    requests on open connections was parsed in one 45 ms stretch on a 2-core machine (a py-spy
-    profile), stalling every stream. A connection's later bytes queue behind its earlier ones."""
+    connections per event-loop iteration (one gate per event loop); a connection's later bytes
+    queue behind its earlier ones."""
 
     _gates: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, IterationGate]" = weakref.WeakKeyDictionary()
 
