@@ -96,7 +96,7 @@ class ServerSettings:
         "lpm", "Order of the waiting queue: lpm (longest cached prefix first), fcfs, lof (longest output "
         "first), random, dfs-weight (depth-first over the radix tree).", choices=SCHEDULE_POLICIES)
     lpm_max_wait_s: float = _opt(
-        8.0, "LPM's starvation bound: a request that has waited this many seconds goes before every "
+        7.0, "LPM's starvation bound: a request that has waited this many seconds goes before every "
         "request that has not, however long their cached prefix (the overdue among themselves by cached "
         "length, within arrival windows of this many seconds).")
     prefix_hold_s: float = _opt(
