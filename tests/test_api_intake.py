@@ -166,6 +166,53 @@ def test_engine_messages_waiting_together_reach_each_request_merged():
     assert [o.rid for o in untracked] == ["gone"] and reply.ok and groups == []
 
 
+def test_a_backlog_of_engine_outputs_is_decoded_over_short_iterations():
+    """An API that fell behind reads many steps' outputs at once; decoding and merging them all in
+    one event-loop iteration held every other stream and request for tens of milliseconds. The
+    backlog is decoded at most OUTPUTS_DECODED_PER_ITERATION outputs per iteration, then handed
+    out OUTPUTS_PER_ITERATION per iteration, and still reaches each request as one merged output."""
+    import zmq
+    import zmq.asyncio
+
+    from radixserve.engine.io_struct import RequestOutput
+    from radixserve.server import engine_client as ec
+
+    steps, rids = ec.MESSAGES_PER_READ, [f"r{i}" for i in range(1024)]
+
+    async def scenario() -> tuple[int, int, list]:
+        client = ec.EngineClient(ServerSettings())  # never started
+        ctx = zmq.asyncio.Context()
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        pull.bind("inproc://engine-backlog")
+        push.connect("inproc://engine-backlog")
+        client._pull = pull
+        groups = [ec.RequestGroup(client, [rid]) for rid in rids]
+        client.groups.update(zip(rids, groups))
+        for step in range(steps):
+            await push.send_multipart(m.encode(m.OutputBatch(outputs=[
+                RequestOutput(rid=rid, new_token_ids=[step], finished=step == steps - 1) for rid in rids])))
+        await asyncio.sleep(0.05)  # the whole backlog is waiting before the reader starts
+        reader = asyncio.create_task(client._receive_loop())
+        iterations = iterations_before_first = 0
+        while not all(g.queue.qsize() for g in groups):
+            await asyncio.sleep(0)
+            iterations += 1
+            if not iterations_before_first and any(g.queue.qsize() for g in groups):
+                iterations_before_first = iterations
+        got = [g.queue.get_nowait() for g in groups]
+        reader.cancel()
+        pull.close(0)
+        push.close(0)
+        ctx.term()
+        return iterations_before_first, iterations, got
+
+    before_first, total, got = asyncio.run(scenario())
+    decoding = steps * len(rids) // ec.OUTPUTS_DECODED_PER_ITERATION
+    assert before_first >= decoding - 1, (before_first, decoding)
+    assert total - before_first >= len(rids) // ec.OUTPUTS_PER_ITERATION - 1
+    assert all(o.new_token_ids == list(range(steps)) and o.finished for o in got)
+
+
 def test_a_burst_of_long_token_id_prompts_is_served_whole(server_model_dir, server_workdir):
     proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu", "--max-total-tokens", "32768"],
                          server_workdir)

@@ -6,7 +6,7 @@ ZMQ's I/O thread, and on a busy machine the woken thread can take the event loop
 milliseconds, which once per request of a burst added up to a second. Outputs come back on a
 PULL socket read by one task that routes them to per-request queues, at most
 `OUTPUTS_PER_ITERATION` per event-loop iteration, merging a request's outputs of the steps that
-were waiting together. A watchdog notices when the engine process
+were waiting together (decoded `OUTPUTS_DECODED_PER_ITERATION` per iteration). A watchdog notices when the engine process
 exits, fails everything that waits on it (HTTP 503) and calls `on_death`, so the server can exit
 and be restarted. `drain()` serves a shutdown: new requests and health probes are refused at
 once, those in flight get a deadline to finish.
@@ -50,6 +50,11 @@ OUTPUTS_PER_ITERATION = 64
 # and it catches up (on 2 CPU cores it spent ~0.2 ms an event, a streaming H200 makes 40k tokens a
 # second on a small model). Not behind, one message is waiting at a time and nothing changes.
 MESSAGES_PER_READ = 32
+# Engine outputs decoded (and merged) per event-loop iteration while such a backlog is read: each
+# costs ~2 us, and 32 messages of a thousand outputs read in one go held the loop 64 ms on 2 CPU
+# cores (an API behind a small model's thousand streams reads such backlogs; on an H200 host it
+# logged loop stalls of 102-144 ms while they decoded).
+OUTPUTS_DECODED_PER_ITERATION = 4096
 HEALTH_RID_PREFIX = "health-"
 
 
@@ -352,45 +357,59 @@ class EngineClient:
         return len(groups)
 
     async def _receive_loop(self) -> None:
+        """Read what the engine sent, the messages already waiting together (up to
+        `MESSAGES_PER_READ`), in order, then hand the outputs out to their requests."""
         while True:
-            frames = [await self._pull.recv_multipart()]
-            while len(frames) < MESSAGES_PER_READ and await self._pull.poll(0):
-                frames.append(await self._pull.recv_multipart())
-            msgs = []
-            for parts in frames:
-                try:
-                    msgs.append(m.decode(parts))
-                except Exception as e:
-                    logger.error("dropping undecodable engine message: %s", e)
-            await self._dispatch(msgs)
+            pending: dict[str, RequestOutput] = {}  # per request, its outputs of this read, merged
+            parts = await self._pull.recv_multipart()
+            read = decoded = 0
+            while True:
+                read += 1
+                decoded += self._take(parts, pending)
+                if read >= MESSAGES_PER_READ or not await self._pull.poll(0):
+                    break
+                if decoded >= OUTPUTS_DECODED_PER_ITERATION:
+                    decoded = 0
+                    await asyncio.sleep(0)  # a backlog is decoded over several short iterations
+                parts = await self._pull.recv_multipart()
+            await self._hand_out(pending)
 
-    async def _dispatch(self, msgs: list) -> None:
-        """Route engine messages, in order, to the requests they answer. The outputs of one request
-        in several messages (steps) reach it as one: tokens of all of them (`merge_outputs`)."""
-        pending: dict[str, RequestOutput] = {}  # per request, its outputs so far, merged
-        for msg in msgs:
-            if isinstance(msg, m.OutputBatch):
-                if msg.stats is not None:
-                    self.latest_stats = msg.stats
-                    if self.on_stats is not None:
-                        self.on_stats(msg.stats)
-                if msg.kv_events and self.on_kv_events is not None:
-                    self.on_kv_events(msg.kv_events)
-                for err in msg.errors:
-                    if err.rid in pending:  # what it produced before the error, first
-                        self._route(pending.pop(err.rid))
-                    group = self.groups.pop(err.rid, None)
-                    if group is not None:
-                        exc = QueueFullError(err.message) if err.queue_full else EngineRequestError(err.message)
-                        exc.rid = err.rid
-                        group.queue.put_nowait(exc)
-                for out in msg.outputs:
-                    earlier = pending.get(out.rid)
-                    pending[out.rid] = out if earlier is None else merge_outputs(earlier, out)
-            elif isinstance(msg, m.ControlReply):
-                fut = self.replies.pop(msg.reply_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
+    def _take(self, parts: list[bytes], pending: dict[str, RequestOutput]) -> int:
+        """Decode one engine message and act on it: stats, cache events, errors and control replies
+        at once (a request's outputs before its error first); outputs merged into `pending` per
+        request (`merge_outputs`). Returns how many outputs it held."""
+        try:
+            msg = m.decode(parts)
+        except Exception as e:
+            logger.error("dropping undecodable engine message: %s", e)
+            return 0
+        if isinstance(msg, m.ControlReply):
+            fut = self.replies.pop(msg.reply_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            return 0
+        if not isinstance(msg, m.OutputBatch):
+            return 0
+        if msg.stats is not None:
+            self.latest_stats = msg.stats
+            if self.on_stats is not None:
+                self.on_stats(msg.stats)
+        if msg.kv_events and self.on_kv_events is not None:
+            self.on_kv_events(msg.kv_events)
+        for err in msg.errors:
+            if err.rid in pending:  # what it produced before the error, first
+                self._route(pending.pop(err.rid))
+            group = self.groups.pop(err.rid, None)
+            if group is not None:
+                exc = QueueFullError(err.message) if err.queue_full else EngineRequestError(err.message)
+                exc.rid = err.rid
+                group.queue.put_nowait(exc)
+        for out in msg.outputs:
+            earlier = pending.get(out.rid)
+            pending[out.rid] = out if earlier is None else merge_outputs(earlier, out)
+        return len(msg.outputs)
+
+    async def _hand_out(self, pending: dict[str, RequestOutput]) -> None:
         for i, out in enumerate(pending.values(), 1):
             self._route(out)
             if i % OUTPUTS_PER_ITERATION == 0 and i < len(pending):
