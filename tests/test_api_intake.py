@@ -11,6 +11,8 @@ import socket
 import httpx
 import msgspec
 import pytest
+import zmq
+import zmq.asyncio
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
@@ -116,14 +118,22 @@ def test_json_bodies_parse_as_the_json_module_parses_them():
     assert msgspec.json.decode(b'[1]') == [1]
 
 
+def engine_outputs_into(client) -> tuple[zmq.asyncio.Context, zmq.asyncio.Socket]:
+    """Real ZMQ sockets in place of the engine process: what is sent on the returned PUSH socket
+    reaches `client`'s reader as the engine's messages do. Close with `ctx.destroy(0)`."""
+    ctx = zmq.asyncio.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind("inproc://engine-outputs")
+    push.connect("inproc://engine-outputs")
+    client._pull = pull
+    return ctx, push
+
+
 def test_engine_messages_waiting_together_reach_each_request_merged():
     """Engine messages (steps) already waiting when the API reads are routed as one: a request's
     outputs of those steps reach it merged (one event to write), outputs before an error first,
     control replies answered, a finished request nobody waits for reported. Over real ZMQ sockets,
     the messages sent before the reader runs."""
-    import zmq
-    import zmq.asyncio
-
     from radixserve.engine.io_struct import RequestOutput
     from radixserve.server.engine_client import EngineClient, RequestGroup
 
@@ -132,11 +142,7 @@ def test_engine_messages_waiting_together_reach_each_request_merged():
 
     async def scenario() -> tuple[list, list, list, m.ControlReply, list]:
         client = EngineClient(ServerSettings())  # never started: aborts go nowhere
-        ctx = zmq.asyncio.Context()
-        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-        pull.bind("inproc://engine-outputs")
-        push.connect("inproc://engine-outputs")
-        client._pull = pull
+        ctx, push = engine_outputs_into(client)
         a, b = RequestGroup(client, ["a"]), RequestGroup(client, ["b"])
         client.groups.update(a=a, b=b)
         reply = asyncio.get_running_loop().create_future()
@@ -155,9 +161,7 @@ def test_engine_messages_waiting_together_reach_each_request_merged():
         got_a = [o async for o in a.outputs()]
         got_b = [b.queue.get_nowait() for _ in range(b.queue.qsize())]
         reader.cancel()
-        pull.close(0)
-        push.close(0)
-        ctx.term()
+        ctx.destroy(0)
         return got_a, got_b, untracked, reply.result(), list(client.groups)
 
     got_a, got_b, untracked, reply, groups = asyncio.run(scenario())
@@ -171,9 +175,6 @@ def test_a_backlog_of_engine_outputs_is_decoded_over_short_iterations():
     one event-loop iteration held every other stream and request for tens of milliseconds. The
     backlog is decoded at most OUTPUTS_DECODED_PER_ITERATION outputs per iteration, then handed
     out OUTPUTS_PER_ITERATION per iteration, and still reaches each request as one merged output."""
-    import zmq
-    import zmq.asyncio
-
     from radixserve.engine.io_struct import RequestOutput
     from radixserve.server import engine_client as ec
 
@@ -181,11 +182,7 @@ def test_a_backlog_of_engine_outputs_is_decoded_over_short_iterations():
 
     async def scenario() -> tuple[int, int, list]:
         client = ec.EngineClient(ServerSettings())  # never started
-        ctx = zmq.asyncio.Context()
-        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-        pull.bind("inproc://engine-backlog")
-        push.connect("inproc://engine-backlog")
-        client._pull = pull
+        ctx, push = engine_outputs_into(client)
         groups = [ec.RequestGroup(client, [rid]) for rid in rids]
         client.groups.update(zip(rids, groups))
         for step in range(steps):
@@ -201,9 +198,7 @@ def test_a_backlog_of_engine_outputs_is_decoded_over_short_iterations():
                 iterations_before_first = iterations
         got = [g.queue.get_nowait() for g in groups]
         reader.cancel()
-        pull.close(0)
-        push.close(0)
-        ctx.term()
+        ctx.destroy(0)
         return iterations_before_first, iterations, got
 
     before_first, total, got = asyncio.run(scenario())
