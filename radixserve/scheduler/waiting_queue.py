@@ -118,13 +118,13 @@ class WaitingQueue:
 
     def _by_match_in_windows(self, reqs: list[Req]) -> list[Req]:
         """reqs (in arrival order) by cached length within arrival windows of max_wait_s."""
-        window: dict[int, int] = {}
+        keyed: list[tuple[int, int, int, Req]] = []  # arrival_seq is unique: a Req is never compared
         index, opened = -1, float("-inf")
         for req in reqs:
             if req.arrival_time > opened + self.max_wait_s:
                 index, opened = index + 1, req.arrival_time
-            window[req.arrival_seq] = index
-        return sorted(reqs, key=lambda r: (window[r.arrival_seq], -r.peek_len, r.arrival_seq))
+            keyed.append((index, -req.peek_len, req.arrival_seq, req))
+        return [req for *_, req in sorted(keyed)]
 
     def _dfs_weight_order(self) -> list[Req]:
         """Depth-first over the tree, heavier subtrees (more waiting requests) first."""

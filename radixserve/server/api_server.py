@@ -112,7 +112,8 @@ def run_server(settings: ServerSettings) -> int:
 
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop=loop, http=PacedHttpProtocol,
-                            log_level="warning", access_log=False, timeout_graceful_shutdown=CLOSE_TIMEOUT_S, lifespan="on")
+                            log_level="warning", access_log=False, timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
+                            lifespan="on")
     # Open /kv_events streams never end by themselves; they are closed when the drain ends.
     server = ServingServer(config, engine, settings.graceful_shutdown_timeout,
                            announce=f"serving {model_path} on http://{settings.host}:{settings.port}",

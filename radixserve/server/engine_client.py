@@ -7,8 +7,8 @@ milliseconds, which once per request of a burst added up to a second. Outputs co
 PULL socket read by one task that routes them to per-request queues, at most
 `OUTPUTS_PER_ITERATION` per event-loop iteration, merging a request's outputs of the steps that
 were waiting together (decoded at most `OUTPUTS_DECODED_PER_ITERATION` per iteration). A watchdog
-notices when the engine process exits, fails everything that waits on it (HTTP 503) and calls `on_death`, so the server can exit
-and be restarted. `drain()` serves a shutdown: new requests and health probes are refused at
+notices when the engine process exits, fails everything that waits on it (HTTP 503) and calls
+`on_death`, so the server can exit and be restarted. `drain()` serves a shutdown: new requests and health probes are refused at
 once, those in flight get a deadline to finish.
 
 Engine request ids are always made here: a client's `rid` is only a label, so a reused or forged
@@ -52,8 +52,8 @@ OUTPUTS_PER_ITERATION = 64
 MESSAGES_PER_READ = 32
 # Engine outputs decoded (and merged) per event-loop iteration while such a backlog is read: each
 # costs ~2 us, and 32 messages of a thousand outputs read in one go held the loop 52-64 ms on 2 CPU
-# cores (an API behind a small model's thousand streams reads such backlogs; on an H200 host it
-# logged loop stalls of 102-144 ms while they decoded).
+# cores. An API behind a small model's thousand streams reads such backlogs (on an H200 host, so
+# behind, it logged loop stalls of 102-144 ms).
 OUTPUTS_DECODED_PER_ITERATION = 4096
 HEALTH_RID_PREFIX = "health-"
 
