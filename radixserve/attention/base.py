@@ -41,6 +41,9 @@ class ForwardBatch:
     kv_pool: KVPool
     # Rows of the hidden states whose logits are computed (the last token of each sampling request).
     logits_indices: torch.Tensor  # [S] int64
+    # Where the fp32 logits go ([S, vocab]); None: a new tensor. The decode CUDA graphs pass one
+    # buffer shared by all of them, so no graph keeps logits of its own in the graph pool.
+    logits_out: Optional[torch.Tensor] = None
     # Backend-private metadata, filled by AttentionBackend.init_forward.
     attn_meta: Optional[object] = field(default=None)
 

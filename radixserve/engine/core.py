@@ -111,7 +111,7 @@ class EngineCore:
         """The model (this rank's shard), KV memory, radix cache, scheduler and model runner."""
         self.model, self.attn_backend = load_rank_model(settings, self.device, self.dtype, self.context_len, tp)
         cfg = self.model_config
-        self.kv_pool, self.req_to_token = make_kv_memory(
+        self.kv_pool, self.req_to_token, self.memory_plan = make_kv_memory(
             settings, self.model, self.device, self.dtype, self.context_len, tp,
             table_cls=RecordingReqToTokenPool if tp is not None else ReqToTokenPool)
         max_running = self.req_to_token.max_requests
@@ -132,6 +132,10 @@ class EngineCore:
                 self.model, self.kv_pool, self.req_to_token, self.device, settings.random_seed, **runner_kwargs,
                 send=self.tp_leader.send, copier=copier, sampled=SharedSampledTokens(max_running, self.device, tp))
         self.runner.eos_token_ids = sorted(set(eos))
+        if self.memory_plan is not None:
+            if self.runner.graphs is not None:
+                self.memory_plan.graph_bytes_captured = self.runner.graphs.pool_bytes
+            logger.info("memory: %s", self.memory_plan.describe())
         self.grammar_wait = GrammarWaitlist(self.tokenizer, cfg.vocab_size, eos)
         if self.tokenizer is not None:
             # Reading a 150k vocabulary into xgrammar takes a second: at start-up, not in a step.
@@ -253,14 +257,20 @@ class EngineCore:
         collected = [previous]
         batch = self.scheduler.schedule(previous)  # collects `previous` early if it must retract
         if batch is not None:
-            forward = self.runner.launch_forward(batch)
-            if previous is not None and forward.may_constrain and self._masks_rows(batch):
-                # The grammar masks of this step need the previous step's tokens: they are read,
-                # and the matchers advanced, while the device runs this step's forward pass (see
-                # docs/structured_outputs.md for what it costs).
-                outputs += self._collect(previous)
+            try:
+                forward = self.runner.launch_forward(batch)
+                if previous is not None and forward.may_constrain and self._masks_rows(batch):
+                    # The grammar masks of this step need the previous step's tokens: they are read,
+                    # and the matchers advanced, while the device runs this step's forward pass (see
+                    # docs/structured_outputs.md for what it costs).
+                    outputs += self._collect(previous)
+                    previous = None
+                self.in_flight = StepInFlight(batch, self.runner.launch_sampling(forward))
+            except torch.OutOfMemoryError as e:
+                if self.tp_leader is not None:
+                    raise  # the other ranks are inside this step's collectives: it cannot be taken back
+                outputs += self._recover_from_alloc_failure(batch, previous, e)
                 previous = None
-            self.in_flight = StepInFlight(batch, self.runner.launch_sampling(forward))
         elif isinstance(self.runner, TensorParallelRunner):
             self.runner.send_copies()  # loads started while every request waits: every rank starts them now
         outputs += self._collect(previous)
@@ -270,6 +280,20 @@ class EngineCore:
         waited = sum(s.tokens.wait_s for s in collected if s is not None)
         self.last_step = StepInfo(batch, time.perf_counter() - start, start, waited)
         return outputs
+
+    def _recover_from_alloc_failure(self, batch: ScheduledBatch, previous: Optional[StepInFlight],
+                                    error: torch.OutOfMemoryError) -> list[RequestOutput]:
+        """A step the device could not allocate for: take it back (its requests keep their places
+        and their computed KV), collect the step before it, make later steps smaller, and hand the
+        allocator's cached blocks back so the next step starts unfragmented. The engine goes on."""
+        self.scheduler.take_back(batch)  # before `previous` is collected: nothing half computed is cached
+        outputs = self._collect(previous)
+        change, failed = self.scheduler.shrink_steps(batch)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        logger.warning("a step of %d requests (%d new tokens) could not allocate device memory (%s); %s",
+                       len(batch.reqs), batch.num_new_tokens, str(error).split("\n")[0][:200], change)
+        return outputs + [request_output(r) for r in failed]
 
     def sync(self) -> list[RequestOutput]:
         """Wait for the step in flight, if any, and process its tokens."""
@@ -363,6 +387,7 @@ class EngineCore:
             "hit_rate": c.hit_rate,
             **self._tier_stats(),
             "retractions": s.num_retractions,
+            "alloc_failures": s.alloc_failures,
             "in_batch_deferrals": s.in_batch_deferrals,
             "continued_turns": s.continued_turns,
             "prefix_holds": s.prefix_holds,

@@ -11,8 +11,12 @@ the host has not seen yet: the graph resolves it from `LastSampledTokens` on the
 past the real batch are padding: token 0 at position 0 written to the reserved slot 0 (page 0 is
 never handed out), request row 0 with seq_len 0, which attends to nothing.
 
-Each graph gets its own memory pool: graphs sharing one pool hit an allocator assert when an
-earlier graph's outputs are freed while a later one still maps the blocks.
+All graphs share one memory pool and write their logits into one static buffer [max_bs, vocab]
+(`ForwardBatch.logits_out`), so no graph keeps a tensor of its own alive in the pool: the pool
+holds the largest graph's intermediates once (about 1 GB for a 7B at batch 1,024) instead of
+every bucket's intermediates and logits side by side (8.5 GB with a pool per graph).
+`pool_bytes` is what capture took from the device; the start-up memory plan measures it ahead by
+capturing the largest bucket alone (radixserve.engine.memory_plan).
 """
 
 from __future__ import annotations
@@ -74,12 +78,13 @@ class DecodeCudaGraphs:
     """Captures the model's decode step at each bucket and replays the smallest bucket that fits."""
 
     def __init__(self, model: torch.nn.Module, kv_pool: KVPool, req_to_token: ReqToTokenPool,
-                 device: torch.device, max_bs: int, sampled: LastSampledTokens):
+                 device: torch.device, max_bs: int, sampled: LastSampledTokens, *, largest_only: bool = False):
+        """largest_only: capture the max_bs bucket alone (to measure what the graphs need)."""
         self.model = model
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.device = device
-        self.batch_sizes = graph_batch_sizes(max_bs)
+        self.batch_sizes = [max_bs] if largest_only else graph_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         self.sampled = sampled
         self.inputs = torch.zeros((NUM_INPUT_ROWS, self.max_bs), dtype=torch.int64, device=device)
@@ -88,9 +93,11 @@ class DecodeCudaGraphs:
         self._turn = 0
         self._ones = torch.ones(self.max_bs, dtype=torch.int64, device=device)
         self._arange = torch.arange(self.max_bs, dtype=torch.int64, device=device)
+        # Every graph's logits, rows [:bs]; allocated before capture, outside the graphs' pool.
+        self.logits = torch.empty((self.max_bs, model.config.vocab_size), dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
+        self.pool_bytes = 0  # device memory the capture reserved (the shared pool, mostly)
 
     def _run(self, bs: int) -> torch.Tensor:
         """The captured work: resolve placeholder input ids, then the model's decode step."""
@@ -103,7 +110,8 @@ class DecodeCudaGraphs:
             extend_lens=self._ones[:bs], prefix_lens=x[POSITIONS, :bs],
             # Never read in DECODE mode by the Triton backend or the model.
             seq_lens_cpu=[0] * bs, extend_lens_cpu=[1] * bs, prefix_lens_cpu=[0] * bs,
-            req_to_token=self.req_to_token.table, kv_pool=self.kv_pool, logits_indices=self._arange[:bs]))
+            req_to_token=self.req_to_token.table, kv_pool=self.kv_pool, logits_indices=self._arange[:bs],
+            logits_out=self.logits[:bs]))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -111,6 +119,8 @@ class DecodeCudaGraphs:
         self.model.attn_backend.reserve_decode_workspace(self.max_bs, num_heads, num_kv_heads,
                                                          self.model.config.head_dim, self.device)
         start = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        reserved_before = torch.cuda.memory_reserved(self.device)
         self.inputs.zero_()  # every row is a padded row while capturing
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -120,26 +130,28 @@ class DecodeCudaGraphs:
         gc.collect()
         gc_enabled = gc.isenabled()
         gc.disable()
+        pool = torch.cuda.graph_pool_handle()
         try:
-            # Largest first: its pool is the biggest, and the later, smaller captures then find the
-            # allocator's free blocks already split.
+            # Largest first: the smaller captures then reuse its blocks in the shared pool.
             for bs in reversed(self.batch_sizes):
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # compile Triton kernels and let cuBLAS pick its algorithms
                         self._run(bs)
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=stream):
-                    out = self._run(bs)
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._run(bs)
                 self.graphs[bs] = graph
-                self.outputs[bs] = out
         finally:
             if gc_enabled:
                 gc.enable()
         torch.cuda.synchronize(self.device)
+        # The warm-up runs' blocks, cached for the capture stream alone, go back to the device.
+        torch.cuda.empty_cache()
         self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.graphs),
-                    self.batch_sizes[0], self.max_bs, self.capture_seconds)
+        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GiB", len(self.graphs),
+                    self.batch_sizes[0], self.max_bs, self.capture_seconds, self.pool_bytes / 2**30)
 
     def can_run(self, batch_size: int) -> bool:
         return 0 < batch_size <= self.max_bs and bool(self.graphs)
@@ -159,4 +171,4 @@ class DecodeCudaGraphs:
         pack_decode_inputs(host, bs, (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens))
         self.inputs.copy_(host, non_blocking=True)
         self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        return self.logits[:n]

@@ -10,6 +10,7 @@ import torch
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.distributed import TensorParallel
+from radixserve.engine.memory_plan import MemoryPlan, plan_kv_pool
 from radixserve.model.config import ModelConfig
 from radixserve.settings import CPU_KV_POOL_TOKENS, ServerSettings
 
@@ -41,29 +42,6 @@ def make_attention_backend(choice: str, device: torch.device):
     return TorchAttentionBackend()
 
 
-def pool_tokens(settings: ServerSettings, cfg: ModelConfig, num_kv_heads: int, device: torch.device,
-                dtype: torch.dtype) -> int:
-    """KV pool size in tokens: --max-total-tokens, else what this device's memory holds of this
-    rank's KV heads, in whole pages."""
-    s = settings
-    if s.max_total_tokens is not None:
-        tokens = s.max_total_tokens
-    elif device.type == "cuda":
-        # Blocks the caching allocator holds but nothing uses (the temporaries of loading, such as
-        # the wider copies --quantization fp8 quantizes) are free memory: hand them back first, or
-        # they would count as in use and shrink the pool.
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(device)
-        per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, num_kv_heads, cfg.head_dim, dtype)
-        budget = total * s.mem_fraction_static - (total - free)
-        tokens = int(budget // per_token)
-        if tokens < s.page_size:
-            raise ValueError(f"mem_fraction_static={s.mem_fraction_static} leaves no room for a KV pool")
-    else:
-        tokens = CPU_KV_POOL_TOKENS
-    return tokens - tokens % s.page_size
-
-
 def load_rank_model(settings: ServerSettings, device: torch.device, dtype: torch.dtype, context_len: int,
                     tp: Optional[TensorParallel]):
     """The model (this rank's shard of it under tensor parallelism) and its attention backend."""
@@ -82,21 +60,39 @@ def load_rank_model(settings: ServerSettings, device: torch.device, dtype: torch
 
 
 def make_kv_memory(settings: ServerSettings, model, device: torch.device, dtype: torch.dtype, context_len: int,
-                   tp: Optional[TensorParallel], table_cls: type = ReqToTokenPool) -> tuple[KVPool, ReqToTokenPool]:
+                   tp: Optional[TensorParallel], table_cls: type = ReqToTokenPool
+                   ) -> tuple[KVPool, ReqToTokenPool, Optional[MemoryPlan]]:
     """This rank's KV pool (its KV heads of every slot, in --kv-cache-dtype: an FP8 pool holds
-    twice the tokens in the same bytes, with the model's per-layer scales) and the req_to_token
-    table. Every rank of a tensor-parallel engine gets the same number of slots: the fewest any
-    rank has room for."""
+    twice the tokens in the same bytes, with the model's per-layer scales), the req_to_token
+    table, and on CUDA the memory plan that sized the pool (None when --max-total-tokens did).
+    Every rank of a tensor-parallel engine gets the same number of slots: the fewest any rank has
+    room for."""
     cfg: ModelConfig = model.config
     num_kv_heads = model.local_heads[1]
     kv_dtype = kv_cache_dtype(settings, dtype)
-    tokens = pool_tokens(settings, cfg, num_kv_heads, device, kv_dtype)
+    max_running = settings.resolved_max_running_requests(device.type)
+    table = table_cls(max_running, context_len + 1, device)
+    plan: Optional[MemoryPlan] = None
+    if settings.max_total_tokens is not None:
+        tokens = settings.max_total_tokens
+    elif device.type == "cuda":
+        # Blocks the caching allocator holds but nothing uses (the temporaries of loading, such as
+        # the wider copies --quantization fp8 quantizes) are free memory: the plan hands them back
+        # first, or they would count as in use and shrink the pool.
+        plan = plan_kv_pool(settings, model, table, device, kv_dtype, context_len,
+                            graph_max_bs=min(settings.cuda_graph_max_bs, max_running))
+        tokens = plan.kv_pool_tokens
+    else:
+        tokens = CPU_KV_POOL_TOKENS
+    tokens -= tokens % settings.page_size
     if tp is not None:
         tokens = tp.min_int(tokens)
+    if plan is not None and tokens != plan.kv_pool_tokens:
+        plan.kv_pool_bytes = plan.kv_pool_bytes // plan.kv_pool_tokens * tokens
+        plan.kv_pool_tokens = tokens
     kv_pool = KVPool(tokens, settings.page_size, cfg.num_hidden_layers, num_kv_heads, cfg.head_dim, kv_dtype, device,
                      kv_scales=model.kv_cache_scales)
-    max_running = settings.resolved_max_running_requests(device.type)
-    return kv_pool, table_cls(max_running, context_len + 1, device)
+    return kv_pool, table, plan
 
 
 def host_tier_tokens(settings: ServerSettings, kv_pool: KVPool, tp: Optional[TensorParallel]) -> int:

@@ -46,7 +46,7 @@ class WorkerRank:
         config = ModelConfig.from_dir(settings.model_path)
         context_len = settings.context_length or config.max_position_embeddings
         self.model, _ = load_rank_model(settings, device, dtype, context_len, tp)
-        self.kv_pool, self.req_to_token = make_kv_memory(settings, self.model, device, dtype, context_len, tp)
+        self.kv_pool, self.req_to_token, _ = make_kv_memory(settings, self.model, device, dtype, context_len, tp)
         self.copier = self._make_copier(settings, tp)
         sampled = SharedSampledTokens(self.req_to_token.max_requests, device, tp)
         self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, device, settings.random_seed,

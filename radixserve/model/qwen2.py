@@ -249,4 +249,7 @@ class Qwen2ForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in fp32 for the selected token rows."""
         self.attn_backend.init_forward(batch)
-        return self.lm_head.forward(self.model.forward(batch)).float()
+        logits = self.lm_head.forward(self.model.forward(batch))
+        if batch.logits_out is None:
+            return logits.float()
+        return batch.logits_out.copy_(logits)  # the conversion to fp32, into the caller's buffer

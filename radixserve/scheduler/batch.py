@@ -27,6 +27,8 @@ class ScheduledBatch:
     num_cached_tokens: int = 0  # prompt tokens of new admissions found in the cache
     # In-batch sharing keys of the uncached prefixes this step computes (see PrefillAdder).
     shared_prefix_keys: set[tuple] = field(default_factory=set)
+    # The requests this step admitted from the queue (they wait again if the step is taken back).
+    admitted: list[Req] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:

@@ -97,6 +97,14 @@ class KVManager:
             req.kv_len += 1
         return positions
 
+    def shrink(self, req: Req, upto: int) -> None:
+        """Take back req's positions from `upto` on, with the pages only they used (a step that
+        was scheduled but could not run)."""
+        keep = self.page_ceil(upto)
+        self._free_slots(req.slots[keep:])
+        del req.slots[keep:]
+        req.kv_len = upto
+
     def _slots_of(self, pages: list[int]) -> list[int]:
         """The KV slots of these pages, page by page (a page is its slot at page size 1)."""
         return self.allocator.pages_to_slots(pages).tolist() if self.page_size > 1 else pages

@@ -20,6 +20,10 @@ from radixserve.scheduler.request import Req
 # The future decode tokens reserved for a request are clipped, so one request asking for a huge
 # max_new_tokens cannot block admission.
 CLIP_MAX_NEW_TOKENS = 4096
+# Prompt log probabilities need the logits of every position they score ([rows, vocab] in fp32:
+# 0.6 GB per 1,024 rows at a 152k vocabulary); a step computes at most this many such rows, so the
+# start-up memory plan can measure the largest step (radixserve.engine.memory_plan).
+PROMPT_LOGPROB_ROWS_PER_STEP = 1024
 
 
 def reserved_decode_tokens(req: Req, new_token_ratio: float) -> int:
@@ -42,6 +46,7 @@ class PrefillAdder:
         self.new_token_ratio = new_token_ratio
         self.min_shared_prefix = min_shared_prefix
         self.available = 0  # tokens new requests may still take (see reserve_for)
+        self.prompt_logprob_rows = PROMPT_LOGPROB_ROWS_PER_STEP  # still allowed this step
         self.spare_waited = True  # whether tree tokens waiting requests will reuse count as spare
 
     def reserve_for(self, running: list[Req], *, spare_waited: bool) -> None:
@@ -95,6 +100,9 @@ class PrefillAdder:
         """Schedule the next piece of req's prompt; returns the tokens taken (0: not scheduled)."""
         todo = req.seq_len - req.kv_len
         n = min(todo, self.budget) if self.chunking else todo
+        first_scored = req.prompt_logprobs_from
+        if first_scored is not None and self.chunking:
+            n = min(n, max(first_scored - req.kv_len, 0) + self.prompt_logprob_rows)
         if n <= 0:
             return 0
         if not self.chunking and new and self.batch.num_new_tokens > 0 and n > self.budget:
@@ -106,6 +114,8 @@ class PrefillAdder:
             self.batch.num_new_seqs += 1
             self.batch.num_cached_tokens += req.locked_len
         self.batch.add(req, before, n, before + n == req.seq_len)
+        if first_scored is not None:
+            self.prompt_logprob_rows -= len(req.prompt_logprob_positions(before, before + n))
         self.batch.num_new_tokens += n
         self.budget -= n
         return n

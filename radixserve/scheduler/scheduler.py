@@ -46,6 +46,9 @@ MAX_LOADS_PER_REQUEST = 3
 # prefixes); otherwise only the prefixes of the turns that did.
 CONVERSATION_WINDOW = 256
 CONVERSATION_SHARE = 0.25
+# After an allocation failure the prompt tokens of a step are halved down to this, then the
+# running requests are cut by a quarter; a step already that small fails its requests.
+MIN_STEP_PREFILL_TOKENS = 256
 
 
 @dataclass
@@ -59,6 +62,8 @@ class SchedulerStats:
     # --prefix-hold-s: whether the hold engages shows here (and on /metrics).
     continued_turns: int = 0
     prefix_holds: int = 0
+    # Steps the device could not allocate memory for (taken back and made smaller).
+    alloc_failures: int = 0
 
 
 class Scheduler:
@@ -93,6 +98,8 @@ class Scheduler:
         # Host tier: requests not looked at for a load yet (loads start while they wait).
         self.tiered: Optional[TieredRadixCache] = cache if isinstance(cache, TieredRadixCache) else None
         self._load_candidates: deque[Req] = deque()
+        # Lowered after an allocation failure: the prompt tokens one step may compute (None: the settings').
+        self.prefill_cap: Optional[int] = None
 
     def reset_stats(self) -> None:
         """Forget what earlier requests taught (after the engine's warm-up)."""
@@ -304,9 +311,9 @@ class Scheduler:
     # ------------------------------------------------------------------ prefill
     def _prefill_budget(self) -> int:
         s = self.settings
-        if s.chunked_prefill_size > 0:
-            return min(s.max_prefill_tokens, s.chunked_prefill_size)
-        return s.max_prefill_tokens
+        budget = min(s.max_prefill_tokens, s.chunked_prefill_size) if s.chunked_prefill_size > 0 \
+            else s.max_prefill_tokens
+        return budget if self.prefill_cap is None else min(budget, self.prefill_cap)
 
     def _schedule_prefill(self, batch: ScheduledBatch, in_flight: Optional[StepInFlight], chunked: list[Req]) -> None:
         """chunked: the running requests in the middle of a chunked prompt; they continue first."""
@@ -337,6 +344,7 @@ class Scheduler:
                 self.waiting.add(req)
                 break
             self._admit(req)
+            batch.admitted.append(req)
             if not batch.sample[-1]:
                 break  # it became the chunked request: one at a time
 
@@ -366,6 +374,50 @@ class Scheduler:
         req.admitted_time = req.admitted_time or self.clock()
         self.running.append(req)
         self.stats.admitted += 1
+
+    # ------------------------------------------------------------------ allocation failures
+    def take_back(self, batch: ScheduledBatch) -> None:
+        """Undo a scheduled batch whose launch failed (the device could not allocate its working
+        memory), before the step in flight is collected: each request's positions go back to where
+        they were, so no position the batch may have half computed reaches the tree, and the
+        requests it admitted wait again."""
+        for req, before, samples in zip(batch.reqs, batch.kv_lens_before, batch.sample):
+            if samples:
+                req.pending -= 1
+            self.kv.shrink(req, before)
+        for req in batch.admitted:
+            self.running.remove(req)
+            self.kv.cache_req(req, finished=True)
+            req.state = ReqState.WAITING
+            self._enqueue(req)
+
+    def shrink_steps(self, batch: ScheduledBatch) -> tuple[str, list[Req]]:
+        """After `take_back` (and with every token on the host): make steps like the failed one
+        smaller. Halves the prompt tokens per step while the batch had more than
+        MIN_STEP_PREFILL_TOKENS, else runs a quarter fewer requests (retracting the rest). Returns
+        what changed and, when the batch was already one small request, the requests that fail."""
+        self.stats.alloc_failures += 1
+        if batch.num_new_tokens > MIN_STEP_PREFILL_TOKENS and (self.prefill_cap or batch.num_new_tokens) > \
+                MIN_STEP_PREFILL_TOKENS:
+            cap = max(MIN_STEP_PREFILL_TOKENS, self.kv.page_floor(batch.num_new_tokens // 2) or self.kv.page_size)
+            self.prefill_cap = cap
+            return f"prompt tokens per step lowered to {cap}", []
+        if len(batch.reqs) > 1:
+            self.max_running = max(1, len(batch.reqs) * 3 // 4)
+            while len(self.running) > self.max_running:
+                self._retract_one(list(self.running))
+            return f"running requests lowered to {self.max_running}", []
+        failed = [r for r in batch.reqs if r.state is not ReqState.FINISHED]
+        for req in failed:
+            if req.state is ReqState.WAITING:  # admitted by the failed step, queued again by take_back
+                self.waiting.remove(req)
+            else:
+                self.running.remove(req)
+                self.kv.cache_req(req, finished=True)
+            req.finish_reason = {"type": "abort", "message": "the device ran out of memory for this request"}
+            req.state = ReqState.FINISHED
+            del self.reqs[req.rid]
+        return "a one-request step failed: its request ends with an error", failed
 
     # ------------------------------------------------------------------ results
     def collect(self, step: StepInFlight) -> list[Req]:

@@ -51,6 +51,8 @@ class EngineReady(msgspec.Struct, kw_only=True):
     max_running_requests: int
     device: str
     dtype: str
+    # Where the device's memory went (MemoryPlan.as_dict()); None on the CPU or with --max-total-tokens.
+    memory: Optional[dict[str, Any]] = None
 
 
 class EngineFailed(msgspec.Struct, kw_only=True):

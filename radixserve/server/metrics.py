@@ -36,6 +36,8 @@ ENGINE_COUNTERS = (
     ("inserted_tokens", "radix_inserted_tokens", "Tokens inserted into the radix tree."),
     ("evicted_tokens", "evicted_tokens", "Tokens evicted from the radix tree."),
     ("retractions", "retractions", "Running requests moved back to the queue for lack of KV memory."),
+    ("alloc_failures", "alloc_failures",
+     "Steps the device could not allocate working memory for (taken back; later steps made smaller)."),
     ("continued_turns", "continued_turns",
      "Admitted requests whose prompt continues a finished request's prompt (later turns of a conversation)."),
     ("prefix_holds", "prefix_holds", "Finished requests' prefixes kept from eviction for --prefix-hold-s."),

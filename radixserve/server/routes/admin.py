@@ -40,6 +40,7 @@ async def server_info(request: Request, ctx: Ctx):
             "max_running_requests": ready.max_running_requests if ready else None,
             "device": ready.device if ready else None, "dtype": ready.dtype if ready else None,
             "vocab_size": ready.vocab_size if ready else None,
+            "memory": ready.memory if ready else None,
             "in_flight_requests": len(engine.groups), "ipc_dir": engine.ipc_dir, "stats": stats,
             "version": request.app.version}
 
