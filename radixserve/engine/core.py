@@ -350,6 +350,7 @@ class EngineCore:
         self.scheduler.reset_stats()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)  # the peaks in stats() are serving's
         seconds = time.perf_counter() - start
         logger.info("warm-up: %d requests in %.2f s", len(prompts), seconds)
         return seconds
@@ -392,7 +393,18 @@ class EngineCore:
             "continued_turns": s.continued_turns,
             "prefix_holds": s.prefix_holds,
             "new_token_ratio": self.scheduler.new_token_ratio,
+            **self._device_memory_stats(),
         }
+
+    def _device_memory_stats(self) -> dict[str, Any]:
+        """What torch's allocator holds on the device now and at most since the warm-up (reserved
+        beyond allocated is fragmentation); empty on the CPU."""
+        if self.device.type != "cuda":
+            return {}
+        return {"device_allocated_bytes": torch.cuda.memory_allocated(self.device),
+                "device_reserved_bytes": torch.cuda.memory_reserved(self.device),
+                "device_peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
+                "device_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device)}
 
     def _tier_stats(self) -> dict[str, Any]:
         """The host tier's pool and traffic (zeros without one, so every stats dict has the same keys)."""

@@ -93,8 +93,19 @@ def _token_counts(rows: Sequence[Sequence[int]], vocab: int, device: torch.devic
     return counts
 
 
+# Penalised rows processed at once: each slice holds a few [rows, vocab] float32 temporaries, so
+# a large batch's working memory stays that of PENALTY_SLICE_ROWS rows (radixserve.engine.memory_plan).
+PENALTY_SLICE_ROWS = 256
+
+
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[ProcessingRow], penalized: list[int],
                      resolve: Optional[Resolve]) -> None:
+    for start in range(0, len(penalized), PENALTY_SLICE_ROWS):
+        _apply_penalties_slice(logits, rows, penalized[start:start + PENALTY_SLICE_ROWS], resolve)
+
+
+def _apply_penalties_slice(logits: torch.Tensor, rows: Sequence[ProcessingRow], penalized: list[int],
+                           resolve: Optional[Resolve]) -> None:
     vocab, device = logits.shape[-1], logits.device
     params = [rows[i].params for i in penalized]
     index = _to_device(penalized, torch.int64, device)

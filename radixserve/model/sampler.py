@@ -16,6 +16,10 @@ import torch
 
 from radixserve.sampling_params import SamplingParams
 
+# Rows filtered and drawn at once: the filters hold several [rows, vocab] float32 (and int64)
+# temporaries, so a large batch is drawn in slices and its working memory stays that of
+# SAMPLE_SLICE_ROWS rows (about 1.3 GB at a 152k vocabulary; radixserve.engine.memory_plan).
+SAMPLE_SLICE_ROWS = 256
 # Smallest exponential noise value: keeps p / E finite (E == 0 would turn a filtered-out 0 into NaN).
 _MIN_NOISE = 1e-20
 
@@ -97,27 +101,39 @@ def sample_tensor(logits: torch.Tensor, params: Sequence[SamplingParams],
     rows = [i for i, g in enumerate(greedy) if not g]
     every_row = len(rows) == len(params)
     sub = logits if every_row else logits[torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)]
-    probs = filter_probs(sub, [params[i] for i in rows])
+    if len(rows) <= SAMPLE_SLICE_ROWS:
+        drawn = _draw(sub, [params[i] for i in rows], [generators[i] for i in rows], default_generator)
+    else:
+        drawn = torch.cat([_draw(sub[start:start + SAMPLE_SLICE_ROWS],
+                                 [params[i] for i in rows[start:start + SAMPLE_SLICE_ROWS]],
+                                 [generators[i] for i in rows[start:start + SAMPLE_SLICE_ROWS]], default_generator)
+                           for start in range(0, len(rows), SAMPLE_SLICE_ROWS)])
+    if every_row:
+        return drawn
+    return choice.index_copy_(0, torch.tensor(rows, dtype=torch.int64).to(choice.device, non_blocking=True), drawn)
+
+
+def _draw(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[Optional[torch.Generator]],
+          default_generator: Optional[torch.Generator]) -> torch.Tensor:
+    """One draw per row of logits [S, V] (every row samples)."""
+    probs = filter_probs(logits, params)
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, batched and branch-free.
     vocab = probs.shape[-1]
     noise = torch.empty_like(probs)
-    unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
-    if len(unseeded) == len(rows):
+    unseeded = [j for j, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):
         noise.exponential_(generator=default_generator)
     else:
         if unseeded:
             idx = torch.tensor(unseeded, dtype=torch.int64).to(probs.device, non_blocking=True)
             noise[idx] = torch.empty((len(unseeded), vocab), device=probs.device).exponential_(
                 generator=default_generator)
-        for j, i in enumerate(rows):
-            if generators[i] is not None:
+        for j, generator in enumerate(generators):
+            if generator is not None:
                 # A seeded request draws from its own stream only: its tokens do not depend on
                 # what else shares the batch.
-                noise[j] = torch.empty(vocab, device=probs.device).exponential_(generator=generators[i])
-    drawn = (probs / noise.clamp_min_(_MIN_NOISE)).argmax(dim=-1)
-    if every_row:
-        return drawn
-    return choice.index_copy_(0, torch.tensor(rows, dtype=torch.int64).to(choice.device, non_blocking=True), drawn)
+                noise[j] = torch.empty(vocab, device=probs.device).exponential_(generator=generator)
+    return (probs / noise.clamp_min_(_MIN_NOISE)).argmax(dim=-1)
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
