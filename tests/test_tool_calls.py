@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 
+from typing import Literal, Optional
+
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
-from radixserve.server.tool_calls import ToolCallStream, parse_tool_calls
+from radixserve.server.tool_calls import ToolCallStream, ToolPolicy, parse_tool_calls, tool_call_grammar
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -133,3 +136,40 @@ def test_parse_tool_calls():
     assert [len(calls) for _, calls in fed] == [0, 0, 0, 1, 0, 0]  # a call is handed over as its block closes
     assert fed[3][1][0]["function"] == {"name": "f", "arguments": "{}"}
     assert stream.finish() == "<tool_call>\nnot json</tool_call>" and stream.num_calls == 1
+
+
+class Address(pydantic.BaseModel):
+    city: Literal["Paris", "Rome"]
+    floor: int = pydantic.Field(ge=0, le=20)
+
+
+class Person(pydantic.BaseModel):
+    """Nested models: the parameters schema refers to Address through "#/$defs/Address"."""
+    address: Address
+    previous: Optional[Address]
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_forced_call_of_a_nested_pydantic_model(server, choice):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    tool = openai.pydantic_function_tool(Person)
+    assert "$defs" in tool["function"]["parameters"]
+    tool_choice = {"type": "function", "function": {"name": "Person"}} if choice == "named" else "required"
+    reply = client.chat.completions.create(model=served_model(server), messages=[{"role": "user", "content": "hi"}],
+                                           tools=[tool], tool_choice=tool_choice, parallel_tool_calls=False,
+                                           max_tokens=MAX_TOKENS, temperature=1.0, seed=3)
+    choice_ = reply.choices[0]
+    assert choice_.finish_reason == "tool_calls", choice_
+    (call,) = choice_.message.tool_calls
+    assert call.function.name == "Person"
+    Person.model_validate_json(call.function.arguments)  # references resolved: the nested model validates
+
+
+def test_call_grammar_resolves_references_of_each_tool():
+    tree = {"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+            "required": ["children"]}
+    nested = openai.pydantic_function_tool(Person)["function"]
+    policy = ToolPolicy(tools=[{"type": "function", "function": {"name": "tree", "parameters": tree}},
+                               {"type": "function", "function": nested}], mode="required")
+    grammar = tool_call_grammar(policy)  # a reference that does not resolve is a ValueError
+    assert "tool_tree" in grammar and "tool_Person" in grammar

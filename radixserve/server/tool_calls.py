@@ -49,12 +49,59 @@ class ToolPolicy:
         return next((t["function"] for t in self.tools if t["function"]["name"] == name), None)
 
 
+# Keywords whose values are data, not schemas: a "$ref" key inside them is no reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _has_local_ref(node: Any) -> bool:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            return True
+        return any(_has_local_ref(v) for k, v in node.items() if k not in _DATA_KEYWORDS)
+    if isinstance(node, list):
+        return any(_has_local_ref(v) for v in node)
+    return False
+
+
+def _relocated(node: Any, base: str) -> Any:
+    """`node` with every local reference ("#", "#/$defs/X", "#/properties/a", ...) rewritten to
+    point at the same place under `base`, where the schema will live."""
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                out[key] = base + value[1:]
+            elif key in _DATA_KEYWORDS:
+                out[key] = value
+            else:
+                out[key] = _relocated(value, base)
+        return out
+    if isinstance(node, list):
+        return [_relocated(v, base) for v in node]
+    return node
+
+
 def _call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
-    variants = [{"type": "object",
-                 "properties": {"name": {"const": f["name"]},
-                                "arguments": f.get("parameters") or {"type": "object"}},
-                 "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
-    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+    """The JSON Schema of one call: {"name": <a function>, "arguments": <its parameters>}.
+
+    The parameters become a subschema of the call, so their local references ("#/$defs/Address"
+    of a nested pydantic model) would no longer resolve: a schema that has any is moved whole to
+    the call's `$defs` under the function's name and its references are rewritten to match."""
+    defs: dict[str, Any] = {}
+    variants = []
+    for f in functions:
+        parameters = f.get("parameters") or {"type": "object"}
+        if _has_local_ref(parameters):
+            key = f"tool_{f['name']}"  # names match ^[a-zA-Z0-9_-]{1,64}$: no JSON-pointer escapes
+            defs[key] = _relocated(parameters, f"#/$defs/{key}")
+            parameters = {"$ref": f"#/$defs/{key}"}
+        variants.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": parameters},
+                         "required": ["name", "arguments"], "additionalProperties": False})
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    if defs:
+        schema = {**schema, "$defs": defs}
+    return schema
 
 
 def tool_call_grammar(policy: ToolPolicy) -> str:
