@@ -33,9 +33,9 @@ def served_model(server) -> str:
     return httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
-def ask(client, model, messages, stream: bool, **kwargs):
+def ask(client, model, messages, stream: bool, max_tokens: int = MAX_TOKENS, **kwargs):
     """(message dict, finish_reason) of one reply, streamed or not, as the SDK hands it over."""
-    args = dict(model=model, messages=messages, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=1.0, seed=7,
+    args = dict(model=model, messages=messages, tools=TOOLS, max_tokens=max_tokens, temperature=1.0, seed=7,
                 **kwargs)
     if not stream:
         reply = client.chat.completions.create(**args)
@@ -173,3 +173,27 @@ def test_call_grammar_resolves_references_of_each_tool():
                                {"type": "function", "function": nested}], mode="required")
     grammar = tool_call_grammar(policy)  # a reference that does not resolve is a ValueError
     assert "tool_tree" in grammar and "tool_Person" in grammar
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("max_tokens", [3, 12])
+def test_forced_call_cut_off_by_max_tokens_shows_no_markup(server, stream, max_tokens):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    message, finish = ask(client, served_model(server), [{"role": "user", "content": "weather?"}], stream,
+                          max_tokens, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert finish == "length"
+    # Cut inside the opening tag (3 tokens) or inside the JSON (12): nothing parsed, nothing shown.
+    assert message == {"content": None, "tool_calls": []}
+
+
+def test_cut_off_text_drops_the_unfinished_block_only():
+    done = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    content, calls = parse_tool_calls("Sure.\n" + done + '\n<tool_call>\n{"name": "g", "argu', cut_off=True)
+    assert content == "Sure." and [c["function"]["name"] for c in calls] == ["f"]
+    assert parse_tool_calls("Sure. <tool_ca", cut_off=True) == ("Sure.", [])
+    assert parse_tool_calls("Sure. <tool_ca") == ("Sure. <tool_ca", [])  # the model stopped there itself
+    assert parse_tool_calls(done + "\n<tool_call>\n{", forced=True)[0] is None
+    stream = ToolCallStream(forced=True)
+    assert stream.feed("<tool_call>\n{\"na") == ("", []) and stream.finish(cut_off=True) == ""
+    stream = ToolCallStream()
+    assert stream.feed("Hi <tool") == ("Hi ", []) and stream.finish(cut_off=True) == ""

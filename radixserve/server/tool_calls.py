@@ -126,9 +126,15 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_tool_calls(text: str, parallel: bool = True) -> tuple[Optional[str], list[dict[str, Any]]]:
+def parse_tool_calls(text: str, parallel: bool = True, *, forced: bool = False,
+                     cut_off: bool = False) -> tuple[Optional[str], list[dict[str, Any]]]:
     """The reply's text outside tool-call blocks (None when empty) and its calls as OpenAI
-    `tool_calls` entries. A block whose JSON does not parse as a call stays in the text."""
+    `tool_calls` entries. A block whose JSON does not parse as a call stays in the text.
+
+    forced: the grammar allowed only call blocks, so text outside them is the start of a block
+    that `max_tokens` or a stop string cut off: no content at all. cut_off (finish reason
+    length): an unclosed block at the end is an unfinished call, dropped rather than shown as
+    template markup."""
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     last = 0
@@ -140,8 +146,27 @@ def parse_tool_calls(text: str, parallel: bool = True) -> tuple[Optional[str], l
         last = match.end()
         calls.append(call)
     kept.append(text[last:])
-    content = "".join(kept).strip()
+    content = _shown_text("".join(kept), forced, cut_off)
     return (content or None), calls
+
+
+def _shown_text(rest: str, forced: bool, cut_off: bool) -> str:
+    """The text outside parsed blocks that the reply shows (see `parse_tool_calls`)."""
+    if forced:
+        return ""
+    if cut_off:
+        at = rest.rfind(TOOL_CALL_START)
+        if at >= 0 and TOOL_CALL_END not in rest[at:]:
+            rest = rest[:at]
+        else:  # cut inside the opening tag itself
+            rest = rest[:len(rest) - _partial_tag_length(rest)]
+    return rest.strip()
+
+
+def _partial_tag_length(text: str) -> int:
+    """How many characters at the end of `text` may be the start of a `<tool_call>` tag."""
+    return next((k for k in range(min(len(TOOL_CALL_START) - 1, len(text)), 0, -1)
+                 if text.endswith(TOOL_CALL_START[:k])), 0)
 
 
 def _call_of(body: str) -> Optional[dict[str, Any]]:
@@ -164,8 +189,9 @@ class ToolCallStream:
     `<tool_call>` on; each call is handed over as soon as its block closes, and `finish` returns
     the text left outside blocks (a block that does not parse stays text)."""
 
-    def __init__(self, parallel: bool = True):
+    def __init__(self, parallel: bool = True, forced: bool = False):
         self.parallel = parallel
+        self.forced = forced
         self.held = ""  # text that may be the start of a tool-call tag
         self.calls_text: Optional[str] = None  # everything from the first tag on
         self.scanned = 0  # calls_text[:scanned] is done with: calls handed over, text kept
@@ -182,8 +208,7 @@ class ToolCallStream:
         if at >= 0:
             self.held, self.calls_text = "", text[at:]
             return text[:at], self._closed_calls()
-        keep = next((k for k in range(min(len(TOOL_CALL_START) - 1, len(text)), 0, -1)
-                     if text.endswith(TOOL_CALL_START[:k])), 0)
+        keep = _partial_tag_length(text)
         self.held = text[len(text) - keep:]
         return text[:len(text) - keep], []
 
@@ -199,11 +224,12 @@ class ToolCallStream:
             calls.append(call)
         return calls
 
-    def finish(self) -> str:
-        """The text still to show: what was held and what lay outside the calls."""
+    def finish(self, cut_off: bool = False) -> str:
+        """The text still to show: what was held and what lay outside the calls (forced and
+        cut_off as in `parse_tool_calls`)."""
         if self.calls_text is None:
-            return self.held
-        return "".join(self.kept + [self.calls_text[self.scanned:]]).strip()
+            return "" if self.forced or cut_off else self.held
+        return _shown_text("".join(self.kept + [self.calls_text[self.scanned:]]), self.forced, cut_off)
 
 
 def template_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:

@@ -248,7 +248,7 @@ def chat_message(t: Tracker, policy: ToolPolicy) -> tuple[dict[str, Any], Option
     reason = finish_reason_name(t.finish_reason)
     if not policy.parses:
         return {"role": "assistant", "content": t.text}, reason
-    content, calls = parse_tool_calls(t.text, policy.parallel)
+    content, calls = parse_tool_calls(t.text, policy.parallel, forced=policy.forced, cut_off=reason == "length")
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = calls
@@ -298,7 +298,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         return sse(data)
 
     async def stream(outputs, close):
-        tool_streams = {t.rid: ToolCallStream(policy.parallel) for t in trackers} if policy.parses else {}
+        tool_streams = {t.rid: ToolCallStream(policy.parallel, policy.forced) for t in trackers} if policy.parses else {}
         for t in trackers:
             yield chunk(t.index, {"role": "assistant", "content": ""}, None)
         async for t, out, delta in per_output(ctx, outputs, trackers):
@@ -328,7 +328,7 @@ def finish_chunks(t: Tracker, tools: Optional[ToolCallStream]) -> list[tuple[dic
     reason = finish_reason_name(t.finish_reason)
     if tools is None:
         return [({}, reason)]
-    rest = tools.finish()
+    rest = tools.finish(cut_off=reason == "length")
     events: list[tuple[dict, Optional[str]]] = [({"content": rest}, None)] if rest else []
     return events + [({}, "tool_calls" if tools.num_calls and reason == "stop" else reason)]
 
