@@ -197,3 +197,21 @@ def test_cut_off_text_drops_the_unfinished_block_only():
     assert stream.feed("<tool_call>\n{\"na") == ("", []) and stream.finish(cut_off=True) == ""
     stream = ToolCallStream()
     assert stream.feed("Hi <tool") == ("Hi ", []) and stream.finish(cut_off=True) == ""
+
+
+def test_only_calls_of_declared_tools_with_json_object_arguments_are_calls():
+    def block(body: str) -> str:
+        return f"<tool_call>\n{body}\n</tool_call>"
+
+    ok = block('{"name": "get_time", "arguments": {"zone": "UTC"}}')
+    as_text = block('{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}')  # a JSON text of an object
+    undeclared = block('{"name": "rm_rf", "arguments": {}}')
+    not_json = block('{"name": "get_time", "arguments": "zone=UTC"}')
+    not_object = block('{"name": "get_time", "arguments": [1, 2]}')
+    text = "\n".join([ok, as_text, undeclared, not_json, not_object])
+    content, calls = parse_tool_calls(text, names=set(SCHEMAS))
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"zone": "UTC"}, {"zone": "UTC"}]
+    assert content == "\n".join([undeclared, not_json, not_object])
+    stream = ToolCallStream(names=set(SCHEMAS))
+    handed = [call for piece in text.split("\n") for call in stream.feed(piece + "\n")[1]]
+    assert len(handed) == 2 and stream.finish() == content

@@ -2,7 +2,9 @@
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, and those are parsed into the
 OpenAI `tool_calls` of the reply. `tool_choice: required` and a named function are enforced by a
 grammar (an EBNF of such blocks whose JSON follows the tools' parameter schemas), so the arguments
-of a forced call always parse; `auto` lets the model choose and parses what it wrote.
+of a forced call always parse; `auto` lets the model choose and parses what it wrote: a block
+is a call only when it names a declared tool and its arguments are a JSON object, else it stays
+text in `content`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 from radixserve.grammar.spec import build_grammar
 
@@ -44,6 +46,10 @@ class ToolPolicy:
     @property
     def forced(self) -> bool:
         return self.mode in ("required", "named")
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(t["function"]["name"] for t in self.tools)
 
     def function(self, name: str) -> Optional[dict[str, Any]]:
         return next((t["function"] for t in self.tools if t["function"]["name"] == name), None)
@@ -126,10 +132,11 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_tool_calls(text: str, parallel: bool = True, *, forced: bool = False,
-                     cut_off: bool = False) -> tuple[Optional[str], list[dict[str, Any]]]:
+def parse_tool_calls(text: str, parallel: bool = True, *, names: Optional[Collection[str]] = None,
+                     forced: bool = False, cut_off: bool = False) -> tuple[Optional[str], list[dict[str, Any]]]:
     """The reply's text outside tool-call blocks (None when empty) and its calls as OpenAI
-    `tool_calls` entries. A block whose JSON does not parse as a call stays in the text.
+    `tool_calls` entries. A block that is not a call of one of `names` (the declared tools; None:
+    any name) with a JSON object for arguments stays in the text.
 
     forced: the grammar allowed only call blocks, so text outside them is the start of a block
     that `max_tokens` or a stop string cut off: no content at all. cut_off (finish reason
@@ -139,7 +146,7 @@ def parse_tool_calls(text: str, parallel: bool = True, *, forced: bool = False,
     kept: list[str] = []
     last = 0
     for match in _BLOCK.finditer(text):
-        call = _call_of(match.group(1))
+        call = _call_of(match.group(1), names)
         if call is None or (calls and not parallel):
             continue
         kept.append(text[last:match.start()])
@@ -169,18 +176,30 @@ def _partial_tag_length(text: str) -> int:
                  if text.endswith(TOOL_CALL_START[:k])), 0)
 
 
-def _call_of(body: str) -> Optional[dict[str, Any]]:
+def _json(text: str) -> Any:
+    # Not strict: a raw control character inside a string (which grammars of bounded strings
+    # allow) still parses; the arguments are written back with it escaped.
     try:
-        # Not strict: a raw control character inside a string (which grammars of bounded strings
-        # allow) still parses; the arguments are written back with it escaped.
-        value = json.loads(body, strict=False)
+        return json.loads(text, strict=False)
     except json.JSONDecodeError:
         return None
+
+
+def _call_of(body: str, names: Optional[Collection[str]]) -> Optional[dict[str, Any]]:
+    """The call a block's JSON makes, or None when it is no call a client can run: not a JSON
+    object, a function the request did not declare, or arguments that are not a JSON object (a
+    model may write them as an object or as a JSON text of one)."""
+    value = _json(body)
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
+    if names is not None and value["name"] not in names:
+        return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)  # control characters come out escaped
+    if isinstance(arguments, str):
+        arguments = _json(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    arguments = json.dumps(arguments, ensure_ascii=False)  # control characters come out escaped
     return {"id": new_call_id(), "type": "function", "function": {"name": value["name"], "arguments": arguments}}
 
 
@@ -189,9 +208,10 @@ class ToolCallStream:
     `<tool_call>` on; each call is handed over as soon as its block closes, and `finish` returns
     the text left outside blocks (a block that does not parse stays text)."""
 
-    def __init__(self, parallel: bool = True, forced: bool = False):
+    def __init__(self, parallel: bool = True, forced: bool = False, names: Optional[Collection[str]] = None):
         self.parallel = parallel
         self.forced = forced
+        self.names = names
         self.held = ""  # text that may be the start of a tool-call tag
         self.calls_text: Optional[str] = None  # everything from the first tag on
         self.scanned = 0  # calls_text[:scanned] is done with: calls handed over, text kept
@@ -215,7 +235,7 @@ class ToolCallStream:
     def _closed_calls(self) -> list[dict[str, Any]]:
         calls = []
         for match in _BLOCK.finditer(self.calls_text, self.scanned):
-            call = _call_of(match.group(1))
+            call = _call_of(match.group(1), self.names)
             if call is None or (self.num_calls and not self.parallel):
                 continue  # stays in the text (shown at the end)
             self.kept.append(self.calls_text[self.scanned:match.start()])

@@ -248,7 +248,7 @@ def chat_message(t: Tracker, policy: ToolPolicy) -> tuple[dict[str, Any], Option
     reason = finish_reason_name(t.finish_reason)
     if not policy.parses:
         return {"role": "assistant", "content": t.text}, reason
-    content, calls = parse_tool_calls(t.text, policy.parallel, forced=policy.forced, cut_off=reason == "length")
+    content, calls = parse_tool_calls(t.text, policy.parallel, names=policy.names, forced=policy.forced, cut_off=reason == "length")
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = calls
@@ -298,7 +298,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         return sse(data)
 
     async def stream(outputs, close):
-        tool_streams = {t.rid: ToolCallStream(policy.parallel, policy.forced) for t in trackers} if policy.parses else {}
+        tool_streams = {t.rid: ToolCallStream(policy.parallel, policy.forced, policy.names)
+                        for t in trackers} if policy.parses else {}
         for t in trackers:
             yield chunk(t.index, {"role": "assistant", "content": ""}, None)
         async for t, out, delta in per_output(ctx, outputs, trackers):
