@@ -29,6 +29,24 @@ def check_neutral(body, name: str, ok: Callable[[Any], bool], why: str) -> None:
         raise APIError(400, f"{name}={value!r} is not supported: {why}", param=name, code="unsupported_parameter")
 
 
+def _never(value: Any) -> bool:
+    return False
+
+
+# (field, accepted values, why others are refused) of the chat fields SDKs send that the server
+# accepts only where they cannot change the output; the schema of each field says the same.
+CHAT_NEUTRAL_VALUES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("store", lambda v: v is False, "completions are not stored by this server"),
+    ("verbosity", lambda v: v == "medium", "the served model has no verbosity control (only medium)"),
+    ("reasoning_effort", lambda v: v == "none", "the served model does not reason (only none)"),
+    ("modalities", lambda v: all(m == "text" for m in v), "only text output is served"),
+    ("audio", _never, "audio output is not implemented"),
+    ("prediction", _never, "predicted outputs are not implemented"),
+    ("functions", _never, "the deprecated functions field is not served; use tools"),
+    ("function_call", _never, "the deprecated function_call field is not served; use tool_choice"),
+)
+
+
 def openai_params(body, max_tokens: int, seed_offset: int, top_logprobs: Optional[int] = None,
                   logit_bias: Optional[dict[int, float]] = None, prompt_logprobs: bool = False) -> dict[str, Any]:
     """The engine's sampling values of one choice; top_logprobs None: no log probabilities;
@@ -260,6 +278,8 @@ def chat_message(t: Tracker, policy: ToolPolicy) -> tuple[dict[str, Any], Option
 async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: Ctx):
     arrival = time.perf_counter()
     ctx.check_model(body.model)
+    for name, ok, why in CHAT_NEUTRAL_VALUES:
+        check_neutral(body, name, ok, why)
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
         raise bad_request("max_tokens and max_completion_tokens disagree", "max_completion_tokens",
