@@ -189,6 +189,29 @@ def test_chat_logprobs(client, model, stream):
     assert all(e.top_logprobs == [] for e in only_chosen.choices[0].logprobs.content)
 
 
+def test_chat_keeps_every_top_logprob_where_completions_merge_equal_texts(server, client, model):
+    """Chat's top_logprobs is a list, so tokens that decode alike (pieces of a multi-byte
+    character, all U+FFFD) each keep their entry; completions' is OpenAI's text -> logprob dict,
+    which keeps the likeliest of equal texts (docs/sampling.md)."""
+    messages = [{"role": "user", "content": "count the rivers"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=20, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 8 and all(len(entry.top_logprobs) == 20 for entry in content)
+    prompt = httpx.post(f"{server.base_url}/v1/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+    completion = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, logprobs=20,
+                                           extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert completion.tokens == [entry.token for entry in content]  # the same greedy tokens
+    merged = 0
+    for entry, top in zip(content, completion.top_logprobs):
+        texts = [t.token for t in entry.top_logprobs]
+        assert sorted(top) == sorted(set(texts))
+        for text, value in top.items():  # the likeliest of the ids spelled `text`
+            assert value == pytest.approx(max(t.logprob for t in entry.top_logprobs if t.token == text), abs=ATOL)
+        merged += len(texts) - len(top)
+    assert merged > 0  # the tiny byte-level vocabulary has such pieces among any 20
+
+
 def test_penalties_and_logit_bias_through_the_sdk(server, client, model):
     forced = client.completions.create(model=model, prompt=PROMPT_IDS, max_tokens=4, temperature=0.8, seed=1,
                                        logit_bias={"42": 100}, logprobs=0)
