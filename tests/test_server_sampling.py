@@ -162,6 +162,37 @@ def test_completion_echo_logprobs_match_hf(server, client, model, hf_prompt_logp
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_0_with_echo_scores_the_prompt(server, client, model, hf_prompt_logprobs, stream):
+    """The legacy API's scoring call: the prompt back with its log probabilities, nothing generated."""
+    prompt_text = client.completions.create(model=model, prompt=LONG_PROMPT, max_tokens=0, echo=True).choices[0].text
+    text, tokens, values, tops, offsets = completion_logprobs(client, stream, model=model, prompt=LONG_PROMPT,
+                                                              max_tokens=0, echo=True, logprobs=2)
+    assert text == prompt_text and len(tokens) == len(LONG_PROMPT)
+    check_prompt_entries(values, LONG_PROMPT, 0, hf_prompt_logprobs)
+    assert tops[0] is None and all(1 <= len(top) <= 2 for top in tops[1:])
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    with server.client(timeout=60) as http:
+        body = {"prompt": "The river ran", "max_tokens": 0, "echo": True, "n": 2, "stream": stream,
+                "stream_options": {"include_usage": True} if stream else None}
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            answer = {"choices": [c for e in events for c in e["choices"]], "usage": events[-1]["usage"]}
+            assert "".join(c["text"] for c in answer["choices"] if c["index"] == 0) == "The river ran"
+        else:
+            answer = r.json()
+            assert [c["text"] for c in answer["choices"]] == ["The river ran"] * 2
+        assert [c["finish_reason"] for c in answer["choices"] if c["finish_reason"]] == ["length"] * 2
+        usage = answer["usage"]
+        assert usage["completion_tokens"] == 0 and usage["total_tokens"] == usage["prompt_tokens"] > 0
+        for extra in ({"echo": False}, {"echo": True, "min_tokens": 1}):
+            r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0, **extra})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "conflicting_fields", r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_chat_logprobs(client, model, stream):
     kwargs = dict(model=model, messages=[{"role": "user", "content": "count the rivers"}], max_tokens=5,
                   temperature=0, logprobs=True, top_logprobs=4, extra_body={"ignore_eos": True})

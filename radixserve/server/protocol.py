@@ -149,8 +149,10 @@ class CompletionRequest(_SamplingFields):
     # a third of the API's time when a burst of requests arrives; in order it takes ~0.13 ms.
     prompt: Union[TokenIds, Annotated[list[TokenIds], Field(min_length=1)], NonEmptyStr,
                   Annotated[list[NonEmptyStr], Field(min_length=1)]] = Field(union_mode="left_to_right")
-    max_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None,
-                                      description="Default: min(2048, context length - prompt length).")
+    max_tokens: Optional[bounded_int(0, MAX_INT32)] = Field(
+        None, description="Default: min(2048, context length - prompt length). 0 only with echo: true, which scores "
+                          "the prompt (the legacy API's use): the prompt's text and, with logprobs, its log "
+                          "probabilities; no completion; finish_reason length.")
     echo: bool = Field(False, description="Prepend the prompt to the text; with logprobs, the prompt's tokens "
                                           "come first in the logprobs too (the first with null).")
     logprobs: Optional[TopLogprobs] = Field(None, description="Log probabilities of each output token (and "

@@ -123,10 +123,19 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
     check_neutral(body, "best_of", lambda v: v in (1, body.n), "only best_of == n")
     grammar = response_format_grammar(body.response_format)
     await checked_grammar(ctx, grammar, "response_format")
+    # max_tokens 0 with echo scores the prompt: the engine generates one token (it runs a prompt
+    # to produce one), which the answer leaves out.
+    scoring = body.max_tokens == 0
+    if scoring and not body.echo:
+        raise bad_request("max_tokens=0 generates nothing; it is allowed only with echo: true (scoring the prompt)",
+                          "max_tokens", code=CONFLICTING_FIELDS)
+    if scoring and body.min_tokens:
+        raise bad_request(f"min_tokens={body.min_tokens} is more than the 0 tokens this request may generate",
+                          "min_tokens", code=CONFLICTING_FIELDS)
     texts, prompts = await completion_prompts(ctx, body)
     echo_logprobs = body.echo and body.logprobs is not None
-    choices = build_choices(ctx, body, prompts, "prompt", body.max_tokens, "max_tokens", body.logprobs, grammar,
-                            prompt_logprobs=echo_logprobs)
+    choices = build_choices(ctx, body, prompts, "prompt", 1 if scoring else body.max_tokens, "max_tokens",
+                            body.logprobs, grammar, prompt_logprobs=echo_logprobs)
     if body.echo and ctx.tokenizer is not None:  # token-id prompts echo as their text
         texts = [t if t is not None else await ctx.run_blocking(ctx.tokenizer.decode, ids)
                  for t, ids in zip(texts, prompts)]
@@ -150,12 +159,22 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
         t.logprob_text_offset += sum(len(token) for token in result["tokens"])
         return result
 
+    def finish_name(t: Tracker) -> Optional[str]:
+        return "length" if scoring and t.finished else finish_reason_name(t.finish_reason)
+
+    def usage_of(ts: list[Tracker]) -> dict[str, Any]:
+        counts = usage(ts)
+        if scoring:
+            counts["completion_tokens"], counts["total_tokens"] = 0, counts["prompt_tokens"]
+        return counts
+
     def final(ts: list[Tracker]):
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": t.index, "text": echo_text(t) + t.text,
-                             "logprobs": logprobs_of(t, t.output_ids, t.logprobs, True),
-                             "finish_reason": finish_reason_name(t.finish_reason)} for t in ts],
-                "usage": usage(ts)}
+                "choices": [{"index": t.index, "text": echo_text(t) + ("" if scoring else t.text),
+                             "logprobs": logprobs_of(t, [] if scoring else t.output_ids,
+                                                     [] if scoring else t.logprobs, True),
+                             "finish_reason": finish_name(t)} for t in ts],
+                "usage": usage_of(ts)}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -169,18 +188,21 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
     async def stream(outputs, close):
         echoed: set[str] = set()
         async for t, out, delta in per_output(ctx, outputs, trackers):
+            new_ids, new_logprobs = out.new_token_ids, out.new_logprobs
+            if scoring:
+                delta, new_ids, new_logprobs = "", [], []
             first = t.rid not in echoed
             if first:
                 echoed.add(t.rid)
                 delta = echo_text(t) + delta
-            if delta or t.finished or out.new_logprobs or (first and echo_logprobs):
+            if delta or t.finished or new_logprobs or (first and echo_logprobs):
                 yield chunk([{"index": t.index, "text": delta,
-                              "logprobs": logprobs_of(t, out.new_token_ids, out.new_logprobs, first),
-                              "finish_reason": finish_reason_name(t.finish_reason)}])
+                              "logprobs": logprobs_of(t, new_ids, new_logprobs, first),
+                              "finish_reason": finish_name(t)}])
         close()
         if include_usage:
             yield sse({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-                       "choices": [], "usage": usage(trackers)})
+                       "choices": [], "usage": usage_of(trackers)})
         yield SSE_DONE
 
     return await run_request(ctx, request, trackers, body.stream, final, stream)
