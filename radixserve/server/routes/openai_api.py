@@ -9,15 +9,15 @@ from typing import Any, Callable, Optional
 from fastapi import APIRouter, Request
 
 from radixserve.sampling_params import SamplingParams
+from radixserve.server.chat_prompt import chat_prompt_ids
 from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
 from radixserve.server.intake import MsgspecJSONRoute
 from radixserve.server.logprob_format import chat_logprobs, completion_logprobs, completion_prompt_logprobs
-from radixserve.server.protocol import ROLES, ChatCompletionRequest, CompletionRequest
+from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.server.responses import per_output, run_request, usage
 from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, finish_reason_name, new_id, sse
 from radixserve.server.structured import check_request_grammar, response_format_grammar
-from radixserve.server.tool_calls import (ToolCallStream, ToolPolicy, forced_call_grammar, parse_tool_calls,
-                                         template_tool_calls, tool_policy)
+from radixserve.server.tool_calls import ToolCallStream, ToolPolicy, forced_call_grammar, parse_tool_calls, tool_policy
 from radixserve.validation import choice_seed
 
 router = APIRouter(route_class=MsgspecJSONRoute)
@@ -208,67 +208,6 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
     return await run_request(ctx, request, trackers, body.stream, final, stream)
 
 
-async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest, policy: ToolPolicy) -> list[int]:
-    return await ctx.tokenize(await chat_prompt_text(ctx, body, policy), "messages")
-
-
-def _message_text(i: int, content) -> str:
-    """A message's content as one text: only text parts are served."""
-    if not isinstance(content, list):
-        return content or ""
-    parts = []
-    for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported, got "
-                                f"{part.type!r}", param=f"messages[{i}].content", code="unsupported_parameter")
-        if part.model_extra:
-            raise APIError(400, f"messages[{i}].content[{j}]: a text part has only type and text, got "
-                                f"{', '.join(sorted(part.model_extra))}", param=f"messages[{i}].content",
-                           code="unsupported_parameter")
-        parts.append(part.text)
-    return "\n".join(parts)
-
-
-def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The conversation as the chat template reads it, tool calls and tool results included."""
-    messages = []
-    for i, msg in enumerate(body.messages):
-        if msg.role not in ROLES:
-            raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {msg.role!r}",
-                              f"messages[{i}].role")
-        if msg.tool_calls is not None and msg.role != "assistant":
-            raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
-        if (msg.tool_call_id is not None) != (msg.role == "tool"):
-            raise bad_request(f"messages[{i}]: a tool message needs tool_call_id, and only a tool message has one",
-                              f"messages[{i}].tool_call_id")
-        message: dict[str, Any] = {"role": msg.role, "content": _message_text(i, msg.content)}
-        if msg.tool_calls:
-            message["tool_calls"] = template_tool_calls(msg.tool_calls)
-        if msg.tool_call_id is not None:
-            message["tool_call_id"] = msg.tool_call_id
-        if msg.name is not None and msg.role == "tool":
-            message["name"] = msg.name
-        messages.append(message)
-    return messages
-
-
-async def chat_prompt_text(ctx: ServingContext, body, policy: Optional[ToolPolicy] = None) -> str:
-    """The conversation rendered by the tokenizer's chat template (with the tools the policy shows)."""
-    messages = template_messages(body)
-    tok = ctx.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise bad_request("the served model has no chat template; use /v1/completions", "messages")
-    kwargs: dict[str, Any] = dict(getattr(body, "chat_template_kwargs", None) or {})
-    if policy is not None and policy.parses:  # with tool_choice none the model is not shown the tools
-        kwargs["tools"] = policy.tools
-    try:
-        text = await ctx.run_blocking(partial(tok.apply_chat_template, messages, tokenize=False,
-                                              add_generation_prompt=body.add_generation_prompt, **kwargs))
-    except Exception as e:  # a template that rejects this conversation (raise_exception, ...)
-        raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
-    return text
-
-
 def chat_top_logprobs(body: ChatCompletionRequest) -> Optional[int]:
     """How many top entries per position to report, or None for no log probabilities."""
     if not body.logprobs:
@@ -310,7 +249,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     policy = tool_policy(body)
     grammar = chat_grammar(body, policy)
     await checked_grammar(ctx, grammar, "tools" if policy.forced else "response_format")
-    ids = await chat_prompt(ctx, body, policy)
+    ids = await chat_prompt_ids(ctx, body, policy)
     top_logprobs = chat_top_logprobs(body)
     choices = build_choices(ctx, body, [ids], "messages", max_tokens,
                             "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
