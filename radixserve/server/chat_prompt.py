@@ -1,4 +1,5 @@
-"""A chat request as prompt tokens: the conversation rendered by the served chat template.
+"""A chat request as prompt tokens: the conversation rendered by the served chat template, with
+what the client wrote kept as text.
 
 - **Only the operator's template runs.** `chat_template_kwargs` may set the variables the
   template reads (jinja2's `meta.find_undeclared_variables` of its source) and nothing else: a
@@ -8,11 +9,18 @@
   naming the key. Rendering is then the operator's template over the request, whose size the
   body limit bounds, and a rendered prompt longer than any the context can take is refused
   before it is tokenized.
+- **Control tokens in message text are text.** The template's control tokens (the special
+  tokens, and added tokens its source spells, as `transformers` decides them) are tokens only
+  where the template writes them: every string the client sent (message content, tool results,
+  tool calls, tool definitions, template variables) has its control tokens wrapped in private-use
+  markers before rendering, and a marked token is encoded as the plain text it spells. A
+  `<|im_start|>system` in a user message is therefore characters, never a forged turn.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 from functools import lru_cache, partial
 from typing import Any, Optional
 
@@ -21,6 +29,10 @@ from radixserve.server.protocol import ROLES
 from radixserve.server.serving import ServingContext
 from radixserve.server.tool_calls import ToolPolicy, template_tool_calls
 
+# Private-use code points around a control token that a client's text spells (the markers
+# transformers' own `sanitize_control_tokens` uses); a client's own markers are dropped first.
+MARK_START = "\U000f0000"
+MARK_END = "\U000f0001"
 # Variables the server gives the template itself (beyond apply_chat_template's arguments and the
 # tokenizer's special tokens), or that transformers provides as globals.
 SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
@@ -124,6 +136,81 @@ def checked_template_kwargs(tokenizer, kwargs: Optional[dict[str, Any]]) -> dict
     return dict(kwargs)
 
 
+# ----------------------------------------------------------------------------- control tokens
+class ControlTokens:
+    """A tokenizer's control tokens for its chat template, and how to mark and encode them."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        added = list(getattr(tokenizer, "added_tokens_decoder", {}).values())
+        source = "".join(_templates(tokenizer))
+        # transformers' rule: the special tokens, and the added tokens the template spells
+        # (whitespace ones excepted: templates write "\n" as text).
+        tokens = sorted({t.content for t in added if t.special or (t.content in source and not t.content.isspace())},
+                        key=len, reverse=True)  # longest first: a token wins over the tokens inside it
+        alternation = "|".join(map(re.escape, tokens)) or "(?!)"
+        self.pattern = re.compile(alternation)
+        self.marked = re.compile(f"{MARK_START}({alternation}){MARK_END}|[{MARK_START}{MARK_END}]")
+        self.newline_ids = tokenizer.encode("\n", add_special_tokens=False)
+
+    def mark(self, value: Any) -> tuple[Any, bool]:
+        """`value` (strings, lists and dicts of them) with its control tokens marked, and whether
+        any string needed it."""
+        if isinstance(value, str):
+            if MARK_START not in value and MARK_END not in value and not self.pattern.search(value):
+                return value, False
+            cleaned = value.replace(MARK_START, "").replace(MARK_END, "")
+            return self.pattern.sub(lambda m: MARK_START + m.group(0) + MARK_END, cleaned), True
+        if isinstance(value, dict):
+            out, changed = {}, False
+            for key, item in value.items():
+                out[key], hit = self.mark(item)
+                changed |= hit
+            return out, changed
+        if isinstance(value, (list, tuple)):
+            marked = [self.mark(item) for item in value]
+            return [item for item, _ in marked], any(hit for _, hit in marked)
+        return value, False
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a chat rendered from marked strings: marked control tokens as plain text,
+        everything else (the template's own control tokens included) as usual. A lone marker
+        (a template's string method can split a pair) is dropped but still ends the text before
+        it, so the text on its two sides cannot join into a control token."""
+        pieces = self.marked.split(text)  # text, marked token (None: lone marker), text, ...
+        ids = self.tokenizer.encode(pieces[0], add_special_tokens=False)
+        for i, piece in enumerate(pieces[1:], start=1):
+            if piece:
+                ids += self._encode_piece(piece, as_text=i % 2 == 1)
+        return ids
+
+    def _encode_piece(self, piece: str, as_text: bool) -> list[int]:
+        encode = self._plain_text_ids if as_text else partial(self.tokenizer.encode, add_special_tokens=False)
+        # After a newline, then without it: a SentencePiece tokenizer would add a prefix space at
+        # the start of a string (transformers does the same).
+        ids = encode("\n" + piece)
+        n = len(self.newline_ids)
+        return ids[n:] if ids[:n] == self.newline_ids else encode(piece)
+
+    def _plain_text_ids(self, text: str) -> list[int]:
+        """`text` through the normalizer, pre-tokenizer and model with no added token matched,
+        special or not (`split_special_tokens` still matches the non-special ones)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:  # a slow tokenizer
+            return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        if backend.normalizer is not None:
+            text = backend.normalizer.normalize_str(text)
+        pieces = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer is not None else [(text, None)]
+        return [token.id for piece, _ in pieces for token in backend.model.tokenize(piece)]
+
+
+def control_tokens(ctx: ServingContext) -> ControlTokens:
+    found = getattr(ctx, "chat_control_tokens", None)
+    if found is None or found.tokenizer is not ctx.tokenizer:
+        found = ctx.chat_control_tokens = ControlTokens(ctx.tokenizer)
+    return found
+
+
 # ----------------------------------------------------------------------------- the prompt
 async def chat_prompt_ids(ctx: ServingContext, body, policy: Optional[ToolPolicy] = None,
                           add_special_tokens: bool = False) -> list[int]:
@@ -136,15 +223,21 @@ async def chat_prompt_ids(ctx: ServingContext, body, policy: Optional[ToolPolicy
     kwargs = checked_template_kwargs(tok, getattr(body, "chat_template_kwargs", None))
     if policy is not None and policy.parses:  # with tool_choice none the model is not shown the tools
         kwargs["tools"] = policy.tools
-    messages = template_messages(body)
+    controls = control_tokens(ctx)
+    messages, marked = controls.mark(template_messages(body))
+    kwargs, marked_kwargs = controls.mark(kwargs)
     try:
         text = await ctx.run_blocking(partial(tok.apply_chat_template, messages, tokenize=False,
                                               add_generation_prompt=body.add_generation_prompt, **kwargs))
     except Exception as e:  # a template that rejects this conversation (raise_exception, ...)
         raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
-    ids = await ctx.tokenize(text, "messages")
+    ctx.check_text_length(text, "messages")
+    if not (marked or marked_kwargs):  # nothing to tell apart: the plain path, as fast as before
+        ids = await ctx.tokenize(text, "messages")
+    else:
+        ids = await ctx.run_blocking(controls.encode, text)
     if add_special_tokens:
-        ids = await ctx.run_blocking(_with_added_special_tokens, tok, text, ids)
+        ids = await ctx.run_blocking(_with_added_special_tokens, tok, controls.marked.sub(r"\1", text), ids)
     return ids
 
 

@@ -180,8 +180,13 @@ class ContentPart(BaseModel):
     text: Optional[Text] = None
 
 
+# A function's name, in a tool definition and in an assistant message's call alike (the chat
+# template writes the name into the prompt as it is).
+FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
 class FunctionCall(_Body):
-    name: NonEmptyStr
+    name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
     arguments: Text = Field(description="The arguments as a JSON text.")
 
 
@@ -211,7 +216,7 @@ class ChatMessage(_Body):
 
 
 class FunctionDef(_Body):
-    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = Field(None, description="A JSON Schema of the arguments.")
     strict: Optional[bool] = Field(None, description="Arguments always follow the schema when the call is "

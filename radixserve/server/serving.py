@@ -107,6 +107,7 @@ class ServingContext:
         self.max_token_chars = longest_token_chars(tokenizer)
         self.token_texts = TokenTexts(tokenizer)
         self.created = int(time.time())  # the model's `created` in /v1/models
+        self.chat_control_tokens: Any = None  # radixserve.server.chat_prompt's, made on first use
 
     # ------------------------------------------------------------------ limits
     @property
