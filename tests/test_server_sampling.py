@@ -162,6 +162,37 @@ def test_completion_echo_logprobs_match_hf(server, client, model, hf_prompt_logp
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_0_with_echo_scores_the_prompt(server, client, model, hf_prompt_logprobs, stream):
+    """The legacy API's scoring call: the prompt back with its log probabilities, nothing generated."""
+    prompt_text = client.completions.create(model=model, prompt=LONG_PROMPT, max_tokens=0, echo=True).choices[0].text
+    text, tokens, values, tops, offsets = completion_logprobs(client, stream, model=model, prompt=LONG_PROMPT,
+                                                              max_tokens=0, echo=True, logprobs=2)
+    assert text == prompt_text and len(tokens) == len(LONG_PROMPT)
+    check_prompt_entries(values, LONG_PROMPT, 0, hf_prompt_logprobs)
+    assert tops[0] is None and all(1 <= len(top) <= 2 for top in tops[1:])
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    with server.client(timeout=60) as http:
+        body = {"prompt": "The river ran", "max_tokens": 0, "echo": True, "n": 2, "stream": stream,
+                "stream_options": {"include_usage": True} if stream else None}
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            answer = {"choices": [c for e in events for c in e["choices"]], "usage": events[-1]["usage"]}
+            assert "".join(c["text"] for c in answer["choices"] if c["index"] == 0) == "The river ran"
+        else:
+            answer = r.json()
+            assert [c["text"] for c in answer["choices"]] == ["The river ran"] * 2
+        assert [c["finish_reason"] for c in answer["choices"] if c["finish_reason"]] == ["length"] * 2
+        usage = answer["usage"]
+        assert usage["completion_tokens"] == 0 and usage["total_tokens"] == usage["prompt_tokens"] > 0
+        for extra in ({"echo": False}, {"echo": True, "min_tokens": 1}):
+            r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0, **extra})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "conflicting_fields", r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_chat_logprobs(client, model, stream):
     kwargs = dict(model=model, messages=[{"role": "user", "content": "count the rivers"}], max_tokens=5,
                   temperature=0, logprobs=True, top_logprobs=4, extra_body={"ignore_eos": True})
@@ -187,6 +218,29 @@ def test_chat_logprobs(client, model, stream):
     only_chosen = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=2, logprobs=True)
     assert all(e.top_logprobs == [] for e in only_chosen.choices[0].logprobs.content)
+
+
+def test_chat_keeps_every_top_logprob_where_completions_merge_equal_texts(server, client, model):
+    """Chat's top_logprobs is a list, so tokens that decode alike (pieces of a multi-byte
+    character, all U+FFFD) each keep their entry; completions' is OpenAI's text -> logprob dict,
+    which keeps the likeliest of equal texts (docs/sampling.md)."""
+    messages = [{"role": "user", "content": "count the rivers"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=20, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 8 and all(len(entry.top_logprobs) == 20 for entry in content)
+    prompt = httpx.post(f"{server.base_url}/v1/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+    completion = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, logprobs=20,
+                                           extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert completion.tokens == [entry.token for entry in content]  # the same greedy tokens
+    merged = 0
+    for entry, top in zip(content, completion.top_logprobs):
+        texts = [t.token for t in entry.top_logprobs]
+        assert sorted(top) == sorted(set(texts))
+        for text, value in top.items():  # the likeliest of the ids spelled `text`
+            assert value == pytest.approx(max(t.logprob for t in entry.top_logprobs if t.token == text), abs=ATOL)
+        merged += len(texts) - len(top)
+    assert merged > 0  # the tiny byte-level vocabulary has such pieces among any 20
 
 
 def test_penalties_and_logit_bias_through_the_sdk(server, client, model):

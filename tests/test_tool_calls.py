@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 
+from typing import Literal, Optional
+
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
-from radixserve.server.tool_calls import ToolCallStream, parse_tool_calls
+from radixserve.server.tool_calls import ToolCallStream, ToolPolicy, parse_tool_calls, tool_call_grammar
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -30,9 +33,9 @@ def served_model(server) -> str:
     return httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
-def ask(client, model, messages, stream: bool, **kwargs):
+def ask(client, model, messages, stream: bool, max_tokens: int = MAX_TOKENS, **kwargs):
     """(message dict, finish_reason) of one reply, streamed or not, as the SDK hands it over."""
-    args = dict(model=model, messages=messages, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=1.0, seed=7,
+    args = dict(model=model, messages=messages, tools=TOOLS, max_tokens=max_tokens, temperature=1.0, seed=7,
                 **kwargs)
     if not stream:
         reply = client.chat.completions.create(**args)
@@ -133,3 +136,82 @@ def test_parse_tool_calls():
     assert [len(calls) for _, calls in fed] == [0, 0, 0, 1, 0, 0]  # a call is handed over as its block closes
     assert fed[3][1][0]["function"] == {"name": "f", "arguments": "{}"}
     assert stream.finish() == "<tool_call>\nnot json</tool_call>" and stream.num_calls == 1
+
+
+class Address(pydantic.BaseModel):
+    city: Literal["Paris", "Rome"]
+    floor: int = pydantic.Field(ge=0, le=20)
+
+
+class Person(pydantic.BaseModel):
+    """Nested models: the parameters schema refers to Address through "#/$defs/Address"."""
+    address: Address
+    previous: Optional[Address]
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_forced_call_of_a_nested_pydantic_model(server, choice):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    tool = openai.pydantic_function_tool(Person)
+    assert "$defs" in tool["function"]["parameters"]
+    tool_choice = {"type": "function", "function": {"name": "Person"}} if choice == "named" else "required"
+    reply = client.chat.completions.create(model=served_model(server), messages=[{"role": "user", "content": "hi"}],
+                                           tools=[tool], tool_choice=tool_choice, parallel_tool_calls=False,
+                                           max_tokens=MAX_TOKENS, temperature=1.0, seed=3)
+    choice_ = reply.choices[0]
+    assert choice_.finish_reason == "tool_calls", choice_
+    (call,) = choice_.message.tool_calls
+    assert call.function.name == "Person"
+    Person.model_validate_json(call.function.arguments)  # references resolved: the nested model validates
+
+
+def test_call_grammar_resolves_references_of_each_tool():
+    tree = {"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+            "required": ["children"]}
+    nested = openai.pydantic_function_tool(Person)["function"]
+    policy = ToolPolicy(tools=[{"type": "function", "function": {"name": "tree", "parameters": tree}},
+                               {"type": "function", "function": nested}], mode="required")
+    grammar = tool_call_grammar(policy)  # a reference that does not resolve is a ValueError
+    assert "tool_tree" in grammar and "tool_Person" in grammar
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("max_tokens", [3, 12])
+def test_forced_call_cut_off_by_max_tokens_shows_no_markup(server, stream, max_tokens):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    message, finish = ask(client, served_model(server), [{"role": "user", "content": "weather?"}], stream,
+                          max_tokens, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert finish == "length"
+    # Cut inside the opening tag (3 tokens) or inside the JSON (12): nothing parsed, nothing shown.
+    assert message == {"content": None, "tool_calls": []}
+
+
+def test_cut_off_text_drops_the_unfinished_block_only():
+    done = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    content, calls = parse_tool_calls("Sure.\n" + done + '\n<tool_call>\n{"name": "g", "argu', cut_off=True)
+    assert content == "Sure." and [c["function"]["name"] for c in calls] == ["f"]
+    assert parse_tool_calls("Sure. <tool_ca", cut_off=True) == ("Sure.", [])
+    assert parse_tool_calls("Sure. <tool_ca") == ("Sure. <tool_ca", [])  # the model stopped there itself
+    assert parse_tool_calls(done + "\n<tool_call>\n{", forced=True)[0] is None
+    stream = ToolCallStream(forced=True)
+    assert stream.feed("<tool_call>\n{\"na") == ("", []) and stream.finish(cut_off=True) == ""
+    stream = ToolCallStream()
+    assert stream.feed("Hi <tool") == ("Hi ", []) and stream.finish(cut_off=True) == ""
+
+
+def test_only_calls_of_declared_tools_with_json_object_arguments_are_calls():
+    def block(body: str) -> str:
+        return f"<tool_call>\n{body}\n</tool_call>"
+
+    ok = block('{"name": "get_time", "arguments": {"zone": "UTC"}}')
+    as_text = block('{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}')  # a JSON text of an object
+    undeclared = block('{"name": "rm_rf", "arguments": {}}')
+    not_json = block('{"name": "get_time", "arguments": "zone=UTC"}')
+    not_object = block('{"name": "get_time", "arguments": [1, 2]}')
+    text = "\n".join([ok, as_text, undeclared, not_json, not_object])
+    content, calls = parse_tool_calls(text, names=set(SCHEMAS))
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"zone": "UTC"}, {"zone": "UTC"}]
+    assert content == "\n".join([undeclared, not_json, not_object])
+    stream = ToolCallStream(names=set(SCHEMAS))
+    handed = [call for piece in text.split("\n") for call in stream.feed(piece + "\n")[1]]
+    assert len(handed) == 2 and stream.finish() == content

@@ -149,8 +149,10 @@ class CompletionRequest(_SamplingFields):
     # a third of the API's time when a burst of requests arrives; in order it takes ~0.13 ms.
     prompt: Union[TokenIds, Annotated[list[TokenIds], Field(min_length=1)], NonEmptyStr,
                   Annotated[list[NonEmptyStr], Field(min_length=1)]] = Field(union_mode="left_to_right")
-    max_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None,
-                                      description="Default: min(2048, context length - prompt length).")
+    max_tokens: Optional[bounded_int(0, MAX_INT32)] = Field(
+        None, description="Default: min(2048, context length - prompt length). 0 only with echo: true, which scores "
+                          "the prompt (the legacy API's use): the prompt's text and, with logprobs, its log "
+                          "probabilities; no completion; finish_reason length.")
     echo: bool = Field(False, description="Prepend the prompt to the text; with logprobs, the prompt's tokens "
                                           "come first in the logprobs too (the first with null).")
     logprobs: Optional[TopLogprobs] = Field(None, description="Log probabilities of each output token (and "
@@ -178,8 +180,13 @@ class ContentPart(BaseModel):
     text: Optional[Text] = None
 
 
+# A function's name, in a tool definition and in an assistant message's call alike (the chat
+# template writes the name into the prompt as it is).
+FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
 class FunctionCall(_Body):
-    name: NonEmptyStr
+    name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
     arguments: Text = Field(description="The arguments as a JSON text.")
 
 
@@ -209,7 +216,7 @@ class ChatMessage(_Body):
 
 
 class FunctionDef(_Body):
-    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = Field(None, description="A JSON Schema of the arguments.")
     strict: Optional[bool] = Field(None, description="Arguments always follow the schema when the call is "
@@ -230,8 +237,42 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
+# Values of `ChatCompletionRequest`'s compatibility fields that cannot change the output: each
+# field's schema allows only these, and the endpoint refuses any other value by name.
+NULL_ONLY = {"enum": [None]}
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    # Fields current SDKs and agent frameworks send. Accepted where they cannot change the output
+    # (null, false, the default, metadata, routing and user keys); a value that would change it is
+    # refused by name (400 unsupported_parameter), never ignored.
+    store: Optional[bool] = Field(None, description="Only false: completions are not stored.",
+                                  json_schema_extra={"enum": [False, None]})
+    metadata: Optional[Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                                 Field(max_length=16)]] = Field(
+        None, description="Accepted and not used (OpenAI's bounds: 16 pairs, keys of 64 and values of 512 characters).")
+    service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority"]] = Field(
+        None, description="Accepted; the server has one tier.")
+    prompt_cache_key: Optional[Annotated[str, Field(max_length=1024)]] = Field(
+        None, description="Accepted and not used: the radix cache finds a shared prefix by its tokens, with no key.")
+    safety_identifier: Optional[str] = Field(None, description="Accepted for compatibility; not used.")
+    verbosity: Optional[Literal["low", "medium", "high"]] = Field(
+        None, description="Only medium (the default): the served model has no verbosity control.",
+        json_schema_extra={"enum": ["medium", None]})
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = Field(
+        None, description="Only none: the served model does not reason.", json_schema_extra={"enum": ["none", None]})
+    modalities: Optional[list[Literal["text", "audio"]]] = Field(
+        None, description="Only text.", json_schema_extra={"items": {"const": "text"}})
+    audio: Optional[dict[str, Any]] = Field(None, description="Only null: no audio output.",
+                                            json_schema_extra=NULL_ONLY)
+    prediction: Optional[dict[str, Any]] = Field(None, description="Only null: predicted outputs are not "
+                                                                   "implemented.", json_schema_extra=NULL_ONLY)
+    functions: Optional[list[dict[str, Any]]] = Field(None, description="Only null (deprecated): use tools.",
+                                                      json_schema_extra=NULL_ONLY)
+    function_call: Union[str, dict[str, Any], None] = Field(None, description="Only null (deprecated): use "
+                                                                               "tool_choice.",
+                                                            json_schema_extra=NULL_ONLY)
     max_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None,
                                       description="Default: min(2048, context length - prompt length).")
     max_completion_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None, description="Alias of max_tokens.")

@@ -107,6 +107,7 @@ class ServingContext:
         self.max_token_chars = longest_token_chars(tokenizer)
         self.token_texts = TokenTexts(tokenizer)
         self.created = int(time.time())  # the model's `created` in /v1/models
+        self.chat_control_tokens: Any = None  # radixserve.server.chat_prompt's, made on first use
 
     # ------------------------------------------------------------------ limits
     @property
@@ -131,14 +132,18 @@ class ServingContext:
         possibly spell is refused before tokenizing; a long one is tokenized in a worker thread."""
         if self.tokenizer is None:
             raise bad_request("the served model has no tokenizer; send token ids", param)
+        self.check_text_length(text, param)
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.encode(text)
+        return await self.run_blocking(self.encode, text)
+
+    def check_text_length(self, text: str, param: str) -> None:
+        """400 for a text longer than the longest prompt the model can take could possibly spell."""
         limit = self.prompt_token_limit
         if len(text) > self.max_token_chars * limit:
             raise bad_request(f"the text has {len(text)} characters; no {limit}-token prompt of this model is that "
                               f"long (this model's context length is {self.context_len}, KV pool {self.pool_size})",
                               param, code="context_length_exceeded")
-        if len(text) <= INLINE_TOKENIZE_CHARS:
-            return self.encode(text)
-        return await self.run_blocking(self.encode, text)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -2,7 +2,9 @@
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, and those are parsed into the
 OpenAI `tool_calls` of the reply. `tool_choice: required` and a named function are enforced by a
 grammar (an EBNF of such blocks whose JSON follows the tools' parameter schemas), so the arguments
-of a forced call always parse; `auto` lets the model choose and parses what it wrote.
+of a forced call always parse; `auto` lets the model choose and parses what it wrote: a block
+is a call only when it names a declared tool and its arguments are a JSON object, else it stays
+text in `content`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 from radixserve.grammar.spec import build_grammar
 
@@ -45,16 +47,67 @@ class ToolPolicy:
     def forced(self) -> bool:
         return self.mode in ("required", "named")
 
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(t["function"]["name"] for t in self.tools)
+
     def function(self, name: str) -> Optional[dict[str, Any]]:
         return next((t["function"] for t in self.tools if t["function"]["name"] == name), None)
 
 
+# Keywords whose values are data, not schemas: a "$ref" key inside them is no reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _has_local_ref(node: Any) -> bool:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            return True
+        return any(_has_local_ref(v) for k, v in node.items() if k not in _DATA_KEYWORDS)
+    if isinstance(node, list):
+        return any(_has_local_ref(v) for v in node)
+    return False
+
+
+def _relocated(node: Any, base: str) -> Any:
+    """`node` with every local reference ("#", "#/$defs/X", "#/properties/a", ...) rewritten to
+    point at the same place under `base`, where the schema will live."""
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                out[key] = base + value[1:]
+            elif key in _DATA_KEYWORDS:
+                out[key] = value
+            else:
+                out[key] = _relocated(value, base)
+        return out
+    if isinstance(node, list):
+        return [_relocated(v, base) for v in node]
+    return node
+
+
 def _call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
-    variants = [{"type": "object",
-                 "properties": {"name": {"const": f["name"]},
-                                "arguments": f.get("parameters") or {"type": "object"}},
-                 "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
-    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+    """The JSON Schema of one call: {"name": <a function>, "arguments": <its parameters>}.
+
+    The parameters become a subschema of the call, so their local references ("#/$defs/Address"
+    of a nested pydantic model) would no longer resolve: a schema that has any is moved whole to
+    the call's `$defs` under the function's name and its references are rewritten to match."""
+    defs: dict[str, Any] = {}
+    variants = []
+    for f in functions:
+        parameters = f.get("parameters") or {"type": "object"}
+        if _has_local_ref(parameters):
+            key = f"tool_{f['name']}"  # names match ^[a-zA-Z0-9_-]{1,64}$: no JSON-pointer escapes
+            defs[key] = _relocated(parameters, f"#/$defs/{key}")
+            parameters = {"$ref": f"#/$defs/{key}"}
+        variants.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": parameters},
+                         "required": ["name", "arguments"], "additionalProperties": False})
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    if defs:
+        schema = {**schema, "$defs": defs}
+    return schema
 
 
 def tool_call_grammar(policy: ToolPolicy) -> str:
@@ -79,36 +132,74 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_tool_calls(text: str, parallel: bool = True) -> tuple[Optional[str], list[dict[str, Any]]]:
+def parse_tool_calls(text: str, parallel: bool = True, *, names: Optional[Collection[str]] = None,
+                     forced: bool = False, cut_off: bool = False) -> tuple[Optional[str], list[dict[str, Any]]]:
     """The reply's text outside tool-call blocks (None when empty) and its calls as OpenAI
-    `tool_calls` entries. A block whose JSON does not parse as a call stays in the text."""
+    `tool_calls` entries. A block that is not a call of one of `names` (the declared tools; None:
+    any name) with a JSON object for arguments stays in the text.
+
+    forced: the grammar allowed only call blocks, so text outside them is the start of a block
+    that `max_tokens` or a stop string cut off: no content at all. cut_off (finish reason
+    length): an unclosed block at the end is an unfinished call, dropped rather than shown as
+    template markup."""
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     last = 0
     for match in _BLOCK.finditer(text):
-        call = _call_of(match.group(1))
+        call = _call_of(match.group(1), names)
         if call is None or (calls and not parallel):
             continue
         kept.append(text[last:match.start()])
         last = match.end()
         calls.append(call)
     kept.append(text[last:])
-    content = "".join(kept).strip()
+    content = _shown_text("".join(kept), forced, cut_off)
     return (content or None), calls
 
 
-def _call_of(body: str) -> Optional[dict[str, Any]]:
+def _shown_text(rest: str, forced: bool, cut_off: bool) -> str:
+    """The text outside parsed blocks that the reply shows (see `parse_tool_calls`)."""
+    if forced:
+        return ""
+    if cut_off:
+        at = rest.rfind(TOOL_CALL_START)
+        if at >= 0 and TOOL_CALL_END not in rest[at:]:
+            rest = rest[:at]
+        else:  # cut inside the opening tag itself
+            rest = rest[:len(rest) - _partial_tag_length(rest)]
+    return rest.strip()
+
+
+def _partial_tag_length(text: str) -> int:
+    """How many characters at the end of `text` may be the start of a `<tool_call>` tag."""
+    return next((k for k in range(min(len(TOOL_CALL_START) - 1, len(text)), 0, -1)
+                 if text.endswith(TOOL_CALL_START[:k])), 0)
+
+
+def _json(text: str) -> Any:
+    # Not strict: a raw control character inside a string (which grammars of bounded strings
+    # allow) still parses; the arguments are written back with it escaped.
     try:
-        # Not strict: a raw control character inside a string (which grammars of bounded strings
-        # allow) still parses; the arguments are written back with it escaped.
-        value = json.loads(body, strict=False)
+        return json.loads(text, strict=False)
     except json.JSONDecodeError:
         return None
+
+
+def _call_of(body: str, names: Optional[Collection[str]]) -> Optional[dict[str, Any]]:
+    """The call a block's JSON makes, or None when it is no call a client can run: not a JSON
+    object, a function the request did not declare, or arguments that are not a JSON object (a
+    model may write them as an object or as a JSON text of one)."""
+    value = _json(body)
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
+    if names is not None and value["name"] not in names:
+        return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)  # control characters come out escaped
+    if isinstance(arguments, str):
+        arguments = _json(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    arguments = json.dumps(arguments, ensure_ascii=False)  # control characters come out escaped
     return {"id": new_call_id(), "type": "function", "function": {"name": value["name"], "arguments": arguments}}
 
 
@@ -117,8 +208,10 @@ class ToolCallStream:
     `<tool_call>` on; each call is handed over as soon as its block closes, and `finish` returns
     the text left outside blocks (a block that does not parse stays text)."""
 
-    def __init__(self, parallel: bool = True):
+    def __init__(self, parallel: bool = True, forced: bool = False, names: Optional[Collection[str]] = None):
         self.parallel = parallel
+        self.forced = forced
+        self.names = names
         self.held = ""  # text that may be the start of a tool-call tag
         self.calls_text: Optional[str] = None  # everything from the first tag on
         self.scanned = 0  # calls_text[:scanned] is done with: calls handed over, text kept
@@ -135,15 +228,14 @@ class ToolCallStream:
         if at >= 0:
             self.held, self.calls_text = "", text[at:]
             return text[:at], self._closed_calls()
-        keep = next((k for k in range(min(len(TOOL_CALL_START) - 1, len(text)), 0, -1)
-                     if text.endswith(TOOL_CALL_START[:k])), 0)
+        keep = _partial_tag_length(text)
         self.held = text[len(text) - keep:]
         return text[:len(text) - keep], []
 
     def _closed_calls(self) -> list[dict[str, Any]]:
         calls = []
         for match in _BLOCK.finditer(self.calls_text, self.scanned):
-            call = _call_of(match.group(1))
+            call = _call_of(match.group(1), self.names)
             if call is None or (self.num_calls and not self.parallel):
                 continue  # stays in the text (shown at the end)
             self.kept.append(self.calls_text[self.scanned:match.start()])
@@ -152,11 +244,12 @@ class ToolCallStream:
             calls.append(call)
         return calls
 
-    def finish(self) -> str:
-        """The text still to show: what was held and what lay outside the calls."""
+    def finish(self, cut_off: bool = False) -> str:
+        """The text still to show: what was held and what lay outside the calls (forced and
+        cut_off as in `parse_tool_calls`)."""
         if self.calls_text is None:
-            return self.held
-        return "".join(self.kept + [self.calls_text[self.scanned:]]).strip()
+            return "" if self.forced or cut_off else self.held
+        return _shown_text("".join(self.kept + [self.calls_text[self.scanned:]]), self.forced, cut_off)
 
 
 def template_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:

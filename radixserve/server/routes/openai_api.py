@@ -9,15 +9,15 @@ from typing import Any, Callable, Optional
 from fastapi import APIRouter, Request
 
 from radixserve.sampling_params import SamplingParams
+from radixserve.server.chat_prompt import chat_prompt_ids
 from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
 from radixserve.server.intake import MsgspecJSONRoute
 from radixserve.server.logprob_format import chat_logprobs, completion_logprobs, completion_prompt_logprobs
-from radixserve.server.protocol import ROLES, ChatCompletionRequest, CompletionRequest
+from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.server.responses import per_output, run_request, usage
 from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, finish_reason_name, new_id, sse
 from radixserve.server.structured import check_request_grammar, response_format_grammar
-from radixserve.server.tool_calls import (ToolCallStream, ToolPolicy, forced_call_grammar, parse_tool_calls,
-                                         template_tool_calls, tool_policy)
+from radixserve.server.tool_calls import ToolCallStream, ToolPolicy, forced_call_grammar, parse_tool_calls, tool_policy
 from radixserve.validation import choice_seed
 
 router = APIRouter(route_class=MsgspecJSONRoute)
@@ -27,6 +27,24 @@ def check_neutral(body, name: str, ok: Callable[[Any], bool], why: str) -> None:
     value = getattr(body, name, None)
     if value is not None and not ok(value):
         raise APIError(400, f"{name}={value!r} is not supported: {why}", param=name, code="unsupported_parameter")
+
+
+def _never(value: Any) -> bool:
+    return False
+
+
+# (field, accepted values, why others are refused) of the chat fields SDKs send that the server
+# accepts only where they cannot change the output; the schema of each field says the same.
+CHAT_NEUTRAL_VALUES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("store", lambda v: v is False, "completions are not stored by this server"),
+    ("verbosity", lambda v: v == "medium", "the served model has no verbosity control (only medium)"),
+    ("reasoning_effort", lambda v: v == "none", "the served model does not reason (only none)"),
+    ("modalities", lambda v: all(m == "text" for m in v), "only text output is served"),
+    ("audio", _never, "audio output is not implemented"),
+    ("prediction", _never, "predicted outputs are not implemented"),
+    ("functions", _never, "the deprecated functions field is not served; use tools"),
+    ("function_call", _never, "the deprecated function_call field is not served; use tool_choice"),
+)
 
 
 def openai_params(body, max_tokens: int, seed_offset: int, top_logprobs: Optional[int] = None,
@@ -105,10 +123,19 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
     check_neutral(body, "best_of", lambda v: v in (1, body.n), "only best_of == n")
     grammar = response_format_grammar(body.response_format)
     await checked_grammar(ctx, grammar, "response_format")
+    # max_tokens 0 with echo scores the prompt: the engine generates one token (it runs a prompt
+    # to produce one), which the answer leaves out.
+    scoring = body.max_tokens == 0
+    if scoring and not body.echo:
+        raise bad_request("max_tokens=0 generates nothing; it is allowed only with echo: true (scoring the prompt)",
+                          "max_tokens", code=CONFLICTING_FIELDS)
+    if scoring and body.min_tokens:
+        raise bad_request(f"min_tokens={body.min_tokens} is more than the 0 tokens this request may generate",
+                          "min_tokens", code=CONFLICTING_FIELDS)
     texts, prompts = await completion_prompts(ctx, body)
     echo_logprobs = body.echo and body.logprobs is not None
-    choices = build_choices(ctx, body, prompts, "prompt", body.max_tokens, "max_tokens", body.logprobs, grammar,
-                            prompt_logprobs=echo_logprobs)
+    choices = build_choices(ctx, body, prompts, "prompt", 1 if scoring else body.max_tokens, "max_tokens",
+                            body.logprobs, grammar, prompt_logprobs=echo_logprobs)
     if body.echo and ctx.tokenizer is not None:  # token-id prompts echo as their text
         texts = [t if t is not None else await ctx.run_blocking(ctx.tokenizer.decode, ids)
                  for t, ids in zip(texts, prompts)]
@@ -132,12 +159,22 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
         t.logprob_text_offset += sum(len(token) for token in result["tokens"])
         return result
 
+    def finish_name(t: Tracker) -> Optional[str]:
+        return "length" if scoring and t.finished else finish_reason_name(t.finish_reason)
+
+    def usage_of(ts: list[Tracker]) -> dict[str, Any]:
+        counts = usage(ts)
+        if scoring:
+            counts["completion_tokens"], counts["total_tokens"] = 0, counts["prompt_tokens"]
+        return counts
+
     def final(ts: list[Tracker]):
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": t.index, "text": echo_text(t) + t.text,
-                             "logprobs": logprobs_of(t, t.output_ids, t.logprobs, True),
-                             "finish_reason": finish_reason_name(t.finish_reason)} for t in ts],
-                "usage": usage(ts)}
+                "choices": [{"index": t.index, "text": echo_text(t) + ("" if scoring else t.text),
+                             "logprobs": logprobs_of(t, [] if scoring else t.output_ids,
+                                                     [] if scoring else t.logprobs, True),
+                             "finish_reason": finish_name(t)} for t in ts],
+                "usage": usage_of(ts)}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -151,82 +188,24 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
     async def stream(outputs, close):
         echoed: set[str] = set()
         async for t, out, delta in per_output(ctx, outputs, trackers):
+            new_ids, new_logprobs = out.new_token_ids, out.new_logprobs
+            if scoring:
+                delta, new_ids, new_logprobs = "", [], []
             first = t.rid not in echoed
             if first:
                 echoed.add(t.rid)
                 delta = echo_text(t) + delta
-            if delta or t.finished or out.new_logprobs or (first and echo_logprobs):
+            if delta or t.finished or new_logprobs or (first and echo_logprobs):
                 yield chunk([{"index": t.index, "text": delta,
-                              "logprobs": logprobs_of(t, out.new_token_ids, out.new_logprobs, first),
-                              "finish_reason": finish_reason_name(t.finish_reason)}])
+                              "logprobs": logprobs_of(t, new_ids, new_logprobs, first),
+                              "finish_reason": finish_name(t)}])
         close()
         if include_usage:
             yield sse({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-                       "choices": [], "usage": usage(trackers)})
+                       "choices": [], "usage": usage_of(trackers)})
         yield SSE_DONE
 
     return await run_request(ctx, request, trackers, body.stream, final, stream)
-
-
-async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest, policy: ToolPolicy) -> list[int]:
-    return await ctx.tokenize(await chat_prompt_text(ctx, body, policy), "messages")
-
-
-def _message_text(i: int, content) -> str:
-    """A message's content as one text: only text parts are served."""
-    if not isinstance(content, list):
-        return content or ""
-    parts = []
-    for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported, got "
-                                f"{part.type!r}", param=f"messages[{i}].content", code="unsupported_parameter")
-        if part.model_extra:
-            raise APIError(400, f"messages[{i}].content[{j}]: a text part has only type and text, got "
-                                f"{', '.join(sorted(part.model_extra))}", param=f"messages[{i}].content",
-                           code="unsupported_parameter")
-        parts.append(part.text)
-    return "\n".join(parts)
-
-
-def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The conversation as the chat template reads it, tool calls and tool results included."""
-    messages = []
-    for i, msg in enumerate(body.messages):
-        if msg.role not in ROLES:
-            raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {msg.role!r}",
-                              f"messages[{i}].role")
-        if msg.tool_calls is not None and msg.role != "assistant":
-            raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
-        if (msg.tool_call_id is not None) != (msg.role == "tool"):
-            raise bad_request(f"messages[{i}]: a tool message needs tool_call_id, and only a tool message has one",
-                              f"messages[{i}].tool_call_id")
-        message: dict[str, Any] = {"role": msg.role, "content": _message_text(i, msg.content)}
-        if msg.tool_calls:
-            message["tool_calls"] = template_tool_calls(msg.tool_calls)
-        if msg.tool_call_id is not None:
-            message["tool_call_id"] = msg.tool_call_id
-        if msg.name is not None and msg.role == "tool":
-            message["name"] = msg.name
-        messages.append(message)
-    return messages
-
-
-async def chat_prompt_text(ctx: ServingContext, body, policy: Optional[ToolPolicy] = None) -> str:
-    """The conversation rendered by the tokenizer's chat template (with the tools the policy shows)."""
-    messages = template_messages(body)
-    tok = ctx.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise bad_request("the served model has no chat template; use /v1/completions", "messages")
-    kwargs: dict[str, Any] = dict(getattr(body, "chat_template_kwargs", None) or {})
-    if policy is not None and policy.parses:  # with tool_choice none the model is not shown the tools
-        kwargs["tools"] = policy.tools
-    try:
-        text = await ctx.run_blocking(partial(tok.apply_chat_template, messages, tokenize=False,
-                                              add_generation_prompt=body.add_generation_prompt, **kwargs))
-    except Exception as e:  # a template that rejects this conversation (raise_exception, ...)
-        raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
-    return text
 
 
 def chat_top_logprobs(body: ChatCompletionRequest) -> Optional[int]:
@@ -248,7 +227,7 @@ def chat_message(t: Tracker, policy: ToolPolicy) -> tuple[dict[str, Any], Option
     reason = finish_reason_name(t.finish_reason)
     if not policy.parses:
         return {"role": "assistant", "content": t.text}, reason
-    content, calls = parse_tool_calls(t.text, policy.parallel)
+    content, calls = parse_tool_calls(t.text, policy.parallel, names=policy.names, forced=policy.forced, cut_off=reason == "length")
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = calls
@@ -260,6 +239,8 @@ def chat_message(t: Tracker, policy: ToolPolicy) -> tuple[dict[str, Any], Option
 async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: Ctx):
     arrival = time.perf_counter()
     ctx.check_model(body.model)
+    for name, ok, why in CHAT_NEUTRAL_VALUES:
+        check_neutral(body, name, ok, why)
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
         raise bad_request("max_tokens and max_completion_tokens disagree", "max_completion_tokens",
@@ -268,7 +249,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     policy = tool_policy(body)
     grammar = chat_grammar(body, policy)
     await checked_grammar(ctx, grammar, "tools" if policy.forced else "response_format")
-    ids = await chat_prompt(ctx, body, policy)
+    ids = await chat_prompt_ids(ctx, body, policy)
     top_logprobs = chat_top_logprobs(body)
     choices = build_choices(ctx, body, [ids], "messages", max_tokens,
                             "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
@@ -298,7 +279,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         return sse(data)
 
     async def stream(outputs, close):
-        tool_streams = {t.rid: ToolCallStream(policy.parallel) for t in trackers} if policy.parses else {}
+        tool_streams = {t.rid: ToolCallStream(policy.parallel, policy.forced, policy.names)
+                        for t in trackers} if policy.parses else {}
         for t in trackers:
             yield chunk(t.index, {"role": "assistant", "content": ""}, None)
         async for t, out, delta in per_output(ctx, outputs, trackers):
@@ -328,7 +310,7 @@ def finish_chunks(t: Tracker, tools: Optional[ToolCallStream]) -> list[tuple[dic
     reason = finish_reason_name(t.finish_reason)
     if tools is None:
         return [({}, reason)]
-    rest = tools.finish()
+    rest = tools.finish(cut_off=reason == "length")
     events: list[tuple[dict, Optional[str]]] = [({"content": rest}, None)] if rest else []
     return events + [({}, "tool_calls" if tools.num_calls and reason == "stop" else reason)]
 

@@ -17,7 +17,7 @@ from fastapi import APIRouter
 from radixserve.server.errors import bad_request
 from radixserve.server.intake import MsgspecJSONRoute
 from radixserve.server.protocol import DetokenizeBody, TokenizeBody
-from radixserve.server.routes.openai_api import chat_prompt_text
+from radixserve.server.chat_prompt import chat_prompt_ids
 from radixserve.server.serving import INLINE_TOKENIZE_CHARS, Ctx, ServingContext
 
 router = APIRouter(route_class=MsgspecJSONRoute)
@@ -26,13 +26,11 @@ router = APIRouter(route_class=MsgspecJSONRoute)
 async def _tokens(ctx: ServingContext, body: TokenizeBody) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
-    if body.messages is not None:
-        text, param = await chat_prompt_text(ctx, body), "messages"
-    else:
-        text, param = body.prompt, "prompt"
-    ids = await ctx.tokenize(text, param)  # checks the length and that there is a tokenizer
+    if body.messages is not None:  # as the chat endpoint tokenizes them: message text stays text
+        return await chat_prompt_ids(ctx, body, add_special_tokens=body.add_special_tokens)
+    ids = await ctx.tokenize(body.prompt, "prompt")  # checks the length and that there is a tokenizer
     if body.add_special_tokens:  # the tokenizer's own additions (a BOS, for tokenizers with one)
-        ids = await ctx.run_blocking(partial(ctx.tokenizer.encode, text, add_special_tokens=True))
+        ids = await ctx.run_blocking(partial(ctx.tokenizer.encode, body.prompt, add_special_tokens=True))
     return ids
 
 
