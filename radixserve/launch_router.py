@@ -108,7 +108,14 @@ def run_router(settings: RouterSettings) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from radixserve.http_common.listen import ListenAddressError, check_listen_address
+
     settings = settings_from_argv(argv, prog="radixserve route" if argv is not None else None)
+    try:  # a port out of range or in use: one line before anything starts
+        check_listen_address(settings.host, settings.port)
+    except ListenAddressError as e:
+        print(f"router failed: {e}", file=sys.stderr)
+        return 1
     try:
         return run_router(settings)
     except KeyboardInterrupt:

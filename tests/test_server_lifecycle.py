@@ -92,6 +92,22 @@ def test_busy_port_fails_before_loading(tmp_path):
     assert_failed_before_loading(run, tmp_path / "cache", f"--port {port}: 127.0.0.1:{port} is already in use")
 
 
+@pytest.mark.parametrize("port", [99999, 0, -1])
+def test_port_outside_tcp_range_fails_before_loading(tmp_path, port):
+    # The socket layer would take 99999 modulo 65536 and listen on 34463 while the log said 99999.
+    run = launch(["--port", str(port)], tmp_path / "cache")
+    assert_failed_before_loading(run, tmp_path / "cache", f"--port {port}: a TCP port is 1-65535")
+
+
+def test_router_port_outside_tcp_range_is_one_line_exit_1():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)}
+    run = subprocess.run([sys.executable, "-m", "radixserve.launch_router", "--port", "99999"], cwd=REPO_ROOT,
+                         env=env, capture_output=True, text=True, timeout=60)
+    lines = (run.stdout + run.stderr).strip().splitlines()
+    assert run.returncode == 1
+    assert lines == ["router failed: --port 99999: a TCP port is 1-65535"], lines
+
+
 def test_engine_that_cannot_start_never_says_serving(tmp_path):
     model = tmp_path / "broken"
     model.mkdir()

@@ -8,12 +8,11 @@ second with one line instead of after the model loaded.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
-import socket
 
+from radixserve.http_common.listen import ListenAddressError, check_listen_address
 from radixserve.model.quantization import quantization_config
 from radixserve.settings import ServerSettings
 
@@ -63,21 +62,11 @@ def check_quantization(settings: ServerSettings) -> None:
 
 
 def check_port_free(host: str, port: int) -> None:
-    """Bind host:port the way uvicorn will (SO_REUSEADDR), then let it go; raise if that fails."""
+    """The port is in 1-65535 and host:port binds now; raise StartupError if not."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise StartupError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(address)
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise StartupError(f"--port {port}: {host}:{port} is already in use (another server on it? "
-                                   "choose another --port)") from None
-            raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        check_listen_address(host, port)
+    except ListenAddressError as e:
+        raise StartupError(str(e)) from None
 
 
 def check_before_loading(settings: ServerSettings) -> None:
