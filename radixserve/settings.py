@@ -49,7 +49,12 @@ class ServerSettings:
         None, "Model name reported by /v1/models and accepted in requests' model field (default: the model "
         "directory's name, e.g. tiny-qwen2).")
     context_length: Optional[int] = _opt(
-        None, "Longest sequence (prompt + output) in tokens (default: the model's max_position_embeddings).")
+        None, "Longest sequence (prompt + output) in tokens (default: the model's max_position_embeddings); "
+        "more than the model's is refused unless --allow-longer-context-length is given.")
+    allow_longer_context_length: bool = _opt(
+        False, "Let --context-length exceed the model's max_position_embeddings (as SGLang's "
+        "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN does): the rotary table is extended without scaling, so "
+        "positions past the model's were never trained on and outputs there may be garbage.")
     dtype: str = _opt("auto", "Weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU).",
                       choices=("auto", "float32", "float16", "bfloat16"))
     device: str = _opt("auto", "auto: cuda when present, else cpu.", choices=("auto", "cpu", "cuda"))
@@ -236,6 +241,16 @@ class ServerSettings:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+
+    def check_context_length(self, model_positions: int, model: str) -> None:
+        """A context_length above the model's max_position_embeddings is a ValueError naming the
+        model's limit, unless allow_longer_context_length says it is meant."""
+        if (self.context_length is not None and self.context_length > model_positions
+                and not self.allow_longer_context_length):
+            raise ValueError(
+                f"context_length {self.context_length} is more than the model's max_position_embeddings "
+                f"{model_positions} ({model}): give at most {model_positions} or none, or set "
+                "allow_longer_context_length (--allow-longer-context-length) to run untrained positions anyway")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ServerSettings":

@@ -108,6 +108,21 @@ def test_router_port_outside_tcp_range_is_one_line_exit_1():
     assert lines == ["router failed: --port 99999: a TCP port is 1-65535"], lines
 
 
+def test_context_length_beyond_the_model_fails_before_loading(tmp_path, server_model_dir):
+    run = launch(["--context-length", "100000", "--port", str(free_port())], tmp_path / "cache")
+    assert_failed_before_loading(run, tmp_path / "cache", "context_length 100000 is more than the model's "
+                                 "max_position_embeddings 32768 (the built-in tiny model)")
+    run = launch(["--model-path", str(server_model_dir), "--context-length", "5000", "--port", str(free_port())],
+                 tmp_path / "cache")
+    assert_failed_before_loading(run, tmp_path / "cache", "max_position_embeddings 4096")
+    assert "--allow-longer-context-length" in run.stderr
+
+
+def test_served_name_as_model_path_hints_at_the_default(tmp_path):
+    run = launch(["--model-path", "tiny-qwen2", "--port", str(free_port())], tmp_path / "cache")
+    assert_failed_before_loading(run, tmp_path / "cache", "leave --model-path out to serve the built-in tiny model")
+
+
 def test_engine_that_cannot_start_never_says_serving(tmp_path):
     model = tmp_path / "broken"
     model.mkdir()

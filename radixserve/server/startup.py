@@ -12,6 +12,7 @@ import json
 import logging
 import os
 
+from radixserve.default_model import DEFAULT_MODEL_NAME, default_model_positions
 from radixserve.http_common.listen import ListenAddressError, check_listen_address
 from radixserve.model.quantization import quantization_config
 from radixserve.settings import ServerSettings
@@ -29,7 +30,8 @@ def check_model_path(settings: ServerSettings) -> None:
     path = settings.model_path
     if path is not None:
         if not os.path.isdir(path):
-            raise StartupError(f"--model-path {path!r}: no such directory")
+            raise StartupError(f"--model-path {path!r}: no such directory (a local Hugging Face model directory; "
+                               f"leave --model-path out to serve the built-in tiny model, {DEFAULT_MODEL_NAME})")
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise StartupError(f"--model-path {path!r}: no config.json in it (a Hugging Face model directory "
                                "has config.json and *.safetensors)")
@@ -41,12 +43,7 @@ def check_model_path(settings: ServerSettings) -> None:
         raise StartupError(f"--chat-template {template!r}: no such file")
 
 
-def check_quantization(settings: ServerSettings) -> None:
-    """The checkpoint's quantization_config (and --quantization) must be one the model runs: an AWQ
-    or GPTQ checkpoint read as bf16 would load and answer garbage."""
-    path = settings.model_path
-    if path is None:
-        return
+def _read_config(path: str) -> dict:
     config_file = os.path.join(path, "config.json")
     try:
         with open(config_file) as f:
@@ -55,8 +52,35 @@ def check_quantization(settings: ServerSettings) -> None:
         raise StartupError(f"--model-path {path!r}: cannot read config.json ({e})") from None
     if not isinstance(raw, dict):
         raise StartupError(f"--model-path {path!r}: config.json must hold a JSON object")
+    return raw
+
+
+def check_quantization(settings: ServerSettings) -> None:
+    """The checkpoint's quantization_config (and --quantization) must be one the model runs: an AWQ
+    or GPTQ checkpoint read as bf16 would load and answer garbage."""
+    path = settings.model_path
+    if path is None:
+        return
+    raw = _read_config(path)
     try:
         quantization_config(raw, settings.quantization, source=f"--model-path {path!r}")
+    except ValueError as e:
+        raise StartupError(str(e)) from None
+
+
+def check_context_length(settings: ServerSettings) -> None:
+    """--context-length may not exceed the model's max_position_embeddings (unless allowed)."""
+    if settings.context_length is None:
+        return
+    if settings.model_path is None:
+        positions, model = default_model_positions(), "the built-in tiny model"
+    else:
+        raw = _read_config(settings.model_path)
+        positions, model = raw.get("max_position_embeddings"), f"--model-path {settings.model_path!r}"
+        if not isinstance(positions, int):
+            return  # the engine's config check names a missing or odd value
+    try:
+        settings.check_context_length(positions, model)
     except ValueError as e:
         raise StartupError(str(e)) from None
 
@@ -73,6 +97,7 @@ def check_before_loading(settings: ServerSettings) -> None:
     """Every check that needs nothing loaded; raises StartupError with the first problem."""
     check_model_path(settings)
     check_quantization(settings)
+    check_context_length(settings)
     check_port_free(settings.host, settings.port)
 
 
