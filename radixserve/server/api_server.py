@@ -27,7 +27,8 @@ from radixserve.http_common.gc_tuning import governed_collections
 from radixserve.http_common.loop_lag import watch_loop_lag
 from radixserve.http_common.paced_http import PacedHttpProtocol
 from radixserve.server.lifecycle import CLOSE_TIMEOUT_S, ServingServer
-from radixserve.server.intake import REQUEST_BYTES_PER_CONTEXT_TOKEN, BodyLimitMiddleware, RejectionRecorder
+from radixserve.server.intake import (REQUEST_BYTES_PER_CONTEXT_TOKEN, BodyLimitMiddleware, JSONContentTypeMiddleware,
+                                      RejectionRecorder)
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.openapi import install_openapi
 from radixserve.server.routes import native, observability, openai_api, tokenize
@@ -75,6 +76,7 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     # Middleware added later runs earlier: the recorder sees every answer, 401s and 413s included.
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, limit=lambda: request_bytes_limit(settings, engine))
+    app.add_middleware(JSONContentTypeMiddleware)
     if settings.api_key or settings.admin_api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, admin_api_key=settings.admin_api_key)
     app.add_middleware(RejectionRecorder, metrics=metrics, log=settings.log_requests)

@@ -1,7 +1,7 @@
 """The served OpenAPI schema: FastAPI's, plus every answer the server can really give.
 
 FastAPI declares a 422 the server never sends (validation errors are 400 here) and knows nothing
-of event streams, Prometheus text, 401/413/503 or the error body; this module declares them, and
+of event streams, Prometheus text, 401/413/415/503 or the error body; this module declares them, and
 bounds token ids by the served model's vocabulary once the engine has reported it.
 """
 
@@ -23,10 +23,11 @@ ERROR_SCHEMA = {
 ERROR_DESCRIPTIONS = {"400": "Invalid request (OpenAI error body).", "401": "Missing or invalid API key.",
                       "404": "Unknown model or resource.", "405": "Method not allowed.",
                       "409": "Conflict with the server's state.", "413": "Request body too large.",
+                      "415": "The body is not sent as application/json.",
                       "500": "Internal error.", "503": "Engine unavailable or queue full (Retry-After)."}
-# Errors every operation can answer with; POST bodies add 400 and 413.
+# Errors every operation can answer with; POST bodies add 400, 413 and 415.
 COMMON_ERRORS = ("404", "405", "500", "503")
-BODY_ERRORS = ("400", "413")
+BODY_ERRORS = ("400", "413", "415")
 STREAMING_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 EXTRA_ERRORS = {"/flush_cache": ("409",)}
 # Before OpenAPI 3.2 a text/event-stream schema describes each event: its fields, `data` a JSON
