@@ -179,6 +179,9 @@ class EngineClient:
         self.groups: dict[str, RequestGroup] = {}
         self.replies: dict[str, asyncio.Future] = {}
         self.latest_stats: Optional[m.EngineStats] = None
+        # time.monotonic() when the engine last reported a step more than before: a busy engine
+        # whose health probe waits behind long steps is still making progress.
+        self.progress_at: Optional[float] = None
         self.on_stats: Optional[Callable[[m.EngineStats], None]] = None
         # Radix cache events ([seq, kind, tokens] lists), for the /kv_events stream.
         self.on_kv_events: Optional[Callable[[list], None]] = None
@@ -391,6 +394,10 @@ class EngineClient:
         if not isinstance(msg, m.OutputBatch):
             return 0
         if msg.stats is not None:
+            steps = msg.stats.values.get("engine_steps")
+            before = self.latest_stats.values.get("engine_steps") if self.latest_stats is not None else None
+            if steps is not None and steps != before:
+                self.progress_at = time.monotonic()
             self.latest_stats = msg.stats
             if self.on_stats is not None:
                 self.on_stats(msg.stats)
@@ -478,6 +485,10 @@ class EngineClient:
         self.groups.pop(rid, None)
         if self.alive:
             self._send(AbortRequest(rid=rid))
+
+    def progressed_within(self, seconds: float) -> bool:
+        """Whether the engine reported finished steps in the last `seconds`."""
+        return self.progress_at is not None and time.monotonic() - self.progress_at <= seconds
 
     async def probe(self, input_ids: list[int], timeout_s: float) -> float:
         """Generate one token through the engine; returns seconds taken or raises."""

@@ -1,7 +1,7 @@
 """What the API process does with a request before any endpoint sees it (after uvicorn's paced
 HTTP parsing, `radixserve.http_common.paced_http`): refuse a body over `--max-request-bytes` (413,
-before reading it) and a body that is not JSON (415), count and log every request it rejects, and parse JSON bodies with msgspec
-(`MsgspecJSONRoute`).
+before reading it) and a body that is not JSON (415), count and log every request it rejects, and
+parse JSON bodies with msgspec (`MsgspecJSONRoute`).
 
 The body limit and the rejection count are pure ASGI middleware, so streams pass through untouched.
 """
