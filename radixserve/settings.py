@@ -172,6 +172,10 @@ class ServerSettings:
     max_request_bytes: Optional[int] = _opt(
         None, "Largest request body; a larger one is answered 413 before it is read. Default: 64 bytes "
         "per context token (4 bytes a character, 16 characters a token).")
+    max_request_sequences: int = _opt(
+        2048, "Most sequences one request may ask for: its prompts (a batch list) times n. More is a 400 "
+        "naming this limit before anything is tokenized (2,048: OpenAI's limit on a prompt list). It bounds "
+        "one request's share of the queue; fairness between clients is --max-queued-requests' and a gateway's.")
     log_file: Optional[str] = _opt(None, "Also write the log to this file.")
     log_level: str = _opt("info", "Logging level.", choices=("debug", "info", "warning", "error"))
     log_interval: int = _opt(40, "Write a decode batch line every this many decode steps.")
@@ -222,6 +226,8 @@ class ServerSettings:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
         if self.max_request_bytes is not None and self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.max_request_sequences < 1:
+            raise ValueError(f"max_request_sequences must be >= 1, got {self.max_request_sequences}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
         if self.hicache_size < 0 or self.hicache_ratio < 0:

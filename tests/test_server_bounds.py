@@ -78,3 +78,34 @@ def test_short_request_is_served_beside_a_long_prompt(bounds_server):
         # all that were left.
         assert short_done - sent < (long_done - sent) / 2, (short_done - sent, long_done - sent)
         assert http.get("/health").status_code == 200
+
+
+def test_batches_and_prompts_times_n_are_capped(bounds_server):
+    with bounds_server.client(timeout=120) as http:
+        for body, param in (({"text": ["a"] * 10000}, "text"), ({"input_ids": [[5]] * 10000}, "input_ids")):
+            err = assert_error_body(http.post("/generate", json=body), 400, param, "too_many_sequences")
+            assert "10000 prompts is 10000 sequences" in err["message"] and "--max-request-sequences" in err["message"]
+        err = assert_error_body(http.post("/v1/completions", json={"prompt": ["hi"] * 40, "n": 64, "max_tokens": 1}),
+                                400, "prompt", "too_many_sequences")
+        assert "40 prompts x n=64 is 2560 sequences" in err["message"] and "at most 2048" in err["message"]
+        ok = http.post("/v1/completions", json={"prompt": ["hi", "there"], "n": 2, "max_tokens": 1})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
+        assert http.get("/health").status_code == 200
+
+
+def test_tokenize_and_detokenize_are_bounded(bounds_server):
+    with bounds_server.client(timeout=60) as http:
+        big = assert_error_body(http.post("/v1/tokenize", json={"prompt": "x" * 59000}), 400, "prompt",
+                                "context_length_exceeded")
+        assert "59000 characters" in big["message"]
+        for body, param in (({"prompt": 5}, "prompt"), ({"messages": "hi"}, "messages"), ({}, "prompt"),
+                            ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt")):
+            assert_error_body(http.post("/v1/tokenize", json=body), 400, param)
+        long = assert_error_body(http.post("/v1/detokenize", json={"tokens": [5] * 5000}), 400, "tokens",
+                                 "context_length_exceeded")
+        assert "at most this model's context length, 4096" in long["message"]
+        for tokens in ([-1], ["a"], [10**6], [1.5], None):
+            assert_error_body(http.post("/v1/detokenize", json={"tokens": tokens}), 400, "tokens")
+            assert_error_body(http.post("/detokenize", json={"tokens": tokens}), 400, "tokens")
+        assert http.post("/v1/detokenize", json={"tokens": [5] * 4096}).status_code == 200
+        assert http.post("/v1/tokenize", json={"prompt": "hello"}).json()["count"] > 0

@@ -126,6 +126,17 @@ class ServingContext:
     def prompt_token_limit(self) -> int:
         return min(self.context_len, self.pool_size)
 
+    def check_sequences(self, prompts: int, n: int, param: str) -> None:
+        """prompts x n engine requests at most --max-request-sequences: checked before anything is
+        tokenized (a 100,000-prompt batch held the event loop 4.3 s; 2,000 prompts x n 64 queued
+        128,000 sequences ahead of everyone else)."""
+        limit = self.settings.max_request_sequences
+        if prompts * n > limit:
+            what = f"{prompts} prompts" + (f" x n={n}" if n > 1 else "")
+            raise bad_request(f"{what} is {prompts * n} sequences; this server takes at most {limit} per request "
+                              "(--max-request-sequences): send fewer prompts or a lower n, or split the batch",
+                              param, code="too_many_sequences")
+
     async def tokenize(self, text: str, param: str) -> list[int]:
         """Token ids of `text`. A text longer than the longest prompt the model can take could
         possibly spell is refused before tokenizing; a long one is tokenized in a worker thread."""

@@ -49,9 +49,11 @@ async def generate_prompts(ctx: ServingContext, body: GenerateBody) -> tuple[lis
     if body.text is not None:
         single = isinstance(body.text, str)
         texts = [body.text] if single else list(body.text)
+        ctx.check_sequences(len(texts), 1, "text")
         return [await ctx.tokenize(x, "text") for x in texts], single, "text"
     ids = body.input_ids
     single = not ids or isinstance(ids[0], int)
+    ctx.check_sequences(1 if single else len(ids), 1, "input_ids")
     return ([list(ids)] if single else [list(x) for x in ids]), single, "input_ids"
 
 

@@ -90,6 +90,7 @@ async def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> tu
         return [p], [await ctx.tokenize(p, "prompt")]
     if not p:
         raise bad_request("the prompt is empty", "prompt")
+    ctx.check_sequences(1 if isinstance(p[0], int) else len(p), body.n, "prompt")
     if isinstance(p[0], str):
         return list(p), [await ctx.tokenize(x, "prompt") for x in p]
     if isinstance(p[0], int):
