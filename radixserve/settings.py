@@ -172,6 +172,10 @@ class ServerSettings:
     max_request_bytes: Optional[int] = _opt(
         None, "Largest request body; a larger one is answered 413 before it is read. Default: 64 bytes "
         "per context token (4 bytes a character, 16 characters a token).")
+    max_connections: Optional[int] = _opt(
+        None, "Most client connections held at once; one more is answered 503 and closed as it opens. A "
+        "request's headers must arrive within 10 s and its body within 60 s, or its connection is closed. "
+        "The server raises its soft open-file limit to the hard one (up to 65,536). Default: that limit less 256.")
     max_request_sequences: int = _opt(
         2048, "Most sequences one request may ask for: its prompts (a batch list) times n. More is a 400 "
         "naming this limit before anything is tokenized (2,048: OpenAI's limit on a prompt list). It bounds "
@@ -226,6 +230,8 @@ class ServerSettings:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
         if self.max_request_bytes is not None and self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.max_request_sequences < 1:
             raise ValueError(f"max_request_sequences must be >= 1, got {self.max_request_sequences}")
         if self.context_length is not None and self.context_length < 2:

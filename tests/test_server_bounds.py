@@ -11,13 +11,15 @@ from test_server_errors import assert_error_body
 
 pytestmark = pytest.mark.timeout(300)
 REQUEST_LIMIT = 60000
+MAX_CONNECTIONS = 12
 
 
 @pytest.fixture(scope="module")
 def bounds_server(server_model_dir, server_workdir):
     # Chunks of 16 tokens: a 4,000-token prompt takes 250 steps, long enough to send others beside it.
     proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu", "--max-request-bytes",
-                          str(REQUEST_LIMIT), "--chunked-prefill-size", "16", "--max-running-requests", "16"],
+                          str(REQUEST_LIMIT), "--chunked-prefill-size", "16", "--max-running-requests", "16",
+                          "--max-connections", str(MAX_CONNECTIONS)],
                          server_workdir)
     try:
         yield proc.wait_ready()
@@ -109,3 +111,55 @@ def test_tokenize_and_detokenize_are_bounded(bounds_server):
             assert_error_body(http.post("/detokenize", json={"tokens": tokens}), 400, "tokens")
         assert http.post("/v1/detokenize", json={"tokens": [5] * 4096}).status_code == 200
         assert http.post("/v1/tokenize", json={"prompt": "hello"}).json()["count"] > 0
+
+
+def test_slow_and_idle_connections_are_cut_off_and_capped(bounds_server):
+    """A request whose headers trickle in (a byte a second) gets 408 after HEADER_TIMEOUT_S; idle
+    connections beyond --max-connections are answered 503 as they open; once the slow ones are
+    cut off, new clients are served."""
+    import select
+    import socket
+    import time
+
+    from radixserve.http_common.paced_http import HEADER_TIMEOUT_S
+
+    def connect() -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", bounds_server.port), timeout=HEADER_TIMEOUT_S + 30)
+        return sock
+
+    def read_all(sock: socket.socket) -> bytes:
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        return data
+
+    opened = time.monotonic()
+    idle, refused = [], None
+    for _ in range(MAX_CONNECTIONS + 2):
+        sock = connect()
+        sock.settimeout(0.5)
+        try:
+            answer = sock.recv(65536)  # an idle connection under the cap gets nothing yet
+        except socket.timeout:
+            sock.settimeout(HEADER_TIMEOUT_S + 30)
+            idle.append(sock)
+            continue
+        refused = answer + read_all(sock)
+        break
+    assert refused is not None and len(idle) <= MAX_CONNECTIONS, len(idle)
+    assert refused.startswith(b"HTTP/1.1 503") and b"too_many_connections" in refused, refused
+    trickle = idle.pop()
+    for byte in b"POST /generate HTTP/1.1\r\nHost: x\r\n":
+        if select.select([trickle], [], [], HEADER_TIMEOUT_S / 8)[0]:
+            break  # the server answered: cut off
+        try:
+            trickle.send(bytes([byte]))
+        except OSError:
+            break
+    answers = [read_all(sock) for sock in [trickle, *idle]]
+    waited = time.monotonic() - opened
+    assert all(a.startswith(b"HTTP/1.1 408") and b"request_timeout" in a for a in answers), answers
+    assert HEADER_TIMEOUT_S - 1 <= waited <= HEADER_TIMEOUT_S + 20, waited
+    for sock in [trickle, *idle]:
+        sock.close()
+    assert httpx.get(f"{bounds_server.base_url}/health", timeout=30).status_code == 200

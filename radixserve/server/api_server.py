@@ -25,6 +25,7 @@ from radixserve.server.engine_client import EngineClient
 from radixserve.http_common.errors import install_error_handlers
 from radixserve.http_common.gc_tuning import governed_collections
 from radixserve.http_common.loop_lag import watch_loop_lag
+from radixserve.http_common.open_files import connection_cap
 from radixserve.http_common.paced_http import PacedHttpProtocol
 from radixserve.server.lifecycle import CLOSE_TIMEOUT_S, ServingServer
 from radixserve.server.intake import (REQUEST_BYTES_PER_CONTEXT_TOKEN, BodyLimitMiddleware, JSONContentTypeMiddleware,
@@ -115,7 +116,7 @@ def run_server(settings: ServerSettings) -> int:
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop=loop, http=PacedHttpProtocol,
                             log_level="warning", access_log=False, timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
-                            lifespan="on")
+                            lifespan="on", limit_concurrency=connection_cap(settings.max_connections))
     # Open /kv_events streams never end by themselves; they are closed when the drain ends.
     server = ServingServer(config, engine, settings.graceful_shutdown_timeout,
                            announce=f"serving {model_path} on http://{settings.host}:{settings.port}",
