@@ -163,3 +163,31 @@ def test_slow_and_idle_connections_are_cut_off_and_capped(bounds_server):
     for sock in [trickle, *idle]:
         sock.close()
     assert httpx.get(f"{bounds_server.base_url}/health", timeout=30).status_code == 200
+
+
+def test_log_probability_volume_is_bounded_up_front(bounds_server):
+    prompt = [7 + i % 400 for i in range(4000)]
+    with bounds_server.client(timeout=120) as http:
+        r = http.post("/v1/completions", json={"prompt": prompt, "echo": True, "logprobs": 20, "n": 64,
+                                               "max_tokens": 1})
+        err = assert_error_body(r, 400, "logprobs", "response_too_large")
+        assert "lower logprobs, n, max_tokens, echo" in err["message"], err
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                                    "top_logprobs": 20, "n": 64, "max_tokens": 2000})
+        assert_error_body(r, 400, "top_logprobs", "response_too_large")
+        r = http.post("/generate", json={"input_ids": [[5, 6]] * 64, "return_logprob": True, "top_logprobs_num": 20,
+                                         "sampling_params": {"max_new_tokens": 2000}})
+        assert_error_body(r, 400, "top_logprobs_num", "response_too_large")
+        ok = http.post("/v1/completions", json={"prompt": prompt[:100], "echo": True, "logprobs": 5, "n": 2,
+                                                "max_tokens": 2})
+        assert ok.status_code == 200 and len(ok.json()["choices"][0]["logprobs"]["tokens"]) == 102, ok.text
+
+
+def test_logit_bias_keys_are_decimal_token_ids_without_leading_zeros(bounds_server):
+    with bounds_server.client(timeout=60) as http:
+        for key in ("05", "00", "\u0663", "+5", " 5"):
+            r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logit_bias": {key: 1}})
+            assert_error_body(r, 400, "logit_bias")
+        for key in ("0", "5", "50"):
+            r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logit_bias": {key: 1}})
+            assert r.status_code == 200, (key, r.text)

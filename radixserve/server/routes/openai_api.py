@@ -114,7 +114,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
         texts = [t if t is not None else await ctx.run_blocking(ctx.tokenizer.decode, ids)
                  for t, ids in zip(texts, prompts)]
     cid = new_id("cmpl-")
-    trackers = ctx.new_trackers(prompts, choices, cid, arrival)
+    trackers = ctx.new_trackers(prompts, choices, cid, arrival, logprob_fields="logprobs, n, max_tokens, echo")
     model = ctx.served_model_name
 
     def echo_text(t: Tracker) -> str:
@@ -275,7 +275,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
                             "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
                             top_logprobs, grammar)
     cid = new_id("chatcmpl-")
-    trackers = ctx.new_trackers([ids], choices, cid, arrival)
+    trackers = ctx.new_trackers([ids], choices, cid, arrival, logprob_fields="top_logprobs, n, max_tokens")
     model = ctx.served_model_name
 
     def logprobs_of(token_ids: list[int], logprobs: list) -> Optional[dict]:
