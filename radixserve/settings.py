@@ -264,6 +264,11 @@ class ServerSettings:
                 f"{model_positions} ({model}): give at most {model_positions} or none, or set "
                 "allow_longer_context_length (--allow-longer-context-length) to run untrained positions anyway")
 
+    @property
+    def hicache_host_bytes(self) -> int:
+        """Host memory --hicache-size asks for on this machine: per rank, per worker."""
+        return int(self.hicache_size * 1e9) * self.tp_size * self.dp_size
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ServerSettings":
         names = {f.name for f in dataclasses.fields(cls)}

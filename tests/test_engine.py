@@ -429,3 +429,8 @@ def test_context_length_beyond_the_model_is_refused_unless_allowed(tiny_dir):
         Engine(str(tiny_dir), max_total_tokens=256, context_length=positions * 3)
     engine = Engine(str(tiny_dir), max_total_tokens=256, context_length=positions * 2, allow_longer_context_length=True)
     assert engine.core.context_len == positions * 2
+
+
+def test_host_tier_beyond_host_memory_is_refused_before_the_model_loads(tiny_dir):
+    with pytest.raises(ValueError, match="hicache_size=100000 needs 100000.0 GB of host memory; .* GB is available"):
+        Engine(str(tiny_dir), max_total_tokens=256, hicache_size=100000)

@@ -123,6 +123,11 @@ def test_served_name_as_model_path_hints_at_the_default(tmp_path):
     assert_failed_before_loading(run, tmp_path / "cache", "leave --model-path out to serve the built-in tiny model")
 
 
+def test_host_tier_beyond_host_memory_fails_before_loading(tmp_path):
+    run = launch(["--hicache-size", "100000", "--port", str(free_port())], tmp_path / "cache")
+    assert_failed_before_loading(run, tmp_path / "cache", "--hicache-size 100000 needs 100000.0 GB of host memory;")
+
+
 def test_engine_that_cannot_start_never_says_serving(tmp_path):
     model = tmp_path / "broken"
     model.mkdir()

@@ -2,8 +2,9 @@
 its life, from the `serving` line to the shutdown, is `lifecycle.py`).
 
 The checks run before the engine process starts or any weights load, so a wrong path, a
-quantization method the model cannot run (AWQ, GPTQ, ...) or a busy port fails in well under a
-second with one line instead of after the model loaded.
+quantization method the model cannot run (AWQ, GPTQ, ...), a context longer than the model's, a
+host tier larger than the host's available memory or a busy port fails in well under a second with
+one line instead of after the model loaded.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import logging
 import os
 
+from radixserve.cache.host_memory import check_host_memory
 from radixserve.default_model import DEFAULT_MODEL_NAME, default_model_positions
 from radixserve.http_common.listen import ListenAddressError, check_listen_address
 from radixserve.model.quantization import quantization_config
@@ -85,6 +87,17 @@ def check_context_length(settings: ServerSettings) -> None:
         raise StartupError(str(e)) from None
 
 
+def check_hicache_memory(settings: ServerSettings) -> None:
+    """--hicache-size (per rank, per worker) must fit in the host memory available now."""
+    if settings.hicache_size > 0:
+        what = f"--hicache-size {settings.hicache_size:g}" + (
+            f" x {settings.tp_size * settings.dp_size} ranks" if settings.tp_size * settings.dp_size > 1 else "")
+        try:
+            check_host_memory(settings.hicache_host_bytes, what)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+
+
 def check_port_free(host: str, port: int) -> None:
     """The port is in 1-65535 and host:port binds now; raise StartupError if not."""
     try:
@@ -98,6 +111,7 @@ def check_before_loading(settings: ServerSettings) -> None:
     check_model_path(settings)
     check_quantization(settings)
     check_context_length(settings)
+    check_hicache_memory(settings)
     check_port_free(settings.host, settings.port)
 
 
