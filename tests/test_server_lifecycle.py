@@ -330,3 +330,33 @@ def test_event_loop_stall_is_logged_and_counted(caplog):
         watch = asyncio.run(scenario())
     assert watch.stalls == 1 and 0.35 <= watch.max_lag_s < 2.0, (watch.stalls, watch.max_lag_s)
     assert any(r.getMessage().startswith("test-loop: event loop stalled for") for r in caplog.records)
+
+
+def test_sigterm_during_a_grammar_compile_is_quiet(server_model_dir, server_workdir):
+    """SIGTERM while a large schema compiles: the request gets its 503, the server exits 0 with its
+    shutdown line and no traceback (an engine stuck joining the compile thread is killed, not
+    SIGTERMed into a SystemExit inside the join)."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}
+    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu",
+                          "--graceful-shutdown-timeout", "1"], server_workdir).wait_ready()
+    answers = []
+
+    def send() -> None:
+        try:
+            answers.append(httpx.post(f"{proc.base_url}/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}}))
+        except httpx.HTTPError as e:
+            answers.append(e)
+
+    client = threading.Thread(target=send)
+    client.start()
+    time.sleep(2.0)  # the compile is under way (it takes longer than this)
+    proc.proc.send_signal(signal.SIGTERM)
+    code = proc.proc.wait(90)
+    client.join(30)
+    output = proc.output()
+    proc.stop()
+    assert code == 0 and "server shut down on SIGTERM" in output, output[-3000:]
+    assert "Traceback" not in output and "Exception ignored" not in output, output[-3000:]
+    assert answers and isinstance(answers[0], httpx.Response) and answers[0].status_code == 503, answers

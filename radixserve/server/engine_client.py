@@ -289,11 +289,19 @@ class EngineClient:
         deadline = time.monotonic() + timeout_s
         while self.proc.poll() is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        self.kill_now()
+        # Told to shut down and still there: it is stuck in its exit (waiting for a worker thread,
+        # e.g. a grammar compile). SIGTERM would only raise SystemExit inside that wait and print
+        # its traceback, so it is killed outright.
+        self.kill_now(force=True)
 
-    def kill_now(self) -> None:
-        """Synchronous last resort (also used from atexit): the engine is gone when this returns."""
+    def kill_now(self, force: bool = False) -> None:
+        """Synchronous last resort (also used from atexit): the engine is gone when this returns.
+        force: SIGKILL at once instead of SIGTERM first."""
         if self.proc is not None and self.proc.poll() is None:
+            if force:
+                self.proc.kill()
+                self.proc.wait()
+                return
             self.proc.terminate()
             try:
                 self.proc.wait(3.0)
