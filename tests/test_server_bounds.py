@@ -191,3 +191,35 @@ def test_logit_bias_keys_are_decimal_token_ids_without_leading_zeros(bounds_serv
         for key in ("0", "5", "50"):
             r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logit_bias": {key: 1}})
             assert r.status_code == 200, (key, r.text)
+
+
+def test_schema_and_behaviour_agree_on_fuzzed_edges(bounds_server):
+    """Values the served schema allows are served, and what it refuses is a 400 naming the field:
+    an empty sampling_params list, top_logprobs 0 without logprobs, max_tokens past the context,
+    a repetition_penalty so small that logits overflow (NaN and an empty answer, before)."""
+    spec = httpx.get(f"{bounds_server.base_url}/openapi.json", timeout=30).json()
+    schemas = spec["components"]["schemas"]
+    sp = schemas["GenerateBody"]["properties"]["sampling_params"]["anyOf"]
+    assert any(branch.get("type") == "array" and branch.get("minItems") == 1 for branch in sp), sp
+    longest = 4096 - 1  # the context leaves a one-token prompt this many
+    for model, field in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_tokens"),
+                         ("ChatCompletionRequest", "max_completion_tokens"), ("NativeSamplingParams", "max_new_tokens")):
+        assert schemas[model]["properties"][field]["maximum"] == longest, (model, field)
+    for model in ("CompletionRequest", "NativeSamplingParams"):
+        penalty = schemas[model]["properties"]["repetition_penalty"]
+        assert any(b.get("minimum") == 0.01 for b in penalty.get("anyOf", [penalty])), penalty
+    with bounds_server.client(timeout=60) as http:
+        assert_error_body(http.post("/generate", json={"text": "x", "sampling_params": []}), 400, "sampling_params")
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                    "top_logprobs": 0, "logprobs": None})
+        assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
+        assert_error_body(http.post("/v1/completions", json={"prompt": "x", "max_tokens": longest + 1}), 400,
+                          "max_tokens", "context_length_exceeded")
+        for path, body, param in (
+                ("/v1/completions", {"prompt": "x", "max_tokens": 2, "repetition_penalty": 1e-300}, "repetition_penalty"),
+                ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2, "repetition_penalty": 1e-300}},
+                 "sampling_params.repetition_penalty")):
+            assert_error_body(http.post(path, json=body), 400, param)
+        r = http.post("/v1/completions", json={"prompt": "a b a b", "max_tokens": 4, "repetition_penalty": 0.01,
+                                               "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text

@@ -89,7 +89,9 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     app.include_router(observability.router)
     app.state.kv_events = install_admin(app, ctx)
     install_openapi(app, auth=bool(settings.api_key),
-                    vocab_size=lambda: engine.ready.vocab_size if engine.ready else None)
+                    vocab_size=lambda: engine.ready.vocab_size if engine.ready else None,
+                    max_output_tokens=lambda: (min(engine.ready.context_len, engine.ready.pool_size) - 1
+                                               if engine.ready else None))
     return app
 
 

@@ -233,7 +233,7 @@ async def chat_prompt_text(ctx: ServingContext, body, policy: Optional[ToolPolic
 def chat_top_logprobs(body: ChatCompletionRequest) -> Optional[int]:
     """How many top entries per position to report, or None for no log probabilities."""
     if not body.logprobs:
-        if body.top_logprobs is not None:
+        if body.top_logprobs:  # 0 asks for nothing either way
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs", code=CONFLICTING_FIELDS)
         return None
     return body.top_logprobs or 0
