@@ -10,10 +10,14 @@ import os
 from typing import Optional
 
 
+# The built-in model's directory name, which is also its served name.
+DEFAULT_MODEL_NAME = "tiny-qwen2"
+
+
 def default_model_dir() -> str:
     """Where the built-in tiny random Qwen2 lives (built on first use, a few seconds on a CPU)."""
     root = os.environ.get("RADIXSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "radixserve"))
-    return os.path.join(root, "tiny-qwen2")
+    return os.path.join(root, DEFAULT_MODEL_NAME)
 
 
 def ensure_model_path(model_path: Optional[str]) -> str:
@@ -24,3 +28,10 @@ def ensure_model_path(model_path: Optional[str]) -> str:
     from radixserve.testing.tiny_model import ensure_tiny_model
 
     return str(ensure_tiny_model(default_model_dir()))
+
+
+def default_model_positions() -> int:
+    """The built-in tiny model's max_position_embeddings (Qwen2's), known before it is built."""
+    from radixserve.testing.tiny_model import MAX_POSITIONS
+
+    return MAX_POSITIONS

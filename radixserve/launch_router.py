@@ -65,6 +65,10 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                    help="Tokenizer for kv_aware (default: fetched from a worker's /tokenizer).")
     p.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
     p.add_argument("--seed", type=int, default=None, help="Seed for the random and power_of_two policies.")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="Most client connections held at once; one more is answered 503 as it opens. A request's "
+                        "headers must arrive within 10 s and its body within 60 s. The router raises its soft "
+                        "open-file limit to the hard one (up to 65,536). Default: that limit less 256.")
     return p
 
 
@@ -90,6 +94,7 @@ def run_router(settings: RouterSettings) -> int:
 
     import uvicorn
 
+    from radixserve.http_common.open_files import connection_cap
     from radixserve.http_common.paced_http import PacedHttpProtocol
     from radixserve.router.app import create_router_app
 
@@ -98,7 +103,8 @@ def run_router(settings: RouterSettings) -> int:
     app = create_router_app(settings)
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop=loop, http=PacedHttpProtocol,
-                            log_level="warning", access_log=False, timeout_graceful_shutdown=30, lifespan="on")
+                            log_level="warning", access_log=False, timeout_graceful_shutdown=30, lifespan="on",
+                            limit_concurrency=connection_cap(settings.max_connections))
     server = uvicorn.Server(config)
     logging.getLogger("radixserve.router").info(
         "router (%s) on http://%s:%d over %d worker(s)", settings.policy, settings.host, settings.port,
@@ -108,7 +114,14 @@ def run_router(settings: RouterSettings) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from radixserve.http_common.listen import ListenAddressError, check_listen_address
+
     settings = settings_from_argv(argv, prog="radixserve route" if argv is not None else None)
+    try:  # a port out of range or in use: one line before anything starts
+        check_listen_address(settings.host, settings.port)
+    except ListenAddressError as e:
+        print(f"router failed: {e}", file=sys.stderr)
+        return 1
     try:
         return run_router(settings)
     except KeyboardInterrupt:
@@ -178,7 +191,8 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
         log.info("dp worker %d: pid %d at %s", i, procs[-1].pid, urls[-1])
     router = RouterSettings(worker_urls=tuple(urls), policy=policy, host=settings.host, port=settings.port,
                             api_key=settings.api_key, worker_admin_api_key=settings.admin_api_key,
-                            health_check_interval=2.0, log_level=settings.log_level)
+                            health_check_interval=2.0, log_level=settings.log_level,
+                            max_connections=settings.max_connections)
 
     def restart_dead_workers() -> None:
         """A worker exits when its engine dies; start it again on its port (the router's health

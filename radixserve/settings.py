@@ -49,7 +49,12 @@ class ServerSettings:
         None, "Model name reported by /v1/models and accepted in requests' model field (default: the model "
         "directory's name, e.g. tiny-qwen2).")
     context_length: Optional[int] = _opt(
-        None, "Longest sequence (prompt + output) in tokens (default: the model's max_position_embeddings).")
+        None, "Longest sequence (prompt + output) in tokens (default: the model's max_position_embeddings); "
+        "more than the model's is refused unless --allow-longer-context-length is given.")
+    allow_longer_context_length: bool = _opt(
+        False, "Let --context-length exceed the model's max_position_embeddings (as SGLang's "
+        "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN does): the rotary table is extended without scaling, so "
+        "positions past the model's were never trained on and outputs there may be garbage.")
     dtype: str = _opt("auto", "Weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU).",
                       choices=("auto", "float32", "float16", "bfloat16"))
     device: str = _opt("auto", "auto: cuda when present, else cpu.", choices=("auto", "cpu", "cuda"))
@@ -167,6 +172,14 @@ class ServerSettings:
     max_request_bytes: Optional[int] = _opt(
         None, "Largest request body; a larger one is answered 413 before it is read. Default: 64 bytes "
         "per context token (4 bytes a character, 16 characters a token).")
+    max_connections: Optional[int] = _opt(
+        None, "Most client connections held at once; one more is answered 503 and closed as it opens. A "
+        "request's headers must arrive within 10 s and its body within 60 s, or its connection is closed. "
+        "The server raises its soft open-file limit to the hard one (up to 65,536). Default: that limit less 256.")
+    max_request_sequences: int = _opt(
+        2048, "Most sequences one request may ask for: its prompts (a batch list) times n. More is a 400 "
+        "naming this limit before anything is tokenized (2,048: OpenAI's limit on a prompt list). It bounds "
+        "one request's share of the queue; fairness between clients is --max-queued-requests' and a gateway's.")
     log_file: Optional[str] = _opt(None, "Also write the log to this file.")
     log_level: str = _opt("info", "Logging level.", choices=("debug", "info", "warning", "error"))
     log_interval: int = _opt(40, "Write a decode batch line every this many decode steps.")
@@ -217,6 +230,10 @@ class ServerSettings:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
         if self.max_request_bytes is not None and self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.max_request_sequences < 1:
+            raise ValueError(f"max_request_sequences must be >= 1, got {self.max_request_sequences}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
         if self.hicache_size < 0 or self.hicache_ratio < 0:
@@ -236,6 +253,21 @@ class ServerSettings:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+
+    def check_context_length(self, model_positions: int, model: str) -> None:
+        """A context_length above the model's max_position_embeddings is a ValueError naming the
+        model's limit, unless allow_longer_context_length says it is meant."""
+        if (self.context_length is not None and self.context_length > model_positions
+                and not self.allow_longer_context_length):
+            raise ValueError(
+                f"context_length {self.context_length} is more than the model's max_position_embeddings "
+                f"{model_positions} ({model}): give at most {model_positions} or none, or set "
+                "allow_longer_context_length (--allow-longer-context-length) to run untrained positions anyway")
+
+    @property
+    def hicache_host_bytes(self) -> int:
+        """Host memory --hicache-size asks for on this machine: per rank, per worker."""
+        return int(self.hicache_size * 1e9) * self.tp_size * self.dp_size
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ServerSettings":

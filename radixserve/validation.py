@@ -21,6 +21,9 @@ TOP_K_MIN = -1
 MAX_TOP_LOGPROBS = 20
 # OpenAI's ranges for presence/frequency penalties and logit_bias values.
 PENALTY_MAX = 2.0
+# repetition_penalty divides (or multiplies) logits: at 1e-300 they overflow to inf and softmax
+# gives NaN (an empty answer); at this floor a logit grows at most 100x.
+REPETITION_PENALTY_MIN = 0.01
 LOGIT_BIAS_MAX = 100.0
 
 
@@ -73,9 +76,9 @@ def _validate_logit_processing(p: Any) -> None:
         value = getattr(p, name)
         if not _is_number(value) or not -PENALTY_MAX <= value <= PENALTY_MAX:
             raise SamplingValueError(name, f"{name} must be in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}], got {value!r}")
-    if not _is_number(p.repetition_penalty) or not 0.0 < p.repetition_penalty <= PENALTY_MAX:
-        raise SamplingValueError("repetition_penalty", f"repetition_penalty must be in (0, {PENALTY_MAX:g}], "
-                                                       f"got {p.repetition_penalty!r}")
+    if not _is_number(p.repetition_penalty) or not REPETITION_PENALTY_MIN <= p.repetition_penalty <= PENALTY_MAX:
+        raise SamplingValueError("repetition_penalty", f"repetition_penalty must be in [{REPETITION_PENALTY_MIN:g}, "
+                                                       f"{PENALTY_MAX:g}], got {p.repetition_penalty!r}")
     if not _is_int(p.min_new_tokens) or not 0 <= p.min_new_tokens <= MAX_INT32:
         raise SamplingValueError("min_new_tokens", f"min_new_tokens must be an integer in [0, {MAX_INT32}], "
                                                    f"got {p.min_new_tokens!r}")

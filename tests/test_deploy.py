@@ -90,6 +90,9 @@ def test_kubernetes_objects_fit_together():
     server_parser().parse_args(worker["args"])
     router = docs[("Deployment", "radixserve-router")]["spec"]["template"]["spec"]["containers"][0]
     router_parser().parse_args(router["args"])
+    # Both cap their connections below the open-file limit (slow clients must not use it up).
+    assert any(a.startswith("--max-connections=") for a in worker["args"])
+    assert any(a.startswith("--max-connections=") for a in router["args"])
     # The router URL the workers register with is the router Service.
     env = {e["name"]: e.get("value") for e in worker["env"]}
     assert env["ROUTER_URL"] == "http://radixserve-router:8000"

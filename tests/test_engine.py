@@ -10,6 +10,7 @@ import torch
 
 from radixserve import Engine
 from radixserve.engine.io_struct import GenerateRequest
+from radixserve.model.config import ModelConfig
 from radixserve.sampling_params import SamplingParams
 from radixserve.testing.tiny_model import build_tiny_model
 
@@ -419,3 +420,17 @@ def test_outputs_come_every_stream_interval_and_once_at_the_end_unstreamed(tiny_
     assert sizes["whole"] == [1, 8]
     assert tokens["streamed"] == tokens["whole"] and len(tokens["whole"]) == 9
     check_idle(engine)
+
+
+def test_context_length_beyond_the_model_is_refused_unless_allowed(tiny_dir):
+    positions = ModelConfig.from_dir(tiny_dir).max_position_embeddings
+    with pytest.raises(ValueError, match=f"context_length {positions * 3} is more than the model's "
+                                         f"max_position_embeddings {positions}.*--allow-longer-context-length"):
+        Engine(str(tiny_dir), max_total_tokens=256, context_length=positions * 3)
+    engine = Engine(str(tiny_dir), max_total_tokens=256, context_length=positions * 2, allow_longer_context_length=True)
+    assert engine.core.context_len == positions * 2
+
+
+def test_host_tier_beyond_host_memory_is_refused_before_the_model_loads(tiny_dir):
+    with pytest.raises(ValueError, match="hicache_size=100000 needs 100000.0 GB of host memory; .* GB is available"):
+        Engine(str(tiny_dir), max_total_tokens=256, hicache_size=100000)

@@ -11,7 +11,7 @@ from radixserve.experiment import main
 from radixserve.experiment.configs import all_configs
 from radixserve.experiment.plots import bound_lines
 from radixserve.experiment.runs import ConfigResult
-from radixserve.experiment.tables import explanation
+from radixserve.experiment.tables import TIMING_NOTE, explanation
 
 
 def test_experiment_end_to_end(server_model_dir, tmp_path, capsys):
@@ -124,32 +124,35 @@ def _record(hit: float, thr: float, p99_ms: float, ttft_p99_ms: float, ttft_p50_
             "ttft_ms": {"median": ttft_p50_ms, "p99": ttft_p99_ms}, "failed": 0, **extra}
 
 
-def test_sentence_under_the_table_names_wins_and_losses():
+def test_sentence_under_the_table_states_only_what_repeats():
+    """Hit rates and prompt tokens computed, never a ratio of timings (noise at the default size),
+    and no ratio legend for pairs that did not run."""
     configs = {c.name: c for c in all_configs()}
-    records = {"lpm": _record(0.88, 3000, 20000, 9000, 400), "fcfs": _record(0.88, 2950, 9000, 8500, 4000),
-               "no-radix": _record(0.0, 1000, 60000, 50000, 30000),
-               "lpm-small-pool": _record(0.80, 2800, 21000, 9000, 500),
-               "fcfs-small-pool": _record(0.40, 1400, 40000, 30000, 15000),
+    records = {"lpm": _record(0.88, 3000, 20000, 9000, 400, total_input_tokens=1000, cached_tokens=880),
+               "fcfs": _record(0.88, 2950, 9000, 8500, 4000, total_input_tokens=1000, cached_tokens=880),
+               "no-radix": _record(0.0, 1000, 60000, 50000, 30000, total_input_tokens=1000, cached_tokens=0),
+               "lpm-small-pool": _record(0.80, 2800, 21000, 9000, 500, total_input_tokens=1000, cached_tokens=800),
+               "fcfs-small-pool": _record(0.40, 1400, 40000, 30000, 15000, total_input_tokens=1000, cached_tokens=400),
                "lpm-fifo-small-pool": _record(0.70, 2500, 25000, 10000, 600)}
     sentence = explanation([ConfigResult(configs[n], record=r) for n, r in records.items()], small_pool=3000)
-    assert sentence.startswith("Rows: under the small pool (3000 tokens) LPM gets hit rate 0.80 vs 0.40, 2.00x the "
-                               "throughput, P99 latency 0.53x FCFS's")
-    assert "with the full pool LPM gets hit rate 0.88 vs 0.88" in sentence
-    assert "lpm has 3.00x its throughput" in sentence and "hit rate 0.70 vs 0.80" in sentence
-    # the full pool's P99 latency is where LPM loses here, and the sentence says why
-    assert "LPM is slower on P99 latency with the full pool, TTFT P99 with the full pool: the order" \
-        in sentence  # the records here carry no token counts, so the work done is not compared
-    assert "small pool because" not in sentence and "hit rate is lower" not in sentence
+    assert sentence.startswith("Rows: under the small pool (3000 tokens) LPM gets hit rate 0.80 vs 0.40, 200 prompt "
+                               "tokens computed vs 600 (3.00x fewer than FCFS)")
+    assert "with the full pool LPM gets hit rate 0.88 vs 0.88, 120 prompt tokens computed vs 120 (as many as FCFS)" \
+        in sentence
+    assert "no-radix recomputes every prompt: 1000 prompt tokens computed where lpm computes 120" in sentence
+    assert "hit rate 0.70 vs 0.80" in sentence
+    for timing in ("throughput 2", "x the throughput", "P99 latency 0", "TTFT P", "ratios:"):
+        assert timing not in sentence, timing
+    assert sentence.endswith(TIMING_NOTE) and "hit rate is lower" not in sentence
     records["lpm-small-pool"] = _record(0.70, 2800, 30000, 9000, 500, total_input_tokens=1000, cached_tokens=700)
     records["fcfs-small-pool"] = _record(0.75, 2800, 21000, 9000, 500, total_input_tokens=1000, cached_tokens=750)
     sentence = explanation([ConfigResult(configs[n], record=r) for n, r in records.items()], small_pool=3000)
-    assert "hit rate 0.70 vs 0.75, 300 prompt tokens computed vs 250" in sentence
+    assert "hit rate 0.70 vs 0.75, 300 prompt tokens computed vs 250 (1.20x more than FCFS)" in sentence
     assert "LPM's hit rate is lower under the small pool because" in sentence
-    assert "LPM loses on P99 latency under the small pool because it computed more prompt tokens there" in sentence
-    records["fcfs-small-pool"] = _record(0.65, 2800, 21000, 9000, 500, total_input_tokens=1000, cached_tokens=650)
-    sentence = explanation([ConfigResult(configs[n], record=r) for n, r in records.items()], small_pool=3000)
-    assert "LPM is slower on P99 latency under the small pool while computing no more prompt tokens than FCFS" \
-        in sentence
+    # Without an FCFS row there is no LPM-over-FCFS comparison and no legend for one.
+    alone = explanation([ConfigResult(configs["lpm"], record=records["lpm"]),
+                         ConfigResult(configs["no-radix"], record=records["no-radix"])], small_pool=3000)
+    assert "FCFS" not in alone and "ratios" not in alone and alone.startswith("Rows: no-radix recomputes")
 
 
 def test_table_and_plot_use_the_bound_the_records_carry():

@@ -92,6 +92,42 @@ def test_busy_port_fails_before_loading(tmp_path):
     assert_failed_before_loading(run, tmp_path / "cache", f"--port {port}: 127.0.0.1:{port} is already in use")
 
 
+@pytest.mark.parametrize("port", [99999, 0, -1])
+def test_port_outside_tcp_range_fails_before_loading(tmp_path, port):
+    # The socket layer would take 99999 modulo 65536 and listen on 34463 while the log said 99999.
+    run = launch(["--port", str(port)], tmp_path / "cache")
+    assert_failed_before_loading(run, tmp_path / "cache", f"--port {port}: a TCP port is 1-65535")
+
+
+def test_router_port_outside_tcp_range_is_one_line_exit_1():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)}
+    run = subprocess.run([sys.executable, "-m", "radixserve.launch_router", "--port", "99999"], cwd=REPO_ROOT,
+                         env=env, capture_output=True, text=True, timeout=60)
+    lines = (run.stdout + run.stderr).strip().splitlines()
+    assert run.returncode == 1
+    assert lines == ["router failed: --port 99999: a TCP port is 1-65535"], lines
+
+
+def test_context_length_beyond_the_model_fails_before_loading(tmp_path, server_model_dir):
+    run = launch(["--context-length", "100000", "--port", str(free_port())], tmp_path / "cache")
+    assert_failed_before_loading(run, tmp_path / "cache", "context_length 100000 is more than the model's "
+                                 "max_position_embeddings 32768 (the built-in tiny model)")
+    run = launch(["--model-path", str(server_model_dir), "--context-length", "5000", "--port", str(free_port())],
+                 tmp_path / "cache")
+    assert_failed_before_loading(run, tmp_path / "cache", "max_position_embeddings 4096")
+    assert "--allow-longer-context-length" in run.stderr
+
+
+def test_served_name_as_model_path_hints_at_the_default(tmp_path):
+    run = launch(["--model-path", "tiny-qwen2", "--port", str(free_port())], tmp_path / "cache")
+    assert_failed_before_loading(run, tmp_path / "cache", "leave --model-path out to serve the built-in tiny model")
+
+
+def test_host_tier_beyond_host_memory_fails_before_loading(tmp_path):
+    run = launch(["--hicache-size", "100000", "--port", str(free_port())], tmp_path / "cache")
+    assert_failed_before_loading(run, tmp_path / "cache", "--hicache-size 100000 needs 100000.0 GB of host memory;")
+
+
 def test_engine_that_cannot_start_never_says_serving(tmp_path):
     model = tmp_path / "broken"
     model.mkdir()
@@ -294,3 +330,33 @@ def test_event_loop_stall_is_logged_and_counted(caplog):
         watch = asyncio.run(scenario())
     assert watch.stalls == 1 and 0.35 <= watch.max_lag_s < 2.0, (watch.stalls, watch.max_lag_s)
     assert any(r.getMessage().startswith("test-loop: event loop stalled for") for r in caplog.records)
+
+
+def test_sigterm_during_a_grammar_compile_is_quiet(server_model_dir, server_workdir):
+    """SIGTERM while a large schema compiles: the request gets its 503, the server exits 0 with its
+    shutdown line and no traceback (an engine stuck joining the compile thread is killed, not
+    SIGTERMed into a SystemExit inside the join)."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}
+    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu",
+                          "--graceful-shutdown-timeout", "1"], server_workdir).wait_ready()
+    answers = []
+
+    def send() -> None:
+        try:
+            answers.append(httpx.post(f"{proc.base_url}/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}}))
+        except httpx.HTTPError as e:
+            answers.append(e)
+
+    client = threading.Thread(target=send)
+    client.start()
+    time.sleep(2.0)  # the compile is under way (it takes longer than this)
+    proc.proc.send_signal(signal.SIGTERM)
+    code = proc.proc.wait(90)
+    client.join(30)
+    output = proc.output()
+    proc.stop()
+    assert code == 0 and "server shut down on SIGTERM" in output, output[-3000:]
+    assert "Traceback" not in output and "Exception ignored" not in output, output[-3000:]
+    assert answers and isinstance(answers[0], httpx.Response) and answers[0].status_code == 503, answers

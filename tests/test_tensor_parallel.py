@@ -13,6 +13,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -173,3 +174,32 @@ def test_tp_decode_floor_adds_the_collectives_over_nvlink():
     assert eight.decode_collective_bytes(64) == pytest.approx(collective)
     assert eight.decode_floor_ms(64, 1024, bw, link) == pytest.approx(
         (eight.decode_weight_bytes + 64 * 1024 * eight.kv_bytes_per_token) / bw * 1e3 + collective / link * 1e3)
+
+
+def test_a_stopped_rank_ends_the_server_within_seconds(server_model_dir, server_workdir):
+    """A SIGSTOPped rank is alive but runs no collective: a request must not hang for the collective
+    timeout; the engine counts the rank as dead within RANK_STOPPED_LIMIT_S, answers 503, and the
+    server exits for its supervisor to restart it."""
+    from radixserve.engine.tensor_parallel import RANK_STOPPED_LIMIT_S
+
+    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu", "--tp-size", "2",
+                          "--max-total-tokens", "4096"], server_workdir).wait_ready()
+    try:
+        engine_pid = proc.server_info()["engine_pid"]
+        (rank,) = children_of(engine_pid)
+        os.kill(rank, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            r = httpx.post(f"{proc.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
+            assert r.status_code == 503, r.text
+        except httpx.HTTPError:
+            pass  # the server may be gone before it answers
+        code = proc.proc.wait(30)
+        assert time.monotonic() - stopped_at < RANK_STOPPED_LIMIT_S + 20
+    finally:
+        if pid_alive(rank):
+            os.kill(rank, signal.SIGKILL)
+        proc.stop(timeout_s=20)
+    assert code != 0
+    assert f"tensor-parallel rank 1 (pid {rank}) has been stopped for" in proc.output_path.read_text()
+    assert not pid_alive(rank) and not pid_alive(engine_pid)

@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from radixserve.cache.host_memory import check_host_memory
 from radixserve.cache.kv_pool import KVPool, PageAllocator
 
 logger = logging.getLogger("radixserve")
@@ -50,11 +51,14 @@ class HostKVPool:
     def __init__(self, num_tokens: int, device_pool: KVPool, *, pin: bool):
         self.page_size = device_pool.page_size
         num_pages = num_tokens // self.page_size
-        self.allocator = PageAllocator(num_pages, self.page_size)
         self.num_layers = len(device_pool.k_buffers)
         self.row_bytes = self.token_bytes(device_pool) // (2 * self.num_layers)  # one layer's k (or v)
         self.bytes_per_token = self.token_bytes(device_pool)
         num_slots = (num_pages + 1) * self.page_size
+        # The buffer and the free list's 8 bytes a page, checked before either is built.
+        check_host_memory(num_slots * self.bytes_per_token + 8 * num_pages,
+                          f"the host tier ({num_tokens} tokens of {self.bytes_per_token} bytes)")
+        self.allocator = PageAllocator(num_pages, self.page_size)
         self.buffer = torch.empty((num_slots, self.num_layers, 2, self.row_bytes), dtype=torch.uint8)
         self.pinned = pin and _pin(self.buffer)
         if self.pinned:

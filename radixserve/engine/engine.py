@@ -10,11 +10,13 @@ import dataclasses
 import time
 from typing import Any, Optional, Sequence, Union
 
+from radixserve.cache.host_memory import check_host_memory
 from radixserve.default_model import ensure_model_path
 from radixserve.engine.core import EngineCore, new_request_id
 from radixserve.engine.detokenize import decode_output
 from radixserve.engine.io_struct import GenerateRequest, RequestOutput
 from radixserve.grammar.spec import check_grammar, grammar_spec
+from radixserve.model.config import ModelConfig
 from radixserve.sampling_params import sampling_params_from_dict
 from radixserve.settings import ServerSettings
 
@@ -26,6 +28,10 @@ class Engine:
     def __init__(self, model_path: Optional[str] = None, **settings: Any):
         checked = ServerSettings.from_kwargs(model_path=model_path, **settings)  # before any model is built
         self.settings = dataclasses.replace(checked, model_path=ensure_model_path(model_path))
+        model_dir = self.settings.model_path
+        self.settings.check_context_length(ModelConfig.from_dir(model_dir).max_position_embeddings, repr(model_dir))
+        if self.settings.hicache_size > 0:  # before the model loads (a ratio is checked when the tier is built)
+            check_host_memory(self.settings.hicache_host_bytes, f"hicache_size={self.settings.hicache_size:g}")
         self.core = EngineCore(self.settings)
 
     @property

@@ -23,7 +23,9 @@ disagree on a token.
 
 A rank that dies takes the engine down: rank 0 watches the processes and exits with a log line
 naming the rank (collectives with a dead peer would hang on NCCL); the server's engine-death
-path then ends the server. The other ranks die with rank 0 (parent-death signal).
+path then ends the server. A rank stopped for RANK_STOPPED_LIMIT_S (SIGSTOP) counts as dead too
+(it is killed): otherwise every request would hang on its collectives for their 300 s timeout.
+The other ranks die with rank 0 (parent-death signal).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ logger = logging.getLogger("radixserve")
 # How often rank 0 looks at its ranks' processes: a dead rank ends the engine within this.
 RANK_WATCH_S = 0.2
 RANK_DEATH_EXIT_CODE = 1
+# A rank stopped this long (SIGSTOP) counts as dead: the engine ends, and its requests are answered.
+RANK_STOPPED_LIMIT_S = 3.0
 SHUTDOWN_WAIT_S = 5.0
 
 
@@ -228,6 +232,7 @@ class TensorParallelLeader:
             sock.send(data, copy=False)
 
     def _watch(self) -> None:
+        stopped_since: dict[int, float] = {}
         while not self._stop_watch.wait(RANK_WATCH_S):
             for rank, proc in enumerate(self.procs, start=1):
                 code = proc.poll()
@@ -236,6 +241,18 @@ class TensorParallelLeader:
                     self.on_rank_death(f"tensor-parallel rank {rank} (pid {proc.pid}) exited ({how}); the "
                                        f"other {self.size - 1} rank(s) cannot go on without it")
                     return
+                # A stopped rank (SIGSTOP, a debugger) is alive but runs no collective: every step
+                # would wait on it for the collective timeout (300 s) with the server's /health at 503.
+                if _process_stopped(proc.pid):
+                    since = stopped_since.setdefault(rank, time.monotonic())
+                    if time.monotonic() - since >= RANK_STOPPED_LIMIT_S and not self._stop_watch.is_set():
+                        proc.kill()  # a stopped process takes SIGKILL; nothing else would end it
+                        self.on_rank_death(f"tensor-parallel rank {rank} (pid {proc.pid}) has been stopped for "
+                                           f"{RANK_STOPPED_LIMIT_S:g} s (SIGSTOP?); killed it, the other "
+                                           f"{self.size - 1} rank(s) cannot go on without it")
+                        return
+                else:
+                    stopped_since.pop(rank, None)
 
     def close(self) -> None:
         """Stop the ranks (a shutdown message, then SIGTERM, then SIGKILL) and leave the group."""
@@ -269,6 +286,15 @@ class TensorParallelLeader:
         # Leaving an NCCL group whose peers were killed could wait on their collectives; gloo's is safe.
         if clean or self.device.type != "cuda":
             destroy(getattr(self, "tp", None))
+
+
+def _process_stopped(pid: int) -> bool:
+    """Whether the process is stopped (state T, or t under a tracer) in /proc (False where unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _exit_engine(reason: str) -> None:

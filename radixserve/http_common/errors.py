@@ -12,9 +12,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+               415: "invalid_request_error",
                500: "server_error", 503: "service_unavailable_error"}
 # The `code` of errors Starlette raises itself (unknown path, wrong method).
-HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed"}
+HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
 class APIError(Exception):

@@ -71,6 +71,8 @@ class RouterSettings:
     tokenizer_path: Optional[str] = None
     log_level: str = "info"
     seed: Optional[int] = None
+    # Client connections held at once (None: the open-file limit less a reserve); see http_common.open_files.
+    max_connections: Optional[int] = None
 
     def validate(self) -> None:
         from radixserve.router.policies import POLICIES
@@ -87,6 +89,8 @@ class RouterSettings:
             raise ValueError("health check interval and timeout must be > 0")
         if self.health_failure_threshold < 1 or self.health_success_threshold < 1:
             raise ValueError("health thresholds must be >= 1")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
 

@@ -12,6 +12,7 @@ count as evictable either (`RadixCache.reclaimable_size`).
 from __future__ import annotations
 
 import math
+from typing import Iterable
 
 from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.scheduler.kv_manager import KVManager
@@ -24,6 +25,12 @@ CLIP_MAX_NEW_TOKENS = 4096
 # 0.6 GB per 1,024 rows at a 152k vocabulary); a step computes at most this many such rows, so the
 # start-up memory plan can measure the largest step (radixserve.engine.memory_plan).
 PROMPT_LOGPROB_ROWS_PER_STEP = 1024
+# While a chunked prompt is mid-way and shorter prompts wait, the chunk leaves up to this share of
+# the step's prefill budget to the waiting prompts that fit whole in it (a chat turn, the health
+# probe). Without it one 30,000-token prompt filled four 8,192-token steps in a row while a 2-token
+# request waited 36.5 s behind it and the health probe timed out. The long prompt loses at most
+# this share of its steps' tokens, and only while short prompts wait.
+SHORT_PROMPT_SHARE = 8  # one eighth: 1,024 tokens of an 8,192-token step
 
 
 def reserved_decode_tokens(req: Req, new_token_ratio: float) -> int:
@@ -60,9 +67,30 @@ class PrefillAdder:
         """Tree tokens admission may evict."""
         return self.kv.cache.evictable_size if self.spare_waited else self.kv.cache.reclaimable_size
 
-    def add_chunk(self, req: Req) -> int:
-        """The next piece of a running request's chunked prompt; returns the tokens taken."""
-        return self._add_piece(req, new=False)
+    def short_prompt_room(self, waiting: Iterable[Req]) -> int:
+        """Tokens of this step a chunked prompt leaves for waiting prompts: what the waiting prompts
+        that fit whole in SHORT_PROMPT_SHARE of the budget need together, up to that share (0 when
+        none does, so a queue of long prompts costs the chunk nothing)."""
+        if not self.chunking:
+            return 0
+        cap = self.budget // SHORT_PROMPT_SHARE
+        room = 0
+        for req in waiting:
+            need = req.seq_len - req.peek_len
+            if need <= cap - room:
+                room += need
+                if room == cap:
+                    break
+        return room
+
+    def completes(self, req: Req) -> bool:
+        """Whether a waiting request's uncached prompt fits whole in what is left of the budget."""
+        return req.seq_len - req.peek_len <= self.budget
+
+    def add_chunk(self, req: Req, *, leave: int = 0) -> int:
+        """The next piece of a running request's chunked prompt, leaving `leave` tokens of the
+        budget to others; returns the tokens taken."""
+        return self._add_piece(req, new=False, leave=leave)
 
     def defers(self, req: Req, in_flight_keys: set[tuple]) -> bool:
         """In-batch prefix sharing: two requests share an uncached prefix of >= min_shared_prefix
@@ -96,10 +124,11 @@ class PrefillAdder:
         self.available -= locked_away + need
         return True
 
-    def _add_piece(self, req: Req, *, new: bool) -> int:
+    def _add_piece(self, req: Req, *, new: bool, leave: int = 0) -> int:
         """Schedule the next piece of req's prompt; returns the tokens taken (0: not scheduled)."""
         todo = req.seq_len - req.kv_len
-        n = min(todo, self.budget) if self.chunking else todo
+        room = self.budget - leave if leave < self.budget else self.budget  # what it leaves, if it can
+        n = min(todo, room) if self.chunking else todo
         first_scored = req.prompt_logprobs_from
         if first_scored is not None and self.chunking:
             n = min(n, max(first_scored - req.kv_len, 0) + self.prompt_logprob_rows)

@@ -320,14 +320,16 @@ class Scheduler:
         adder = PrefillAdder(self.kv, batch, budget=self._prefill_budget(),
                              chunking=self.settings.chunked_prefill_size > 0, new_token_ratio=self.new_token_ratio,
                              min_shared_prefix=self.settings.in_batch_prefix_min_len)
+        short_room = adder.short_prompt_room(self.waiting) if chunked and len(self.waiting) else 0
         for req in chunked:
-            adder.add_chunk(req)
+            adder.add_chunk(req, leave=short_room)
+        mid_prompt = not all(batch.sample)
         busy = None
         if self.tiered is not None:  # loads start even in steps that admit nobody
             busy = self._reserve(adder)
             self._start_loads(adder)
-        if adder.budget <= 0 or not len(self.waiting) or not all(batch.sample):
-            return  # no budget, nobody waiting, or a request still mid-prompt: finish it first
+        if adder.budget <= 0 or not len(self.waiting) or (mid_prompt and not short_room):
+            return  # no budget, nobody waiting, or a request mid-prompt and no short prompt to join it
         in_flight_keys = in_flight.shared_prefix_keys if in_flight is not None else set()
         if busy is None:
             busy = self._reserve(adder)
@@ -336,6 +338,8 @@ class Scheduler:
                 break
             if self.tiered is not None and self._load_prefix(req, adder, spare_only=busy) is False:
                 continue  # its prefix is being copied back from the host: others go first
+            if mid_prompt and not adder.completes(req):
+                continue  # beside a prompt mid-way, only prompts that finish in this step
             if adder.defers(req, in_flight_keys):
                 self.stats.in_batch_deferrals += 1
                 continue

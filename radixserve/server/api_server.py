@@ -25,9 +25,11 @@ from radixserve.server.engine_client import EngineClient
 from radixserve.http_common.errors import install_error_handlers
 from radixserve.http_common.gc_tuning import governed_collections
 from radixserve.http_common.loop_lag import watch_loop_lag
+from radixserve.http_common.open_files import connection_cap
 from radixserve.http_common.paced_http import PacedHttpProtocol
 from radixserve.server.lifecycle import CLOSE_TIMEOUT_S, ServingServer
-from radixserve.server.intake import REQUEST_BYTES_PER_CONTEXT_TOKEN, BodyLimitMiddleware, RejectionRecorder
+from radixserve.server.intake import (REQUEST_BYTES_PER_CONTEXT_TOKEN, BodyLimitMiddleware, JSONContentTypeMiddleware,
+                                      RejectionRecorder)
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.openapi import install_openapi
 from radixserve.server.routes import native, observability, openai_api, tokenize
@@ -75,6 +77,7 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     # Middleware added later runs earlier: the recorder sees every answer, 401s and 413s included.
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, limit=lambda: request_bytes_limit(settings, engine))
+    app.add_middleware(JSONContentTypeMiddleware)
     if settings.api_key or settings.admin_api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, admin_api_key=settings.admin_api_key)
     app.add_middleware(RejectionRecorder, metrics=metrics, log=settings.log_requests)
@@ -86,7 +89,9 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     app.include_router(observability.router)
     app.state.kv_events = install_admin(app, ctx)
     install_openapi(app, auth=bool(settings.api_key),
-                    vocab_size=lambda: engine.ready.vocab_size if engine.ready else None)
+                    vocab_size=lambda: engine.ready.vocab_size if engine.ready else None,
+                    max_output_tokens=lambda: (min(engine.ready.context_len, engine.ready.pool_size) - 1
+                                               if engine.ready else None))
     return app
 
 
@@ -113,7 +118,7 @@ def run_server(settings: ServerSettings) -> int:
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop=loop, http=PacedHttpProtocol,
                             log_level="warning", access_log=False, timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
-                            lifespan="on")
+                            lifespan="on", limit_concurrency=connection_cap(settings.max_connections))
     # Open /kv_events streams never end by themselves; they are closed when the drain ends.
     server = ServingServer(config, engine, settings.graceful_shutdown_timeout,
                            announce=f"serving {model_path} on http://{settings.host}:{settings.port}",

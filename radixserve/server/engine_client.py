@@ -179,6 +179,9 @@ class EngineClient:
         self.groups: dict[str, RequestGroup] = {}
         self.replies: dict[str, asyncio.Future] = {}
         self.latest_stats: Optional[m.EngineStats] = None
+        # time.monotonic() when the engine last reported a step more than before: a busy engine
+        # whose health probe waits behind long steps is still making progress.
+        self.progress_at: Optional[float] = None
         self.on_stats: Optional[Callable[[m.EngineStats], None]] = None
         # Radix cache events ([seq, kind, tokens] lists), for the /kv_events stream.
         self.on_kv_events: Optional[Callable[[list], None]] = None
@@ -286,11 +289,19 @@ class EngineClient:
         deadline = time.monotonic() + timeout_s
         while self.proc.poll() is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        self.kill_now()
+        # Told to shut down and still there: it is stuck in its exit (waiting for a worker thread,
+        # e.g. a grammar compile). SIGTERM would only raise SystemExit inside that wait and print
+        # its traceback, so it is killed outright.
+        self.kill_now(force=True)
 
-    def kill_now(self) -> None:
-        """Synchronous last resort (also used from atexit): the engine is gone when this returns."""
+    def kill_now(self, force: bool = False) -> None:
+        """Synchronous last resort (also used from atexit): the engine is gone when this returns.
+        force: SIGKILL at once instead of SIGTERM first."""
         if self.proc is not None and self.proc.poll() is None:
+            if force:
+                self.proc.kill()
+                self.proc.wait()
+                return
             self.proc.terminate()
             try:
                 self.proc.wait(3.0)
@@ -391,6 +402,10 @@ class EngineClient:
         if not isinstance(msg, m.OutputBatch):
             return 0
         if msg.stats is not None:
+            steps = msg.stats.values.get("engine_steps")
+            before = self.latest_stats.values.get("engine_steps") if self.latest_stats is not None else None
+            if steps is not None and steps != before:
+                self.progress_at = time.monotonic()
             self.latest_stats = msg.stats
             if self.on_stats is not None:
                 self.on_stats(msg.stats)
@@ -478,6 +493,10 @@ class EngineClient:
         self.groups.pop(rid, None)
         if self.alive:
             self._send(AbortRequest(rid=rid))
+
+    def progressed_within(self, seconds: float) -> bool:
+        """Whether the engine reported finished steps in the last `seconds`."""
+        return self.progress_at is not None and time.monotonic() - self.progress_at <= seconds
 
     async def probe(self, input_ids: list[int], timeout_s: float) -> float:
         """Generate one token through the engine; returns seconds taken or raises."""

@@ -1,7 +1,7 @@
 """What the API process does with a request before any endpoint sees it (after uvicorn's paced
 HTTP parsing, `radixserve.http_common.paced_http`): refuse a body over `--max-request-bytes` (413,
-before reading it), count and log every request it rejects, and parse JSON bodies with msgspec
-(`MsgspecJSONRoute`).
+before reading it) and a body that is not JSON (415), count and log every request it rejects, and
+parse JSON bodies with msgspec (`MsgspecJSONRoute`).
 
 The body limit and the rejection count are pure ASGI middleware, so streams pass through untouched.
 """
@@ -15,6 +15,7 @@ from typing import Any, Callable, Coroutine
 import msgspec
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve.http_common.errors import error_response
 from radixserve.server.metrics import ServerMetrics
@@ -30,8 +31,49 @@ NOT_REJECTIONS = ("/health",)
 CLIENT_CLOSED_STATUS = 499
 
 
-class _TooLarge(Exception):
-    pass
+def _too_large_message(limit: int) -> str:
+    return f"the request body is larger than {limit} bytes (--max-request-bytes)"
+
+
+class _TooLarge(StarletteHTTPException):
+    """Raised from the body's receive once a chunked body passes the limit. An HTTPException, so
+    FastAPI's body reader passes it on (any other exception there becomes a generic 400) and the
+    error handler answers 413."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, _too_large_message(limit), headers={"Connection": "close"})
+
+
+# Media types a JSON body may be sent as: application/json and its +json relatives. A body with no
+# Content-Type is refused too, as FastAPI's strict default would (a browser's cross-site "simple"
+# request cannot send application/json).
+def _is_json_media_type(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+class JSONContentTypeMiddleware:
+    """415 for a request body sent as anything but JSON: curl's `-d` sends
+    application/x-www-form-urlencoded, which the endpoints would otherwise see as raw bytes and
+    refuse with a pydantic message about dictionaries that names nothing the client did."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        content_type = headers.get(b"content-type")
+        has_body = headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
+        if not has_body or (content_type is not None and _is_json_media_type(content_type.decode("latin-1"))):
+            return await self.app(scope, receive, send)
+        got = repr(content_type.decode("latin-1").split(";", 1)[0].strip()) if content_type else "none"
+        response = error_response(
+            415, f"the request body must be JSON sent with Content-Type: application/json, not {got} "
+            "(with curl: -H 'Content-Type: application/json')", param="Content-Type",
+            code="unsupported_media_type", headers={"Connection": "close"})
+        await response(scope, receive, send)
 
 
 class BodyLimitMiddleware:
@@ -57,7 +99,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    raise _TooLarge
+                    raise _TooLarge(limit)
             return message
 
         try:
@@ -67,8 +109,8 @@ class BodyLimitMiddleware:
 
     @staticmethod
     async def _refuse(scope, receive, send, limit: int) -> None:
-        response = error_response(413, f"the request body is larger than {limit} bytes (--max-request-bytes)",
-                                  code="request_too_large", headers={"Connection": "close"})
+        response = error_response(413, _too_large_message(limit), code="request_too_large",
+                                  headers={"Connection": "close"})
         await response(scope, receive, send)
 
 

@@ -1,7 +1,7 @@
 """The served OpenAPI schema: FastAPI's, plus every answer the server can really give.
 
 FastAPI declares a 422 the server never sends (validation errors are 400 here) and knows nothing
-of event streams, Prometheus text, 401/413/503 or the error body; this module declares them, and
+of event streams, Prometheus text, 401/413/415/503 or the error body; this module declares them, and
 bounds token ids by the served model's vocabulary once the engine has reported it.
 """
 
@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from radixserve.server.protocol import TOKEN_ID_KEYS_SCHEMA_MARK, TOKEN_ID_SCHEMA_MARK
+from radixserve.server.protocol import OUTPUT_TOKENS_SCHEMA_MARK, TOKEN_ID_KEYS_SCHEMA_MARK, TOKEN_ID_SCHEMA_MARK
 
 ERROR_SCHEMA = {
     "type": "object", "required": ["error"], "additionalProperties": False,
@@ -23,10 +23,11 @@ ERROR_SCHEMA = {
 ERROR_DESCRIPTIONS = {"400": "Invalid request (OpenAI error body).", "401": "Missing or invalid API key.",
                       "404": "Unknown model or resource.", "405": "Method not allowed.",
                       "409": "Conflict with the server's state.", "413": "Request body too large.",
+                      "415": "The body is not sent as application/json.",
                       "500": "Internal error.", "503": "Engine unavailable or queue full (Retry-After)."}
-# Errors every operation can answer with; POST bodies add 400 and 413.
+# Errors every operation can answer with; POST bodies add 400, 413 and 415.
 COMMON_ERRORS = ("404", "405", "500", "503")
-BODY_ERRORS = ("400", "413")
+BODY_ERRORS = ("400", "413", "415")
 STREAMING_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 EXTRA_ERRORS = {"/flush_cache": ("409",)}
 # Before OpenAPI 3.2 a text/event-stream schema describes each event: its fields, `data` a JSON
@@ -61,17 +62,21 @@ def _document_operation(path: str, method: str, op: dict[str, Any], auth: bool) 
         ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
 
 
-def _bound_token_ids(node: Any, vocab_size: int) -> None:
+def _bound_by_model(node: Any, vocab_size: int, max_output_tokens: int) -> None:
+    """Write the served model's bounds where the schema marks them: token ids by the vocabulary,
+    output lengths by what the context leaves a one-token prompt (a larger max_tokens is a 400)."""
     if isinstance(node, dict):
         if node.pop(TOKEN_ID_SCHEMA_MARK, False):
             node["maximum"] = vocab_size - 1
         if node.pop(TOKEN_ID_KEYS_SCHEMA_MARK, False):
             node["propertyNames"] = {"pattern": decimal_at_most_pattern(vocab_size - 1)}
+        if node.pop(OUTPUT_TOKENS_SCHEMA_MARK, False):
+            node["maximum"] = max_output_tokens
         for value in node.values():
-            _bound_token_ids(value, vocab_size)
+            _bound_by_model(value, vocab_size, max_output_tokens)
     elif isinstance(node, list):
         for value in node:
-            _bound_token_ids(value, vocab_size)
+            _bound_by_model(value, vocab_size, max_output_tokens)
 
 
 def decimal_at_most_pattern(n: int) -> str:
@@ -90,8 +95,10 @@ def decimal_at_most_pattern(n: int) -> str:
     return "^(" + "|".join(alternatives) + ")$"
 
 
-def install_openapi(app: FastAPI, auth: bool, vocab_size: Callable[[], Optional[int]]) -> None:
-    """Serve the completed schema; cached once the engine has told the vocabulary size."""
+def install_openapi(app: FastAPI, auth: bool, vocab_size: Callable[[], Optional[int]],
+                    max_output_tokens: Callable[[], Optional[int]] = lambda: None) -> None:
+    """Serve the completed schema; cached once the engine has told the vocabulary size and the
+    context (max_output_tokens: the longest output a one-token prompt leaves room for)."""
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
@@ -104,9 +111,9 @@ def install_openapi(app: FastAPI, auth: bool, vocab_size: Callable[[], Optional[
         for path, ops in schema.get("paths", {}).items():
             for method, op in ops.items():
                 _document_operation(path, method, op, auth)
-        vocab = vocab_size()
-        if vocab is not None:
-            _bound_token_ids(schema, vocab)
+        vocab, longest = vocab_size(), max_output_tokens()
+        if vocab is not None and longest is not None:
+            _bound_by_model(schema, vocab, longest)
             app.openapi_schema = schema
         return schema
 

@@ -16,8 +16,8 @@ import msgspec
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidatorFunctionWrapHandler, \
     WrapValidator
 
-from radixserve.validation import (LOGIT_BIAS_MAX, MAX_INT32, MAX_TOP_LOGPROBS, PENALTY_MAX, SEED_MAX, SEED_MIN,
-                                   TEMPERATURE_MAX, TOP_K_MIN)
+from radixserve.validation import (LOGIT_BIAS_MAX, MAX_INT32, MAX_TOP_LOGPROBS, PENALTY_MAX, REPETITION_PENALTY_MIN,
+                                   SEED_MAX, SEED_MIN, TEMPERATURE_MAX, TOP_K_MIN)
 
 
 
@@ -64,6 +64,9 @@ def _token_ids(value: Any, validate: ValidatorFunctionWrapHandler) -> Any:
 
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1), WrapValidator(_token_ids)]
+# An output length; the served schema bounds it by what the context leaves a one-token prompt.
+OUTPUT_TOKENS_SCHEMA_MARK = "x-radixserve-output-tokens"
+_OUTPUT_TOKENS = {OUTPUT_TOKENS_SCHEMA_MARK: True}
 # A stop token need not be in the vocabulary (it then never matches).
 StopTokenId = Annotated[int, Field(ge=0, le=MAX_INT32), BeforeValidator(_integral)]
 # A map keyed by token ids spelled as decimal strings (OpenAI's logit_bias); the served schema
@@ -73,7 +76,7 @@ LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_MAX, le=LO
                       Field(json_schema_extra={TOKEN_ID_KEYS_SCHEMA_MARK: True,
                                                "propertyNames": {"pattern": "^(0|[1-9][0-9]{0,9})$"}})]
 Penalty = Annotated[float, Field(ge=-PENALTY_MAX, le=PENALTY_MAX)]
-RepetitionPenalty = Annotated[float, Field(gt=0.0, le=PENALTY_MAX)]
+RepetitionPenalty = Annotated[float, Field(ge=REPETITION_PENALTY_MIN, le=PENALTY_MAX)]
 TopLogprobs = bounded_int(0, MAX_TOP_LOGPROBS)
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), BeforeValidator(_integral)]
 NonEmptyStr = Annotated[Text, Field(min_length=1)]
@@ -150,9 +153,10 @@ class CompletionRequest(_SamplingFields):
     prompt: Union[TokenIds, Annotated[list[TokenIds], Field(min_length=1)], NonEmptyStr,
                   Annotated[list[NonEmptyStr], Field(min_length=1)]] = Field(union_mode="left_to_right")
     max_tokens: Optional[bounded_int(0, MAX_INT32)] = Field(
-        None, description="Default: min(2048, context length - prompt length). 0 only with echo: true, which scores "
-                          "the prompt (the legacy API's use): the prompt's text and, with logprobs, its log "
-                          "probabilities; no completion; finish_reason length.")
+        None, json_schema_extra=_OUTPUT_TOKENS,
+        description="Default: min(2048, context length - prompt length). 0 only with echo: true, which scores "
+                    "the prompt (the legacy API's use): the prompt's text and, with logprobs, its log "
+                    "probabilities; no completion; finish_reason length.")
     echo: bool = Field(False, description="Prepend the prompt to the text; with logprobs, the prompt's tokens "
                                           "come first in the logprobs too (the first with null).")
     logprobs: Optional[TopLogprobs] = Field(None, description="Log probabilities of each output token (and "
@@ -273,9 +277,10 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Union[str, dict[str, Any], None] = Field(None, description="Only null (deprecated): use "
                                                                                "tool_choice.",
                                                             json_schema_extra=NULL_ONLY)
-    max_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None,
+    max_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None, json_schema_extra=_OUTPUT_TOKENS,
                                       description="Default: min(2048, context length - prompt length).")
-    max_completion_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None, description="Alias of max_tokens.")
+    max_completion_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None, description="Alias of max_tokens.",
+                                                                     json_schema_extra=_OUTPUT_TOKENS)
     logprobs: Optional[bool] = Field(None, description="Log probabilities of each output token.")
     top_logprobs: Optional[TopLogprobs] = Field(None, description="This many most likely tokens per position "
                                                                   "too; needs logprobs: true.")
@@ -292,7 +297,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 class NativeSamplingParams(_Body):
     """`/generate`'s sampling_params (SGLang's names); the same bounds as the OpenAI fields."""
-    max_new_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None, description="Default 128.")
+    max_new_tokens: Optional[bounded_int(1, MAX_INT32)] = Field(None, description="Default 128.",
+                                                              json_schema_extra=_OUTPUT_TOKENS)
     temperature: Optional[float] = Field(None, ge=0.0, le=TEMPERATURE_MAX)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     top_k: Optional[bounded_int(TOP_K_MIN, MAX_INT32)] = Field(None, description="-1 or 0 is off.")
@@ -326,7 +332,8 @@ class GenerateBody(_Body):
     text: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(min_length=1)]] = None
     input_ids: Union[TokenIds, Annotated[list[TokenIds], Field(min_length=1)]] = \
         Field(None, union_mode="left_to_right")
-    sampling_params: Union[NativeSamplingParams, list[NativeSamplingParams], None] = None
+    sampling_params: Union[NativeSamplingParams, Annotated[list[NativeSamplingParams], Field(min_length=1)],
+                           None] = None
     stream: bool = False
     rid: Optional[str] = Field(None, min_length=1, max_length=128, pattern=RID_PATTERN, description=(
         "A label for the request (printable ASCII): echoed in meta_info.id and logged. The engine's "

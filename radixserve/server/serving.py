@@ -34,6 +34,9 @@ logger = logging.getLogger("radixserve")
 # max_tokens when a request does not say: this, capped by what the context and pool leave.
 DEFAULT_MAX_TOKENS = 2048
 HEALTH_TIMEOUT_S = 20.0
+# Most log-probability entries (a position's token, or one of its top alternatives) one response may
+# carry: about 40 MB of JSON at ~20 bytes an entry; 2,048 tokens x n 32 x (1 + 20 top) is under it.
+MAX_LOGPROB_ENTRIES = 1 << 21
 # Texts up to this long are tokenized on the event loop (tens of microseconds, less than the hop
 # to a thread); longer ones in the tokenizer thread pool.
 INLINE_TOKENIZE_CHARS = 4096
@@ -127,6 +130,17 @@ class ServingContext:
     def prompt_token_limit(self) -> int:
         return min(self.context_len, self.pool_size)
 
+    def check_sequences(self, prompts: int, n: int, param: str) -> None:
+        """prompts x n engine requests at most --max-request-sequences: checked before anything is
+        tokenized (a 100,000-prompt batch held the event loop 4.3 s; 2,000 prompts x n 64 queued
+        128,000 sequences ahead of everyone else)."""
+        limit = self.settings.max_request_sequences
+        if prompts * n > limit:
+            what = f"{prompts} prompts" + (f" x n={n}" if n > 1 else "")
+            raise bad_request(f"{what} is {prompts * n} sequences; this server takes at most {limit} per request "
+                              "(--max-request-sequences): send fewer prompts or a lower n, or split the batch",
+                              param, code="too_many_sequences")
+
     async def tokenize(self, text: str, param: str) -> list[int]:
         """Token ids of `text`. A text longer than the longest prompt the model can take could
         possibly spell is refused before tokenizing; a long one is tokenized in a worker thread."""
@@ -193,15 +207,39 @@ class ServingContext:
         vocab = self.engine.ready.vocab_size
         out: dict[int, float] = {}
         for key, value in (bias or {}).items():
-            if not key.isdigit() or int(key) >= vocab:
+            # ASCII digits without a leading zero, as the schema's pattern says: "05" or "٣" is no
+            # spelling of a token id (int() would take both).
+            if not (key.isascii() and key.isdigit()) or (len(key) > 1 and key[0] == "0") or int(key) >= vocab:
                 raise bad_request(f"{param} keys must be token ids in [0, {vocab}) spelled in decimal, got {key!r}",
                                   param)
             out[int(key)] = value
         return out
 
     # ------------------------------------------------------------------ running
+    def check_logprob_volume(self, prompts: list[list[int]], params_per_prompt: list[list[SamplingParams]],
+                             fields: str) -> None:
+        """400 before anything runs when the log probabilities asked for could pass
+        MAX_LOGPROB_ENTRIES (each position's token and top alternatives, over every sequence, the
+        echoed prompt's positions included): echo with logprobs 20 and n 64 over a 4,000-token
+        prompt built a 107 MB reply that held the event loop 1.6 s."""
+        entries = 0
+        for ids, choice_params in zip(prompts, params_per_prompt):
+            for params in choice_params:
+                if params.return_logprob:
+                    positions = params.max_new_tokens
+                    if params.wants_prompt_logprobs:
+                        positions += len(ids) - params.logprob_start_len
+                    entries += positions * (1 + params.top_logprobs_num)
+        if entries > MAX_LOGPROB_ENTRIES:
+            raise bad_request(f"the log probabilities asked for could reach {entries} entries (sequences x positions "
+                              f"x (1 + top logprobs), the echoed prompt included), more than one response carries "
+                              f"({MAX_LOGPROB_ENTRIES}): lower {fields}", fields.split(",")[0],
+                              code="response_too_large")
+
     def new_trackers(self, prompts: list[list[int]], params_per_prompt: list[list[SamplingParams]],
-                     base_id: str, arrival: float, label: Optional[str] = None) -> list[Tracker]:
+                     base_id: str, arrival: float, label: Optional[str] = None, *,
+                     logprob_fields: str = "logprobs, n, max_tokens") -> list[Tracker]:
+        self.check_logprob_volume(prompts, params_per_prompt, logprob_fields)
         trackers = []
         for p_idx, (ids, choice_params) in enumerate(zip(prompts, params_per_prompt)):
             for params in choice_params:

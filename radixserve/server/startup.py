@@ -2,18 +2,20 @@
 its life, from the `serving` line to the shutdown, is `lifecycle.py`).
 
 The checks run before the engine process starts or any weights load, so a wrong path, a
-quantization method the model cannot run (AWQ, GPTQ, ...) or a busy port fails in well under a
-second with one line instead of after the model loaded.
+quantization method the model cannot run (AWQ, GPTQ, ...), a context longer than the model's, a
+host tier larger than the host's available memory or a busy port fails in well under a second with
+one line instead of after the model loaded.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
-import socket
 
+from radixserve.cache.host_memory import check_host_memory
+from radixserve.default_model import DEFAULT_MODEL_NAME, default_model_positions
+from radixserve.http_common.listen import ListenAddressError, check_listen_address
 from radixserve.model.quantization import quantization_config
 from radixserve.settings import ServerSettings
 
@@ -30,7 +32,8 @@ def check_model_path(settings: ServerSettings) -> None:
     path = settings.model_path
     if path is not None:
         if not os.path.isdir(path):
-            raise StartupError(f"--model-path {path!r}: no such directory")
+            raise StartupError(f"--model-path {path!r}: no such directory (a local Hugging Face model directory; "
+                               f"leave --model-path out to serve the built-in tiny model, {DEFAULT_MODEL_NAME})")
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise StartupError(f"--model-path {path!r}: no config.json in it (a Hugging Face model directory "
                                "has config.json and *.safetensors)")
@@ -42,12 +45,7 @@ def check_model_path(settings: ServerSettings) -> None:
         raise StartupError(f"--chat-template {template!r}: no such file")
 
 
-def check_quantization(settings: ServerSettings) -> None:
-    """The checkpoint's quantization_config (and --quantization) must be one the model runs: an AWQ
-    or GPTQ checkpoint read as bf16 would load and answer garbage."""
-    path = settings.model_path
-    if path is None:
-        return
+def _read_config(path: str) -> dict:
     config_file = os.path.join(path, "config.json")
     try:
         with open(config_file) as f:
@@ -56,34 +54,64 @@ def check_quantization(settings: ServerSettings) -> None:
         raise StartupError(f"--model-path {path!r}: cannot read config.json ({e})") from None
     if not isinstance(raw, dict):
         raise StartupError(f"--model-path {path!r}: config.json must hold a JSON object")
+    return raw
+
+
+def check_quantization(settings: ServerSettings) -> None:
+    """The checkpoint's quantization_config (and --quantization) must be one the model runs: an AWQ
+    or GPTQ checkpoint read as bf16 would load and answer garbage."""
+    path = settings.model_path
+    if path is None:
+        return
+    raw = _read_config(path)
     try:
         quantization_config(raw, settings.quantization, source=f"--model-path {path!r}")
     except ValueError as e:
         raise StartupError(str(e)) from None
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Bind host:port the way uvicorn will (SO_REUSEADDR), then let it go; raise if that fails."""
+def check_context_length(settings: ServerSettings) -> None:
+    """--context-length may not exceed the model's max_position_embeddings (unless allowed)."""
+    if settings.context_length is None:
+        return
+    if settings.model_path is None:
+        positions, model = default_model_positions(), "the built-in tiny model"
+    else:
+        raw = _read_config(settings.model_path)
+        positions, model = raw.get("max_position_embeddings"), f"--model-path {settings.model_path!r}"
+        if not isinstance(positions, int):
+            return  # the engine's config check names a missing or odd value
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise StartupError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        settings.check_context_length(positions, model)
+    except ValueError as e:
+        raise StartupError(str(e)) from None
+
+
+def check_hicache_memory(settings: ServerSettings) -> None:
+    """--hicache-size (per rank, per worker) must fit in the host memory available now."""
+    if settings.hicache_size > 0:
+        what = f"--hicache-size {settings.hicache_size:g}" + (
+            f" x {settings.tp_size * settings.dp_size} ranks" if settings.tp_size * settings.dp_size > 1 else "")
         try:
-            sock.bind(address)
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise StartupError(f"--port {port}: {host}:{port} is already in use (another server on it? "
-                                   "choose another --port)") from None
-            raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+            check_host_memory(settings.hicache_host_bytes, what)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+
+
+def check_port_free(host: str, port: int) -> None:
+    """The port is in 1-65535 and host:port binds now; raise StartupError if not."""
+    try:
+        check_listen_address(host, port)
+    except ListenAddressError as e:
+        raise StartupError(str(e)) from None
 
 
 def check_before_loading(settings: ServerSettings) -> None:
     """Every check that needs nothing loaded; raises StartupError with the first problem."""
     check_model_path(settings)
     check_quantization(settings)
+    check_context_length(settings)
+    check_hicache_memory(settings)
     check_port_free(settings.host, settings.port)
 
 

@@ -49,9 +49,11 @@ async def generate_prompts(ctx: ServingContext, body: GenerateBody) -> tuple[lis
     if body.text is not None:
         single = isinstance(body.text, str)
         texts = [body.text] if single else list(body.text)
+        ctx.check_sequences(len(texts), 1, "text")
         return [await ctx.tokenize(x, "text") for x in texts], single, "text"
     ids = body.input_ids
     single = not ids or isinstance(ids[0], int)
+    ctx.check_sequences(1 if single else len(ids), 1, "input_ids")
     return ([list(ids)] if single else [list(x) for x in ids]), single, "input_ids"
 
 
@@ -102,7 +104,8 @@ async def generate(body: GenerateBody, request: Request, ctx: Ctx):
         if spec is not None:
             await check_request_grammar(ctx, params, f"sampling_params.{spec[0]}")
     # The engine's id is always made here: a client's rid is a label, echoed back and logged.
-    trackers = ctx.new_trackers(prompts, params_per_prompt, new_id(""), arrival, label if single else None)
+    trackers = ctx.new_trackers(prompts, params_per_prompt, new_id(""), arrival, label if single else None,
+                                logprob_fields="top_logprobs_num, logprob_start_len, the batch, max_new_tokens")
     texts = ctx.token_texts if body.return_text_in_logprobs else None
 
     def final(ts: list[Tracker]):

@@ -1,5 +1,9 @@
 """What load balancers and scrapers read: `/health` (open even with `--api-key`: it reveals
-nothing but whether the engine generates) and `/metrics` (Prometheus)."""
+nothing but whether the engine generates) and `/metrics` (Prometheus).
+
+`/health` is 200 when a one-token probe request generates within HEALTH_TIMEOUT_S, or, when it does
+not, while the engine still reports finished steps (busy, not stuck); 503 when the engine is gone
+or finished no step in that time."""
 
 from __future__ import annotations
 
@@ -25,8 +29,12 @@ async def health_check(ctx: Ctx):
     try:
         seconds = await ctx.health.check()
     except asyncio.TimeoutError:
-        return error_response(503, f"the engine did not generate a token within {HEALTH_TIMEOUT_S:.0f} s",
-                              code="engine_unavailable")
+        if engine.progressed_within(HEALTH_TIMEOUT_S):
+            # Busy, not stuck: the probe waits behind long steps, but steps finish. A liveness probe
+            # that restarted a busy server would drop everything it was serving.
+            return {"status": "ok", "busy": True, "probe_seconds": None}
+        return error_response(503, f"the engine did not generate a token within {HEALTH_TIMEOUT_S:.0f} s "
+                              "and finished no step in that time", code="engine_unavailable")
     except (EngineDeadError, EngineRequestError, QueueFullError) as e:
         return error_response(503, f"the engine is unavailable: {e}", code="engine_unavailable")
     return {"status": "ok", "probe_seconds": round(seconds, 4)}

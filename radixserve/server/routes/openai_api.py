@@ -108,6 +108,7 @@ async def completion_prompts(ctx: ServingContext, body: CompletionRequest) -> tu
         return [p], [await ctx.tokenize(p, "prompt")]
     if not p:
         raise bad_request("the prompt is empty", "prompt")
+    ctx.check_sequences(1 if isinstance(p[0], int) else len(p), body.n, "prompt")
     if isinstance(p[0], str):
         return list(p), [await ctx.tokenize(x, "prompt") for x in p]
     if isinstance(p[0], int):
@@ -140,7 +141,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
         texts = [t if t is not None else await ctx.run_blocking(ctx.tokenizer.decode, ids)
                  for t, ids in zip(texts, prompts)]
     cid = new_id("cmpl-")
-    trackers = ctx.new_trackers(prompts, choices, cid, arrival)
+    trackers = ctx.new_trackers(prompts, choices, cid, arrival, logprob_fields="logprobs, n, max_tokens, echo")
     model = ctx.served_model_name
 
     def echo_text(t: Tracker) -> str:
@@ -211,7 +212,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
 def chat_top_logprobs(body: ChatCompletionRequest) -> Optional[int]:
     """How many top entries per position to report, or None for no log probabilities."""
     if not body.logprobs:
-        if body.top_logprobs is not None:
+        if body.top_logprobs:  # 0 asks for nothing either way
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs", code=CONFLICTING_FIELDS)
         return None
     return body.top_logprobs or 0
@@ -255,7 +256,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
                             "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
                             top_logprobs, grammar)
     cid = new_id("chatcmpl-")
-    trackers = ctx.new_trackers([ids], choices, cid, arrival)
+    trackers = ctx.new_trackers([ids], choices, cid, arrival, logprob_fields="top_logprobs, n, max_tokens")
     model = ctx.served_model_name
 
     def logprobs_of(token_ids: list[int], logprobs: list) -> Optional[dict]:

@@ -47,6 +47,9 @@ async def _detokenize(body: DetokenizeBody, ctx: ServingContext) -> str:
     ctx.check_model(body.model)
     if ctx.tokenizer is None:
         raise bad_request("the served model has no tokenizer", "tokens")
+    if len(body.tokens) > ctx.context_len:  # no prompt or answer of this model is longer
+        raise bad_request(f"{len(body.tokens)} tokens; detokenize takes at most this model's context length, "
+                          f"{ctx.context_len}", "tokens", code="context_length_exceeded")
     vocab = ctx.engine.ready.vocab_size
     if body.tokens and max(body.tokens) >= vocab:
         raise bad_request(f"token id {max(body.tokens)} is outside the vocabulary [0, {vocab})", "tokens")
