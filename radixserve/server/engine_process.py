@@ -406,4 +406,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    # Everything is closed and flushed by now; a grammar compile still running in its thread would
+    # otherwise hold the interpreter's exit until it finishes (seconds for a large schema).
+    logging.shutdown()
+    os._exit(exit_code)
