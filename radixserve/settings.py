@@ -75,7 +75,8 @@ class ServerSettings:
     max_total_tokens: Optional[int] = _opt(
         None, "KV pool size in tokens (default: what --mem-fraction-static of GPU memory holds after "
         f"the weights; on the CPU {CPU_KV_POOL_TOKENS}).")
-    mem_fraction_static: float = _opt(0.85, "Fraction of GPU memory for weights plus KV pool.",
+    mem_fraction_static: float = _opt(0.85, "Fraction of GPU memory for the weights, the KV pool and the working set of the "
+                                      "largest step (measured at start-up; see docs/tuning.md).",
                                       aliases=("--mem-fraction",))
 
     # --- radix cache -------------------------------------------------------
