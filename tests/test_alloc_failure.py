@@ -113,3 +113,23 @@ def test_a_one_request_step_that_keeps_failing_fails_that_request_only(model_dir
     assert got[:-1] == expected[:-1]
     assert got[-1][1]["type"] == "abort" and "out of memory" in got[-1][1]["message"]
     assert fault.raised >= 1
+
+
+def test_the_memory_profile_step_runs_every_path_of_the_largest_step(model_dir):
+    """What the start-up plan measures on a GPU, run on the CPU: one prompt chunk of the settings'
+    size with PROFILE_PROMPT_LOGPROB_ROWS prompt log-probability rows beside max_running - 1
+    decoding rows, every row sampling with filters, penalties and top log probabilities."""
+    from radixserve.cache.kv_pool import ReqToTokenPool
+    from radixserve.engine.memory_plan import PROFILE_PROMPT_LOGPROB_ROWS, profile_step
+
+    engine = Engine(str(model_dir), max_total_tokens=4096, chunked_prefill_size=1200)
+    table = ReqToTokenPool(6, engine.core.context_len + 1, "cpu")
+    runner, batch = profile_step(engine.settings, engine.core.model, table, torch.device("cpu"), torch.float32,
+                                 engine.core.context_len)
+    assert batch.num_new_tokens == 1200 and len(batch.reqs) == 6
+    future = runner.launch(batch)
+    ids = future.result()
+    assert len(ids) == 6
+    assert all(entry is not None and len(entry.top_ids) == 20 for entry in future.logprobs())
+    prompt_rows = future.prompt_logprobs()
+    assert len(prompt_rows[0]) == PROFILE_PROMPT_LOGPROB_ROWS and not any(prompt_rows[1:])

@@ -128,23 +128,31 @@ def _release(device: torch.device) -> None:
     torch.cuda.empty_cache()
 
 
+def profile_step(settings: ServerSettings, model, req_to_token: ReqToTokenPool, device: torch.device,
+                 kv_dtype: torch.dtype, context_len: int):
+    """The largest step's batch and an eager runner over a throw-away pool just large enough for it
+    (`runner.forward(batch)` runs it on any device)."""
+    from radixserve.engine.model_runner import ModelRunner
+
+    cfg = model.config
+    prefill = min(profile_prefill_tokens(settings, context_len), context_len - 1)
+    batch, slots_needed = _profile_batch(req_to_token, settings.page_size, prefill, req_to_token.max_requests - 1,
+                                         cfg.vocab_size)
+    pool = KVPool(slots_needed, settings.page_size, cfg.num_hidden_layers, model.local_heads[1], cfg.head_dim,
+                  kv_dtype, device, kv_scales=model.kv_cache_scales)
+    return ModelRunner(model, pool, req_to_token, device, settings.random_seed, disable_cuda_graph=True), batch
+
+
 def measure_working_set(settings: ServerSettings, model, req_to_token: ReqToTokenPool, device: torch.device,
                         kv_dtype: torch.dtype, context_len: int, graph_max_bs: int) -> tuple[int, int, int, int]:
     """(step peak bytes, largest decode graph's bytes, profile prefill tokens, decoding rows),
     measured on a throw-away KV pool. Every rank of a tensor-parallel engine runs it at the same
     point (the profile step's collectives pair up)."""
     from radixserve.engine.cuda_graph import DecodeCudaGraphs, supports_cuda_graphs
-    from radixserve.engine.model_runner import ModelRunner
 
-    cfg = model.config
-    page_size = settings.page_size
-    prefill = min(profile_prefill_tokens(settings, context_len), context_len - 1)
-    decode_rows = req_to_token.max_requests - 1
-    batch, slots_needed = _profile_batch(req_to_token, page_size, prefill, decode_rows, cfg.vocab_size)
-    num_kv_heads = model.local_heads[1]
-    pool = KVPool(slots_needed, page_size, cfg.num_hidden_layers, num_kv_heads, cfg.head_dim, kv_dtype, device,
-                  kv_scales=model.kv_cache_scales)
-    runner = ModelRunner(model, pool, req_to_token, device, settings.random_seed, disable_cuda_graph=True)
+    runner, batch = profile_step(settings, model, req_to_token, device, kv_dtype, context_len)
+    pool = runner.kv_pool
+    prefill, decode_rows = batch.num_new_tokens, len(batch.reqs) - 1
     _release(device)
     before = _reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
