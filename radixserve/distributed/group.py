@@ -2,7 +2,8 @@
 
 Every rank of a tensor-parallel engine joins one torch.distributed group of `size` processes
 through a TCP store that rank 0 opens on loopback (one node). A tp_size 1 engine creates no group
-at all, and its model holds no `TensorParallel`: no collective, no branch on its step's path.
+at all: its model is built on `SingleRank`, whose collectives are identities (no collective, no
+branch on its step's path).
 """
 
 from __future__ import annotations
@@ -72,6 +73,30 @@ class TensorParallel:
         return int(t.item())
 
 
+class SingleRank(TensorParallel):
+    """The group of a tp_size 1 engine: one rank, no process group, every collective the identity
+    (no copy, no launch). The parallel layers run on it unchanged, so a model has one way to be
+    built whatever the tp size."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        super().__init__(0, 1, torch.device(device))
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def use_symmetric_memory(self, dtype: torch.dtype, max_numel: int) -> None:
+        raise ValueError("symmetric-memory all-reduces need more than one rank")
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def min_int(self, value: int) -> int:
+        return value
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -108,5 +133,5 @@ def init_from_env(device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S)
 
 
 def destroy(tp: Optional[TensorParallel]) -> None:
-    if tp is not None and dist.is_initialized():
+    if tp is not None and not isinstance(tp, SingleRank) and dist.is_initialized():
         dist.destroy_process_group()

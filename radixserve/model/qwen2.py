@@ -15,7 +15,8 @@ bookkeeping would add about half a microsecond to each.
 With tensor parallelism (`tp`, see radixserve.model.layers.parallel) each rank builds the same
 model over its shard: its query and KV heads (KV heads replicated when there are fewer than
 ranks), its MLP columns, its vocabulary rows; o_proj and down_proj end in one all-reduce each,
-the embedding in one, and the LM head gathers the logits. Without `tp` no layer holds a group.
+the embedding in one, and the LM head gathers the logits. Without `tp` the model is built the same
+way on `SingleRank`, whose collectives are identities.
 
 With `fp8` every decoder layer's projections hold e4m3 weights (radixserve.model.layers.fp8); the
 embedding and the LM head keep `dtype`; with `tp` they shard like the plain weights (rows with
@@ -36,10 +37,10 @@ import torch
 from torch import nn
 
 from radixserve.attention.base import AttentionBackend, ForwardBatch
-from radixserve.distributed import TensorParallel, head_shard, vocab_shard
+from radixserve.distributed import SingleRank, TensorParallel, head_shard, vocab_shard
 from radixserve.distributed.sharding import even_shard
 from radixserve.model.config import ModelConfig
-from radixserve.model.layers import KernelChoice, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
+from radixserve.model.layers import KernelChoice, Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 from radixserve.model.layers.norm import Normed
 from radixserve.model.layers.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                               VocabParallelEmbedding)
@@ -49,29 +50,19 @@ from radixserve.model.quantization import Fp8Config, check_block_alignment
 class Qwen2Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, attn_backend: AttentionBackend,
                  rotary_emb: RotaryEmbedding, *, dtype: torch.dtype, kernels: KernelChoice,
-                 tp: Optional[TensorParallel] = None, fp8: Optional[Fp8Config] = None):
+                 tp: TensorParallel, fp8: Optional[Fp8Config] = None):
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = d = config.head_dim
-        if tp is None:
-            self.num_heads = config.num_attention_heads
-            self.num_kv_heads = config.num_key_value_heads
-            self.q_size = config.q_size
-            self.kv_size = config.kv_size
-            self.qkv_proj = MergedLinear(config.hidden_size, {"q": self.q_size, "k": self.kv_size,
-                                                              "v": self.kv_size},
-                                         bias=True, dtype=dtype, kernels=kernels, fp8=fp8)
-            self.o_proj = Linear(self.q_size, config.hidden_size, bias=False, dtype=dtype, kernels=kernels, fp8=fp8)
-        else:
-            heads = head_shard(config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank)
-            self.num_heads, self.num_kv_heads = heads.num_q, heads.num_kv
-            self.q_size, self.kv_size = heads.num_q * d, heads.num_kv * d
-            kv_rows = (heads.kv_start * d, self.kv_size)
-            self.qkv_proj = ColumnParallelLinear(
-                config.hidden_size, {"q": (heads.q_start * d, self.q_size), "k": kv_rows, "v": kv_rows},
-                bias=True, dtype=dtype, kernels=kernels, fp8=fp8)
-            self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, start=heads.q_start * d, dtype=dtype,
-                                            kernels=kernels, tp=tp, fp8=fp8)
+        heads = head_shard(config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank)
+        self.num_heads, self.num_kv_heads = heads.num_q, heads.num_kv
+        self.q_size, self.kv_size = heads.num_q * d, heads.num_kv * d
+        kv_rows = (heads.kv_start * d, self.kv_size)
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, {"q": (heads.q_start * d, self.q_size), "k": kv_rows, "v": kv_rows},
+            bias=True, dtype=dtype, kernels=kernels, fp8=fp8)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, start=heads.q_start * d, dtype=dtype,
+                                        kernels=kernels, tp=tp, fp8=fp8)
         # Plain attributes, never submodules: the backend and the RoPE tables are shared by all
         # layers, and their state must survive the model's meta -> device move.
         object.__setattr__(self, "_backend", attn_backend)
@@ -94,14 +85,9 @@ class Qwen2Attention(nn.Module):
 
 class Qwen2MLP(nn.Module):
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, kernels: KernelChoice,
-                 tp: Optional[TensorParallel] = None, fp8: Optional[Fp8Config] = None):
+                 tp: TensorParallel, fp8: Optional[Fp8Config] = None):
         super().__init__()
         inter = config.intermediate_size
-        if tp is None:
-            self.gate_up_proj = MergedLinear(config.hidden_size, {0: inter, 1: inter}, bias=False, dtype=dtype,
-                                             kernels=kernels, act=SiluAndMul(kernels=kernels), fp8=fp8)
-            self.down_proj = Linear(inter, config.hidden_size, bias=False, dtype=dtype, kernels=kernels, fp8=fp8)
-            return
         start, size = even_shard(inter, tp.size, tp.rank)
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, {0: (start, size), 1: (start, size)}, bias=False,
                                                  dtype=dtype, kernels=kernels, act=SiluAndMul(kernels=kernels), fp8=fp8)
@@ -115,7 +101,7 @@ class Qwen2MLP(nn.Module):
 class Qwen2DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, attn_backend: AttentionBackend,
                  rotary_emb: RotaryEmbedding, *, dtype: torch.dtype, kernels: KernelChoice,
-                 tp: Optional[TensorParallel] = None, fp8: Optional[Fp8Config] = None):
+                 tp: TensorParallel, fp8: Optional[Fp8Config] = None):
         super().__init__()
         self.self_attn = Qwen2Attention(config, layer_id, attn_backend, rotary_emb, dtype=dtype, kernels=kernels,
                                         tp=tp, fp8=fp8)
@@ -143,15 +129,12 @@ class Qwen2DecoderLayer(nn.Module):
 
 class Qwen2Model(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, rotary_emb: RotaryEmbedding, *,
-                 dtype: torch.dtype, kernels: KernelChoice, tp: Optional[TensorParallel] = None,
+                 dtype: torch.dtype, kernels: KernelChoice, tp: TensorParallel,
                  fp8: Optional[Fp8Config] = None):
         super().__init__()
-        if tp is None:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        else:
-            start, rows, real = vocab_shard(config.vocab_size, tp.size, tp.rank)
-            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, start=start, rows=rows,
-                                                       real=real, dtype=dtype, tp=tp)
+        start, rows, real = vocab_shard(config.vocab_size, tp.size, tp.rank)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, start=start, rows=rows,
+                                                   real=real, dtype=dtype, tp=tp)
         self.layers = nn.ModuleList(
             Qwen2DecoderLayer(config, i, attn_backend, rotary_emb, dtype=dtype, kernels=kernels, tp=tp, fp8=fp8)
             for i in range(config.num_hidden_layers))
@@ -202,7 +185,8 @@ class Qwen2ForCausalLM(nn.Module):
                  fp8: Optional[Fp8Config] = None):
         super().__init__()
         self.config = config
-        self.tp = tp
+        self.tp = tp if tp is not None else SingleRank(device)
+        tp = self.tp
         self.fp8 = fp8
         self.kv_cache_scales: list[tuple[float, float]] = [(1.0, 1.0)] * config.num_hidden_layers
         object.__setattr__(self, "attn_backend", attn_backend)  # see Qwen2Attention._backend
@@ -210,7 +194,7 @@ class Qwen2ForCausalLM(nn.Module):
         self.kernels = kernels if kernels is not None else KernelChoice.for_device(device, dtype)
         check_block_alignment(fp8, head_dim=config.head_dim, num_heads=config.num_attention_heads,
                               num_kv_heads=config.num_key_value_heads, intermediate_size=config.intermediate_size,
-                              tp_size=tp.size if tp is not None else 1)
+                              tp_size=tp.size)
         n_pos = max(max_positions or 0, config.max_position_embeddings)
         rotary_emb = RotaryEmbedding(config.head_dim, n_pos, config.rope_theta, dtype=dtype, device=device,
                                      kernels=self.kernels)
@@ -234,9 +218,6 @@ class Qwen2ForCausalLM(nn.Module):
 
     def _lm_head(self, weight: Optional[nn.Parameter] = None) -> Linear:
         cfg = self.config
-        if self.tp is None:
-            return Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=self.dtype, kernels=self.kernels,
-                          weight=weight)
         start, rows, real = vocab_shard(cfg.vocab_size, self.tp.size, self.tp.rank)
         return ParallelLMHead(cfg.hidden_size, cfg.vocab_size, start=start, rows=rows, real=real, dtype=self.dtype,
                               kernels=self.kernels, tp=self.tp, weight=weight)
