@@ -12,7 +12,9 @@ import json
 import re
 from typing import Any, Optional
 
+from radixserve.grammar.json_strings import escape_bounded_strings
 from radixserve.sampling_params import GRAMMAR_KINDS
+
 # Outputs are compact JSON (", " and ": " separators, no other whitespace): a model cannot pad
 # an object with whitespace forever, and a schema's output has one spelling.
 JSON_SEPARATORS = (", ", ": ")
@@ -47,8 +49,9 @@ def build_grammar(kind: str, text: str):
                 raise ValueError(f"json_schema is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("json_schema must be a JSON object (a JSON Schema)")
-            return xgrammar.Grammar.from_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS,
-                                                     strict_mode=True)
+            grammar = xgrammar.Grammar.from_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS,
+                                                        strict_mode=True)
+            return escape_bounded_strings(grammar)
         if kind == "regex":
             return xgrammar.Grammar.from_regex(text)
         if kind == "ebnf":
