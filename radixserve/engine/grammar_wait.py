@@ -1,18 +1,32 @@
 """Constrained requests whose grammar is still compiling.
 
 Such a request stays out of the scheduler (so out of admission, holding no KV and no batch row)
-until the worker thread has compiled its grammar; everything else keeps running meanwhile. The
-engine moves it into the scheduler, with its matcher, at the start of the first step after.
+until a compile lane has compiled its grammar; everything else keeps running meanwhile. The
+engine moves it into the scheduler, with its matcher, at the start of the first step after. A
+request that waits longer than the compile timeout ends with an error naming it (the server
+answers 400); one that is aborted stops waiting, and a compile nobody waits for is dropped.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import time
 from concurrent.futures import Future
-from typing import Optional
+from typing import NamedTuple, Optional
 
-from radixserve.grammar.spec import grammar_spec
+from radixserve.grammar.spec import GRAMMAR_COMPILE_TIMEOUT, INVALID_GRAMMAR, grammar_spec
 from radixserve.scheduler.request import Req, ReqState
+
+# How long a request waits for its grammar to compile. The schema limits keep a compile within a
+# few seconds on a 150k vocabulary; beyond this the request fails rather than waiting on.
+COMPILE_TIMEOUT_S = float(os.environ.get("RADIXSERVE_GRAMMAR_COMPILE_TIMEOUT_S") or 20.0)
+
+
+class _Waiting(NamedTuple):
+    req: Req
+    future: Future
+    deadline: float
 
 
 class GrammarWaitlist:
@@ -20,9 +34,11 @@ class GrammarWaitlist:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
+        self.compile_timeout_s = COMPILE_TIMEOUT_S
         self._compilers = None
         self._disabled: Optional[str] = None  # why constrained decoding is off, when it is
-        self.waiting: dict[str, tuple[Req, Future]] = {}
+        self.waiting: dict[str, _Waiting] = {}
+        self.timed_out = 0
 
     @property
     def compilers(self):
@@ -51,11 +67,12 @@ class GrammarWaitlist:
         """Start compiling req's grammar; True when it was cached (req has its matcher and can be
         scheduled now), False when req waits here. ValueError for a grammar that does not compile."""
         kind, text = grammar_spec(req.sampling_params)
-        future = self.compilers.compile(kind, text)
+        compilers = self.compilers
+        future = compilers.compile(kind, text)
         if future.done():
             req.grammar = self._matcher(future)  # raises ValueError for a bad grammar
             return True
-        self.waiting[req.rid] = (req, future)
+        self.waiting[req.rid] = _Waiting(req, future, time.monotonic() + self.compile_timeout_s)
         return False
 
     def _matcher(self, future: Future):
@@ -64,33 +81,48 @@ class GrammarWaitlist:
         return RequestGrammar(future.result())
 
     def take_ready(self) -> tuple[list[Req], list[Req]]:
-        """Requests whose grammar is compiled (with their matcher) and requests whose grammar failed
-        (finished, with the reason)."""
+        """Requests whose grammar is compiled (with their matcher) and requests that end here:
+        their grammar failed, or did not compile within the timeout (finished, with the reason)."""
         ready, failed = [], []
-        for rid, (req, future) in list(self.waiting.items()):
+        now = time.monotonic()
+        for rid, (req, future, deadline) in list(self.waiting.items()):
             if not future.done():
+                if now >= deadline:
+                    del self.waiting[rid]
+                    self._compilers.release(future)
+                    self.timed_out += 1
+                    failed.append(self._finish(req, GRAMMAR_COMPILE_TIMEOUT,
+                                               f"the grammar did not compile within the {self.compile_timeout_s:g} s "
+                                               "grammar compile timeout; simplify the schema"))
                 continue
             del self.waiting[rid]
             try:
                 req.grammar = self._matcher(future)
                 ready.append(req)
             except Exception as e:  # noqa: BLE001: a grammar the API did not check (offline use)
-                req.finish_reason = {"type": "abort", "message": str(e)}
-                req.state = ReqState.FINISHED
-                failed.append(req)
+                failed.append(self._finish(req, INVALID_GRAMMAR, str(e)))
         return ready, failed
 
+    @staticmethod
+    def _finish(req: Req, code: str, message: str) -> Req:
+        req.finish_reason = {"type": "abort", "message": message, "code": code}
+        req.state = ReqState.FINISHED
+        return req
+
     def wait(self, timeout_s: float) -> None:
-        """Block until a compile finishes or timeout_s passes (the engine has nothing else to do)."""
+        """Block until a compile finishes, a wait times out, or timeout_s passes (the engine has
+        nothing else to do)."""
         if self.waiting:
-            concurrent.futures.wait([f for _, f in self.waiting.values()], timeout=timeout_s,
+            nearest = min(w.deadline for w in self.waiting.values()) - time.monotonic()
+            concurrent.futures.wait([w.future for w in self.waiting.values()], timeout=max(0.0, min(timeout_s, nearest)),
                                     return_when=concurrent.futures.FIRST_COMPLETED)
 
     def abort(self, rid: str) -> Optional[Req]:
         entry = self.waiting.pop(rid, None)
         if entry is None:
             return None
-        req = entry[0]
+        self._compilers.release(entry.future)
+        req = entry.req
         req.finish_reason = {"type": "abort", "message": "aborted"}
         req.state = ReqState.FINISHED
         return req

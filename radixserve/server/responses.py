@@ -19,6 +19,7 @@ from radixserve.server.engine_client import EngineDeadError, EngineRequestError,
 from radixserve.server.errors import error_body, map_engine_error
 from radixserve.server.intake import CLIENT_CLOSED_STATUS
 from radixserve.server.serving import SSE_DONE, ServingContext, Tracker, first_then_rest, sse
+from radixserve.server.structured import grammar_failure
 
 logger = logging.getLogger("radixserve")
 
@@ -93,6 +94,9 @@ async def run_request(ctx: ServingContext, request: Request, trackers: list[Trac
                 ctx.on_output(by_rid[out.rid], out)
             if not all(t.finished for t in trackers):  # the client went away
                 return Response(status_code=CLIENT_CLOSED_STATUS)
+            failure = grammar_failure([t.finish_reason for t in trackers])
+            if failure is not None:
+                raise failure
             return ResultResponse(render_final(trackers))
         first, rest = await first_then_rest(outputs)  # the group goes on watching the client
     except ENGINE_ERRORS as e:
@@ -107,6 +111,10 @@ async def run_request(ctx: ServingContext, request: Request, trackers: list[Trac
     if first is None:
         close()
         return Response(status_code=CLIENT_CLOSED_STATUS)
+    failure = grammar_failure([first.finish_reason]) if first.finished else None
+    if failure is not None:  # before the headers: the grammar's error is the answer
+        close()
+        raise failure
 
     async def guarded() -> AsyncIterator[bytes]:
         try:

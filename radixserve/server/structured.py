@@ -8,10 +8,12 @@ import json
 from functools import lru_cache
 from typing import Any, Optional
 
-from radixserve.grammar.spec import ANY_OBJECT_SCHEMA, check_grammar, grammar_spec
-from radixserve.server.errors import bad_request
+from radixserve.grammar.spec import (ANY_OBJECT_SCHEMA, GRAMMAR_COMPILE_TIMEOUT, INVALID_GRAMMAR, check_grammar,
+                                     grammar_spec)
+from radixserve.server.errors import APIError, bad_request
 
-INVALID_GRAMMAR = "invalid_grammar"
+# Engine-side grammar failures a request can end with before its first token.
+GRAMMAR_FAILURE_CODES = (GRAMMAR_COMPILE_TIMEOUT, INVALID_GRAMMAR)
 
 
 def response_format_grammar(response_format: Any) -> Optional[tuple[str, str]]:
@@ -49,3 +51,12 @@ async def check_request_grammar(ctx, params: Any, param: str) -> None:
     error = await ctx.run_blocking(_grammar_error, *spec)
     if error is not None:
         raise bad_request(error, param, code=INVALID_GRAMMAR)
+
+
+def grammar_failure(finish_reasons: list[Optional[dict]]) -> Optional[APIError]:
+    """The 400 of a request whose grammar failed in the engine (it did not compile within the
+    timeout, or at all), or None. Every choice of a request has the same grammar."""
+    for reason in finish_reasons:
+        if reason and reason.get("type") == "abort" and reason.get("code") in GRAMMAR_FAILURE_CODES:
+            return bad_request(reason.get("message", "the grammar failed"), None, code=reason["code"])
+    return None

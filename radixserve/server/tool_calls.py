@@ -177,8 +177,8 @@ def _partial_tag_length(text: str) -> int:
 
 
 def _json(text: str) -> Any:
-    # Not strict: a raw control character inside a string (which grammars of bounded strings
-    # allow) still parses; the arguments are written back with it escaped.
+    # Not strict: a model not held by a grammar (tool_choice auto) may write a raw control
+    # character inside a string; the arguments are written back with it escaped.
     try:
         return json.loads(text, strict=False)
     except json.JSONDecodeError:
