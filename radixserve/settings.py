@@ -123,6 +123,11 @@ class ServerSettings:
     chunked_prefill_size: int = _opt(
         8192, "Longest prompt piece computed in one step; longer prompts are split and each finished "
         "chunk goes into the radix tree. -1 disables chunking.", aliases=("--chunk-prefill-size",))
+    grammar_compile_timeout_s: float = _opt(
+        20.0, "A structured-output request whose grammar has not compiled after this many seconds fails "
+        "with a 400 (grammar_compile_timeout).")
+    grammar_cache_mb: float = _opt(1024.0, "Memory the cache of compiled grammars may hold (least recently used "
+                                   "out first; at most 256 grammars).")
     schedule_conservativeness: float = _opt(
         1.0, "Scales the decode tokens reserved for running requests at admission: lower admits more "
         "and retracts more often, higher admits less.")
@@ -202,6 +207,8 @@ class ServerSettings:
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting that makes no sense."""
+        if not self.grammar_compile_timeout_s > 0 or not self.grammar_cache_mb >= 0:
+            raise ValueError("grammar_compile_timeout_s must be > 0 and grammar_cache_mb >= 0")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)

@@ -51,7 +51,7 @@ def test_unwaited_compile_is_skipped_and_small_one_overtakes(compilers):
 def test_cache_is_bounded_by_memory(compilers, monkeypatch):
     compiled = compilers.compile("json_schema", json.dumps({"enum": [f"value {i}" for i in range(1000)]})).result(60)
     one = int(compiled.memory_size_bytes)
-    monkeypatch.setattr(backend, "CACHE_BYTES", 3 * one)
+    monkeypatch.setattr(compilers, "cache_bytes", 3 * one)
     for i in range(8):
         compilers.compile("json_schema", json.dumps({"enum": [f"value {i} {j}" for j in range(1000)]})).result(60)
         assert compilers.cache_stats()["bytes"] <= 3 * one + one  # evicted as soon as it goes over

@@ -176,20 +176,13 @@ def test_small_request_answered_while_twenty_attackers_arrive(server):
 
 
 @pytest.fixture(scope="module")
-def short_timeout_server(server_model_dir, tmp_path_factory, monkeypatch_module):
-    monkeypatch_module.setenv("RADIXSERVE_GRAMMAR_COMPILE_TIMEOUT_S", "0.05")
-    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu"],
+def short_timeout_server(server_model_dir, tmp_path_factory):
+    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu", "--grammar-compile-timeout-s", "0.05"],
                          tmp_path_factory.mktemp("grammar-timeout"))
     try:
         yield proc.wait_ready()
     finally:
         proc.stop()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
 
 
 def within_limits_but_slow() -> dict:

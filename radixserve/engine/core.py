@@ -136,7 +136,9 @@ class EngineCore:
             if self.runner.graphs is not None:
                 self.memory_plan.graph_bytes_captured = self.runner.graphs.pool_bytes
             logger.info("memory: %s", self.memory_plan.describe())
-        self.grammar_wait = GrammarWaitlist(self.tokenizer, cfg.vocab_size, eos)
+        self.grammar_wait = GrammarWaitlist(self.tokenizer, cfg.vocab_size, eos,
+                                            compile_timeout_s=settings.grammar_compile_timeout_s,
+                                            cache_mb=settings.grammar_cache_mb)
         if self.tokenizer is not None:
             # Reading a 150k vocabulary into xgrammar takes a second: at start-up, not in a step.
             try:

@@ -10,7 +10,6 @@ answers 400); one that is aborted stops waiting, and a compile nobody waits for 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import time
 from concurrent.futures import Future
 from typing import NamedTuple, Optional
@@ -20,7 +19,7 @@ from radixserve.scheduler.request import Req, ReqState
 
 # How long a request waits for its grammar to compile. The schema limits keep a compile within a
 # few seconds on a 150k vocabulary; beyond this the request fails rather than waiting on.
-COMPILE_TIMEOUT_S = float(os.environ.get("RADIXSERVE_GRAMMAR_COMPILE_TIMEOUT_S") or 20.0)
+DEFAULT_COMPILE_TIMEOUT_S = 20.0  # --grammar-compile-timeout-s
 
 
 class _Waiting(NamedTuple):
@@ -30,11 +29,13 @@ class _Waiting(NamedTuple):
 
 
 class GrammarWaitlist:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], *,
+                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, cache_mb: float = 1024):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
-        self.compile_timeout_s = COMPILE_TIMEOUT_S
+        self.compile_timeout_s = compile_timeout_s
+        self.cache_mb = cache_mb
         self._compilers = None
         self._disabled: Optional[str] = None  # why constrained decoding is off, when it is
         self.waiting: dict[str, _Waiting] = {}
@@ -50,7 +51,7 @@ class GrammarWaitlist:
                 raise ValueError("constrained decoding (json_schema, regex, ebnf) needs the model's tokenizer")
             from radixserve.grammar.backend import GrammarCompilers
 
-            self._compilers = GrammarCompilers(self.tokenizer, self.vocab_size, self.stop_token_ids)
+            self._compilers = GrammarCompilers(self.tokenizer, self.vocab_size, self.stop_token_ids, self.cache_mb)
         return self._compilers
 
     def disable(self, reason: str) -> None:

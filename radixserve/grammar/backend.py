@@ -30,15 +30,10 @@ import torch
 from radixserve.grammar.spec import build_grammar
 
 
-def _env_number(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    return float(value) if value else default
-
-
 # Distinct compiled grammars kept, and the memory they may hold together: a compiled JSON Schema
 # of a 150k vocabulary is from a megabyte to ~80 MB (a 10,000-value enum: 27 MB on the tiny model).
 CACHE_ENTRIES = 256
-CACHE_BYTES = int(_env_number("RADIXSERVE_GRAMMAR_CACHE_MB", 1024) * 2**20)
+DEFAULT_CACHE_MB = 1024  # --grammar-cache-mb
 # Lanes that take any grammar (smallest first), and one more that takes only small grammars.
 GENERAL_LANES = 2
 SMALL_GRAMMAR_CHARS = 4096
@@ -82,10 +77,11 @@ class RequestGrammar:
 class GrammarCompilers:
     """A vocabulary's grammar compilers, their lanes and the cache of compiled grammars."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_mb: float = DEFAULT_CACHE_MB):
         import xgrammar
 
         self._xgr = xgrammar
+        self.cache_bytes = int(cache_mb * 2**20)
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(set(stop_token_ids)))
         self.vocab_size = vocab_size
@@ -185,13 +181,13 @@ class GrammarCompilers:
         """Keep a compiled grammar in the cache if it fits, evicting the least recently used."""
         if self._cache.get(job.key) is not job:
             return
-        if size > CACHE_BYTES:
+        if size > self.cache_bytes:
             del self._cache[job.key]  # its requests hold it; a repeat compiles anew
             return
         self._sizes[job.key] = size
         self._cached_bytes += size
         for key in list(self._cache):
-            if self._cached_bytes <= CACHE_BYTES and len(self._cache) <= CACHE_ENTRIES:
+            if self._cached_bytes <= self.cache_bytes and len(self._cache) <= CACHE_ENTRIES:
                 break
             old = self._cache[key]
             if old is job or not old.future.done():
