@@ -5,7 +5,7 @@ Every `import` and `from ... import` in radixserve/ (at module level or inside a
 lazy imports live) is read with `ast`; nothing is imported. A module may import its own layer and
 the layers ALLOWED lists for its own (each below it in LAYERS); NEVER names the edges that would
 break the design whatever the order says (the scheduler knows no model, the router and the shared
-HTTP layer no engine), and the API process and the router must start without torch. A violation
+HTTP layer no engine), and the API server's and the router's modules import without torch. A violation
 tolerated while other work removes it goes in KNOWN_UPWARD or KNOWN_CYCLES (both empty now); a
 fixed one must leave the list, so it cannot come back unnoticed.
 """
@@ -70,7 +70,8 @@ NEVER: set[tuple[str, str]] = {
     ("http_common", "engine"), ("http_common", "server"), ("http_common", "model"),
     ("grammar", "engine"), ("grammar", "model"),
 }
-# Modules whose process never loads torch: the API server and the router.
+# The API server's and the router's modules: importing them loads no torch (the Hugging Face
+# tokenizer they load at start-up still imports it, through transformers).
 TORCH_FREE = ("radixserve.server.api_server", "radixserve.launch_server", "radixserve.router.app",
               "radixserve.launch_router")
 
