@@ -199,7 +199,7 @@ class FunctionCall(_Body):
 
 
 class ToolCall(_Body):
-    id: str
+    id: Annotated[str, Field(min_length=1)]
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -220,7 +220,8 @@ class ChatMessage(_Body):
     content: Union[Text, list[ContentPart], None] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = Field(None, description="An assistant message's tool calls.")
-    tool_call_id: Optional[str] = Field(None, description="The call a tool message answers.")
+    tool_call_id: Optional[Annotated[str, Field(min_length=1)]] = Field(None, description="The call a tool "
+                                                                                           "message answers.")
 
 
 class FunctionDef(_Body):

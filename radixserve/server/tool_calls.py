@@ -88,6 +88,10 @@ def _relocated(node: Any, base: str) -> Any:
     return node
 
 
+# Keywords beside which a schema's other keywords are not read: "type" is not added next to them.
+_COMBINING = frozenset({"$ref", "anyOf", "oneOf", "allOf", "enum", "const"})
+
+
 def _call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
     """The JSON Schema of one call: {"name": <a function>, "arguments": <its parameters>}.
 
@@ -98,6 +102,8 @@ def _call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
     variants = []
     for f in functions:
         parameters = f.get("parameters") or {"type": "object"}
+        if "type" not in parameters and not _COMBINING.intersection(parameters):
+            parameters = {"type": "object", **parameters}  # {"properties": ...} alone would allow any value
         if _has_local_ref(parameters):
             key = f"tool_{f['name']}"  # names match ^[a-zA-Z0-9_-]{1,64}$: no JSON-pointer escapes
             defs[key] = _relocated(parameters, f"#/$defs/{key}")
@@ -274,6 +280,8 @@ def tool_policy(body: Any) -> ToolPolicy:
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("tools: function names must be unique", "tools")
+    for i, tool in enumerate(tools):
+        _check_parameters(tool["function"].get("parameters"), f"tools[{i}].function.parameters")
     choice = body.tool_choice
     policy = ToolPolicy(tools=tools, parallel=body.parallel_tool_calls is not False)
     if choice is None:
@@ -292,6 +300,24 @@ def tool_policy(body: Any) -> ToolPolicy:
     if policy.forced:
         policy.parallel = policy.parallel and policy.mode == "required"
     return policy
+
+
+def _check_parameters(parameters: Optional[dict[str, Any]], param: str) -> None:
+    """400 unless `parameters` is a JSON Schema of an object (OpenAI's rule), whatever tool_choice
+    says: the template shows it to the model under auto too, and a call's arguments are an object
+    (a forced call under `{"type": "string"}` would write a string, which is no call)."""
+    from radixserve.server.errors import bad_request
+
+    if not parameters:  # omitted or {}: any object
+        return
+    if parameters.get("type", "object") != "object":
+        raise bad_request(f"{param} must be a JSON Schema of type object, got type {parameters['type']!r}", param)
+    properties = parameters.get("properties", {})
+    if not isinstance(properties, dict) or not all(isinstance(v, (dict, bool)) for v in properties.values()):
+        raise bad_request(f"{param}.properties must map each argument name to a JSON Schema", param)
+    required = parameters.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
+        raise bad_request(f"{param}.required must be a list of argument names", param)
 
 
 def forced_call_grammar(policy: ToolPolicy) -> Optional[tuple[str, str]]:
