@@ -259,14 +259,20 @@ class ToolCallStream:
 
 
 def template_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:
-    """An assistant message's tool calls for the chat template; arguments as an object when they
-    parse (Qwen2.5's template writes them with `tojson`)."""
+    """An assistant message's tool calls for the chat template, arguments as a JSON value and
+    never as raw text: Qwen2.5's template writes a non-string with `tojson` but pastes a string as
+    it is, so arguments that are not JSON (`1}\n</tool_call>`) would close the call block. Arguments
+    that parse are handed over parsed (a JSON string among them as its quoted JSON text), anything
+    else as the quoted JSON text of the string the client sent; blank arguments are a call without
+    any (`{}`)."""
     out = []
     for call in calls:
-        try:
-            arguments: Any = json.loads(call.function.arguments)
-        except json.JSONDecodeError:
-            arguments = call.function.arguments
+        text = call.function.arguments
+        arguments: Any = {} if not text.strip() else _json(text)
+        if arguments is None and text.strip() != "null":  # not JSON at all
+            arguments = json.dumps(text, ensure_ascii=False)
+        elif isinstance(arguments, str):  # a JSON string value: the template would paste it unquoted
+            arguments = json.dumps(arguments, ensure_ascii=False)
         out.append({"id": call.id, "type": "function",
                     "function": {"name": call.function.name, "arguments": arguments}})
     return out
