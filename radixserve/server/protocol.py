@@ -224,10 +224,18 @@ class ChatMessage(_Body):
                                                                                            "message answers.")
 
 
+# What the server checks of a tool's parameters (radixserve.server.tool_calls), stated in the schema.
+OBJECT_SCHEMA_RULES = {"properties": {
+    "type": {"const": "object"},
+    "properties": {"type": "object", "additionalProperties": {"type": ["object", "boolean"]}},
+    "required": {"type": "array", "items": {"type": "string"}}}}
+
+
 class FunctionDef(_Body):
     name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
     description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = Field(None, description="A JSON Schema of the arguments.")
+    parameters: Optional[dict[str, Any]] = Field(None, description="A JSON Schema of the arguments: an object's.",
+                                                 json_schema_extra=OBJECT_SCHEMA_RULES)
     strict: Optional[bool] = Field(None, description="Arguments always follow the schema when the call is "
                                                      "forced (required or a named function).")
 
