@@ -51,8 +51,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
 TOOL_SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer",
-                                                                                          "minimum": 0, "maximum": 120}},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
      "required": ["name", "age"], "additionalProperties": False},
     {"type": "object", "properties": {"ok": {"type": "boolean"}, "tags": {"type": "array", "maxItems": 3,
                                                                          "items": {"enum": ["a", "b", "c"]}}},
@@ -228,8 +228,8 @@ async def feature_request(http: httpx.AsyncClient, rng: random.Random, tally: Ta
         min_tokens = rng.randrange(0, max_tokens + 1)
         body = {"prompt": prompt(rng), "max_tokens": max_tokens, "min_tokens": min_tokens,
                 "presence_penalty": rng.uniform(-2, 2), "frequency_penalty": rng.uniform(-2, 2),
-                "repetition_penalty": rng.uniform(0.5, 2), "logit_bias": {str(rng.randrange(512)): rng.uniform(-100, 100)
-                                                                          for _ in range(rng.randrange(1, 8))},
+                "repetition_penalty": rng.uniform(0.5, 2),
+                "logit_bias": {str(rng.randrange(512)): rng.uniform(-100, 100) for _ in range(rng.randrange(1, 8))},
                 "stop": [f"zz{i}" for i in range(rng.randrange(0, 64))] or None}
         await checked(http, tally, "/v1/completions", body, lambda r: None if r["usage"]["completion_tokens"] >= min(
             min_tokens, max_tokens) else "fewer tokens than min_tokens")

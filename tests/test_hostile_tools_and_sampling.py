@@ -73,7 +73,8 @@ def test_a_thousand_tools_are_refused_quickly_and_twenty_are_served(hostile_serv
             # them is over the schema size limit.
             assert "characters" in err["message"], err
         r = http.post("/v1/chat/completions", json={"messages": USER, "tools": tools[:20], "tool_choice": "required",
-                                                    "parallel_tool_calls": False, "max_tokens": 60, "temperature": 1.0, "seed": 1})
+                                                    "parallel_tool_calls": False, "max_tokens": 60,
+                                                    "temperature": 1.0, "seed": 1})
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         assert choice["finish_reason"] == "tool_calls", choice
