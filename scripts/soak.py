@@ -3,11 +3,17 @@
     python scripts/soak.py --duration 600 [--model-path DIR] [--output soak.json]
 
 Starts a CPU server (the built-in tiny random Qwen2 unless --model-path is given) with a small KV
-pool (so the cache evicts) and a queue limit, then runs, concurrently until the duration is up:
-completions and chat completions, streams read to the end, streams and plain requests dropped
-mid-way, bad inputs (each must be a 4xx), cache flushes, and every minute a burst of requests
-over the queue limit. At the end it reports requests served, errors by kind, 5xx answers other
-than the queue limit's 503 (target 0), KV slots leaked once idle (target 0), the API and engine
+pool (so the cache evicts) over a small host-memory tier, and a queue limit, then runs,
+concurrently until the duration is up: completions and chat completions, streams read to the end,
+streams and plain requests dropped mid-way, tool calls (auto, required, a named function),
+structured outputs (`response_format` json_schema, small schemas), log probabilities (with and
+without `echo`), penalties with `min_tokens` and `logit_bias`, /v1/tokenize and /v1/detokenize
+round trips, bad inputs (each must be a 4xx naming its field), cache flushes, and every minute a
+burst of requests over the queue limit. Each answer is checked (a forced call parses and follows
+its schema, a finished structured reply validates, log probabilities have one entry per token, a
+round trip gives the text back); a failed check is an unexpected answer. At the end it reports
+requests served, errors by kind, unexpected answers and 5xx answers other than the queue limit's
+503 (target 0 each), KV slots and host-tier slots leaked once idle (target 0), the API and engine
 processes' RSS at start and end (target: flat within 5%), and the API event loop's stalls over
 100 ms (target 0; the server logs each). The client watches its own event loop the same way: its
 stalls mean the machine was busy, and the server's then likely came from the machine too.
@@ -35,18 +41,54 @@ from radixserve.http_common.loop_lag import LoopLagWatch
 
 PREFIXES = [("You are a careful assistant. " * 8), ("Summarise the following report. " * 6),
             ("Translate into French: " * 4), ""]
-BAD_INPUTS: list[tuple[str, Any]] = [
-    ("/v1/completions", {"prompt": "x", "max_tokens": -1}),
-    ("/v1/completions", {"prompt": "x", "max_tokens": "10"}),
-    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}'),  # a lone surrogate (raw JSON)
-    ("/v1/completions", {"prompt": "x", "model": "no-such-model"}),
-    ("/v1/completions", {"prompt": "x", "temperature": -3}),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}),
-    ("/v1/chat/completions", {"messages": []}),
-    ("/generate", {"text": "a", "rid": "x\nRequest finished. id: forged"}),
-    ("/generate", {"text": "a", "rid": "r" * 500}),
-    ("/generate", {"input_ids": [10 ** 9]}),
-    ("/generate", "{not json"),
+USER = [{"role": "user", "content": "What is the weather like?"}]
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+TOOL_SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "tags": {"type": "array", "maxItems": 3,
+                                                                         "items": {"enum": ["a", "b", "c"]}}},
+     "required": ["ok", "tags"], "additionalProperties": False},
+    {"type": "array", "minItems": 1, "maxItems": 4, "items": {"type": "integer", "minimum": -5, "maximum": 5}},
+]
+# (path, body, the `param` the 400 must name; None: any 4xx)
+BAD_INPUTS: list[tuple[str, Any, Optional[str]]] = [
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "10"}, "max_tokens"),
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),  # a lone surrogate (raw JSON)
+    ("/v1/completions", {"prompt": "x", "model": "no-such-model"}, None),
+    ("/v1/completions", {"prompt": "x", "temperature": -3}, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, None),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/generate", {"text": "a", "rid": "x\nRequest finished. id: forged"}, "rid"),
+    ("/generate", {"text": "a", "rid": "r" * 500}, "rid"),
+    ("/generate", {"input_ids": [10 ** 9]}, None),
+    ("/generate", "{not json", None),
+    ("/generate", {"text": ["a"] * 10000}, "text"),
+    ("/v1/completions", {"prompt": "x", "stop": [f"s{i}" for i in range(65)]}, "stop"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"999999": 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/chat/completions", {"messages": USER, "tools": TOOLS,
+                              "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "string"}}}]}, "tools[0].function.parameters"),
+    ("/v1/chat/completions", {"messages": [*USER, {"role": "tool", "content": "x"}]}, "messages[1].tool_call_id"),
+    ("/v1/chat/completions", {"messages": [*USER, {"role": "assistant", "tool_calls": [
+        {"id": "", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages[1].tool_calls[0].id"),
+    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "u", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format"),
+    ("/v1/tokenize", {"prompt": 5}, "prompt"),
+    ("/v1/detokenize", {"tokens": [-1]}, None),
 ]
 
 
@@ -66,18 +108,22 @@ class Tally:
         self.served = 0
         self.dropped = 0
         self.errors: collections.Counter = collections.Counter()
+        self.sent: collections.Counter = collections.Counter()  # requests by kind
         self.unexpected: list[str] = []
 
-    def answer(self, r: httpx.Response, expect_4xx: bool = False) -> None:
+    def answer(self, r: httpx.Response, expect_4xx: bool = False, param: Optional[str] = None) -> None:
+        """Count `r`; with expect_4xx it must be a 4xx error body naming `param` (when given)."""
         if r.status_code == 200 and not expect_4xx:
             self.served += 1
             return
         try:
-            code = r.json()["error"].get("code")
+            error = r.json()["error"]
+            code, named = error.get("code"), error.get("param")
         except (ValueError, KeyError, TypeError, AttributeError):
-            code = None
+            code = named = None
         self.errors[f"{r.status_code} {code}"] += 1
-        if r.status_code >= 500 and code != "queue_full" or (expect_4xx and not 400 <= r.status_code < 500):
+        if r.status_code >= 500 and code != "queue_full" or (expect_4xx and not 400 <= r.status_code < 500) \
+                or (expect_4xx and param is not None and named != param):
             self.unexpected.append(f"{r.request.url.path} -> {r.status_code} {r.text[:200]}")
 
     def failure(self, what: str, e: BaseException) -> None:
@@ -85,15 +131,133 @@ class Tally:
         self.unexpected.append(f"{what}: {type(e).__name__} {e}")
 
 
+def validates(value: Any, schema: dict) -> bool:
+    """Whether `value` follows `schema` (jsonschema when installed, the test extras have it)."""
+    try:
+        import jsonschema
+    except ImportError:
+        return True
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError:
+        return False
+    return True
+
+
 def prompt(rng: random.Random) -> str:
     return rng.choice(PREFIXES) + f"Request {rng.randrange(10 ** 6)}: " + "word " * rng.randrange(1, 60)
 
 
-async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
-    kind = rng.choices(["completion", "chat_stream", "drop_stream", "drop_plain", "bad"], [4, 3, 2, 1, 1])[0]
-    max_tokens = rng.randrange(4, 64)
+async def checked(http: httpx.AsyncClient, tally: Tally, path: str, body: dict, check) -> None:
+    """POST `body`; a 200 whose JSON `check` finds wrong (it returns why) is an unexpected answer."""
+    r = await http.post(path, json=body)
+    tally.answer(r)
+    if r.status_code == 200:
+        why = check(r.json())
+        if why:
+            tally.unexpected.append(f"{path}: {why}: {r.text[:300]}")
+
+
+def tool_reply_problem(reply: dict, mode: str) -> Optional[str]:
+    choice = reply["choices"][0]
+    message, finish = choice["message"], choice["finish_reason"]
+    calls = message.get("tool_calls") or []
+    for call in calls:
+        name = call["function"]["name"]
+        if name not in TOOL_SCHEMAS:
+            return f"a call of an undeclared tool {name!r}"
+        try:
+            arguments = json.loads(call["function"]["arguments"])
+        except json.JSONDecodeError:
+            return "arguments that do not parse"
+        if mode != "auto" and not validates(arguments, TOOL_SCHEMAS[name]):
+            return "forced arguments that break the tool's schema"
+    if mode != "auto" and finish == "stop":
+        return "a forced call that stopped without a call"
+    if mode != "auto" and message.get("content"):
+        return "text beside a forced call"
+    if calls and finish not in ("tool_calls", "length"):
+        return f"calls with finish_reason {finish}"
+    return None
+
+
+def structured_problem(reply: dict, schema: dict) -> Optional[str]:
+    choice = reply["choices"][0]
+    if choice["finish_reason"] != "stop":
+        return None  # cut off by max_tokens: unfinished JSON is expected
     try:
-        if kind == "completion":
+        value = json.loads(choice["message"]["content"])  # strict: no raw control characters
+    except json.JSONDecodeError:
+        return "a finished structured reply that is not JSON"
+    return None if validates(value, schema) else "a finished structured reply that breaks its schema"
+
+
+def logprobs_problem(reply: dict, k: int, echo: bool) -> Optional[str]:
+    choice, usage = reply["choices"][0], reply["usage"]
+    lp = choice["logprobs"]
+    expected = usage["completion_tokens"] + (usage["prompt_tokens"] if echo else 0)
+    if len(lp["tokens"]) != expected or len(lp["token_logprobs"]) != expected:
+        return f"{len(lp['tokens'])} log probabilities for {expected} tokens"
+    if any(v is not None and v > 1e-4 for v in lp["token_logprobs"]):
+        return "a log probability above 0"
+    if any(entry is not None and len(entry) > k for entry in lp["top_logprobs"] or []):
+        return f"more than {k} top log probabilities"
+    return None
+
+
+async def feature_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally, kind: str) -> None:
+    if kind == "tools":
+        mode = rng.choice(["auto", "required", "named"])
+        choice = {"type": "function", "function": {"name": rng.choice(list(TOOL_SCHEMAS))}} if mode == "named" else mode
+        body = {"messages": [{"role": "user", "content": prompt(rng)}], "tools": TOOLS, "tool_choice": choice,
+                "parallel_tool_calls": rng.random() < 0.5, "max_tokens": rng.randrange(40, 160),
+                "temperature": 1.0, "seed": rng.randrange(1000)}
+        await checked(http, tally, "/v1/chat/completions", body, lambda r: tool_reply_problem(r, mode))
+    elif kind == "structured":
+        schema = rng.choice(SCHEMAS)
+        body = {"messages": [{"role": "user", "content": prompt(rng)}], "max_tokens": rng.randrange(30, 120),
+                "response_format": {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}},
+                "temperature": 1.0, "seed": rng.randrange(1000)}
+        await checked(http, tally, "/v1/chat/completions", body, lambda r: structured_problem(r, schema))
+    elif kind == "logprobs":
+        k, echo = rng.randrange(0, 6), rng.random() < 0.5
+        body = {"prompt": prompt(rng), "max_tokens": rng.randrange(0 if echo else 1, 24), "logprobs": k, "echo": echo}
+        await checked(http, tally, "/v1/completions", body, lambda r: logprobs_problem(r, k, echo))
+    elif kind == "penalties":
+        max_tokens = rng.randrange(8, 48)
+        min_tokens = rng.randrange(0, max_tokens + 1)
+        body = {"prompt": prompt(rng), "max_tokens": max_tokens, "min_tokens": min_tokens,
+                "presence_penalty": rng.uniform(-2, 2), "frequency_penalty": rng.uniform(-2, 2),
+                "repetition_penalty": rng.uniform(0.5, 2),
+                "logit_bias": {str(rng.randrange(512)): rng.uniform(-100, 100) for _ in range(rng.randrange(1, 8))},
+                "stop": [f"zz{i}" for i in range(rng.randrange(0, 64))] or None}
+        await checked(http, tally, "/v1/completions", body, lambda r: None if r["usage"]["completion_tokens"] >= min(
+            min_tokens, max_tokens) else "fewer tokens than min_tokens")
+    else:  # tokenize: text -> ids -> text
+        text = prompt(rng)
+        r = await http.post("/v1/tokenize", json={"prompt": text})
+        tally.answer(r)
+        if r.status_code != 200:
+            return
+        tokens = r.json()["tokens"]
+        if r.json()["count"] != len(tokens):
+            tally.unexpected.append(f"/v1/tokenize: count {r.json()['count']} for {len(tokens)} tokens")
+        await checked(http, tally, "/v1/detokenize", {"tokens": tokens},
+                      lambda d: None if d["prompt"] == text else f"round trip gave {d['prompt'][:80]!r}")
+
+
+FEATURES = ("tools", "structured", "logprobs", "penalties", "tokenize")
+
+
+async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
+    kinds = ["completion", "chat_stream", "drop_stream", "drop_plain", "bad", *FEATURES]
+    kind = rng.choices(kinds, [4, 3, 2, 1, 2, 2, 2, 1, 1, 1])[0]
+    max_tokens = rng.randrange(4, 64)
+    tally.sent[kind] += 1
+    try:
+        if kind in FEATURES:
+            await feature_request(http, rng, tally, kind)
+        elif kind == "completion":
             tally.answer(await http.post("/v1/completions", json={"prompt": prompt(rng), "max_tokens": max_tokens}))
         elif kind in ("chat_stream", "drop_stream"):
             body = {"messages": [{"role": "user", "content": prompt(rng)}], "max_tokens": max_tokens * 4,
@@ -119,12 +283,12 @@ async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally)
             except httpx.ReadTimeout:
                 tally.dropped += 1
         else:
-            path, body = rng.choice(BAD_INPUTS)
+            path, body, param = rng.choice(BAD_INPUTS)
             if isinstance(body, str):
                 r = await http.post(path, content=body, headers={"content-type": "application/json"})
             else:
                 r = await http.post(path, json=body)
-            tally.answer(r, expect_4xx=True)
+            tally.answer(r, expect_4xx=True, param=param)
     except Exception as e:  # noted as unexpected, never the end of the run
         tally.failure(kind, e)
 
@@ -165,7 +329,8 @@ async def traffic(base: str, duration_s: float, concurrency: int, burst_size: in
 
         await asyncio.gather(operator(), *(worker(i) for i in range(concurrency)))
     watcher.cancel()
-    return {"served": tally.served, "dropped_on_purpose": tally.dropped, "errors_by_kind": dict(tally.errors),
+    return {"served": tally.served, "dropped_on_purpose": tally.dropped, "sent_by_kind": dict(tally.sent),
+            "errors_by_kind": dict(tally.errors),
             "unexpected": tally.unexpected[:50], "unexpected_count": len(tally.unexpected),
             "flushes": {str(k): v for k, v in flushes.items()},
             "client_loop_stalls_over_100ms": watch.stalls, "client_max_loop_lag_ms": round(watch.max_lag_s * 1000)}
@@ -175,11 +340,19 @@ def wait_idle(http: httpx.Client, timeout_s: float = 120) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         stats = http.get("/server_info").json()["stats"]
-        if stats["running_requests"] == 0 and stats["queued_requests"] == 0:
+        if stats["running_requests"] == 0 and stats["queued_requests"] == 0 and not stats.get("loading_tokens"):
             return stats
         if time.monotonic() > deadline:
             raise RuntimeError(f"the server did not go idle: {stats}")
         time.sleep(0.5)
+
+
+def git_commit() -> Optional[str]:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def start_server(args, workdir: Path, log_file: Path, port: int) -> subprocess.Popen:
@@ -192,6 +365,8 @@ def start_server(args, workdir: Path, log_file: Path, port: int) -> subprocess.P
            "--port", str(port), "--max-total-tokens", str(args.max_total_tokens),
            "--max-running-requests", str(args.max_running), "--max-queued-requests", str(args.max_queued),
            "--log-file", str(log_file)]
+    if args.hicache_size:
+        cmd += ["--hicache-size", str(args.hicache_size)]
     out = open(workdir / "server.out", "wb")
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 
@@ -205,6 +380,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-queued", type=int, default=16)
     p.add_argument("--burst", type=int, default=80, help="Requests of each burst (over the queue limit).")
     p.add_argument("--max-total-tokens", type=int, default=8192, help="KV pool (small: the cache evicts).")
+    p.add_argument("--hicache-size", type=float, default=0.002,
+                   help="Host-memory tier in GB (default 0.002: ~3,900 tokens of the tiny model, smaller than "
+                        "the pool, so it evicts too); 0: none.")
     p.add_argument("--port", type=int, default=30123)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="Write the report as JSON here too.")
@@ -242,6 +420,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         stall_ms = [int(m) for m in re.findall(r"api: event loop stalled for (\d+) ms", log)]
         pool = idle["pool_tokens"]
         leaked = pool - idle["free_tokens"] - idle["evictable_tokens"]
+        host_pool = idle.get("host_pool_tokens", 0)
+        host_leaked = host_pool - idle.get("host_free_tokens", 0) - idle.get("host_cached_tokens", 0)
         flushed = http.post("/flush_cache").status_code
         after_flush = http.get("/server_info").json()["stats"]
         report = {
@@ -252,6 +432,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             "leaked_slots_idle": leaked, "held_by_running_idle": idle["held_by_running_tokens"],
             "protected_idle": idle["protected_tokens"], "pool_tokens": pool,
             "free_after_flush": after_flush["free_tokens"] if flushed == 200 else None,
+            "host_leaked_slots_idle": host_leaked, "host_pool_tokens": host_pool,
+            "host_cached_idle": idle.get("host_cached_tokens", 0), "host_hit_rate": idle.get("host_hit_rate"),
+            "host_free_after_flush": after_flush.get("host_free_tokens") if flushed == 200 else None,
+            "commit": git_commit(),
             "rss_start": rss_start, "rss_end": rss_end,
             "rss_change_pct": {k: round(100.0 * (rss_end[k] - rss_start[k]) / rss_start[k], 1)
                                for k in rss_start if rss_start[k] and rss_end[k]},
@@ -270,7 +454,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.output:
         Path(args.output).write_text(text + "\n")
     ok = (report["5xx_other_than_queue_full"] == 0 and report["leaked_slots_idle"] == 0
-          and report["unexpected_count"] == 0)
+          and report["host_leaked_slots_idle"] == 0 and report["unexpected_count"] == 0)
     return 0 if ok else 1
 
 

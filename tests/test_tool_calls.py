@@ -106,7 +106,7 @@ def test_tool_choice_none_and_errors(server):
         (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
         (dict(tool_choice="required"), "tool_choice"),
         (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
-              tool_choice="required"), "tools"),
+              tool_choice="required"), "tools[0].function.parameters"),
         (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "response_format"),
     ]
     for kwargs, param in bad:

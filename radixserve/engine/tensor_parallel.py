@@ -235,11 +235,8 @@ class TensorParallelLeader:
         stopped_since: dict[int, float] = {}
         while not self._stop_watch.wait(RANK_WATCH_S):
             for rank, proc in enumerate(self.procs, start=1):
-                code = proc.poll()
-                if code is not None and not self._stop_watch.is_set():
-                    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                    self.on_rank_death(f"tensor-parallel rank {rank} (pid {proc.pid}) exited ({how}); the "
-                                       f"other {self.size - 1} rank(s) cannot go on without it")
+                if proc.poll() is not None and not self._stop_watch.is_set():
+                    self.on_rank_death(self._death_line(rank, proc))
                     return
                 # A stopped rank (SIGSTOP, a debugger) is alive but runs no collective: every step
                 # would wait on it for the collective timeout (300 s) with the server's /health at 503.
@@ -253,6 +250,25 @@ class TensorParallelLeader:
                         return
                 else:
                     stopped_since.pop(rank, None)
+
+    def _death_line(self, rank: int, proc: subprocess.Popen) -> str:
+        code = proc.returncode
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        return (f"tensor-parallel rank {rank} (pid {proc.pid}) exited ({how}); the other {self.size - 1} rank(s) "
+                f"cannot go on without it")
+
+    def dead_rank(self, wait_s: float = 2.0) -> Optional[str]:
+        """The line saying which rank exited, waiting up to `wait_s` for one to be seen exiting, or
+        None. A step's collective fails the moment a killed rank's sockets close, before the watch
+        sees the process gone: the engine then reports the rank, not the collective's traceback."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.poll() is not None:
+                    return self._death_line(rank, proc)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
 
     def close(self) -> None:
         """Stop the ranks (a shutdown message, then SIGTERM, then SIGKILL) and leave the group."""

@@ -379,7 +379,11 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
         try:
             loop.run()
         except Exception:
-            logger.error("engine loop crashed:\n%s", traceback.format_exc())
+            lost_rank = core.tp_leader.dead_rank() if core.tp_leader is not None else None
+            if lost_rank is not None:  # the collective failed because a rank died: say that, in one line
+                logger.error("%s; the engine exits (code 1)", lost_rank)
+            else:
+                logger.error("engine loop crashed:\n%s", traceback.format_exc())
             code = 1
         finally:
             governor.uninstall()

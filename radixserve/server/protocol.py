@@ -16,8 +16,9 @@ import msgspec
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidatorFunctionWrapHandler, \
     WrapValidator
 
-from radixserve.validation import (LOGIT_BIAS_MAX, MAX_INT32, MAX_TOP_LOGPROBS, PENALTY_MAX, REPETITION_PENALTY_MIN,
-                                   SEED_MAX, SEED_MIN, TEMPERATURE_MAX, TOP_K_MIN)
+from radixserve.validation import (LOGIT_BIAS_MAX, MAX_INT32, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                   MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, PENALTY_MAX, REPETITION_PENALTY_MIN, SEED_MAX,
+                                   SEED_MIN, TEMPERATURE_MAX, TOP_K_MIN)
 
 
 
@@ -69,6 +70,7 @@ OUTPUT_TOKENS_SCHEMA_MARK = "x-radixserve-output-tokens"
 _OUTPUT_TOKENS = {OUTPUT_TOKENS_SCHEMA_MARK: True}
 # A stop token need not be in the vocabulary (it then never matches).
 StopTokenId = Annotated[int, Field(ge=0, le=MAX_INT32), BeforeValidator(_integral)]
+StopTokenIds = Annotated[list[StopTokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
 # A map keyed by token ids spelled as decimal strings (OpenAI's logit_bias); the served schema
 # bounds the keys by the vocabulary with a pattern.
 TOKEN_ID_KEYS_SCHEMA_MARK = "x-radixserve-token-id-keys"
@@ -80,6 +82,8 @@ RepetitionPenalty = Annotated[float, Field(ge=REPETITION_PENALTY_MIN, le=PENALTY
 TopLogprobs = bounded_int(0, MAX_TOP_LOGPROBS)
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), BeforeValidator(_integral)]
 NonEmptyStr = Annotated[Text, Field(min_length=1)]
+StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+Stop = Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)], None]
 MAX_N = 64
 # A /generate rid is a label: printable ASCII only, so it can never break a log line.
 RID_PATTERN = r"^[ -~]+$"
@@ -120,8 +124,8 @@ class _SamplingFields(_Body):
                                  description="radixserve extension; -1 or 0 is off.")
     min_p: Optional[float] = Field(None, ge=0.0, le=1.0, description="radixserve extension.")
     n: bounded_int(1, MAX_N) = 1
-    stop: Union[NonEmptyStr, list[NonEmptyStr], None] = None
-    stop_token_ids: Optional[list[StopTokenId]] = Field(None, description="radixserve extension.")
+    stop: Stop = None
+    stop_token_ids: Optional[StopTokenIds] = Field(None, description="radixserve extension.")
     seed: Optional[Seed] = Field(None, description="Each of the n choices samples with its own seed, "
                                                    "seed + its index.")
     stream: bool = False
@@ -195,7 +199,7 @@ class FunctionCall(_Body):
 
 
 class ToolCall(_Body):
-    id: str
+    id: Annotated[str, Field(min_length=1)]
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -216,13 +220,22 @@ class ChatMessage(_Body):
     content: Union[Text, list[ContentPart], None] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = Field(None, description="An assistant message's tool calls.")
-    tool_call_id: Optional[str] = Field(None, description="The call a tool message answers.")
+    tool_call_id: Optional[Annotated[str, Field(min_length=1)]] = Field(None, description="The call a tool "
+                                                                                           "message answers.")
+
+
+# What the server checks of a tool's parameters (radixserve.server.tool_calls), stated in the schema.
+OBJECT_SCHEMA_RULES = {"properties": {
+    "type": {"const": "object"},
+    "properties": {"type": "object", "additionalProperties": {"type": ["object", "boolean"]}},
+    "required": {"type": "array", "items": {"type": "string"}}}}
 
 
 class FunctionDef(_Body):
     name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
     description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = Field(None, description="A JSON Schema of the arguments.")
+    parameters: Optional[dict[str, Any]] = Field(None, description="A JSON Schema of the arguments: an object's.",
+                                                 json_schema_extra=OBJECT_SCHEMA_RULES)
     strict: Optional[bool] = Field(None, description="Arguments always follow the schema when the call is "
                                                      "forced (required or a named function).")
 
@@ -304,8 +317,8 @@ class NativeSamplingParams(_Body):
     top_k: Optional[bounded_int(TOP_K_MIN, MAX_INT32)] = Field(None, description="-1 or 0 is off.")
     min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
     seed: Optional[Seed] = None
-    stop: Union[NonEmptyStr, list[NonEmptyStr], None] = None
-    stop_token_ids: Optional[list[StopTokenId]] = None
+    stop: Stop = None
+    stop_token_ids: Optional[StopTokenIds] = None
     ignore_eos: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
     min_new_tokens: Optional[bounded_int(0, MAX_INT32)] = None

@@ -88,6 +88,10 @@ def _relocated(node: Any, base: str) -> Any:
     return node
 
 
+# Keywords beside which a schema's other keywords are not read: "type" is not added next to them.
+_COMBINING = frozenset({"$ref", "anyOf", "oneOf", "allOf", "enum", "const"})
+
+
 def _call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
     """The JSON Schema of one call: {"name": <a function>, "arguments": <its parameters>}.
 
@@ -98,6 +102,8 @@ def _call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
     variants = []
     for f in functions:
         parameters = f.get("parameters") or {"type": "object"}
+        if "type" not in parameters and not _COMBINING.intersection(parameters):
+            parameters = {"type": "object", **parameters}  # {"properties": ...} alone would allow any value
         if _has_local_ref(parameters):
             key = f"tool_{f['name']}"  # names match ^[a-zA-Z0-9_-]{1,64}$: no JSON-pointer escapes
             defs[key] = _relocated(parameters, f"#/$defs/{key}")
@@ -253,14 +259,20 @@ class ToolCallStream:
 
 
 def template_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:
-    """An assistant message's tool calls for the chat template; arguments as an object when they
-    parse (Qwen2.5's template writes them with `tojson`)."""
+    """An assistant message's tool calls for the chat template, arguments as a JSON value and
+    never as raw text: Qwen2.5's template writes a non-string with `tojson` but pastes a string as
+    it is, so arguments that are not JSON (`1}\n</tool_call>`) would close the call block. Arguments
+    that parse are handed over parsed (a JSON string among them as its quoted JSON text), anything
+    else as the quoted JSON text of the string the client sent; blank arguments are a call without
+    any (`{}`)."""
     out = []
     for call in calls:
-        try:
-            arguments: Any = json.loads(call.function.arguments)
-        except json.JSONDecodeError:
-            arguments = call.function.arguments
+        text = call.function.arguments
+        arguments: Any = {} if not text.strip() else _json(text)
+        if arguments is None and text.strip() != "null":  # not JSON at all
+            arguments = json.dumps(text, ensure_ascii=False)
+        elif isinstance(arguments, str):  # a JSON string value: the template would paste it unquoted
+            arguments = json.dumps(arguments, ensure_ascii=False)
         out.append({"id": call.id, "type": "function",
                     "function": {"name": call.function.name, "arguments": arguments}})
     return out
@@ -274,6 +286,8 @@ def tool_policy(body: Any) -> ToolPolicy:
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("tools: function names must be unique", "tools")
+    for i, tool in enumerate(tools):
+        _check_parameters(tool["function"].get("parameters"), f"tools[{i}].function.parameters")
     choice = body.tool_choice
     policy = ToolPolicy(tools=tools, parallel=body.parallel_tool_calls is not False)
     if choice is None:
@@ -292,6 +306,24 @@ def tool_policy(body: Any) -> ToolPolicy:
     if policy.forced:
         policy.parallel = policy.parallel and policy.mode == "required"
     return policy
+
+
+def _check_parameters(parameters: Optional[dict[str, Any]], param: str) -> None:
+    """400 unless `parameters` is a JSON Schema of an object (OpenAI's rule), whatever tool_choice
+    says: the template shows it to the model under auto too, and a call's arguments are an object
+    (a forced call under `{"type": "string"}` would write a string, which is no call)."""
+    from radixserve.server.errors import bad_request
+
+    if not parameters:  # omitted or {}: any object
+        return
+    if parameters.get("type", "object") != "object":
+        raise bad_request(f"{param} must be a JSON Schema of type object, got type {parameters['type']!r}", param)
+    properties = parameters.get("properties", {})
+    if not isinstance(properties, dict) or not all(isinstance(v, (dict, bool)) for v in properties.values()):
+        raise bad_request(f"{param}.properties must map each argument name to a JSON Schema", param)
+    required = parameters.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
+        raise bad_request(f"{param}.required must be a list of argument names", param)
 
 
 def forced_call_grammar(policy: ToolPolicy) -> Optional[tuple[str, str]]:

@@ -248,7 +248,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
                           code=CONFLICTING_FIELDS)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     policy = tool_policy(body)
-    grammar = chat_grammar(body, policy)
+    # A forced call's grammar is built from every tool's schema (up to the schema size limit, ~50 ms):
+    # off the event loop, as the grammar check after it is.
+    grammar = await ctx.run_blocking(chat_grammar, body, policy) if policy.forced else chat_grammar(body, policy)
     await checked_grammar(ctx, grammar, "tools" if policy.forced else "response_format")
     ids = await chat_prompt_ids(ctx, body, policy)
     top_logprobs = chat_top_logprobs(body)
