@@ -388,6 +388,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--output", default=None, help="Write the report as JSON here too.")
     args = p.parse_args(argv)
 
+    commit = git_commit()  # at the start: the code the server runs
     workdir = Path(tempfile.mkdtemp(prefix="radixserve-soak-"))
     log_file = workdir / "server.log"
     base = f"http://127.0.0.1:{args.port}"
@@ -435,7 +436,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "host_leaked_slots_idle": host_leaked, "host_pool_tokens": host_pool,
             "host_cached_idle": idle.get("host_cached_tokens", 0), "host_hit_rate": idle.get("host_hit_rate"),
             "host_free_after_flush": after_flush.get("host_free_tokens") if flushed == 200 else None,
-            "commit": git_commit(),
+            "commit": commit,
             "rss_start": rss_start, "rss_end": rss_end,
             "rss_change_pct": {k: round(100.0 * (rss_end[k] - rss_start[k]) / rss_start[k], 1)
                                for k in rss_start if rss_start[k] and rss_end[k]},
