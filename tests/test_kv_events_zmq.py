@@ -368,3 +368,64 @@ def test_a_busy_replay_port_fails_the_start_in_one_line(server_model_dir, ctx):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 1 and len(lines) == 1, r.stderr
     assert f"cannot bind tcp://127.0.0.1:{port}" in lines[0] and "Address already in use" in lines[0]
+
+
+def scrape(base: str) -> dict[tuple[str, tuple], float]:
+    """/metrics read with Prometheus' own text parser: (sample name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base + "/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_gateway_gauges_have_vllm_and_sglang_names_and_meanings(server_model_dir, server_workdir):
+    """The gauges a gateway reads from vLLM and SGLang workers, beside ours: one request running and
+    one waiting (--max-running-requests 1), KV usage as a 0-1 fraction of the pool that requests
+    hold, the cache's block size and block count, and the prefix cache's queried and hit tokens."""
+    import threading
+
+    proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu", "--page-size", str(PAGE),
+                          "--max-total-tokens", "8192", "--max-running-requests", "1",
+                          "--served-model-name", "gauge-model"], server_workdir)
+    stop = threading.Event()
+
+    def stream_long(seed: int) -> None:
+        with httpx.stream("POST", proc.base_url + "/generate", timeout=120, json={
+                "input_ids": prompt(seed), "stream": True,
+                "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return  # closing the stream aborts the request
+
+    vllm = (("engine", "0"), ("model_name", "gauge-model"))
+    sglang = (("model_name", "gauge-model"),)
+    try:
+        proc.wait_ready()
+        base = proc.base_url
+        generate(base, prompt(1))
+        generate(base, prompt(1))  # all but the last page's worth found cached
+        threads = [threading.Thread(target=stream_long, args=(seed,), daemon=True) for seed in (2, 3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while True:
+            m = scrape(base)
+            if m.get(("vllm:num_requests_running", vllm)) == 1 and m.get(("vllm:num_requests_waiting", vllm)) == 1:
+                break
+            assert time.monotonic() < deadline, {k: v for k, v in m.items() if k[0].startswith(("vllm", "sglang"))}
+            time.sleep(0.2)
+        assert m[("sglang:num_running_reqs", sglang)] == 1 and m[("sglang:num_queue_reqs", sglang)] == 1
+        usage = m[("vllm:kv_cache_usage_perc", vllm)]
+        assert 0 < usage < 1 and usage == m[("sglang:token_usage", sglang)] == m[("radixserve:token_usage", ())]
+        info = [labels for (name, labels), value in m.items() if name == "vllm:cache_config_info" and value == 1]
+        assert len(info) == 1 and dict(info[0])["block_size"] == str(PAGE)
+        assert dict(info[0])["num_gpu_blocks"] == str(8192 // PAGE)
+        assert dict(info[0])["model_name"] == "gauge-model" and dict(info[0])["enable_prefix_caching"] == "True"
+        queries = m[("vllm:prefix_cache_queries_total", vllm)]
+        hits = m[("vllm:prefix_cache_hits_total", vllm)]
+        assert queries == m[("radixserve:prompt_tokens_total", ())] >= 3 * 30  # admitted prompts (the waiting one is not yet), plus health probes
+        assert hits == m[("radixserve:cached_prompt_tokens_total", ())] >= 28  # the repeat's 7 whole pages
+    finally:
+        stop.set()
+        proc.stop()
