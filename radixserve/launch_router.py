@@ -182,7 +182,7 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
         cmd = [sys.executable, "-m", "radixserve.launch_server", *worker_argv, "--host", "127.0.0.1",
-               "--port", str(port)]
+               "--port", str(port), "--dp-rank", str(i)]
         if settings.step_trace_file:  # the last occurrence of a flag wins
             cmd += ["--step-trace-file", f"{settings.step_trace_file}.{i}"]
         cmds.append((cmd, env))

@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from radixserve.kv_events_config import KvEventsConfig, parse_kv_events_config
+
 SCHEDULE_POLICIES = ("lpm", "fcfs", "lof", "random", "dfs-weight")
 EVICTION_POLICIES = ("lru", "lfu", "fifo")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
@@ -194,6 +196,15 @@ class ServerSettings:
         "ms, kind, requests, prompt tokens); summarise with `python -m radixserve.server.step_trace FILE`. "
         "With --dp-size, worker i writes FILE.i.")
     dp_size: int = _opt(1, "Data-parallel engine workers behind a built-in cache-aware router.")
+    dp_rank: int = _opt(
+        0, "This worker's rank among data-parallel workers: its KV event batches carry it and its KV event "
+        "ports are offset by it. --dp-size sets it for each worker it starts.")
+    kv_events_config: Optional[str] = _opt(
+        None, "Publish the radix cache's blocks as KV events in vLLM's wire format over ZMQ, for a cluster's "
+        "KV-aware router: vLLM's KVEventsConfig as JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": "
+        "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'. The events carry "
+        "token ids: bind where only the router reaches them (docs/tuning.md, \"KV events for a cluster's router\"). "
+        "(default: off)")
     tp_size: int = _opt(
         1, "Tensor-parallel ranks per engine: the model's heads, MLP and vocabulary split over this many "
         "processes, one per GPU (NCCL; gloo on the CPU). With --dp-size M, M x N GPUs.", aliases=("--tp",))
@@ -253,6 +264,10 @@ class ServerSettings:
                              "drop disable_radix_cache")
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.dp_rank < 0:
+            raise ValueError(f"dp_rank must be >= 0, got {self.dp_rank}")
+        if self.kv_events_config is not None:
+            parse_kv_events_config(self.kv_events_config)
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.decode_gemm_max_rows < 0:
@@ -287,6 +302,14 @@ class ServerSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def kv_events(self) -> Optional[KvEventsConfig]:
+        """The KV event publisher's config when it publishes, else None."""
+        if self.kv_events_config is None:
+            return None
+        config = parse_kv_events_config(self.kv_events_config)
+        return config if config.publishes else None
 
     @property
     def hicache_enabled(self) -> bool:

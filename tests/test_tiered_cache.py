@@ -15,6 +15,8 @@ import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from radixserve.cache.block_events import BlockEventRecorder
+from radixserve.cache.block_hash import page_hashes
 from radixserve.cache.host_pool import copy_runs
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.tiered_cache import make_tiered_cache
@@ -41,6 +43,9 @@ class TieredCacheMachine(RuleBasedStateMachine):
         self.ref: set[tuple] = set()  # every cached page-aligned prefix
         self.locked: list = []
         self.waiting: list = []  # nodes waiting requests are parked on (queue-aware eviction)
+        # The KV events a cluster's router follows: per tier, the pages they say are there.
+        self.events = BlockEventRecorder(self.cache)
+        self.published: dict[str, set[int]] = {"GPU": set(), "CPU": set()}
 
     def _aligned(self, tokens: list[int]) -> list[int]:
         return tokens[: len(tokens) - len(tokens) % self.page]
@@ -194,6 +199,37 @@ class TieredCacheMachine(RuleBasedStateMachine):
     def sizes_add_up(self) -> None:
         if hasattr(self, "cache"):
             self.cache.check_invariants()
+
+    @invariant()
+    def kv_events_say_what_each_tier_holds(self) -> None:
+        """Replaying the block events gives exactly the pages on each tier: nothing stored twice,
+        nothing removed that was not stored, every page's hash chained from its path."""
+        if not hasattr(self, "cache"):
+            return
+        for event in self.events.take():
+            if event[0] == "AllBlocksCleared":
+                self.published = {"GPU": set(), "CPU": set()}
+            elif event[0] == "BlockStored":
+                _, hashes, _, tokens, medium = event
+                assert len(tokens) == len(hashes) * self.page
+                assert not self.published[medium] & set(hashes), "a block stored twice"
+                self.published[medium] |= set(hashes)
+            else:
+                _, hashes, medium = event
+                assert set(hashes) <= self.published[medium], "a block removed that was never stored"
+                self.published[medium] -= set(hashes)
+        held: dict[str, set[int]] = {"GPU": set(), "CPU": set()}
+        stack = [(self.cache.root, None)]
+        while stack:
+            node, parent_hash = stack.pop()
+            for child in node.children.values():
+                hashes = page_hashes(child.key, self.page, parent_hash)
+                if child.value is not None:
+                    held["GPU"] |= set(hashes)
+                if child.host_value is not None:
+                    held["CPU"] |= set(hashes)
+                stack.append((child, hashes[-1]))
+        assert self.published == held
 
 
 TieredCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Sequence
+from typing import Optional, Sequence
 
 # Tokens per hashed block. Larger blocks are harder to guess and cost a router at most
 # block_size - 1 tokens of match precision per prompt.
@@ -35,3 +35,23 @@ def block_hashes(tokens: Sequence[int], block_size: int = KV_HASH_BLOCK_TOKENS,
         parent = hashlib.blake2b(bytes.fromhex(parent) + data[i * step:(i + 1) * step], digest_size=8).hexdigest()
         out.append(parent)
     return out
+
+
+def page_hashes(tokens: Sequence[int], page_size: int, parent: Optional[int]) -> list[int]:
+    """64-bit chained hashes of the whole pages of `tokens`, each over the hash before it (`parent`,
+    None at the root) and the page's token ids: the block hashes of the KV events a cluster's
+    router follows (`radixserve.cache.block_events`). Consumers re-hash the token ids the events
+    carry with their own function; these only have to name each page of a path uniquely."""
+    n = len(tokens) // page_size
+    data = array("q", tokens[:n * page_size]).tobytes()
+    step = 8 * page_size
+    prev = _ROOT_PARENT if parent is None else parent.to_bytes(8, "big")
+    out = []
+    for i in range(n):
+        prev = hashlib.blake2b(prev + data[i * step:(i + 1) * step], digest_size=8).digest()
+        out.append(int.from_bytes(prev, "big"))
+    return out
+
+
+# What the first page of a path chains from: unlike any 8-byte hash a page can get in practice.
+_ROOT_PARENT = b"radixkv\0"

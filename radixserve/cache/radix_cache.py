@@ -28,11 +28,15 @@ ALL = "all"
 # How far short of a finished prompt's end a match may stop and still count as its continuation
 # (see RadixCache.extends_a_prompt).
 PROMPT_END_SLACK = 8
+# The tiers a node's KV can be on, as KV-event consumers name them (vLLM's `medium`).
+GPU = "GPU"
+CPU = "CPU"
 
 
 class TreeNode:
     __slots__ = ("key", "value", "children", "parent", "lock_ref", "waiters", "last_access", "hit_count",
-                 "created", "node_id", "removed", "host_value", "host_seq", "loading_seq", "ends_prompt")
+                 "created", "node_id", "removed", "host_value", "host_seq", "loading_seq", "ends_prompt",
+                 "block_hash")
 
     def __init__(self, key: list[int], value: Optional[torch.Tensor], parent: Optional["TreeNode"], tick: int,
                  node_id: int):
@@ -54,6 +58,10 @@ class TreeNode:
         # A finished request's prompt ended exactly here (`mark_prompt_end`); a split keeps it on the
         # lower part, which still ends there.
         self.ends_prompt = False
+        # The chained hash of the node's last page, memoised by `block_events` while the cache's
+        # blocks are published (None: not computed). A split keeps the lower part's end, so it
+        # stays true for the node's whole life.
+        self.block_hash: Optional[int] = None
 
     @property
     def is_leaf(self) -> bool:
@@ -123,6 +131,10 @@ class RadixCache:
         # Called with ("insert" | "evict", tokens from the root to the end of the node) or ("flush", []),
         # so a router can mirror what this cache really holds.
         self.event_listener: Optional[Callable[[str, list[int]], None]] = None
+        # Called with ("stored" | "removed", medium, node) whenever a node's pages gain or lose their
+        # KV on a tier (medium "GPU": the device pool, "CPU": the host tier), and ("cleared", "", root)
+        # on a flush: the per-tier view a cluster's KV-event consumers follow (`block_events`).
+        self.block_listener: Optional[Callable[[str, str, TreeNode], None]] = None
         self._reset()
 
     # ------------------------------------------------------------------ basics
@@ -306,6 +318,8 @@ class RadixCache:
         self.touched.add((parent, self._child_key(tokens, pos)))
         if self.event_listener is not None:
             self.event_listener("insert", list(tokens))
+        if self.block_listener is not None:
+            self.block_listener("stored", GPU, leaf)
         return leaf
 
     # ------------------------------------------------------------------ locking
@@ -401,6 +415,8 @@ class RadixCache:
         if self.event_listener is not None:
             self.event_listener("evict", self._path_tokens(node))
         if node.value is not None:
+            if self.block_listener is not None:
+                self.block_listener("removed", GPU, node)
             self.evictable_size -= len(node.key)
             if node.waiters:
                 self.waited_evictable_size -= len(node.key)
@@ -428,6 +444,8 @@ class RadixCache:
         self._reset()
         if self.event_listener is not None:
             self.event_listener("flush", [])
+        if self.block_listener is not None:
+            self.block_listener("cleared", "", self.root)
         return True
 
     def _free_node_slots(self, node: TreeNode) -> None:

@@ -28,7 +28,7 @@ import torch
 
 from radixserve.cache.host_pool import CopyEngine, CopyStats, HostKVPool, make_copy_engine
 from radixserve.cache.kv_pool import KVPool, PageAllocator
-from radixserve.cache.radix_cache import ALL, RadixCache, TreeNode, slots_tensor
+from radixserve.cache.radix_cache import ALL, CPU, GPU, RadixCache, TreeNode, slots_tensor
 
 # host_seq of host copies a copy being prepared will use: busy until the copy is issued.
 _RESERVED = 1 << 62
@@ -80,12 +80,16 @@ class TieredRadixCache(RadixCache):
 
     def _became_device(self, node: TreeNode) -> None:
         """node (unlocked) just got device slots: count them as evictable."""
+        if self.block_listener is not None:
+            self.block_listener("stored", GPU, node)
         self.evictable_size += len(node.key)
         if node.waiters:
             self.waited_evictable_size += len(node.key)
 
     def _drop_device(self, node: TreeNode) -> None:
         """Free the device slots of an unlocked device leaf that has a host copy; it stays in the tree."""
+        if self.block_listener is not None:
+            self.block_listener("removed", GPU, node)
         self.evictable_size -= len(node.key)
         if node.waiters:
             self.waited_evictable_size -= len(node.key)
@@ -260,6 +264,7 @@ class TieredRadixCache(RadixCache):
                 node.host_value = host
                 node.host_seq = _RESERVED  # busy from now: the copy into it is issued below
                 self.host_size += len(node.key)
+                self._stored_on_host(node)
                 copies.append((node, node.value))
             freed += len(node.key)
             self._drop_device(node)
@@ -284,7 +289,12 @@ class TieredRadixCache(RadixCache):
         if host is not None:
             node.host_value = host
             self.host_size += len(node.key)
+            self._stored_on_host(node)
             self._copy_out([node], [node.value])
+
+    def _stored_on_host(self, node: TreeNode) -> None:
+        if self.block_listener is not None:
+            self.block_listener("stored", CPU, node)
 
     def _remove_subtree(self, node: TreeNode) -> bool:
         """Take an unlocked device leaf and its host-only descendants out of the tree, unless a
@@ -304,6 +314,8 @@ class TieredRadixCache(RadixCache):
     def _remove_leaf(self, node: TreeNode) -> int:
         """As the base, freeing the node's host copy too; the parent may now leave the host."""
         if node.host_value is not None:
+            if self.block_listener is not None:
+                self.block_listener("removed", CPU, node)
             self.host_allocator.free_slots(node.host_value)
             self.host_size -= len(node.key)
         tokens = super()._remove_leaf(node)
@@ -340,6 +352,8 @@ class TieredRadixCache(RadixCache):
                 continue
             short -= len(node.key)
             if node.value is not None:
+                if self.block_listener is not None:
+                    self.block_listener("removed", CPU, node)
                 self.host_allocator.free_slots(node.host_value)
                 node.host_value = None
                 self.host_size -= len(node.key)

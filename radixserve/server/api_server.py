@@ -53,8 +53,9 @@ def request_bytes_limit(settings: ServerSettings, engine: EngineClient) -> int:
 
 def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Optional[EngineClient] = None) -> FastAPI:
     engine = engine or EngineClient(settings)
-    metrics = ServerMetrics(lambda: engine.latest_stats, lambda: engine.alive)
     served_name = settings.served_model_name or default_served_model_name(model_path)
+    metrics = ServerMetrics(lambda: engine.latest_stats, lambda: engine.alive, served_name, settings.page_size,
+                            prefix_caching=not settings.disable_radix_cache)
     ctx = ServingContext(settings, tokenizer, engine, metrics, model_path, served_name)
 
     def count_abort(out) -> None:

@@ -25,6 +25,7 @@ from radixserve.engine.io_struct import AbortRequest, GenerateRequest, RequestOu
 from radixserve.sampling_params import SamplingParams
 from radixserve.server import messages as m
 from radixserve.server.engine_intake import KvHashEvents, QueueRoom
+from radixserve.server.kv_publisher import ZmqKvEventPublisher, make_kv_publisher
 from radixserve.server.logging_setup import setup_logging
 from radixserve.server.step_trace import StepTrace
 from radixserve.settings import ServerSettings
@@ -145,8 +146,10 @@ class BatchLogger:
 
 class EngineLoop:
     def __init__(self, core, settings: ServerSettings, pull: zmq.Socket, push: zmq.Socket, parent_pid: int,
-                 gc_governor: Optional[FullCollectionGovernor] = None):
+                 gc_governor: Optional[FullCollectionGovernor] = None,
+                 kv_publisher: Optional[ZmqKvEventPublisher] = None):
         self.core = core
+        self.kv_publisher = kv_publisher  # --kv-events-config: vLLM-format KV events over ZMQ
         self.gc_governor = gc_governor
         self.settings = settings
         self.pull = pull
@@ -247,6 +250,8 @@ class EngineLoop:
 
     def flush(self) -> None:
         now = time.monotonic()
+        if self.kv_publisher is not None:
+            self.kv_publisher.step()
         self.pending_kv_events.extend(self.kv_events.take())
         if self.core.has_work and now - self.last_stats >= STATS_INTERVAL_S:
             self.stats_due = True
@@ -368,6 +373,13 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
             logger.error("engine failed to start: %s\n%s", e, traceback.format_exc())
             push.send_multipart(m.encode(m.EngineFailed(message=f"{type(e).__name__}: {e}")))
             return 1
+        try:
+            kv_publisher = make_kv_publisher(settings, core.cache)
+        except ValueError as e:  # its port is taken or its address is not ours: a one-line start-up failure
+            logger.error("engine failed to start: %s", e)
+            push.send_multipart(m.encode(m.EngineFailed(message=str(e))))
+            core.shutdown()
+            return 1
         push.send_multipart(m.encode(m.EngineReady(
             pid=os.getpid(), model_path=core.model_path, pool_size=core.pool_size, context_len=core.context_len,
             vocab_size=core.model_config.vocab_size, max_running_requests=core.scheduler.max_running,
@@ -375,7 +387,7 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
             memory=core.memory_plan.as_dict() if core.memory_plan is not None else None)))
         one_host_thread(core.device)  # after loading, which may convert weights on the CPU
         governor = govern_collections("engine")
-        loop = EngineLoop(core, settings, pull, push, parent_pid, gc_governor=governor)
+        loop = EngineLoop(core, settings, pull, push, parent_pid, gc_governor=governor, kv_publisher=kv_publisher)
         try:
             loop.run()
         except Exception:
@@ -389,6 +401,8 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
             governor.uninstall()
             if loop.step_trace is not None:  # SIGTERM ends run() with SystemExit
                 loop.step_trace.close()
+            if kv_publisher is not None:
+                kv_publisher.close()
             core.shutdown()
     finally:
         pull.close(0)

@@ -1,4 +1,6 @@
-"""Prometheus metrics, all named `radixserve:*`, in a registry owned by the API process.
+"""Prometheus metrics, named `radixserve:*`, in a registry owned by the API process; beside them
+the gauges cluster gateways read from vLLM and SGLang workers, under those engines' names, labels
+and meanings (`COMPAT_*` below), so a gateway written for them scores our workers unchanged.
 
 Two sources:
 - request-level series (TTFT, inter-token latency, end-to-end latency, queue time, generated
@@ -71,10 +73,35 @@ ENGINE_GAUGES = (
 )
 
 
+# vLLM's names (its labels: model_name, and engine, the engine core's index: one here). vLLM's
+# KV usage counts the blocks requests hold (cached blocks no request holds are free to it), as
+# our token_usage does; its prefix-cache counters count prompt tokens queried and found.
+VLLM_GAUGES = (
+    ("running_requests", "vllm:num_requests_running", "Number of requests in model execution batches."),
+    ("queued_requests", "vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+    ("token_usage", "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+)
+VLLM_COUNTERS = (
+    ("prompt_tokens", "vllm:prefix_cache_queries",
+     "Prefix cache queries, in terms of number of queried tokens."),
+    ("cached_prompt_tokens", "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+)
+# SGLang's names (label: model_name).
+SGLANG_GAUGES = (
+    ("running_requests", "sglang:num_running_reqs", "The number of running requests."),
+    ("queued_requests", "sglang:num_queue_reqs", "The number of requests in the waiting queue."),
+    ("token_usage", "sglang:token_usage", "The token usage."),
+)
+
+
 class _EngineCollector:
-    def __init__(self, latest: Callable[[], Optional[EngineStats]], alive: Callable[[], bool]):
+    def __init__(self, latest: Callable[[], Optional[EngineStats]], alive: Callable[[], bool],
+                 model_name: str = "", page_size: int = 1, prefix_caching: bool = True):
         self.latest = latest
         self.alive = alive
+        self.model_name = model_name
+        self.page_size = page_size
+        self.prefix_caching = prefix_caching
 
     def collect(self):
         alive = GaugeMetricFamily(PREFIX + "engine_alive", "1 while the engine process runs.")
@@ -90,10 +117,37 @@ class _EngineCollector:
         for key, name, help_text in ENGINE_GAUGES:
             if key in values:
                 yield GaugeMetricFamily(PREFIX + name, help_text, value=float(values[key]))
+        yield from self._compat(values)
+
+    def _compat(self, values: dict):
+        vllm_labels = ("model_name", "engine")
+        vllm_values = (self.model_name, "0")
+        for key, name, help_text in VLLM_GAUGES:
+            if key in values:
+                family = GaugeMetricFamily(name, help_text, labels=vllm_labels)
+                family.add_metric(vllm_values, float(values[key]))
+                yield family
+        for key, name, help_text in VLLM_COUNTERS:
+            if key in values:
+                family = CounterMetricFamily(name, help_text, labels=vllm_labels)
+                family.add_metric(vllm_values, float(values[key]))
+                yield family
+        if "pool_tokens" in values:
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                     labels=("block_size", "num_gpu_blocks", "enable_prefix_caching", *vllm_labels))
+            info.add_metric((str(self.page_size), str(int(values["pool_tokens"]) // self.page_size),
+                             str(self.prefix_caching), *vllm_values), 1.0)
+            yield info
+        for key, name, help_text in SGLANG_GAUGES:
+            if key in values:
+                family = GaugeMetricFamily(name, help_text, labels=("model_name",))
+                family.add_metric((self.model_name,), float(values[key]))
+                yield family
 
 
 class ServerMetrics:
-    def __init__(self, latest_stats: Callable[[], Optional[EngineStats]], engine_alive: Callable[[], bool]):
+    def __init__(self, latest_stats: Callable[[], Optional[EngineStats]], engine_alive: Callable[[], bool],
+                 model_name: str = "", page_size: int = 1, prefix_caching: bool = True):
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from request arrival to first token.",
@@ -116,7 +170,7 @@ class ServerMetrics:
                                 "and reason (the error body's code).", ["status", "reason"], registry=r)
         self.running_http = Gauge(PREFIX + "http_requests_in_flight", "Generation requests the API is serving.",
                                   registry=r)
-        r.register(_EngineCollector(latest_stats, engine_alive))
+        r.register(_EngineCollector(latest_stats, engine_alive, model_name, page_size, prefix_caching))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

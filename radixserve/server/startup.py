@@ -3,8 +3,8 @@ its life, from the `serving` line to the shutdown, is `lifecycle.py`).
 
 The checks run before the engine process starts or any weights load, so a wrong path, a
 quantization method the model cannot run (AWQ, GPTQ, ...), a context longer than the model's, a
-host tier larger than the host's available memory or a busy port fails in well under a second with
-one line instead of after the model loaded.
+host tier larger than the host's available memory, a busy port or a KV event address that cannot
+be bound fails in well under a second with one line instead of after the model loaded.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from radixserve.cache.host_memory import check_host_memory
 from radixserve.default_model import DEFAULT_MODEL_NAME, default_model_positions
 from radixserve.http_common.listen import ListenAddressError, check_listen_address
 from radixserve.model.quantization import quantization_config
+from radixserve.server.kv_publisher import check_kv_event_endpoints
 from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")
@@ -113,6 +114,9 @@ def check_before_loading(settings: ServerSettings) -> None:
     check_context_length(settings)
     check_hicache_memory(settings)
     check_port_free(settings.host, settings.port)
+    problem = check_kv_event_endpoints(settings)
+    if problem is not None:
+        raise StartupError(problem)
 
 
 def default_served_model_name(model_path: str) -> str:
