@@ -429,3 +429,64 @@ def test_gateway_gauges_have_vllm_and_sglang_names_and_meanings(server_model_dir
     finally:
         stop.set()
         proc.stop()
+
+
+def test_dynamo_kv_indexer_scores_follow_our_cache(server_model_dir, server_workdir, tmp_path):
+    """A consumer written by someone else: NVIDIA Dynamo's standalone KV indexer (`python -m
+    dynamo.indexer`, from the ai-dynamo-runtime wheel, CPU-only) subscribes to our events and
+    scores a prompt we cached by its cached tokens (7 whole pages of 4), and a flushed worker zero."""
+    pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is not installed")
+    import subprocess
+    import sys
+
+    endpoint = f"ipc://{tmp_path}/kv-{uuid.uuid4().hex[:8]}.sock"
+    proc = ServerProcess(kv_events_args(server_model_dir, endpoint, f"tcp://127.0.0.1:{free_port()}"),
+                         server_workdir)
+    indexer = None
+    port = free_port()
+    try:
+        proc.wait_ready()
+        # After the server: its ZMQ client does not retry an ipc path that does not exist yet.
+        indexer = subprocess.Popen([sys.executable, "-m", "dynamo.indexer", "--block-size", str(PAGE), "--port",
+                                    str(port), "--threads", "1", "--workers", f"7={endpoint}"],
+                                   stdout=open(server_workdir / f"dynamo-indexer-{port}.out", "wb"),
+                                   stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+
+        def listening() -> bool:
+            try:
+                workers = httpx.get(url + "/workers", timeout=5).json()
+            except httpx.HTTPError:
+                return False
+            return any(l["status"] == "active" for w in workers for l in w["listeners"].values())
+
+        def score(tokens: list[int]) -> int:
+            r = httpx.post(url + "/query", json={"model_name": "default", "token_ids": tokens}, timeout=10)
+            assert r.status_code == 200, r.text
+            return r.json()["scores"].get("7", {}).get("0", 0)
+
+        deadline = time.monotonic() + 60
+        while not listening():
+            assert indexer.poll() is None and time.monotonic() < deadline, "the indexer did not start"
+            time.sleep(0.2)
+        time.sleep(2.0)  # its subscription reaches our PUB socket, which takes it in while idle
+
+        cached = prompt(1)
+        generate(base := proc.base_url, cached)
+        deadline = time.monotonic() + 60
+        while score(cached) != 28:
+            assert time.monotonic() < deadline, f"the indexer scores {score(cached)}, not 28"
+            time.sleep(0.2)
+        assert score(cached[:12] + prompt(9, 18)) == 12  # the shared 3 pages
+        assert score(prompt(5)) == 0
+
+        assert httpx.post(base + "/flush_cache", timeout=30).status_code == 200
+        deadline = time.monotonic() + 60
+        while score(cached) != 0:
+            assert time.monotonic() < deadline, "the flush did not reach the indexer"
+            time.sleep(0.2)
+    finally:
+        if indexer is not None:
+            indexer.terminate()
+            indexer.wait(30)
+        proc.stop()

@@ -95,6 +95,10 @@ class ZmqKvEventPublisher:
 
     def step(self) -> None:
         """Publish what the cache recorded since the last call as one batch; answer replay requests."""
+        # A PUB socket takes in new subscribers' subscriptions only when it is used, and filters each
+        # send by those it has taken in: without this, a subscriber that connected while the server
+        # was idle would miss the next batch (it can replay it, but need not).
+        self.pub.getsockopt(zmq.EVENTS)
         events = self.recorder.take()
         if events:
             layout = self.config.event_layout
