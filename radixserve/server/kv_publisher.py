@@ -26,14 +26,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import msgspec
 import zmq
 
-from radixserve.cache.block_events import BlockEventRecorder
-from radixserve.cache.radix_cache import RadixCache
 from radixserve.kv_events_config import KvEventsConfig, binds, offset_endpoint
+
+if TYPE_CHECKING:  # the API process checks the addresses at start-up and imports no torch
+    from radixserve.cache.radix_cache import RadixCache
 
 logger = logging.getLogger("radixserve")
 
@@ -60,7 +61,9 @@ def event_record(event: tuple, page_size: int, layout: str) -> list | dict:
 
 
 class ZmqKvEventPublisher:
-    def __init__(self, config: KvEventsConfig, cache: RadixCache, dp_rank: int = 0):
+    def __init__(self, config: KvEventsConfig, cache: "RadixCache", dp_rank: int = 0):
+        from radixserve.cache.block_events import BlockEventRecorder
+
         self.config = config
         self.dp_rank = dp_rank
         self.page_size = cache.page_size
@@ -160,7 +163,7 @@ def check_kv_event_endpoints(settings) -> Optional[str]:
     return None
 
 
-def make_kv_publisher(settings, cache: RadixCache) -> Optional[ZmqKvEventPublisher]:
+def make_kv_publisher(settings, cache: "RadixCache") -> Optional[ZmqKvEventPublisher]:
     """The publisher `--kv-events-config` asks for (None: off)."""
     config = settings.kv_events
     if config is None:
