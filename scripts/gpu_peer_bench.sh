@@ -15,7 +15,8 @@
 #   WORKLOADS   which of "random rate gsp agent" (default "random rate gsp")
 #   REPEAT      rounds (default 1)
 #   DEADLINE_S  the whole script's budget (default 560); an engine starts only with MIN_LEFT_S left
-#   OURS_ARGS / VLLM_ARGS / SGLANG_ARGS   extra flags per engine
+#   OURS_ARGS / VLLM_ARGS / SGLANG_ARGS   extra flags per engine (SGLang runs triton attention: its
+#               bundle has no FA3 objects)
 #   N_RANDOM IN_LEN OUT_LEN / N_RATE RATE: the random workloads' sizes (ANCHORS defaults)
 # One JSON line per run in $OUT/ENGINE.jsonl (bench_serving's record: its settings name the workload).
 set -uo pipefail
@@ -68,7 +69,8 @@ start_peer() {  # engine log: a peer in its own process group, its PYTHONPATH it
       [ -d /tmp/sglang ] || { log "sglang: /tmp/sglang missing"; return 1; }
       # shellcheck disable=SC2086
       setsid env PYTHONPATH=/tmp/sglang python3 -m sglang.launch_server --model-path "$PEER_MODEL" \
-        --load-format dummy --enable-cache-report --mem-fraction-static 0.85 --port "$PORT" ${SGLANG_ARGS:-} \
+        --load-format dummy --attention-backend triton --enable-cache-report --mem-fraction-static 0.85 --port "$PORT" \
+        ${SGLANG_ARGS:-} \
         > "$logf" 2>&1 & ;;
   esac
   PEER_PID=$!
