@@ -1,5 +1,9 @@
 """Qwen2 / Qwen2.5 forward pass over a ragged ForwardBatch, numerically like transformers' Qwen2.
 
+The decoder is shared with the families that differ from Qwen2 only in options of ModelConfig
+(set per family in radixserve.model.registry): `qkv_bias` and `qk_norm` (Qwen3 dense, see
+radixserve.model.qwen3, normalises each q and k head before RoPE and has no q|k|v bias).
+
 One forward, through layers that picked their kernels when the model was built
 (radixserve.model.layers: Triton on CUDA in bfloat16/float16, torch ops elsewhere). Parameters
 are fused where the math allows (q|k|v rows in `qkv_proj`, gate|up rows in `gate_up_proj`), so
@@ -60,9 +64,16 @@ class Qwen2Attention(nn.Module):
         kv_rows = (heads.kv_start * d, self.kv_size)
         self.qkv_proj = ColumnParallelLinear(
             config.hidden_size, {"q": (heads.q_start * d, self.q_size), "k": kv_rows, "v": kv_rows},
-            bias=True, dtype=dtype, kernels=kernels, fp8=fp8)
+            bias=config.qkv_bias, dtype=dtype, kernels=kernels, fp8=fp8)
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, start=heads.q_start * d, dtype=dtype,
                                         kernels=kernels, tp=tp, fp8=fp8)
+        # Qwen3: RMSNorm over each head's head_dim values of q and of k, before RoPE; one weight
+        # of head_dim per layer, the same on every rank (replicated under tensor parallelism).
+        self.q_norm: Optional[RMSNorm] = None
+        self.k_norm: Optional[RMSNorm] = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, kernels=kernels)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, kernels=kernels)
         # Plain attributes, never submodules: the backend and the RoPE tables are shared by all
         # layers, and their state must survive the model's meta -> device move.
         object.__setattr__(self, "_backend", attn_backend)
@@ -74,6 +85,11 @@ class Qwen2Attention(nn.Module):
         q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            # As [tokens * heads, head_dim] rows: one norm launch each for q and k (new tensors,
+            # which RoPE then rotates in place; v stays a view into qkv).
+            q = self.q_norm.forward(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
+            k = self.k_norm.forward(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
         pool = batch.kv_pool
         layer = self.layer_id
         q, k, stored = self._rotary_emb.forward(batch.positions, q, k, v=v, k_buf=pool.k_buffers[layer],
