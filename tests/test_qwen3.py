@@ -194,8 +194,8 @@ def test_server_serves_qwen3_like_the_offline_engine(qwen3, server_workdir):
         client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused")
         assert client.models.list().data[0].id == path.name
         for _ in range(2):  # the second request finds its prompt cached
-            completion = client.completions.create(model=path.name, prompt=prompts[1], max_tokens=GREEDY["max_new_tokens"],
-                                                   temperature=0, extra_body={"ignore_eos": True})
+            completion = client.completions.create(model=path.name, prompt=prompts[1], temperature=0,
+                                                   max_tokens=GREEDY["max_new_tokens"], extra_body={"ignore_eos": True})
             assert completion.choices[0].text == _decode(path, expected[1])
         assert completion.usage.prompt_tokens_details.cached_tokens == len(prompts[1]) - 1
     finally:
