@@ -81,6 +81,21 @@ def test_the_qwen3_8b_benchmark_config_has_the_published_shape():
     assert (cfg.tie_word_embeddings, cfg.qkv_bias, cfg.qk_norm, cfg.dtype) == (False, False, True, "bfloat16")
 
 
+def test_the_qwen3_8b_benchmark_config_builds_its_published_parameter_count():
+    """Built on the meta device (no memory): 8.19B parameters, 6.95B without the embedding and the
+    LM head, as Qwen3-8B's model card says; the benchmarks' cost model counts the same layers."""
+    from radixserve.bench.model_cost import ModelCost
+
+    cfg = ModelConfig.from_dir(REPO_ROOT / "benchmarks/configs/qwen3-8b")
+    model = model_class(cfg.architecture)(cfg, TorchAttentionBackend(), dtype=torch.bfloat16, device="meta",
+                                          max_positions=64)
+    total = sum(p.numel() for p in model.parameters())
+    vocab_rows = model.model.embed_tokens.weight.numel() + model.lm_head.weight.numel()
+    assert (total, total - vocab_rows) == (8_190_735_360, 6_946_075_648)
+    assert model.local_heads == (32, 8) and model.model.layers[0].self_attn.q_size == 4096
+    assert ModelCost(cfg).matmul_params == total - vocab_rows - cfg.hidden_size  # all but the final norm
+
+
 def test_tiny_qwen3_checkpoint_is_what_transformers_writes(qwen3):
     path = qwen3[0]
     raw = json.loads((path / "config.json").read_text())
