@@ -69,11 +69,13 @@ class Qwen2Attention(nn.Module):
                                         kernels=kernels, tp=tp, fp8=fp8)
         # Qwen3: RMSNorm over each head's head_dim values of q and of k, before RoPE; one weight
         # of head_dim per layer, the same on every rank (replicated under tensor parallelism).
+        # RoPE applies them (on the Triton path inside its own launch, see RotaryEmbedding).
         self.q_norm: Optional[RMSNorm] = None
         self.k_norm: Optional[RMSNorm] = None
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, kernels=kernels)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, kernels=kernels)
+        self._qk_norm = (self.q_norm, self.k_norm) if config.qk_norm else None
         # Plain attributes, never submodules: the backend and the RoPE tables are shared by all
         # layers, and their state must survive the model's meta -> device move.
         object.__setattr__(self, "_backend", attn_backend)
@@ -85,16 +87,12 @@ class Qwen2Attention(nn.Module):
         q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            # As [tokens * heads, head_dim] rows: one norm launch each for q and k (new tensors,
-            # which RoPE then rotates in place; v stays a view into qkv).
-            q = self.q_norm.forward(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
-            k = self.k_norm.forward(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
         pool = batch.kv_pool
         layer = self.layer_id
         q, k, stored = self._rotary_emb.forward(batch.positions, q, k, v=v, k_buf=pool.k_buffers[layer],
                                                 v_buf=pool.v_buffers[layer], loc=batch.out_cache_loc,
-                                                kv_scales=(pool.k_scales[layer], pool.v_scales[layer]))
+                                                kv_scales=(pool.k_scales[layer], pool.v_scales[layer]),
+                                                qk_norm=self._qk_norm)
         out = self._backend.forward(q, k, v, self.layer_id, batch, save_kv=not stored)
         return self.o_proj.forward(out.reshape(t, self.q_size))
 
