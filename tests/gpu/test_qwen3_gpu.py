@@ -1,6 +1,6 @@
 """Qwen3 dense on a CUDA GPU: the tiny Qwen3 (heads x head_dim wider than hidden, tied embeddings,
 random q/k norm weights) gives transformers' greedy tokens in fp32 with CUDA graphs and overlap on
-and off; in bf16 (the Triton kernels: the q/k norms through the RMSNorm kernel) graphs change no
+and off; in bf16 (the Triton kernels: the q/k norms inside the RoPE kernel) graphs change no
 token and most tokens agree with transformers' bf16; a Qwen3-0.6B-shaped model (head_dim 128,
 16 x 128 = 2048 query width over hidden 1024) runs with dummy weights through graphs and prefix
 hits with the Triton layers close to the torch layers. Skipped without CUDA.

@@ -81,8 +81,8 @@ def triton_and_torch_models(path) -> dict[bool, Qwen2ForCausalLM]:
 
 # (build_tiny_model arguments, prompt lengths): the extend batch (all tokens but the last of each)
 # has more rows than the decode-row GEMM takes, or fewer; lm_head (tied: the embedding) takes it
-# for the few sampled rows. Qwen3: the q/k norms through the RMSNorm kernel on [tokens * heads,
-# head_dim] rows, then RoPE; heads x head_dim (128) wider than hidden (64).
+# for the few sampled rows. Qwen3: the q/k norms inside the RoPE kernel (the torch layers: RMSNorm
+# on [tokens * heads, head_dim] rows, then RoPE); heads x head_dim (128) wider than hidden (64).
 CASES = {"untied-cublas-rows": (dict(tie_word_embeddings=False), (20, 17)),
          "tied-decode-gemm-rows": (dict(tie_word_embeddings=True), (4, 9, 6)),
          "qwen3-wide-heads-cublas-rows": (dict(family="qwen3", head_dim=32, tie_word_embeddings=False), (20, 17)),
