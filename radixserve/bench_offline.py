@@ -129,7 +129,7 @@ def run_hf_baseline(model_path: str, work: Workload, batch_size: int, seed: int)
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):
-            model = transformers.Qwen2ForCausalLM(config)
+            model = transformers.AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(default)
     model = model.to(torch.bfloat16).eval()

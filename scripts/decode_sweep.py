@@ -30,7 +30,7 @@ from radixserve.model.config import ModelConfig  # noqa: E402
 
 def linear_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, bool]]:
     h = cfg.hidden_size
-    return [("qkv", cfg.q_size + 2 * cfg.kv_size, h, True), ("o", h, cfg.q_size, False),
+    return [("qkv", cfg.q_size + 2 * cfg.kv_size, h, cfg.qkv_bias), ("o", h, cfg.q_size, False),
             ("gate_up", 2 * cfg.intermediate_size, h, False), ("down", h, cfg.intermediate_size, False),
             ("lm_head", cfg.vocab_size, h, False)]
 

@@ -71,8 +71,9 @@ def static_scale_of(module: str, input_scales: dict[str, float]) -> float:
 
 def hf_fake_quant(dequantized: Path, input_scales: dict[str, float], dtype: torch.dtype = torch.float32,
                   device: str = "cpu"):
-    """transformers' Qwen2 on the dequantized weights, each projection's input rounded to e4m3."""
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(dequantized, dtype=dtype).to(device).eval()
+    """transformers' model (its config's family) on the dequantized weights, each projection's input
+    rounded to e4m3."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(dequantized, dtype=dtype).to(device).eval()
     for name, module in hf.named_modules():
         if isinstance(module, torch.nn.Linear) and name != "lm_head":
             static = static_scale_of(name, input_scales) if input_scales else None

@@ -41,9 +41,9 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 def hf_group_fake_quant(dequantized: Path, group: int):
-    """transformers' Qwen2 on the dequantized weights, each projection's input rounded to e4m3 per
-    token per `group` columns."""
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval()
+    """transformers' model (its config's family) on the dequantized weights, each projection's input
+    rounded to e4m3 per token per `group` columns."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval()
 
     def hook(_m, args):
         x = args[0].float()

@@ -1,4 +1,4 @@
-"""The model layer against transformers' Qwen2: same logits through every path of the KV pool."""
+"""The model layer against transformers' Qwen2 and Qwen3: same logits through every path of the KV pool."""
 
 from __future__ import annotations
 
@@ -24,10 +24,13 @@ import transformers  # noqa: E402  a required dependency: a broken install fails
 ATOL = 1e-4
 
 VARIANTS = {
-    # name: (tie_word_embeddings, num_heads, num_kv_heads)
-    "untied-gqa2": (False, 4, 2),
-    "tied-gqa4": (True, 4, 1),
-    "tied-mha": (True, 4, 4),
+    # name: build_tiny_model keyword arguments
+    "untied-gqa2": dict(tie_word_embeddings=False, num_heads=4, num_kv_heads=2),
+    "tied-gqa4": dict(tie_word_embeddings=True, num_heads=4, num_kv_heads=1),
+    "tied-mha": dict(tie_word_embeddings=True, num_heads=4, num_kv_heads=4),
+    # Qwen3 dense: q/k norms, no q|k|v bias; heads x head_dim (4 x 32) wider than hidden (64).
+    "qwen3-tied-wide-heads": dict(family="qwen3", tie_word_embeddings=True, num_heads=4, num_kv_heads=2, head_dim=32),
+    "qwen3-untied-gqa4": dict(family="qwen3", tie_word_embeddings=False, num_heads=4, num_kv_heads=1),
 }
 
 
@@ -104,11 +107,10 @@ class PoolHarness:
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def tiny(request, tmp_path_factory):
-    tie, heads, kv_heads = VARIANTS[request.param]
-    path = build_tiny_model(tmp_path_factory.mktemp(request.param), tie_word_embeddings=tie, num_heads=heads,
-                            num_kv_heads=kv_heads, seed=1)
+    path = build_tiny_model(tmp_path_factory.mktemp(request.param), seed=1, **VARIANTS[request.param])
     model, cfg = load_model(path, attn_backend=TorchAttentionBackend())
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == type(model).__name__ == cfg.architecture
     return path, model, cfg, hf
 
 

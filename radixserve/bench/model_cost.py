@@ -1,4 +1,4 @@
-"""Bytes and FLOPs of a Qwen2 shape, per GPU: the floors `bench_one_batch` compares against."""
+"""Bytes and FLOPs of a Qwen2 or Qwen3 dense shape, per GPU: the floors `bench_one_batch` compares against."""
 
 from __future__ import annotations
 
@@ -42,9 +42,13 @@ class ModelCost:
 
     @property
     def layer_params(self) -> int:
+        """One layer's projections, q|k|v bias (Qwen2), q and k norms (Qwen3: head_dim each,
+        replicated) and the two RMSNorms."""
         c = self.cfg
         q, kv = self.local_heads * c.head_dim, self.local_kv_heads * c.head_dim
-        return self.layer_projection_params + (q + 2 * kv) + 2 * c.hidden_size
+        bias = (q + 2 * kv) if c.qkv_bias else 0
+        qk_norms = 2 * c.head_dim if c.qk_norm else 0
+        return self.layer_projection_params + bias + qk_norms + 2 * c.hidden_size
 
     @property
     def matmul_params(self) -> int:

@@ -10,7 +10,7 @@
 - `radixserve.kernels.decode_linear_fp8`: `decode_linear_fp8(x, weight, weight_scale, bias, config)`, the
   same over e4m3 weights with per-output-channel scales (FP8 projections)
 - `radixserve.kernels.rope`: `apply_rope_(q, k, positions, cos, sin, *, v, k_buf, v_buf, loc)` (RoPE, and
-  optionally the KV store, in one launch)
+  optionally Qwen3's per-head q/k RMSNorm before it and the KV store after it, in one launch)
 - `radixserve.kernels.kv_store`: `store_kv(k, v, k_buf, v_buf, loc)`, the KV store alone
 - `radixserve.kernels.decode_attention`, `radixserve.kernels.extend_attention`: the attention
   kernels behind `radixserve.attention.triton_backend` (split-K decode, ragged extend)

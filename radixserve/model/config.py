@@ -9,9 +9,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from radixserve.model.quantization import Fp8Config, quantization_config
-
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
-SUPPORTED_MODEL_TYPES = ("qwen2",)
+from radixserve.model.registry import family_of
 # RoPE variants the model implements; anything else would silently give wrong positions.
 SUPPORTED_ROPE_TYPES = (None, "default")
 
@@ -39,6 +37,10 @@ class ModelConfig:
     # Checkpoint dtype name ("bfloat16", ...) or None when the config does not say.
     dtype: Optional[str] = None
     model_type: str = "qwen2"
+    # Family fields (set by the family's hook in radixserve.model.registry): q, k and v projections
+    # with a bias (Qwen2), and RMSNorm over each q and k head before RoPE (Qwen3).
+    qkv_bias: bool = True
+    qk_norm: bool = False
     # The checkpoint's FP8 layout (its quantization_config), None for plain weights.
     quantization: Optional[Fp8Config] = None
     # The parsed config.json, for settings this dataclass does not model.
@@ -80,7 +82,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> "ModelConfig":
-        architecture = _architecture(data, source)
+        family = family_of(data, source)
 
         def need(key: str) -> Any:
             if data.get(key) is None:
@@ -108,7 +110,7 @@ class ModelConfig:
             raise ValueError(f"{source}: use_sliding_window=true is not supported (only full attention)")
 
         return cls(
-            architecture=architecture,
+            architecture=family.architecture,
             hidden_size=hidden_size,
             num_hidden_layers=int(need("num_hidden_layers")),
             num_attention_heads=num_heads,
@@ -124,22 +126,11 @@ class ModelConfig:
             bos_token_id=data.get("bos_token_id"),
             pad_token_id=data.get("pad_token_id"),
             dtype=_dtype_name(data.get("dtype", data.get("torch_dtype"))),
-            model_type=str(data.get("model_type", "qwen2")),
+            model_type=str(data.get("model_type", family.model_type)),
             quantization=quantization_config(data, source=source),
             raw=data,
+            **family.parse_config(data, source),
         )
-
-
-def _architecture(data: dict[str, Any], source: str) -> str:
-    architectures = data.get("architectures") or []
-    for arch in architectures:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return arch
-    if not architectures and data.get("model_type") in SUPPORTED_MODEL_TYPES:
-        return SUPPORTED_ARCHITECTURES[0]
-    found = ", ".join(architectures) if architectures else f"model_type={data.get('model_type')!r}"
-    raise ValueError(f"{source}: unsupported architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)} "
-                     f"(model_type {', '.join(SUPPORTED_MODEL_TYPES)})")
 
 
 def _rope_theta(data: dict[str, Any], source: str) -> float:

@@ -24,6 +24,7 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.layers import KernelChoice, ShardId, copy_weight
 from radixserve.model.qwen2 import Qwen2ForCausalLM
 from radixserve.model.quantization import quantization_config
+from radixserve.model.registry import model_class
 from radixserve.settings import DECODE_GEMM_MAX_ROWS
 
 logger = logging.getLogger(__name__)
@@ -33,8 +34,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DUMMY_STD = 0.02
 
-# config.json's architecture -> the model class that runs it (ModelConfig refuses any other).
-MODEL_CLASSES = {"Qwen2ForCausalLM": Qwen2ForCausalLM}
 
 # Checkpoint tensors that carry nothing the model needs (recomputed buffers).
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|rotary_emb\.cos_cached|rotary_emb\.sin_cached)$")
@@ -63,8 +62,9 @@ def load_model(model_path: Union[str, os.PathLike], *, load_format: LoadFormat =
     weight_files = [] if load_format == "dummy" else safetensors_files(model_path)
     fp8 = quantization_config(config.raw, quantization, source=f"{model_path}/config.json")
     kernels = KernelChoice.for_device(device, dtype, triton=triton_kernels, decode_gemm_max_rows=decode_gemm_max_rows)
-    model = MODEL_CLASSES[config.architecture](config, attn_backend, dtype=dtype, device=device,
-                                               max_positions=context_length, kernels=kernels, tp=tp, fp8=fp8)
+    # The class config.json's architecture names (radixserve.model.registry; ModelConfig refused any other).
+    model = model_class(config.architecture)(config, attn_backend, dtype=dtype, device=device,
+                                             max_positions=context_length, kernels=kernels, tp=tp, fp8=fp8)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:

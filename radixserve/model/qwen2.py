@@ -1,5 +1,9 @@
 """Qwen2 / Qwen2.5 forward pass over a ragged ForwardBatch, numerically like transformers' Qwen2.
 
+The decoder is shared with the families that differ from Qwen2 only in options of ModelConfig
+(set per family in radixserve.model.registry): `qkv_bias` and `qk_norm` (Qwen3 dense, see
+radixserve.model.qwen3, normalises each q and k head before RoPE and has no q|k|v bias).
+
 One forward, through layers that picked their kernels when the model was built
 (radixserve.model.layers: Triton on CUDA in bfloat16/float16, torch ops elsewhere). Parameters
 are fused where the math allows (q|k|v rows in `qkv_proj`, gate|up rows in `gate_up_proj`), so
@@ -60,9 +64,18 @@ class Qwen2Attention(nn.Module):
         kv_rows = (heads.kv_start * d, self.kv_size)
         self.qkv_proj = ColumnParallelLinear(
             config.hidden_size, {"q": (heads.q_start * d, self.q_size), "k": kv_rows, "v": kv_rows},
-            bias=True, dtype=dtype, kernels=kernels, fp8=fp8)
+            bias=config.qkv_bias, dtype=dtype, kernels=kernels, fp8=fp8)
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, start=heads.q_start * d, dtype=dtype,
                                         kernels=kernels, tp=tp, fp8=fp8)
+        # Qwen3: RMSNorm over each head's head_dim values of q and of k, before RoPE; one weight
+        # of head_dim per layer, the same on every rank (replicated under tensor parallelism).
+        # RoPE applies them (on the Triton path inside its own launch, see RotaryEmbedding).
+        self.q_norm: Optional[RMSNorm] = None
+        self.k_norm: Optional[RMSNorm] = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, kernels=kernels)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, kernels=kernels)
+        self._qk_norm = (self.q_norm, self.k_norm) if config.qk_norm else None
         # Plain attributes, never submodules: the backend and the RoPE tables are shared by all
         # layers, and their state must survive the model's meta -> device move.
         object.__setattr__(self, "_backend", attn_backend)
@@ -78,7 +91,8 @@ class Qwen2Attention(nn.Module):
         layer = self.layer_id
         q, k, stored = self._rotary_emb.forward(batch.positions, q, k, v=v, k_buf=pool.k_buffers[layer],
                                                 v_buf=pool.v_buffers[layer], loc=batch.out_cache_loc,
-                                                kv_scales=(pool.k_scales[layer], pool.v_scales[layer]))
+                                                kv_scales=(pool.k_scales[layer], pool.v_scales[layer]),
+                                                qk_norm=self._qk_norm)
         out = self._backend.forward(q, k, v, self.layer_id, batch, save_kv=not stored)
         return self.o_proj.forward(out.reshape(t, self.q_size))
 

@@ -1,7 +1,8 @@
-"""A tiny random Qwen2 checkpoint written by `transformers` itself: the correctness oracle.
+"""A tiny random Qwen2 (or Qwen3) checkpoint written by `transformers` itself: the correctness oracle.
 
 The tokenizer is a byte-level BPE trained on a corpus embedded here, so any text tokenizes and
-nothing is downloaded. Weights come from `transformers.Qwen2ForCausalLM` with a fixed seed, so
+nothing is downloaded. Weights come from `transformers.Qwen2ForCausalLM` (`family="qwen3"`:
+`Qwen3ForCausalLM`, with a `head_dim` that may differ from hidden / heads) with a fixed seed, so
 the same arguments always give the same files.
 """
 
@@ -11,7 +12,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -119,11 +120,16 @@ def _train_tokenizer(vocab_size: int):
     return tok
 
 
-def _qwen2_config(vocab_size: int, *, hidden: int, layers: int, num_heads: int, num_kv_heads: int,
-                  intermediate: int, tie_word_embeddings: bool, eos_id: int, dtype: torch.dtype):
-    import transformers
-    from transformers import Qwen2Config
+# family -> the transformers config and model class names that write it.
+FAMILIES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
+
+def _hf_config(family: str, vocab_size: int, *, hidden: int, layers: int, num_heads: int, num_kv_heads: int,
+               head_dim: Optional[int], intermediate: int, tie_word_embeddings: bool, eos_id: int,
+               dtype: torch.dtype):
+    import transformers
+
+    config_name, model_name = FAMILIES[family]
     kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -140,25 +146,36 @@ def _qwen2_config(vocab_size: int, *, hidden: int, layers: int, num_heads: int, 
         eos_token_id=eos_id,
         pad_token_id=eos_id,
         use_sliding_window=False,
-        architectures=["Qwen2ForCausalLM"],
+        architectures=[model_name],
     )
+    if family == "qwen3":
+        kwargs.update(head_dim=head_dim or hidden // num_heads, attention_bias=False)
+    elif head_dim is not None:
+        raise ValueError("head_dim is a Qwen3 option: Qwen2's is hidden / num_heads")
     if int(transformers.__version__.split(".")[0]) >= 5:
         kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
     else:  # transformers 4.x spells it as a top-level key
         kwargs["rope_theta"] = 10000.0
-    config = Qwen2Config(**kwargs)
+    config = getattr(transformers, config_name)(**kwargs)
     config.dtype = dtype
     return config
 
 
 def build_tiny_model(path: Union[str, os.PathLike], *, tie_word_embeddings: bool = False, num_kv_heads: int = 2,
                      num_heads: int = 4, hidden: int = 64, layers: int = 2, intermediate: int = 128, seed: int = 0,
-                     dtype: torch.dtype = torch.float32, vocab_size: int = 512, shard: bool = False) -> Path:
+                     dtype: torch.dtype = torch.float32, vocab_size: int = 512, shard: bool = False,
+                     family: str = "qwen2", head_dim: Optional[int] = None) -> Path:
     """Write tokenizer + config.json + safetensors of a random Qwen2 into `path`; returns the path.
 
     `shard=True` saves in several small shards with a model.safetensors.index.json.
+    `family="qwen3"` writes a Qwen3 dense model instead (q/k norms, no q|k|v bias); its `head_dim`
+    (default hidden / num_heads) may make num_heads x head_dim differ from hidden.
     """
-    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r}: expected one of {', '.join(FAMILIES)}")
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -175,14 +192,14 @@ def build_tiny_model(path: Union[str, os.PathLike], *, tie_word_embeddings: bool
     hf_tok.save_pretrained(out)
 
     eos_id = hf_tok.convert_tokens_to_ids(ENDOFTEXT)
-    config = _qwen2_config(len(hf_tok), hidden=hidden, layers=layers, num_heads=num_heads,
-                           num_kv_heads=num_kv_heads, intermediate=intermediate,
-                           tie_word_embeddings=tie_word_embeddings, eos_id=eos_id, dtype=dtype)
+    config = _hf_config(family, len(hf_tok), hidden=hidden, layers=layers, num_heads=num_heads,
+                        num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate=intermediate,
+                        tie_word_embeddings=tie_word_embeddings, eos_id=eos_id, dtype=dtype)
 
     # A private RNG stream: the caller's global torch RNG state is left as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = getattr(transformers, FAMILIES[family][1])(config)
         with torch.no_grad():
             # HF initialises biases to 0 and norms to 1; random values make the equivalence
             # tests check that both are loaded into the right places.

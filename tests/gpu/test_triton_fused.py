@@ -136,6 +136,49 @@ def test_rope_and_store_kv(tokens, hq, hkv, head_dim, pool_dtype):
         apply_rope_(q, k, positions, cos, sin, k_buf=k_buf)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,hq,hkv,head_dim", [(1, 32, 8, 128), (37, 16, 8, 128), (5, 4, 2, 32)])
+def test_rope_with_qk_norm(tokens, hq, hkv, head_dim, dtype):
+    """Qwen3's per-head q/k RMSNorm inside the RoPE launch, on views into a fused qkv (Qwen3-8B's
+    and Qwen3-0.6B's heads): what the RMSNorm kernel on [tokens * heads, head_dim] rows and then
+    RoPE give (float32 summation order aside), and transformers' order of operations; k stored in
+    the pool normed and rotated, v untouched."""
+    cos, sin = rope_tables(9000, head_dim, 1e6)
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    qkv = (torch.randn(tokens, (hq + 2 * hkv) * head_dim, device=DEVICE) * 3).to(dtype)
+    q = qkv[:, :hq * head_dim].view(tokens, hq, head_dim)
+    k = qkv[:, hq * head_dim:(hq + hkv) * head_dim].view(tokens, hkv, head_dim)
+    v = qkv[:, (hq + hkv) * head_dim:].view(tokens, hkv, head_dim)
+    qw = (torch.rand(head_dim, device=DEVICE) + 0.5).to(dtype)
+    kw = (torch.rand(head_dim, device=DEVICE) + 0.5).to(dtype)
+    positions = torch.randint(0, 9000, (tokens,), device=DEVICE)
+    # Unfused: the norm kernel on rows, then RoPE on the new tensors.
+    q_ref = rms_norm(q.reshape(-1, head_dim), qw, 1e-6).view(tokens, hq, head_dim)
+    k_ref = rms_norm(k.reshape(-1, head_dim), kw, 1e-6).view(tokens, hkv, head_dim)
+    c, s = cos[positions][:, None, :].float(), sin[positions][:, None, :].float()
+
+    def rot(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    q_hf = hf_rms_norm(q, qw, 1e-6).float() * c + rot(hf_rms_norm(q, qw, 1e-6).float()) * s
+    k_hf = hf_rms_norm(k, kw, 1e-6).float() * c + rot(hf_rms_norm(k, kw, 1e-6).float()) * s
+    apply_rope_(q_ref, k_ref, positions, cos, sin)
+    v_before = v.clone()
+    num_slots = 2 * tokens + 3
+    loc = torch.randperm(num_slots, device=DEVICE)[:tokens]
+    k_buf = torch.full((num_slots, hkv, head_dim), float("nan"), device=DEVICE).to(dtype)
+    v_buf = torch.full((num_slots, hkv, head_dim), float("nan"), device=DEVICE).to(dtype)
+    apply_rope_(q, k, positions, cos, sin, v=v, k_buf=k_buf, v_buf=v_buf, loc=loc, q_norm_weight=qw,
+                k_norm_weight=kw, eps=1e-6)
+    close = 1e-5 if dtype == torch.float32 else 1e-3  # measured: 4e-8 and 4e-6 (fp16, the interpreter)
+    assert rel_err(q, q_ref) < close and rel_err(k, k_ref) < close
+    assert rel_err(q, q_hf) < 10 * tol(dtype) and rel_err(k, k_hf) < 10 * tol(dtype)
+    assert torch.equal(k_buf[loc], k) and torch.equal(v_buf[loc], v_before) and torch.equal(v, v_before)
+    with pytest.raises(ValueError, match="both"):
+        apply_rope_(q, k, positions, cos, sin, q_norm_weight=qw)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the direct launch path exists on CUDA only")
 def test_direct_launch_matches_triton_for_every_specialisation():
     """FastKernel calls a compiled kernel's launcher directly after the first call of each

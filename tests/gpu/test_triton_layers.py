@@ -1,5 +1,5 @@
-"""The model's Triton layers against its torch layers, on the tiny Qwen2 over the Triton attention
-backend: close logits and the same KV in the pool, for an extend of more rows than the decode-row
+"""The model's Triton layers against its torch layers, on the tiny Qwen2 and Qwen3 over the Triton
+attention backend: close logits and the same KV in the pool, for an extend of more rows than the decode-row
 GEMM takes (cuBLAS), one of fewer (the decode-row GEMM, SiLU fused), and a decode step after each.
 With the Triton layers RoPE stores K and V itself; with the torch layers the backend does.
 
@@ -24,6 +24,7 @@ from radixserve.cache.kv_pool import KVPool  # noqa: E402
 from radixserve.model.layers import KernelChoice  # noqa: E402
 from radixserve.model.loader import load_model  # noqa: E402
 from radixserve.model.qwen2 import Qwen2ForCausalLM  # noqa: E402
+from radixserve.model.registry import model_class  # noqa: E402
 from radixserve.testing.tiny_model import build_tiny_model  # noqa: E402
 
 LOW = torch.bfloat16 if DEVICE == "cuda" else torch.float16
@@ -71,23 +72,30 @@ def triton_and_torch_models(path) -> dict[bool, Qwen2ForCausalLM]:
                               triton_kernels=False)
     # KernelChoice.for_device refuses the Triton kernels off CUDA; under the interpreter they run
     # on the CPU, so the choice is made here and the reference's weights copied in.
-    model = Qwen2ForCausalLM(reference.config, TritonAttentionBackend(num_sms=num_sms), dtype=LOW, device=DEVICE,
-                             kernels=KernelChoice(triton=True, decode_gemm_max_rows=MAX_ROWS))
+    model = model_class(reference.config.architecture)(
+        reference.config, TritonAttentionBackend(num_sms=num_sms), dtype=LOW, device=DEVICE,
+        kernels=KernelChoice(triton=True, decode_gemm_max_rows=MAX_ROWS))
     model.load_state_dict(reference.state_dict())
     return {True: model.eval(), False: reference}
 
 
-# (tied embeddings, prompt lengths): the extend batch (all tokens but the last of each) has more
-# rows than the decode-row GEMM takes, or fewer; lm_head (tied: the embedding) takes it for the
-# few sampled rows.
-CASES = {"untied-cublas-rows": (False, (20, 17)), "tied-decode-gemm-rows": (True, (4, 9, 6))}
+# (build_tiny_model arguments, prompt lengths): the extend batch (all tokens but the last of each)
+# has more rows than the decode-row GEMM takes, or fewer; lm_head (tied: the embedding) takes it
+# for the few sampled rows. Qwen3: the q/k norms inside the RoPE kernel (the torch layers: RMSNorm
+# on [tokens * heads, head_dim] rows, then RoPE); heads x head_dim (128) wider than hidden (64).
+CASES = {"untied-cublas-rows": (dict(tie_word_embeddings=False), (20, 17)),
+         "tied-decode-gemm-rows": (dict(tie_word_embeddings=True), (4, 9, 6)),
+         "qwen3-wide-heads-cublas-rows": (dict(family="qwen3", head_dim=32, tie_word_embeddings=False), (20, 17)),
+         "qwen3-wide-heads-decode-gemm-rows": (dict(family="qwen3", head_dim=32, tie_word_embeddings=True), (4, 9, 6))}
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_triton_layers_match_torch_layers(case, tmp_path):
-    tied, lengths = CASES[case]
+    build, lengths = CASES[case]
+    tied = build["tie_word_embeddings"]
     assert (sum(lengths) - len(lengths) > MAX_ROWS) == ("cublas" in case)
-    models = triton_and_torch_models(build_tiny_model(tmp_path / "tiny", tie_word_embeddings=tied))
+    models = triton_and_torch_models(build_tiny_model(tmp_path / "tiny", **build))
+    assert type(models[True]) is type(models[False])
     assert (models[True].lm_head.weight is models[True].model.embed_tokens.weight) == tied
     rng = random.Random(sum(lengths))
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]

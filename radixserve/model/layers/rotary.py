@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from radixserve.model.layers.kernel_choice import KernelChoice
+from radixserve.model.layers.norm import RMSNorm
 
 
 def rope_cos_sin(max_positions: int, head_dim: int, theta: float, device: torch.device | str
@@ -41,6 +42,11 @@ class RotaryEmbedding(nn.Module):
     k_buf/v_buf at slots `loc` by the same launch, so stored is True and the attention backend
     only attends (an FP8 pool gets k / k_scale, v / v_scale: `kv_scales`). Torch: new rotated
     tensors, stored is False (the backend stores them).
+
+    `qk_norm=(q_norm, k_norm)` (Qwen3): each head of q and of k is first normalised by these
+    RMSNorms over its head_dim values. Triton: inside the same launch, in place (no copy of the
+    strided q and k views, no launch of its own); torch: the norms on [tokens * heads, head_dim]
+    rows, then the rotation.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, *, dtype: torch.dtype,
@@ -62,11 +68,19 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *, v: Optional[torch.Tensor] = None,
                 k_buf: Optional[torch.Tensor] = None, v_buf: Optional[torch.Tensor] = None,
-                loc: Optional[torch.Tensor] = None, kv_scales: tuple[float, float] = (1.0, 1.0)
-                ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+                loc: Optional[torch.Tensor] = None, kv_scales: tuple[float, float] = (1.0, 1.0),
+                qk_norm: Optional[tuple[RMSNorm, RMSNorm]] = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         if self._triton_rope is not None:
+            norm_weights = {}
+            if qk_norm is not None:
+                q_norm, k_norm = qk_norm
+                norm_weights = dict(q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, eps=q_norm.eps)
             self._triton_rope(q, k, positions, self.cos, self.sin, v=v, k_buf=k_buf, v_buf=v_buf, loc=loc,
-                              k_scale=kv_scales[0], v_scale=kv_scales[1])
+                              k_scale=kv_scales[0], v_scale=kv_scales[1], **norm_weights)
             return q, k, k_buf is not None
+        if qk_norm is not None:
+            (t, hq, d), hkv = q.shape, k.shape[1]
+            q = qk_norm[0].forward(q.reshape(-1, d)).view(t, hq, d)
+            k = qk_norm[1].forward(k.reshape(-1, d)).view(t, hkv, d)
         q, k = apply_rope(q, k, self.cos[positions], self.sin[positions])
         return q, k, False
