@@ -298,6 +298,8 @@ class ServerSettings:
             raise ValueError(f"tp_size={self.tp_size} does not split evenly over nnodes={self.nnodes}")
         if self.dp_size > 1:
             raise ValueError("dp_size > 1 with nnodes > 1 is not supported: start one multi-node engine per worker")
+        if self.tp_all_reduce == "symm-mem":
+            raise ValueError("tp_all_reduce=symm-mem works within one machine (NVLink); with nnodes > 1 use nccl")
         if not self.dist_init_addr:
             raise ValueError("nnodes > 1 needs dist_init_addr (HOST:PORT of node 0, the same on every node)")
         self.dist_init_host_port()

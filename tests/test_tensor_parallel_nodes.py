@@ -134,6 +134,7 @@ def test_multi_node_settings_are_checked_by_name():
             (dict(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1"), "node_rank must be in 0..1"),
             (dict(tp_size=2, nnodes=2, dist_init_addr="h"), "HOST:PORT"),
             (dict(tp_size=2, nnodes=2, dist_init_addr="h:1", dp_size=2), "dp_size > 1 with nnodes"),
+            (dict(tp_size=2, nnodes=2, dist_init_addr="h:1", tp_all_reduce="symm-mem"), "within one machine"),
             (dict(node_rank=1), "node_rank must be in 0..0")):
         with pytest.raises(ValueError, match=message):
             ServerSettings(**kwargs)
