@@ -170,7 +170,7 @@ def test_alerts_and_dashboard_use_metrics_that_exist(server):
 # here, so InferencePool and HTTPRoute are checked against minimal JSON schemas written from the
 # published CRDs' field names, types, required fields, enums and bounds
 # (inference.networking.k8s.io_inferencepools.yaml of the Inference Extension v1.6.0;
-# gateway.networking.k8s.io_httproutes.yaml of Gateway API v1), every object closed to fields the
+# gateway.networking.k8s.io_httproutes.yaml of Gateway API's standard channel, v1), every object closed to fields the
 # CRD does not have; the picker's EndpointPickerConfig likewise from its published Go types
 # (llm-d's inference scheduler, and llm-d-kv-cache's config for the precise prefix-cache scorer).
 
@@ -225,8 +225,7 @@ HTTP_ROUTE_SCHEMA = _closed({
         "rules": {"type": "array", "maxItems": 16, "items": _closed({
             "name": _NAME, "matches": {"type": "array", "maxItems": 64, "items": _ROUTE_MATCH},
             "filters": {"type": "array"}, "backendRefs": {"type": "array", "maxItems": 16, "items": _BACKEND_REF},
-            "timeouts": _closed({"request": _DURATION, "backendRequest": _DURATION}),
-            "retry": {"type": "object"}, "sessionPersistence": {"type": "object"}})},
+            "timeouts": _closed({"request": _DURATION, "backendRequest": _DURATION})})},
     }),
 }, ("apiVersion", "kind", "metadata", "spec"))
 _UDS = _closed({"socketFile": {"type": "string", "minLength": 1}, "useTCP": {"type": "boolean"}}, ("socketFile",))
