@@ -180,7 +180,8 @@ LLMD_CORE_KINDS = {("apps/v1", "Deployment"): "V1Deployment", ("v1", "Service"):
                    ("rbac.authorization.k8s.io/v1", "Role"): "V1Role",
                    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "V1RoleBinding"}
 _NAME = {"type": "string", "minLength": 1, "maxLength": 253}
-_GROUP = {"type": "string", "maxLength": 253, "pattern": r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"}
+_GROUP = {"type": "string", "maxLength": 253,
+          "pattern": r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"}
 _KIND = {"type": "string", "minLength": 1, "maxLength": 63, "pattern": r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$"}
 _PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
 _LABEL_VALUE = {"type": "string", "maxLength": 63, "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"}
@@ -369,7 +370,8 @@ def test_llmd_objects_fit_together():
     kv = scorer["kvEventsConfig"]
     assert events.publishes and not binds(events.endpoint) and binds(kv["zmqEndpoint"]) and not kv["discoverPods"]
     zmq_port = int(kv["zmqEndpoint"].rpartition(":")[2])
-    assert events.endpoint == f"tcp://{epp_svc['metadata']['name']}.default.svc.cluster.local:{svc_ports['zmq']['port']}"
+    epp_host = f"{epp_svc['metadata']['name']}.default.svc.cluster.local"
+    assert events.endpoint == f"tcp://{epp_host}:{svc_ports['zmq']['port']}"
     assert svc_ports["zmq"]["targetPort"] in {p["name"] for p in epp["ports"] if p["containerPort"] == zmq_port}
     assert scorer["tokenProcessorConfig"]["blockSize"] == int(_flag(args, "--page-size"))
     model = _flag(args, "--served-model-name")
