@@ -3,7 +3,9 @@
 Every flag comes from `radixserve.settings.ServerSettings` (see `--help`); the SGLang spellings
 are canonical and the seed article's spellings (`--chunk-prefill-size`, `--radix-cache-policy`,
 `--mem-fraction`) are aliases. With `--dp-size N` it starts N workers behind a router whose policy
-is `--router-policy` (default cache_aware).
+is `--router-policy` (default cache_aware). With `--nnodes N --node-rank K --dist-init-addr
+HOST:PORT` one tensor-parallel engine spans N machines: node 0 serves HTTP, node K > 0 runs only
+its ranks (radixserve.engine.tp_node).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from radixserve.server.startup import StartupError, check_before_loading, silence_tokenizer_length_warning
 
     setup_logging(settings.log_level, settings.log_file)
+    if settings.node_rank > 0:
+        return run_other_node(settings)
     try:  # before the engine starts or anything loads: a wrong path or a busy port fails at once
         check_before_loading(settings)
     except StartupError as e:
@@ -82,6 +86,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
     exit_without_waiting_for_threads(code)
     return code
+
+
+def run_other_node(settings: ServerSettings) -> int:
+    """Node K > 0 of a multi-node engine: this node's ranks only, no HTTP server."""
+    import dataclasses
+
+    from radixserve.default_model import ensure_model_path
+    from radixserve.engine.tp_node import run_node
+    from radixserve.server.startup import (StartupError, check_context_length, check_hicache_memory,
+                                           check_model_path, check_quantization)
+
+    log = logging.getLogger("radixserve")
+    try:
+        for check in (check_model_path, check_quantization, check_context_length, check_hicache_memory):
+            check(settings)
+        return run_node(dataclasses.replace(settings, model_path=ensure_model_path(settings.model_path)))
+    except (StartupError, ValueError) as e:
+        log.error("node %d failed: %s", settings.node_rank, e)
+        return 1
 
 
 def exit_without_waiting_for_threads(code: int) -> None:

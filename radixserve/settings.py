@@ -208,6 +208,15 @@ class ServerSettings:
     tp_size: int = _opt(
         1, "Tensor-parallel ranks per engine: the model's heads, MLP and vocabulary split over this many "
         "processes, one per GPU (NCCL; gloo on the CPU). With --dp-size M, M x N GPUs.", aliases=("--tp",))
+    nnodes: int = _opt(
+        1, "Machines one tensor-parallel engine spans (SGLang's flag): --tp-size ranks split evenly over them, "
+        "--tp-size / --nnodes GPUs on each. Start the same command on every machine with its --node-rank and "
+        "the same --dist-init-addr; node 0 serves HTTP and schedules, the others only run their ranks.")
+    node_rank: int = _opt(0, "This machine's index among the --nnodes machines (0 serves HTTP).")
+    dist_init_addr: Optional[str] = _opt(
+        None, "HOST:PORT of node 0 where the ranks of a multi-node engine meet (torch.distributed's TCP store on "
+        "node 0; step messages and collectives then use other ports between the nodes). Needed with --nnodes > 1; "
+        "reachable only from the engine's machines: nothing on these ports is authenticated.")
     tp_all_reduce: str = _opt(
         "nccl", "The all-reduce of tensor parallelism's decode steps: nccl, or symm-mem (torch's symmetric-memory "
         "one-shot all-reduce over NVLink, CUDA only; prefill-sized messages still use NCCL). Compare them with "
@@ -270,12 +279,42 @@ class ServerSettings:
             parse_kv_events_config(self.kv_events_config)
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        self._validate_nodes()
         if self.decode_gemm_max_rows < 0:
             raise ValueError(f"decode_gemm_max_rows must be >= 0, got {self.decode_gemm_max_rows}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+
+    def _validate_nodes(self) -> None:
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in 0..{self.nnodes - 1} (nnodes={self.nnodes}), got {self.node_rank}")
+        if self.nnodes == 1:
+            return
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size={self.tp_size} does not split evenly over nnodes={self.nnodes}")
+        if self.dp_size > 1:
+            raise ValueError("dp_size > 1 with nnodes > 1 is not supported: start one multi-node engine per worker")
+        if self.tp_all_reduce == "symm-mem":
+            raise ValueError("tp_all_reduce=symm-mem works within one machine (NVLink); with nnodes > 1 use nccl")
+        if not self.dist_init_addr:
+            raise ValueError("nnodes > 1 needs dist_init_addr (HOST:PORT of node 0, the same on every node)")
+        self.dist_init_host_port()
+
+    def dist_init_host_port(self) -> tuple[str, int]:
+        """--dist-init-addr as (host, port); ValueError when it is not HOST:PORT."""
+        host, sep, port = (self.dist_init_addr or "").rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"dist_init_addr must be HOST:PORT with a port in 1-65535, got {self.dist_init_addr!r}")
+        return host, int(port)
+
+    @property
+    def tp_ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
 
     def check_context_length(self, model_positions: int, model: str) -> None:
         """A context_length above the model's max_position_embeddings is a ValueError naming the
@@ -289,8 +328,8 @@ class ServerSettings:
 
     @property
     def hicache_host_bytes(self) -> int:
-        """Host memory --hicache-size asks for on this machine: per rank, per worker."""
-        return int(self.hicache_size * 1e9) * self.tp_size * self.dp_size
+        """Host memory --hicache-size asks for on this machine: per rank (of this node), per worker."""
+        return int(self.hicache_size * 1e9) * self.tp_ranks_per_node * self.dp_size
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ServerSettings":

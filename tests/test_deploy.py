@@ -17,6 +17,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -160,3 +161,236 @@ def test_alerts_and_dashboard_use_metrics_that_exist(server):
     assert len(used) >= 15
     missing = sorted(used - exported)
     assert not missing, f"not exported by the server or router: {missing}"
+
+
+# ============================================================================ llm-d / Inference Extension
+# deploy/llm-d: the workers as an InferencePool's model servers behind llm-d's endpoint picker.
+# The core objects go through the official Kubernetes client's models as above. No PyPI package
+# ships the Gateway API Inference Extension's or Gateway API's CRDs, and nothing may be downloaded
+# here, so InferencePool and HTTPRoute are checked against minimal JSON schemas written from the
+# published CRDs' field names, types, required fields, enums and bounds
+# (inference.networking.k8s.io_inferencepools.yaml of the Inference Extension v1.6.0;
+# gateway.networking.k8s.io_httproutes.yaml of Gateway API's standard channel, v1), every object closed to fields the
+# CRD does not have; the picker's EndpointPickerConfig likewise from its published Go types
+# (llm-d's inference scheduler, and llm-d-kv-cache's config for the precise prefix-cache scorer).
+
+LLMD = DEPLOY / "llm-d"
+LLMD_CORE_KINDS = {("apps/v1", "Deployment"): "V1Deployment", ("v1", "Service"): "V1Service",
+                   ("v1", "ConfigMap"): "V1ConfigMap", ("v1", "ServiceAccount"): "V1ServiceAccount",
+                   ("rbac.authorization.k8s.io/v1", "Role"): "V1Role",
+                   ("rbac.authorization.k8s.io/v1", "RoleBinding"): "V1RoleBinding"}
+_NAME = {"type": "string", "minLength": 1, "maxLength": 253}
+_GROUP = {"type": "string", "maxLength": 253,
+          "pattern": r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"}
+_KIND = {"type": "string", "minLength": 1, "maxLength": 63, "pattern": r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$"}
+_PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+_LABEL_VALUE = {"type": "string", "maxLength": 63, "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"}
+_DURATION = {"type": "string", "pattern": r"^([0-9]{1,5}(h|m|s|ms)){1,4}$"}
+
+
+def _closed(properties: dict, required: tuple = (), **extra) -> dict:
+    return {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False,
+            **extra}
+
+
+_METADATA = {"type": "object", "required": ["name"], "properties": {"name": _NAME}}
+INFERENCE_POOL_SCHEMA = _closed({
+    "apiVersion": {"const": "inference.networking.k8s.io/v1"}, "kind": {"const": "InferencePool"},
+    "metadata": _METADATA,
+    "spec": _closed({
+        "selector": _closed({"matchLabels": {"type": "object", "minProperties": 1, "maxProperties": 64,
+                                             "additionalProperties": _LABEL_VALUE}}, ("matchLabels",)),
+        "targetPorts": {"type": "array", "minItems": 1, "maxItems": 8,
+                        "items": _closed({"number": _PORT}, ("number",))},
+        "appProtocol": {"enum": ["http", "kubernetes.io/h2c"]},
+        "endpointPickerRef": _closed({"group": _GROUP, "kind": _KIND, "name": _NAME,
+                                      "port": _closed({"number": _PORT}, ("number",)),
+                                      "failureMode": {"enum": ["FailOpen", "FailClose"]}}, ("name",)),
+    }, ("selector", "targetPorts")),
+}, ("apiVersion", "kind", "metadata", "spec"))
+_PARENT_REF = _closed({"group": _GROUP, "kind": _KIND, "namespace": _NAME, "name": _NAME,
+                       "sectionName": _NAME, "port": _PORT}, ("name",))
+_BACKEND_REF = _closed({"group": _GROUP, "kind": _KIND, "name": _NAME, "namespace": _NAME, "port": _PORT,
+                        "weight": {"type": "integer", "minimum": 0, "maximum": 1000000},
+                        "filters": {"type": "array"}}, ("name",))
+_ROUTE_MATCH = _closed({"path": _closed({"type": {"enum": ["Exact", "PathPrefix", "RegularExpression"]},
+                                         "value": {"type": "string", "maxLength": 1024}}),
+                        "headers": {"type": "array"}, "queryParams": {"type": "array"},
+                        "method": {"enum": ["GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE",
+                                            "PATCH"]}})
+HTTP_ROUTE_SCHEMA = _closed({
+    "apiVersion": {"const": "gateway.networking.k8s.io/v1"}, "kind": {"const": "HTTPRoute"}, "metadata": _METADATA,
+    "spec": _closed({
+        "parentRefs": {"type": "array", "maxItems": 32, "items": _PARENT_REF},
+        "hostnames": {"type": "array", "items": {"type": "string"}},
+        "rules": {"type": "array", "maxItems": 16, "items": _closed({
+            "name": _NAME, "matches": {"type": "array", "maxItems": 64, "items": _ROUTE_MATCH},
+            "filters": {"type": "array"}, "backendRefs": {"type": "array", "maxItems": 16, "items": _BACKEND_REF},
+            "timeouts": _closed({"request": _DURATION, "backendRequest": _DURATION})})},
+    }),
+}, ("apiVersion", "kind", "metadata", "spec"))
+_UDS = _closed({"socketFile": {"type": "string", "minLength": 1}, "useTCP": {"type": "boolean"}}, ("socketFile",))
+PRECISE_SCORER_PARAMS_SCHEMA = _closed({
+    "tokenProcessorConfig": _closed({"blockSize": {"type": "integer", "minimum": 1},
+                                     "blockSizeTokens": {"type": "integer", "minimum": 1},
+                                     "hashSeed": {"type": "string"}}),
+    "indexerConfig": _closed({
+        "prefixStoreConfig": {"type": "object"}, "kvCacheBackendConfigs": {"type": "array"},
+        "kvBlockIndexConfig": _closed({"inMemoryConfig": {"type": "object"}, "redisConfig": {"type": "object"},
+                                       "valkeyConfig": {"type": "object"}, "costAwareMemoryConfig": {"type": "object"},
+                                       "enableMetrics": {"type": "boolean"},
+                                       "metricsLoggingInterval": {"type": "integer"}}),
+        "tokenizersPoolConfig": _closed({"modelName": {"type": "string", "minLength": 1},
+                                         "workersCount": {"type": "integer"}, "uds": _UDS}, ("modelName",)),
+    }),
+    "kvEventsConfig": _closed({"zmqEndpoint": {"type": "string"}, "topicFilter": {"type": "string"},
+                               "concurrency": {"type": "integer", "minimum": 1},
+                               "engineType": {"enum": ["vllm", "sglang"]}, "discoverPods": {"type": "boolean"},
+                               "podDiscoveryConfig": {"type": "object"}}),
+})
+EPP_CONFIG_SCHEMA = _closed({
+    "apiVersion": {"const": "inference.networking.x-k8s.io/v1alpha1"}, "kind": {"const": "EndpointPickerConfig"},
+    "featureGates": {"type": "array"}, "saturationDetector": {"type": "object"}, "dataLayer": {"type": "object"},
+    "flowControl": {"type": "object"}, "requestHandler": {"type": "object"}, "parser": {"type": "object"},
+    "plugins": {"type": "array", "minItems": 1, "items": _closed(
+        {"name": {"type": "string"}, "type": {"type": "string", "minLength": 1}, "parameters": {"type": "object"}},
+        ("type",))},
+    "schedulingProfiles": {"type": "array", "minItems": 1, "items": _closed(
+        {"name": {"type": "string", "minLength": 1}, "plugins": {"type": "array", "minItems": 1, "items": _closed(
+            {"pluginRef": {"type": "string", "minLength": 1}, "weight": {"type": "number"}}, ("pluginRef",))}},
+        ("name", "plugins"))},
+}, ("apiVersion", "kind", "plugins", "schedulingProfiles"))
+LLMD_CRD_SCHEMAS = {("inference.networking.k8s.io/v1", "InferencePool"): INFERENCE_POOL_SCHEMA,
+                    ("gateway.networking.k8s.io/v1", "HTTPRoute"): HTTP_ROUTE_SCHEMA}
+
+
+def _llmd_objects() -> list[dict]:
+    docs = []
+    for path in sorted(LLMD.glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def _llmd(kind: str, name: str) -> dict:
+    (doc,) = [d for d in _llmd_objects() if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def _epp_config() -> dict:
+    return yaml.safe_load(_llmd("ConfigMap", "radixserve-epp-config")["data"]["epp-config.yaml"])
+
+
+def _flag(args: list[str], name: str) -> str:
+    (value,) = [a.split("=", 1)[1] for a in args if a.startswith(name + "=")]
+    return value
+
+
+def test_llmd_objects_match_their_schemas():
+    import copy
+
+    import jsonschema
+    import kubernetes
+
+    api = kubernetes.client.ApiClient()
+    docs = _llmd_objects()
+    kinds = {(d["apiVersion"], d["kind"]) for d in docs}
+    assert kinds == set(LLMD_CORE_KINDS) | set(LLMD_CRD_SCHEMAS), kinds
+    for doc in docs:
+        key = (doc["apiVersion"], doc["kind"])
+        if key in LLMD_CRD_SCHEMAS:
+            jsonschema.validate(doc, LLMD_CRD_SCHEMAS[key])
+        else:
+            model = api._ApiClient__deserialize(doc, LLMD_CORE_KINDS[key])
+            assert _drop_none(api.sanitize_for_serialization(model)) == doc, f"{doc['kind']}/{doc['metadata']['name']}"
+    config = _epp_config()
+    jsonschema.validate(config, EPP_CONFIG_SCHEMA)
+    (scorer,) = [p for p in config["plugins"] if p["type"] == "precise-prefix-cache-scorer"]
+    jsonschema.validate(scorer["parameters"], PRECISE_SCORER_PARAMS_SCHEMA)
+    # The schemas have teeth: the pre-v1 spelling of the picker's port, a missing selector, an
+    # unknown scorer field are all refused.
+    pool = copy.deepcopy(_llmd("InferencePool", "radixserve-pool"))
+    pool["spec"]["endpointPickerRef"]["portNumber"] = 9002
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(pool, INFERENCE_POOL_SCHEMA)
+    del pool["spec"]["endpointPickerRef"]["portNumber"], pool["spec"]["selector"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(pool, INFERENCE_POOL_SCHEMA)
+    bad = copy.deepcopy(scorer["parameters"])
+    bad["kvEventsConfig"]["zmqEndPoint"] = "tcp://*:5557"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, PRECISE_SCORER_PARAMS_SCHEMA)
+
+
+def test_llmd_objects_fit_together():
+    from radixserve.kv_events_config import binds, parse_kv_events_config
+    from radixserve.launch_server import build_parser as server_parser
+
+    pool = _llmd("InferencePool", "radixserve-pool")
+    worker_dep = _llmd("Deployment", "radixserve-llmd-worker")
+    pod = worker_dep["spec"]["template"]
+    (worker,) = pod["spec"]["containers"]
+    args = worker["args"]
+    # The pool selects the worker pods, on the port they serve; the picker's reference is its Service.
+    assert pool["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert worker_dep["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    ((target,),) = [[p["number"] for p in pool["spec"]["targetPorts"]]]
+    assert target == int(_flag(args, "--port")) == worker["ports"][0]["containerPort"]
+    # The picker reads vLLM's gauge names, which a real server exports (test_metrics_the_picker_reads).
+    assert pod["metadata"]["labels"]["llm-d.ai/engine-type"] == "vllm"
+    epp_svc = _llmd("Service", pool["spec"]["endpointPickerRef"]["name"])
+    svc_ports = {p["name"]: p for p in epp_svc["spec"]["ports"]}
+    assert svc_ports["grpc"]["port"] == pool["spec"]["endpointPickerRef"]["port"]["number"]
+    route = _llmd("HTTPRoute", "radixserve-route")
+    assert route["spec"]["rules"][0]["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool["metadata"]["name"]}]
+    # The picker watches this pool, with its config, and may read pods and pools.
+    epp_dep = _llmd("Deployment", "radixserve-epp")
+    epp_spec = epp_dep["spec"]["template"]["spec"]
+    epp = next(c for c in epp_spec["containers"] if c["name"] == "epp")
+    assert _flag(epp["args"], "--pool-name") == pool["metadata"]["name"]
+    assert epp_dep["spec"]["template"]["metadata"]["labels"].items() >= epp_svc["spec"]["selector"].items()
+    config_mount = next(m["mountPath"] for m in epp["volumeMounts"] if m["name"] == "config")
+    assert _flag(epp["args"], "--config-file") == config_mount + "/epp-config.yaml"
+    role = _llmd("Role", "radixserve-epp")
+    granted = {(g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+               if {"get", "list", "watch"} <= set(rule["verbs"])}
+    assert {("", "pods"), ("inference.networking.k8s.io", "inferencepools")} <= granted
+    assert _llmd("RoleBinding", "radixserve-epp")["subjects"][0]["name"] == epp_spec["serviceAccountName"]
+    # The worker's flags are ones launch_server takes, with Kubernetes' $(VAR)s filled in.
+    env = {e["name"] for e in worker["env"]}
+    filled = [a.replace("$(NAMESPACE)", "default").replace("$(POD_IP)", "10.0.0.7") for a in args]
+    assert all(v in env for a in args for v in re.findall(r"\$\((\w+)\)", a))
+    server_parser().parse_args(filled)
+    events = parse_kv_events_config(_flag(filled, "--kv-events-config"))
+    # Events: the worker connects to the picker's bound SUB socket through its Service, in blocks of
+    # the page size the scorer hashes with, on a topic naming the pod by the endpoint the picker
+    # knows (IP:port) and the model the picker tokenizes for and clients ask for.
+    config = _epp_config()
+    (scorer,) = [p["parameters"] for p in config["plugins"] if p["type"] == "precise-prefix-cache-scorer"]
+    kv = scorer["kvEventsConfig"]
+    assert events.publishes and not binds(events.endpoint) and binds(kv["zmqEndpoint"]) and not kv["discoverPods"]
+    zmq_port = int(kv["zmqEndpoint"].rpartition(":")[2])
+    epp_host = f"{epp_svc['metadata']['name']}.default.svc.cluster.local"
+    assert events.endpoint == f"tcp://{epp_host}:{svc_ports['zmq']['port']}"
+    assert svc_ports["zmq"]["targetPort"] in {p["name"] for p in epp["ports"] if p["containerPort"] == zmq_port}
+    assert scorer["tokenProcessorConfig"]["blockSize"] == int(_flag(args, "--page-size"))
+    model = _flag(args, "--served-model-name")
+    assert events.topic.startswith(kv["topicFilter"])
+    assert events.topic == f"kv@10.0.0.7:{target}@{model}"
+    tokenizer = next(p["parameters"] for p in config["plugins"] if p["type"] == "tokenizer")
+    assert tokenizer["modelName"] == scorer["indexerConfig"]["tokenizersPoolConfig"]["modelName"] == model
+    # Every profile entry names a plugin that is defined.
+    defined = {p.get("name", p["type"]) for p in config["plugins"]}
+    assert {e["pluginRef"] for prof in config["schedulingProfiles"] for e in prof["plugins"]} <= defined
+
+
+def test_metrics_the_picker_reads(server):
+    """llm-d's metric names for engine-type vllm (its model-server protocol): queue, running, KV
+    usage, and the block size / block count labels of vllm:cache_config_info."""
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    names = _exported_names(text)
+    assert {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+            "vllm:cache_config_info"} <= names
+    (info,) = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")]
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', info))
+    assert int(labels["block_size"]) >= 1 and int(labels["num_gpu_blocks"]) >= 1

@@ -1,7 +1,8 @@
 """The tensor-parallel process group of one engine: NCCL on CUDA, gloo on the CPU.
 
 Every rank of a tensor-parallel engine joins one torch.distributed group of `size` processes
-through a TCP store that rank 0 opens on loopback (one node). A tp_size 1 engine creates no group
+through a TCP store that rank 0 opens: on loopback for one node, on --dist-init-addr's port for an
+engine over several nodes (whose other ranks connect to that host). A tp_size 1 engine creates no group
 at all: its model is built on `SingleRank`, whose collectives are identities (no collective, no
 branch on its step's path).
 """
@@ -101,10 +102,11 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def open_store(port: int = 0, *, world_size: int, is_master: bool,
+def open_store(port: int = 0, *, world_size: int, is_master: bool, host: str = "127.0.0.1",
                timeout_s: float = COLLECTIVE_TIMEOUT_S) -> dist.TCPStore:
-    """The rendezvous store on loopback; port 0 lets the OS pick a free one (read it from .port)."""
-    return dist.TCPStore("127.0.0.1", port, world_size, is_master,
+    """The rendezvous store: rank 0 listens on `port` (0: the OS picks a free one; read it from
+    .port), the others connect to host:port, waiting up to timeout_s for rank 0 to listen."""
+    return dist.TCPStore(host, port, world_size, is_master,
                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 

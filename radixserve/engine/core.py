@@ -102,7 +102,7 @@ class EngineCore:
         check_block_alignment(cfg.quantization, head_dim=cfg.head_dim, num_heads=cfg.num_attention_heads,
                               num_kv_heads=cfg.num_key_value_heads, intermediate_size=cfg.intermediate_size,
                               tp_size=tp_size)
-        self.device = check_tp_devices(tp_size, self.device)
+        self.device = check_tp_devices(tp_size, self.device, self.settings.nnodes)
         if self.settings.tp_all_reduce == "symm-mem" and self.device.type != "cuda":
             raise ValueError("tp_all_reduce=symm-mem needs CUDA GPUs")
         return TensorParallelLeader(self.settings, self.device)

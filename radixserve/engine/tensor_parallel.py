@@ -21,6 +21,12 @@ step's placeholders resolve to the same token everywhere. The sampling state (pe
 generators, penalties, logit bias, grammar matchers) thus lives only on rank 0, and no rank can
 disagree on a token.
 
+Across machines (--nnodes N, SGLang's flags): node 0's engine process is still rank 0 and starts
+its node's ranks as above; every other node's `launch_server --node-rank K` starts its own ranks
+(radixserve.engine.tp_node), which meet rank 0 at its TCP store on --dist-init-addr. Their step
+messages go over TCP, one PUSH socket per remote rank that rank 0 binds and advertises in the
+store; a remote rank idle between steps checks the store, so it ends when rank 0 is gone.
+
 A rank that dies takes the engine down: rank 0 watches the processes and exits with a log line
 naming the rank (collectives with a dead peer would hang on NCCL); the server's engine-death
 path then ends the server. A rank stopped for RANK_STOPPED_LIMIT_S (SIGSTOP) counts as dead too
@@ -182,12 +188,49 @@ class TensorParallelRunner(ModelRunner):
         return self.model(self.batch_from_parts(decode, parts, resolve))
 
 
+SETTINGS_KEY = "radixserve/tp-settings"
+# What may differ between the nodes of one engine: where each machine keeps its files and logs.
+PER_NODE_SETTINGS = ("model_path", "tokenizer_path", "chat_template", "log_file", "log_level", "step_trace_file",
+                     "disable_cpu_affinity", "node_rank", "host", "port")
+
+
+def control_key(rank: int) -> str:
+    """The store key under which rank 0 advertises a remote rank's step-message address."""
+    return f"radixserve/tp-control/{rank}"
+
+
+def rank0_settings(store, own: ServerSettings) -> tuple[ServerSettings, list[str]]:
+    """A remote rank's settings: rank 0's (from its store), with this node's PER_NODE_SETTINGS; and
+    the names of the settings this node's command line gave otherwise (they would make the ranks
+    disagree on the steps rank 0 sends: a pool size, a CUDA graph's batch sizes)."""
+    theirs = json.loads(store.get(SETTINGS_KEY).decode())
+    mine = own.to_dict()
+    differ = sorted(k for k, v in theirs.items() if k not in PER_NODE_SETTINGS and mine.get(k) != v)
+    theirs.update({k: mine[k] for k in PER_NODE_SETTINGS})
+    return ServerSettings(**theirs), differ
+
+
+def rank_command(settings: ServerSettings, rank: int, store_host: str, store_port: int,
+                 control_addr: Optional[str] = None) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of rank `rank`'s process, a child of this one."""
+    env = dict(os.environ)
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "radixserve.engine.tp_worker", "--settings-json", json.dumps(settings.to_dict()),
+           "--rank", str(rank), "--store-host", store_host, "--store-port", str(store_port),
+           "--parent-pid", str(os.getpid())]
+    if control_addr is not None:
+        cmd += ["--control-addr", control_addr]
+    return cmd, env
+
+
 class TensorParallelLeader:
-    """Rank 0's handle on the other ranks: their processes, their control sockets, the group."""
+    """Rank 0's handle on the other ranks: their processes (this node's), their control sockets, the group."""
 
     def __init__(self, settings: ServerSettings, device: torch.device,
                  on_rank_death: Optional[Callable[[str], None]] = None):
         self.size = settings.tp_size
+        self.local_size = settings.tp_ranks_per_node
         self.device = device
         self.on_rank_death = on_rank_death or _exit_engine
         self.ipc_dir = tempfile.mkdtemp(prefix="radixserve-tp-")
@@ -196,14 +239,24 @@ class TensorParallelLeader:
         self.procs: list[subprocess.Popen] = []
         self.closed = False
         self._stop_watch = threading.Event()
+        # (rank, monitor) per rank on another node: its control socket's disconnect events, which
+        # the watch thread alone reads (and closes when it ends).
+        self.monitors: list[tuple[int, zmq.Socket]] = []
+        self.watcher: Optional[threading.Thread] = None
         # Kept open while the group lives: the group's rendezvous is rank 0's store.
-        self.store = open_store(0, world_size=self.size, is_master=True)
+        host, port = settings.dist_init_host_port() if settings.nnodes > 1 else ("127.0.0.1", 0)
+        self.store = open_store(port, world_size=self.size, is_master=True, host=host)
         atexit.register(self.close)
         try:
-            for rank in range(1, self.size):
+            for rank in range(1, self.local_size):
                 self._spawn(rank, settings, self.store.port)
+            if self.local_size < self.size:
+                self.store.set(SETTINGS_KEY, json.dumps(settings.to_dict()))
+            for rank in range(self.local_size, self.size):
+                self._open_remote(rank, host)
             # Watching from before the group forms: a rank failing while it loads ends the wait.
-            threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True).start()
+            self.watcher = threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True)
+            self.watcher.start()
             self.tp = init_tensor_parallel(0, self.size, device, self.store)
         except BaseException:
             self.close()
@@ -216,24 +269,56 @@ class TensorParallelLeader:
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(addr)
         self.sockets.append(sock)
-        env = dict(os.environ)
-        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-        cmd = [sys.executable, "-m", "radixserve.engine.tp_worker", "--settings-json", json.dumps(settings.to_dict()),
-               "--rank", str(rank), "--store-port", str(store_port), "--control-addr", addr,
-               "--parent-pid", str(os.getpid())]
+        cmd, env = rank_command(settings, rank, "127.0.0.1", store_port, control_addr=addr)
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
         self.procs.append(proc)
         logger.info("tensor-parallel rank %d: pid %d", rank, proc.pid)
+
+    def _open_remote(self, rank: int, host: str) -> None:
+        """A rank on another node: its step messages go over TCP, from a port the store advertises."""
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        port = sock.bind_to_random_port("tcp://*")
+        self.monitors.append((rank, sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)))
+        self.sockets.append(sock)
+        self.store.set(control_key(rank), f"tcp://{host}:{port}")
+        logger.info("tensor-parallel rank %d: on another node, step messages on port %d", rank, port)
 
     def send(self, msg: StepMessage | CopyBatch) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self.sockets:
             sock.send(data, copy=False)
 
+    def _wait_watch(self) -> bool:
+        """Wait RANK_WATCH_S; False once the watch is to stop. A rank on another node whose
+        connection closed (its node stopped or failed) ends the engine here: rank 0's next step
+        would wait for it forever, in the send or in the collective."""
+        if not self.monitors:
+            return not self._stop_watch.wait(RANK_WATCH_S)
+        poller = zmq.Poller()
+        for _, mon in self.monitors:
+            poller.register(mon, zmq.POLLIN)
+        ready = dict(poller.poll(int(RANK_WATCH_S * 1000)))
+        if self._stop_watch.is_set():
+            return False
+        for rank, mon in self.monitors:
+            if mon in ready:
+                self.on_rank_death(f"tensor-parallel rank {rank}, on another node, closed its connection (its node "
+                                   f"stopped or failed); the other {self.size - 1} rank(s) cannot go on without it")
+                return False
+        return True
+
     def _watch(self) -> None:
+        try:
+            self._watch_ranks()
+        finally:
+            for _, mon in self.monitors:
+                mon.close(0)
+
+    def _watch_ranks(self) -> None:
         stopped_since: dict[int, float] = {}
-        while not self._stop_watch.wait(RANK_WATCH_S):
+        while self._wait_watch():
             for rank, proc in enumerate(self.procs, start=1):
                 if proc.poll() is not None and not self._stop_watch.is_set():
                     self.on_rank_death(self._death_line(rank, proc))
@@ -295,8 +380,14 @@ class TensorParallelLeader:
                     proc.kill()
                     proc.wait()
             clean = clean and proc.returncode == 0
-        for sock in self.sockets:
-            sock.close(0)
+        if self.watcher is not None:
+            self.watcher.join(RANK_WATCH_S * 5)
+        for i, sock in enumerate(self.sockets, start=1):
+            if i >= self.local_size and self.watcher is not None and not self.watcher.is_alive():
+                sock.disable_monitor()
+            # A remote rank's shutdown message must leave before the socket closes: no process of
+            # ours to wait for there.
+            sock.close(0 if i < self.local_size else int(SHUTDOWN_WAIT_S * 1000))
         self.ctx.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
         # Leaving an NCCL group whose peers were killed could wait on their collectives; gloo's is safe.
@@ -321,11 +412,13 @@ def _exit_engine(reason: str) -> None:
     os._exit(RANK_DEATH_EXIT_CODE)
 
 
-def check_tp_devices(tp_size: int, device: torch.device) -> torch.device:
-    """Rank 0's device; ValueError when there are fewer GPUs than ranks."""
+def check_tp_devices(tp_size: int, device: torch.device, nnodes: int = 1) -> torch.device:
+    """Rank 0's device; ValueError when this node has fewer GPUs than its ranks."""
     if device.type != "cuda":
         return device
     count = torch.cuda.device_count()
-    if count < tp_size:
-        raise ValueError(f"tp_size={tp_size} needs {tp_size} GPUs; {count} visible")
+    per_node = tp_size // nnodes
+    if count < per_node:
+        on = f" ({per_node} on each of {nnodes} nodes)" if nnodes > 1 else ""
+        raise ValueError(f"tp_size={tp_size} needs {per_node} GPUs here{on}; {count} visible")
     return torch.device("cuda", 0)

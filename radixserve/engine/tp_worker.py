@@ -1,9 +1,11 @@
-"""A tensor-parallel rank other than 0: `python -m radixserve.engine.tp_worker` (started by rank 0).
+"""A tensor-parallel rank other than 0: `python -m radixserve.engine.tp_worker` (started by rank 0,
+or on another node by that node's launcher, radixserve.engine.tp_node).
 
 It joins the group, builds its shard of the model and of the KV pool exactly as rank 0 does (the
 same collectives in the same order), then runs each step rank 0 sends (see
 radixserve.engine.tensor_parallel) until told to stop. It exits when rank 0 dies (a parent-death
-signal, a parent check while idle, or a collective failing).
+signal, a parent check while idle, or a collective failing); on another node, when its launcher
+dies or rank 0's store stops answering while it is idle.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from radixserve.engine.core import DTYPES
 from radixserve.engine.cpu_affinity import bind_near_gpu, one_host_thread
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.model_stack import host_tier_tokens, load_rank_model, make_kv_memory
-from radixserve.engine.tensor_parallel import CopyBatch, SharedSampledTokens, StepMessage
+from radixserve.engine.tensor_parallel import CopyBatch, SharedSampledTokens, StepMessage, control_key, rank0_settings
 from radixserve.model.config import ModelConfig
 from radixserve.settings import ServerSettings
 
@@ -99,25 +101,35 @@ def _die_with_parent() -> None:
         pass
 
 
-def serve(rank: WorkerRank, sock: zmq.Socket, parent_pid: int) -> None:
+def serve(rank: WorkerRank, sock: zmq.Socket, parent_pid: int, disconnects: Optional[zmq.Socket] = None) -> bool:
+    """Run rank 0's messages until told to stop (True) or until rank 0 is gone (False).
+    `disconnects`: on another node than rank 0's, the control socket's monitor, which reports the
+    TCP connection to rank 0 closing (no parent-death signal reaches across machines)."""
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
+    if disconnects is not None:
+        poller.register(disconnects, zmq.POLLIN)
     while True:
-        if not poller.poll(IDLE_POLL_MS):
+        ready = dict(poller.poll(IDLE_POLL_MS))
+        if disconnects is not None and disconnects in ready and sock not in ready:
+            logger.warning("tensor-parallel rank: the connection to rank 0 closed (rank 0 is gone); exiting")
+            return False
+        if not ready:
             if os.getppid() != parent_pid:
-                logger.warning("tensor-parallel rank: rank 0 is gone; exiting")
-                return
+                logger.warning("tensor-parallel rank: its parent is gone; exiting")
+                return False
             continue
         msg: Optional[StepMessage | CopyBatch] = pickle.loads(sock.recv())
         if msg is None:
-            return
+            return True
         if isinstance(msg, CopyBatch):
             rank.run_copies(msg)
         else:
             rank.run_step(msg)
 
 
-def worker_main(settings: ServerSettings, rank: int, store_port: int, control_addr: str, parent_pid: int) -> int:
+def worker_main(settings: ServerSettings, rank: int, store_port: int, control_addr: Optional[str], parent_pid: int,
+                store_host: str = "127.0.0.1") -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: rank 0 stops us
     _die_with_parent()
     handlers: list[logging.Handler] = [logging.StreamHandler()]
@@ -128,24 +140,34 @@ def worker_main(settings: ServerSettings, rank: int, store_port: int, control_ad
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, 0)
-    sock.connect(control_addr)
     device = torch.device(settings.resolved_device())
     if device.type == "cuda":
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", rank % settings.tp_ranks_per_node)  # this node's GPU
         if not settings.disable_cpu_affinity:
             bind_near_gpu(device)
+    remote = rank >= settings.tp_ranks_per_node  # on another node than rank 0
     tp = None
+    disconnects: Optional[zmq.Socket] = None
     try:
-        store = open_store(store_port, world_size=settings.tp_size, is_master=False)
+        store = open_store(store_port, world_size=settings.tp_size, is_master=False, host=store_host)
+        if remote:  # rank 0's settings rule every rank; its store says where its step messages come from
+            settings, differ = rank0_settings(store, settings)
+            if differ:
+                logger.warning("tensor-parallel rank %d runs with rank 0's settings, not this node's command line's, "
+                               "for: %s", rank, ", ".join(differ))
+        disconnects = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) if remote else None
+        sock.connect(control_addr or store.get(control_key(rank)).decode())
         tp = init_tensor_parallel(rank, settings.tp_size, device, store)
         worker = WorkerRank(settings, tp)
         one_host_thread(device)  # after loading, which may convert weights on the CPU
-        serve(worker, sock, parent_pid)
-        return 0
+        return 0 if serve(worker, sock, parent_pid, disconnects) else 1
     except Exception:
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
         return 1
     finally:
+        if disconnects is not None:
+            sock.disable_monitor()
+            disconnects.close(0)
         sock.close(0)
         ctx.term()
         destroy(tp)
@@ -155,12 +177,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="radixserve tensor-parallel rank (started by rank 0)")
     parser.add_argument("--settings-json", required=True)
     parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--store-host", default="127.0.0.1")
     parser.add_argument("--store-port", type=int, required=True)
-    parser.add_argument("--control-addr", required=True)
+    parser.add_argument("--control-addr", default=None, help="(default: the address rank 0's store advertises)")
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
     settings = ServerSettings(**json.loads(args.settings_json))
-    return worker_main(settings, args.rank, args.store_port, args.control_addr, args.parent_pid)
+    return worker_main(settings, args.rank, args.store_port, args.control_addr, args.parent_pid, args.store_host)
 
 
 if __name__ == "__main__":
