@@ -213,3 +213,18 @@ def test_checkpoint_names_of_the_experts():
     assert names["5.down_proj.weight"] == ("w2_weight", (5, "down"))
     with pytest.raises(ValueError, match="has shape"):
         ours.experts.load_weight("w13_weight", torch.zeros(I + 1, H), (0, "gate"))
+
+
+def test_fp8_checkpoints_may_keep_the_router_gates_unquantized():
+    from radixserve.model.quantization import quantization_config
+
+    qc = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
+          "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.shared_expert_gate"]}
+    assert quantization_config({"quantization_config": qc}).block == (128, 128)
+    ct = {"quant_method": "compressed-tensors", "ignore": ["lm_head", "re:.*mlp.gate$"], "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, "strategy": "channel"},
+        "input_activations": {"type": "float", "num_bits": 8, "dynamic": True, "strategy": "token"}}}}
+    assert quantization_config({"quantization_config": ct}).weight_scales == "channel"
+    qc["modules_to_not_convert"] = ["model.layers.0.mlp.experts.0.gate_proj"]
+    with pytest.raises(ValueError, match="experts.0.gate_proj"):
+        quantization_config({"quantization_config": qc})
