@@ -32,6 +32,7 @@ from torch import nn
 
 from radixserve.model.layers.fp8 import FP8_DTYPE, quantize_rows, quantize_with, row_scales
 from radixserve.model.layers.fp8_block import expand_blocks, quantize_blocks
+from radixserve.model.moe_config import check_expert_blocks
 from radixserve.model.quantization import Fp8Config
 
 
@@ -55,25 +56,6 @@ def _copy(dest: torch.Tensor, loaded: torch.Tensor) -> None:
     if tuple(loaded.shape) != tuple(dest.shape):
         raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(dest.shape)} from config.json")
     dest.copy_(loaded)
-
-
-def check_expert_blocks(block: Optional[tuple[int, int]], intermediate_size: int, tp_size: int,
-                        source: str = "config.json") -> None:
-    """ValueError when block-wise expert scales would straddle a cut: the gate and up halves of
-    each fused gate|up weight (I_r rows each), and each rank's slice of the intermediate (down's
-    input columns)."""
-    if block is None:
-        return
-    bn, bk = block
-    inter = intermediate_size // tp_size
-    bad = [f"gate_proj rows {inter}"] if inter % bn else []
-    if tp_size > 1 and inter % bk:
-        bad.append(f"down_proj input columns {inter}")
-    if bad:
-        where = f"tp_size={tp_size} gives each rank's experts" if tp_size > 1 else "each expert's fused gate|up holds"
-        raise ValueError(f"{source}: block-wise FP8 (weight_block_size [{bn}, {bk}]): {where} {', '.join(bad)}, "
-                         "not a whole number of blocks, so a block's scale would cover two shards"
-                         + ("; use a tp_size that keeps whole blocks on each rank" if tp_size > 1 else ""))
 
 
 class Fp8ExpertsMethod:
@@ -101,7 +83,7 @@ class Fp8ExpertsMethod:
 
     def create_weights(self, layer: nn.Module) -> None:
         e, h, inter = layer.num_experts, layer.hidden_size, layer.inter
-        check_expert_blocks(self.block, inter * self.tp_size, self.tp_size, self.config.source)
+        check_expert_blocks(self.block, inter * self.tp_size, self.tp_size, source=self.config.source)
         layer.w13_weight = nn.Parameter(torch.empty(e, 2 * inter, h, dtype=FP8_DTYPE), requires_grad=False)
         layer.w2_weight = nn.Parameter(torch.empty(e, h, inter, dtype=FP8_DTYPE), requires_grad=False)
         if self.block is not None:
