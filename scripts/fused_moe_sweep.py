@@ -46,7 +46,8 @@ def block_ms(rows_per_expert: float) -> list[int]:
 
 def grid(block_m: int, many_tiles: bool) -> list[FusedMoeConfig]:
     out = []
-    for bn, bk, stages in itertools.product((64, 128), (64, 128), (3, 4, 5)):
+    # Narrow N tiles for the few rows of a decode step: more programs stream each expert's weights.
+    for bn, bk, stages in itertools.product((32, 64, 128) if block_m == 16 else (64, 128), (64, 128), (3, 4, 5)):
         for warps in ((4,) if block_m <= 32 else (4, 8)):
             for group in ((1, 8) if many_tiles else (1,)):
                 out.append(FusedMoeConfig(block_m, bn, bk, group, warps, stages))

@@ -1,5 +1,5 @@
 """Mixture-of-experts MLP on the GPU: the router's top-k, then every expert's gate|up, SiLU, down
-and the weighted sum over the top-k, in five launches whatever the number of experts.
+and the weighted sum over the top-k, in six launches whatever the number of experts.
 
 1. `topk_softmax`: per token, softmax over the router logits in float32, the top-k experts and
    their probabilities (renormalised to sum to 1 with `renormalize`), as transformers' router.
@@ -16,11 +16,12 @@ and the weighted sum over the top-k, in five launches whatever the number of exp
    silu(gate) * up [pairs, I] and the [pairs, 2I] intermediate never exists.
 4. `moe_gemm` over the down weights [E, H, I], the routing weight of each pair applied in the
    epilogue: [pairs, H].
-5. The sum over each token's top-k rows (torch, in float32 accumulation).
+5. `topk_sum`: each token's top-k rows added in float32, in top-k order.
 
 Every shape is fixed by the number of tokens (the grids cover the most padded rows any routing
 can give, `max_padded_rows`; programs past the real total return at once), nothing is read back
-to the host, so a decode step's MoE replays inside its CUDA graph.
+to the host, so a decode step's MoE replays inside its CUDA graph. float32 activations multiply
+in IEEE float32 (not TF32), so a float32 model matches its reference on the GPU too.
 
 FP8 experts (e4m3 weights) are read as one byte and widened to the activation dtype in registers
 (weight-only FP8: the activations stay bf16); the weight's scales are applied per output channel
@@ -126,6 +127,7 @@ def _moe_gemm_kernel(
     ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, MUL_ROUTED: tl.constexpr, SCALE: tl.constexpr,
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # SCALE: 0 plain weights; 1 FP8 with one scale per output row ([E, N]); 2 FP8 with one scale
     # per SCALE_BN x SCALE_BK block ([E, N / SCALE_BN, K / SCALE_BK]).
@@ -168,7 +170,7 @@ def _moe_gemm_kernel(
             a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
             w = tl.load(w_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)
         if SCALE == 0:
-            acc = tl.dot(a, w, acc)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
         elif SCALE == 1:
             acc = tl.dot(a, w.to(A.dtype.element_ty), acc)  # e4m3 widens exactly to bf16/fp16
         else:
@@ -193,7 +195,19 @@ def _moe_gemm_kernel(
         tl.store(C + c_rows + offs_n[None, :], acc.to(out_ty), mask=valid[:, None] & mask_n[None, :])
 
 
+@triton.jit(do_not_specialize=["num_tokens"])
+def _topk_sum_kernel(Y, Out, num_tokens, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):  # top-k order: the sum does not depend on timing
+        acc += tl.load(Y + (token * TOP_K + j) * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + token * hidden + offs, acc.to(Out.dtype.element_ty), mask=mask)
+
+
 _topk = FastKernel(_topk_softmax_kernel)
+_sum = FastKernel(_topk_sum_kernel)
 _layout = FastKernel(_align_layout_kernel)
 _scatter = FastKernel(_align_scatter_kernel)
 _gemm = FastKernel(_moe_gemm_kernel)
@@ -284,7 +298,8 @@ def moe_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sorted_id
         ROWS_PER_A=rows_per_a, GATED=gated, MUL_ROUTED=routed_weights is not None, SCALE=scale_mode,
         SCALE_BN=scale_block[0] if scale_block else 1, SCALE_BK=scale_block[1] if scale_block else 1,
         EVEN_K=k % config.block_k == 0, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=stages)
+        GROUP_M=config.group_m, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=stages)
     return out
 
 
@@ -307,4 +322,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     down = torch.empty((slots, w2.shape[1]), dtype=x.dtype, device=x.device)
     moe_gemm(inter, w2, down, sorted_ids, expert_ids, total, config2, rows_per_a=1, gated=False,
              routed_weights=topk_weights.reshape(-1), weight_scale=w2_scale, scale_block=scale_block)
-    return down.view(t, top_k, h).sum(dim=1)
+    return topk_sum(down, t, top_k)
+
+
+def topk_sum(rows: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """[T x top_k, H] (each token's top_k rows in turn) -> [T, H], summed in float32 in top-k order."""
+    h = rows.shape[1]
+    out = torch.empty((num_tokens, h), dtype=rows.dtype, device=rows.device)
+    if num_tokens:
+        block = min(1024, triton.next_power_of_2(h))
+        _sum[(num_tokens, triton.cdiv(h, block))](rows, out, num_tokens, h, TOP_K=top_k, BLOCK=block,
+                                                  num_warps=4 if block >= 512 else 1)
+    return out

@@ -51,8 +51,45 @@ class FusedMoeConfig:
 # Per (experts, N, K) of a weight (gate|up: N = 2 x moe_intermediate_size of this rank, K = hidden;
 # down: N = hidden, K = the rank's intermediate), buckets of (most tokens in the step, config),
 # ascending; more tokens than the last bucket take the last. From scripts/fused_moe_sweep.py on an
-# H200 (docs/benchmarks.md, "Fused MoE"). A shape not listed takes `default_config`.
-TUNED: dict[tuple[int, int, int], tuple[tuple[int, FusedMoeConfig], ...]] = {}
+# H200 (random routing, L2 flushed). Comments: us of the gate|up + down pair at that many tokens,
+# the default config's in brackets. A shape not listed takes `default_config`.
+_C = FusedMoeConfig
+TUNED: dict[tuple[int, int, int], tuple[tuple[int, FusedMoeConfig], ...]] = {
+    # Qwen3-30B-A3B (128 experts, top-8, hidden 2048, moe_intermediate 768) at tp 1.
+    (128, 1536, 2048): (
+        (1, _C(16, 128, 128, 1, 4, 4)),    # 36.6 (37.7)
+        (16, _C(16, 64, 128, 1, 4, 3)),    # 201.0 (202.0)
+        (64, _C(16, 64, 128, 8, 4, 5)),    # 294.3 (296.1)
+        (256, _C(32, 128, 128, 8, 4, 3)),  # 308.2 (310.7)
+        (1024, _C(64, 128, 64, 8, 4, 3)),  # 365.4 (395.8)
+        (4096, _C(128, 128, 64, 1, 8, 3)),  # 723.0 (868.0)
+    ),
+    (128, 2048, 768): (
+        (1, _C(16, 64, 128, 1, 4, 3)),
+        (16, _C(16, 64, 128, 1, 4, 3)),
+        (64, _C(16, 128, 128, 8, 4, 3)),
+        (256, _C(32, 64, 128, 8, 4, 4)),
+        (1024, _C(64, 128, 64, 1, 8, 3)),
+        (4096, _C(128, 128, 64, 1, 8, 3)),
+    ),
+    # Qwen2-57B-A14B (64 experts, top-8, hidden 3584, moe_intermediate 2560) at tp 1.
+    (64, 5120, 3584): (
+        (1, _C(16, 64, 128, 1, 4, 3)),     # 127.8 (138.1)
+        (16, _C(16, 64, 128, 1, 4, 5)),    # 675.6 (677.5)
+        (64, _C(16, 64, 128, 1, 4, 5)),    # 802.8 (805.0)
+        (256, _C(64, 128, 128, 1, 4, 4)),  # 845.2 (1010.3)
+        (1024, _C(128, 128, 64, 1, 4, 3)),  # 1369.6 (1453.4)
+        (4096, _C(128, 128, 64, 8, 8, 3)),  # 4231.6 (4830.8)
+    ),
+    (64, 3584, 2560): (
+        (1, _C(16, 128, 128, 1, 4, 3)),
+        (16, _C(16, 64, 128, 1, 4, 3)),
+        (64, _C(16, 128, 128, 1, 4, 4)),
+        (256, _C(64, 64, 64, 1, 4, 3)),
+        (1024, _C(128, 128, 64, 8, 8, 3)),
+        (4096, _C(128, 128, 64, 8, 8, 3)),
+    ),
+}
 
 
 def default_config(num_experts: int, n: int, k: int, tokens: int, top_k: int,

@@ -244,8 +244,8 @@ class Qwen2ForCausalLM(nn.Module):
         self.model.rotary_emb = rotary_emb
         if self.lm_head is None:
             self.lm_head = self._lm_head(weight=self.model.embed_tokens.weight)
-        # The routed experts' reference loop (no Triton kernels) reads the routing on the host.
-        self.graph_capturable = self.kernels.triton or not any(
+        # The routed experts' reference loop (no fused MoE) reads the routing on the host.
+        self.graph_capturable = self.kernels.fused_moe or not any(
             config.is_sparse_layer(i) for i in range(config.num_hidden_layers))
         attn = self.model.layers[0].self_attn
         # This rank's attention heads (all of them without tensor parallelism): the KV pool and the

@@ -80,18 +80,20 @@ def test_align_sorts_pairs_by_expert_padded_to_the_block(t, e, k, block_m):
 
 @pytest.mark.parametrize("t,e,k,h,inter", [(1, 8, 2, 64, 32), (9, 8, 2, 64, 48), (50, 16, 4, 128, 64)])
 @pytest.mark.parametrize("block_m", [16, 32])
-def test_fused_moe_matches_the_expert_loop(t, e, k, h, inter, block_m):
+@pytest.mark.parametrize("dtype", [LOW, torch.float32])
+def test_fused_moe_matches_the_expert_loop(t, e, k, h, inter, block_m, dtype):
+    """float32 multiplies in IEEE float32 (not TF32): within float32 rounding of the loop."""
     g = torch.Generator(device=DEVICE).manual_seed(t + e + h + block_m)
-    x = torch.randn(t, h, device=DEVICE, generator=g).to(LOW)
-    w13 = (torch.randn(e, 2 * inter, h, device=DEVICE, generator=g) * 0.1).to(LOW)
-    w2 = (torch.randn(e, h, inter, device=DEVICE, generator=g) * 0.1).to(LOW)
+    x = torch.randn(t, h, device=DEVICE, generator=g).to(dtype)
+    w13 = (torch.randn(e, 2 * inter, h, device=DEVICE, generator=g) * 0.1).to(dtype)
+    w2 = (torch.randn(e, h, inter, device=DEVICE, generator=g) * 0.1).to(dtype)
     weights, ids = routed(t, e, k, seed=t * 3 + e)
     c13 = FusedMoeConfig(block_m, 32, 32)
     c2 = FusedMoeConfig(block_m, 32, 16)  # K = inter: several K tiles, 48 leaves a partial one
-    out = fused_moe(x, w13, w2, weights.to(LOW), ids, c13, c2)
-    ref = reference(x, w13, w2, weights.to(LOW), ids)
-    assert out.shape == (t, h) and out.dtype == LOW and not torch.isnan(out).any()
-    assert rel_err(out, ref) < 2e-2
+    out = fused_moe(x, w13, w2, weights.to(dtype), ids, c13, c2)
+    ref = reference(x, w13, w2, weights.to(dtype), ids)
+    assert out.shape == (t, h) and out.dtype == dtype and not torch.isnan(out).any()
+    assert rel_err(out, ref) < (2e-2 if dtype != torch.float32 else 1e-5)
 
 
 def test_default_configs_run():
@@ -148,3 +150,13 @@ def test_rejects_what_it_cannot_run():
         fused_moe(x, w13.to(FP8_DTYPE), w2, weights.to(LOW), ids, FusedMoeConfig(16), FusedMoeConfig(16))
     with pytest.raises(ValueError, match="top_k"):
         topk_softmax(torch.zeros(2, 4, device=DEVICE), 5, True)
+
+
+@pytest.mark.parametrize("t,k,h", [(1, 8, 2048), (5, 2, 64), (0, 2, 64)])
+def test_topk_sum_adds_each_tokens_rows(t, k, h):
+    from radixserve.kernels.fused_moe import topk_sum
+
+    rows = torch.randn(t * k, h, device=DEVICE).to(LOW)
+    out = topk_sum(rows, t, k)
+    assert out.shape == (t, h) and out.dtype == LOW
+    assert rel_err(out, rows.double().view(t, k, h).sum(dim=1)) < 1e-2 or t == 0

@@ -6,8 +6,8 @@ stacked per layer, and the sparse block that joins them (with Qwen2-MoE's shared
   transformers' router, op for op (`TopKRouting`; one Triton kernel on CUDA). Replicated.
 - `FusedExperts`: every expert's gate|up weight in one [E, 2I, H] tensor (gate rows, then up
   rows) and its down weight in one [E, H, I] tensor, filled from the checkpoint's per-expert
-  tensors (`experts.{e}.gate_proj/up_proj/down_proj.weight`). On CUDA with the Triton kernels
-  the forward is the fused MoE (radixserve.kernels.fused_moe: tokens sorted by expert, two
+  tensors (`experts.{e}.gate_proj/up_proj/down_proj.weight`). On CUDA (any dtype, unless the
+  Triton kernels are turned off: KernelChoice.fused_moe) the forward is the fused MoE (radixserve.kernels.fused_moe: tokens sorted by expert, two
   grouped GEMMs, no host sync, so CUDA graphs capture it); elsewhere it is transformers' expert
   loop (the reference: the same ops in the same order, so float32 results match it exactly).
 - `SparseMoeBlock`: router + experts (+ the shared expert, a dense MLP whose output is scaled by
@@ -87,7 +87,7 @@ class TopKRouting:
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self._topk = None
-        if kernels.triton:
+        if kernels.fused_moe:
             from radixserve.kernels.fused_moe import topk_softmax
 
             self._topk = topk_softmax
@@ -127,7 +127,7 @@ class FusedExperts(nn.Module):
             self.quant = Fp8ExpertsMethod(fp8, dtype, tp_size=tp.size, triton=kernels.triton)
             self.quant.create_weights(self)
         self._fused = None
-        if kernels.triton:
+        if kernels.fused_moe:
             from radixserve.kernels.fused_moe import fused_moe
             from radixserve.kernels.fused_moe_config import config_for
 
