@@ -192,7 +192,8 @@ def test_fp8_experts_from_block_wise_checkpoint_tensors():
 def test_fp8_layouts_the_experts_refuse():
     with pytest.raises(ValueError, match="gate_proj rows 24"):
         check_expert_blocks((16, 16), 24, 1)
-    with pytest.raises(ValueError, match="tp_size=2 gives each rank's slice of moe_intermediate_size gate_proj rows 96.*down_proj input"):
+    with pytest.raises(ValueError, match="tp_size=2 gives each rank's slice of moe_intermediate_size "
+                                         "gate_proj rows 96.*down_proj input"):
         check_expert_blocks((128, 128), 192, 2)
     check_expert_blocks((128, 128), 768, 2)  # Qwen3-30B-A3B at tp 2: 384 = 3 blocks a rank
     with pytest.raises(ValueError, match="static activation scales"):

@@ -210,8 +210,9 @@ def test_tp_sizes_the_experts_cannot_split_are_refused(tiny, tmp_path):
 # The oracle runs each sequence in one pass, the engine in a prefix, an extend and decode steps,
 # which round float32 apart by ~1e-6. Per-token e4m3 activations turn that into a whole e4m3 step
 # where a value lands on a rounding midpoint (seen: 216.00002 and 215.99988, between 208 and 224,
-# moving a logit 5%); about one prompt in six of these tiny models has one. This prompt has none (per channel and per block)
-# on either family, so the comparison checks the FP8 weights, not the midpoints.
+# moving a logit 5%); about one prompt in six of these tiny models has one. This prompt has none
+# (per channel and per block) on either family, so the comparison checks the FP8 weights, not the
+# midpoints.
 FP8_PROMPT_SEED = 9
 
 def hf_fake_quant_dense(dequantized: Path):

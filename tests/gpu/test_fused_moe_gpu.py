@@ -190,4 +190,5 @@ def test_grouped_gemm_against_a_dense_gemm_of_the_same_size(name):
         whole = _time_us(lambda: fused_moe(x, w13, w2, weights, ids, c13, c2))
         touched = int(torch.unique(ids).numel())
         gbs = touched * 3 * inter * h * 2 / (whole * 1e-6) / 1e9
-        print(f"{name}: {t:5d} | {g13:7.1f} / {d13:7.1f} | {g2:7.1f} / {d2:7.1f} | {whole:7.1f}, {touched:3d}, {gbs:6.0f}")
+        print(f"{name}: {t:5d} | {g13:7.1f} / {d13:7.1f} | {g2:7.1f} / {d2:7.1f} | {whole:7.1f}, {touched:3d}, "
+              f"{gbs:6.0f}")

@@ -37,8 +37,8 @@ TINY = {
                       moe=TinyMoe(mlp_only_layers=(1,))),
     "qwen2_moe": dict(family="qwen2_moe", layers=3, seed=6, moe=TinyMoe(sparse_step=2, norm_topk_prob=False)),
 }
-QWEN3_30B_2_LAYERS = {**json.loads((Path(__file__).resolve().parents[2] / "benchmarks/configs/qwen3-30b-a3b/config.json")
-                                    .read_text()), "num_hidden_layers": 2}
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks/configs"
+QWEN3_30B_2_LAYERS = {**json.loads((CONFIGS / "qwen3-30b-a3b/config.json").read_text()), "num_hidden_layers": 2}
 
 
 @pytest.fixture(scope="module", params=list(TINY))
@@ -146,8 +146,9 @@ def test_qwen3_30b_shape_serves_with_graphs_prefix_hits_and_the_memory_plan(qwen
     """The memory plan (no --max-total-tokens) measures the MoE step's working set and counts the
     experts' weights: bf16, 2 x 623M layer weights + the vocabulary's 2 x 311M (3.48 GiB) plus what
     else torch holds by then (the RoPE tables: 3.52 GiB on an H200 run alone; more when an earlier
-    test of the process still holds tensors); FP8 experts one byte each (2.46 GiB: 1.06 less). Dummy weights give nearly flat logits: tokens are only
-    checked to be tokens; their equality with transformers is the tiny models'."""
+    test of the process still holds tensors); FP8 experts one byte each (2.46 GiB: 1.06 less).
+    Dummy weights give nearly flat logits: tokens are only checked to be tokens; their equality
+    with transformers is the tiny models'."""
     batch = prompts(8, 150000, seed=4)
     params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
     weights = {}

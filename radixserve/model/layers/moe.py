@@ -7,9 +7,10 @@ stacked per layer, and the sparse block that joins them (with Qwen2-MoE's shared
 - `FusedExperts`: every expert's gate|up weight in one [E, 2I, H] tensor (gate rows, then up
   rows) and its down weight in one [E, H, I] tensor, filled from the checkpoint's per-expert
   tensors (`experts.{e}.gate_proj/up_proj/down_proj.weight`). On CUDA (any dtype, unless the
-  Triton kernels are turned off: KernelChoice.fused_moe) the forward is the fused MoE (radixserve.kernels.fused_moe: tokens sorted by expert, two
-  grouped GEMMs, no host sync, so CUDA graphs capture it); elsewhere it is transformers' expert
-  loop (the reference: the same ops in the same order, so float32 results match it exactly).
+  Triton kernels are turned off: KernelChoice.fused_moe) the forward is the fused MoE
+  (radixserve.kernels.fused_moe: tokens sorted by expert, two grouped GEMMs, no host sync, so
+  CUDA graphs capture it); elsewhere it is transformers' expert loop (the reference: the same
+  ops in the same order, so float32 results match it exactly).
 - `SparseMoeBlock`: router + experts (+ the shared expert, a dense MLP whose output is scaled by
   sigmoid(shared_expert_gate(x)) and added), one all-reduce at the end.
 
@@ -237,8 +238,9 @@ class SparseMoeBlock(nn.Module):
     router (+ sigmoid(shared_expert_gate(x)) * shared_expert(x)), all-reduced over the ranks.
 
     Parameter names follow the checkpoint: `gate` (the router's linear), `experts` (loaded from
-    `experts.{e}.*`), `shared_expert.*`, `shared_expert_gate`. Its input is the post-attention norm's output in the model dtype (the
-    routed experts take no FP8 activations; `takes_fp8_activations` is False).
+    `experts.{e}.*`), `shared_expert.*`, `shared_expert_gate`. Its input is the post-attention
+    norm's output in the model dtype (the routed experts take no FP8 activations;
+    `takes_fp8_activations` is False).
     """
 
     takes_fp8_activations = False

@@ -25,7 +25,7 @@ at load, a rank reads each whole down row once so its scale, and every e4m3 valu
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
