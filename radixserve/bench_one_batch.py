@@ -567,13 +567,15 @@ def main_tensor_parallel(args) -> int:
     """The sharded model's decode steps on this rank's GPU (every rank runs this; rank 0 reports)."""
     from radixserve.distributed import check_divisible, destroy
     from radixserve.distributed.group import init_from_env
+    from radixserve.model.moe_config import check_moe_layout
 
     if int(os.environ.get("WORLD_SIZE", "1")) != args.tp_size or not torch.cuda.is_available():
         print(f"--tp-size {args.tp_size} runs under torchrun --nproc-per-node {args.tp_size}, one GPU a rank",
               file=sys.stderr)
         return 2
     cfg = ModelConfig.from_dir(args.model_path)
-    check_divisible(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, args.tp_size)
+    check_divisible(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dense_intermediate_size, args.tp_size)
+    check_moe_layout(cfg.moe, cfg.quantization, args.tp_size)
     tp = init_from_env(torch.device("cuda", int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))))
     if tp.rank != 0:
         sys.stdout = open(os.devnull, "w")

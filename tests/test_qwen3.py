@@ -49,7 +49,8 @@ def qwen3(tmp_path_factory):
 # --------------------------------------------------------------------------- registry and config
 
 def test_the_registry_builds_each_family_and_refuses_others():
-    assert supported_architectures() == ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    assert supported_architectures() == ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                         "Qwen2MoeForCausalLM")
     for arch in FAMILIES:
         assert model_class(arch).__name__ == arch
     assert model_class("Qwen3ForCausalLM") is Qwen3ForCausalLM
@@ -60,16 +61,16 @@ def test_the_registry_builds_each_family_and_refuses_others():
         ("Qwen3ForCausalLM", True, False, 128, 64)
     qwen2 = ModelConfig.from_dict({**base, "architectures": ["Qwen2ForCausalLM"]})
     assert (qwen2.qk_norm, qwen2.qkv_bias, qwen2.model_type) == (False, True, "qwen2")
-    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM; supported: Qwen2ForCausalLM, Qwen3ForCausalLM"):
-        ModelConfig.from_dict({**base, "architectures": ["Qwen3MoeForCausalLM"]})
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM; supported: Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        ModelConfig.from_dict({**base, "architectures": ["LlamaForCausalLM"]})
     with pytest.raises(ValueError, match="model_type='llama'.*qwen2, qwen3"):
         ModelConfig.from_dict({**base, "model_type": "llama"})
     with pytest.raises(ValueError, match="attention_bias=true is not supported"):
         ModelConfig.from_dict({**base, "architectures": ["Qwen3ForCausalLM"], "attention_bias": True})
     with pytest.raises(ValueError, match="attention_bias must be true or false"):
         ModelConfig.from_dict({**base, "architectures": ["Qwen3ForCausalLM"], "attention_bias": "no"})
-    with pytest.raises(ValueError, match="unsupported architecture .Qwen3MoeForCausalLM"):
-        model_class("Qwen3MoeForCausalLM")
+    with pytest.raises(ValueError, match="unsupported architecture .LlamaForCausalLM"):
+        model_class("LlamaForCausalLM")
 
 
 def test_the_qwen3_8b_benchmark_config_has_the_published_shape():

@@ -35,6 +35,7 @@ from radixserve.engine.tensor_parallel import (RecordingReqToTokenPool, SharedSa
                                                TensorParallelRunner, check_tp_devices)
 from radixserve.grammar.spec import grammar_spec
 from radixserve.model.config import ModelConfig
+from radixserve.model.moe_config import check_moe_layout
 from radixserve.model.quantization import check_block_alignment
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.request import Req
@@ -98,10 +99,11 @@ class EngineCore:
         if tp_size == 1:
             return None
         cfg = self.model_config
-        check_divisible(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, tp_size)
+        check_divisible(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dense_intermediate_size, tp_size)
         check_block_alignment(cfg.quantization, head_dim=cfg.head_dim, num_heads=cfg.num_attention_heads,
-                              num_kv_heads=cfg.num_key_value_heads, intermediate_size=cfg.intermediate_size,
+                              num_kv_heads=cfg.num_key_value_heads, intermediate_size=cfg.dense_intermediate_size,
                               tp_size=tp_size)
+        check_moe_layout(cfg.moe, cfg.quantization, tp_size)
         self.device = check_tp_devices(tp_size, self.device, self.settings.nnodes)
         if self.settings.tp_all_reduce == "symm-mem" and self.device.type != "cuda":
             raise ValueError("tp_all_reduce=symm-mem needs CUDA GPUs")

@@ -57,9 +57,12 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 
 def supports_cuda_graphs(model: torch.nn.Module, device: torch.device) -> bool:
-    """Graphs need CUDA and a backend whose decode path reads no host-side lists (the Triton one)."""
+    """Graphs need CUDA, a backend whose decode path reads no host-side lists (the Triton one), and
+    layers that read nothing back to the host (`graph_capturable`: the routed experts' reference
+    loop, which runs without the Triton kernels, does)."""
     backend = getattr(model, "attn_backend", None)
-    return device.type == "cuda" and hasattr(backend, "reserve_decode_workspace")
+    return device.type == "cuda" and hasattr(backend, "reserve_decode_workspace") and \
+        getattr(model, "graph_capturable", True)
 
 
 def pack_decode_inputs(host: torch.Tensor, bs: int, columns: Sequence[list[int]]) -> None:

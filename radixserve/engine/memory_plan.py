@@ -10,6 +10,15 @@ largest bounds them all). What the allocator had to reserve for each is the work
 pool gets what is left under the fraction. What stays outside the fraction (1 - fraction of the
 device) covers memory torch does not see (the CUDA context, cuBLAS and NCCL workspaces) and the
 allocator's fragmentation over a long run.
+
+Mixture-of-experts models: the weights (every expert, stacked per layer) are in what torch holds
+after loading; the fused MoE's buffers (the routing sorted by expert, padded to its tile for the
+most padding any routing can need; the [tokens x top_k, moe_intermediate] and [tokens x top_k,
+hidden] intermediates) depend only on the step's number of tokens, never on which experts the
+router picks, so the profile step's peak bounds every step of that size, and the largest decode
+graph bounds the smaller ones. (Without the fused MoE, on CUDA with the Triton kernels turned
+off, the reference expert loop's temporaries follow the routing: up to a whole step's rows
+through one expert.)
 """
 
 from __future__ import annotations

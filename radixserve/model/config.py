@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from radixserve.model.moe_config import MoeConfig
 from radixserve.model.quantization import Fp8Config, quantization_config
 from radixserve.model.registry import family_of
 # RoPE variants the model implements; anything else would silently give wrong positions.
@@ -41,6 +42,9 @@ class ModelConfig:
     # with a bias (Qwen2), and RMSNorm over each q and k head before RoPE (Qwen3).
     qkv_bias: bool = True
     qk_norm: bool = False
+    # Mixture of experts (Qwen3-MoE, Qwen2-MoE): the routed experts and which layers run them;
+    # None for a dense model.
+    moe: Optional[MoeConfig] = None
     # The checkpoint's FP8 layout (its quantization_config), None for plain weights.
     quantization: Optional[Fp8Config] = None
     # The parsed config.json, for settings this dataclass does not model.
@@ -53,6 +57,17 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether layer `layer` runs the routed experts (else a dense MLP of intermediate_size)."""
+        return self.moe is not None and self.moe.is_sparse(layer)
+
+    @property
+    def dense_intermediate_size(self) -> int:
+        """intermediate_size if any layer runs a dense MLP, else 0 (nothing to split or tile)."""
+        if all(self.is_sparse_layer(i) for i in range(self.num_hidden_layers)):
+            return 0
+        return self.intermediate_size
 
     @property
     def torch_dtype(self) -> Any:

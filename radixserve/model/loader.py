@@ -106,13 +106,25 @@ def checkpoint_targets(model: nn.Module) -> dict[str, tuple[str, Optional[ShardI
 
     A parameter's checkpoint name is its own name, except inside a fused module that the model's
     `packed_modules_mapping` ({checkpoint module: (fused module, shard id)}) lists: each of its
-    sources fills one shard of it.
+    sources fills one shard of it; and except in a module that names its checkpoint tensors itself
+    (`checkpoint_tensors()`: {name under the module: (its parameter, shard id)}, e.g. the routed
+    experts, whose per-expert tensors fill one stacked parameter).
     """
     sources: dict[str, list[tuple[str, ShardId]]] = {}
     for source, (fused, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
         sources.setdefault(fused, []).append((source, shard_id))
     targets: dict[str, tuple[str, Optional[ShardId]]] = {}
+    owned: set[str] = set()
+    for module_name, module in model.named_modules():
+        own = getattr(module, "checkpoint_tensors", None)
+        if own is None:
+            continue
+        for source, (param, shard_id) in own().items():
+            targets[f"{module_name}.{source}"] = (f"{module_name}.{param}", shard_id)
+        owned.update(f"{module_name}.{p}" for p, _ in module.named_parameters())
     for name, _ in model.named_parameters():
+        if name in owned:
+            continue
         module_path, _, leaf = name.rpartition(".")
         parent, _, module_name = module_path.rpartition(".")
         for source, shard_id in sources.get(module_name, ()):

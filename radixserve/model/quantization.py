@@ -16,6 +16,7 @@ Pure Python (no torch import), so the server's start-up checks read it before an
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -25,6 +26,9 @@ SUPPORTED = ("fp8 (quant_method 'fp8': per-tensor weight scales, dynamic or stat
              "float8 (per-tensor or per-channel weights), or --quantization fp8 on a bf16/fp16/fp32 checkpoint")
 # Modules a checkpoint may leave unquantized that radixserve keeps in bf16 anyway.
 _ALWAYS_UNQUANTIZED = ("lm_head", "re:.*lm_head", "model.embed_tokens", "embed_tokens")
+# ... and a mixture-of-experts layer's router gate and shared-expert gate (mlp.gate,
+# mlp.shared_expert_gate), by module name or as a compressed-tensors "re:" pattern.
+_ROUTER_GATE = re.compile(r"^(re:\.\*)?(.*\.)?mlp\.(gate|shared_expert_gate)\$?$")
 
 ActivationScheme = Literal["dynamic", "static"]
 
@@ -160,8 +164,8 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> Fp8Config:
 def _check_ignored(ignored: list[str], source: str) -> None:
     """The embedding and lm_head stay bf16 here in any case; a checkpoint that keeps other layers
     unquantized would need a per-layer choice, which is not implemented."""
-    others = [name for name in ignored if name not in _ALWAYS_UNQUANTIZED]
+    others = [name for name in ignored if name not in _ALWAYS_UNQUANTIZED and not _ROUTER_GATE.match(name)]
     if others:
         shown = ", ".join(others[:3]) + (f" (and {len(others) - 3} more)" if len(others) > 3 else "")
-        raise ValueError(f"{source}: keeping layers unquantized ({shown}) is not supported; only lm_head and "
-                         "the embedding may be left out of FP8")
+        raise ValueError(f"{source}: keeping layers unquantized ({shown}) is not supported; only lm_head, "
+                         "the embedding and mixture-of-experts router gates may be left out of FP8")

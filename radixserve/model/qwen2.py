@@ -45,9 +45,11 @@ from radixserve.distributed import SingleRank, TensorParallel, head_shard, vocab
 from radixserve.distributed.sharding import even_shard
 from radixserve.model.config import ModelConfig
 from radixserve.model.layers import KernelChoice, Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from radixserve.model.layers.moe import SparseMoeBlock
 from radixserve.model.layers.norm import Normed
 from radixserve.model.layers.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                               VocabParallelEmbedding)
+from radixserve.model.moe_config import check_moe_layout
 from radixserve.model.quantization import Fp8Config, check_block_alignment
 
 
@@ -108,8 +110,25 @@ class Qwen2MLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, start=start, dtype=dtype, kernels=kernels, tp=tp,
                                            fp8=fp8)
 
+    @property
+    def takes_fp8_activations(self) -> bool:
+        return self.gate_up_proj.takes_fp8_activations
+
     def forward(self, x: Normed) -> torch.Tensor:
         return self.down_proj.forward(self.gate_up_proj.forward(x))
+
+
+def make_mlp(config: ModelConfig, layer_id: int, *, dtype: torch.dtype, kernels: KernelChoice, tp: TensorParallel,
+             fp8: Optional[Fp8Config] = None) -> nn.Module:
+    """Layer `layer_id`'s MLP: the routed experts where config.moe makes it sparse (Qwen3-MoE,
+    Qwen2-MoE: radixserve.model.layers.moe), else the dense MLP."""
+    if not config.is_sparse_layer(layer_id):
+        return Qwen2MLP(config, dtype=dtype, kernels=kernels, tp=tp, fp8=fp8)
+    moe = config.moe
+    return SparseMoeBlock(config.hidden_size, num_experts=moe.num_experts, top_k=moe.top_k,
+                          moe_intermediate_size=moe.moe_intermediate_size, norm_topk_prob=moe.norm_topk_prob,
+                          dtype=dtype, kernels=kernels, tp=tp, fp8=fp8,
+                          shared_expert_intermediate_size=moe.shared_expert_intermediate_size)
 
 
 class Qwen2DecoderLayer(nn.Module):
@@ -119,7 +138,7 @@ class Qwen2DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Qwen2Attention(config, layer_id, attn_backend, rotary_emb, dtype=dtype, kernels=kernels,
                                         tp=tp, fp8=fp8)
-        self.mlp = Qwen2MLP(config, dtype=dtype, kernels=kernels, tp=tp, fp8=fp8)
+        self.mlp = make_mlp(config, layer_id, dtype=dtype, kernels=kernels, tp=tp, fp8=fp8)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, kernels=kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, kernels=kernels)
 
@@ -136,8 +155,7 @@ class Qwen2DecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm.forward(h, residual, fp8=qkv_fp8)
         a = self.self_attn.forward(normed, batch)
-        normed, residual = self.post_attention_layernorm.forward(a, residual,
-                                                                 fp8=self.mlp.gate_up_proj.takes_fp8_activations)
+        normed, residual = self.post_attention_layernorm.forward(a, residual, fp8=self.mlp.takes_fp8_activations)
         return self.mlp.forward(normed), residual
 
 
@@ -207,8 +225,9 @@ class Qwen2ForCausalLM(nn.Module):
         self.dtype = dtype
         self.kernels = kernels if kernels is not None else KernelChoice.for_device(device, dtype)
         check_block_alignment(fp8, head_dim=config.head_dim, num_heads=config.num_attention_heads,
-                              num_kv_heads=config.num_key_value_heads, intermediate_size=config.intermediate_size,
-                              tp_size=tp.size)
+                              num_kv_heads=config.num_key_value_heads,
+                              intermediate_size=config.dense_intermediate_size, tp_size=tp.size)
+        check_moe_layout(config.moe, fp8, tp.size)
         n_pos = max(max_positions or 0, config.max_position_embeddings)
         rotary_emb = RotaryEmbedding(config.head_dim, n_pos, config.rope_theta, dtype=dtype, device=device,
                                      kernels=self.kernels)
@@ -225,6 +244,9 @@ class Qwen2ForCausalLM(nn.Module):
         self.model.rotary_emb = rotary_emb
         if self.lm_head is None:
             self.lm_head = self._lm_head(weight=self.model.embed_tokens.weight)
+        # The routed experts' reference loop (no fused MoE) reads the routing on the host.
+        self.graph_capturable = self.kernels.fused_moe or not any(
+            config.is_sparse_layer(i) for i in range(config.num_hidden_layers))
         attn = self.model.layers[0].self_attn
         # This rank's attention heads (all of them without tensor parallelism): the KV pool and the
         # attention workspace are sized by them.

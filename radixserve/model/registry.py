@@ -18,6 +18,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from radixserve.model.moe_config import parse_moe
+
 # config.json (the parsed dict), its source for messages -> the family's ModelConfig fields.
 ConfigHook = Callable[[dict[str, Any], str], dict[str, Any]]
 
@@ -54,9 +56,24 @@ def _qwen3_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
     return {"qkv_bias": False, "qk_norm": True}
 
 
+def _qwen3_moe_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
+    # Qwen3 attention (q/k norms, no bias); routed experts without a shared expert.
+    return {**_qwen3_fields(data, source), "moe": parse_moe(data, source, shared_expert=False)}
+
+
+def _qwen2_moe_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
+    # Qwen2 attention (q|k|v bias unless qkv_bias is false); routed experts plus a shared expert.
+    return {"qkv_bias": _flag(data, "qkv_bias", True, source), "qk_norm": False,
+            "moe": parse_moe(data, source, shared_expert=True)}
+
+
 FAMILIES: dict[str, ModelFamily] = {f.architecture: f for f in (
     ModelFamily("Qwen2ForCausalLM", "qwen2", "radixserve.model.qwen2:Qwen2ForCausalLM", _qwen2_fields),
     ModelFamily("Qwen3ForCausalLM", "qwen3", "radixserve.model.qwen3:Qwen3ForCausalLM", _qwen3_fields),
+    ModelFamily("Qwen3MoeForCausalLM", "qwen3_moe", "radixserve.model.qwen_moe:Qwen3MoeForCausalLM",
+                _qwen3_moe_fields),
+    ModelFamily("Qwen2MoeForCausalLM", "qwen2_moe", "radixserve.model.qwen_moe:Qwen2MoeForCausalLM",
+                _qwen2_moe_fields),
 )}
 
 

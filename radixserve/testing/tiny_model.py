@@ -1,4 +1,5 @@
-"""A tiny random Qwen2 (or Qwen3) checkpoint written by `transformers` itself: the correctness oracle.
+"""A tiny random Qwen2 (or Qwen3, Qwen3-MoE, Qwen2-MoE) checkpoint written by `transformers` itself:
+the correctness oracle.
 
 The tokenizer is a byte-level BPE trained on a corpus embedded here, so any text tokenizes and
 nothing is downloaded. Weights come from `transformers.Qwen2ForCausalLM` (`family="qwen3"`:
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
@@ -121,12 +123,31 @@ def _train_tokenizer(vocab_size: int):
 
 
 # family -> the transformers config and model class names that write it.
-FAMILIES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+FAMILIES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+            "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+            "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM")}
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
+
+
+@dataclass(frozen=True)
+class TinyMoe:
+    """The experts of a tiny Qwen3-MoE / Qwen2-MoE: `experts` of `intermediate` each, `top_k` per
+    token; layer i is sparse unless in `mlp_only_layers`, when (i + 1) % `sparse_step` == 0 (the
+    others keep a dense MLP of the model's `intermediate`); Qwen2-MoE adds a shared expert of
+    `shared_intermediate`."""
+
+    experts: int = 8
+    top_k: int = 2
+    intermediate: int = 32
+    norm_topk_prob: bool = True
+    sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_intermediate: int = 48
 
 
 def _hf_config(family: str, vocab_size: int, *, hidden: int, layers: int, num_heads: int, num_kv_heads: int,
                head_dim: Optional[int], intermediate: int, tie_word_embeddings: bool, eos_id: int,
-               dtype: torch.dtype):
+               dtype: torch.dtype, moe: Optional[TinyMoe] = None):
     import transformers
 
     config_name, model_name = FAMILIES[family]
@@ -148,10 +169,19 @@ def _hf_config(family: str, vocab_size: int, *, hidden: int, layers: int, num_he
         use_sliding_window=False,
         architectures=[model_name],
     )
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         kwargs.update(head_dim=head_dim or hidden // num_heads, attention_bias=False)
     elif head_dim is not None:
         raise ValueError("head_dim is a Qwen3 option: Qwen2's is hidden / num_heads")
+    if family in MOE_FAMILIES:
+        moe = moe or TinyMoe()
+        kwargs.update(num_experts=moe.experts, num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.intermediate,
+                      norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=moe.sparse_step,
+                      mlp_only_layers=list(moe.mlp_only_layers))
+        if family == "qwen2_moe":
+            kwargs.update(shared_expert_intermediate_size=moe.shared_intermediate, qkv_bias=True)
+    elif moe is not None:
+        raise ValueError(f"moe is an option of the MoE families ({', '.join(MOE_FAMILIES)}), not {family!r}")
     if int(transformers.__version__.split(".")[0]) >= 5:
         kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
     else:  # transformers 4.x spells it as a top-level key
@@ -164,12 +194,15 @@ def _hf_config(family: str, vocab_size: int, *, hidden: int, layers: int, num_he
 def build_tiny_model(path: Union[str, os.PathLike], *, tie_word_embeddings: bool = False, num_kv_heads: int = 2,
                      num_heads: int = 4, hidden: int = 64, layers: int = 2, intermediate: int = 128, seed: int = 0,
                      dtype: torch.dtype = torch.float32, vocab_size: int = 512, shard: bool = False,
-                     family: str = "qwen2", head_dim: Optional[int] = None) -> Path:
+                     family: str = "qwen2", head_dim: Optional[int] = None, moe: Optional[TinyMoe] = None) -> Path:
     """Write tokenizer + config.json + safetensors of a random Qwen2 into `path`; returns the path.
 
     `shard=True` saves in several small shards with a model.safetensors.index.json.
     `family="qwen3"` writes a Qwen3 dense model instead (q/k norms, no q|k|v bias); its `head_dim`
     (default hidden / num_heads) may make num_heads x head_dim differ from hidden.
+    `family="qwen3_moe"` / `"qwen2_moe"`: a mixture-of-experts model (`moe`, default TinyMoe(): 8
+    experts, top-2, every layer sparse); transformers saves each expert's weights as its own
+    tensors (`mlp.experts.{e}.gate_proj.weight`, ...), as the published checkpoints hold them.
     """
     import transformers
     from transformers import PreTrainedTokenizerFast
@@ -194,7 +227,7 @@ def build_tiny_model(path: Union[str, os.PathLike], *, tie_word_embeddings: bool
     eos_id = hf_tok.convert_tokens_to_ids(ENDOFTEXT)
     config = _hf_config(family, len(hf_tok), hidden=hidden, layers=layers, num_heads=num_heads,
                         num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate=intermediate,
-                        tie_word_embeddings=tie_word_embeddings, eos_id=eos_id, dtype=dtype)
+                        tie_word_embeddings=tie_word_embeddings, eos_id=eos_id, dtype=dtype, moe=moe)
 
     # A private RNG stream: the caller's global torch RNG state is left as it was.
     with torch.random.fork_rng(devices=[]):

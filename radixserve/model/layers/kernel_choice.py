@@ -25,10 +25,16 @@ class KernelChoice:
 
     triton: bool = False
     decode_gemm_max_rows: int = DECODE_GEMM_MAX_ROWS
+    # The routed experts' fused MoE (radixserve.kernels.fused_moe); None: as `triton`. On CUDA it
+    # runs in float32 too (the experts' reference loop reads the routing back to the host, which a
+    # CUDA graph cannot hold), unless the Triton kernels are turned off.
+    fused_moe: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.decode_gemm_max_rows < 0:
             raise ValueError(f"decode_gemm_max_rows must be >= 0, got {self.decode_gemm_max_rows}")
+        if self.fused_moe is None:
+            object.__setattr__(self, "fused_moe", self.triton)
 
     @classmethod
     def for_device(cls, device: torch.device | str, dtype: torch.dtype, *, triton: Optional[bool] = None,
@@ -36,11 +42,12 @@ class KernelChoice:
         """triton=None: the Triton kernels on CUDA in bfloat16/float16 when triton is installed,
         torch ops elsewhere. triton=True off CUDA is a ValueError."""
         on_cuda = torch.device(device).type == "cuda"
+        fused_moe = triton is not False and on_cuda and _triton_installed()
         if triton is None:
             triton = on_cuda and dtype in TRITON_DTYPES and _triton_installed()
         elif triton and not on_cuda:
             raise ValueError("the Triton kernels need a CUDA device")
-        return cls(triton=triton, decode_gemm_max_rows=decode_gemm_max_rows)
+        return cls(triton=triton, decode_gemm_max_rows=decode_gemm_max_rows, fused_moe=fused_moe)
 
 
 def _triton_installed() -> bool:

@@ -113,18 +113,22 @@ class ColumnParallelLinear(MergedLinear):
 
 class RowParallelLinear(Linear):
     """Input columns [start, start + input_size) of the checkpoint weight; the output is summed over
-    the ranks. Without a bias (a bias would be added once, after the sum: Qwen2 has none here)."""
+    the ranks. Without a bias (a bias would be added once, after the sum: Qwen2 has none here).
+    `reduce=False`: the output stays this rank's partial sum, for a caller that adds it to other
+    partial sums and all-reduces them once (a mixture-of-experts layer's shared expert)."""
 
     reads_slices = True
 
     def __init__(self, input_size: int, output_size: int, *, start: int, dtype: torch.dtype, kernels: KernelChoice,
-                 tp: TensorParallel, fp8: Optional[Fp8Config] = None):
+                 tp: TensorParallel, fp8: Optional[Fp8Config] = None, reduce: bool = True):
         super().__init__(input_size, output_size, bias=False, dtype=dtype, kernels=kernels, fp8=fp8)
         self.start = start
         self.tp = tp
+        self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward(x))
+        y = super().forward(x)
+        return self.tp.all_reduce(y) if self.reduce else y
 
     def load_weight(self, param: str, loaded: Loaded, shard_id: Optional[ShardId] = None) -> None:
         if shard_id is not None:
