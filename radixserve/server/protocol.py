@@ -222,6 +222,11 @@ class ChatMessage(_Body):
     tool_calls: Optional[list[ToolCall]] = Field(None, description="An assistant message's tool calls.")
     tool_call_id: Optional[Annotated[str, Field(min_length=1)]] = Field(None, description="The call a tool "
                                                                                            "message answers.")
+    reasoning_content: Optional[Text] = Field(
+        None, description="An assistant message's reasoning, as a reply's reasoning_content gave it; the chat "
+                          "template decides whether it is shown to the model (Qwen3's drops it from turns before "
+                          "the last user message unless keep_reasoning is set).")
+    reasoning: Optional[Text] = Field(None, description="Another name of reasoning_content (vLLM's).")
 
 
 # What the server checks of a tool's parameters (radixserve.server.tool_calls), stated in the schema.
@@ -303,8 +308,17 @@ class ChatCompletionRequest(_SamplingFields):
         None, description="Default auto with tools, none without. required and a named function are "
                           "enforced by a grammar, so the arguments always parse.")
     parallel_tool_calls: Optional[bool] = Field(None, description="Default true: several calls in one reply.")
-    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="Extra variables for the chat "
-                                                                             "template.")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, description="Variables for the chat template: only those it reads (e.g. enable_thinking, "
+                          "keep_reasoning for Qwen3's format), never a template of its own.")
+    separate_reasoning: bool = Field(
+        True, description="radixserve extension (SGLang): with --reasoning-parser, the reasoning comes as "
+                          "reasoning_content apart from content; false: content carries the whole reply as "
+                          "the model wrote it, think tags included.")
+    regex: Optional[NonEmptyStr] = Field(None, description="radixserve extension (SGLang): the reply matches this "
+                                                           "regular expression.")
+    ebnf: Optional[NonEmptyStr] = Field(None, description="radixserve extension (SGLang): the reply is in the "
+                                                          "language of this EBNF grammar (xgrammar's dialect).")
     add_generation_prompt: bool = Field(True, description="radixserve extension.")
 
 
