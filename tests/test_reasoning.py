@@ -309,3 +309,15 @@ def test_reasoning_settings_the_model_cannot_serve_fail_at_start_up(server_model
     assert run.returncode == 1
     assert any("server failed: " in line and message in line for line in (run.stdout + run.stderr).splitlines()), \
         run.stdout + run.stderr
+
+
+def test_reasoning_effort_none_turns_thinking_off_and_effort_levels_are_refused(reasoning_server, tokenizer):
+    _, _, off = ask(reasoning_server, tokenizer, ANSWER, chat_template_kwargs={"enable_thinking": False})
+    _, _, none = ask(reasoning_server, tokenizer, ANSWER, reasoning_effort="none")
+    assert none.prompt_tokens == off.prompt_tokens  # the same empty think block in the prompt
+    for body, param in (({"reasoning_effort": "high"}, "reasoning_effort"),
+                        ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}},
+                         "reasoning_effort")):
+        r = httpx.post(f"{reasoning_server.base_url}/v1/chat/completions",
+                       json={"messages": USER, "max_tokens": 2, **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -167,10 +167,16 @@ def checked_template_kwargs(tokenizer, kwargs: Optional[dict[str, Any]]) -> dict
     return dict(kwargs)
 
 
+def template_reads(tokenizer, name: str) -> bool:
+    """Whether the served chat template reads the variable `name`."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return False
+    return any(name in (template_variables(t) or ()) for t in _templates(tokenizer))
+
+
 def check_template_keeps_reasoning(tokenizer) -> None:
     """--keep-reasoning-history needs a served template that reads keep_reasoning (ValueError)."""
-    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-    if not template or not any(KEEP_REASONING in (template_variables(t) or ()) for t in _templates(tokenizer)):
+    if not template_reads(tokenizer, KEEP_REASONING):
         raise ValueError(f"--keep-reasoning-history needs a chat template that reads {KEEP_REASONING}, and the "
                          "served one does not: add --chat-template qwen3 (Qwen3's format with it) or a template "
                          "of your own that reads it")

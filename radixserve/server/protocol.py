@@ -283,7 +283,9 @@ class ChatCompletionRequest(_SamplingFields):
         None, description="Only medium (the default): the served model has no verbosity control.",
         json_schema_extra={"enum": ["medium", None]})
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = Field(
-        None, description="Only none: the served model does not reason.", json_schema_extra={"enum": ["none", None]})
+        None, description="Only none: without --reasoning-parser the served model does not reason; with it, none "
+                          "turns thinking off (the template's enable_thinking false).",
+        json_schema_extra={"enum": ["none", None]})
     modalities: Optional[list[Literal["text", "audio"]]] = Field(
         None, description="Only text.", json_schema_extra={"items": {"const": "text"}})
     audio: Optional[dict[str, Any]] = Field(None, description="Only null: no audio output.",

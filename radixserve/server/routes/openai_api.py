@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 from fastapi import APIRouter, Request
 
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.chat_prompt import chat_prompt_ids
+from radixserve.server.chat_prompt import chat_prompt_ids, template_reads
 from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
 from radixserve.server.intake import MsgspecJSONRoute
 from radixserve.server.logprob_format import chat_logprobs, completion_logprobs, completion_prompt_logprobs
@@ -220,6 +220,23 @@ def chat_top_logprobs(body: ChatCompletionRequest) -> Optional[int]:
     return body.top_logprobs or 0
 
 
+def thinking_off(ctx: ServingContext, body: ChatCompletionRequest) -> None:
+    """reasoning_effort on a reasoning model: Qwen3 has no effort levels, only thinking on or off,
+    so "none" is the template's enable_thinking false and any other value is refused by name."""
+    if body.reasoning_effort != "none":
+        raise APIError(400, f"reasoning_effort={body.reasoning_effort!r} is not supported: the served model "
+                            "reasons or does not (leave reasoning_effort out, or give none), with no effort levels",
+                       param="reasoning_effort", code="unsupported_parameter")
+    if not template_reads(ctx.tokenizer, "enable_thinking"):
+        raise APIError(400, "reasoning_effort=none is not supported: the served chat template has no "
+                            "enable_thinking switch", param="reasoning_effort", code="unsupported_parameter")
+    kwargs = dict(body.chat_template_kwargs or {})
+    if kwargs.setdefault("enable_thinking", False) is not False:
+        raise bad_request("reasoning_effort none and chat_template_kwargs.enable_thinking true disagree",
+                          "reasoning_effort", code=CONFLICTING_FIELDS)
+    body.chat_template_kwargs = kwargs
+
+
 def chat_grammar_field(body: ChatCompletionRequest, policy: ToolPolicy) -> Optional[str]:
     """The field whose grammar constrains the reply, or None; 400 when two would."""
     fields = [name for name, on in (("tools", policy.forced),
@@ -291,7 +308,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     arrival = time.perf_counter()
     ctx.check_model(body.model)
     for name, ok, why in CHAT_NEUTRAL_VALUES:
-        check_neutral(body, name, ok, why)
+        if name != "reasoning_effort" or ctx.reasoning is None:
+            check_neutral(body, name, ok, why)
+    if ctx.reasoning is not None and body.reasoning_effort is not None:
+        thinking_off(ctx, body)
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
         raise bad_request("max_tokens and max_completion_tokens disagree", "max_completion_tokens",
