@@ -14,9 +14,10 @@ The replies are scripted, so the counts do not depend on the model: each is forc
 grammar of its text (SGLang's `ebnf` field) with `logit_bias` on the text's own tokens, longer
 ones favoured, so the model writes the tokens the tokenizer gives the text (`forced_reply`
 checks that this holds before sending). By default the script starts a CPU server over the tiny
-random Qwen2 built with Qwen3's chat format and tokenizer tags; `--base-url` measures a running
-server instead (it needs `--reasoning-parser qwen3` and a template that reads keep_reasoning, and
-`--tokenizer-path` the served tokenizer).
+random Qwen2 built with Qwen3's chat format and tokenizer tags; `--tokenizer DIR` counts in
+Qwen3's own tokens instead (the tokenizer from `scripts/qwen2_tokenizer.py --qwen3`, dummy
+weights); `--base-url` measures a running server (it needs `--reasoning-parser qwen3` and a
+template that reads keep_reasoning, and `--tokenizer-path` the served tokenizer).
 """
 
 from __future__ import annotations
@@ -167,10 +168,30 @@ def table(default: list[dict[str, Any]], keep: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def build_model(workdir: Path) -> Path:
+def build_model(workdir: Path, tokenizer_dir: Optional[str] = None) -> tuple[Path, list[str]]:
+    """The model directory to serve and the flags it needs: the tiny random Qwen2 with Qwen3's chat
+    format, or with `tokenizer_dir`'s tokenizer (Qwen3's, from scripts/qwen2_tokenizer.py --qwen3)
+    and dummy weights of the tiny shape over its vocabulary."""
+    import shutil
+
     from radixserve.testing.tiny_model import build_tiny_model
 
-    return build_tiny_model(workdir / "tiny-qwen3-format", chat_format="qwen3")
+    model = build_tiny_model(workdir / "tiny-qwen3-format", chat_format="qwen3")
+    if tokenizer_dir is None:
+        return model, []
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    for path in model.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "chat_template")) or path.suffix == ".safetensors":
+            path.unlink()
+    for path in Path(tokenizer_dir).iterdir():
+        shutil.copy(path, model / path.name)
+    config = json.loads((model / "config.json").read_text())
+    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    config.update(vocab_size=-(-len(tokenizer) // 128) * 128, eos_token_id=eos, bos_token_id=eos, pad_token_id=eos)
+    (model / "config.json").write_text(json.dumps(config, indent=2))
+    return model, ["--load-format", "dummy"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -178,6 +199,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", help="a running server (default: start a CPU server over the tiny model)")
     parser.add_argument("--tokenizer-path", help="the served tokenizer, with --base-url")
+    parser.add_argument("--tokenizer", help="measure with this tokenizer directory (Qwen3's, from "
+                                            "scripts/qwen2_tokenizer.py --qwen3): the started server runs the tiny "
+                                            "shape over its vocabulary with dummy weights")
     parser.add_argument("--turns", type=int, default=3, help="user turns (default: 3)")
     parser.add_argument("--tool-steps", type=int, default=2, help="tool calls before each answer (default: 2)")
     parser.add_argument("--reasoning-words", type=int, default=60, help="words of each reply's reasoning (default: 60)")
@@ -194,8 +218,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.base_url is None:
             from radixserve.experiment.processes import Server
 
-            model = build_model(Path(tmp))
-            server = Server(["--model-path", str(model), "--device", "cpu", "--reasoning-parser", "qwen3"],
+            model, flags = build_model(Path(tmp), args.tokenizer)
+            server = Server(["--model-path", str(model), "--device", "cpu", "--reasoning-parser", "qwen3", *flags],
                             Path(tmp) / "server.log")
             server.wait_ready(300)
             base_url, tokenizer_path = server.base_url, str(model)
