@@ -1,6 +1,6 @@
 """Qwen3 reasoning in the chat API: the parser on every way a reply can be cut into pieces, the
-Qwen3-format template, and a real server over the tiny random model built with Qwen3's chat format
-(`--reasoning-parser qwen3`) through the openai SDK. The random model is made to write a given
+Qwen3-format template, and a real server (`--reasoning-parser qwen3`) over the tiny random Qwen3
+built with Qwen3's chat format, through the openai SDK. The random model is made to write a given
 reply exactly, in the tokenizer's own tokens, by an EBNF grammar of the reply with logit_bias on
 its tokens (`forced_reply`), so the replies, their tokens and the cache counts are deterministic."""
 
@@ -110,7 +110,7 @@ def test_the_qwen3_template_drops_reasoning_before_the_last_query_unless_kept():
 def qwen3_model_dir(tmp_path_factory):
     from radixserve.testing.tiny_model import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-format"), chat_format="qwen3")
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), family="qwen3", chat_format="qwen3")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ The replies are scripted, so the counts do not depend on the model: each is forc
 grammar of its text (SGLang's `ebnf` field) with `logit_bias` on the text's own tokens, longer
 ones favoured, so the model writes the tokens the tokenizer gives the text (`forced_reply`
 checks that this holds before sending). By default the script starts a CPU server over the tiny
-random Qwen2 built with Qwen3's chat format and tokenizer tags; `--tokenizer DIR` counts in
+random Qwen3 built with Qwen3's chat format and tokenizer tags; `--tokenizer DIR` counts in
 Qwen3's own tokens instead (the tokenizer from `scripts/qwen2_tokenizer.py --qwen3`, dummy
 weights); `--base-url` measures a running server (it needs `--reasoning-parser qwen3` and a
 template that reads keep_reasoning, and `--tokenizer-path` the served tokenizer).
@@ -169,14 +169,14 @@ def table(default: list[dict[str, Any]], keep: list[dict[str, Any]]) -> str:
 
 
 def build_model(workdir: Path, tokenizer_dir: Optional[str] = None) -> tuple[Path, list[str]]:
-    """The model directory to serve and the flags it needs: the tiny random Qwen2 with Qwen3's chat
+    """The model directory to serve and the flags it needs: the tiny random Qwen3 with Qwen3's chat
     format, or with `tokenizer_dir`'s tokenizer (Qwen3's, from scripts/qwen2_tokenizer.py --qwen3)
     and dummy weights of the tiny shape over its vocabulary."""
     import shutil
 
     from radixserve.testing.tiny_model import build_tiny_model
 
-    model = build_tiny_model(workdir / "tiny-qwen3-format", chat_format="qwen3")
+    model = build_tiny_model(workdir / "tiny-qwen3", family="qwen3", chat_format="qwen3")
     if tokenizer_dir is None:
         return model, []
     from transformers import AutoTokenizer
