@@ -57,16 +57,19 @@ QWEN3_CHAT_TEMPLATE = """\
 {%- endfor %}
 {%- for message in messages %}
     {%- set content = message.content if message.content is string else '' %}
-    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
-    {%- elif message.role == 'assistant' %}
-        {%- set reasoning = '' %}
+    {#- Set here, not inside a role's branch: jinja2's analysis would count it a template variable. #}
+    {%- set reasoning = '' %}
+    {%- if message.role == 'assistant' %}
         {%- if message.reasoning_content is string %}
             {%- set reasoning = message.reasoning_content %}
         {%- elif '</think>' in content %}
             {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
             {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
         {%- endif %}
+    {%- endif %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
         {%- if keep or (loop.index0 > ns.last_query and (loop.last or reasoning)) %}
             {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
         {%- else %}

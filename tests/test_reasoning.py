@@ -321,3 +321,9 @@ def test_reasoning_effort_none_turns_thinking_off_and_effort_levels_are_refused(
         r = httpx.post(f"{reasoning_server.base_url}/v1/chat/completions",
                        json={"messages": USER, "max_tokens": 2, **body}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_the_served_schema_names_the_template_variables_a_request_may_set(reasoning_server):
+    spec = httpx.get(f"{reasoning_server.base_url}/openapi.json", timeout=30).json()
+    field = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]["chat_template_kwargs"]
+    assert field["propertyNames"] == {"enum": ["enable_thinking", "keep_reasoning"]}, field

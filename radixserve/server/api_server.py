@@ -30,7 +30,7 @@ from radixserve.http_common.paced_http import PacedHttpProtocol
 from radixserve.server.lifecycle import CLOSE_TIMEOUT_S, ServingServer
 from radixserve.server.intake import (REQUEST_BYTES_PER_CONTEXT_TOKEN, BodyLimitMiddleware, JSONContentTypeMiddleware,
                                       RejectionRecorder)
-from radixserve.server.chat_prompt import check_template_keeps_reasoning
+from radixserve.server.chat_prompt import check_template_keeps_reasoning, settable_template_variables
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.reasoning import reasoning_format
 from radixserve.server.openapi import install_openapi
@@ -98,7 +98,8 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     install_openapi(app, auth=bool(settings.api_key),
                     vocab_size=lambda: engine.ready.vocab_size if engine.ready else None,
                     max_output_tokens=lambda: (min(engine.ready.context_len, engine.ready.pool_size) - 1
-                                               if engine.ready else None))
+                                               if engine.ready else None),
+                    template_variables=lambda: settable_template_variables(tokenizer))
     return app
 
 

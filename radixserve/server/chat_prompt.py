@@ -28,7 +28,7 @@ from functools import lru_cache, partial
 from typing import Any, Optional
 
 from radixserve.chat_formats import KEEP_REASONING
-from radixserve.server.errors import APIError, bad_request
+from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
 from radixserve.server.protocol import ROLES
 from radixserve.server.serving import ServingContext
 from radixserve.server.template_render import TEMPLATE_LIMIT, TemplateLimitError, render_chat_template
@@ -73,7 +73,7 @@ def _reasoning(i: int, msg) -> Optional[str]:
         raise bad_request(f"messages[{i}]: only assistant messages carry {given[0][0]}", f"messages[{i}].{given[0][0]}")
     if len(given) == 2 and given[0][1] != given[1][1]:
         raise bad_request(f"messages[{i}]: reasoning_content and reasoning disagree (give one)",
-                          f"messages[{i}].reasoning")
+                          f"messages[{i}].reasoning", code=CONFLICTING_FIELDS)
     return given[0][1]
 
 
@@ -93,8 +93,9 @@ def template_messages(body) -> list[dict[str, Any]]:
             raise bad_request(f"messages[{i}]: a tool message needs tool_call_id, and only a tool message has one",
                               f"messages[{i}].tool_call_id")
         if msg.tool_call_id is not None and msg.tool_call_id not in call_ids:
+            # A relation between messages that the schema cannot state: conflicting, as OpenAI refuses it.
             raise bad_request(f"messages[{i}].tool_call_id {msg.tool_call_id!r} answers no tool call of an earlier "
-                              "assistant message", f"messages[{i}].tool_call_id")
+                              "assistant message", f"messages[{i}].tool_call_id", code=CONFLICTING_FIELDS)
         message: dict[str, Any] = {"role": msg.role, "content": _message_text(i, msg.content)}
         reasoning = _reasoning(i, msg)
         if reasoning is not None:
@@ -140,18 +141,29 @@ def _templates(tokenizer) -> list[str]:
     return list(template.values()) if isinstance(template, dict) else [template]
 
 
+def _reserved_variables(tokenizer) -> frozenset[str]:
+    return SERVER_TEMPLATE_VARIABLES | _apply_chat_template_arguments() | JINJA_GLOBALS | set(
+        getattr(tokenizer, "special_tokens_map", None) or {})
+
+
+def settable_template_variables(tokenizer) -> frozenset[str]:
+    """The variables a request's chat_template_kwargs may set: those the served template reads and
+    the server does not set (the served OpenAPI schema lists them)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return frozenset()
+    readable: set[str] = set()
+    for template in _templates(tokenizer):
+        readable |= template_variables(template) or set()
+    return frozenset(readable - _reserved_variables(tokenizer))
+
+
 def checked_template_kwargs(tokenizer, kwargs: Optional[dict[str, Any]]) -> dict[str, Any]:
     """`chat_template_kwargs`, each key a variable the served template reads and the server does
     not set; 400 naming the first key that is not."""
     if not kwargs:
         return {}
-    reserved = SERVER_TEMPLATE_VARIABLES | _apply_chat_template_arguments() | JINJA_GLOBALS | set(
-        getattr(tokenizer, "special_tokens_map", None) or {})
-    readable: set[str] = set()
-    for template in _templates(tokenizer):
-        names = template_variables(template)
-        readable |= names or set()
-    settable = readable - reserved
+    reserved = _reserved_variables(tokenizer)
+    settable = settable_template_variables(tokenizer)
     for key in kwargs:
         param = f"chat_template_kwargs.{key}"
         if key == "chat_template":

@@ -65,6 +65,8 @@ def _token_ids(value: Any, validate: ValidatorFunctionWrapHandler) -> Any:
 
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1), WrapValidator(_token_ids)]
+# chat_template_kwargs: the served schema names the variables the served template lets a request set.
+TEMPLATE_VARIABLES_SCHEMA_MARK = "x-radixserve-template-variables"
 # An output length; the served schema bounds it by what the context leaves a one-token prompt.
 OUTPUT_TOKENS_SCHEMA_MARK = "x-radixserve-output-tokens"
 _OUTPUT_TOKENS = {OUTPUT_TOKENS_SCHEMA_MARK: True}
@@ -204,12 +206,17 @@ class ToolCall(_Body):
     function: FunctionCall
 
 
-# A tool message answers a call (tool_call_id); only an assistant message makes calls (tool_calls).
+# A tool message answers a call (tool_call_id); only an assistant message makes calls (tool_calls)
+# or carries reasoning.
 _MESSAGE_RULES = {"allOf": [
     {"if": {"properties": {"role": {"const": "tool"}}, "required": ["role"]},
      "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}},
      "else": {"properties": {"tool_call_id": {"type": "null"}}}},
     {"if": {"properties": {"tool_calls": {"type": "array"}}, "required": ["tool_calls"]},
+     "then": {"properties": {"role": {"const": "assistant"}}}},
+    {"if": {"properties": {"reasoning_content": {"type": "string"}}, "required": ["reasoning_content"]},
+     "then": {"properties": {"role": {"const": "assistant"}}}},
+    {"if": {"properties": {"reasoning": {"type": "string"}}, "required": ["reasoning"]},
      "then": {"properties": {"role": {"const": "assistant"}}}},
 ]}
 
@@ -312,7 +319,8 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: Optional[bool] = Field(None, description="Default true: several calls in one reply.")
     chat_template_kwargs: Optional[dict[str, Any]] = Field(
         None, description="Variables for the chat template: only those it reads (e.g. enable_thinking, "
-                          "keep_reasoning for Qwen3's format), never a template of its own.")
+                          "keep_reasoning for Qwen3's format; the served schema names them), never a template "
+                          "of its own.", json_schema_extra={TEMPLATE_VARIABLES_SCHEMA_MARK: True})
     separate_reasoning: bool = Field(
         True, description="radixserve extension (SGLang): with --reasoning-parser, the reasoning comes as "
                           "reasoning_content apart from content; false: content carries the whole reply as "
