@@ -263,8 +263,8 @@ def chat_grammar(body: ChatCompletionRequest, policy: ToolPolicy) -> Optional[tu
 
 @dataclass(frozen=True)
 class ReplyFormat:
-    """How a chat reply's text becomes its message: reasoning split off (fmt, where the reply
-    starts), then tool calls parsed from the content."""
+    """How a chat reply's text becomes its message: the reasoning split off (its format, and
+    whether the reply starts inside it), then tool calls parsed from the content."""
 
     policy: ToolPolicy
     reasoning: Optional[ReasoningFormat] = None  # None: no reasoning split (no parser, or separate_reasoning false)
