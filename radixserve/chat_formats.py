@@ -71,13 +71,15 @@ QWEN3_CHAT_TEMPLATE = """\
         {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
     {%- elif message.role == 'assistant' %}
         {%- if keep or (loop.index0 > ns.last_query and (loop.last or reasoning)) %}
-            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n'
+                + content.lstrip('\\n') }}
         {%- else %}
             {{- '<|im_start|>assistant\\n' + content }}
         {%- endif %}
         {%- for call in message.tool_calls or [] %}
             {%- set call = call.function if call.function is defined else call %}
-            {{- ('\\n' if (content or not loop.first) else '') + '<tool_call>\\n{"name": "' + call.name + '", "arguments": ' }}
+            {{- ('\\n' if (content or not loop.first) else '') + '<tool_call>\\n{"name": "' + call.name
+                + '", "arguments": ' }}
             {{- call.arguments if call.arguments is string else (call.arguments | tojson) }}
             {{- '}\\n</tool_call>' }}
         {%- endfor %}

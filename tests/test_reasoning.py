@@ -137,8 +137,9 @@ def reasoning_server(qwen3_model_dir, server_workdir):
 
 
 # Qwen3-2507's thinking-only template style: the generation prompt opens <think> itself.
-OPEN_THINK_TEMPLATE = QWEN3_CHAT_TEMPLATE.replace("{{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking",
-                                                  "{{- '<|im_start|>assistant\\n<think>\\n' }}\n    {%- if enable_thinking")
+GENERATION_PROMPT = "{{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking"
+OPEN_THINK_TEMPLATE = QWEN3_CHAT_TEMPLATE.replace(GENERATION_PROMPT,
+                                                  GENERATION_PROMPT.replace("\\n'", "\\n<think>\\n'", 1))
 
 
 @pytest.fixture(scope="module")

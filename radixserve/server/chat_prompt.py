@@ -66,7 +66,8 @@ def _message_text(i: int, content) -> str:
 
 def _reasoning(i: int, msg) -> Optional[str]:
     """An assistant message's reasoning (reasoning_content, or vLLM's name for it, reasoning)."""
-    given = [(name, getattr(msg, name)) for name in ("reasoning_content", "reasoning") if getattr(msg, name) is not None]
+    given = [(name, getattr(msg, name)) for name in ("reasoning_content", "reasoning")
+             if getattr(msg, name) is not None]
     if not given:
         return None
     if msg.role != "assistant":
