@@ -41,7 +41,21 @@ class ServerSettings:
     tokenizer_path: Optional[str] = _opt(None, "Tokenizer directory (default: --model-path).")
     chat_template: Optional[str] = _opt(
         None, "A Jinja chat template file used instead of the tokenizer's (for models whose template "
-        "does not render `tools`).")
+        "does not render `tools`), or a built-in one by name: qwen3 (Qwen3's prompt format, with "
+        "keep_reasoning; see --keep-reasoning-history).")
+    reasoning_parser: Optional[str] = _opt(
+        None, "Split a chat reply's <think>...</think> reasoning from its answer: message.reasoning_content "
+        "and content, streamed as delta.reasoning_content then delta.content (vLLM's and SGLang's shape); "
+        "qwen3 reads Qwen3's tags (also when the template opens <think> in the prompt). A request's "
+        "separate_reasoning: false turns it off for that request. (default: off; replies as the model wrote "
+        "them)", choices=("qwen3",))
+    keep_reasoning_history: bool = _opt(
+        False, "Render earlier assistant turns with their reasoning as generated (the template variable "
+        "keep_reasoning; a request's chat_template_kwargs may set it either way): Qwen3's template drops it, "
+        "so each turn's prompt stops matching the cached conversation at the previous reply. Needs a "
+        "template that reads keep_reasoning, e.g. --chat-template qwen3 (docs/tuning.md).")
+    chat_template_timeout_s: float = _opt(
+        5.0, "Longest a chat template may take to render one request; longer is a 400 (template_limit).")
     load_format: str = _opt("auto", "auto: read safetensors; dummy: random weights from config.json alone.",
                             choices=("auto", "safetensors", "dummy"))
     trust_remote_code: bool = _opt(
@@ -284,6 +298,8 @@ class ServerSettings:
             raise ValueError(f"decode_gemm_max_rows must be >= 0, got {self.decode_gemm_max_rows}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if not self.chat_template_timeout_s > 0:
+            raise ValueError(f"chat_template_timeout_s must be > 0, got {self.chat_template_timeout_s}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
 

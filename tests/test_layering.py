@@ -26,7 +26,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "radixserve"
 # Lowest first: a module may import its own layer and the ones below. Keys are the first name
 # under radixserve/ (a subpackage or a top-level module).
 LAYERS: list[tuple[str, set[str]]] = [
-    ("leaf", {"settings", "sampling_params", "validation", "default_model", "kv_events_config"}),  # shared types and settings
+    # shared types and settings
+    ("leaf", {"settings", "sampling_params", "validation", "default_model", "kv_events_config", "chat_formats"}),
     ("grammar", {"grammar"}),  # constrained decoding: xgrammar behind a small interface
     ("cache", {"cache"}),
     ("kernels", {"kernels"}),

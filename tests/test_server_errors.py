@@ -153,13 +153,15 @@ BAD_INPUTS = [
 UNSUPPORTED_FIELDS = {"regex": "[a-z]+", "ebnf": "root ::= 'a'",
                       "priority": 1, "lora_path": "adapter", "chat_template_kwargs": {"enable_thinking": False},
                       "json_schema": "{}", "no_stop_trim": True}
-# Served, but only in /generate's sampling_params (grammars) or only on chat (template variables).
+# Served, but only in /generate's sampling_params (grammars), only on chat (template variables),
+# or both (SGLang's chat fields regex and ebnf).
 GENERATE_SAMPLING_ONLY = {"regex", "ebnf", "json_schema"}
 CHAT_ONLY = {"chat_template_kwargs"}
+CHAT_TOO = {"regex", "ebnf"}
 for _name, _value in UNSUPPORTED_FIELDS.items():
     BAD_INPUTS += [(C, {"prompt": "x", _name: _value}, 400, _name, "unsupported_parameter"),
                    (G, {"text": "x", _name: _value}, 400, _name, "unsupported_parameter")]
-    if _name not in CHAT_ONLY:
+    if _name not in CHAT_ONLY | CHAT_TOO:
         BAD_INPUTS.append((CH, {"messages": USER, _name: _value}, 400, _name, "unsupported_parameter"))
     if _name not in GENERATE_SAMPLING_ONLY | CHAT_ONLY:
         BAD_INPUTS.append((G, {"text": "x", "sampling_params": {_name: _value}}, 400, f"sampling_params.{_name}",

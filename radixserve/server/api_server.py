@@ -30,7 +30,9 @@ from radixserve.http_common.paced_http import PacedHttpProtocol
 from radixserve.server.lifecycle import CLOSE_TIMEOUT_S, ServingServer
 from radixserve.server.intake import (REQUEST_BYTES_PER_CONTEXT_TOKEN, BodyLimitMiddleware, JSONContentTypeMiddleware,
                                       RejectionRecorder)
+from radixserve.server.chat_prompt import check_template_keeps_reasoning, settable_template_variables
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.reasoning import reasoning_format
 from radixserve.server.openapi import install_openapi
 from radixserve.server.routes import native, observability, openai_api, tokenize
 from radixserve.server.routes.admin import install_admin
@@ -57,6 +59,10 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     metrics = ServerMetrics(lambda: engine.latest_stats, lambda: engine.alive, served_name, settings.page_size,
                             prefix_caching=not settings.disable_radix_cache)
     ctx = ServingContext(settings, tokenizer, engine, metrics, model_path, served_name)
+    if settings.reasoning_parser is not None:  # a tokenizer without the format's tags fails here, in one line
+        ctx.reasoning = reasoning_format(settings.reasoning_parser, tokenizer)
+    if settings.keep_reasoning_history:
+        check_template_keeps_reasoning(tokenizer)
 
     def count_abort(out) -> None:
         if (out.finish_reason or {}).get("type") == "abort" and not out.rid.startswith("health-"):
@@ -92,7 +98,8 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     install_openapi(app, auth=bool(settings.api_key),
                     vocab_size=lambda: engine.ready.vocab_size if engine.ready else None,
                     max_output_tokens=lambda: (min(engine.ready.context_len, engine.ready.pool_size) - 1
-                                               if engine.ready else None))
+                                               if engine.ready else None),
+                    template_variables=lambda: settable_template_variables(tokenizer))
     return app
 
 

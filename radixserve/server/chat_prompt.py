@@ -5,10 +5,13 @@ what the client wrote kept as text.
   template reads (jinja2's `meta.find_undeclared_variables` of its source) and nothing else: a
   `chat_template` key (a client's own Jinja, which would run in the API process), the arguments
   of `apply_chat_template` (`tokenize`, ...), the variables the server sets (`messages`, `tools`,
-  `add_generation_prompt`, the special tokens) and names the template does not read are 400s
-  naming the key. Rendering is then the operator's template over the request, whose size the
-  body limit bounds, and a rendered prompt longer than any the context can take is refused
-  before it is tokenized.
+  `add_generation_prompt`, the special tokens, Jinja's globals) and names the template does not
+  read are 400s naming the key. Rendering is then the operator's template over the request,
+  bounded in time (`--chat-template-timeout-s`) and in size (the longest prompt the context can
+  take) by `template_render`: either limit is a 400 `template_limit`.
+- **A tool result answers a call.** A tool message's `tool_call_id` must be the id of a call an
+  earlier assistant message made; an assistant message's reasoning (`reasoning_content`) goes to
+  the template, which decides whether the model sees it.
 - **Control tokens in message text are text.** The template's control tokens (the special
   tokens, and added tokens its source spells, as `transformers` decides them) are tokens only
   where the template writes them: every string the client sent (message content, tool results,
@@ -24,9 +27,11 @@ import re
 from functools import lru_cache, partial
 from typing import Any, Optional
 
-from radixserve.server.errors import APIError, bad_request
+from radixserve.chat_formats import KEEP_REASONING
+from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
 from radixserve.server.protocol import ROLES
 from radixserve.server.serving import ServingContext
+from radixserve.server.template_render import TEMPLATE_LIMIT, TemplateLimitError, render_chat_template
 from radixserve.server.tool_calls import ToolPolicy, template_tool_calls
 
 # Private-use code points around a control token that a client's text spells (the markers
@@ -37,6 +42,9 @@ MARK_END = "\U000f0001"
 # tokenizer's special tokens), or that transformers provides as globals.
 SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
                                        "raise_exception", "strftime_now"})
+# Jinja's own globals and those transformers adds: a template reads them as undeclared names, and a
+# request that set one would replace the function (`namespace`, `range`) the template calls.
+JINJA_GLOBALS = frozenset({"range", "dict", "lipsum", "cycler", "joiner", "namespace"})
 
 
 def _message_text(i: int, content) -> str:
@@ -56,9 +64,26 @@ def _message_text(i: int, content) -> str:
     return "\n".join(parts)
 
 
+def _reasoning(i: int, msg) -> Optional[str]:
+    """An assistant message's reasoning (reasoning_content, or vLLM's name for it, reasoning)."""
+    given = [(name, getattr(msg, name)) for name in ("reasoning_content", "reasoning")
+             if getattr(msg, name) is not None]
+    if not given:
+        return None
+    if msg.role != "assistant":
+        raise bad_request(f"messages[{i}]: only assistant messages carry {given[0][0]}", f"messages[{i}].{given[0][0]}")
+    if len(given) == 2 and given[0][1] != given[1][1]:
+        raise bad_request(f"messages[{i}]: reasoning_content and reasoning disagree (give one)",
+                          f"messages[{i}].reasoning", code=CONFLICTING_FIELDS)
+    return given[0][1]
+
+
 def template_messages(body) -> list[dict[str, Any]]:
-    """The conversation as the chat template reads it, tool calls and tool results included."""
+    """The conversation as the chat template reads it, tool calls and tool results included. A
+    tool message answers a call an earlier assistant message made (its tool_call_id is that call's
+    id), as OpenAI requires."""
     messages = []
+    call_ids: set[str] = set()
     for i, msg in enumerate(body.messages):
         if msg.role not in ROLES:
             raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {msg.role!r}",
@@ -68,9 +93,17 @@ def template_messages(body) -> list[dict[str, Any]]:
         if (msg.tool_call_id is not None) != (msg.role == "tool"):
             raise bad_request(f"messages[{i}]: a tool message needs tool_call_id, and only a tool message has one",
                               f"messages[{i}].tool_call_id")
+        if msg.tool_call_id is not None and msg.tool_call_id not in call_ids:
+            # A relation between messages that the schema cannot state: conflicting, as OpenAI refuses it.
+            raise bad_request(f"messages[{i}].tool_call_id {msg.tool_call_id!r} answers no tool call of an earlier "
+                              "assistant message", f"messages[{i}].tool_call_id", code=CONFLICTING_FIELDS)
         message: dict[str, Any] = {"role": msg.role, "content": _message_text(i, msg.content)}
+        reasoning = _reasoning(i, msg)
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         if msg.tool_calls:
             message["tool_calls"] = template_tool_calls(msg.tool_calls)
+            call_ids.update(call.id for call in msg.tool_calls)
         if msg.tool_call_id is not None:
             message["tool_call_id"] = msg.tool_call_id
         if msg.name is not None and msg.role == "tool":
@@ -109,18 +142,29 @@ def _templates(tokenizer) -> list[str]:
     return list(template.values()) if isinstance(template, dict) else [template]
 
 
+def _reserved_variables(tokenizer) -> frozenset[str]:
+    return SERVER_TEMPLATE_VARIABLES | _apply_chat_template_arguments() | JINJA_GLOBALS | set(
+        getattr(tokenizer, "special_tokens_map", None) or {})
+
+
+def settable_template_variables(tokenizer) -> frozenset[str]:
+    """The variables a request's chat_template_kwargs may set: those the served template reads and
+    the server does not set (the served OpenAPI schema lists them)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return frozenset()
+    readable: set[str] = set()
+    for template in _templates(tokenizer):
+        readable |= template_variables(template) or set()
+    return frozenset(readable - _reserved_variables(tokenizer))
+
+
 def checked_template_kwargs(tokenizer, kwargs: Optional[dict[str, Any]]) -> dict[str, Any]:
     """`chat_template_kwargs`, each key a variable the served template reads and the server does
     not set; 400 naming the first key that is not."""
     if not kwargs:
         return {}
-    reserved = SERVER_TEMPLATE_VARIABLES | _apply_chat_template_arguments() | set(
-        getattr(tokenizer, "special_tokens_map", None) or {})
-    readable: set[str] = set()
-    for template in _templates(tokenizer):
-        names = template_variables(template)
-        readable |= names or set()
-    settable = readable - reserved
+    reserved = _reserved_variables(tokenizer)
+    settable = settable_template_variables(tokenizer)
     for key in kwargs:
         param = f"chat_template_kwargs.{key}"
         if key == "chat_template":
@@ -134,6 +178,21 @@ def checked_template_kwargs(tokenizer, kwargs: Optional[dict[str, Any]]) -> dict
             raise APIError(400, f"the chat template does not read {key!r} (the variables a request may set: "
                                 f"{reads})", param=param, code="unsupported_parameter")
     return dict(kwargs)
+
+
+def template_reads(tokenizer, name: str) -> bool:
+    """Whether the served chat template reads the variable `name`."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return False
+    return any(name in (template_variables(t) or ()) for t in _templates(tokenizer))
+
+
+def check_template_keeps_reasoning(tokenizer) -> None:
+    """--keep-reasoning-history needs a served template that reads keep_reasoning (ValueError)."""
+    if not template_reads(tokenizer, KEEP_REASONING):
+        raise ValueError(f"--keep-reasoning-history needs a chat template that reads {KEEP_REASONING}, and the "
+                         "served one does not: add --chat-template qwen3 (Qwen3's format with it) or a template "
+                         "of your own that reads it")
 
 
 # ----------------------------------------------------------------------------- control tokens
@@ -221,14 +280,21 @@ async def chat_prompt_ids(ctx: ServingContext, body, policy: Optional[ToolPolicy
     if tok is None or not getattr(tok, "chat_template", None):
         raise bad_request("the served model has no chat template; use /v1/completions", "messages")
     kwargs = checked_template_kwargs(tok, getattr(body, "chat_template_kwargs", None))
+    if ctx.settings.keep_reasoning_history:  # the server's default; a request may still say false
+        kwargs.setdefault(KEEP_REASONING, True)
     if policy is not None and policy.parses:  # with tool_choice none the model is not shown the tools
         kwargs["tools"] = policy.tools
     controls = control_tokens(ctx)
     messages, marked = controls.mark(template_messages(body))
     kwargs, marked_kwargs = controls.mark(kwargs)
+    tools = kwargs.pop("tools", None)
     try:
-        text = await ctx.run_blocking(partial(tok.apply_chat_template, messages, tokenize=False,
-                                              add_generation_prompt=body.add_generation_prompt, **kwargs))
+        text = await ctx.run_blocking(partial(
+            render_chat_template, tok, messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
+            variables=kwargs, max_chars=ctx.max_token_chars * ctx.prompt_token_limit,
+            timeout_s=ctx.settings.chat_template_timeout_s))
+    except TemplateLimitError as e:
+        raise APIError(400, str(e), param="messages", code=TEMPLATE_LIMIT) from None
     except Exception as e:  # a template that rejects this conversation (raise_exception, ...)
         raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
     ctx.check_text_length(text, "messages")

@@ -1,8 +1,9 @@
 """The served OpenAPI schema: FastAPI's, plus every answer the server can really give.
 
 FastAPI declares a 422 the server never sends (validation errors are 400 here) and knows nothing
-of event streams, Prometheus text, 401/413/415/503 or the error body; this module declares them, and
-bounds token ids by the served model's vocabulary once the engine has reported it.
+of event streams, Prometheus text, 401/413/415/503 or the error body; this module declares them,
+bounds token ids by the served model's vocabulary once the engine has reported it, and names the
+chat template variables a request may set.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Any, Callable, Optional
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from radixserve.server.protocol import OUTPUT_TOKENS_SCHEMA_MARK, TOKEN_ID_KEYS_SCHEMA_MARK, TOKEN_ID_SCHEMA_MARK
+from radixserve.server.protocol import (OUTPUT_TOKENS_SCHEMA_MARK, TEMPLATE_VARIABLES_SCHEMA_MARK,
+                                       TOKEN_ID_KEYS_SCHEMA_MARK, TOKEN_ID_SCHEMA_MARK)
 
 ERROR_SCHEMA = {
     "type": "object", "required": ["error"], "additionalProperties": False,
@@ -62,10 +64,14 @@ def _document_operation(path: str, method: str, op: dict[str, Any], auth: bool) 
         ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
 
 
-def _bound_by_model(node: Any, vocab_size: int, max_output_tokens: int) -> None:
+def _bound_by_model(node: Any, vocab_size: int, max_output_tokens: int,
+                    template_variables: frozenset[str] = frozenset()) -> None:
     """Write the served model's bounds where the schema marks them: token ids by the vocabulary,
-    output lengths by what the context leaves a one-token prompt (a larger max_tokens is a 400)."""
+    output lengths by what the context leaves a one-token prompt (a larger max_tokens is a 400),
+    chat_template_kwargs' names by what the served template reads."""
     if isinstance(node, dict):
+        if node.pop(TEMPLATE_VARIABLES_SCHEMA_MARK, False):
+            node["propertyNames"] = {"enum": sorted(template_variables)}
         if node.pop(TOKEN_ID_SCHEMA_MARK, False):
             node["maximum"] = vocab_size - 1
         if node.pop(TOKEN_ID_KEYS_SCHEMA_MARK, False):
@@ -73,10 +79,10 @@ def _bound_by_model(node: Any, vocab_size: int, max_output_tokens: int) -> None:
         if node.pop(OUTPUT_TOKENS_SCHEMA_MARK, False):
             node["maximum"] = max_output_tokens
         for value in node.values():
-            _bound_by_model(value, vocab_size, max_output_tokens)
+            _bound_by_model(value, vocab_size, max_output_tokens, template_variables)
     elif isinstance(node, list):
         for value in node:
-            _bound_by_model(value, vocab_size, max_output_tokens)
+            _bound_by_model(value, vocab_size, max_output_tokens, template_variables)
 
 
 def decimal_at_most_pattern(n: int) -> str:
@@ -96,9 +102,11 @@ def decimal_at_most_pattern(n: int) -> str:
 
 
 def install_openapi(app: FastAPI, auth: bool, vocab_size: Callable[[], Optional[int]],
-                    max_output_tokens: Callable[[], Optional[int]] = lambda: None) -> None:
+                    max_output_tokens: Callable[[], Optional[int]] = lambda: None,
+                    template_variables: Callable[[], frozenset[str]] = frozenset) -> None:
     """Serve the completed schema; cached once the engine has told the vocabulary size and the
-    context (max_output_tokens: the longest output a one-token prompt leaves room for)."""
+    context (max_output_tokens: the longest output a one-token prompt leaves room for);
+    template_variables: the chat template's variables a request may set."""
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
@@ -113,7 +121,7 @@ def install_openapi(app: FastAPI, auth: bool, vocab_size: Callable[[], Optional[
                 _document_operation(path, method, op, auth)
         vocab, longest = vocab_size(), max_output_tokens()
         if vocab is not None and longest is not None:
-            _bound_by_model(schema, vocab, longest)
+            _bound_by_model(schema, vocab, longest, template_variables())
             app.openapi_schema = schema
         return schema
 

@@ -65,6 +65,8 @@ def _token_ids(value: Any, validate: ValidatorFunctionWrapHandler) -> Any:
 
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1), WrapValidator(_token_ids)]
+# chat_template_kwargs: the served schema names the variables the served template lets a request set.
+TEMPLATE_VARIABLES_SCHEMA_MARK = "x-radixserve-template-variables"
 # An output length; the served schema bounds it by what the context leaves a one-token prompt.
 OUTPUT_TOKENS_SCHEMA_MARK = "x-radixserve-output-tokens"
 _OUTPUT_TOKENS = {OUTPUT_TOKENS_SCHEMA_MARK: True}
@@ -204,12 +206,17 @@ class ToolCall(_Body):
     function: FunctionCall
 
 
-# A tool message answers a call (tool_call_id); only an assistant message makes calls (tool_calls).
+# A tool message answers a call (tool_call_id); only an assistant message makes calls (tool_calls)
+# or carries reasoning.
 _MESSAGE_RULES = {"allOf": [
     {"if": {"properties": {"role": {"const": "tool"}}, "required": ["role"]},
      "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}},
      "else": {"properties": {"tool_call_id": {"type": "null"}}}},
     {"if": {"properties": {"tool_calls": {"type": "array"}}, "required": ["tool_calls"]},
+     "then": {"properties": {"role": {"const": "assistant"}}}},
+    {"if": {"properties": {"reasoning_content": {"type": "string"}}, "required": ["reasoning_content"]},
+     "then": {"properties": {"role": {"const": "assistant"}}}},
+    {"if": {"properties": {"reasoning": {"type": "string"}}, "required": ["reasoning"]},
      "then": {"properties": {"role": {"const": "assistant"}}}},
 ]}
 
@@ -222,6 +229,11 @@ class ChatMessage(_Body):
     tool_calls: Optional[list[ToolCall]] = Field(None, description="An assistant message's tool calls.")
     tool_call_id: Optional[Annotated[str, Field(min_length=1)]] = Field(None, description="The call a tool "
                                                                                            "message answers.")
+    reasoning_content: Optional[Text] = Field(
+        None, description="An assistant message's reasoning, as a reply's reasoning_content gave it; the chat "
+                          "template decides whether it is shown to the model (Qwen3's drops it from turns before "
+                          "the last user message unless keep_reasoning is set).")
+    reasoning: Optional[Text] = Field(None, description="Another name of reasoning_content (vLLM's).")
 
 
 # What the server checks of a tool's parameters (radixserve.server.tool_calls), stated in the schema.
@@ -278,7 +290,9 @@ class ChatCompletionRequest(_SamplingFields):
         None, description="Only medium (the default): the served model has no verbosity control.",
         json_schema_extra={"enum": ["medium", None]})
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = Field(
-        None, description="Only none: the served model does not reason.", json_schema_extra={"enum": ["none", None]})
+        None, description="Only none: without --reasoning-parser the served model does not reason; with it, none "
+                          "turns thinking off (the template's enable_thinking false).",
+        json_schema_extra={"enum": ["none", None]})
     modalities: Optional[list[Literal["text", "audio"]]] = Field(
         None, description="Only text.", json_schema_extra={"items": {"const": "text"}})
     audio: Optional[dict[str, Any]] = Field(None, description="Only null: no audio output.",
@@ -303,8 +317,18 @@ class ChatCompletionRequest(_SamplingFields):
         None, description="Default auto with tools, none without. required and a named function are "
                           "enforced by a grammar, so the arguments always parse.")
     parallel_tool_calls: Optional[bool] = Field(None, description="Default true: several calls in one reply.")
-    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="Extra variables for the chat "
-                                                                             "template.")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, description="Variables for the chat template: only those it reads (e.g. enable_thinking, "
+                          "keep_reasoning for Qwen3's format; the served schema names them), never a template "
+                          "of its own.", json_schema_extra={TEMPLATE_VARIABLES_SCHEMA_MARK: True})
+    separate_reasoning: bool = Field(
+        True, description="radixserve extension (SGLang): with --reasoning-parser, the reasoning comes as "
+                          "reasoning_content apart from content; false: content carries the whole reply as "
+                          "the model wrote it, think tags included.")
+    regex: Optional[NonEmptyStr] = Field(None, description="radixserve extension (SGLang): the reply matches this "
+                                                           "regular expression.")
+    ebnf: Optional[NonEmptyStr] = Field(None, description="radixserve extension (SGLang): the reply is in the "
+                                                          "language of this EBNF grammar (xgrammar's dialect).")
     add_generation_prompt: bool = Field(True, description="radixserve extension.")
 
 

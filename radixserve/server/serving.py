@@ -111,6 +111,8 @@ class ServingContext:
         self.token_texts = TokenTexts(tokenizer)
         self.created = int(time.time())  # the model's `created` in /v1/models
         self.chat_control_tokens: Any = None  # radixserve.server.chat_prompt's, made on first use
+        # --reasoning-parser's format (radixserve.server.reasoning.ReasoningFormat), or None: off.
+        self.reasoning: Any = None
 
     # ------------------------------------------------------------------ limits
     @property

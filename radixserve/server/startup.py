@@ -14,6 +14,7 @@ import logging
 import os
 
 from radixserve.cache.host_memory import check_host_memory
+from radixserve.chat_formats import BUILTIN_CHAT_TEMPLATES
 from radixserve.default_model import DEFAULT_MODEL_NAME, default_model_positions
 from radixserve.http_common.listen import ListenAddressError, check_listen_address
 from radixserve.model.quantization import quantization_config
@@ -42,8 +43,9 @@ def check_model_path(settings: ServerSettings) -> None:
     if tok is not None and not os.path.isdir(tok):
         raise StartupError(f"--tokenizer-path {tok!r}: no such directory")
     template = settings.chat_template
-    if template is not None and not os.path.isfile(template):
-        raise StartupError(f"--chat-template {template!r}: no such file")
+    if template is not None and not os.path.isfile(template) and template not in BUILTIN_CHAT_TEMPLATES:
+        raise StartupError(f"--chat-template {template!r}: no such file (or built-in template: "
+                           f"{', '.join(BUILTIN_CHAT_TEMPLATES)})")
 
 
 def _read_config(path: str) -> dict:

@@ -10,11 +10,13 @@ text in `content`.
 from __future__ import annotations
 
 import json
+import os
 import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Collection, Optional
 
+from radixserve.chat_formats import BUILTIN_CHAT_TEMPLATES
 from radixserve.grammar.spec import build_grammar
 
 TOOL_CALL_START = "<tool_call>"
@@ -23,9 +25,12 @@ _BLOCK = re.compile(re.escape(TOOL_CALL_START) + r"\s*(.*?)\s*" + re.escape(TOOL
 
 
 def load_chat_template(tokenizer, path: str) -> None:
-    """Serve the Jinja template in `path` instead of the tokenizer's own."""
+    """Serve the Jinja template in `path` (or a built-in one by name) instead of the tokenizer's own."""
     if tokenizer is None:
         raise ValueError("--chat-template needs a tokenizer")
+    if path in BUILTIN_CHAT_TEMPLATES and not os.path.exists(path):
+        tokenizer.chat_template = BUILTIN_CHAT_TEMPLATES[path]
+        return
     with open(path, encoding="utf-8") as f:
         tokenizer.chat_template = f.read()
 

@@ -18,10 +18,17 @@ from typing import Optional, Union
 
 import torch
 
+from radixserve.chat_formats import QWEN3_ADDED_TOKENS, QWEN3_CHAT_TEMPLATE
+
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
+# Chat formats a tiny model can be built with: Qwen2.5's (the default) or Qwen3's, whose tokenizer
+# adds <tool_call>, </tool_call>, <tool_response>, </tool_response>, <think> and </think> as
+# tokens that are not special, and ends a turn (its EOS) with <|im_end|>.
+CHAT_FORMATS = ("qwen2", "qwen3")
+QWEN3_EXTRA_TOKENS = ("<tool_call>", "</tool_call>", *QWEN3_ADDED_TOKENS)
 
 # Qwen2's context, so every command written for Qwen2 (1,024-token prompts, 512-token outputs)
 # runs unchanged on the tiny model; RoPE has no learned weights, so the positions cost nothing.
@@ -194,7 +201,8 @@ def _hf_config(family: str, vocab_size: int, *, hidden: int, layers: int, num_he
 def build_tiny_model(path: Union[str, os.PathLike], *, tie_word_embeddings: bool = False, num_kv_heads: int = 2,
                      num_heads: int = 4, hidden: int = 64, layers: int = 2, intermediate: int = 128, seed: int = 0,
                      dtype: torch.dtype = torch.float32, vocab_size: int = 512, shard: bool = False,
-                     family: str = "qwen2", head_dim: Optional[int] = None, moe: Optional[TinyMoe] = None) -> Path:
+                     family: str = "qwen2", head_dim: Optional[int] = None, moe: Optional[TinyMoe] = None,
+                     chat_format: str = "qwen2") -> Path:
     """Write tokenizer + config.json + safetensors of a random Qwen2 into `path`; returns the path.
 
     `shard=True` saves in several small shards with a model.safetensors.index.json.
@@ -203,12 +211,18 @@ def build_tiny_model(path: Union[str, os.PathLike], *, tie_word_embeddings: bool
     `family="qwen3_moe"` / `"qwen2_moe"`: a mixture-of-experts model (`moe`, default TinyMoe(): 8
     experts, top-2, every layer sparse); transformers saves each expert's weights as its own
     tensors (`mlp.experts.{e}.gate_proj.weight`, ...), as the published checkpoints hold them.
+    `chat_format="qwen3"`: Qwen3's chat template and added tokens (`CHAT_FORMATS`), whatever the
+    family; the BPE merges are the same, so text outside those tokens tokenizes as in the default.
     """
     import transformers
+    from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
     if family not in FAMILIES:
         raise ValueError(f"family {family!r}: expected one of {', '.join(FAMILIES)}")
+    if chat_format not in CHAT_FORMATS:
+        raise ValueError(f"chat_format must be one of {', '.join(CHAT_FORMATS)}, got {chat_format!r}")
+    qwen3 = chat_format == "qwen3"
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -222,9 +236,13 @@ def build_tiny_model(path: Union[str, os.PathLike], *, tie_word_embeddings: bool
         clean_up_tokenization_spaces=False,
     )
     hf_tok.chat_template = CHAT_TEMPLATE
+    if qwen3:
+        hf_tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_EXTRA_TOKENS])
+        hf_tok.eos_token = IM_END
+        hf_tok.chat_template = QWEN3_CHAT_TEMPLATE
     hf_tok.save_pretrained(out)
 
-    eos_id = hf_tok.convert_tokens_to_ids(ENDOFTEXT)
+    eos_id = hf_tok.convert_tokens_to_ids(IM_END if qwen3 else ENDOFTEXT)
     config = _hf_config(family, len(hf_tok), hidden=hidden, layers=layers, num_heads=num_heads,
                         num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate=intermediate,
                         tie_word_embeddings=tie_word_embeddings, eos_id=eos_id, dtype=dtype, moe=moe)

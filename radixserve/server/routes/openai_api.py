@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Optional
 
 from fastapi import APIRouter, Request
 
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.chat_prompt import chat_prompt_ids
+from radixserve.server.chat_prompt import chat_prompt_ids, template_reads
 from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
 from radixserve.server.intake import MsgspecJSONRoute
 from radixserve.server.logprob_format import chat_logprobs, completion_logprobs, completion_prompt_logprobs
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.server.reasoning import ReasoningFormat, ReasoningStream, split_reasoning
 from radixserve.server.responses import per_output, run_request, usage
 from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, finish_reason_name, new_id, sse
 from radixserve.server.structured import check_request_grammar, response_format_grammar
@@ -218,22 +220,87 @@ def chat_top_logprobs(body: ChatCompletionRequest) -> Optional[int]:
     return body.top_logprobs or 0
 
 
+def thinking_off(ctx: ServingContext, body: ChatCompletionRequest) -> None:
+    """reasoning_effort on a reasoning model: Qwen3 has no effort levels, only thinking on or off,
+    so "none" is the template's enable_thinking false and any other value is refused by name."""
+    if body.reasoning_effort != "none":
+        raise APIError(400, f"reasoning_effort={body.reasoning_effort!r} is not supported: the served model "
+                            "reasons or does not (leave reasoning_effort out, or give none), with no effort levels",
+                       param="reasoning_effort", code="unsupported_parameter")
+    if not template_reads(ctx.tokenizer, "enable_thinking"):
+        raise APIError(400, "reasoning_effort=none is not supported: the served chat template has no "
+                            "enable_thinking switch", param="reasoning_effort", code="unsupported_parameter")
+    kwargs = dict(body.chat_template_kwargs or {})
+    if kwargs.setdefault("enable_thinking", False) is not False:
+        raise bad_request("reasoning_effort none and chat_template_kwargs.enable_thinking true disagree",
+                          "reasoning_effort", code=CONFLICTING_FIELDS)
+    body.chat_template_kwargs = kwargs
+
+
+def chat_grammar_field(body: ChatCompletionRequest, policy: ToolPolicy) -> Optional[str]:
+    """The field whose grammar constrains the reply, or None; 400 when two would."""
+    fields = [name for name, on in (("tools", policy.forced),
+                                    ("response_format", body.response_format is not None
+                                     and body.response_format.type != "text"),
+                                    ("regex", body.regex is not None), ("ebnf", body.ebnf is not None)) if on]
+    if len(fields) > 1:
+        raise bad_request(f"{fields[0]} and {fields[1]} both constrain the reply; give one", fields[1],
+                          code=CONFLICTING_FIELDS)
+    return fields[0] if fields else None
+
+
 def chat_grammar(body: ChatCompletionRequest, policy: ToolPolicy) -> Optional[tuple[str, str]]:
-    """The grammar of the reply: a forced tool call's, else the response_format's, else None."""
-    return forced_call_grammar(policy) or response_format_grammar(body.response_format)
+    """The grammar of the reply: a forced tool call's, SGLang's regex or ebnf, the response_format's,
+    or None."""
+    if policy.forced:
+        return forced_call_grammar(policy)
+    if body.regex is not None:
+        return "regex", body.regex
+    if body.ebnf is not None:
+        return "ebnf", body.ebnf
+    return response_format_grammar(body.response_format)
 
 
-def chat_message(t: Tracker, policy: ToolPolicy) -> tuple[dict[str, Any], Optional[str]]:
-    """The reply of a finished choice and its finish_reason (tool calls parsed when tools are on)."""
+@dataclass(frozen=True)
+class ReplyFormat:
+    """How a chat reply's text becomes its message: the reasoning split off (its format, and
+    whether the reply starts inside it), then tool calls parsed from the content."""
+
+    policy: ToolPolicy
+    reasoning: Optional[ReasoningFormat] = None  # None: no reasoning split (no parser, or separate_reasoning false)
+    in_reasoning: bool = False  # the prompt opened <think>: the reply starts inside the reasoning
+
+
+def chat_message(t: Tracker, reply: ReplyFormat) -> tuple[dict[str, Any], Optional[str]]:
+    """The reply of a finished choice and its finish_reason (reasoning split off and tool calls
+    parsed when those are on)."""
     reason = finish_reason_name(t.finish_reason)
+    policy = reply.policy
+    message: dict[str, Any] = {"role": "assistant"}
+    text = t.text
+    if reply.reasoning is not None:
+        message["reasoning_content"], text = split_reasoning(text, reply.reasoning, reply.in_reasoning)
     if not policy.parses:
-        return {"role": "assistant", "content": t.text}, reason
-    content, calls = parse_tool_calls(t.text, policy.parallel, names=policy.names, forced=policy.forced, cut_off=reason == "length")
-    message: dict[str, Any] = {"role": "assistant", "content": content}
+        # A reply that is all reasoning (cut off inside it, or a grammar's) has no content: null.
+        message["content"] = text if text or message.get("reasoning_content") is None else None
+        return message, reason
+    content, calls = parse_tool_calls(text, policy.parallel, names=policy.names, forced=policy.forced,
+                                      cut_off=reason == "length")
+    message["content"] = content
     if calls:
         message["tool_calls"] = calls
         reason = "tool_calls" if reason == "stop" else reason
     return message, reason
+
+
+def chat_usage(ctx: ServingContext, ts: list[Tracker], in_reasoning: bool) -> dict[str, Any]:
+    """usage, with the reasoning tokens among the completion tokens when a reasoning parser runs
+    (OpenAI's and vLLM's completion_tokens_details.reasoning_tokens)."""
+    counts = usage(ts)
+    if ctx.reasoning is not None:
+        counts["completion_tokens_details"] = {
+            "reasoning_tokens": sum(ctx.reasoning.reasoning_tokens(t.output_ids, in_reasoning) for t in ts)}
+    return counts
 
 
 @router.post("/v1/chat/completions")
@@ -241,18 +308,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     arrival = time.perf_counter()
     ctx.check_model(body.model)
     for name, ok, why in CHAT_NEUTRAL_VALUES:
-        check_neutral(body, name, ok, why)
+        if name != "reasoning_effort" or ctx.reasoning is None:
+            check_neutral(body, name, ok, why)
+    if ctx.reasoning is not None and body.reasoning_effort is not None:
+        thinking_off(ctx, body)
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
         raise bad_request("max_tokens and max_completion_tokens disagree", "max_completion_tokens",
                           code=CONFLICTING_FIELDS)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     policy = tool_policy(body)
+    grammar_field = chat_grammar_field(body, policy)
     # A forced call's grammar is built from every tool's schema (up to the schema size limit, ~50 ms):
     # off the event loop, as the grammar check after it is.
     grammar = await ctx.run_blocking(chat_grammar, body, policy) if policy.forced else chat_grammar(body, policy)
-    await checked_grammar(ctx, grammar, "tools" if policy.forced else "response_format")
+    await checked_grammar(ctx, grammar, grammar_field or "response_format")
     ids = await chat_prompt_ids(ctx, body, policy)
+    in_reasoning = ctx.reasoning is not None and ctx.reasoning.starts_in_reasoning(ids)
+    reply = ReplyFormat(policy, ctx.reasoning if body.separate_reasoning else None, in_reasoning)
     top_logprobs = chat_top_logprobs(body)
     choices = build_choices(ctx, body, [ids], "messages", max_tokens,
                             "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
@@ -265,12 +338,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         return None if top_logprobs is None else chat_logprobs(ctx.token_texts, token_ids, logprobs)
 
     def final(ts: list[Tracker]):
-        replies = [chat_message(t, policy) for t in ts]
+        replies = [chat_message(t, reply) for t in ts]
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": [{"index": t.index, "message": message,
                              "logprobs": logprobs_of(t.output_ids, t.logprobs), "finish_reason": reason}
                             for t, (message, reason) in zip(ts, replies)],
-                "usage": usage(ts)}
+                "usage": chat_usage(ctx, ts, in_reasoning)}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -284,15 +357,28 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     async def stream(outputs, close):
         tool_streams = {t.rid: ToolCallStream(policy.parallel, policy.forced, policy.names)
                         for t in trackers} if policy.parses else {}
+        reasoning_streams = {t.rid: ReasoningStream(reply.reasoning, in_reasoning)
+                             for t in trackers} if reply.reasoning is not None else {}
         for t in trackers:
             yield chunk(t.index, {"role": "assistant", "content": ""}, None)
         async for t, out, delta in per_output(ctx, outputs, trackers):
+            thought = ""
+            thinking = reasoning_streams.get(t.rid)
+            if thinking is not None:
+                thought, delta = thinking.feed(delta)
+                if t.finished:  # what it held back (a partial tag, trailing newlines) is decided now
+                    rest_thought, rest = thinking.finish()
+                    thought, delta = thought + rest_thought, delta + rest
             tools = tool_streams.get(t.rid)
             calls: list[dict] = []
             if tools is not None:
                 delta, calls = tools.feed(delta)
-            if delta or out.new_logprobs:
-                yield chunk(t.index, {"content": delta}, None, logprobs_of(out.new_token_ids, out.new_logprobs))
+            logprobs = logprobs_of(out.new_token_ids, out.new_logprobs) if out.new_logprobs else None
+            if thought:
+                yield chunk(t.index, {"reasoning_content": thought}, None, logprobs)
+                logprobs = None
+            if delta or logprobs is not None:
+                yield chunk(t.index, {"content": delta}, None, logprobs)
             first = tools.num_calls - len(calls) if tools is not None else 0
             for i, call in enumerate(calls):  # each call as its block closes: id, name, arguments at once
                 yield chunk(t.index, {"tool_calls": [{"index": first + i, **call}]}, None)
@@ -302,7 +388,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         close()
         if include_usage:
             yield sse({"id": cid, "object": "chat.completion.chunk", "created": int(time.time()),
-                       "model": model, "choices": [], "usage": usage(trackers)})
+                       "model": model, "choices": [], "usage": chat_usage(ctx, trackers, in_reasoning)})
         yield SSE_DONE
 
     return await run_request(ctx, request, trackers, body.stream, final, stream)

@@ -1,0 +1,106 @@
+"""Chat formats the server knows by name: Qwen3's prompt format as our own Jinja template, and the
+tags and added tokens of Qwen3's reasoning and tool calls.
+
+`QWEN3_CHAT_TEMPLATE` writes what Qwen3's published template writes: ChatML turns
+(`<|im_start|>role\\n...<|im_end|>\\n`, no default system turn), `tools` as JSON lines inside
+`<tools></tools>` in the system turn, an assistant's calls as `<tool_call>` blocks, tool results
+as `<tool_response>` blocks grouped in one user turn, `enable_thinking=false` adding an empty
+`<think>\\n\\n</think>\\n\\n` to the generation prompt, and an assistant turn's reasoning
+(`reasoning_content`, or a `<think>` block inside `content`) kept only for the turns after the last
+user query (a tool-calling loop in progress) and dropped from earlier turns. Only the wording of
+the tools preamble is ours.
+
+One variable is ours too: `keep_reasoning` true renders every earlier assistant turn with its
+reasoning as the model generated it (`<think>\\n` reasoning `\\n</think>\\n\\n` content), so the
+next turn's prompt extends the previous turn's whole sequence and the radix cache finds all of it
+(`--keep-reasoning-history`; docs/tuning.md, "Reasoning history and the prefix cache").
+"""
+
+from __future__ import annotations
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+# Qwen3's added tokens beyond Qwen2's special tokens, none of them special (so decoding with
+# skip_special_tokens keeps them in the text the parsers read): ids 151665-151668 in Qwen3's
+# tokenizer. <tool_call>/</tool_call> are Qwen2's added tokens, not special in Qwen3 either.
+QWEN3_TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+QWEN3_ADDED_TOKENS = ("<tool_response>", "</tool_response>", THINK_START, THINK_END)
+# The template variable that keeps every earlier turn's reasoning.
+KEEP_REASONING = "keep_reasoning"
+
+QWEN3_CHAT_TEMPLATE = """\
+{%- set keep = keep_reasoning is defined and keep_reasoning %}
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- '# Tools\\n\\nYou may call one or more functions to answer the request. Their signatures are inside \
+<tools></tools> XML tags:\\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\\n' + (tool | tojson) }}
+    {%- endfor %}
+    {{- '\\n</tools>\\n\\nTo call a function, write a JSON object with its name and arguments inside \
+<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n\
+</tool_call><|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{#- The last user query (a user turn that is not a tool result): reasoning after it is kept. #}
+{%- set ns = namespace(last_query=messages | length - 1, found=false) %}
+{%- for message in messages | reverse %}
+    {%- if not ns.found and message.role == 'user' and message.content is string
+           and not (message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.found = true %}
+        {%- set ns.last_query = messages | length - 1 - loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {#- Set here, not inside a role's branch: jinja2's analysis would count it a template variable. #}
+    {%- set reasoning = '' %}
+    {%- if message.role == 'assistant' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning = message.reasoning_content %}
+        {%- elif '</think>' in content %}
+            {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+    {%- endif %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- if keep or (loop.index0 > ns.last_query and (loop.last or reasoning)) %}
+            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n'
+                + content.lstrip('\\n') }}
+        {%- else %}
+            {{- '<|im_start|>assistant\\n' + content }}
+        {%- endif %}
+        {%- for call in message.tool_calls or [] %}
+            {%- set call = call.function if call.function is defined else call %}
+            {{- ('\\n' if (content or not loop.first) else '') + '<tool_call>\\n{"name": "' + call.name
+                + '", "arguments": ' }}
+            {{- call.arguments if call.arguments is string else (call.arguments | tojson) }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+# Templates `--chat-template` takes by name instead of a file.
+BUILTIN_CHAT_TEMPLATES = {"qwen3": QWEN3_CHAT_TEMPLATE}
