@@ -78,3 +78,16 @@ def test_causal_conv_equals_transformers_and_chains():
     hf_state = torch.cat((torch.zeros(1, 12), s), dim=0).t()[None].clone()
     y3 = hf.causal_conv1d_update(x[29:].t()[None], hf_state, w, None, "silu")[0].t()
     torch.testing.assert_close(torch.cat([y1, y2, y3]), y, atol=ATOL, rtol=0)
+
+
+def test_a_batched_decode_step_equals_each_sequence_alone():
+    from radixserve.model.layers.gated_delta import recurrent_step
+
+    q, k, v, g, beta, _ = inputs(3, seed=4)  # three sequences of one token each
+    states = torch.randn(3, 4, 16, 8, generator=torch.Generator().manual_seed(5))
+    o, new = recurrent_step(q, k, v, g, beta, states)
+    for b in range(3):
+        s = slice(b, b + 1)
+        o_b, new_b = recurrent_gated_delta_rule(q[s], k[s], v[s], g[s], beta[s], states[b])
+        torch.testing.assert_close(o[b], o_b[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(new[b], new_b, atol=ATOL, rtol=0)

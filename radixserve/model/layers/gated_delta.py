@@ -62,6 +62,19 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             beta.float().transpose(0, 1))
 
 
+def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of B sequences at once (a decode step): q, k [B, Hk, Dk], v [B, Hv, Dv],
+    g, beta [B, Hv], state [B, Hv, Dk, Dv]. Returns (o [B, Hv, Dv] in v's dtype, the new states
+    float32). The same arithmetic as `recurrent_gated_delta_rule`, without a host sync."""
+    qh, kh, vh, gh, bh = _prepare(q, k, v, g, beta)  # [Hv, B, D]: the batch where the tokens were
+    s = state.float().transpose(0, 1) * gh.exp()[..., None, None]  # [Hv, B, Dk, Dv]
+    u = bh[..., None] * (vh - torch.einsum("hbkv,hbk->hbv", s, kh))
+    s = s + kh[..., :, None] * u[..., None, :]
+    out = torch.einsum("hbkv,hbk->hbv", s, qh)
+    return out.transpose(0, 1).to(v.dtype), s.transpose(0, 1)
+
+
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, state: Optional[torch.Tensor] = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
