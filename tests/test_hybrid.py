@@ -1,0 +1,288 @@
+"""Hybrid Qwen models (Qwen3-Next, Qwen3.5 and its multimodal checkpoints' language model) on the
+CPU against transformers: the config keys and the registry, the checkpoints' layouts, logits over
+prefill chunks and decode steps, the offline engine cold / chunked / retracting / taken back after
+a failed allocation, log probabilities, tensor parallelism over gloo, and the real server.
+
+The tiny hybrids (radixserve.testing.tiny_model) alternate Gated DeltaNet and gated attention
+layers (4 layers), with 4 query heads of head_dim 32 over hidden 64 (q|gate rows 256), 2 KV heads,
+RoPE on 8 of 32 values, and 2 key / 4 value heads of 16 in the linear layers; every norm and bias
+random. Prefix caching is off for these models (no state snapshots yet): a warm pass reports 0
+cached tokens and computes the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import transformers
+
+from conftest import ServerProcess
+from test_alloc_failure import FailWhen
+from test_engine import GREEDY, check_idle, hf_greedy, make_prompts
+from test_model import PoolHarness
+
+from radixserve import Engine
+from radixserve.attention.base import ForwardMode
+from radixserve.attention.torch_backend import TorchAttentionBackend
+from radixserve.cache.kv_pool import KVPool
+from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
+from radixserve.engine.model_stack import state_spec
+from radixserve.model.config import ModelConfig
+from radixserve.model.loader import load_model
+from radixserve.model.qwen3_next import Qwen3_5ForConditionalGeneration, Qwen3NextForCausalLM
+from radixserve.model.registry import supported_architectures
+from radixserve.testing.tiny_model import build_tiny_model
+
+pytestmark = pytest.mark.timeout(600)
+
+ATOL = 1e-4
+FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_vl")
+BASE = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 256}
+
+
+def build(tmp_path_factory, family: str, seed: int = 3) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family=family, layers=4, head_dim=32,
+                            seed=seed)
+
+
+def hf_model(path: Path):
+    cls = transformers.Qwen3_5ForConditionalGeneration if "ForConditionalGeneration" in \
+        json.loads((path / "config.json").read_text())["architectures"][0] else transformers.AutoModelForCausalLM
+    return cls.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def hybrid(request, tmp_path_factory):
+    return build(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    path = build(tmp_path_factory, "qwen3_5", seed=4)
+    prompts = make_prompts(512)[:10]  # shared prefixes, a one-token prompt, a duplicate
+    return path, prompts, hf_greedy(path, prompts)
+
+
+# --------------------------------------------------------------------------- config and registry
+
+def test_the_registry_has_the_hybrids_and_refuses_what_they_do_not_implement():
+    assert supported_architectures()[4:] == ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
+                                             "Qwen3_5ForConditionalGeneration")
+    cfg = ModelConfig.from_dict({**BASE, "architectures": ["Qwen3_5ForCausalLM"],
+                                 "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
+                                                     "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                                                     "mrope_interleaved": True}})
+    h = cfg.hybrid
+    # No layer_types: every 4th layer full attention (full_attention_interval's default).
+    assert h.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert (cfg.num_kv_layers, cfg.has_recurrent_state, h.rotary_dim, cfg.rope_theta) == (1, True, 8, 1e7)
+    assert (h.linear_num_k_heads, h.linear_num_v_heads, h.linear_k_head_dim, h.conv_kernel) == (16, 32, 128, 4)
+    assert (cfg.qk_norm, cfg.qkv_bias, h.projection_layout) == (True, False, "split")
+    interval = ModelConfig.from_dict({**BASE, "architectures": ["Qwen3NextForCausalLM"], "num_experts": 0,
+                                      "full_attention_interval": 2})
+    assert interval.hybrid.layer_types[1::2] == ("full_attention",) * 2 and interval.hybrid.projection_layout == "qkvz"
+    refused = {
+        "with MoE layers (num_experts=512, 4 sparse layers) is not supported yet": {"architectures": ["Qwen3NextForCausalLM"]},
+        "attention_bias=true is not supported": {"architectures": ["Qwen3_5ForCausalLM"], "attention_bias": True},
+        "attn_output_gate=False is not supported": {"architectures": ["Qwen3_5ForCausalLM"], "attn_output_gate": False},
+        "layer_types sliding_attention not supported": {"architectures": ["Qwen3_5ForCausalLM"],
+                                                        "layer_types": ["sliding_attention"] * 4},
+        "layer_types must list one type for each of the 4 layers": {"architectures": ["Qwen3_5ForCausalLM"],
+                                                                    "layer_types": ["full_attention"]},
+        "linear_num_value_heads 24 is not a multiple of linear_num_key_heads 16": {
+            "architectures": ["Qwen3_5ForCausalLM"], "linear_num_value_heads": 24},
+        "RoPE scaling type 'yarn' is not supported": {"architectures": ["Qwen3_5ForCausalLM"],
+                                                      "rope_parameters": {"rope_type": "yarn"}},
+    }
+    for message, keys in refused.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ModelConfig.from_dict({**BASE, **keys})
+    with pytest.raises(ValueError, match="Qwen3_5MoeForConditionalGeneration; supported: "):
+        ModelConfig.from_dict({**BASE, "architectures": ["Qwen3_5MoeForConditionalGeneration"]})
+
+
+def test_a_multimodal_config_is_read_from_its_text_config():
+    cfg = ModelConfig.from_dict({"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+                                 "tie_word_embeddings": False, "vision_config": {"depth": 27, "hidden_size": 1152},
+                                 "text_config": {**BASE, "eos_token_id": 7, "model_type": "qwen3_5_text"}})
+    assert (cfg.architecture, cfg.model_type, cfg.hidden_size, cfg.eos_token_ids) == \
+        ("Qwen3_5ForConditionalGeneration", "qwen3_5", 64, [7])
+    assert "vision_config" not in cfg.raw and cfg.hybrid.num_full_layers == 1
+
+
+# --------------------------------------------------------------------------- checkpoints and logits
+
+def test_each_checkpoint_layout_loads_where_transformers_has_it(hybrid):
+    """Qwen3.5's split projections, Qwen3-Next's per-key-head interleaved ones and the multimodal
+    checkpoint's `model.language_model.` names all land in the same fused layout."""
+    model, cfg = load_model(hybrid, attn_backend=TorchAttentionBackend())
+    hf = hf_model(hybrid)
+    lm = hf.model.language_model if isinstance(model, Qwen3_5ForConditionalGeneration) else hf.model
+    ours, theirs = model.model.layers[0].linear_attn, lm.layers[0].linear_attn
+    h = ours.heads
+    w = ours.in_proj.weight
+    if hasattr(theirs, "in_proj_qkv"):
+        qkv, z = theirs.in_proj_qkv.weight, theirs.in_proj_z.weight
+        b, a = theirs.in_proj_b.weight, theirs.in_proj_a.weight
+    else:  # de-interleave transformers' way
+        dummy = torch.eye(cfg.hidden_size)[None]
+        q, k, v, zz, bb, aa = theirs.fix_query_key_value_ordering(theirs.in_proj_qkvz(dummy), theirs.in_proj_ba(dummy))
+        qkv = torch.cat([x.reshape(cfg.hidden_size, -1) for x in (q, k, v)], dim=1).t()
+        z, b, a = zz.reshape(cfg.hidden_size, -1).t(), bb[0].t(), aa[0].t()
+    torch.testing.assert_close(w[:h.conv_dim], qkv, atol=1e-6, rtol=0)
+    torch.testing.assert_close(w[h.conv_dim:h.conv_dim + h.value_dim], z, atol=1e-6, rtol=0)
+    torch.testing.assert_close(w[h.conv_dim + h.value_dim:], torch.cat([b, a]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours.conv1d.weight, theirs.conv1d.weight[:, 0], atol=0, rtol=0)
+    attn = model.model.layers[1].self_attn
+    torch.testing.assert_close(attn.q_norm.scale, 1 + lm.layers[1].self_attn.q_norm.weight, atol=0, rtol=0)
+    assert attn.qkv_proj.weight.shape == (2 * 4 * 32 + 2 * 2 * 32, 64)  # q|gate rows, then k, v
+    # The KV pool holds the two full-attention layers; the state pool one row per request of the two others.
+    assert cfg.num_kv_layers == len(model.kv_cache_scales) == 2
+    spec = state_spec(model)
+    assert (spec.num_layers, spec.conv_shape, spec.ssm_shape) == (2, (3, 2 * 2 * 16 + 4 * 16), (4, 16, 16))
+
+
+def harness(model, cfg) -> PoolHarness:
+    h = PoolHarness(model, cfg)
+    h.pool = KVPool(4096, 1, cfg.num_kv_layers, cfg.num_key_value_heads, cfg.head_dim, model.dtype, "cpu")
+    h.pool.state = RecurrentStatePool(16, RecurrentStateSpec(**model.recurrent_state_shape), "cpu")
+    h._free_pages = h.pool.allocator.alloc_pages(h.pool.allocator.num_pages)
+    return h
+
+
+def test_logits_equal_transformers_over_prefill_chunks_mixed_steps_and_decode(hybrid):
+    """Request a: a 40-token prefill, a 59-token chunk on its state, then decode; request b starts
+    in the step where a decodes (a mixed batch). Every new token's logits against transformers'."""
+    model, cfg = load_model(hybrid, attn_backend=TorchAttentionBackend())
+    hf = hf_model(hybrid)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(3, cfg.vocab_size, (103,), generator=g).tolist(), torch.randint(3, 500, (30,), generator=g).tolist()
+    h = harness(model, cfg)
+    got_a = [h.step({"a": a[:40]})["a"], h.step({"a": a[40:99]})["a"]]
+    mixed = h.step({"a": a[99:100], "b": b})
+    got_a.append(mixed["a"])
+    got_b = [mixed["b"]]
+    for t in range(100, 103):
+        step = h.step({"a": a[t:t + 1], "b": [t]}, mode=ForwardMode.DECODE)
+        got_a.append(step["a"])
+        got_b.append(step["b"])
+    b += [100, 101, 102]
+    with torch.no_grad():
+        ref_a, ref_b = hf(torch.tensor([a])).logits[0], hf(torch.tensor([b])).logits[0]
+    torch.testing.assert_close(torch.cat(got_a), ref_a, atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat(got_b), ref_b, atol=ATOL, rtol=0)
+
+
+# --------------------------------------------------------------------------- the offline engine
+
+@pytest.mark.parametrize("settings", [dict(), dict(chunked_prefill_size=7, page_size=4),
+                                      dict(chunked_prefill_size=16, max_total_tokens=96, schedule_conservativeness=0.0,
+                                           disable_overlap_schedule=True)],
+                         ids=["default", "chunk7-page4", "small-pool-retracts"])
+def test_greedy_equals_transformers_cold_chunked_and_retracted_with_no_prefix_reused(qwen3_5, settings):
+    path, prompts, expected = qwen3_5
+    with Engine(str(path), **{"max_total_tokens": 4096, **settings}) as engine:
+        assert engine.core.cache.disabled and engine.core.kv_pool.state is not None
+        for _ in range(2):  # the second pass finds nothing cached: no state snapshot exists
+            results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+            assert [r["output_ids"] for r in results] == expected
+            assert sum(r["meta_info"]["cached_tokens"] for r in results) == 0
+        stats = engine.cache_stats()
+        assert stats["cached_prompt_tokens"] == 0 and stats["hit_rate"] == 0.0
+        if settings.get("max_total_tokens") == 96:
+            assert stats["retractions"] > 0
+        check_idle(engine)
+
+
+def test_a_step_that_cannot_allocate_restarts_the_requests_whose_states_it_moved(qwen3_5):
+    """The second big prefill step fails in the last layer's MLP, after the linear layers before it
+    advanced its chunked requests' states: those requests start over, and every output is
+    unchanged."""
+    path = qwen3_5[0]
+    shared = [(5 * i) % 500 + 3 for i in range(300)]
+    prompts = [shared + [(7 * i + j) % 500 + 3 for j in range(20 + i)] for i in range(6)]
+    params = {**GREEDY, "max_new_tokens": 4}
+    with Engine(str(path), max_total_tokens=8192, chunked_prefill_size=1024) as engine:
+        expected = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
+    with Engine(str(path), max_total_tokens=8192, chunked_prefill_size=1024) as engine:
+        mlp = engine.core.model.model.layers[-1].mlp
+        seen = []
+
+        def second_big_step(args):
+            seen.append(args[0].shape[0] > 300)
+            return seen.count(True) == 2
+
+        mlp.forward = FailWhen(mlp.forward, second_big_step, 1)
+        got = engine.generate(input_ids=prompts, sampling_params=params)
+        assert mlp.forward.raised == 1 and engine.cache_stats()["alloc_failures"] == 1
+        assert engine.cache_stats()["retractions"] >= 1  # the chunked request mid-prompt started over
+        assert [r["output_ids"] for r in got] == expected
+        check_idle(engine)
+
+
+def test_logprobs_equal_transformers_log_softmax(qwen3_5):
+    path, prompts, _ = qwen3_5
+    hf = hf_model(path)
+    batch = [prompts[1], prompts[2], prompts[5]]
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "return_logprob": True,
+              "top_logprobs_num": 3, "logprob_start_len": 0}
+    with Engine(str(path), max_total_tokens=4096, chunked_prefill_size=16) as engine:
+        results = engine.generate(input_ids=batch, sampling_params=params)
+    for prompt, result in zip(batch, results):
+        meta, out = result["meta_info"], result["output_ids"]
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt + out])).logits[0].float(), dim=-1)
+        for k, (value, token, _) in enumerate(meta["input_token_logprobs"][1:], start=1):
+            assert value == pytest.approx(ref[k - 1, token].item(), abs=ATOL)
+        for k, ((value, token, _), top) in enumerate(zip(meta["output_token_logprobs"], meta["output_top_logprobs"])):
+            row = ref[len(prompt) - 1 + k]
+            assert token == out[k] and value == pytest.approx(row[token].item(), abs=ATOL)
+            assert [v for v, _, _ in top] == pytest.approx(row.topk(3).values.tolist(), abs=ATOL)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_tp2_shards_both_layer_kinds_and_equals_transformers(family, tmp_path_factory):
+    path = build(tmp_path_factory, family, seed=5)
+    prompts = make_prompts(512)[:6]
+    expected = hf_greedy(path, prompts)
+    with Engine(str(path), tp_size=2, max_total_tokens=4096, chunked_prefill_size=7) as engine:
+        model = engine.core.model
+        assert model.local_heads == (2, 1)
+        linear = model.model.layers[0].linear_attn
+        assert (linear.heads.num_k, linear.heads.num_v, linear.heads.k_start) == (1, 2, 0)
+        assert engine.core.kv_pool.state.ssm[0].shape[1:] == (2, 16, 16)  # this rank's value heads
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [r["output_ids"] for r in results] == expected
+        check_idle(engine)
+
+
+# --------------------------------------------------------------------------- the real server
+
+def test_server_serves_the_multimodal_checkpoint_as_text_and_says_it_caches_nothing(tmp_path_factory, server_workdir):
+    path = build(tmp_path_factory, "qwen3_5_vl", seed=6)
+    prompt = make_prompts(512)[1]
+    expected = hf_greedy(path, [prompt])[0]
+    proc = ServerProcess(["--model-path", str(path), "--device", "cpu", "--max-total-tokens", "4096"],
+                         server_workdir).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused")
+        for _ in range(2):
+            completion = client.completions.create(model=path.name, prompt=prompt, temperature=0,
+                                                   max_tokens=GREEDY["max_new_tokens"], extra_body={"ignore_eos": True})
+            assert completion.choices[0].text == transformers.AutoTokenizer.from_pretrained(path).decode(expected)
+            assert completion.usage.prompt_tokens_details.cached_tokens == 0
+        with pytest.raises(openai.BadRequestError, match="only text parts are supported, got 'image_url'"):
+            client.chat.completions.create(model=path.name, messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}])
+        metrics = httpx.get(f"{proc.base_url}/metrics").text
+        assert 'enable_prefix_caching="False"' in metrics
+        assert "prefix caching is off for Qwen3_5ForConditionalGeneration" in proc.output()
+    finally:
+        proc.stop()
