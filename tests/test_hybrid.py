@@ -286,3 +286,35 @@ def test_server_serves_the_multimodal_checkpoint_as_text_and_says_it_caches_noth
         assert "prefix caching is off for Qwen3_5ForConditionalGeneration" in proc.output()
     finally:
         proc.stop()
+
+
+# --------------------------------------------------------------------------- benchmark configs
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_qwen3_5_27b_benchmark_config_builds_its_published_language_model():
+    """Built on the meta device: the language model's 26.90B parameters (transformers'
+    Qwen3_5ForConditionalGeneration on this config counts the same outside `model.visual`; the
+    published 27.8B adds the vision tower and the MTP layer), 48 linear and 16 full layers."""
+    cfg = ModelConfig.from_dir(REPO_ROOT / "benchmarks/configs/qwen3.5-27b")
+    assert (cfg.architecture, cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size) == \
+        ("Qwen3_5ForConditionalGeneration", 5120, 64, 17408)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hybrid.rotary_dim) == (24, 4, 256, 64)
+    h = cfg.hybrid
+    assert (h.num_linear_layers, h.num_full_layers, h.linear_num_k_heads, h.linear_num_v_heads) == (48, 16, 16, 48)
+    assert (cfg.vocab_size, cfg.max_position_embeddings, cfg.rope_theta, cfg.tie_word_embeddings) == \
+        (248320, 262144, 1e7, False)
+    model = Qwen3_5ForConditionalGeneration(cfg, TorchAttentionBackend(), dtype=torch.bfloat16, device="meta",
+                                            max_positions=64)
+    assert sum(p.numel() for p in model.parameters()) == 26_895_998_464
+    # Per request: 48 layers x (48 x 128 x 128 float32 state + 3 x 10,240 bf16 conv window).
+    assert state_spec(model).bytes_per_row == 48 * (48 * 128 * 128 * 4 + 3 * 10240 * 2)
+
+
+def test_the_qwen3_6_35b_a3b_benchmark_config_is_refused_until_moe_layers_exist():
+    with pytest.raises(ValueError, match="unsupported architecture Qwen3_5MoeForConditionalGeneration"):
+        ModelConfig.from_dir(REPO_ROOT / "benchmarks/configs/qwen3.6-35b-a3b")
+    raw = json.loads((REPO_ROOT / "benchmarks/configs/qwen3.6-35b-a3b/config.json").read_text())["text_config"]
+    assert (raw["hidden_size"], raw["num_hidden_layers"], raw["num_experts"], raw["num_experts_per_tok"],
+            raw["moe_intermediate_size"], raw["shared_expert_intermediate_size"]) == (2048, 40, 256, 8, 512, 512)
