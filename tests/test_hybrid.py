@@ -89,7 +89,8 @@ def test_the_registry_has_the_hybrids_and_refuses_what_they_do_not_implement():
                                       "full_attention_interval": 2})
     assert interval.hybrid.layer_types[1::2] == ("full_attention",) * 2 and interval.hybrid.projection_layout == "qkvz"
     refused = {
-        "with MoE layers (num_experts=512, 4 sparse layers) is not supported yet": {"architectures": ["Qwen3NextForCausalLM"]},
+        "with MoE layers (num_experts=512, 4 sparse layers) is not supported yet": {
+            "architectures": ["Qwen3NextForCausalLM"]},
         "attention_bias=true is not supported": {"architectures": ["Qwen3_5ForCausalLM"], "attention_bias": True},
         "attn_output_gate=False is not supported": {"architectures": ["Qwen3_5ForCausalLM"], "attn_output_gate": False},
         "layer_types sliding_attention not supported": {"architectures": ["Qwen3_5ForCausalLM"],
@@ -163,7 +164,8 @@ def test_logits_equal_transformers_over_prefill_chunks_mixed_steps_and_decode(hy
     model, cfg = load_model(hybrid, attn_backend=TorchAttentionBackend())
     hf = hf_model(hybrid)
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randint(3, cfg.vocab_size, (103,), generator=g).tolist(), torch.randint(3, 500, (30,), generator=g).tolist()
+    a = torch.randint(3, cfg.vocab_size, (103,), generator=g).tolist()
+    b = torch.randint(3, cfg.vocab_size, (30,), generator=g).tolist()
     h = harness(model, cfg)
     got_a = [h.step({"a": a[:40]})["a"], h.step({"a": a[40:99]})["a"]]
     mixed = h.step({"a": a[99:100], "b": b})

@@ -168,8 +168,9 @@ class EngineCore:
             # A request resumed from a cached prefix needs the recurrent state at the prefix's end,
             # which KV cannot rebuild; until the cache keeps state snapshots, nothing is reused.
             if s.hicache_enabled:
-                raise ValueError(f"--hicache-size / --hicache-ratio are not supported for {self.model_config.architecture}"
-                                 " (its linear-attention layers' recurrent states are not cached)")
+                raise ValueError("--hicache-size / --hicache-ratio are not supported for "
+                                 f"{self.model_config.architecture} (its linear-attention layers' recurrent states "
+                                 "are not cached)")
             if not s.disable_radix_cache:
                 logger.warning("prefix caching is off for %s: its linear-attention layers keep a recurrent state per "
                                "request that the radix cache does not snapshot yet, so every request computes its "

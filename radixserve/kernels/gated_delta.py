@@ -205,7 +205,8 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Te
                                              BLOCK_C=CONV_BLOCK_C, num_warps=4)
     _conv_state[(num_seqs, cblocks)](x, states, state_rows, has_state, cu_seqlens, x.stride(0), states.stride(0),
                                      states.stride(1), channels, KW=kernel,
-                                     BLOCK_K=max(2, triton.next_power_of_2(kernel - 1)), BLOCK_C=CONV_BLOCK_C, num_warps=4)
+                                     BLOCK_K=max(2, triton.next_power_of_2(kernel - 1)), BLOCK_C=CONV_BLOCK_C,
+                                     num_warps=4)
     return out
 
 

@@ -168,6 +168,8 @@ class Qwen3NextForCausalLM(nn.Module):
     }
     # An FP8 KV cache runs with scales 1.0 (no hybrid checkpoint publishes KV scales).
     kv_scale_pattern = None
+    # The config's projection_layout this class loads (radixserve.model.hybrid_config).
+    expected_layout = "qkvz"
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_positions: Optional[int] = None,
@@ -175,7 +177,8 @@ class Qwen3NextForCausalLM(nn.Module):
                  fp8: Optional[Fp8Config] = None):
         super().__init__()
         if config.hybrid is None:
-            raise ValueError(f"{type(self).__name__} needs a hybrid config (layer_types and the linear-attention shapes)")
+            raise ValueError(f"{type(self).__name__} needs a hybrid config (layer_types and the linear-attention "
+                             "shapes)")
         if fp8 is not None:
             raise ValueError(f"FP8 weights are not supported for {config.architecture} yet")
         expected = self.expected_layout
@@ -211,8 +214,6 @@ class Qwen3NextForCausalLM(nn.Module):
             self.recurrent_state_shape = dict(num_layers=len(linear), conv_shape=(config.hybrid.conv_kernel - 1,
                                                                                    h.conv_dim),
                                               ssm_shape=(h.num_v, h.k_head_dim, h.v_head_dim), conv_dtype=dtype)
-
-    expected_layout = "qkvz"
 
     def _lm_head(self, weight: Optional[nn.Parameter] = None) -> Linear:
         cfg = self.config
