@@ -203,6 +203,20 @@ def test_greedy_equals_transformers_cold_chunked_and_retracted_with_no_prefix_re
         check_idle(engine)
 
 
+def test_bfloat16_states_halve_the_pool_and_keep_the_tokens(qwen3_5):
+    """--mamba-ssm-dtype bfloat16: half the bytes a request; the kernels still compute in float32,
+    rounding the state once a step (on the tiny model no greedy token changes)."""
+    path, prompts, expected = qwen3_5
+    with Engine(str(path), max_total_tokens=4096, chunked_prefill_size=7, mamba_ssm_dtype="bfloat16") as engine:
+        state = engine.core.kv_pool.state
+        assert state.ssm[0].dtype == torch.bfloat16 and state.conv[0].dtype == torch.float32
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        got = [r["output_ids"] for r in results]
+        same = sum(next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), len(e)) for g, e in zip(got, expected))
+        assert same / sum(map(len, expected)) >= 0.8
+        check_idle(engine)
+
+
 def test_a_step_that_cannot_allocate_restarts_the_requests_whose_states_it_moved(qwen3_5):
     """The second big prefill step fails in the last layer's MLP, after the linear layers before it
     advanced its chunked requests' states: those requests start over, and every output is

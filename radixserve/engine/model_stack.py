@@ -79,7 +79,7 @@ def make_kv_memory(settings: ServerSettings, model, device: torch.device, dtype:
     num_kv_heads = model.local_heads[1]
     kv_dtype = kv_cache_dtype(settings, dtype)
     max_running = settings.resolved_max_running_requests(device.type)
-    spec = state_spec(model)
+    spec = state_spec(model, getattr(torch, settings.mamba_ssm_dtype))
     if spec is not None and device.type == "cuda" and settings.max_running_requests is None:
         max_running = min(max_running, state_rows_that_fit(settings, spec, device))
         if tp is not None:
@@ -110,11 +110,11 @@ def make_kv_memory(settings: ServerSettings, model, device: torch.device, dtype:
     return kv_pool, table, plan
 
 
-def state_spec(model) -> Optional[RecurrentStateSpec]:
-    """What one request row of a hybrid model's state pool holds (this rank's heads); None for a
-    model without linear-attention layers."""
+def state_spec(model, ssm_dtype: torch.dtype = torch.float32) -> Optional[RecurrentStateSpec]:
+    """What one request row of a hybrid model's state pool holds (this rank's heads; the recurrent
+    states in `ssm_dtype`, --mamba-ssm-dtype); None for a model without linear-attention layers."""
     shape = getattr(model, "recurrent_state_shape", None)
-    return RecurrentStateSpec(**shape) if shape is not None else None
+    return RecurrentStateSpec(**shape, ssm_dtype=ssm_dtype) if shape is not None else None
 
 
 def state_rows_that_fit(settings: ServerSettings, spec: RecurrentStateSpec, device: torch.device) -> int:

@@ -7,7 +7,8 @@ continues the state in pool row `state_rows[i]` when `has_state[i]` is set (a la
 prompt, a decode step), else it starts from zeros (a new prompt). The pool's buffers are one
 layer's: conv windows [rows, kernel - 1, channels] in the activations' dtype (the last inputs,
 oldest first; channels contiguous so a program's loads coalesce), recurrent states
-[rows, v_heads, k_head_dim, v_head_dim] in float32.
+[rows, v_heads, k_head_dim, v_head_dim] in float32 (or bfloat16: --mamba-ssm-dtype; every kernel
+computes in float32).
 
 - `causal_conv1d_varlen`: the convolution of a ragged prefill batch, one program per tile of
   (sequence, BLOCK_T tokens) x BLOCK_C channels, the window before a sequence's first token read
@@ -233,7 +234,8 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      cu_seqlens: torch.Tensor, out: Optional[torch.Tensor] = None,
                                      block_v: int = 32) -> torch.Tensor:
     """The gated delta rule over a ragged batch, each sequence's state updated in place in
-    states [rows, Hv, Dk, Dv] (float32) at state_rows (zeros first unless has_state).
+    states [rows, Hv, Dk, Dv] (float32, or bfloat16: computed in float32, rounded once per call)
+    at state_rows (zeros first unless has_state).
 
     q, k [T, Hk, Dk] and v [T, Hv, Dv] may be strided views (unit last stride, heads packed);
     a, b [T, Hv] the gate projections (views fine); a_log, dt_bias [Hv]. Returns o [T, Hv, Dv]
@@ -242,7 +244,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
     hv, dv = v.shape[1], v.shape[2]
     assert k.shape == q.shape and hv % hk == 0 and dk & (dk - 1) == 0, "k_head_dim must be a power of two"
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and q.stride(1) == dk and v.stride(1) == dv
-    assert a.stride(1) == 1 and b.stride(1) == 1 and states.is_contiguous() and states.dtype == torch.float32
+    assert a.stride(1) == 1 and b.stride(1) == 1 and states.is_contiguous()
     if out is None:
         out = torch.empty((t, hv, dv), dtype=v.dtype, device=v.device)
     num_seqs = cu_seqlens.numel() - 1

@@ -105,6 +105,19 @@ def test_fused_recurrent_equals_the_reference(dtype, shape):
         assert rel_err(states[row], final) < tol(dtype)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter holds bfloat16 as integers")
+def test_fused_recurrent_over_bfloat16_states():
+    """--mamba-ssm-dtype bfloat16: the state is read and written in bf16, computed in float32."""
+    torch.manual_seed(6)
+    cu, rows, cont = ragged(LENS)
+    q, k, v, a, b, a_log, dt_bias, states = gdn_inputs("27b", LENS, torch.bfloat16)
+    states = states.to(torch.bfloat16)
+    before = states.float()
+    out = kg.fused_recurrent_gated_delta_rule(q, k, v, a, b, a_log, dt_bias, states, rows, cont, cu)
+    for part, row, (o, final) in reference(q, k, v, a, b, a_log, dt_bias, before, cu, rows, cont):
+        assert rel_err(out[part], o) < 2e-2 and rel_err(states[row], final) < 2e-2
+
+
 def test_fused_recurrent_reads_q_k_v_as_views_of_the_conv_output():
     """The layer hands q|k|v as column views of one [T, 2 Hk Dk + Hv Dv] tensor, a and b as views of the projection."""
     torch.manual_seed(2)
