@@ -1,13 +1,14 @@
-"""Hybrid Qwen models (Qwen3-Next, Qwen3.5 and its multimodal checkpoints' language model) on the
-CPU against transformers: the config keys and the registry, the checkpoints' layouts, logits over
+"""Hybrid Qwen models (Qwen3-Next, Qwen3.5 and its multimodal checkpoints' language model, and their
+MoE forms) on the CPU against transformers: the config keys and the registry, the checkpoints' layouts, logits over
 prefill chunks and decode steps, the offline engine cold / chunked / retracting / taken back after
 a failed allocation, log probabilities, tensor parallelism over gloo, and the real server.
 
 The tiny hybrids (radixserve.testing.tiny_model) alternate Gated DeltaNet and gated attention
 layers (4 layers), with 4 query heads of head_dim 32 over hidden 64 (q|gate rows 256), 2 KV heads,
 RoPE on 8 of 32 values, and 2 key / 4 value heads of 16 in the linear layers; every norm and bias
-random. Prefix caching is off for these models (no state snapshots yet): a warm pass reports 0
-cached tokens and computes the same tokens.
+random. The MoE forms: 8 experts of 32, top-2, a shared expert of 48 (Qwen3-Next: every second
+layer sparse; Qwen3.5-MoE: every layer). Prefix caching is off for these models (no state
+snapshots yet): a warm pass reports 0 cached tokens and computes the same tokens.
 """
 
 from __future__ import annotations
@@ -35,21 +36,24 @@ from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
 from radixserve.engine.model_stack import state_spec
 from radixserve.model.config import ModelConfig
 from radixserve.model.loader import load_model
-from radixserve.model.qwen3_next import Qwen3_5ForConditionalGeneration, Qwen3NextForCausalLM
+from radixserve.model.qwen3_next import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
 from radixserve.model.registry import supported_architectures
-from radixserve.testing.tiny_model import build_tiny_model
+from radixserve.testing.tiny_model import TinyMoe, build_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
 
 ATOL = 1e-4
-FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_vl")
+FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_vl", "qwen3_next_moe", "qwen3_5_moe")
+# Test name -> (the tiny model's family, its experts).
+BUILDS = {"qwen3_next_moe": ("qwen3_next", TinyMoe(sparse_step=2)), "qwen3_5_moe": ("qwen3_5_moe", TinyMoe())}
 BASE = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 32, "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 256}
 
 
-def build(tmp_path_factory, family: str, seed: int = 3) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family=family, layers=4, head_dim=32,
-                            seed=seed)
+def build(tmp_path_factory, name: str, seed: int = 3) -> Path:
+    family, moe = BUILDS.get(name, (name, None))
+    return build_tiny_model(tmp_path_factory.mktemp(f"tiny-{name}"), family=family, layers=4, head_dim=32,
+                            seed=seed, moe=moe)
 
 
 def hf_model(path: Path):
@@ -74,7 +78,8 @@ def qwen3_5(tmp_path_factory):
 
 def test_the_registry_has_the_hybrids_and_refuses_what_they_do_not_implement():
     assert supported_architectures()[4:] == ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
-                                             "Qwen3_5ForConditionalGeneration")
+                                             "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+                                             "Qwen3_5MoeForConditionalGeneration")
     cfg = ModelConfig.from_dict({**BASE, "architectures": ["Qwen3_5ForCausalLM"],
                                  "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
                                                      "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
@@ -88,9 +93,20 @@ def test_the_registry_has_the_hybrids_and_refuses_what_they_do_not_implement():
     interval = ModelConfig.from_dict({**BASE, "architectures": ["Qwen3NextForCausalLM"], "num_experts": 0,
                                       "full_attention_interval": 2})
     assert interval.hybrid.layer_types[1::2] == ("full_attention",) * 2 and interval.hybrid.projection_layout == "qkvz"
+    assert interval.moe is None
+    # Qwen3-Next without MoE keys: transformers' defaults (512 experts, top-10, shared expert 512).
+    nxt = ModelConfig.from_dict({**BASE, "architectures": ["Qwen3NextForCausalLM"], "mlp_only_layers": [0]})
+    assert (nxt.moe.num_experts, nxt.moe.top_k, nxt.moe.shared_expert_intermediate_size) == (512, 10, 512)
+    assert [nxt.is_sparse_layer(i) for i in range(4)] == [False, True, True, True]
+    # Qwen3.5-MoE: every layer sparse whatever the keys say, top-k renormalised, no intermediate_size needed.
+    base = {k: v for k, v in BASE.items() if k != "intermediate_size"}
+    moe = ModelConfig.from_dict({**base, "architectures": ["Qwen3_5MoeForCausalLM"], "num_experts": 8,
+                                 "num_experts_per_tok": 2, "norm_topk_prob": False, "mlp_only_layers": [1]})
+    assert (moe.moe.num_experts, moe.moe.top_k, moe.moe.norm_topk_prob, moe.dense_intermediate_size) == (8, 2, True, 0)
+    assert all(moe.is_sparse_layer(i) for i in range(4))
     refused = {
-        "with MoE layers (num_experts=512, 4 sparse layers) is not supported yet": {
-            "architectures": ["Qwen3NextForCausalLM"]},
+        "shared_expert_intermediate_size must be positive": {
+            "architectures": ["Qwen3NextForCausalLM"], "shared_expert_intermediate_size": 0},
         "attention_bias=true is not supported": {"architectures": ["Qwen3_5ForCausalLM"], "attention_bias": True},
         "attn_output_gate=False is not supported": {"architectures": ["Qwen3_5ForCausalLM"], "attn_output_gate": False},
         "layer_types sliding_attention not supported": {"architectures": ["Qwen3_5ForCausalLM"],
@@ -105,8 +121,8 @@ def test_the_registry_has_the_hybrids_and_refuses_what_they_do_not_implement():
     for message, keys in refused.items():
         with pytest.raises(ValueError, match=re.escape(message)):
             ModelConfig.from_dict({**BASE, **keys})
-    with pytest.raises(ValueError, match="Qwen3_5MoeForConditionalGeneration; supported: "):
-        ModelConfig.from_dict({**BASE, "architectures": ["Qwen3_5MoeForConditionalGeneration"]})
+    with pytest.raises(ValueError, match="Qwen3NextForConditionalGeneration; supported: "):
+        ModelConfig.from_dict({**BASE, "architectures": ["Qwen3NextForConditionalGeneration"]})
 
 
 def test_a_multimodal_config_is_read_from_its_text_config():
@@ -263,8 +279,8 @@ def test_logprobs_equal_transformers_log_softmax(qwen3_5):
             assert [v for v, _, _ in top] == pytest.approx(row.topk(3).values.tolist(), abs=ATOL)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
-def test_tp2_shards_both_layer_kinds_and_equals_transformers(family, tmp_path_factory):
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next_moe"])
+def test_tp2_shards_both_layer_kinds_and_the_experts_and_equals_transformers(family, tmp_path_factory):
     path = build(tmp_path_factory, family, seed=5)
     prompts = make_prompts(512)[:6]
     expected = hf_greedy(path, prompts)
@@ -274,6 +290,8 @@ def test_tp2_shards_both_layer_kinds_and_equals_transformers(family, tmp_path_fa
         linear = model.model.layers[0].linear_attn
         assert (linear.heads.num_k, linear.heads.num_v, linear.heads.k_start) == (1, 2, 0)
         assert engine.core.kv_pool.state.ssm[0].shape[1:] == (2, 16, 16)  # this rank's value heads
+        experts = model.model.layers[1].mlp.experts  # a sparse layer: every expert's intermediate split
+        assert experts.w13_weight.shape == (8, 2 * 16, 64) and model.model.layers[1].mlp.shared_expert is not None
         results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         assert [r["output_ids"] for r in results] == expected
         check_idle(engine)
@@ -328,9 +346,19 @@ def test_the_qwen3_5_27b_benchmark_config_builds_its_published_language_model():
     assert state_spec(model).bytes_per_row == 48 * (48 * 128 * 128 * 4 + 3 * 10240 * 2)
 
 
-def test_the_qwen3_6_35b_a3b_benchmark_config_is_refused_until_moe_layers_exist():
-    with pytest.raises(ValueError, match="unsupported architecture Qwen3_5MoeForConditionalGeneration"):
-        ModelConfig.from_dir(REPO_ROOT / "benchmarks/configs/qwen3.6-35b-a3b")
-    raw = json.loads((REPO_ROOT / "benchmarks/configs/qwen3.6-35b-a3b/config.json").read_text())["text_config"]
-    assert (raw["hidden_size"], raw["num_hidden_layers"], raw["num_experts"], raw["num_experts_per_tok"],
-            raw["moe_intermediate_size"], raw["shared_expert_intermediate_size"]) == (2048, 40, 256, 8, 512, 512)
+def test_the_qwen3_6_35b_a3b_benchmark_config_builds_its_published_language_model():
+    """Built on the meta device: the language model's 34.66B parameters (transformers' count outside
+    `model.visual` on this config; 35B with the vision tower), every layer 256 experts of 512, top-8,
+    and a shared expert of 512."""
+    cfg = ModelConfig.from_dir(REPO_ROOT / "benchmarks/configs/qwen3.6-35b-a3b")
+    moe = cfg.moe
+    assert (cfg.architecture, cfg.hidden_size, cfg.num_hidden_layers, cfg.dense_intermediate_size) == \
+        ("Qwen3_5MoeForConditionalGeneration", 2048, 40, 0)
+    assert (moe.num_experts, moe.top_k, moe.moe_intermediate_size, moe.shared_expert_intermediate_size,
+            moe.norm_topk_prob) == (256, 8, 512, 512, True)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hybrid.linear_num_v_heads) == \
+        (16, 2, 256, 32)
+    model = Qwen3_5MoeForConditionalGeneration(cfg, TorchAttentionBackend(), dtype=torch.bfloat16, device="meta",
+                                               max_positions=64)
+    assert sum(p.numel() for p in model.parameters()) == 34_660_610_688
+    assert all(type(layer.mlp).__name__ == "SparseMoeBlock" for layer in model.model.layers)

@@ -139,15 +139,23 @@ class ModelConfig:
             raise ValueError(f"{source}: hidden_act {hidden_act!r} is not supported (only 'silu')")
         if data.get("use_sliding_window"):
             raise ValueError(f"{source}: use_sliding_window=true is not supported (only full attention)")
+        num_layers = int(need("num_hidden_layers"))
+        fields = family.parse_config(data, source)
+        moe = fields.get("moe")
+        if data.get("intermediate_size") is None and moe is not None and \
+                all(moe.is_sparse(i) for i in range(num_layers)):
+            intermediate = 0  # no dense MLP anywhere (Qwen3.5-MoE's configs carry no intermediate_size)
+        else:
+            intermediate = int(need("intermediate_size"))
 
         return cls(
             architecture=family.architecture,
             hidden_size=hidden_size,
-            num_hidden_layers=int(need("num_hidden_layers")),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=int(head_dim),
-            intermediate_size=int(need("intermediate_size")),
+            intermediate_size=intermediate,
             vocab_size=int(need("vocab_size")),
             max_position_embeddings=int(need("max_position_embeddings")),
             rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
@@ -160,7 +168,7 @@ class ModelConfig:
             model_type=str(data.get("model_type", family.model_type)),
             quantization=quantization_config(data, source=source),
             raw=data,
-            **family.parse_config(data, source),
+            **fields,
         )
 
 

@@ -1,5 +1,5 @@
-"""Hybrid Qwen models: Qwen3-Next and Qwen3.5 / Qwen3.6 (dense MLP forms), numerically like
-transformers' Qwen3NextForCausalLM and Qwen3_5ForCausalLM.
+"""Hybrid Qwen models: Qwen3-Next, Qwen3.5 / Qwen3.6 and Qwen3.5 / Qwen3.6-MoE, numerically like
+transformers' Qwen3NextForCausalLM, Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM.
 
 Each decoder layer mixes tokens with one of two layers, as config.json's `layer_types` says
 (three linear for every full one in the published models):
@@ -13,14 +13,16 @@ Each decoder layer mixes tokens with one of two layers, as config.json's `layer_
   layer index is the layer's index among them (`kv_layer_id`).
 
 Every RMSNorm outside the linear layers is the zero-centred x * (1 + w) (OffsetRMSNorm); the MLP
-is Qwen2's SiLU-gated one. Under tensor parallelism both token mixers split their heads (query
-and KV heads; key heads with their value-head groups), the MLP its columns, the vocabulary its
-rows, as for Qwen2 (radixserve.model.qwen2).
+is Qwen2's SiLU-gated one, or in the MoE sizes (`config.moe`) the routed experts plus a shared
+expert with its sigmoid gate (radixserve.model.layers.moe, picked per layer by
+radixserve.model.qwen2.make_mlp: Qwen3-Next by decoder_sparse_step / mlp_only_layers, Qwen3.5-MoE
+every layer). Under tensor parallelism both token mixers split their heads (query and KV heads;
+key heads with their value-head groups), the MLPs their intermediate columns (every expert
+sliced), the vocabulary its rows, as for Qwen2 (radixserve.model.qwen2).
 
-Not served (refused by name where config.json or the request could ask for it): the MoE MLPs of
-the published Qwen3-Next and Qwen3.5/3.6-MoE sizes, FP8 weights, the vision tower (images and
-videos), multi-token-prediction heads (their `mtp.*` tensors are not read). Qwen3.5's
-multimodal RoPE is plain RoPE for text (the same position on all three axes).
+Not served (refused by name where config.json or the request could ask for it): FP8 weights, the
+vision tower (images and videos), multi-token-prediction heads (their `mtp.*` tensors are not
+read). Qwen3.5's multimodal RoPE is plain RoPE for text (the same position on all three axes).
 
 Prefix reuse: a request's recurrent state cannot be rebuilt from KV, and the radix cache keeps
 no state snapshots yet, so the engine serves these models without prefix caching
@@ -44,7 +46,7 @@ from radixserve.model.layers.norm import OffsetRMSNorm
 from radixserve.model.layers.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                               VocabParallelEmbedding)
 from radixserve.model.layers.rotary import PartialRotaryEmbedding
-from radixserve.model.qwen2 import Qwen2MLP
+from radixserve.model.qwen2 import make_mlp
 from radixserve.model.quantization import Fp8Config
 
 
@@ -100,7 +102,7 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(config, ordinal, attn_backend, rotary_emb, dtype=dtype, kernels=kernels,
                                             tp=tp)
-        self.mlp = Qwen2MLP(config, dtype=dtype, kernels=kernels, tp=tp)
+        self.mlp = make_mlp(config, layer_id, dtype=dtype, kernels=kernels, tp=tp)
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, kernels=kernels)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype,
                                                       kernels=kernels)
@@ -266,3 +268,13 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
         if name.startswith(("model.visual.", "mtp.")):
             return None
         return name
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5 / Qwen3.6-MoE (35B-A3B, ...): Qwen3.5's layers with a sparse MoE block in every
+    layer (`mlp.gate`, `mlp.experts.{e}.*`, `mlp.shared_expert.*`, `mlp.shared_expert_gate`)."""
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
+    """The language model of a Qwen3.5 / Qwen3.6-MoE multimodal checkpoint (see
+    Qwen3_5ForConditionalGeneration)."""

@@ -97,31 +97,41 @@ def _layer_types(data: dict[str, Any], source: str) -> tuple[str, ...]:
     return tuple(types)
 
 
-def _moe_layers(data: dict[str, Any], layers: int) -> list[int]:
-    """The layers transformers builds with a sparse MoE block (Qwen3-Next's rule)."""
-    experts = data.get("num_experts", 0) or 0
-    if not experts:
-        return []
-    step = data.get("decoder_sparse_step", 1) or 1
-    dense = set(data.get("mlp_only_layers") or [])
-    return [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+# transformers' defaults for the MoE keys a hybrid's config.json leaves out: Qwen3-Next's (which
+# layers are sparse follows decoder_sparse_step and mlp_only_layers), Qwen3.5-MoE's (every layer
+# sparse, the top-k probabilities always renormalised: its router ignores norm_topk_prob).
+QWEN3_NEXT_MOE = {"num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+                  "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1}
+QWEN3_5_MOE = {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+               "shared_expert_intermediate_size": 512}
+
+
+def _hybrid_moe(data: dict[str, Any], source: str, *, architecture: str, every_layer: bool):
+    """The routed experts (with Qwen3-Next's shared expert and its sigmoid gate) of a hybrid MoE."""
+    if every_layer:
+        moe_keys = {**QWEN3_5_MOE, **{k: v for k, v in data.items() if k in QWEN3_5_MOE and v is not None},
+                    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    else:
+        moe_keys = {**QWEN3_NEXT_MOE, **{k: v for k, v in data.items() if v is not None}}
+    moe = parse_moe(moe_keys, source, shared_expert=True)
+    if not moe.shared_expert_intermediate_size:
+        raise ValueError(f"{source}: shared_expert_intermediate_size must be positive for {architecture} "
+                         "(its sparse blocks all have a shared expert)")
+    return moe if moe.num_experts else None
 
 
 def _hybrid_fields(data: dict[str, Any], source: str, *, architecture: str, layout: str,
-                   moe_defaults: bool) -> dict[str, Any]:
-    """Qwen3-Next / Qwen3.5: Gated DeltaNet layers and gated full-attention layers (q/k RMSNorm,
-    partial RoPE, a sigmoid output gate); transformers' defaults for keys a config leaves out."""
+                   moe: str = "") -> dict[str, Any]:
+    """Qwen3-Next / Qwen3.5 (`moe`: "" dense, "qwen3_next" or "every_layer" for Qwen3.5-MoE): Gated
+    DeltaNet layers and gated full-attention layers (q/k RMSNorm, partial RoPE, a sigmoid output
+    gate); transformers' defaults for keys a config leaves out."""
     if _flag(data, "attention_bias", False, source):
         raise ValueError(f"{source}: attention_bias=true is not supported for {architecture}")
     if data.get("attn_output_gate", True) is not True:
         raise ValueError(f"{source}: attn_output_gate={data.get('attn_output_gate')!r} is not supported for "
                          f"{architecture} (only the gated attention of the published models)")
     layer_types = _layer_types(data, source)
-    moe = _moe_layers({"num_experts": 512, **data} if moe_defaults else data, len(layer_types))
-    if moe:
-        raise ValueError(f"{source}: {architecture} with MoE layers (num_experts={data.get('num_experts', 512)}, "
-                         f"{len(moe)} sparse layers) is not supported yet; only its dense-MLP form "
-                         "(num_experts 0, or every layer in mlp_only_layers)")
+    experts = _hybrid_moe(data, source, architecture=architecture, every_layer=moe == "every_layer") if moe else None
     hk = _positive_int(data, "linear_num_key_heads", 16, source)
     hv = _positive_int(data, "linear_num_value_heads", 32, source)
     if hv % hk:
@@ -141,17 +151,21 @@ def _hybrid_fields(data: dict[str, Any], source: str, *, architecture: str, layo
                           linear_k_head_dim=_positive_int(data, "linear_key_head_dim", 128, source),
                           linear_v_head_dim=_positive_int(data, "linear_value_head_dim", 128, source),
                           conv_kernel=kernel, rotary_dim=rotary_dim, projection_layout=layout)
-    return {"qkv_bias": False, "qk_norm": True, "hybrid": hybrid}
+    return {"qkv_bias": False, "qk_norm": True, "hybrid": hybrid, "moe": experts}
 
 
 def _qwen3_next_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
-    return _hybrid_fields(data, source, architecture="Qwen3NextForCausalLM", layout="qkvz", moe_defaults=True)
+    return _hybrid_fields(data, source, architecture="Qwen3NextForCausalLM", layout="qkvz", moe="qwen3_next")
 
 
+# Qwen3.5's rope_parameters carry mrope_section / mrope_interleaved for its vision inputs; text
+# positions are the same on all three axes, where multimodal RoPE is plain RoPE.
 def _qwen3_5_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
-    # Qwen3.5's rope_parameters carry mrope_section / mrope_interleaved for its vision inputs;
-    # text positions are the same on all three axes, where multimodal RoPE is plain RoPE.
-    return _hybrid_fields(data, source, architecture="Qwen3_5ForCausalLM", layout="split", moe_defaults=False)
+    return _hybrid_fields(data, source, architecture="Qwen3_5ForCausalLM", layout="split")
+
+
+def _qwen3_5_moe_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
+    return _hybrid_fields(data, source, architecture="Qwen3_5MoeForCausalLM", layout="split", moe="every_layer")
 
 
 _HYBRID = "radixserve.model.qwen3_next"
@@ -169,6 +183,10 @@ FAMILIES: dict[str, ModelFamily] = {f.architecture: f for f in (
     # not loaded, and an image or video part of a request is refused by its type.
     ModelFamily("Qwen3_5ForConditionalGeneration", "qwen3_5", f"{_HYBRID}:Qwen3_5ForConditionalGeneration",
                 _qwen3_5_fields, text_config=True),
+    ModelFamily("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", f"{_HYBRID}:Qwen3_5MoeForCausalLM",
+                _qwen3_5_moe_fields),
+    ModelFamily("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", f"{_HYBRID}:Qwen3_5MoeForConditionalGeneration",
+                _qwen3_5_moe_fields, text_config=True),
 )}
 
 

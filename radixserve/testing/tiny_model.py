@@ -9,8 +9,10 @@ below) with a fixed seed, so the same arguments always give the same files.
 Hybrid families (Gated DeltaNet and gated full-attention layers): `"qwen3_next"`
 (Qwen3NextForCausalLM with dense MLPs: num_experts 0), `"qwen3_5"` (Qwen3_5ForCausalLM) and
 `"qwen3_5_vl"` (Qwen3_5ForConditionalGeneration: the same language model under
-`model.language_model`, with a one-block vision tower the engine does not load). Their layers
-alternate linear and full attention unless `layer_types` says otherwise.
+`model.language_model`, with a one-block vision tower the engine does not load) and
+`"qwen3_5_moe"` (Qwen3_5MoeForCausalLM: every MLP sparse with a shared expert; `moe` sizes it, as
+it does Qwen3-Next's MoE form). Their layers alternate linear and full attention unless
+`layer_types` says otherwise.
 """
 
 from __future__ import annotations
@@ -141,8 +143,9 @@ FAMILIES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config
             "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
             "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
             "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
-            "qwen3_5_vl": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration")}
-HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_vl")
+            "qwen3_5_vl": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+            "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM")}
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_vl", "qwen3_5_moe")
 # The hybrids' linear-attention shapes unless the caller gives others: 2 key heads and 4 value
 # heads (grouped 2:1, as the published 16:32 / 16:48), head dims a power of two as the kernels need.
 HYBRID_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -173,12 +176,13 @@ def _hf_config(family: str, vocab_size: int, *, hidden: int, layers: int, num_he
 
     config_name, model_name = FAMILIES[family]
     if family in HYBRID_FAMILIES:
-        if moe is not None:
-            raise ValueError(f"moe is an option of the MoE families ({', '.join(MOE_FAMILIES)}), not {family!r}")
+        if moe is not None and family not in ("qwen3_next", "qwen3_5_moe"):
+            raise ValueError(f"moe is an option of the MoE families ({', '.join(MOE_FAMILIES)}, qwen3_next, "
+                             f"qwen3_5_moe), not {family!r}")
         return _hybrid_config(family, vocab_size, hidden=hidden, layers=layers, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate=intermediate,
                               tie_word_embeddings=tie_word_embeddings, eos_id=eos_id, dtype=dtype,
-                              layer_types=layer_types)
+                              layer_types=layer_types, moe=moe)
     kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -221,7 +225,7 @@ def _hf_config(family: str, vocab_size: int, *, hidden: int, layers: int, num_he
 
 def _hybrid_config(family: str, vocab_size: int, *, hidden: int, layers: int, num_heads: int, num_kv_heads: int,
                    head_dim: Optional[int], intermediate: int, tie_word_embeddings: bool, eos_id: int,
-                   dtype: torch.dtype, layer_types: Optional[list[str]]):
+                   dtype: torch.dtype, layer_types: Optional[list[str]], moe: Optional[TinyMoe] = None):
     import transformers
 
     config_name, model_name = FAMILIES[family]
@@ -240,7 +244,17 @@ def _hybrid_config(family: str, vocab_size: int, *, hidden: int, layers: int, nu
         layer_types=layer_types or ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
         **HYBRID_LINEAR)
     if family == "qwen3_next":
-        text.update(num_experts=0)  # the dense-MLP form (the MoE layers are not served yet)
+        if moe is None:
+            text.update(num_experts=0)  # the dense-MLP form
+        else:  # sparse layers with a shared expert (every layer unless sparse_step / mlp_only_layers say not)
+            text.update(num_experts=moe.experts, num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.intermediate,
+                        norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=moe.sparse_step,
+                        mlp_only_layers=list(moe.mlp_only_layers), shared_expert_intermediate_size=moe.shared_intermediate)
+    elif family == "qwen3_5_moe":  # every layer sparse, with a shared expert; no dense MLP size
+        moe = moe or TinyMoe()
+        del text["intermediate_size"]
+        text.update(num_experts=moe.experts, num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.intermediate,
+                    shared_expert_intermediate_size=moe.shared_intermediate)
     if family != "qwen3_5_vl":
         config = getattr(transformers, config_name)(**text, architectures=[model_name])
     else:

@@ -5,7 +5,8 @@ scratch row) and overlap on and off (transformers' own kernels where fla-core is
 installed) graphs change no token, chunked prefill carries the states, and most tokens agree with
 transformers' bf16; a Qwen3.5-27B-shaped model (head_dim 256, 16 key / 48 value heads of 128) with
 2 of its layers runs with dummy weights through the memory plan (the state pool beside the KV pool)
-and graphs, its Triton layers close to its torch layers. Skipped without CUDA.
+and graphs; its Triton layers, and a Qwen3.6-35B-A3B-shaped model's (the fused MoE), close to their
+torch layers. Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ QWEN3_5_27B_2_LAYERS = {
     "linear_conv_kernel_dim": 4, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "vocab_size": 248320,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
     "tie_word_embeddings": False, "dtype": "bfloat16", "eos_token_id": 248044}
+# Qwen3.6-35B-A3B's (benchmarks/configs/qwen3.6-35b-a3b): 256 experts of 512, top-8, a shared expert.
+QWEN3_6_35B_A3B_2_LAYERS = {
+    **{k: v for k, v in QWEN3_5_27B_2_LAYERS.items() if k != "intermediate_size"},
+    "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "hidden_size": 2048,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "linear_num_value_heads": 32, "num_experts": 256,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
@@ -132,13 +139,19 @@ def test_bf16_chunked_prefill_carries_the_states(tiny_dir):
     assert agreement(whole, ref) >= 0.5 and agreement(chunked, ref) >= 0.5 and agreement(chunked, whole) >= 0.5
 
 
-def test_qwen3_5_27b_shape_triton_layers_close_to_torch_layers(qwen3_5_27b_dir):
+@pytest.mark.parametrize("shape", ["27b", "35b-a3b"])
+def test_published_shapes_triton_layers_close_to_torch_layers(shape, tmp_path):
+    """The 27B's and the 35B-A3B's layer shapes, one linear and one full layer each (the 35B-A3B's
+    through the fused MoE), dummy weights (the same seed in both models)."""
+    path = tmp_path / shape
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(QWEN3_5_27B_2_LAYERS if shape == "27b" else QWEN3_6_35B_A3B_2_LAYERS))
     batch = prompts(5, 248000, seed=3, longest=200)
     out = {}
     for triton_kernels in (None, False):
-        model, cfg = load_model(qwen3_5_27b_dir, load_format="dummy", dtype=torch.bfloat16, device="cuda",
+        model, cfg = load_model(str(path), load_format="dummy", dtype=torch.bfloat16, device="cuda",
                                 attn_backend=TritonAttentionBackend(), triton_kernels=triton_kernels, seed=5)
-        assert model.model.layers[1].self_attn.q_size == 24 * 256 and model.kernels.triton == (triton_kernels is None)
+        assert model.model.layers[1].self_attn.head_dim == 256 and model.kernels.triton == (triton_kernels is None)
         pool = KVPool(4096, 1, cfg.num_kv_layers, cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16, "cuda")
         pool.state = RecurrentStatePool(len(batch), RecurrentStateSpec(**model.recurrent_state_shape), "cuda")
         out[triton_kernels] = _logits(model, pool, batch)

@@ -116,7 +116,9 @@ def test_triton_layers_match_torch_layers(case, tmp_path):
 # and a prompt is 64 tokens or longer) and gated attention (head_dim 32 here) against the torch layers.
 HYBRID_CASES = {"qwen3_5-decode-gemm-rows": (dict(family="qwen3_5"), (4, 9, 6)),
                 "qwen3_next-cublas-rows": (dict(family="qwen3_next"), (20, 17)),
-                "qwen3_5-long-prompt": (dict(family="qwen3_5"), (70, 3))}
+                "qwen3_5-long-prompt": (dict(family="qwen3_5"), (70, 3)),
+                # The fused MoE in every layer, with the shared expert.
+                "qwen3_5_moe-cublas-rows": (dict(family="qwen3_5_moe"), (20, 17))}
 
 
 @pytest.mark.parametrize("case", HYBRID_CASES)
