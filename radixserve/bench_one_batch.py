@@ -498,6 +498,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     rep.add("ceiling", "bf16 matmul 8192^3, sustained", None, None, tflop_s=sustained / 1e12)
 
     cfg = ModelConfig.from_dir(args.model_path)
+    if cfg.hybrid is not None:
+        print(f"{cfg.architecture}: the kernel floors here model attention-only decoders; a hybrid model's "
+              "recurrent states are not costed yet (bench_offline and bench_serving run it)", file=sys.stderr)
+        return 2
     cost, kv_dtype = model_cost(args, cfg, rep)
     max_bs, max_ctx = max(args.batch_sizes), max(args.contexts)
     row_len = max(max_ctx, args.prefill_len, 1024 + 128) + 1

@@ -84,6 +84,11 @@ class ServerSettings:
         "auto", "KV cache dtype. auto: --dtype; fp8_e4m3: one byte per value with per-layer k/v scales (the "
         "checkpoint's k_scale/v_scale where it has them, else 1.0), so the same memory holds twice the "
         "tokens of a bf16 cache.", choices=KV_CACHE_DTYPES)
+    mamba_ssm_dtype: str = _opt(
+        "float32", "Hybrid models (Qwen3.5, Qwen3-Next): the dtype of each running request's linear-attention "
+        "states (per layer [value heads, 128, 128]; 151 MiB a request for Qwen3.5-27B in float32). bfloat16 "
+        "halves them (the kernels still compute in float32; each step rounds the state once).",
+        choices=("float32", "bfloat16"))
     random_seed: int = _opt(0, "Seed for dummy weights and for sampling without a per-request seed.")
 
     # --- KV memory ---------------------------------------------------------

@@ -39,6 +39,7 @@ PACKAGES=(
   xgrammar==0.2.9
   apache-tvm-ffi==0.1.15.post2
   py-spy==0.4.3                 # the engine's Python stacks during a run (gpu_agent_bench.sh PROFILE=1)
+  fla-core==0.6.0               # Gated DeltaNet's chunked prefill for the hybrid models (pure Triton; einops is there)
 )
 
 PYTHON=${PYTHON:-python3}

@@ -73,6 +73,10 @@ class TritonAttentionBackend:
     tiles used instead when the big ones would give fewer than programs_per_sm programs per SM
     (short extends: chunks over a long prefix, many small requests). Defaults from sweeps on an H200
     (docs/gpu_notes.md).
+
+    Heads wider than 128 (the hybrid Qwen models' 256) hold twice the bytes per tile row: their
+    tiles are cut to fit shared memory (`wide_head_tiles`): decode BLOCK_N 64 over 2 stages,
+    extend 64 x 32 over 2 stages. Not tuned by a sweep yet.
     """
 
     def __init__(self, *, decode_block_n: int = 128, decode_num_warps: int = 4, decode_num_stages: int = 3,
@@ -165,8 +169,10 @@ class TritonAttentionBackend:
             batch.attn_meta = TritonExtendMeta(ext, list(batch.prefix_lens_cpu), num_decode, decode)
 
     def extend_config(self, dtype: torch.dtype, extend_lens: list[int], num_q_heads: int,
-                      device: torch.device) -> ExtendConfig:
+                      device: torch.device, head_dim: int = 128) -> ExtendConfig:
         """Tiles for one extend batch: the big ones unless they would leave the GPU under-filled."""
+        if head_dim > 128:
+            return wide_head_tiles(self, dtype)[1]
         if dtype == torch.float32:
             # float32 tiles take twice the shared memory: halve both sides.
             return ExtendConfig(max(16, self.extend_block_m // 2), max(16, self.extend_block_n // 2),
@@ -215,7 +221,7 @@ class TritonAttentionBackend:
                 k, v = k.contiguous(), v.contiguous()
             if meta.plan is None:
                 meta.config = self.extend_config(k_buf.dtype, meta.extend_lens[meta.num_decode:], num_q_heads,
-                                                 q.device)
+                                                 q.device, head_dim)
                 meta.plan = self._extend.plan_extend_tiles(meta.extend_lens, meta.prefix_lens, meta.config.block_m,
                                                            q.device, first_request=meta.num_decode)
             cfg = meta.config
@@ -236,8 +242,21 @@ class TritonAttentionBackend:
             self._ensure_workspace(numel_o, numel_lse, q.device)
             meta.mid_o = self._ws_o[:numel_o].view(bs, num_q_heads, meta.num_splits, head_dim)
             meta.mid_lse = self._ws_lse[:numel_lse].view(bs, num_q_heads, meta.num_splits)
+        block_n, stages = (self.decode_block_n, self.decode_num_stages) if head_dim <= 128 else \
+            wide_head_tiles(self, q.dtype)[0]
         self._decode.decode_attention(
             q, k_buf, v_buf, batch.req_to_token, batch.req_pool_indices[:bs], batch.seq_lens[:bs], out,
-            meta.mid_o, meta.mid_lse, meta.num_splits, block_n=self.decode_block_n,
-            num_warps=self.decode_num_warps, num_stages=self.decode_num_stages, k_scale=scales[0],
+            meta.mid_o, meta.mid_lse, meta.num_splits, block_n=block_n,
+            num_warps=self.decode_num_warps, num_stages=stages, k_scale=scales[0],
             v_scale=scales[1])
+
+
+def wide_head_tiles(backend: TritonAttentionBackend, dtype: torch.dtype) -> tuple[tuple[int, int], ExtendConfig]:
+    """((decode BLOCK_N, stages), extend tiles) for heads wider than 128: half the positions per tile
+    and two stages, so q, k and v tiles of 256 values a row fit an H200's shared memory (float32:
+    halved again)."""
+    narrow = 2 if dtype == torch.float32 else 1
+    decode = (min(backend.decode_block_n, 64 // narrow), min(backend.decode_num_stages, 2))
+    extend = ExtendConfig(min(backend.extend_block_m, 64 // narrow), min(backend.extend_block_n, 32 // narrow),
+                          4, min(backend.extend_num_stages, 2))
+    return decode, extend

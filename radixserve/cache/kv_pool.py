@@ -13,6 +13,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from radixserve.cache.state_pool import RecurrentStatePool
+
 
 class PageAllocator:
     """Free list of KV pages. Sizes are counted in tokens (pages x page_size)."""
@@ -78,6 +80,10 @@ class KVPool:
     An FP8 pool (dtype float8_e4m3fn) holds K / k_scales[layer] and V / v_scales[layer], saturated
     at +-448: one byte per value, so the same memory holds twice the tokens of a bf16 pool;
     readers multiply the scales back in. Other dtypes ignore the scales.
+
+    `num_layers` counts the layers that keep KV (a hybrid model's full-attention layers only).
+    `state`: a hybrid model's per-request recurrent states (radixserve.cache.state_pool), which
+    every forward pass reaches through the pool it is given; None for attention-only models.
     """
 
     def __init__(self, num_tokens: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -95,6 +101,7 @@ class KVPool:
             raise ValueError(f"{len(scales)} KV scale pairs for {num_layers} layers")
         self.k_scales = [float(k) for k, _ in scales]
         self.v_scales = [float(v) for _, v in scales]
+        self.state: Optional[RecurrentStatePool] = None
 
     @property
     def is_fp8(self) -> bool:

@@ -100,6 +100,9 @@ class EngineCore:
             return None
         cfg = self.model_config
         check_divisible(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dense_intermediate_size, tp_size)
+        if cfg.hybrid is not None and cfg.hybrid.linear_num_k_heads % tp_size:
+            raise ValueError(f"tp_size={tp_size} does not divide the model's {cfg.hybrid.linear_num_k_heads} "
+                             "linear-attention key heads")
         check_block_alignment(cfg.quantization, head_dim=cfg.head_dim, num_heads=cfg.num_attention_heads,
                               num_kv_heads=cfg.num_key_value_heads, intermediate_size=cfg.dense_intermediate_size,
                               tp_size=tp_size)
@@ -161,6 +164,19 @@ class EngineCore:
 
     def _make_cache(self, tp: Optional[TensorParallel]) -> RadixCache:
         s = self.settings
+        if self.model_config.has_recurrent_state:
+            # A request resumed from a cached prefix needs the recurrent state at the prefix's end,
+            # which KV cannot rebuild; until the cache keeps state snapshots, nothing is reused.
+            if s.hicache_enabled:
+                raise ValueError("--hicache-size / --hicache-ratio are not supported for "
+                                 f"{self.model_config.architecture} (its linear-attention layers' recurrent states "
+                                 "are not cached)")
+            if not s.disable_radix_cache:
+                logger.warning("prefix caching is off for %s: its linear-attention layers keep a recurrent state per "
+                               "request that the radix cache does not snapshot yet, so every request computes its "
+                               "whole prompt (cached_tokens 0)", self.model_config.architecture)
+            return RadixCache(self.kv_pool.allocator, page_size=s.page_size, eviction_policy=s.radix_eviction_policy,
+                              disable=True)
         if not s.hicache_enabled:
             return RadixCache(self.kv_pool.allocator, page_size=s.page_size, eviction_policy=s.radix_eviction_policy,
                               disable=s.disable_radix_cache)
@@ -293,6 +309,10 @@ class EngineCore:
         self.scheduler.take_back(batch)  # before `previous` is collected: nothing half computed is cached
         outputs = self._collect(previous)
         change, failed = self.scheduler.shrink_steps(batch)
+        if self.model_config.has_recurrent_state:
+            # The failed step may have moved some layers' recurrent states on: positions can be
+            # taken back, those states cannot. Its requests start over from their first token.
+            self.scheduler.restart(batch.reqs)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         logger.warning("a step of %d requests (%d new tokens) could not allocate device memory (%s); %s",

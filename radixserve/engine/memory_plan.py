@@ -31,6 +31,7 @@ from typing import Any, Optional
 import torch
 
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
+from radixserve.cache.state_pool import RecurrentStatePool
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.scheduler.request import Req
@@ -62,6 +63,9 @@ class MemoryPlan:
     profile_prefill_tokens: int
     profile_decode_rows: int
     graph_bytes_captured: Optional[int] = None  # what the real capture took (set after it)
+    # A hybrid model's per-request recurrent states (allocated before the plan, inside "in use").
+    state_pool_bytes: int = 0
+    state_pool_rows: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,8 +78,10 @@ class MemoryPlan:
                 f"{(self.activation_bytes + self.graph_bytes) / GiB:.2f} GiB (step peak "
                 f"{self.activation_bytes / GiB:.2f} at {self.profile_prefill_tokens} prompt tokens + "
                 f"{self.profile_decode_rows} decoding rows, decode graphs {self.graph_bytes / GiB:.2f}{captured}), "
-                f"KV pool {self.kv_pool_bytes / GiB:.2f} GiB = {self.kv_pool_tokens} tokens; outside torch "
-                f"{self.other_bytes / GiB:.2f} GiB")
+                f"KV pool {self.kv_pool_bytes / GiB:.2f} GiB = {self.kv_pool_tokens} tokens; "
+                + (f"recurrent states {self.state_pool_bytes / GiB:.2f} GiB = {self.state_pool_rows} requests; "
+                   if self.state_pool_rows else "")
+                + f"outside torch {self.other_bytes / GiB:.2f} GiB")
 
 
 def profile_prefill_tokens(settings: ServerSettings, context_len: int) -> int:
@@ -138,28 +144,31 @@ def _release(device: torch.device) -> None:
 
 
 def profile_step(settings: ServerSettings, model, req_to_token: ReqToTokenPool, device: torch.device,
-                 kv_dtype: torch.dtype, context_len: int):
+                 kv_dtype: torch.dtype, context_len: int, state: Optional[RecurrentStatePool] = None):
     """The largest step's batch and an eager runner over a throw-away pool just large enough for it
-    (`runner.forward(batch)` runs it on any device)."""
+    (`runner.forward(batch)` runs it on any device). `state`: a hybrid model's recurrent state
+    pool, which the profile step writes (its rows start from zeros when real requests come)."""
     from radixserve.engine.model_runner import ModelRunner
 
     cfg = model.config
     prefill = min(profile_prefill_tokens(settings, context_len), context_len - 1)
     batch, slots_needed = _profile_batch(req_to_token, settings.page_size, prefill, req_to_token.max_requests - 1,
                                          cfg.vocab_size)
-    pool = KVPool(slots_needed, settings.page_size, cfg.num_hidden_layers, model.local_heads[1], cfg.head_dim,
+    pool = KVPool(slots_needed, settings.page_size, cfg.num_kv_layers, model.local_heads[1], cfg.head_dim,
                   kv_dtype, device, kv_scales=model.kv_cache_scales)
+    pool.state = state
     return ModelRunner(model, pool, req_to_token, device, settings.random_seed, disable_cuda_graph=True), batch
 
 
 def measure_working_set(settings: ServerSettings, model, req_to_token: ReqToTokenPool, device: torch.device,
-                        kv_dtype: torch.dtype, context_len: int, graph_max_bs: int) -> tuple[int, int, int, int]:
+                        kv_dtype: torch.dtype, context_len: int, graph_max_bs: int,
+                        state: Optional[RecurrentStatePool] = None) -> tuple[int, int, int, int]:
     """(step peak bytes, largest decode graph's bytes, profile prefill tokens, decoding rows),
     measured on a throw-away KV pool. Every rank of a tensor-parallel engine runs it at the same
     point (the profile step's collectives pair up)."""
     from radixserve.engine.cuda_graph import DecodeCudaGraphs, supports_cuda_graphs
 
-    runner, batch = profile_step(settings, model, req_to_token, device, kv_dtype, context_len)
+    runner, batch = profile_step(settings, model, req_to_token, device, kv_dtype, context_len, state)
     pool = runner.kv_pool
     prefill, decode_rows = batch.num_new_tokens, len(batch.reqs) - 1
     _release(device)
@@ -182,18 +191,20 @@ def measure_working_set(settings: ServerSettings, model, req_to_token: ReqToToke
 
 
 def plan_kv_pool(settings: ServerSettings, model, req_to_token: ReqToTokenPool, device: torch.device,
-                 kv_dtype: torch.dtype, context_len: int, graph_max_bs: int) -> MemoryPlan:
-    """The KV pool's size on a CUDA device: what --mem-fraction-static leaves once the weights and
-    the measured working set are taken out."""
+                 kv_dtype: torch.dtype, context_len: int, graph_max_bs: int,
+                 state: Optional[RecurrentStatePool] = None) -> MemoryPlan:
+    """The KV pool's size on a CUDA device: what --mem-fraction-static leaves once the weights, a
+    hybrid model's recurrent state pool (`state`, already allocated) and the measured working
+    set are taken out."""
     cfg = model.config
     _release(device)
     weights = torch.cuda.memory_allocated(device)
     step_bytes, graph_bytes, prefill, rows = measure_working_set(settings, model, req_to_token, device, kv_dtype,
-                                                                 context_len, graph_max_bs)
+                                                                 context_len, graph_max_bs, state)
     free, total = torch.cuda.mem_get_info(device)
     used = total - free  # weights, the table, workspaces, the CUDA context: everything there now
     other = max(0, used - torch.cuda.memory_reserved(device))
-    per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, model.local_heads[1], cfg.head_dim, kv_dtype)
+    per_token = KVPool.bytes_per_token(cfg.num_kv_layers, model.local_heads[1], cfg.head_dim, kv_dtype)
     budget = total * settings.mem_fraction_static - used - step_bytes - graph_bytes
     tokens = int(budget // per_token) if budget > 0 else 0
     tokens -= tokens % settings.page_size
@@ -206,4 +217,5 @@ def plan_kv_pool(settings: ServerSettings, model, req_to_token: ReqToTokenPool, 
     return MemoryPlan(total_bytes=total, fraction=settings.mem_fraction_static, weights_bytes=weights,
                       other_bytes=other, activation_bytes=step_bytes, graph_bytes=graph_bytes,
                       kv_pool_bytes=tokens * per_token, kv_pool_tokens=tokens, profile_prefill_tokens=prefill,
-                      profile_decode_rows=rows)
+                      profile_decode_rows=rows, state_pool_bytes=state.total_bytes if state is not None else 0,
+                      state_pool_rows=state.num_rows if state is not None else 0)

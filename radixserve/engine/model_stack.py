@@ -1,21 +1,29 @@
 """What every rank of an engine builds the same way: the attention backend, the model (or its
-shard) and the KV memory sized for it."""
+shard) and the KV memory sized for it (with a hybrid model's recurrent state pool beside it)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
+from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
 from radixserve.distributed import TensorParallel
 from radixserve.engine.memory_plan import MemoryPlan, plan_kv_pool
 from radixserve.model.config import ModelConfig
 from radixserve.settings import CPU_KV_POOL_TOKENS, ServerSettings
 
+logger = logging.getLogger("radixserve")
+
 # --kv-cache-dtype values other than auto (which keeps the model's dtype).
 KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+# A hybrid model without --max-running-requests runs at most as many requests as this share of the
+# device memory left after the weights holds recurrent states for (the rest is for the working set
+# and the KV pool).
+STATE_POOL_SHARE = 0.5
 
 
 def kv_cache_dtype(settings: ServerSettings, dtype: torch.dtype) -> torch.dtype:
@@ -71,7 +79,13 @@ def make_kv_memory(settings: ServerSettings, model, device: torch.device, dtype:
     num_kv_heads = model.local_heads[1]
     kv_dtype = kv_cache_dtype(settings, dtype)
     max_running = settings.resolved_max_running_requests(device.type)
+    spec = state_spec(model, getattr(torch, settings.mamba_ssm_dtype))
+    if spec is not None and device.type == "cuda" and settings.max_running_requests is None:
+        max_running = min(max_running, state_rows_that_fit(settings, spec, device))
+        if tp is not None:
+            max_running = tp.min_int(max_running)
     table = table_cls(max_running, context_len + 1, device)
+    state = RecurrentStatePool(max_running, spec, device) if spec is not None else None
     plan: Optional[MemoryPlan] = None
     if settings.max_total_tokens is not None:
         tokens = settings.max_total_tokens
@@ -80,7 +94,7 @@ def make_kv_memory(settings: ServerSettings, model, device: torch.device, dtype:
         # the wider copies --quantization fp8 quantizes) are free memory: the plan hands them back
         # first, or they would count as in use and shrink the pool.
         plan = plan_kv_pool(settings, model, table, device, kv_dtype, context_len,
-                            graph_max_bs=min(settings.cuda_graph_max_bs, max_running))
+                            graph_max_bs=min(settings.cuda_graph_max_bs, max_running), state=state)
         tokens = plan.kv_pool_tokens
     else:
         tokens = CPU_KV_POOL_TOKENS
@@ -90,9 +104,34 @@ def make_kv_memory(settings: ServerSettings, model, device: torch.device, dtype:
     if plan is not None and tokens != plan.kv_pool_tokens:
         plan.kv_pool_bytes = plan.kv_pool_bytes // plan.kv_pool_tokens * tokens
         plan.kv_pool_tokens = tokens
-    kv_pool = KVPool(tokens, settings.page_size, cfg.num_hidden_layers, num_kv_heads, cfg.head_dim, kv_dtype, device,
+    kv_pool = KVPool(tokens, settings.page_size, cfg.num_kv_layers, num_kv_heads, cfg.head_dim, kv_dtype, device,
                      kv_scales=model.kv_cache_scales)
+    kv_pool.state = state
     return kv_pool, table, plan
+
+
+def state_spec(model, ssm_dtype: torch.dtype = torch.float32) -> Optional[RecurrentStateSpec]:
+    """What one request row of a hybrid model's state pool holds (this rank's heads; the recurrent
+    states in `ssm_dtype`, --mamba-ssm-dtype); None for a model without linear-attention layers."""
+    shape = getattr(model, "recurrent_state_shape", None)
+    return RecurrentStateSpec(**shape, ssm_dtype=ssm_dtype) if shape is not None else None
+
+
+def state_rows_that_fit(settings: ServerSettings, spec: RecurrentStateSpec, device: torch.device) -> int:
+    """Request rows whose recurrent states fit in STATE_POOL_SHARE of what --mem-fraction-static
+    leaves after what the device holds now (the weights)."""
+    free, total = torch.cuda.mem_get_info(device)
+    room = total * settings.mem_fraction_static - (total - free)
+    rows = int(room * STATE_POOL_SHARE // spec.bytes_per_row)
+    if rows < 1:
+        raise ValueError(f"mem_fraction_static={settings.mem_fraction_static} leaves no room for one request's "
+                         f"recurrent state ({spec.bytes_per_row / 2**20:.0f} MiB): raise the fraction or use more "
+                         "--tp-size")
+    default = settings.resolved_max_running_requests(device.type)
+    if rows < default:
+        logger.info("recurrent states: %.0f MiB per request; %d requests run at once (half the memory after the "
+                    "weights; --max-running-requests sets it)", spec.bytes_per_row / 2**20, rows)
+    return min(rows, default)
 
 
 def host_tier_tokens(settings: ServerSettings, kv_pool: KVPool, tp: Optional[TensorParallel]) -> int:

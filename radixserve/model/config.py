@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from radixserve.model.hybrid_config import HybridConfig
 from radixserve.model.moe_config import MoeConfig
 from radixserve.model.quantization import Fp8Config, quantization_config
 from radixserve.model.registry import family_of
@@ -45,10 +46,23 @@ class ModelConfig:
     # Mixture of experts (Qwen3-MoE, Qwen2-MoE): the routed experts and which layers run them;
     # None for a dense model.
     moe: Optional[MoeConfig] = None
+    # Hybrid models (Qwen3-Next, Qwen3.5): the layer plan and linear-attention shapes; None for
+    # attention-only models.
+    hybrid: Optional[HybridConfig] = None
     # The checkpoint's FP8 layout (its quantization_config), None for plain weights.
     quantization: Optional[Fp8Config] = None
     # The parsed config.json, for settings this dataclass does not model.
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep KV in the KV pool: all of them, or a hybrid's full-attention layers."""
+        return self.num_hidden_layers if self.hybrid is None else self.hybrid.num_full_layers
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Whether requests carry a recurrent state (linear-attention layers) besides their KV."""
+        return self.hybrid is not None and self.hybrid.num_linear_layers > 0
 
     @property
     def q_size(self) -> int:
@@ -98,6 +112,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> "ModelConfig":
         family = family_of(data, source)
+        if family.text_config:
+            data = _language_model_config(data, source)
 
         def need(key: str) -> Any:
             if data.get(key) is None:
@@ -123,15 +139,23 @@ class ModelConfig:
             raise ValueError(f"{source}: hidden_act {hidden_act!r} is not supported (only 'silu')")
         if data.get("use_sliding_window"):
             raise ValueError(f"{source}: use_sliding_window=true is not supported (only full attention)")
+        num_layers = int(need("num_hidden_layers"))
+        fields = family.parse_config(data, source)
+        moe = fields.get("moe")
+        if data.get("intermediate_size") is None and moe is not None and \
+                all(moe.is_sparse(i) for i in range(num_layers)):
+            intermediate = 0  # no dense MLP anywhere (Qwen3.5-MoE's configs carry no intermediate_size)
+        else:
+            intermediate = int(need("intermediate_size"))
 
         return cls(
             architecture=family.architecture,
             hidden_size=hidden_size,
-            num_hidden_layers=int(need("num_hidden_layers")),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=int(head_dim),
-            intermediate_size=int(need("intermediate_size")),
+            intermediate_size=intermediate,
             vocab_size=int(need("vocab_size")),
             max_position_embeddings=int(need("max_position_embeddings")),
             rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
@@ -144,8 +168,21 @@ class ModelConfig:
             model_type=str(data.get("model_type", family.model_type)),
             quantization=quantization_config(data, source=source),
             raw=data,
-            **family.parse_config(data, source),
+            **fields,
         )
+
+
+def _language_model_config(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """A multimodal checkpoint's (...ForConditionalGeneration) language model config: its
+    text_config's keys over the top level's (architectures, model_type and what the text config
+    leaves out); the vision tower's are not read."""
+    text = data.get("text_config")
+    if text is None:
+        return data
+    if not isinstance(text, dict):
+        raise ValueError(f"{source}: text_config must be an object")
+    top = {k: v for k, v in data.items() if k not in ("text_config", "vision_config")}
+    return {**top, **{k: v for k, v in text.items() if k not in ("architectures", "model_type")}}
 
 
 def _rope_theta(data: dict[str, Any], source: str) -> float:

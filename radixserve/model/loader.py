@@ -163,23 +163,29 @@ def load_safetensors_weights(model: nn.Module, files: list[Path]) -> None:
     targets = checkpoint_targets(model)
     ignored = _tied_aliases(model)
     kv_scales = getattr(model, "kv_scale_pattern", None)
+    # A model whose checkpoint names differ from its own (a multimodal checkpoint's language model)
+    # maps them; None: a tensor it does not read (a vision tower), skipped without a warning.
+    rename = getattr(model, "checkpoint_name", None)
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = rename(stored) if rename is not None else stored
+                if name is None:
+                    continue
                 if name not in targets:
                     match = kv_scales.match(name) if kv_scales is not None else None
                     if match is not None:
-                        _set_kv_scale(model, int(match.group(1)), match.group(2), f.get_tensor(name), name)
+                        _set_kv_scale(model, int(match.group(1)), match.group(2), f.get_tensor(stored), name)
                     elif not (_IGNORED.search(name) or name in ignored):
                         unexpected.append(name)
                     continue
                 param_name, shard_id = targets[name]
                 try:
-                    _load_one(model, param_name, shard_id, f, name)
+                    _load_one(model, param_name, shard_id, f, stored)
                 except ValueError as e:
-                    raise ValueError(f"tensor {name!r} in {file.name} {e}") from None
+                    raise ValueError(f"tensor {stored!r} in {file.name} {e}") from None
                 loaded.add(name)
     missing = [name for name in targets if name not in loaded]
     if missing:

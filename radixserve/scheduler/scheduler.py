@@ -395,6 +395,14 @@ class Scheduler:
             req.state = ReqState.WAITING
             self._enqueue(req)
 
+    def restart(self, reqs: list[Req]) -> None:
+        """Send the running ones of these requests back to wait, to be computed from their first
+        token again (a model whose per-request state cannot be rewound: its failed step may
+        have advanced it). Every token must be on the host."""
+        for req in reqs:
+            if req.state is ReqState.RUNNING and req in self.running:
+                self._retract_one([req])
+
     def shrink_steps(self, batch: ScheduledBatch) -> tuple[str, list[Req]]:
         """After `take_back` (and with every token on the host): make steps like the failed one
         smaller. Halves the prompt tokens per step while the batch had more than

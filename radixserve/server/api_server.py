@@ -57,7 +57,8 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     engine = engine or EngineClient(settings)
     served_name = settings.served_model_name or default_served_model_name(model_path)
     metrics = ServerMetrics(lambda: engine.latest_stats, lambda: engine.alive, served_name, settings.page_size,
-                            prefix_caching=not settings.disable_radix_cache)
+                            prefix_caching=lambda: engine.ready.prefix_caching if engine.ready
+                            else not settings.disable_radix_cache)
     ctx = ServingContext(settings, tokenizer, engine, metrics, model_path, served_name)
     if settings.reasoning_parser is not None:  # a tokenizer without the format's tags fails here, in one line
         ctx.reasoning = reasoning_format(settings.reasoning_parser, tokenizer)

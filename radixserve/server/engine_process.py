@@ -384,7 +384,8 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
             pid=os.getpid(), model_path=core.model_path, pool_size=core.pool_size, context_len=core.context_len,
             vocab_size=core.model_config.vocab_size, max_running_requests=core.scheduler.max_running,
             device=str(core.device), dtype=str(core.dtype).replace("torch.", ""),
-            memory=core.memory_plan.as_dict() if core.memory_plan is not None else None)))
+            memory=core.memory_plan.as_dict() if core.memory_plan is not None else None,
+            prefix_caching=not core.cache.disabled)))
         one_host_thread(core.device)  # after loading, which may convert weights on the CPU
         governor = govern_collections("engine")
         loop = EngineLoop(core, settings, pull, push, parent_pid, gc_governor=governor, kv_publisher=kv_publisher)

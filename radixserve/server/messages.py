@@ -53,6 +53,9 @@ class EngineReady(msgspec.Struct, kw_only=True):
     dtype: str
     # Where the device's memory went (MemoryPlan.as_dict()); None on the CPU or with --max-total-tokens.
     memory: Optional[dict[str, Any]] = None
+    # Whether prompts can be found in the prefix cache (off with --disable-radix-cache, and for a
+    # hybrid model, whose recurrent states the cache does not keep yet).
+    prefix_caching: bool = True
 
 
 class EngineFailed(msgspec.Struct, kw_only=True):

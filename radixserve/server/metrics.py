@@ -17,7 +17,7 @@ are not counted as requests here.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -96,12 +96,17 @@ SGLANG_GAUGES = (
 
 class _EngineCollector:
     def __init__(self, latest: Callable[[], Optional[EngineStats]], alive: Callable[[], bool],
-                 model_name: str = "", page_size: int = 1, prefix_caching: bool = True):
+                 model_name: str = "", page_size: int = 1,
+                 prefix_caching: Union[bool, Callable[[], bool]] = True):
         self.latest = latest
         self.alive = alive
         self.model_name = model_name
         self.page_size = page_size
         self.prefix_caching = prefix_caching
+
+    def _prefix_caching(self) -> bool:
+        # A callable: the engine says once it is ready (a hybrid model serves without prefix caching).
+        return self.prefix_caching() if callable(self.prefix_caching) else self.prefix_caching
 
     def collect(self):
         alive = GaugeMetricFamily(PREFIX + "engine_alive", "1 while the engine process runs.")
@@ -136,7 +141,7 @@ class _EngineCollector:
             info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                      labels=("block_size", "num_gpu_blocks", "enable_prefix_caching", *vllm_labels))
             info.add_metric((str(self.page_size), str(int(values["pool_tokens"]) // self.page_size),
-                             str(self.prefix_caching), *vllm_values), 1.0)
+                             str(self._prefix_caching()), *vllm_values), 1.0)
             yield info
         for key, name, help_text in SGLANG_GAUGES:
             if key in values:
@@ -147,7 +152,8 @@ class _EngineCollector:
 
 class ServerMetrics:
     def __init__(self, latest_stats: Callable[[], Optional[EngineStats]], engine_alive: Callable[[], bool],
-                 model_name: str = "", page_size: int = 1, prefix_caching: bool = True):
+                 model_name: str = "", page_size: int = 1,
+                 prefix_caching: Union[bool, Callable[[], bool]] = True):
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from request arrival to first token.",

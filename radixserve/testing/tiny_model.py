@@ -1,10 +1,18 @@
-"""A tiny random Qwen2 (or Qwen3, Qwen3-MoE, Qwen2-MoE) checkpoint written by `transformers` itself:
-the correctness oracle.
+"""A tiny random Qwen2 (or Qwen3, Qwen3-MoE, Qwen2-MoE, or hybrid Qwen3-Next / Qwen3.5) checkpoint
+written by `transformers` itself: the correctness oracle.
 
 The tokenizer is a byte-level BPE trained on a corpus embedded here, so any text tokenizes and
 nothing is downloaded. Weights come from `transformers.Qwen2ForCausalLM` (`family="qwen3"`:
-`Qwen3ForCausalLM`, with a `head_dim` that may differ from hidden / heads) with a fixed seed, so
-the same arguments always give the same files.
+`Qwen3ForCausalLM`, with a `head_dim` that may differ from hidden / heads; the hybrid families
+below) with a fixed seed, so the same arguments always give the same files.
+
+Hybrid families (Gated DeltaNet and gated full-attention layers): `"qwen3_next"`
+(Qwen3NextForCausalLM with dense MLPs: num_experts 0), `"qwen3_5"` (Qwen3_5ForCausalLM) and
+`"qwen3_5_vl"` (Qwen3_5ForConditionalGeneration: the same language model under
+`model.language_model`, with a one-block vision tower the engine does not load) and
+`"qwen3_5_moe"` (Qwen3_5MoeForCausalLM: every MLP sparse with a shared expert; `moe` sizes it, as
+it does Qwen3-Next's MoE form). Their layers alternate linear and full attention unless
+`layer_types` says otherwise.
 """
 
 from __future__ import annotations
@@ -132,7 +140,16 @@ def _train_tokenizer(vocab_size: int):
 # family -> the transformers config and model class names that write it.
 FAMILIES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
             "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-            "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM")}
+            "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+            "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+            "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+            "qwen3_5_vl": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+            "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM")}
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_vl", "qwen3_5_moe")
+# The hybrids' linear-attention shapes unless the caller gives others: 2 key heads and 4 value
+# heads (grouped 2:1, as the published 16:32 / 16:48), head dims a power of two as the kernels need.
+HYBRID_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                     linear_value_head_dim=16, linear_conv_kernel_dim=4)
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
 
 
@@ -154,10 +171,18 @@ class TinyMoe:
 
 def _hf_config(family: str, vocab_size: int, *, hidden: int, layers: int, num_heads: int, num_kv_heads: int,
                head_dim: Optional[int], intermediate: int, tie_word_embeddings: bool, eos_id: int,
-               dtype: torch.dtype, moe: Optional[TinyMoe] = None):
+               dtype: torch.dtype, moe: Optional[TinyMoe] = None, layer_types: Optional[list[str]] = None):
     import transformers
 
     config_name, model_name = FAMILIES[family]
+    if family in HYBRID_FAMILIES:
+        if moe is not None and family not in ("qwen3_next", "qwen3_5_moe"):
+            raise ValueError(f"moe is an option of the MoE families ({', '.join(MOE_FAMILIES)}, qwen3_next, "
+                             f"qwen3_5_moe), not {family!r}")
+        return _hybrid_config(family, vocab_size, hidden=hidden, layers=layers, num_heads=num_heads,
+                              num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate=intermediate,
+                              tie_word_embeddings=tie_word_embeddings, eos_id=eos_id, dtype=dtype,
+                              layer_types=layer_types, moe=moe)
     kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -198,11 +223,54 @@ def _hf_config(family: str, vocab_size: int, *, hidden: int, layers: int, num_he
     return config
 
 
+def _hybrid_config(family: str, vocab_size: int, *, hidden: int, layers: int, num_heads: int, num_kv_heads: int,
+                   head_dim: Optional[int], intermediate: int, tie_word_embeddings: bool, eos_id: int,
+                   dtype: torch.dtype, layer_types: Optional[list[str]], moe: Optional[TinyMoe] = None):
+    import transformers
+
+    config_name, model_name = FAMILIES[family]
+    head_dim = head_dim or hidden // num_heads
+    rotary_dim = head_dim // 4  # the published partial_rotary_factor
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    if family != "qwen3_next":  # Qwen3.5's multimodal RoPE sections (text positions: plain RoPE)
+        half = rotary_dim // 2
+        rope.update(mrope_section=[half - 2 * (half // 3), half // 3, half // 3], mrope_interleaved=True)
+    text = dict(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+        max_position_embeddings=MAX_POSITIONS, initializer_range=0.1, rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+        rope_parameters=rope, attention_bias=False,
+        layer_types=layer_types or ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        **HYBRID_LINEAR)
+    if family == "qwen3_next":
+        if moe is None:
+            text.update(num_experts=0)  # the dense-MLP form
+        else:  # sparse layers with a shared expert (every layer unless sparse_step / mlp_only_layers say not)
+            text.update(num_experts=moe.experts, num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.intermediate,
+                        norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=moe.sparse_step,
+                        mlp_only_layers=list(moe.mlp_only_layers), shared_expert_intermediate_size=moe.shared_intermediate)
+    elif family == "qwen3_5_moe":  # every layer sparse, with a shared expert; no dense MLP size
+        moe = moe or TinyMoe()
+        del text["intermediate_size"]
+        text.update(num_experts=moe.experts, num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.intermediate,
+                    shared_expert_intermediate_size=moe.shared_intermediate)
+    if family != "qwen3_5_vl":
+        config = getattr(transformers, config_name)(**text, architectures=[model_name])
+    else:
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                      temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=hidden, num_position_embeddings=16)
+        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision,
+                                            tie_word_embeddings=tie_word_embeddings, architectures=[model_name])
+    config.dtype = dtype
+    return config
+
+
 def build_tiny_model(path: Union[str, os.PathLike], *, tie_word_embeddings: bool = False, num_kv_heads: int = 2,
                      num_heads: int = 4, hidden: int = 64, layers: int = 2, intermediate: int = 128, seed: int = 0,
                      dtype: torch.dtype = torch.float32, vocab_size: int = 512, shard: bool = False,
                      family: str = "qwen2", head_dim: Optional[int] = None, moe: Optional[TinyMoe] = None,
-                     chat_format: str = "qwen2") -> Path:
+                     chat_format: str = "qwen2", layer_types: Optional[list[str]] = None) -> Path:
     """Write tokenizer + config.json + safetensors of a random Qwen2 into `path`; returns the path.
 
     `shard=True` saves in several small shards with a model.safetensors.index.json.
@@ -213,6 +281,7 @@ def build_tiny_model(path: Union[str, os.PathLike], *, tie_word_embeddings: bool
     tensors (`mlp.experts.{e}.gate_proj.weight`, ...), as the published checkpoints hold them.
     `chat_format="qwen3"`: Qwen3's chat template and added tokens (`CHAT_FORMATS`), whatever the
     family; the BPE merges are the same, so text outside those tokens tokenizes as in the default.
+    The hybrid families (module docstring) take `layer_types` (default: linear, full, linear, ...).
     """
     import transformers
     from tokenizers import AddedToken
@@ -245,7 +314,8 @@ def build_tiny_model(path: Union[str, os.PathLike], *, tie_word_embeddings: bool
     eos_id = hf_tok.convert_tokens_to_ids(IM_END if qwen3 else ENDOFTEXT)
     config = _hf_config(family, len(hf_tok), hidden=hidden, layers=layers, num_heads=num_heads,
                         num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate=intermediate,
-                        tie_word_embeddings=tie_word_embeddings, eos_id=eos_id, dtype=dtype, moe=moe)
+                        tie_word_embeddings=tie_word_embeddings, eos_id=eos_id, dtype=dtype, moe=moe,
+                        layer_types=layer_types)
 
     # A private RNG stream: the caller's global torch RNG state is left as it was.
     with torch.random.fork_rng(devices=[]):
@@ -257,6 +327,9 @@ def build_tiny_model(path: Union[str, os.PathLike], *, tie_word_embeddings: bool
             for name, param in model.named_parameters():
                 if name.endswith("bias"):
                     param.normal_(0.0, 0.1)
+                elif "norm" in name and family in HYBRID_FAMILIES:
+                    # Around HF's init: 0 for the zero-centred (1 + w) norms, 1 for the gated one.
+                    param.add_(0.1 * torch.randn_like(param))
                 elif "norm" in name:
                     param.copy_(1.0 + 0.1 * torch.randn_like(param))
     model = model.to(dtype)

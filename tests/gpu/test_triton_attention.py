@@ -270,13 +270,14 @@ def _make_batch(mode, cache_pool: KVPool, req_to_token, rows, prefix_lens, exten
 
 
 @pytest.mark.parametrize("kind", ["extend", "decode", "mixed"])
-def test_backend_stores_then_attends(kind):
+@pytest.mark.parametrize("d", [64, 256])  # 256: the hybrid Qwen models' gated attention (narrower tiles)
+def test_backend_stores_then_attends(kind, d):
     """mixed: decoding requests first (one token each, attended by the decode kernel inside an
     extend pass), then prompts and chunks (the extend kernel), as a mixed scheduler step has them."""
     mode = ForwardMode.DECODE if kind == "decode" else ForwardMode.EXTEND
-    gen = random.Random({"extend": 5, "decode": 6, "mixed": 7}[kind])
+    gen = random.Random({"extend": 5, "decode": 6, "mixed": 7}[kind] + d)
     torch.manual_seed(gen.randint(0, 1 << 30))
-    hq, hkv, d, layers = 14, 2, 64, 2
+    hq, hkv, layers = (14, 2, 2) if d == 64 else (6, 2, 2)
     b = 6 if FULL else 3
     prefix_lens = [gen.randint(0, 900 if FULL else 40) for _ in range(b)]
     extend_lens = [1] * b if kind == "decode" else [gen.randint(2, 300 if FULL else 20) for _ in range(b)]

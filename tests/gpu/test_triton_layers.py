@@ -21,6 +21,7 @@ pytestmark = pytest.mark.gpu
 from radixserve.attention.base import ForwardBatch, ForwardMode  # noqa: E402
 from radixserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from radixserve.cache.kv_pool import KVPool  # noqa: E402
+from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec  # noqa: E402
 from radixserve.model.layers import KernelChoice  # noqa: E402
 from radixserve.model.loader import load_model  # noqa: E402
 from radixserve.model.qwen2 import Qwen2ForCausalLM  # noqa: E402
@@ -40,9 +41,11 @@ def extend_then_decode(model: Qwen2ForCausalLM, prompts: list[list[int]], kv_dty
     """All but the last token of every prompt in one extend batch, then the last ones in one decode
     step; the logits of both and the pool (of `kv_dtype`, default the activations')."""
     cfg = model.config
-    pool = KVPool(1024, 1, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv_dtype or LOW, DEVICE)
+    pool = KVPool(1024, 1, cfg.num_kv_layers, cfg.num_key_value_heads, cfg.head_dim, kv_dtype or LOW, DEVICE)
     ext = [len(p) - 1 for p in prompts]
     n = len(prompts)
+    if getattr(model, "recurrent_state_shape", None) is not None:  # a hybrid's per-request states
+        pool.state = RecurrentStatePool(n, RecurrentStateSpec(**model.recurrent_state_shape), DEVICE)
     req_to_token = torch.zeros((n, max(ext) + 1), dtype=torch.int64, device=DEVICE)
     slot = 1
     for i, e in enumerate(ext):
@@ -107,3 +110,28 @@ def test_triton_layers_match_torch_layers(case, tmp_path):
     for layer in range(len(pool_t.k_buffers)):
         assert rel_err(pool_t.k_buffers[layer][used], pool_r.k_buffers[layer][used]) < 1e-2
         assert rel_err(pool_t.v_buffers[layer][used], pool_r.v_buffers[layer][used]) < 1e-2
+
+
+# The hybrids: Gated DeltaNet (the conv and recurrent kernels; fla's chunked one where installed
+# and a prompt is 64 tokens or longer) and gated attention (head_dim 32 here) against the torch layers.
+HYBRID_CASES = {"qwen3_5-decode-gemm-rows": (dict(family="qwen3_5"), (4, 9, 6)),
+                "qwen3_next-cublas-rows": (dict(family="qwen3_next"), (20, 17)),
+                "qwen3_5-long-prompt": (dict(family="qwen3_5"), (70, 3)),
+                # The fused MoE in every layer, with the shared expert.
+                "qwen3_5_moe-cublas-rows": (dict(family="qwen3_5_moe"), (20, 17))}
+
+
+@pytest.mark.parametrize("case", HYBRID_CASES)
+def test_hybrid_triton_layers_match_torch_layers(case, tmp_path):
+    build, lengths = HYBRID_CASES[case]
+    models = triton_and_torch_models(build_tiny_model(tmp_path / "tiny", layers=4, head_dim=32, **build))
+    rng = random.Random(sum(lengths))
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+    (ext_t, dec_t), pool_t = extend_then_decode(models[True], prompts)
+    (ext_r, dec_r), pool_r = extend_then_decode(models[False], prompts)
+    assert torch.isfinite(ext_t).all() and torch.isfinite(dec_t).all()
+    assert rel_err(ext_t, ext_r) < 2e-2 and rel_err(dec_t, dec_r) < 2e-2
+    rows = slice(0, len(lengths))  # the scratch row past them is the padding's
+    for layer in range(len(pool_t.state.conv)):
+        assert rel_err(pool_t.state.conv[layer][rows], pool_r.state.conv[layer][rows]) < 1e-2
+        assert rel_err(pool_t.state.ssm[layer][rows], pool_r.state.ssm[layer][rows]) < 2e-2

@@ -72,3 +72,54 @@ class RMSNorm(nn.Module):
                 normed, residual = normed
             out = Fp8Activations(*quantize_activations(normed.reshape(-1, normed.shape[-1]), None), normed.dtype)
         return out if residual is None else (out, residual)
+
+
+class OffsetRMSNorm(nn.Module):
+    """Qwen3-Next's and Qwen3.5's zero-centred RMSNorm: x / rms(x) * (1 + weight), computed in
+    float32 and rounded once (transformers' order: the scale multiplies the float32 row). The
+    checkpoint's `weight` is loaded as is (its init is 0); `finish_loading` keeps 1 + weight in
+    float32 for the forward pass, so a bf16 weight near 0 loses nothing to a bf16 1 + w.
+
+    Same interface as RMSNorm (`norm(x)`, `norm(x, residual)`, no FP8 output). On the Triton path
+    the RMSNorm kernels run with the float32 scale (they round the normalised row to x's dtype
+    before scaling it: one rounding more than transformers, within bf16's precision)."""
+
+    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype, kernels: KernelChoice):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype))
+        self.eps = eps
+        self.scale: Optional[torch.Tensor] = None
+        self._triton = kernels.triton
+        if kernels.triton:
+            from radixserve.kernels.norm import add_rms_norm, rms_norm
+
+            self._norm, self._add_norm = rms_norm, add_rms_norm
+
+    def finish_loading(self) -> None:
+        self.scale = 1.0 + self.weight.detach().float()
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+                ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        if self.scale is None:
+            self.finish_loading()
+        if self._triton:
+            if residual is None:
+                return self._norm(x, self.scale, self.eps)
+            return self._add_norm(x, residual, self.scale, self.eps)
+        if residual is None:
+            return self._torch(x)
+        summed = x + residual
+        return self._torch(summed), summed
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated DeltaNet's output norm over each head's values: weight * x / rms(x) (normalised in
+    float32, rounded to x's dtype, then scaled), times SiLU(gate) in float32, rounded once more:
+    transformers' Qwen3NextRMSNormGated. x, gate [rows, head_dim]."""
+    h = x.float()
+    h = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (h * torch.nn.functional.silu(gate.float())).to(x.dtype)

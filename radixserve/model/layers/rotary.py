@@ -84,3 +84,28 @@ class RotaryEmbedding(nn.Module):
             k = qk_norm[1].forward(k.reshape(-1, d)).view(t, hkv, d)
         q, k = apply_rope(q, k, self.cos[positions], self.sin[positions])
         return q, k, False
+
+
+class PartialRotaryEmbedding(nn.Module):
+    """RoPE on the first `rotary_dim` values of each head only (rotate-half within them; the rest
+    pass through), as Qwen3-Next and Qwen3.5 apply it (partial_rotary_factor 0.25: 64 of 256).
+    Torch ops on every device, new tensors: q [T, Hq, D], k [T, Hkv, D]."""
+
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float, *, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        cos, sin = rope_cos_sin(max_positions, rotary_dim, theta, device)
+        self.register_buffer("cos", cos.to(dtype), persistent=False)
+        self.register_buffer("sin", sin.to(dtype), persistent=False)
+
+    @property
+    def max_positions(self) -> int:
+        return int(self.cos.shape[0])
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.rotary_dim
+        q_rot, k_rot = apply_rope(q[..., :r], k[..., :r], self.cos[positions], self.sin[positions])
+        if r == q.shape[-1]:
+            return q_rot, k_rot
+        return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)

@@ -1,0 +1,178 @@
+"""Hybrid Qwen models (Gated DeltaNet + gated attention) on a CUDA GPU: the tiny Qwen3.5 and Qwen3-Next
+give transformers' greedy tokens in fp32 with CUDA graphs (padded buckets write the state pool's
+scratch row) and overlap on and off (transformers' own kernels where fla-core is installed: then
+90% of them); in bf16 (the Triton kernels, fla's chunked prefill when
+installed) graphs change no token, chunked prefill carries the states, and most tokens agree with
+transformers' bf16; a Qwen3.5-27B-shaped model (head_dim 256, 16 key / 48 value heads of 128) with
+2 of its layers runs with dummy weights through the memory plan (the state pool beside the KV pool)
+and graphs; its Triton layers, and a Qwen3.6-35B-A3B-shaped model's (the fused MoE), close to their
+torch layers. Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("triton")
+
+import transformers  # noqa: E402
+
+from radixserve import Engine  # noqa: E402
+from radixserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from radixserve.cache.kv_pool import KVPool  # noqa: E402
+from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec  # noqa: E402
+from radixserve.kernels import fla_gdn  # noqa: E402
+from radixserve.model.loader import load_model  # noqa: E402
+from radixserve.testing.tiny_model import build_tiny_model  # noqa: E402
+
+from test_engine_gpu import _logits  # noqa: E402
+
+MAX_NEW = 24
+# Qwen3.5-27B's text shapes (benchmarks/configs/qwen3.5-27b) with one linear and one full layer.
+QWEN3_5_27B_2_LAYERS = {
+    "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 5120,
+    "intermediate_size": 17408, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+    "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "vocab_size": 248320,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+    "tie_word_embeddings": False, "dtype": "bfloat16", "eos_token_id": 248044}
+# Qwen3.6-35B-A3B's (benchmarks/configs/qwen3.6-35b-a3b): 256 experts of 512, top-8, a shared expert.
+QWEN3_6_35B_A3B_2_LAYERS = {
+    **{k: v for k, v in QWEN3_5_27B_2_LAYERS.items() if k != "intermediate_size"},
+    "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "hidden_size": 2048,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "linear_num_value_heads": 32, "num_experts": 256,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+def tiny_dir(request, tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}-gpu"), family=request.param,
+                                layers=4, head_dim=32, seed=2))
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_27b_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3.5-27b-2-layers")
+    (path / "config.json").write_text(json.dumps(QWEN3_5_27B_2_LAYERS))
+    return str(path)
+
+
+def prompts(n: int, vocab: int, seed: int, longest: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(5, longest))] for _ in range(n)]
+
+
+def hf_greedy(path: str, dtype: torch.dtype, batch: list[list[int]]) -> list[list[int]]:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
+    out = []
+    for p in batch:
+        with torch.no_grad():
+            ids = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                              do_sample=False, pad_token_id=0)[0].tolist()
+        out.append(ids[len(p):])
+    return out
+
+
+def engine_greedy(path: str, dtype: str, batch: list[list[int]], **settings) -> tuple[list[list[int]], Engine]:
+    settings.setdefault("cuda_graph_max_bs", 16)
+    engine = Engine(path, device="cuda", dtype=dtype, max_total_tokens=8192, **settings)
+    res = engine.generate(input_ids=batch, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0,
+                                                            "ignore_eos": True})
+    engine.check_invariants()
+    assert sum(r["meta_info"]["cached_tokens"] for r in res) == 0
+    return [r["output_ids"] for r in res], engine
+
+
+def agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
+    def common_prefix(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+    return sum(common_prefix(a, b) for a, b in zip(ours, ref)) / sum(len(r) for r in ref)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("n", [1, 3, 8])  # 3: padded to the 4-row graph
+def test_fp32_greedy_equals_hf(tiny_dir, graphs, n, overlap):
+    batch = prompts(n, 500, seed=n)
+    ours, engine = engine_greedy(tiny_dir, "float32", batch, disable_cuda_graph=not graphs,
+                                 disable_overlap_schedule=not overlap)
+    runner = engine.core.runner
+    assert (runner.graphs is not None) == graphs
+    if graphs:
+        assert runner.num_graph_steps > 0
+    ref = hf_greedy(tiny_dir, torch.float32, batch)
+    if fla_gdn.available():
+        # transformers then runs fla's kernels (TF32 dots) where ours are the float32 torch
+        # reference: near-ties may be broken the other way.
+        assert agreement(ours, ref) >= 0.9
+    else:
+        assert ours == ref
+
+
+def test_bf16_graphs_on_off_same_tokens_and_close_to_hf(tiny_dir):
+    batch = prompts(4, 500, seed=7)  # 4 is a bucket: the same kernels with and without graphs
+    on, engine = engine_greedy(tiny_dir, "bfloat16", batch)
+    assert engine.core.model.kernels.triton and engine.core.runner.num_graph_steps > 0
+    off, _ = engine_greedy(tiny_dir, "bfloat16", batch, disable_cuda_graph=True)
+    assert on == off
+    assert agreement(on, hf_greedy(tiny_dir, torch.bfloat16, batch)) >= 0.5
+
+
+def test_bf16_chunked_prefill_carries_the_states(tiny_dir):
+    """Prompts of up to 300 tokens whole (fla's chunked kernel where installed) and in chunks of 16
+    (the recurrent kernel over each chunk, the state carried between them)."""
+    batch = prompts(6, 500, seed=8, longest=300)
+    whole, _ = engine_greedy(tiny_dir, "bfloat16", batch)
+    chunked, _ = engine_greedy(tiny_dir, "bfloat16", batch, chunked_prefill_size=16)
+    ref = hf_greedy(tiny_dir, torch.bfloat16, batch)
+    assert agreement(whole, ref) >= 0.5 and agreement(chunked, ref) >= 0.5 and agreement(chunked, whole) >= 0.5
+
+
+@pytest.mark.parametrize("shape", ["27b", "35b-a3b"])
+def test_published_shapes_triton_layers_close_to_torch_layers(shape, tmp_path):
+    """The 27B's and the 35B-A3B's layer shapes, one linear and one full layer each (the 35B-A3B's
+    through the fused MoE), dummy weights (the same seed in both models)."""
+    path = tmp_path / shape
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(QWEN3_5_27B_2_LAYERS if shape == "27b" else QWEN3_6_35B_A3B_2_LAYERS))
+    batch = prompts(5, 248000, seed=3, longest=200)
+    out = {}
+    for triton_kernels in (None, False):
+        model, cfg = load_model(str(path), load_format="dummy", dtype=torch.bfloat16, device="cuda",
+                                attn_backend=TritonAttentionBackend(), triton_kernels=triton_kernels, seed=5)
+        assert model.model.layers[1].self_attn.head_dim == 256 and model.kernels.triton == (triton_kernels is None)
+        pool = KVPool(4096, 1, cfg.num_kv_layers, cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16, "cuda")
+        pool.state = RecurrentStatePool(len(batch), RecurrentStateSpec(**model.recurrent_state_shape), "cuda")
+        out[triton_kernels] = _logits(model, pool, batch)
+    ref = out[False].double()
+    assert torch.isfinite(out[None]).all()
+    assert float((out[None].double() - ref).norm() / ref.norm()) < 3e-2
+
+
+def test_qwen3_5_27b_shape_plans_its_state_pool_and_serves_with_graphs(qwen3_5_27b_dir):
+    """No --max-total-tokens: the memory plan sizes the KV pool with the state pool allocated beside
+    it (one row per running request: 2 x 16 key heads ... of this rank)."""
+    batch = prompts(8, 248000, seed=4)
+    engine = Engine(qwen3_5_27b_dir, load_format="dummy", device="cuda", dtype="bfloat16", cuda_graph_max_bs=16,
+                    max_running_requests=64, context_length=4096)
+    plan = engine.core.memory_plan
+    state = engine.core.kv_pool.state
+    assert plan.state_pool_rows == state.num_rows == 64 and plan.state_pool_bytes == state.total_bytes
+    assert state.ssm[0].shape == (65, 48, 128, 128) and state.conv[0].shape == (65, 3, 2 * 16 * 128 + 48 * 128)
+    assert plan.kv_pool_tokens > 0 and len(engine.core.kv_pool.k_buffers) == 1
+    results = engine.generate(input_ids=batch, sampling_params={"max_new_tokens": 16, "temperature": 0,
+                                                                "ignore_eos": True})
+    assert all(len(r["output_ids"]) == 16 for r in results)
+    assert engine.core.runner.num_graph_steps > 0
+    engine.check_invariants()
