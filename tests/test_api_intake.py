@@ -20,7 +20,7 @@ from conftest import ServerProcess
 from radixserve.engine.io_struct import AbortRequest, GenerateRequest
 from radixserve.http_common.errors import _validation_error
 from radixserve.sampling_params import SamplingParams
-from radixserve.server import messages as m
+from radixserve.engine import messages as m
 from radixserve.http_common.paced_http import IterationGate
 from radixserve.server.intake import MsgspecJSONRequest
 from radixserve.server.protocol import CompletionRequest, GenerateBody

@@ -383,7 +383,7 @@ def test_slow_steps_are_logged_with_their_batch(tiny_dir, caplog):
     are no kernel compiles or allocator retries to report."""
     import logging
 
-    from radixserve.server.engine_process import SlowStepWatch
+    from radixserve.engine.engine_process import SlowStepWatch
 
     engine = Engine(str(tiny_dir), max_total_tokens=4096)
     watch = SlowStepWatch(cuda=False, threshold_s=0.0)

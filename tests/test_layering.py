@@ -28,6 +28,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "radixserve"
 LAYERS: list[tuple[str, set[str]]] = [
     # shared types and settings
     ("leaf", {"settings", "sampling_params", "validation", "default_model", "kv_events_config", "chat_formats"}),
+    ("process", {"process"}),  # what every process does for itself (logging, GC, spawning a child): no torch
     ("grammar", {"grammar"}),  # constrained decoding: xgrammar behind a small interface
     ("cache", {"cache"}),
     ("kernels", {"kernels"}),
@@ -47,6 +48,7 @@ LAYERS: list[tuple[str, set[str]]] = [
 # change: make it here, in review, not by accident.
 ALLOWED: dict[str, set[str]] = {
     "leaf": set(),
+    "process": set(),
     "grammar": {"leaf"},
     "cache": set(),
     "kernels": set(),
@@ -54,12 +56,12 @@ ALLOWED: dict[str, set[str]] = {
     "attention": {"cache", "kernels"},
     "model": {"leaf", "kernels", "distributed", "attention"},
     "scheduler": {"leaf", "cache"},
-    "engine": {"leaf", "grammar", "cache", "kernels", "distributed", "attention", "model", "scheduler"},
+    "engine": {"leaf", "process", "grammar", "cache", "kernels", "distributed", "attention", "model", "scheduler"},
     "http_common": set(),
-    # The engine process lives in server/ today (so server -> engine); the start-up check reads a
-    # checkpoint's quantization config (server -> model).
-    "server": {"leaf", "grammar", "cache", "model", "engine", "http_common"},
-    "router": {"leaf", "cache", "http_common"},
+    # The API process speaks the engine process's messages (server -> engine); the start-up check
+    # reads a checkpoint's quantization config (server -> model).
+    "server": {"leaf", "process", "grammar", "cache", "model", "engine", "http_common"},
+    "router": {"leaf", "process", "cache", "http_common"},
     "entry": {name for name, _ in LAYERS[:-1]},
 }
 # Edges that must never exist: the scheduler decides with positions and the cache alone, the router

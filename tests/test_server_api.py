@@ -483,7 +483,7 @@ def test_long_texts_are_tokenized_off_the_event_loop(server_model_dir):
     import threading
 
     from radixserve.engine.core import load_tokenizer
-    from radixserve.server import messages as m
+    from radixserve.engine import messages as m
     from radixserve.server.errors import APIError
     from radixserve.server.serving import INLINE_TOKENIZE_CHARS, ServingContext
     from radixserve.settings import ServerSettings

@@ -35,7 +35,7 @@ from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import BalanceConfig, make_policy
 from radixserve.router.workers import Worker, WorkerRegistry
 from radixserve.http_common.errors import error_body, error_response, install_error_handlers
-from radixserve.http_common.gc_tuning import governed_collections
+from radixserve.process.gc_tuning import governed_collections
 from radixserve.http_common.loop_lag import watch_loop_lag
 
 logger = logging.getLogger("radixserve.router")

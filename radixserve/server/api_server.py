@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from radixserve.http_common.auth import APIKeyMiddleware
 from radixserve.server.engine_client import EngineClient
 from radixserve.http_common.errors import install_error_handlers
-from radixserve.http_common.gc_tuning import governed_collections
+from radixserve.process.gc_tuning import governed_collections
 from radixserve.http_common.loop_lag import watch_loop_lag
 from radixserve.http_common.open_files import connection_cap
 from radixserve.http_common.paced_http import PacedHttpProtocol

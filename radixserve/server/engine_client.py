@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 
 from radixserve.engine.io_struct import AbortRequest, GenerateRequest, RequestOutput
-from radixserve.server import messages as m
+from radixserve.engine import messages as m
 from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")
@@ -232,7 +232,7 @@ class EngineClient:
         env = dict(os.environ)
         pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-        cmd = [sys.executable, "-m", "radixserve.server.engine_process",
+        cmd = [sys.executable, "-m", "radixserve.engine.engine_process",
                "--settings-json", json.dumps(self.settings.to_dict()), "--in-addr", in_addr,
                "--out-addr", out_addr, "--parent-pid", str(os.getpid())]
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)

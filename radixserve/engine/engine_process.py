@@ -2,7 +2,7 @@
 
 The loop never waits on the API process: while it has work it only drains messages that are
 already there (a zero-timeout poll) and steps; when idle it blocks in a poll with a short timeout.
-It is started by `EngineProcess` in the API process as `python -m radixserve.server.engine_process`
+It is started by `EngineProcess` in the API process as `python -m radixserve.engine.engine_process`
 and exits when told to, when its parent dies, or when a step raises (the API then answers 503).
 """
 
@@ -21,15 +21,15 @@ from typing import Any, Optional
 
 import zmq
 
+from radixserve.engine import messages as m
+from radixserve.engine.engine_intake import KvHashEvents, QueueRoom
 from radixserve.engine.io_struct import AbortRequest, GenerateRequest, RequestOutput
+from radixserve.engine.kv_publisher import ZmqKvEventPublisher, make_kv_publisher
+from radixserve.engine.step_trace import StepTrace
+from radixserve.process.gc_tuning import FullCollectionGovernor, govern_collections
+from radixserve.process.logging_setup import setup_logging
 from radixserve.sampling_params import SamplingParams
-from radixserve.server import messages as m
-from radixserve.server.engine_intake import KvHashEvents, QueueRoom
-from radixserve.server.kv_publisher import ZmqKvEventPublisher, make_kv_publisher
-from radixserve.server.logging_setup import setup_logging
-from radixserve.server.step_trace import StepTrace
 from radixserve.settings import ServerSettings
-from radixserve.http_common.gc_tuning import FullCollectionGovernor, govern_collections
 
 logger = logging.getLogger("radixserve")
 
