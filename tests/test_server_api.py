@@ -422,7 +422,7 @@ def test_queued_outputs_of_one_request_are_merged():
     """Outputs of a request already waiting when the stream reads are merged (tokens of all, the
     end and counts of the last, the first-token time of the first); other requests' outputs and
     errors keep their place."""
-    from radixserve.engine.io_struct import RequestOutput
+    from radixserve.engine.messages import RequestOutput
     from radixserve.server.engine_client import EngineClient, EngineRequestError, RequestGroup
     from radixserve.settings import ServerSettings
 

@@ -28,7 +28,7 @@ from radixserve.cache.tiered_cache import TieredRadixCache, make_tiered_cache
 from radixserve.distributed import TensorParallel, check_divisible
 from radixserve.engine.cpu_affinity import bind_near_gpu
 from radixserve.engine.grammar_wait import GrammarWaitlist
-from radixserve.engine.io_struct import GenerateRequest, RequestOutput
+from radixserve.engine.messages import GenerateRequest, RequestOutput
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.model_stack import host_tier_tokens, load_rank_model, make_kv_memory
 from radixserve.engine.tensor_parallel import (RecordingReqToTokenPool, SharedSampledTokens, TensorParallelLeader,

@@ -23,7 +23,7 @@ import zmq
 
 from radixserve.engine import messages as m
 from radixserve.engine.engine_intake import KvHashEvents, QueueRoom
-from radixserve.engine.io_struct import AbortRequest, GenerateRequest, RequestOutput
+from radixserve.engine.messages import AbortRequest, GenerateRequest, RequestOutput
 from radixserve.engine.kv_publisher import ZmqKvEventPublisher, make_kv_publisher
 from radixserve.engine.step_trace import StepTrace
 from radixserve.process.gc_tuning import FullCollectionGovernor, govern_collections

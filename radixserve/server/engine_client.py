@@ -33,7 +33,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 import zmq
 import zmq.asyncio
 
-from radixserve.engine.io_struct import AbortRequest, GenerateRequest, RequestOutput
+from radixserve.engine.messages import AbortRequest, GenerateRequest, RequestOutput
 from radixserve.engine import messages as m
 from radixserve.settings import ServerSettings
 
