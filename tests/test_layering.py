@@ -73,10 +73,16 @@ NEVER: set[tuple[str, str]] = {
     ("http_common", "engine"), ("http_common", "server"), ("http_common", "model"),
     ("grammar", "engine"), ("grammar", "model"),
 }
-# The API server's and the router's modules: importing them loads no torch (the Hugging Face
-# tokenizer they load at start-up still imports it, through transformers).
+# The engine process's modules the API process imports: the messages it speaks, the detokenizer's
+# text rules, the KV publisher's address check. Everything else under engine/ runs only in the
+# engine process and its ranks.
+API_SIDE_ENGINE = {"radixserve.engine.messages", "radixserve.engine.detokenize", "radixserve.engine.kv_publisher"}
+# Importing these loads no torch: the API server's and the router's modules, the engine modules the
+# API imports, and every process helper (the Hugging Face tokenizer loaded at start-up still
+# imports torch, through transformers, when it loads).
 TORCH_FREE = ("radixserve.server.api_server", "radixserve.launch_server", "radixserve.router.app",
-              "radixserve.launch_router")
+              "radixserve.launch_router", *sorted(API_SIDE_ENGINE), "radixserve.process.spawn",
+              "radixserve.process.logging_setup", "radixserve.process.gc_tuning", "radixserve.process.tokenizer")
 
 # A helper for tests and entry points only: it may import the leaf layer, and only the entry layer
 # and default_model (which resolves the built-in tiny model for the entry points) may import it.
@@ -214,6 +220,18 @@ def test_the_allowed_edges_run_downward_and_avoid_the_nevers():
     for importer, imported in ALLOWED.items():
         assert all(rank[low] < rank[importer] for low in imported), f"{importer}: {imported} not all below it"
     assert {(a, b) for a, bs in ALLOWED.items() for b in bs} & NEVER == set()
+
+
+def test_the_api_process_imports_only_the_engine_modules_it_speaks_with(graph):
+    reached = {(a, b) for a, targets in graph.items() if a.startswith("radixserve.server.")
+               for b in targets if b.startswith("radixserve.engine.") and b not in API_SIDE_ENGINE}
+    assert reached == set(), "server/ runs in the API process: it may import only API_SIDE_ENGINE of engine/"
+
+
+def test_the_process_helpers_are_every_process_module():
+    """process/ holds exactly the helpers TORCH_FREE checks, so a new one is checked too."""
+    helpers = {name for name in all_modules() if name.startswith("radixserve.process.")}
+    assert helpers == {name for name in TORCH_FREE if name.startswith("radixserve.process.")}
 
 
 def test_the_api_process_and_the_router_import_no_torch():

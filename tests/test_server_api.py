@@ -482,7 +482,7 @@ def test_long_texts_are_tokenized_off_the_event_loop(server_model_dir):
     long text is encoded in the tokenizer pool, a text no context could hold is never encoded."""
     import threading
 
-    from radixserve.engine.core import load_tokenizer
+    from radixserve.process.tokenizer import load_tokenizer
     from radixserve.engine import messages as m
     from radixserve.server.errors import APIError
     from radixserve.server.serving import INLINE_TOKENIZE_CHARS, ServingContext

@@ -13,7 +13,6 @@ A constrained request waits outside the scheduler until its grammar is compiled
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from radixserve.grammar.spec import grammar_spec
 from radixserve.model.config import ModelConfig
 from radixserve.model.moe_config import check_moe_layout
 from radixserve.model.quantization import check_block_alignment
+from radixserve.process.tokenizer import load_tokenizer
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.batch import ScheduledBatch, StepInFlight
@@ -49,15 +49,6 @@ logger = logging.getLogger("radixserve")
 GRAMMAR_WAIT_S = 0.005
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def load_tokenizer(path: str):
-    """The model directory's Hugging Face tokenizer, or None when it has none (input_ids only)."""
-    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 @dataclass

@@ -31,7 +31,7 @@ A rank that dies takes the engine down: rank 0 watches the processes and exits w
 naming the rank (collectives with a dead peer would hang on NCCL); the server's engine-death
 path then ends the server. A rank stopped for RANK_STOPPED_LIMIT_S (SIGSTOP) counts as dead too
 (it is killed): otherwise every request would hang on its collectives for their 300 s timeout.
-The other ranks die with rank 0 (parent-death signal).
+The other ranks die with rank 0 (the parent-death signal of `radixserve.process.spawn`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -61,6 +60,7 @@ from radixserve.distributed.group import open_store
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.prompt_logprobs import PromptLogprobPlan
 from radixserve.engine.sampled_tokens import LastSampledTokens
+from radixserve.process.spawn import spawn_child
 from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.settings import ServerSettings
 
@@ -210,18 +210,12 @@ def rank0_settings(store, own: ServerSettings) -> tuple[ServerSettings, list[str
     return ServerSettings(**theirs), differ
 
 
-def rank_command(settings: ServerSettings, rank: int, store_host: str, store_port: int,
-                 control_addr: Optional[str] = None) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of rank `rank`'s process, a child of this one."""
-    env = dict(os.environ)
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "radixserve.engine.tp_worker", "--settings-json", json.dumps(settings.to_dict()),
-           "--rank", str(rank), "--store-host", store_host, "--store-port", str(store_port),
-           "--parent-pid", str(os.getpid())]
-    if control_addr is not None:
-        cmd += ["--control-addr", control_addr]
-    return cmd, env
+def spawn_rank(settings: ServerSettings, rank: int, store_host: str, store_port: int,
+               control_addr: Optional[str] = None) -> subprocess.Popen:
+    """Start rank `rank`'s process, a child of this one (rank 0, or another node's launcher)."""
+    extra = ["--control-addr", control_addr] if control_addr is not None else []
+    return spawn_child("radixserve.engine.tp_worker", settings.to_dict(), "--rank", str(rank),
+                       "--store-host", store_host, "--store-port", str(store_port), *extra)
 
 
 class TensorParallelLeader:
@@ -269,8 +263,7 @@ class TensorParallelLeader:
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(addr)
         self.sockets.append(sock)
-        cmd, env = rank_command(settings, rank, "127.0.0.1", store_port, control_addr=addr)
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        proc = spawn_rank(settings, rank, "127.0.0.1", store_port, control_addr=addr)
         self.procs.append(proc)
         logger.info("tensor-parallel rank %d: pid %d", rank, proc.pid)
 

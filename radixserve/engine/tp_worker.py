@@ -10,10 +10,7 @@ dies or rank 0's store stops answering while it is idle.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import os
 import pickle
 import signal
 import sys
@@ -32,6 +29,9 @@ from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.model_stack import host_tier_tokens, load_rank_model, make_kv_memory
 from radixserve.engine.tensor_parallel import CopyBatch, SharedSampledTokens, StepMessage, control_key, rank0_settings
 from radixserve.model.config import ModelConfig
+from radixserve.process.gc_tuning import FullCollectionGovernor, govern_collections
+from radixserve.process.logging_setup import setup_logging
+from radixserve.process.spawn import child_arguments, die_with_parent, parent_gone
 from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")
@@ -89,19 +89,8 @@ class WorkerRank:
             self.sampled.receive(msg.sample_rows)
 
 
-def _die_with_parent() -> None:
-    """SIGKILL when rank 0 dies: a rank left alone would wait on its collectives."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # best effort: the idle loop also checks the parent
-        pass
-
-
-def serve(rank: WorkerRank, sock: zmq.Socket, parent_pid: int, disconnects: Optional[zmq.Socket] = None) -> bool:
+def serve(rank: WorkerRank, sock: zmq.Socket, parent_pid: int, disconnects: Optional[zmq.Socket] = None,
+          gc_governor: Optional[FullCollectionGovernor] = None) -> bool:
     """Run rank 0's messages until told to stop (True) or until rank 0 is gone (False).
     `disconnects`: on another node than rank 0's, the control socket's monitor, which reports the
     TCP connection to rank 0 closing (no parent-death signal reaches across machines)."""
@@ -115,9 +104,11 @@ def serve(rank: WorkerRank, sock: zmq.Socket, parent_pid: int, disconnects: Opti
             logger.warning("tensor-parallel rank: the connection to rank 0 closed (rank 0 is gone); exiting")
             return False
         if not ready:
-            if os.getppid() != parent_pid:
+            if parent_gone(parent_pid):
                 logger.warning("tensor-parallel rank: its parent is gone; exiting")
                 return False
+            if gc_governor is not None:  # idle: a full collection here delays no step of any rank
+                gc_governor.maybe_collect(idle=True)
             continue
         msg: Optional[StepMessage | CopyBatch] = pickle.loads(sock.recv())
         if msg is None:
@@ -131,12 +122,8 @@ def serve(rank: WorkerRank, sock: zmq.Socket, parent_pid: int, disconnects: Opti
 def worker_main(settings: ServerSettings, rank: int, store_port: int, control_addr: Optional[str], parent_pid: int,
                 store_host: str = "127.0.0.1") -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: rank 0 stops us
-    _die_with_parent()
-    handlers: list[logging.Handler] = [logging.StreamHandler()]
-    if settings.log_file:
-        handlers.append(logging.FileHandler(settings.log_file))
-    logging.basicConfig(level=settings.log_level.upper(), handlers=handlers,
-                        format=f"[%(asctime)s %(process)d %(levelname)s tp-rank {rank}] %(message)s")
+    die_with_parent(parent_pid)  # SIGTERM, no handler: it ends a rank at once, even inside a collective
+    setup_logging(settings.log_level, settings.log_file, label=f"tp-rank {rank}")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, 0)
@@ -148,6 +135,7 @@ def worker_main(settings: ServerSettings, rank: int, store_port: int, control_ad
     remote = rank >= settings.tp_ranks_per_node  # on another node than rank 0
     tp = None
     disconnects: Optional[zmq.Socket] = None
+    governor: Optional[FullCollectionGovernor] = None
     try:
         store = open_store(store_port, world_size=settings.tp_size, is_master=False, host=store_host)
         if remote:  # rank 0's settings rule every rank; its store says where its step messages come from
@@ -160,11 +148,15 @@ def worker_main(settings: ServerSettings, rank: int, store_port: int, control_ad
         tp = init_tensor_parallel(rank, settings.tp_size, device, store)
         worker = WorkerRank(settings, tp)
         one_host_thread(device)  # after loading, which may convert weights on the CPU
-        return 0 if serve(worker, sock, parent_pid, disconnects) else 1
+        # A full collection inside a step would hold every rank at the step's next collective.
+        governor = govern_collections(f"tp-rank {rank}")
+        return 0 if serve(worker, sock, parent_pid, disconnects, governor) else 1
     except Exception:
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
         return 1
     finally:
+        if governor is not None:
+            governor.uninstall()
         if disconnects is not None:
             sock.disable_monitor()
             disconnects.close(0)
@@ -174,16 +166,14 @@ def worker_main(settings: ServerSettings, rank: int, store_port: int, control_ad
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description="radixserve tensor-parallel rank (started by rank 0)")
-    parser.add_argument("--settings-json", required=True)
+    parser = child_arguments("radixserve tensor-parallel rank (started by rank 0)")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--store-host", default="127.0.0.1")
     parser.add_argument("--store-port", type=int, required=True)
     parser.add_argument("--control-addr", default=None, help="(default: the address rank 0's store advertises)")
-    parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
-    settings = ServerSettings(**json.loads(args.settings_json))
-    return worker_main(settings, args.rank, args.store_port, args.control_addr, args.parent_pid, args.store_host)
+    return worker_main(ServerSettings(**args.settings), args.rank, args.store_port, args.control_addr,
+                       args.parent_pid, args.store_host)
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ def run_server(settings: ServerSettings) -> int:
     import uvicorn
 
     from radixserve.default_model import ensure_model_path
-    from radixserve.engine.core import load_tokenizer
+    from radixserve.process.tokenizer import load_tokenizer
 
     model_path = ensure_model_path(settings.model_path)
     engine = EngineClient(settings.__class__(**{**settings.to_dict(), "model_path": model_path}))
