@@ -73,6 +73,11 @@ class TensorParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
+    def leave(self) -> None:
+        """Leave the group (this process's default group)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
 
 class SingleRank(TensorParallel):
     """The group of a tp_size 1 engine: one rank, no process group, every collective the identity
@@ -86,7 +91,7 @@ class SingleRank(TensorParallel):
         return x
 
     def use_symmetric_memory(self, dtype: torch.dtype, max_numel: int) -> None:
-        raise ValueError("symmetric-memory all-reduces need more than one rank")
+        """Nothing to reduce on one rank: --tp-all-reduce changes nothing at tp_size 1."""
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -96,6 +101,9 @@ class SingleRank(TensorParallel):
 
     def min_int(self, value: int) -> int:
         return value
+
+    def leave(self) -> None:
+        """No group was joined."""
 
 
 def backend_for(device: torch.device) -> str:
@@ -135,5 +143,6 @@ def init_from_env(device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S)
 
 
 def destroy(tp: Optional[TensorParallel]) -> None:
-    if tp is not None and not isinstance(tp, SingleRank) and dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave `tp`'s group, if one was joined (None: the process failed before it joined)."""
+    if tp is not None:
+        tp.leave()

@@ -377,7 +377,7 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
         try:
             loop.run()
         except Exception:
-            lost_rank = core.tp_leader.dead_rank() if core.tp_leader is not None else None
+            lost_rank = core.ranks.dead_rank()
             if lost_rank is not None:  # the collective failed because a rank died: say that, in one line
                 logger.error("%s; the engine exits (code 1)", lost_rank)
             else:

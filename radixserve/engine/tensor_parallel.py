@@ -55,11 +55,13 @@ import zmq
 
 from radixserve.cache.host_pool import CopyEngine, CopyOrder
 from radixserve.cache.kv_pool import ReqToTokenPool, TableWrites
-from radixserve.distributed import TensorParallel, destroy, init_tensor_parallel
+from radixserve.distributed import SingleRank, TensorParallel, check_divisible, destroy, init_tensor_parallel
 from radixserve.distributed.group import open_store
 from radixserve.engine.model_runner import ModelRunner
-from radixserve.engine.prompt_logprobs import PromptLogprobPlan
 from radixserve.engine.sampled_tokens import LastSampledTokens
+from radixserve.model.config import ModelConfig
+from radixserve.model.moe_config import check_moe_layout
+from radixserve.model.quantization import check_block_alignment
 from radixserve.process.spawn import spawn_child
 from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.settings import ServerSettings
@@ -171,21 +173,57 @@ class TensorParallelRunner(ModelRunner):
         if copies is not None:
             self.send(copies)
 
-    def run_model(self, sb: ScheduledBatch, prompt: Optional[PromptLogprobPlan] = None) -> torch.Tensor:
+    def announce(self, sb: ScheduledBatch, graph: bool, decode: bool, parts, resolve: bool) -> None:
+        """The step as `run_model` chose it, with the table writes and host-tier copies since the
+        last message, to every other rank; they run it with `run_parts`."""
         table = self.req_to_token
         assert isinstance(table, RecordingReqToTokenPool)
         rows = _ints(r.req_pool_idx for r, s in zip(sb.reqs, sb.sample) if s)
-        if sb.is_decode_only and self.graphs is not None and self.graphs.can_run(len(sb.reqs)):
-            columns = self.decode_columns(sb)
-            self.send(StepMessage(True, True, False, tuple(_ints(c) for c in columns), table.take(), rows,
-                                  self.take_copies()))
-            self.num_graph_steps += 1
-            return self.graphs.replay(*columns)
-        decode, parts, resolve = self.batch_parts(sb, prompt.token_rows if prompt is not None else None)
-        self.send(StepMessage(False, decode, resolve, tuple(_ints(p) for p in parts), table.take(), rows,
+        self.send(StepMessage(graph, decode, resolve, tuple(_ints(p) for p in parts), table.take(), rows,
                               self.take_copies()))
-        self.num_eager_steps += 1
-        return self.model(self.batch_from_parts(decode, parts, resolve))
+
+
+class LoneRank:
+    """Rank 0 of a tp_size 1 engine, the degenerate group: no other process, no process group
+    (`SingleRank`: every collective the identity), nothing to send or stop. The engine builds and
+    runs through it as through `TensorParallelLeader`, so it never asks the tp size."""
+
+    table_cls = ReqToTokenPool
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.size = 1
+        self.tp: TensorParallel = SingleRank(device)
+
+    def make_runner(self, model, kv_pool, table: ReqToTokenPool, seed: int, copier: Optional[CopyEngine],
+                    **kwargs) -> ModelRunner:
+        return ModelRunner(model, kv_pool, table, self.device, seed, **kwargs)
+
+    def dead_rank(self, wait_s: float = 2.0) -> Optional[str]:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def start_ranks(settings: ServerSettings, cfg: ModelConfig, device: torch.device) -> "LoneRank | TensorParallelLeader":
+    """Rank 0's group: alone at tp_size 1; else the other ranks' processes, started and joined in
+    one group with this process once the model and device are known to split that many ways."""
+    tp_size = settings.tp_size
+    if tp_size == 1:
+        return LoneRank(device)
+    check_divisible(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dense_intermediate_size, tp_size)
+    if cfg.hybrid is not None and cfg.hybrid.linear_num_k_heads % tp_size:
+        raise ValueError(f"tp_size={tp_size} does not divide the model's {cfg.hybrid.linear_num_k_heads} "
+                         "linear-attention key heads")
+    check_block_alignment(cfg.quantization, head_dim=cfg.head_dim, num_heads=cfg.num_attention_heads,
+                          num_kv_heads=cfg.num_key_value_heads, intermediate_size=cfg.dense_intermediate_size,
+                          tp_size=tp_size)
+    check_moe_layout(cfg.moe, cfg.quantization, tp_size)
+    device = check_tp_devices(tp_size, device, settings.nnodes)
+    if settings.tp_all_reduce == "symm-mem" and device.type != "cuda":
+        raise ValueError("tp_all_reduce=symm-mem needs CUDA GPUs")
+    return TensorParallelLeader(settings, device)
 
 
 SETTINGS_KEY = "radixserve/tp-settings"
@@ -220,6 +258,8 @@ def spawn_rank(settings: ServerSettings, rank: int, store_host: str, store_port:
 
 class TensorParallelLeader:
     """Rank 0's handle on the other ranks: their processes (this node's), their control sockets, the group."""
+
+    table_cls = RecordingReqToTokenPool  # every table write goes to the other ranks with the next step
 
     def __init__(self, settings: ServerSettings, device: torch.device,
                  on_rank_death: Optional[Callable[[str], None]] = None):
@@ -277,6 +317,12 @@ class TensorParallelLeader:
         self.sockets.append(sock)
         self.store.set(control_key(rank), f"tcp://{host}:{port}")
         logger.info("tensor-parallel rank %d: on another node, step messages on port %d", rank, port)
+
+    def make_runner(self, model, kv_pool, table: ReqToTokenPool, seed: int, copier: Optional[CopyEngine],
+                    **kwargs) -> ModelRunner:
+        """Rank 0's runner: sends each step (and `copier`'s host-tier copies) to the other ranks."""
+        return TensorParallelRunner(model, kv_pool, table, self.device, seed, **kwargs, send=self.send, copier=copier,
+                                    sampled=SharedSampledTokens(table.max_requests, self.device, self.tp))
 
     def send(self, msg: StepMessage | CopyBatch) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)

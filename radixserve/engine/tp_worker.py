@@ -80,11 +80,7 @@ class WorkerRank:
             self.req_to_token.write_tensors(*(torch.frombuffer(a, dtype=torch.int64) for a in msg.table_writes))
         if msg.copies is not None:
             self.run_copies(msg.copies)
-        parts = tuple(p.tolist() for p in msg.parts)
-        if msg.graph:
-            self.runner.graphs.replay(*parts)
-        else:
-            self.model(self.runner.batch_from_parts(msg.decode, parts, msg.resolve))
+        self.runner.run_parts(msg.graph, msg.decode, [p.tolist() for p in msg.parts], msg.resolve)
         if msg.sample_rows:
             self.sampled.receive(msg.sample_rows)
 
