@@ -248,8 +248,6 @@ class EngineCore:
                     previous = None
                 self.in_flight = StepInFlight(batch, self.runner.launch_sampling(forward))
             except torch.OutOfMemoryError as e:
-                if self.ranks.size > 1:
-                    raise  # the other ranks are inside this step's collectives: it cannot be taken back
                 outputs += self._recover_from_alloc_failure(batch, previous, e)
                 previous = None
         else:
@@ -266,7 +264,8 @@ class EngineCore:
                                     error: torch.OutOfMemoryError) -> list[RequestOutput]:
         """A step the device could not allocate for: take it back (its requests keep their places
         and their computed KV), collect the step before it, make later steps smaller, and hand the
-        allocator's cached blocks back so the next step starts unfragmented. The engine goes on."""
+        allocator's cached blocks back so the next step starts unfragmented. The engine goes on;
+        under tensor parallelism every rank gives the step up with it (`abandon_step`)."""
         self.scheduler.take_back(batch)  # before `previous` is collected: nothing half computed is cached
         outputs = self._collect(previous)
         change, failed = self.scheduler.shrink_steps(batch)
@@ -276,6 +275,7 @@ class EngineCore:
             self.scheduler.restart(batch.reqs)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        self.runner.abandon_step()
         logger.warning("a step of %d requests (%d new tokens) could not allocate device memory (%s); %s",
                        len(batch.reqs), batch.num_new_tokens, str(error).split("\n")[0][:200], change)
         return outputs + [request_output(r) for r in failed]

@@ -265,6 +265,21 @@ class ModelRunner:
         """Hand host-tier copies issued in a step that launched nothing to the other ranks (see
         `TensorParallelRunner`); an engine of one rank has no one to tell."""
 
+    def abandon_step(self) -> None:
+        """After a step given up part-way (the engine took it back): what the other ranks need to
+        go on (`TensorParallelRunner`); an engine of one rank has nothing half done elsewhere."""
+
+    def recapture_graphs(self) -> None:
+        """Capture the decode graphs again: after a tensor-parallel group was left and joined
+        anew, the collectives the old graphs captured belong to a group that is gone."""
+        if self.graphs is None:
+            return
+        max_bs = self.graphs.max_bs
+        self.graphs = None  # the old graphs and their pool go back to the device first
+        torch.cuda.empty_cache()
+        self.graphs = DecodeCudaGraphs(self.model, self.kv_pool, self.req_to_token, self.device, max_bs, self.sampled)
+        self.graphs.capture()
+
     def run_parts(self, graph: bool, decode: bool, parts: Sequence[list[int]], resolve: bool) -> torch.Tensor:
         """Run a step as `run_model` chose it (on rank 0, or as rank 0 sent it)."""
         if graph:

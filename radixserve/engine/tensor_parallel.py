@@ -27,6 +27,13 @@ its node's ranks as above; every other node's `launch_server --node-rank K` star
 messages go over TCP, one PUSH socket per remote rank that rank 0 binds and advertises in the
 store; a remote rank idle between steps checks the store, so it ends when rank 0 is gone.
 
+A step rank 0 cannot allocate for is taken back on every rank (see `TensorParallelRunner.
+abandon_step`): rank 0 decides, tells the others (`RejoinGroup`), and every rank leaves the
+process group and joins a new one, because the others may be waiting inside that step's
+collectives, which cannot be taken back. A rank other than 0 that cannot allocate ends, and the
+engine with it, as when it dies: rank 0 holds everything a rank holds plus the sampler's buffers,
+so it is the one that runs short first.
+
 A rank that dies takes the engine down: rank 0 watches the processes and exits with a log line
 naming the rank (collectives with a dead peer would hang on NCCL); the server's engine-death
 path then ends the server. A rank stopped for RANK_STOPPED_LIMIT_S (SIGSTOP) counts as dead too
@@ -57,7 +64,7 @@ from radixserve.cache.host_pool import CopyEngine, CopyOrder
 from radixserve.cache.kv_pool import ReqToTokenPool, TableWrites
 from radixserve.distributed import SingleRank, TensorParallel, check_divisible, destroy, init_tensor_parallel
 from radixserve.distributed.group import open_store
-from radixserve.engine.model_runner import ModelRunner
+from radixserve.engine.model_runner import LaunchedForward, ModelRunner
 from radixserve.engine.sampled_tokens import LastSampledTokens
 from radixserve.model.config import ModelConfig
 from radixserve.model.moe_config import check_moe_layout
@@ -105,6 +112,14 @@ class StepMessage:
     copies: Optional[CopyBatch] = None
 
 
+@dataclass
+class RejoinGroup:
+    """Rank 0 gave a step up: leave the group and join a new one. `abandoned`: the last step
+    rank 0 sent is the one given up (wait only for the work queued before it; its own collectives
+    may never complete); else every step sent completed on rank 0 and may be waited for whole."""
+    abandoned: bool
+
+
 class RecordingReqToTokenPool(ReqToTokenPool):
     """Rank 0's table: every write is applied here and kept for the next step's message."""
 
@@ -148,11 +163,13 @@ class TensorParallelRunner(ModelRunner):
     """Rank 0's model runner: sends each step to the other ranks before running it itself.
     `copier`: the host tier's copy engine, whose copies go to the other ranks with the steps."""
 
-    def __init__(self, *args, send: Callable[[StepMessage | CopyBatch], None], copier: Optional[CopyEngine] = None,
-                 **kwargs):
+    def __init__(self, *args, send: Callable[[StepMessage | CopyBatch | RejoinGroup], None], tp: TensorParallel,
+                 copier: Optional[CopyEngine] = None, **kwargs):
         self.send = send
+        self.tp = tp
         self.copier = copier
         self.sent_done_seq = 0
+        self.announced = False  # the step being launched went to the other ranks
         if copier is not None:
             copier.orders = []
         super().__init__(*args, **kwargs)
@@ -181,6 +198,23 @@ class TensorParallelRunner(ModelRunner):
         rows = _ints(r.req_pool_idx for r, s in zip(sb.reqs, sb.sample) if s)
         self.send(StepMessage(graph, decode, resolve, tuple(_ints(p) for p in parts), table.take(), rows,
                               self.take_copies()))
+        self.announced = True
+
+    def launch_forward(self, sb: ScheduledBatch) -> LaunchedForward:
+        self.announced = False
+        return super().launch_forward(sb)
+
+    def abandon_step(self) -> None:
+        """Rank 0 could not finish a step (the engine has taken it back): the other ranks may be
+        inside its collectives, waiting for rank 0's part of a sum or of the sampled ids, so every
+        rank leaves the group and joins a new one, and captures its decode graphs again. The step's
+        table writes and copies were applied everywhere; KV it wrote lies in slots taken back."""
+        self.send(RejoinGroup(abandoned=self.announced))
+        if self.device.type == "cuda":
+            # What this rank queued is matched by the others (they were sent the whole step): it ends.
+            torch.cuda.synchronize(self.device)
+        self.tp.rejoin()
+        self.recapture_graphs()
 
 
 class LoneRank:
@@ -321,10 +355,10 @@ class TensorParallelLeader:
     def make_runner(self, model, kv_pool, table: ReqToTokenPool, seed: int, copier: Optional[CopyEngine],
                     **kwargs) -> ModelRunner:
         """Rank 0's runner: sends each step (and `copier`'s host-tier copies) to the other ranks."""
-        return TensorParallelRunner(model, kv_pool, table, self.device, seed, **kwargs, send=self.send, copier=copier,
-                                    sampled=SharedSampledTokens(table.max_requests, self.device, self.tp))
+        return TensorParallelRunner(model, kv_pool, table, self.device, seed, **kwargs, send=self.send, tp=self.tp,
+                                    copier=copier, sampled=SharedSampledTokens(table.max_requests, self.device, self.tp))
 
-    def send(self, msg: StepMessage | CopyBatch) -> None:
+    def send(self, msg: StepMessage | CopyBatch | RejoinGroup) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self.sockets:
             sock.send(data, copy=False)

@@ -5,7 +5,9 @@ It joins the group, builds its shard of the model and of the KV pool exactly as 
 same collectives in the same order), then runs each step rank 0 sends (see
 radixserve.engine.tensor_parallel) until told to stop. It exits when rank 0 dies (a parent-death
 signal, a parent check while idle, or a collective failing); on another node, when its launcher
-dies or rank 0's store stops answering while it is idle.
+dies or rank 0's store stops answering while it is idle. It also exits when it cannot allocate for
+a step itself. When rank 0 gives a step up, this rank's collectives of that step fail (rank 0 left
+the group) or never complete (NCCL): it follows rank 0's `RejoinGroup` into a new group.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from radixserve.engine.core import DTYPES
 from radixserve.engine.cpu_affinity import bind_near_gpu, one_host_thread
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.model_stack import host_tier_tokens, load_rank_model, make_kv_memory
-from radixserve.engine.tensor_parallel import CopyBatch, SharedSampledTokens, StepMessage, control_key, rank0_settings
+from radixserve.engine.tensor_parallel import (CopyBatch, RejoinGroup, SharedSampledTokens, StepMessage, control_key,
+                                               rank0_settings)
 from radixserve.model.config import ModelConfig
 from radixserve.process.gc_tuning import FullCollectionGovernor, govern_collections
 from radixserve.process.logging_setup import setup_logging
@@ -37,6 +40,9 @@ from radixserve.settings import ServerSettings
 logger = logging.getLogger("radixserve")
 
 IDLE_POLL_MS = 1000
+# After a collective of a step failed, how long to wait for rank 0's order to join a new group
+# (rank 0 sends it before leaving the old one); none means rank 0 or another rank is gone.
+REJOIN_WAIT_MS = 10_000
 
 
 class WorkerRank:
@@ -55,6 +61,10 @@ class WorkerRank:
                                   cuda_graph_max_bs=min(settings.cuda_graph_max_bs, self.req_to_token.max_requests),
                                   disable_cuda_graph=settings.disable_cuda_graph, sampled=sampled)
         self.sampled = sampled
+        self.tp = tp
+        self.device = device
+        # Recorded before each step is queued (CUDA): what a rejoin waits for when that step is abandoned.
+        self.before_last_step: Optional[torch.cuda.Event] = None
 
     def _make_copier(self, settings: ServerSettings, tp: TensorParallel) -> Optional[CopyEngine]:
         """This rank's host tier (its KV shard's bytes, rank 0's slot numbering) and copy engine."""
@@ -76,6 +86,9 @@ class WorkerRank:
 
     @torch.inference_mode()
     def run_step(self, msg: StepMessage) -> None:
+        if self.device.type == "cuda":
+            self.before_last_step = torch.cuda.Event()
+            self.before_last_step.record()
         if msg.table_writes is not None:
             self.req_to_token.write_tensors(*(torch.frombuffer(a, dtype=torch.int64) for a in msg.table_writes))
         if msg.copies is not None:
@@ -83,6 +96,18 @@ class WorkerRank:
         self.runner.run_parts(msg.graph, msg.decode, [p.tolist() for p in msg.parts], msg.resolve)
         if msg.sample_rows:
             self.sampled.receive(msg.sample_rows)
+
+    @torch.inference_mode()
+    def rejoin(self, order: RejoinGroup) -> None:
+        """Leave the group and join rank 0's new one, once this rank's work that every rank queued
+        is done (on NCCL, the abandoned step's own kernels may wait forever: those are aborted)."""
+        if self.device.type == "cuda":
+            if order.abandoned and self.before_last_step is not None:
+                self.before_last_step.synchronize()
+            else:
+                torch.cuda.synchronize(self.device)
+        self.tp.rejoin()
+        self.runner.recapture_graphs()
 
 
 def serve(rank: WorkerRank, sock: zmq.Socket, parent_pid: int, disconnects: Optional[zmq.Socket] = None,
@@ -106,13 +131,26 @@ def serve(rank: WorkerRank, sock: zmq.Socket, parent_pid: int, disconnects: Opti
             if gc_governor is not None:  # idle: a full collection here delays no step of any rank
                 gc_governor.maybe_collect(idle=True)
             continue
-        msg: Optional[StepMessage | CopyBatch] = pickle.loads(sock.recv())
+        msg: Optional[StepMessage | CopyBatch | RejoinGroup] = pickle.loads(sock.recv())
         if msg is None:
             return True
         if isinstance(msg, CopyBatch):
             rank.run_copies(msg)
+        elif isinstance(msg, RejoinGroup):
+            rank.rejoin(msg)
         else:
-            rank.run_step(msg)
+            try:
+                rank.run_step(msg)
+            except torch.OutOfMemoryError:
+                raise  # this rank ran short itself: it ends, and the engine with it, as when it dies
+            except RuntimeError:  # a collective failed: rank 0 gave the step up and left, or a rank died
+                if sock not in dict(poller.poll(REJOIN_WAIT_MS)):
+                    raise
+                order = pickle.loads(sock.recv())
+                if not isinstance(order, RejoinGroup):
+                    raise
+                logger.warning("tensor-parallel rank %d: rank 0 gave a step up; joining a new group", rank.tp.rank)
+                rank.rejoin(order)
 
 
 def worker_main(settings: ServerSettings, rank: int, store_port: int, control_addr: Optional[str], parent_pid: int,
