@@ -98,7 +98,8 @@ class EngineCore:
         self.runner = self.ranks.make_runner(
             self.model, self.kv_pool, self.req_to_token, settings.random_seed,
             copier=self.cache.copier if isinstance(self.cache, TieredRadixCache) else None,
-            cuda_graph_max_bs=min(settings.cuda_graph_max_bs, max_running), disable_cuda_graph=settings.disable_cuda_graph)
+            cuda_graph_max_bs=min(settings.cuda_graph_max_bs, max_running),
+            disable_cuda_graph=settings.disable_cuda_graph)
         self.runner.eos_token_ids = sorted(set(eos))
         if self.memory_plan is not None:
             if self.runner.graphs is not None:
