@@ -56,6 +56,11 @@ class TensorParallel:
         dist.all_reduce(x)
         return x
 
+    def fast_path_may_take(self, numel: int) -> bool:
+        """Whether an all-reduce of `numel` elements may go through symmetric memory (whose waiting
+        kernels no communicator abort reaches: see `rejoin`)."""
+        return self._symmetric is not None and numel <= self._symmetric[1]
+
     def use_symmetric_memory(self, dtype: torch.dtype, max_numel: int) -> None:
         """All-reduce messages of up to max_numel elements of `dtype` through symmetric memory (CUDA
         only; a collective: every rank calls it at the same point)."""
@@ -92,7 +97,9 @@ class TensorParallel:
         """Leave the group at once, whatever its collectives wait for, and join a new one of the
         same ranks (blocks until every rank has joined; each calls this once, after its own queued
         work before the abandoned step is done). Symmetric memory is set up again on the new group.
-        What was captured on the old one (CUDA graphs) must be captured again."""
+        What was captured on the old one (CUDA graphs) must be captured again. A rank waiting in a
+        symmetric-memory all-reduce is not freed by this (its kernel spins on the peers' signals,
+        not on NCCL): the caller must know none is (`fast_path_may_take`)."""
         if self.store is None:
             raise RuntimeError("this group was not joined through init_tensor_parallel: it cannot be joined again")
         if dist.is_initialized():

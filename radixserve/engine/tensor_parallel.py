@@ -170,6 +170,8 @@ class TensorParallelRunner(ModelRunner):
         self.copier = copier
         self.sent_done_seq = 0
         self.announced = False  # the step being launched went to the other ranks
+        self.forward_queued = False  # ... and all of its forward pass was queued here too
+        self.announced_tokens = 0
         if copier is not None:
             copier.orders = []
         super().__init__(*args, **kwargs)
@@ -198,17 +200,26 @@ class TensorParallelRunner(ModelRunner):
         rows = _ints(r.req_pool_idx for r, s in zip(sb.reqs, sb.sample) if s)
         self.send(StepMessage(graph, decode, resolve, tuple(_ints(p) for p in parts), table.take(), rows,
                               self.take_copies()))
-        self.announced = True
+        self.announced, self.announced_tokens = True, len(parts[0])
 
     def launch_forward(self, sb: ScheduledBatch) -> LaunchedForward:
-        self.announced = False
-        return super().launch_forward(sb)
+        self.announced = self.forward_queued = False
+        forward = super().launch_forward(sb)
+        self.forward_queued = True
+        return forward
 
     def abandon_step(self) -> None:
         """Rank 0 could not finish a step (the engine has taken it back): the other ranks may be
         inside its collectives, waiting for rank 0's part of a sum or of the sampled ids, so every
         rank leaves the group and joins a new one, and captures its decode graphs again. The step's
-        table writes and copies were applied everywhere; KV it wrote lies in slots taken back."""
+        table writes and copies were applied everywhere; KV it wrote lies in slots taken back.
+
+        Except when the forward failed part-way with its all-reduces small enough for symmetric
+        memory: the others then wait in a kernel no abort stops, and the engine ends (RuntimeError)."""
+        if self.announced and not self.forward_queued and \
+                self.tp.fast_path_may_take(self.announced_tokens * self.model.config.hidden_size):
+            raise RuntimeError("a step failed inside its forward pass while the other ranks may wait in a "
+                               "symmetric-memory all-reduce, which cannot be abandoned: the engine ends")
         self.send(RejoinGroup(abandoned=self.announced))
         if self.device.type == "cuda":
             # What this rank queued is matched by the others (they were sent the whole step): it ends.
