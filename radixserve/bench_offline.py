@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from radixserve.engine.io_struct import GenerateRequest
+from radixserve.engine.messages import GenerateRequest
 from radixserve.sampling_params import SamplingParams
 
 REGULAR_TOKENS = 151643

@@ -41,6 +41,7 @@ from radixserve.bench.metrics import BenchMetrics, compute_metrics, lost_previou
 from radixserve.bench.oracle import OracleRequest, oracle_hit_rate
 from radixserve.bench.report import format_report
 from radixserve.http_common.loop_lag import watch_loop_lag
+from radixserve.process import tokenizer as process_tokenizer
 
 
 KEEPALIVE_S = 4.0
@@ -199,12 +200,10 @@ class BenchOutcome:
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # a directory without usable tokenizer files
-        raise BenchError(f"cannot load a tokenizer from {path!r}: {e}") from None
+        return process_tokenizer.load_tokenizer(path, required=True)
+    except ValueError as e:  # a directory without usable tokenizer files
+        raise BenchError(str(e)) from None
 
 
 async def _issue_all(session, url: str, args: argparse.Namespace, requests: list[BenchRequest], bodies: list[bytes],

@@ -96,9 +96,10 @@ def run_router(settings: RouterSettings) -> int:
 
     from radixserve.http_common.open_files import connection_cap
     from radixserve.http_common.paced_http import PacedHttpProtocol
+    from radixserve.process.logging_setup import setup_logging
     from radixserve.router.app import create_router_app
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    setup_logging(settings.log_level)  # the servers' format: one escaped line per record
     logging.getLogger("httpx").setLevel(logging.WARNING)
     app = create_router_app(settings)
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"

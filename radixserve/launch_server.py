@@ -59,7 +59,7 @@ def parse_settings(argv: Optional[list[str]] = None, prog: Optional[str] = None)
 def main(argv: Optional[list[str]] = None) -> int:
     settings, router_policy = parse_args(
         argv, prog="radixserve serve" if argv is not None else "python -m radixserve.launch_server")
-    from radixserve.server.logging_setup import setup_logging
+    from radixserve.process.logging_setup import setup_logging
     from radixserve.server.startup import StartupError, check_before_loading, silence_tokenizer_length_warning
 
     setup_logging(settings.log_level, settings.log_file)

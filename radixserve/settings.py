@@ -212,7 +212,7 @@ class ServerSettings:
     log_interval: int = _opt(40, "Write a decode batch line every this many decode steps.")
     step_trace_file: Optional[str] = _opt(
         None, "Write one CSV line per engine step here (time, step ms and its wait for the device, loop-gap "
-        "ms, kind, requests, prompt tokens); summarise with `python -m radixserve.server.step_trace FILE`. "
+        "ms, kind, requests, prompt tokens); summarise with `python -m radixserve.engine.step_trace FILE`. "
         "With --dp-size, worker i writes FILE.i.")
     dp_size: int = _opt(1, "Data-parallel engine workers behind a built-in cache-aware router.")
     dp_rank: int = _opt(

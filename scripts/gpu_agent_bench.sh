@@ -75,7 +75,7 @@ for round in $(seq "$REPEAT"); do
     client_pin=()
     if [ -n "${PIN:-}" ]; then
       read -r pin_engine pin_api pin_client <<< "$PIN"
-      for pid in $(pgrep -f radixserve.server.engine_process); do taskset -apc "$pin_engine" "$pid" > /dev/null; done
+      for pid in $(pgrep -f radixserve.engine.engine_process); do taskset -apc "$pin_engine" "$pid" > /dev/null; done
       taskset -apc "$pin_api" "$SERVER_PID" > /dev/null
       client_pin=(taskset -c "$pin_client")
     fi
@@ -83,7 +83,7 @@ for round in $(seq "$REPEAT"); do
     if [ -n "${MONITOR:-}" ]; then start_monitor "$OUT/monitor-$label-$round.txt"; fi
     if [ -n "${PROFILE:-}" ] && command -v py-spy >/dev/null; then
       py-spy record --nonblocking --rate 250 --format raw --duration "${PROFILE_S:-25}" \
-        --pid "$(pgrep -f radixserve.server.engine_process | head -1)" -o "$OUT/pyspy-$label-$round.txt" \
+        --pid "$(pgrep -f radixserve.engine.engine_process | head -1)" -o "$OUT/pyspy-$label-$round.txt" \
         > "$OUT/pyspy-$label-$round.log" 2>&1 &
     fi
     timeout -k 5 "$(left)" "${client_pin[@]}" python3 -m radixserve.bench_serving --backend "$BACKEND" --port "$PORT" \
@@ -95,7 +95,7 @@ for round in $(seq "$REPEAT"); do
     curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^radixserve:(continued_turns|prefix_holds)_total" \
       | sed "s/^/[$label] /"
     stop_server
-    if [ -n "${TRACE:-}" ]; then python3 -m radixserve.server.step_trace "$OUT/steps-$label-$round.csv" | sed "s/^/[$label] /"; fi
+    if [ -n "${TRACE:-}" ]; then python3 -m radixserve.engine.step_trace "$OUT/steps-$label-$round.csv" | sed "s/^/[$label] /"; fi
     # With --log-requests among the flags: who the slowest 1% were.
     case " ${extra[*]} " in *" --log-requests "*)
       python3 -m radixserve.bench.request_log "$OUT/server-$label-$round.log" | sed "s/^/[$label] /" ;; esac

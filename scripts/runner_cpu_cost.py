@@ -45,7 +45,7 @@ import torch
 from radixserve.attention.base import ForwardBatch
 from radixserve.engine.core import EngineCore
 from radixserve.engine.cuda_graph import NUM_INPUT_ROWS, DecodeCudaGraphs, graph_batch_sizes
-from radixserve.engine.io_struct import GenerateRequest
+from radixserve.engine.messages import GenerateRequest
 from radixserve.sampling_params import SamplingParams
 from radixserve.settings import ServerSettings
 from radixserve.testing.tiny_model import build_tiny_model

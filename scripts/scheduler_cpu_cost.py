@@ -44,12 +44,12 @@ from typing import Iterator, Optional
 from radixserve.cache.kv_pool import PageAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.engine.core import request_output
-from radixserve.http_common.gc_tuning import FullCollectionGovernor, freeze_startup_objects
+from radixserve.process.gc_tuning import FullCollectionGovernor, freeze_startup_objects
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.batch import StepInFlight
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.scheduler import Scheduler
-from radixserve.server import messages as m
+from radixserve.engine import messages as m
 from radixserve.settings import ServerSettings
 
 VOCAB = 150_000

@@ -26,7 +26,7 @@ start_monitor() {
     nvidia-smi topo -m 2>/dev/null | head -4
     # Which logical CPUs share a physical core (two busy processes on siblings each run slower).
     lscpu -e=CPU,CORE,SOCKET,NODE 2>/dev/null
-    for pid in $(pgrep -f radixserve.server.engine_process); do echo "engine $pid: $(taskset -pc "$pid" 2>/dev/null)"; done
+    for pid in $(pgrep -f radixserve.engine.engine_process); do echo "engine $pid: $(taskset -pc "$pid" 2>/dev/null)"; done
     while :; do
       echo "== $(date +%T.%N | cut -c1-12)"
       nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu --format=csv,noheader

@@ -133,3 +133,38 @@ def test_the_memory_profile_step_runs_every_path_of_the_largest_step(model_dir):
     assert all(entry is not None and len(entry.top_ids) == 20 for entry in future.logprobs())
     prompt_rows = future.prompt_logprobs()
     assert len(prompt_rows[0]) == PROFILE_PROMPT_LOGPROB_ROWS and not any(prompt_rows[1:])
+
+
+
+def fail_sampling(engine: Engine, times: int = 3) -> FailWhen:
+    """Rank 0's penalty pass fails on a batch of more than two rows: before the sampled ids are
+    broadcast, so the other ranks wait in that broadcast."""
+    runner = engine.core.runner
+    runner.process_logits = FailWhen(runner.process_logits, lambda args: args[0].shape[0] > 2, times)
+    return runner.process_logits
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("inject, params, settings, failures", [
+    (fail_big_mlp, GREEDY, {}, 2),
+    (fail_sampling, PENALISED, {"max_prefill_tokens": 200}, 3),
+], ids=["mid-forward", "before-the-ids-broadcast"])
+def test_under_tp2_every_rank_gives_the_failed_step_up_and_the_engine_goes_on(model_dir, inject, params, settings,
+                                                                              failures):
+    """tp_size 2 over gloo: rank 0 fails inside the forward (the other rank waits in the last
+    layer's all-reduce) or in sampling (it waits in the ids broadcast). Both ranks give the step up
+    and join a new group; every request gets the tokens it gets at tp_size 1, and every slot is back."""
+    single, _, expected = run(model_dir, params, **settings)
+    engine, fault, got = run(model_dir, params, inject, tp_size=2, **settings)
+    try:
+        assert fault.raised == failures
+        assert got == expected
+        assert engine.cache_stats()["alloc_failures"] == failures
+        assert engine.core.ranks.tp.generation == failures  # one new group per step given up
+        # The new group computes as the first did: the same follow-up as the tp_size 1 engine's.
+        follow_up = prompts()[:3]
+        assert [r["output_ids"] for r in engine.generate(input_ids=follow_up, sampling_params=params)] == \
+            [r["output_ids"] for r in single.generate(input_ids=follow_up, sampling_params=params)]
+        check_idle(engine)
+    finally:
+        engine.shutdown()

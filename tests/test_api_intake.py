@@ -17,10 +17,10 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from conftest import ServerProcess
-from radixserve.engine.io_struct import AbortRequest, GenerateRequest
+from radixserve.engine.messages import AbortRequest, GenerateRequest
 from radixserve.http_common.errors import _validation_error
 from radixserve.sampling_params import SamplingParams
-from radixserve.server import messages as m
+from radixserve.engine import messages as m
 from radixserve.http_common.paced_http import IterationGate
 from radixserve.server.intake import MsgspecJSONRequest
 from radixserve.server.protocol import CompletionRequest, GenerateBody
@@ -134,7 +134,7 @@ def test_engine_messages_waiting_together_reach_each_request_merged():
     outputs of those steps reach it merged (one event to write), outputs before an error first,
     control replies answered, a finished request nobody waits for reported. Over real ZMQ sockets,
     the messages sent before the reader runs."""
-    from radixserve.engine.io_struct import RequestOutput
+    from radixserve.engine.messages import RequestOutput
     from radixserve.server.engine_client import EngineClient, RequestGroup
 
     def out(rid: str, *ids: int, **kw) -> RequestOutput:
@@ -175,7 +175,7 @@ def test_a_backlog_of_engine_outputs_is_decoded_over_short_iterations():
     one event-loop iteration held every other stream and request for tens of milliseconds. The
     backlog is decoded at most OUTPUTS_DECODED_PER_ITERATION outputs per iteration, then handed
     out OUTPUTS_PER_ITERATION per iteration, and still reaches each request as one merged output."""
-    from radixserve.engine.io_struct import RequestOutput
+    from radixserve.engine.messages import RequestOutput
     from radixserve.server import engine_client as ec
 
     steps, rids = ec.MESSAGES_PER_READ, [f"r{i}" for i in range(1024)]

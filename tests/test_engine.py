@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from radixserve import Engine
-from radixserve.engine.io_struct import GenerateRequest
+from radixserve.engine.messages import GenerateRequest
 from radixserve.model.config import ModelConfig
 from radixserve.sampling_params import SamplingParams
 from radixserve.testing.tiny_model import build_tiny_model
@@ -154,7 +154,7 @@ def test_abort_while_a_step_is_in_flight(oracle):
     path, prompts, expected = oracle
     engine = Engine(str(path), max_total_tokens=4096)
     core = engine.core
-    from radixserve.engine.io_struct import GenerateRequest
+    from radixserve.engine.messages import GenerateRequest
     from radixserve.sampling_params import sampling_params_from_dict
 
     rids = [f"r{i}" for i in range(len(prompts))]
@@ -200,7 +200,7 @@ def test_warmup_leaves_no_trace(oracle):
 def test_step_indices_start_on_16_byte_boundaries(tiny_dir):
     """Every index tensor of an eager step is a 16-byte aligned view of one buffer, whatever the
     batch's lengths (GPU kernels compile one variant per pointer alignment)."""
-    from radixserve.engine.io_struct import GenerateRequest
+    from radixserve.engine.messages import GenerateRequest
     from radixserve.sampling_params import sampling_params_from_dict
 
     engine = Engine(str(tiny_dir), max_total_tokens=4096)
@@ -383,7 +383,7 @@ def test_slow_steps_are_logged_with_their_batch(tiny_dir, caplog):
     are no kernel compiles or allocator retries to report."""
     import logging
 
-    from radixserve.server.engine_process import SlowStepWatch
+    from radixserve.engine.engine_process import SlowStepWatch
 
     engine = Engine(str(tiny_dir), max_total_tokens=4096)
     watch = SlowStepWatch(cuda=False, threshold_s=0.0)

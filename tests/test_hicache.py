@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from radixserve import Engine
-from radixserve.engine.io_struct import GenerateRequest
+from radixserve.engine.messages import GenerateRequest
 from radixserve.sampling_params import SamplingParams
 from radixserve.testing.tiny_model import build_tiny_model
 from test_engine import GREEDY, check_idle, hf_greedy, make_prompts

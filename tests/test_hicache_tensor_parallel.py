@@ -23,7 +23,7 @@ from test_engine import GREEDY, check_idle, hf_greedy, make_prompts
 from radixserve import Engine
 from radixserve.cache.host_pool import HostKVPool, make_copy_engine
 from radixserve.cache.kv_pool import KVPool
-from radixserve.engine.io_struct import GenerateRequest
+from radixserve.engine.messages import GenerateRequest
 from radixserve.sampling_params import SamplingParams
 from radixserve.testing.tiny_model import build_tiny_model
 

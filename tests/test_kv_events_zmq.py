@@ -306,7 +306,7 @@ def test_late_subscriber_replays_host_tier_blocks_and_rank(server_model_dir, ser
 def test_map_layout_is_recent_vllms_tagged_maps():
     """event_layout "map": each event a map with its class name under "type", required fields
     present even when nil, as recent vLLM releases send them."""
-    from radixserve.server.kv_publisher import event_record
+    from radixserve.engine.kv_publisher import event_record
 
     stored = ("BlockStored", [1, 2], None, list(range(8)), "GPU")
     assert msgpack.unpackb(msgpack.packb(event_record(stored, 4, "map"))) == {

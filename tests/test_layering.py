@@ -28,6 +28,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "radixserve"
 LAYERS: list[tuple[str, set[str]]] = [
     # shared types and settings
     ("leaf", {"settings", "sampling_params", "validation", "default_model", "kv_events_config", "chat_formats"}),
+    ("process", {"process"}),  # what every process does for itself (logging, GC, spawning a child): no torch
     ("grammar", {"grammar"}),  # constrained decoding: xgrammar behind a small interface
     ("cache", {"cache"}),
     ("kernels", {"kernels"}),
@@ -47,6 +48,7 @@ LAYERS: list[tuple[str, set[str]]] = [
 # change: make it here, in review, not by accident.
 ALLOWED: dict[str, set[str]] = {
     "leaf": set(),
+    "process": set(),
     "grammar": {"leaf"},
     "cache": set(),
     "kernels": set(),
@@ -54,12 +56,12 @@ ALLOWED: dict[str, set[str]] = {
     "attention": {"cache", "kernels"},
     "model": {"leaf", "kernels", "distributed", "attention"},
     "scheduler": {"leaf", "cache"},
-    "engine": {"leaf", "grammar", "cache", "kernels", "distributed", "attention", "model", "scheduler"},
+    "engine": {"leaf", "process", "grammar", "cache", "kernels", "distributed", "attention", "model", "scheduler"},
     "http_common": set(),
-    # The engine process lives in server/ today (so server -> engine); the start-up check reads a
-    # checkpoint's quantization config (server -> model).
-    "server": {"leaf", "grammar", "cache", "model", "engine", "http_common"},
-    "router": {"leaf", "cache", "http_common"},
+    # The API process speaks the engine process's messages (server -> engine); the start-up check
+    # reads a checkpoint's quantization config (server -> model).
+    "server": {"leaf", "process", "grammar", "cache", "model", "engine", "http_common"},
+    "router": {"leaf", "process", "cache", "http_common"},
     "entry": {name for name, _ in LAYERS[:-1]},
 }
 # Edges that must never exist: the scheduler decides with positions and the cache alone, the router
@@ -71,10 +73,16 @@ NEVER: set[tuple[str, str]] = {
     ("http_common", "engine"), ("http_common", "server"), ("http_common", "model"),
     ("grammar", "engine"), ("grammar", "model"),
 }
-# The API server's and the router's modules: importing them loads no torch (the Hugging Face
-# tokenizer they load at start-up still imports it, through transformers).
+# The engine process's modules the API process imports: the messages it speaks, the detokenizer's
+# text rules, the KV publisher's address check. Everything else under engine/ runs only in the
+# engine process and its ranks.
+API_SIDE_ENGINE = {"radixserve.engine.messages", "radixserve.engine.detokenize", "radixserve.engine.kv_publisher"}
+# Importing these loads no torch: the API server's and the router's modules, the engine modules the
+# API imports, and every process helper (the Hugging Face tokenizer loaded at start-up still
+# imports torch, through transformers, when it loads).
 TORCH_FREE = ("radixserve.server.api_server", "radixserve.launch_server", "radixserve.router.app",
-              "radixserve.launch_router")
+              "radixserve.launch_router", *sorted(API_SIDE_ENGINE), "radixserve.process.spawn",
+              "radixserve.process.logging_setup", "radixserve.process.gc_tuning", "radixserve.process.tokenizer")
 
 # A helper for tests and entry points only: it may import the leaf layer, and only the entry layer
 # and default_model (which resolves the built-in tiny model for the entry points) may import it.
@@ -212,6 +220,18 @@ def test_the_allowed_edges_run_downward_and_avoid_the_nevers():
     for importer, imported in ALLOWED.items():
         assert all(rank[low] < rank[importer] for low in imported), f"{importer}: {imported} not all below it"
     assert {(a, b) for a, bs in ALLOWED.items() for b in bs} & NEVER == set()
+
+
+def test_the_api_process_imports_only_the_engine_modules_it_speaks_with(graph):
+    reached = {(a, b) for a, targets in graph.items() if a.startswith("radixserve.server.")
+               for b in targets if b.startswith("radixserve.engine.") and b not in API_SIDE_ENGINE}
+    assert reached == set(), "server/ runs in the API process: it may import only API_SIDE_ENGINE of engine/"
+
+
+def test_the_process_helpers_are_every_process_module():
+    """process/ holds exactly the helpers TORCH_FREE checks, so a new one is checked too."""
+    helpers = {name for name in all_modules() if name.startswith("radixserve.process.")}
+    assert helpers == {name for name in TORCH_FREE if name.startswith("radixserve.process.")}
 
 
 def test_the_api_process_and_the_router_import_no_torch():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from radixserve import Engine
-from radixserve.engine.io_struct import GenerateRequest
+from radixserve.engine.messages import GenerateRequest
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.request import ReqState
 from radixserve.testing.tiny_model import build_tiny_model

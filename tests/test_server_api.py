@@ -422,7 +422,7 @@ def test_queued_outputs_of_one_request_are_merged():
     """Outputs of a request already waiting when the stream reads are merged (tokens of all, the
     end and counts of the last, the first-token time of the first); other requests' outputs and
     errors keep their place."""
-    from radixserve.engine.io_struct import RequestOutput
+    from radixserve.engine.messages import RequestOutput
     from radixserve.server.engine_client import EngineClient, EngineRequestError, RequestGroup
     from radixserve.settings import ServerSettings
 
@@ -482,8 +482,8 @@ def test_long_texts_are_tokenized_off_the_event_loop(server_model_dir):
     long text is encoded in the tokenizer pool, a text no context could hold is never encoded."""
     import threading
 
-    from radixserve.engine.core import load_tokenizer
-    from radixserve.server import messages as m
+    from radixserve.process.tokenizer import load_tokenizer
+    from radixserve.engine import messages as m
     from radixserve.server.errors import APIError
     from radixserve.server.serving import INLINE_TOKENIZE_CHARS, ServingContext
     from radixserve.settings import ServerSettings

@@ -107,7 +107,7 @@ def test_log_lines_cannot_be_forged(logged_server):
 
 
 def test_every_record_is_one_escaped_line():
-    from radixserve.server.logging_setup import OneLineFormatter
+    from radixserve.process.logging_setup import OneLineFormatter
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
@@ -286,7 +286,7 @@ def test_kv_hash_events_keep_a_mirror_equal_to_the_tree():
     from radixserve.cache.kv_pool import PageAllocator
     from radixserve.cache.radix_cache import RadixCache
     from radixserve.router.prefix_tree import BlockHashMirror
-    from radixserve.server.engine_intake import KvHashEvents
+    from radixserve.engine.engine_intake import KvHashEvents
 
     rng = random.Random(0)
     alloc = PageAllocator(600, 1)

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import REPO_ROOT, ServerProcess, free_port, seed_launch_args
 
-from radixserve.server import step_trace
+from radixserve.engine import step_trace
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -232,7 +232,7 @@ def test_long_garbage_collections_are_logged(caplog):
     import gc
     import logging
 
-    from radixserve.http_common.gc_tuning import log_long_collections
+    from radixserve.process.gc_tuning import log_long_collections
 
     callback = log_long_collections("test-process", threshold_s=0.0)
     try:
@@ -254,7 +254,7 @@ def test_full_collection_governor_collects_fully_only_when_idle_or_after_max_bus
 
     import logging
 
-    from radixserve.http_common.gc_tuning import FullCollectionGovernor, log_long_collections
+    from radixserve.process.gc_tuning import FullCollectionGovernor, log_long_collections
 
     class Node:
         pass

@@ -13,7 +13,6 @@ A constrained request waits outside the scheduler until its grammar is compiled
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -22,21 +21,17 @@ from typing import Any, Optional
 import torch
 
 from radixserve.cache.host_pool import HostKVPool
-from radixserve.cache.kv_pool import ReqToTokenPool
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.tiered_cache import TieredRadixCache, make_tiered_cache
-from radixserve.distributed import TensorParallel, check_divisible
+from radixserve.distributed import TensorParallel
 from radixserve.engine.cpu_affinity import bind_near_gpu
 from radixserve.engine.grammar_wait import GrammarWaitlist
-from radixserve.engine.io_struct import GenerateRequest, RequestOutput
-from radixserve.engine.model_runner import ModelRunner
+from radixserve.engine.messages import GenerateRequest, RequestOutput
 from radixserve.engine.model_stack import host_tier_tokens, load_rank_model, make_kv_memory
-from radixserve.engine.tensor_parallel import (RecordingReqToTokenPool, SharedSampledTokens, TensorParallelLeader,
-                                               TensorParallelRunner, check_tp_devices)
+from radixserve.engine.tensor_parallel import start_ranks
 from radixserve.grammar.spec import grammar_spec
 from radixserve.model.config import ModelConfig
-from radixserve.model.moe_config import check_moe_layout
-from radixserve.model.quantization import check_block_alignment
+from radixserve.process.tokenizer import load_tokenizer
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.batch import ScheduledBatch, StepInFlight
@@ -49,15 +44,6 @@ logger = logging.getLogger("radixserve")
 GRAMMAR_WAIT_S = 0.005
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def load_tokenizer(path: str):
-    """The model directory's Hugging Face tokenizer, or None when it has none (input_ids only)."""
-    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 @dataclass
@@ -86,39 +72,22 @@ class EngineCore:
         self.tokenizer = load_tokenizer(settings.tokenizer_path or self.model_path)
         self.context_len = settings.context_length or self.model_config.max_position_embeddings
 
-        self.tp_leader = self._start_ranks()
+        # This rank's group: alone at tp_size 1 (no process group, identity collectives), else the
+        # other ranks' processes. Nothing below asks which.
+        self.ranks = start_ranks(settings, self.model_config, self.device)
+        self.device = self.ranks.device
         try:
-            self._build(settings, self.tp_leader.tp if self.tp_leader is not None else None)
+            self._build(settings, self.ranks.tp)
         except BaseException:
             self.shutdown()  # a tensor-parallel engine that failed to start stops its other ranks
             raise
 
-    def _start_ranks(self) -> Optional[TensorParallelLeader]:
-        """With tp_size > 1, the other ranks' processes joined in one group with this one (rank 0)."""
-        tp_size = self.settings.tp_size
-        if tp_size == 1:
-            return None
-        cfg = self.model_config
-        check_divisible(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dense_intermediate_size, tp_size)
-        if cfg.hybrid is not None and cfg.hybrid.linear_num_k_heads % tp_size:
-            raise ValueError(f"tp_size={tp_size} does not divide the model's {cfg.hybrid.linear_num_k_heads} "
-                             "linear-attention key heads")
-        check_block_alignment(cfg.quantization, head_dim=cfg.head_dim, num_heads=cfg.num_attention_heads,
-                              num_kv_heads=cfg.num_key_value_heads, intermediate_size=cfg.dense_intermediate_size,
-                              tp_size=tp_size)
-        check_moe_layout(cfg.moe, cfg.quantization, tp_size)
-        self.device = check_tp_devices(tp_size, self.device, self.settings.nnodes)
-        if self.settings.tp_all_reduce == "symm-mem" and self.device.type != "cuda":
-            raise ValueError("tp_all_reduce=symm-mem needs CUDA GPUs")
-        return TensorParallelLeader(self.settings, self.device)
-
-    def _build(self, settings: ServerSettings, tp: Optional[TensorParallel]) -> None:
+    def _build(self, settings: ServerSettings, tp: TensorParallel) -> None:
         """The model (this rank's shard), KV memory, radix cache, scheduler and model runner."""
         self.model, self.attn_backend = load_rank_model(settings, self.device, self.dtype, self.context_len, tp)
         cfg = self.model_config
         self.kv_pool, self.req_to_token, self.memory_plan = make_kv_memory(
-            settings, self.model, self.device, self.dtype, self.context_len, tp,
-            table_cls=RecordingReqToTokenPool if tp is not None else ReqToTokenPool)
+            settings, self.model, self.device, self.dtype, self.context_len, tp, table_cls=self.ranks.table_cls)
         max_running = self.req_to_token.max_requests
         self.cache = self._make_cache(tp)
         eos = list(cfg.eos_token_ids)
@@ -126,16 +95,11 @@ class EngineCore:
             eos.append(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(settings, self.cache, self.req_to_token, context_len=self.context_len,
                                    eos_token_ids=eos, decode_text=self._decode_tail if self.tokenizer else None)
-        runner_kwargs = dict(cuda_graph_max_bs=min(settings.cuda_graph_max_bs, max_running),
-                             disable_cuda_graph=settings.disable_cuda_graph)
-        if self.tp_leader is None:
-            self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, self.device, settings.random_seed,
-                                      **runner_kwargs)
-        else:
-            copier = self.cache.copier if isinstance(self.cache, TieredRadixCache) else None
-            self.runner = TensorParallelRunner(
-                self.model, self.kv_pool, self.req_to_token, self.device, settings.random_seed, **runner_kwargs,
-                send=self.tp_leader.send, copier=copier, sampled=SharedSampledTokens(max_running, self.device, tp))
+        self.runner = self.ranks.make_runner(
+            self.model, self.kv_pool, self.req_to_token, settings.random_seed,
+            copier=self.cache.copier if isinstance(self.cache, TieredRadixCache) else None,
+            cuda_graph_max_bs=min(settings.cuda_graph_max_bs, max_running),
+            disable_cuda_graph=settings.disable_cuda_graph)
         self.runner.eos_token_ids = sorted(set(eos))
         if self.memory_plan is not None:
             if self.runner.graphs is not None:
@@ -157,12 +121,11 @@ class EngineCore:
         if self.device.type == "cuda" and not settings.skip_warmup:
             self.warmup()
         logger.info("engine ready: model=%s device=%s dtype=%s weights=%s kv_cache=%s kv_pool=%d tokens page_size=%d "
-                    "max_running=%d%s", self.model_path, self.device, self.dtype,
+                    "max_running=%d tp_size=%d", self.model_path, self.device, self.dtype,
                     "fp8" if self.model.fp8 is not None else "unquantized", self.kv_pool.k_buffers[0].dtype,
-                    self.pool_size, settings.page_size, max_running,
-                    f" tp_size={settings.tp_size}" if tp is not None else "")
+                    self.pool_size, settings.page_size, max_running, tp.size)
 
-    def _make_cache(self, tp: Optional[TensorParallel]) -> RadixCache:
+    def _make_cache(self, tp: TensorParallel) -> RadixCache:
         s = self.settings
         if self.model_config.has_recurrent_state:
             # A request resumed from a cached prefix needs the recurrent state at the prefix's end,
@@ -182,15 +145,14 @@ class EngineCore:
                               disable=s.disable_radix_cache)
         per_token = HostKVPool.token_bytes(self.kv_pool)
         tokens = host_tier_tokens(s, self.kv_pool, tp)
-        logger.info("host tier: %d tokens (%.1f GB%s), %s", tokens, tokens * per_token / 1e9,
-                    f" on each of {tp.size} ranks" if tp is not None else "", s.hicache_write_policy)
+        logger.info("host tier: %d tokens (%.1f GB) on each of %d rank(s), %s", tokens, tokens * per_token / 1e9,
+                    tp.size, s.hicache_write_policy)
         return make_tiered_cache(self.kv_pool, tokens, eviction_policy=s.radix_eviction_policy,
                                  write_through=s.hicache_write_policy == "write_through")
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any (a tp_size 1 engine holds nothing to stop)."""
-        if self.tp_leader is not None:
-            self.tp_leader.close()
+        self.ranks.close()
 
     @property
     def pool_size(self) -> int:
@@ -287,11 +249,9 @@ class EngineCore:
                     previous = None
                 self.in_flight = StepInFlight(batch, self.runner.launch_sampling(forward))
             except torch.OutOfMemoryError as e:
-                if self.tp_leader is not None:
-                    raise  # the other ranks are inside this step's collectives: it cannot be taken back
                 outputs += self._recover_from_alloc_failure(batch, previous, e)
                 previous = None
-        elif isinstance(self.runner, TensorParallelRunner):
+        else:
             self.runner.send_copies()  # loads started while every request waits: every rank starts them now
         outputs += self._collect(previous)
         if not self.overlap:
@@ -305,7 +265,8 @@ class EngineCore:
                                     error: torch.OutOfMemoryError) -> list[RequestOutput]:
         """A step the device could not allocate for: take it back (its requests keep their places
         and their computed KV), collect the step before it, make later steps smaller, and hand the
-        allocator's cached blocks back so the next step starts unfragmented. The engine goes on."""
+        allocator's cached blocks back so the next step starts unfragmented. The engine goes on;
+        under tensor parallelism every rank gives the step up with it (`abandon_step`)."""
         self.scheduler.take_back(batch)  # before `previous` is collected: nothing half computed is cached
         outputs = self._collect(previous)
         change, failed = self.scheduler.shrink_steps(batch)
@@ -315,6 +276,7 @@ class EngineCore:
             self.scheduler.restart(batch.reqs)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        self.runner.abandon_step()
         logger.warning("a step of %d requests (%d new tokens) could not allocate device memory (%s); %s",
                        len(batch.reqs), batch.num_new_tokens, str(error).split("\n")[0][:200], change)
         return outputs + [request_output(r) for r in failed]

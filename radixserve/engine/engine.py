@@ -14,7 +14,7 @@ from radixserve.cache.host_memory import check_host_memory
 from radixserve.default_model import ensure_model_path
 from radixserve.engine.core import EngineCore, new_request_id
 from radixserve.engine.detokenize import decode_output
-from radixserve.engine.io_struct import GenerateRequest, RequestOutput
+from radixserve.engine.messages import GenerateRequest, RequestOutput
 from radixserve.grammar.spec import check_grammar, grammar_spec
 from radixserve.model.config import ModelConfig
 from radixserve.sampling_params import sampling_params_from_dict

@@ -245,12 +245,48 @@ class ModelRunner:
     # ------------------------------------------------------------------ the step
     def run_model(self, sb: ScheduledBatch, prompt: Optional[PromptLogprobPlan] = None) -> torch.Tensor:
         """Logits of the sampling rows, in batch order (a graph's output view for decode), then
-        those of the prompt log probability rows."""
+        those of the prompt log probability rows. The engine's one graph-or-eager choice: a
+        decode-only batch a captured graph covers replays it (`parts`: its five columns), anything
+        else runs eagerly (`parts`: `batch_parts`); every rank runs what is chosen here."""
         if sb.is_decode_only and self.graphs is not None and self.graphs.can_run(len(sb.reqs)):
+            graph, decode, parts, resolve = True, True, self.decode_columns(sb), False
+        else:
+            graph = False
+            decode, parts, resolve = self.batch_parts(sb, prompt.token_rows if prompt is not None else None)
+        self.announce(sb, graph, decode, parts, resolve)
+        return self.run_parts(graph, decode, parts, resolve)
+
+    def announce(self, sb: ScheduledBatch, graph: bool, decode: bool, parts: Sequence[list[int]],
+                 resolve: bool) -> None:
+        """Hand the chosen step to the other ranks before running it: rank 0 of a tensor-parallel
+        engine sends it (`TensorParallelRunner`); an engine of one rank has no one to tell."""
+
+    def send_copies(self) -> None:
+        """Hand host-tier copies issued in a step that launched nothing to the other ranks (see
+        `TensorParallelRunner`); an engine of one rank has no one to tell."""
+
+    def abandon_step(self) -> None:
+        """After a step given up part-way (the engine took it back): what the other ranks need to
+        go on (`TensorParallelRunner`); an engine of one rank has nothing half done elsewhere."""
+
+    def recapture_graphs(self) -> None:
+        """Capture the decode graphs again: after a tensor-parallel group was left and joined
+        anew, the collectives the old graphs captured belong to a group that is gone."""
+        if self.graphs is None:
+            return
+        max_bs = self.graphs.max_bs
+        self.graphs = None  # the old graphs and their pool go back to the device first
+        torch.cuda.empty_cache()
+        self.graphs = DecodeCudaGraphs(self.model, self.kv_pool, self.req_to_token, self.device, max_bs, self.sampled)
+        self.graphs.capture()
+
+    def run_parts(self, graph: bool, decode: bool, parts: Sequence[list[int]], resolve: bool) -> torch.Tensor:
+        """Run a step as `run_model` chose it (on rank 0, or as rank 0 sent it)."""
+        if graph:
             self.num_graph_steps += 1
-            return self.graphs.replay(*self.decode_columns(sb))
+            return self.graphs.replay(*parts)
         self.num_eager_steps += 1
-        return self.model(self.build_forward_batch(sb, prompt.token_rows if prompt is not None else None))
+        return self.model(self.batch_from_parts(decode, tuple(parts), resolve))
 
     @torch.inference_mode()
     def launch(self, sb: ScheduledBatch) -> StepFuture:

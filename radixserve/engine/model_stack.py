@@ -1,5 +1,8 @@
 """What every rank of an engine builds the same way: the attention backend, the model (or its
-shard) and the KV memory sized for it (with a hybrid model's recurrent state pool beside it)."""
+shard) and the KV memory sized for it (with a hybrid model's recurrent state pool beside it).
+
+Every function takes the rank's `TensorParallel`; a tp_size 1 engine passes `SingleRank`, whose
+collectives are identities, so nothing here asks how many ranks there are."""
 
 from __future__ import annotations
 
@@ -51,8 +54,8 @@ def make_attention_backend(choice: str, device: torch.device):
 
 
 def load_rank_model(settings: ServerSettings, device: torch.device, dtype: torch.dtype, context_len: int,
-                    tp: Optional[TensorParallel]):
-    """The model (this rank's shard of it under tensor parallelism) and its attention backend."""
+                    tp: TensorParallel):
+    """The model (this rank's shard of it) and its attention backend."""
     from radixserve.model.loader import load_model
 
     backend = make_attention_backend(settings.attention_backend, device)
@@ -60,7 +63,7 @@ def load_rank_model(settings: ServerSettings, device: torch.device, dtype: torch
                           attn_backend=backend, seed=settings.random_seed, context_length=context_len,
                           decode_gemm_max_rows=settings.decode_gemm_max_rows, tp=tp,
                           quantization=settings.quantization)
-    if tp is not None and settings.tp_all_reduce == "symm-mem":
+    if settings.tp_all_reduce == "symm-mem":
         # Decode steps' messages: up to the largest CUDA-graph batch of [rows, hidden].
         rows = min(settings.cuda_graph_max_bs, settings.resolved_max_running_requests(device.type))
         tp.use_symmetric_memory(dtype, rows * model.config.hidden_size)
@@ -68,7 +71,7 @@ def load_rank_model(settings: ServerSettings, device: torch.device, dtype: torch
 
 
 def make_kv_memory(settings: ServerSettings, model, device: torch.device, dtype: torch.dtype, context_len: int,
-                   tp: Optional[TensorParallel], table_cls: type = ReqToTokenPool
+                   tp: TensorParallel, table_cls: type = ReqToTokenPool
                    ) -> tuple[KVPool, ReqToTokenPool, Optional[MemoryPlan]]:
     """This rank's KV pool (its KV heads of every slot, in --kv-cache-dtype: an FP8 pool holds
     twice the tokens in the same bytes, with the model's per-layer scales), the req_to_token
@@ -81,9 +84,7 @@ def make_kv_memory(settings: ServerSettings, model, device: torch.device, dtype:
     max_running = settings.resolved_max_running_requests(device.type)
     spec = state_spec(model, getattr(torch, settings.mamba_ssm_dtype))
     if spec is not None and device.type == "cuda" and settings.max_running_requests is None:
-        max_running = min(max_running, state_rows_that_fit(settings, spec, device))
-        if tp is not None:
-            max_running = tp.min_int(max_running)
+        max_running = tp.min_int(min(max_running, state_rows_that_fit(settings, spec, device)))
     table = table_cls(max_running, context_len + 1, device)
     state = RecurrentStatePool(max_running, spec, device) if spec is not None else None
     plan: Optional[MemoryPlan] = None
@@ -98,9 +99,7 @@ def make_kv_memory(settings: ServerSettings, model, device: torch.device, dtype:
         tokens = plan.kv_pool_tokens
     else:
         tokens = CPU_KV_POOL_TOKENS
-    tokens -= tokens % settings.page_size
-    if tp is not None:
-        tokens = tp.min_int(tokens)
+    tokens = tp.min_int(tokens - tokens % settings.page_size)
     if plan is not None and tokens != plan.kv_pool_tokens:
         plan.kv_pool_bytes = plan.kv_pool_bytes // plan.kv_pool_tokens * tokens
         plan.kv_pool_tokens = tokens
@@ -134,7 +133,7 @@ def state_rows_that_fit(settings: ServerSettings, spec: RecurrentStateSpec, devi
     return min(rows, default)
 
 
-def host_tier_tokens(settings: ServerSettings, kv_pool: KVPool, tp: Optional[TensorParallel]) -> int:
+def host_tier_tokens(settings: ServerSettings, kv_pool: KVPool, tp: TensorParallel) -> int:
     """Slots of this rank's host tier (0: none): --hicache-size GB of this rank's KV bytes per
     token (so per rank), or --hicache-ratio times the device pool. Every rank of a
     tensor-parallel engine gets the same number, the fewest any rank computed: rank 0's tree numbers
@@ -142,4 +141,4 @@ def host_tier_tokens(settings: ServerSettings, kv_pool: KVPool, tp: Optional[Ten
     if not settings.hicache_enabled:
         return 0
     tokens = settings.hicache_tokens(kv_pool.allocator.total_tokens, HostKVPool.token_bytes(kv_pool))
-    return tp.min_int(tokens) if tp is not None else tokens
+    return tp.min_int(tokens)

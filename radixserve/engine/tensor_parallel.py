@@ -27,11 +27,18 @@ its node's ranks as above; every other node's `launch_server --node-rank K` star
 messages go over TCP, one PUSH socket per remote rank that rank 0 binds and advertises in the
 store; a remote rank idle between steps checks the store, so it ends when rank 0 is gone.
 
+A step rank 0 cannot allocate for is taken back on every rank (see `TensorParallelRunner.
+abandon_step`): rank 0 decides, tells the others (`RejoinGroup`), and every rank leaves the
+process group and joins a new one, because the others may be waiting inside that step's
+collectives, which cannot be taken back. A rank other than 0 that cannot allocate ends, and the
+engine with it, as when it dies: rank 0 holds everything a rank holds plus the sampler's buffers,
+so it is the one that runs short first.
+
 A rank that dies takes the engine down: rank 0 watches the processes and exits with a log line
 naming the rank (collectives with a dead peer would hang on NCCL); the server's engine-death
 path then ends the server. A rank stopped for RANK_STOPPED_LIMIT_S (SIGSTOP) counts as dead too
 (it is killed): otherwise every request would hang on its collectives for their 300 s timeout.
-The other ranks die with rank 0 (parent-death signal).
+The other ranks die with rank 0 (the parent-death signal of `radixserve.process.spawn`).
 """
 
 from __future__ import annotations
@@ -43,7 +50,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -56,11 +62,14 @@ import zmq
 
 from radixserve.cache.host_pool import CopyEngine, CopyOrder
 from radixserve.cache.kv_pool import ReqToTokenPool, TableWrites
-from radixserve.distributed import TensorParallel, destroy, init_tensor_parallel
+from radixserve.distributed import SingleRank, TensorParallel, check_divisible, destroy, init_tensor_parallel
 from radixserve.distributed.group import open_store
-from radixserve.engine.model_runner import ModelRunner
-from radixserve.engine.prompt_logprobs import PromptLogprobPlan
+from radixserve.engine.model_runner import LaunchedForward, ModelRunner
 from radixserve.engine.sampled_tokens import LastSampledTokens
+from radixserve.model.config import ModelConfig
+from radixserve.model.moe_config import check_moe_layout
+from radixserve.model.quantization import check_block_alignment
+from radixserve.process.spawn import spawn_child
 from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.settings import ServerSettings
 
@@ -101,6 +110,14 @@ class StepMessage:
     table_writes: Optional[tuple[array, array, array]]
     sample_rows: array
     copies: Optional[CopyBatch] = None
+
+
+@dataclass
+class RejoinGroup:
+    """Rank 0 gave a step up: leave the group and join a new one. `abandoned`: the last step
+    rank 0 sent is the one given up (wait only for the work queued before it; its own collectives
+    may never complete); else every step sent completed on rank 0 and may be waited for whole."""
+    abandoned: bool
 
 
 class RecordingReqToTokenPool(ReqToTokenPool):
@@ -146,11 +163,15 @@ class TensorParallelRunner(ModelRunner):
     """Rank 0's model runner: sends each step to the other ranks before running it itself.
     `copier`: the host tier's copy engine, whose copies go to the other ranks with the steps."""
 
-    def __init__(self, *args, send: Callable[[StepMessage | CopyBatch], None], copier: Optional[CopyEngine] = None,
-                 **kwargs):
+    def __init__(self, *args, send: Callable[[StepMessage | CopyBatch | RejoinGroup], None], tp: TensorParallel,
+                 copier: Optional[CopyEngine] = None, **kwargs):
         self.send = send
+        self.tp = tp
         self.copier = copier
         self.sent_done_seq = 0
+        self.announced = False  # the step being launched went to the other ranks
+        self.forward_queued = False  # ... and all of its forward pass was queued here too
+        self.announced_tokens = 0
         if copier is not None:
             copier.orders = []
         super().__init__(*args, **kwargs)
@@ -171,21 +192,83 @@ class TensorParallelRunner(ModelRunner):
         if copies is not None:
             self.send(copies)
 
-    def run_model(self, sb: ScheduledBatch, prompt: Optional[PromptLogprobPlan] = None) -> torch.Tensor:
+    def announce(self, sb: ScheduledBatch, graph: bool, decode: bool, parts, resolve: bool) -> None:
+        """The step as `run_model` chose it, with the table writes and host-tier copies since the
+        last message, to every other rank; they run it with `run_parts`."""
         table = self.req_to_token
         assert isinstance(table, RecordingReqToTokenPool)
         rows = _ints(r.req_pool_idx for r, s in zip(sb.reqs, sb.sample) if s)
-        if sb.is_decode_only and self.graphs is not None and self.graphs.can_run(len(sb.reqs)):
-            columns = self.decode_columns(sb)
-            self.send(StepMessage(True, True, False, tuple(_ints(c) for c in columns), table.take(), rows,
-                                  self.take_copies()))
-            self.num_graph_steps += 1
-            return self.graphs.replay(*columns)
-        decode, parts, resolve = self.batch_parts(sb, prompt.token_rows if prompt is not None else None)
-        self.send(StepMessage(False, decode, resolve, tuple(_ints(p) for p in parts), table.take(), rows,
+        self.send(StepMessage(graph, decode, resolve, tuple(_ints(p) for p in parts), table.take(), rows,
                               self.take_copies()))
-        self.num_eager_steps += 1
-        return self.model(self.batch_from_parts(decode, parts, resolve))
+        self.announced, self.announced_tokens = True, len(parts[0])
+
+    def launch_forward(self, sb: ScheduledBatch) -> LaunchedForward:
+        self.announced = self.forward_queued = False
+        forward = super().launch_forward(sb)
+        self.forward_queued = True
+        return forward
+
+    def abandon_step(self) -> None:
+        """Rank 0 could not finish a step (the engine has taken it back): the other ranks may be
+        inside its collectives, waiting for rank 0's part of a sum or of the sampled ids, so every
+        rank leaves the group and joins a new one, and captures its decode graphs again. The step's
+        table writes and copies were applied everywhere; KV it wrote lies in slots taken back.
+
+        Except when the forward failed part-way with its all-reduces small enough for symmetric
+        memory: the others then wait in a kernel no abort stops, and the engine ends (RuntimeError)."""
+        if self.announced and not self.forward_queued and \
+                self.tp.fast_path_may_take(self.announced_tokens * self.model.config.hidden_size):
+            raise RuntimeError("a step failed inside its forward pass while the other ranks may wait in a "
+                               "symmetric-memory all-reduce, which cannot be abandoned: the engine ends")
+        self.send(RejoinGroup(abandoned=self.announced))
+        if self.device.type == "cuda":
+            # What this rank queued is matched by the others (they were sent the whole step): it ends.
+            torch.cuda.synchronize(self.device)
+        self.tp.rejoin()
+        self.recapture_graphs()
+
+
+class LoneRank:
+    """Rank 0 of a tp_size 1 engine, the degenerate group: no other process, no process group
+    (`SingleRank`: every collective the identity), nothing to send or stop. The engine builds and
+    runs through it as through `TensorParallelLeader`, so it never asks the tp size."""
+
+    table_cls = ReqToTokenPool
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.size = 1
+        self.tp: TensorParallel = SingleRank(device)
+
+    def make_runner(self, model, kv_pool, table: ReqToTokenPool, seed: int, copier: Optional[CopyEngine],
+                    **kwargs) -> ModelRunner:
+        return ModelRunner(model, kv_pool, table, self.device, seed, **kwargs)
+
+    def dead_rank(self, wait_s: float = 2.0) -> Optional[str]:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def start_ranks(settings: ServerSettings, cfg: ModelConfig, device: torch.device) -> "LoneRank | TensorParallelLeader":
+    """Rank 0's group: alone at tp_size 1; else the other ranks' processes, started and joined in
+    one group with this process once the model and device are known to split that many ways."""
+    tp_size = settings.tp_size
+    if tp_size == 1:
+        return LoneRank(device)
+    check_divisible(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dense_intermediate_size, tp_size)
+    if cfg.hybrid is not None and cfg.hybrid.linear_num_k_heads % tp_size:
+        raise ValueError(f"tp_size={tp_size} does not divide the model's {cfg.hybrid.linear_num_k_heads} "
+                         "linear-attention key heads")
+    check_block_alignment(cfg.quantization, head_dim=cfg.head_dim, num_heads=cfg.num_attention_heads,
+                          num_kv_heads=cfg.num_key_value_heads, intermediate_size=cfg.dense_intermediate_size,
+                          tp_size=tp_size)
+    check_moe_layout(cfg.moe, cfg.quantization, tp_size)
+    device = check_tp_devices(tp_size, device, settings.nnodes)
+    if settings.tp_all_reduce == "symm-mem" and device.type != "cuda":
+        raise ValueError("tp_all_reduce=symm-mem needs CUDA GPUs")
+    return TensorParallelLeader(settings, device)
 
 
 SETTINGS_KEY = "radixserve/tp-settings"
@@ -210,22 +293,18 @@ def rank0_settings(store, own: ServerSettings) -> tuple[ServerSettings, list[str
     return ServerSettings(**theirs), differ
 
 
-def rank_command(settings: ServerSettings, rank: int, store_host: str, store_port: int,
-                 control_addr: Optional[str] = None) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of rank `rank`'s process, a child of this one."""
-    env = dict(os.environ)
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "radixserve.engine.tp_worker", "--settings-json", json.dumps(settings.to_dict()),
-           "--rank", str(rank), "--store-host", store_host, "--store-port", str(store_port),
-           "--parent-pid", str(os.getpid())]
-    if control_addr is not None:
-        cmd += ["--control-addr", control_addr]
-    return cmd, env
+def spawn_rank(settings: ServerSettings, rank: int, store_host: str, store_port: int,
+               control_addr: Optional[str] = None) -> subprocess.Popen:
+    """Start rank `rank`'s process, a child of this one (rank 0, or another node's launcher)."""
+    extra = ["--control-addr", control_addr] if control_addr is not None else []
+    return spawn_child("radixserve.engine.tp_worker", settings.to_dict(), "--rank", str(rank),
+                       "--store-host", store_host, "--store-port", str(store_port), *extra)
 
 
 class TensorParallelLeader:
     """Rank 0's handle on the other ranks: their processes (this node's), their control sockets, the group."""
+
+    table_cls = RecordingReqToTokenPool  # every table write goes to the other ranks with the next step
 
     def __init__(self, settings: ServerSettings, device: torch.device,
                  on_rank_death: Optional[Callable[[str], None]] = None):
@@ -269,8 +348,7 @@ class TensorParallelLeader:
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(addr)
         self.sockets.append(sock)
-        cmd, env = rank_command(settings, rank, "127.0.0.1", store_port, control_addr=addr)
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        proc = spawn_rank(settings, rank, "127.0.0.1", store_port, control_addr=addr)
         self.procs.append(proc)
         logger.info("tensor-parallel rank %d: pid %d", rank, proc.pid)
 
@@ -285,7 +363,13 @@ class TensorParallelLeader:
         self.store.set(control_key(rank), f"tcp://{host}:{port}")
         logger.info("tensor-parallel rank %d: on another node, step messages on port %d", rank, port)
 
-    def send(self, msg: StepMessage | CopyBatch) -> None:
+    def make_runner(self, model, kv_pool, table: ReqToTokenPool, seed: int, copier: Optional[CopyEngine],
+                    **kwargs) -> ModelRunner:
+        """Rank 0's runner: sends each step (and `copier`'s host-tier copies) to the other ranks."""
+        return TensorParallelRunner(model, kv_pool, table, self.device, seed, **kwargs, send=self.send, tp=self.tp,
+                                    copier=copier, sampled=SharedSampledTokens(table.max_requests, self.device, self.tp))
+
+    def send(self, msg: StepMessage | CopyBatch | RejoinGroup) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self.sockets:
             sock.send(data, copy=False)

@@ -20,7 +20,7 @@ import time
 from types import FrameType
 from typing import Optional
 
-from radixserve.engine.tensor_parallel import rank_command
+from radixserve.engine.tensor_parallel import spawn_rank
 from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")
@@ -76,8 +76,7 @@ def run_node(settings: ServerSettings) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         for rank in ranks:
-            cmd, env = rank_command(settings, rank, host, port)
-            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
+            procs.append(spawn_rank(settings, rank, host, port))
         logger.info("node %d of %d: tensor-parallel ranks %d-%d of %d (pids %s) joining rank 0 at %s:%d",
                     settings.node_rank, settings.nnodes, ranks[0], ranks[-1], settings.tp_size,
                     ", ".join(str(p.pid) for p in procs), host, port)

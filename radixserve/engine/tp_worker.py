@@ -5,15 +5,14 @@ It joins the group, builds its shard of the model and of the KV pool exactly as 
 same collectives in the same order), then runs each step rank 0 sends (see
 radixserve.engine.tensor_parallel) until told to stop. It exits when rank 0 dies (a parent-death
 signal, a parent check while idle, or a collective failing); on another node, when its launcher
-dies or rank 0's store stops answering while it is idle.
+dies or rank 0's store stops answering while it is idle. It also exits when it cannot allocate for
+a step itself. When rank 0 gives a step up, this rank's collectives of that step fail (rank 0 left
+the group) or never complete (NCCL): it follows rank 0's `RejoinGroup` into a new group.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import os
 import pickle
 import signal
 import sys
@@ -30,13 +29,20 @@ from radixserve.engine.core import DTYPES
 from radixserve.engine.cpu_affinity import bind_near_gpu, one_host_thread
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.model_stack import host_tier_tokens, load_rank_model, make_kv_memory
-from radixserve.engine.tensor_parallel import CopyBatch, SharedSampledTokens, StepMessage, control_key, rank0_settings
+from radixserve.engine.tensor_parallel import (CopyBatch, RejoinGroup, SharedSampledTokens, StepMessage, control_key,
+                                               rank0_settings)
 from radixserve.model.config import ModelConfig
+from radixserve.process.gc_tuning import FullCollectionGovernor, govern_collections
+from radixserve.process.logging_setup import setup_logging
+from radixserve.process.spawn import child_arguments, die_with_parent, parent_gone
 from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")
 
 IDLE_POLL_MS = 1000
+# After a collective of a step failed, how long to wait for rank 0's order to join a new group
+# (rank 0 sends it before leaving the old one); none means rank 0 or another rank is gone.
+REJOIN_WAIT_MS = 10_000
 
 
 class WorkerRank:
@@ -55,6 +61,10 @@ class WorkerRank:
                                   cuda_graph_max_bs=min(settings.cuda_graph_max_bs, self.req_to_token.max_requests),
                                   disable_cuda_graph=settings.disable_cuda_graph, sampled=sampled)
         self.sampled = sampled
+        self.tp = tp
+        self.device = device
+        # Recorded before each step is queued (CUDA): what a rejoin waits for when that step is abandoned.
+        self.before_last_step: Optional[torch.cuda.Event] = None
 
     def _make_copier(self, settings: ServerSettings, tp: TensorParallel) -> Optional[CopyEngine]:
         """This rank's host tier (its KV shard's bytes, rank 0's slot numbering) and copy engine."""
@@ -76,32 +86,32 @@ class WorkerRank:
 
     @torch.inference_mode()
     def run_step(self, msg: StepMessage) -> None:
+        if self.device.type == "cuda":
+            self.before_last_step = torch.cuda.Event()
+            self.before_last_step.record()
         if msg.table_writes is not None:
             self.req_to_token.write_tensors(*(torch.frombuffer(a, dtype=torch.int64) for a in msg.table_writes))
         if msg.copies is not None:
             self.run_copies(msg.copies)
-        parts = tuple(p.tolist() for p in msg.parts)
-        if msg.graph:
-            self.runner.graphs.replay(*parts)
-        else:
-            self.model(self.runner.batch_from_parts(msg.decode, parts, msg.resolve))
+        self.runner.run_parts(msg.graph, msg.decode, [p.tolist() for p in msg.parts], msg.resolve)
         if msg.sample_rows:
             self.sampled.receive(msg.sample_rows)
 
+    @torch.inference_mode()
+    def rejoin(self, order: RejoinGroup) -> None:
+        """Leave the group and join rank 0's new one, once this rank's work that every rank queued
+        is done (on NCCL, the abandoned step's own kernels may wait forever: those are aborted)."""
+        if self.device.type == "cuda":
+            if order.abandoned and self.before_last_step is not None:
+                self.before_last_step.synchronize()
+            else:
+                torch.cuda.synchronize(self.device)
+        self.tp.rejoin()
+        self.runner.recapture_graphs()
 
-def _die_with_parent() -> None:
-    """SIGKILL when rank 0 dies: a rank left alone would wait on its collectives."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # best effort: the idle loop also checks the parent
-        pass
-
-
-def serve(rank: WorkerRank, sock: zmq.Socket, parent_pid: int, disconnects: Optional[zmq.Socket] = None) -> bool:
+def serve(rank: WorkerRank, sock: zmq.Socket, parent_pid: int, disconnects: Optional[zmq.Socket] = None,
+          gc_governor: Optional[FullCollectionGovernor] = None) -> bool:
     """Run rank 0's messages until told to stop (True) or until rank 0 is gone (False).
     `disconnects`: on another node than rank 0's, the control socket's monitor, which reports the
     TCP connection to rank 0 closing (no parent-death signal reaches across machines)."""
@@ -115,28 +125,39 @@ def serve(rank: WorkerRank, sock: zmq.Socket, parent_pid: int, disconnects: Opti
             logger.warning("tensor-parallel rank: the connection to rank 0 closed (rank 0 is gone); exiting")
             return False
         if not ready:
-            if os.getppid() != parent_pid:
+            if parent_gone(parent_pid):
                 logger.warning("tensor-parallel rank: its parent is gone; exiting")
                 return False
+            if gc_governor is not None:  # idle: a full collection here delays no step of any rank
+                gc_governor.maybe_collect(idle=True)
             continue
-        msg: Optional[StepMessage | CopyBatch] = pickle.loads(sock.recv())
+        msg: Optional[StepMessage | CopyBatch | RejoinGroup] = pickle.loads(sock.recv())
         if msg is None:
             return True
         if isinstance(msg, CopyBatch):
             rank.run_copies(msg)
+        elif isinstance(msg, RejoinGroup):
+            rank.rejoin(msg)
         else:
-            rank.run_step(msg)
+            try:
+                rank.run_step(msg)
+            except torch.OutOfMemoryError:
+                raise  # this rank ran short itself: it ends, and the engine with it, as when it dies
+            except RuntimeError:  # a collective failed: rank 0 gave the step up and left, or a rank died
+                if sock not in dict(poller.poll(REJOIN_WAIT_MS)):
+                    raise
+                order = pickle.loads(sock.recv())
+                if not isinstance(order, RejoinGroup):
+                    raise
+                logger.warning("tensor-parallel rank %d: rank 0 gave a step up; joining a new group", rank.tp.rank)
+                rank.rejoin(order)
 
 
 def worker_main(settings: ServerSettings, rank: int, store_port: int, control_addr: Optional[str], parent_pid: int,
                 store_host: str = "127.0.0.1") -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: rank 0 stops us
-    _die_with_parent()
-    handlers: list[logging.Handler] = [logging.StreamHandler()]
-    if settings.log_file:
-        handlers.append(logging.FileHandler(settings.log_file))
-    logging.basicConfig(level=settings.log_level.upper(), handlers=handlers,
-                        format=f"[%(asctime)s %(process)d %(levelname)s tp-rank {rank}] %(message)s")
+    die_with_parent(parent_pid)  # SIGTERM, no handler: it ends a rank at once, even inside a collective
+    setup_logging(settings.log_level, settings.log_file, label=f"tp-rank {rank}")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, 0)
@@ -148,6 +169,7 @@ def worker_main(settings: ServerSettings, rank: int, store_port: int, control_ad
     remote = rank >= settings.tp_ranks_per_node  # on another node than rank 0
     tp = None
     disconnects: Optional[zmq.Socket] = None
+    governor: Optional[FullCollectionGovernor] = None
     try:
         store = open_store(store_port, world_size=settings.tp_size, is_master=False, host=store_host)
         if remote:  # rank 0's settings rule every rank; its store says where its step messages come from
@@ -160,11 +182,15 @@ def worker_main(settings: ServerSettings, rank: int, store_port: int, control_ad
         tp = init_tensor_parallel(rank, settings.tp_size, device, store)
         worker = WorkerRank(settings, tp)
         one_host_thread(device)  # after loading, which may convert weights on the CPU
-        return 0 if serve(worker, sock, parent_pid, disconnects) else 1
+        # A full collection inside a step would hold every rank at the step's next collective.
+        governor = govern_collections(f"tp-rank {rank}")
+        return 0 if serve(worker, sock, parent_pid, disconnects, governor) else 1
     except Exception:
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
         return 1
     finally:
+        if governor is not None:
+            governor.uninstall()
         if disconnects is not None:
             sock.disable_monitor()
             disconnects.close(0)
@@ -174,16 +200,14 @@ def worker_main(settings: ServerSettings, rank: int, store_port: int, control_ad
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description="radixserve tensor-parallel rank (started by rank 0)")
-    parser.add_argument("--settings-json", required=True)
+    parser = child_arguments("radixserve tensor-parallel rank (started by rank 0)")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--store-host", default="127.0.0.1")
     parser.add_argument("--store-port", type=int, required=True)
     parser.add_argument("--control-addr", default=None, help="(default: the address rank 0's store advertises)")
-    parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
-    settings = ServerSettings(**json.loads(args.settings_json))
-    return worker_main(settings, args.rank, args.store_port, args.control_addr, args.parent_pid, args.store_host)
+    return worker_main(ServerSettings(**args.settings), args.rank, args.store_port, args.control_addr,
+                       args.parent_pid, args.store_host)
 
 
 if __name__ == "__main__":

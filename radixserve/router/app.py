@@ -29,13 +29,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from radixserve.http_common.auth import APIKeyMiddleware
-from radixserve.router.keys import load_tokenizer_dir, routing_keys, tokenizer_from_files
+from radixserve.router.keys import routing_keys, tokenizer_from_files
 from radixserve.router.kv_sync import kv_sync_loop
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import BalanceConfig, make_policy
 from radixserve.router.workers import Worker, WorkerRegistry
 from radixserve.http_common.errors import error_body, error_response, install_error_handlers
-from radixserve.http_common.gc_tuning import governed_collections
+from radixserve.process.gc_tuning import governed_collections
+from radixserve.process.tokenizer import load_tokenizer
 from radixserve.http_common.loop_lag import watch_loop_lag
 
 logger = logging.getLogger("radixserve.router")
@@ -163,7 +164,7 @@ class Router:
 
     async def _load_tokenizer(self) -> None:
         if self.settings.tokenizer_path:
-            self.tokenizer = await asyncio.to_thread(load_tokenizer_dir, self.settings.tokenizer_path)
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.tokenizer_path, True)
             self.tokenizer_state = "loaded"
             return
         while True:

@@ -20,6 +20,7 @@ import os
 import tempfile
 from typing import Any, Optional
 
+from radixserve.process.tokenizer import load_tokenizer
 from radixserve.router.policies import RoutingKeys
 
 
@@ -87,12 +88,6 @@ def routing_keys(path: str, body: Any, tokenizer=None, want_tokens: bool = False
     return RoutingKeys(text, tokens)
 
 
-def load_tokenizer_dir(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
 def tokenizer_from_files(files: dict[str, str]):
     """Build a tokenizer from a worker's `/tokenizer` answer (file name -> base64 content)."""
     directory = tempfile.mkdtemp(prefix="radixserve-router-tok-")
@@ -101,4 +96,4 @@ def tokenizer_from_files(files: dict[str, str]):
             continue
         with open(os.path.join(directory, name), "wb") as f:
             f.write(base64.b64decode(data))
-    return load_tokenizer_dir(directory)
+    return load_tokenizer(directory, required=True)

@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from radixserve.http_common.auth import APIKeyMiddleware
 from radixserve.server.engine_client import EngineClient
 from radixserve.http_common.errors import install_error_handlers
-from radixserve.http_common.gc_tuning import governed_collections
+from radixserve.process.gc_tuning import governed_collections
 from radixserve.http_common.loop_lag import watch_loop_lag
 from radixserve.http_common.open_files import connection_cap
 from radixserve.http_common.paced_http import PacedHttpProtocol
@@ -109,7 +109,7 @@ def run_server(settings: ServerSettings) -> int:
     import uvicorn
 
     from radixserve.default_model import ensure_model_path
-    from radixserve.engine.core import load_tokenizer
+    from radixserve.process.tokenizer import load_tokenizer
 
     model_path = ensure_model_path(settings.model_path)
     engine = EngineClient(settings.__class__(**{**settings.to_dict(), "model_path": model_path}))

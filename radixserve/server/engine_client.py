@@ -18,12 +18,10 @@ one can never reach another request's outputs.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -33,8 +31,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 import zmq
 import zmq.asyncio
 
-from radixserve.engine.io_struct import AbortRequest, GenerateRequest, RequestOutput
-from radixserve.server import messages as m
+from radixserve.engine.messages import AbortRequest, GenerateRequest, RequestOutput
+from radixserve.engine import messages as m
+from radixserve.process.spawn import spawn_child
 from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")
@@ -228,14 +227,8 @@ class EngineClient:
         self._pull_sync.setsockopt(zmq.LINGER, 0)
         self._pull_sync.bind(out_addr)
 
-        # The child finds this package the way this process did, however it was installed.
-        env = dict(os.environ)
-        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-        cmd = [sys.executable, "-m", "radixserve.server.engine_process",
-               "--settings-json", json.dumps(self.settings.to_dict()), "--in-addr", in_addr,
-               "--out-addr", out_addr, "--parent-pid", str(os.getpid())]
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        self.proc = spawn_child("radixserve.engine.engine_process", self.settings.to_dict(),
+                                "--in-addr", in_addr, "--out-addr", out_addr)
         logger.info("engine process %d starting", self.proc.pid)
 
     async def start(self) -> m.EngineReady:

@@ -22,7 +22,7 @@ from typing import Callable, Optional, Union
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from radixserve.server.messages import EngineStats
+from radixserve.engine.messages import EngineStats
 
 PREFIX = "radixserve:"
 

@@ -18,7 +18,7 @@ from typing import Annotated, Any, AsyncIterator, Callable, Optional, TypeVar
 import msgspec
 from fastapi import Depends, Request
 
-from radixserve.engine.io_struct import GenerateRequest, RequestOutput
+from radixserve.engine.messages import GenerateRequest, RequestOutput
 from radixserve.sampling_params import SamplingParams, TokenLogprob, sampling_params_from_dict
 from radixserve.server.detokenizer import IncrementalDetokenizer
 from radixserve.server.engine_client import (EngineClient, EngineDeadError, EngineRequestError, QueueFullError,

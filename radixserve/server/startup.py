@@ -18,7 +18,7 @@ from radixserve.chat_formats import BUILTIN_CHAT_TEMPLATES
 from radixserve.default_model import DEFAULT_MODEL_NAME, default_model_positions
 from radixserve.http_common.listen import ListenAddressError, check_listen_address
 from radixserve.model.quantization import quantization_config
-from radixserve.server.kv_publisher import check_kv_event_endpoints
+from radixserve.engine.kv_publisher import check_kv_event_endpoints
 from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")

@@ -9,7 +9,7 @@ receiving requests, sending outputs, stats), kind (decode or mixed: any step wit
 tokens), requests, new_tokens (prompt tokens computed), cached_tokens (prompt tokens read from
 the radix cache).
 
-    python -m radixserve.server.step_trace trace.csv    # per kind: steps, total, mean, p50, p99;
+    python -m radixserve.engine.step_trace trace.csv    # per kind: steps, total, mean, p50, p99;
                                                         # and the step time each request waited out
 """
 

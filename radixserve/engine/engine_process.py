@@ -2,34 +2,33 @@
 
 The loop never waits on the API process: while it has work it only drains messages that are
 already there (a zero-timeout poll) and steps; when idle it blocks in a poll with a short timeout.
-It is started by `EngineProcess` in the API process as `python -m radixserve.server.engine_process`
-and exits when told to, when its parent dies, or when a step raises (the API then answers 503).
+It is started by `EngineClient.spawn` in the API process as `python -m radixserve.engine.engine_process`
+(`radixserve.process.spawn`) and exits when told to, when its parent dies, or when a step raises
+(the API then answers 503).
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
 import logging
 import os
 import signal
-import sys
 import time
 import traceback
 from typing import Any, Optional
 
 import zmq
 
-from radixserve.engine.io_struct import AbortRequest, GenerateRequest, RequestOutput
+from radixserve.engine import messages as m
+from radixserve.engine.engine_intake import KvHashEvents, QueueRoom
+from radixserve.engine.messages import AbortRequest, GenerateRequest, RequestOutput
+from radixserve.engine.kv_publisher import ZmqKvEventPublisher, make_kv_publisher
+from radixserve.engine.step_trace import StepTrace
+from radixserve.process.gc_tuning import FullCollectionGovernor, govern_collections
+from radixserve.process.logging_setup import setup_logging
+from radixserve.process.spawn import child_arguments, die_with_parent, parent_gone
 from radixserve.sampling_params import SamplingParams
-from radixserve.server import messages as m
-from radixserve.server.engine_intake import KvHashEvents, QueueRoom
-from radixserve.server.kv_publisher import ZmqKvEventPublisher, make_kv_publisher
-from radixserve.server.logging_setup import setup_logging
-from radixserve.server.step_trace import StepTrace
 from radixserve.settings import ServerSettings
-from radixserve.http_common.gc_tuning import FullCollectionGovernor, govern_collections
 
 logger = logging.getLogger("radixserve")
 
@@ -274,7 +273,7 @@ class EngineLoop:
         if now - self.last_parent_check < PARENT_CHECK_S:
             return True
         self.last_parent_check = now
-        return os.getppid() == self.parent_pid
+        return not parent_gone(self.parent_pid)
 
     def run(self) -> None:
         while self.running:
@@ -318,23 +317,9 @@ class EngineLoop:
         self.flush()
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM us when the parent dies (the loop also checks, elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except Exception:  # best effort
-        pass
-
-
 def _orphan_cleanup(in_addr: str, parent_pid: int) -> None:
     """When the API process died without cleaning up (SIGKILL), remove its socket directory."""
-    if os.getppid() == parent_pid:
+    if not parent_gone(parent_pid):
         return
     ipc_dir = os.path.dirname(in_addr[len("ipc://"):])
     if os.path.basename(ipc_dir).startswith("radixserve-ipc-"):
@@ -351,8 +336,8 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
     # Ctrl-C in a terminal reaches the whole process group; the API process drains and then
     # stops us, so the engine must not die first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    _die_with_parent()
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # the parent-death signal too: clean up, then exit
+    die_with_parent(parent_pid)
     setup_logging(settings.log_level, settings.log_file)
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -392,7 +377,7 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
         try:
             loop.run()
         except Exception:
-            lost_rank = core.tp_leader.dead_rank() if core.tp_leader is not None else None
+            lost_rank = core.ranks.dead_rank()
             if lost_rank is not None:  # the collective failed because a rank died: say that, in one line
                 logger.error("%s; the engine exits (code 1)", lost_rank)
             else:
@@ -407,21 +392,18 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
             core.shutdown()
     finally:
         pull.close(0)
-        push.close(0 if os.getppid() != parent_pid else None)
+        push.close(0 if parent_gone(parent_pid) else None)
         ctx.term()
         _orphan_cleanup(in_addr, parent_pid)
     return code
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description="radixserve engine process (started by the API server)")
-    parser.add_argument("--settings-json", required=True)
+    parser = child_arguments("radixserve engine process (started by the API server)")
     parser.add_argument("--in-addr", required=True)
     parser.add_argument("--out-addr", required=True)
-    parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
-    settings = ServerSettings(**json.loads(args.settings_json))
-    return engine_main(settings, args.in_addr, args.out_addr, args.parent_pid)
+    return engine_main(ServerSettings(**args.settings), args.in_addr, args.out_addr, args.parent_pid)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import math
 from typing import Any, Optional
 
 from radixserve.cache.block_hash import KV_HASH_BLOCK_TOKENS, ROOT_HASH, block_hashes
-from radixserve.engine.io_struct import GenerateRequest
+from radixserve.engine.messages import GenerateRequest
 
 # As the scheduler does: a request's future output is counted up to this many tokens, scaled by
 # the scheduler's adaptive new-token ratio.

@@ -1,19 +1,62 @@
-"""Messages between the API process and the engine process, beyond the request structs.
+"""Every message between the API process and the engine process (msgspec structs over ZMQ).
 
 Every ZMQ message is a short kind name and one or more msgpack payloads of that kind, a frame
 each: consecutive messages of one kind travel together (`batched`), so a burst of requests costs
-one send. The request structs
-(`GenerateRequest`, `AbortRequest`, `RequestOutput`) come from `radixserve.engine.io_struct`, so the
-offline engine and the server validate the same way; the control messages live here.
+one send. The request structs (`GenerateRequest`, `AbortRequest`, `RequestOutput`) are also what
+the offline `Engine` takes and returns, so both paths validate requests identically. Nothing here
+imports torch: the API process imports this module.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import msgspec
 
-from radixserve.engine.io_struct import AbortRequest, GenerateRequest, RequestOutput
+from radixserve.sampling_params import SamplingParams, TokenLogprob
+
+
+# ----------------------------------------------------------------------------- requests and their outputs
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    log: bool = False  # log arrival/finish of this request (--log-requests)
+    # False: the caller wants the whole result only; the engine sends the first token (for the
+    # time to first token) and the end, not every step's token.
+    stream: bool = True
+
+
+class AbortRequest(msgspec.Struct, kw_only=True):
+    rid: str
+
+
+class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
+    """What one engine step produced for one request: new tokens, and the end when it came.
+
+    Untracked by the garbage collector (gc=False): an engine step makes one per running request
+    (a thousand and more at high concurrency), and tracked, each made the collector's young
+    collections walk it, in both processes; an output holds only lists, numbers and a dict of
+    them, so it is never part of a reference cycle."""
+
+    rid: str
+    new_token_ids: list[int]
+    # One per new token when the request asked for log probabilities, else empty. The engine
+    # leaves an empty one as the shared () rather than a new list per output; decoded, it is a list.
+    new_logprobs: Sequence[TokenLogprob] = ()
+    # Prompt log probabilities (sampling_params.logprob_start_len), all of them, with the first
+    # token only: of prompt tokens max(logprob_start_len, 1) onwards.
+    input_logprobs: Sequence[TokenLogprob] = ()
+    finished: bool = False
+    # {"type": "stop"|"length"|"abort", "matched": token id or stop string, "message": ...}
+    finish_reason: Optional[dict] = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    # Seconds since arrival when the first token was produced (set on the first output only).
+    ttft: Optional[float] = None
+    queue_time: Optional[float] = None
 
 
 # ----------------------------------------------------------------------------- API -> engine

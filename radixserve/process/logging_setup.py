@@ -1,8 +1,9 @@
-"""Log format shared by the API and engine processes.
+"""Log format shared by the API process, the engine process and its tensor-parallel ranks.
 
 The message is always the last thing on a line, so a batch line's last field is its
-`prefix_hit_rate` and `awk '{print $NF}'` prints it. Both processes append to the same
-`--log-file`; lines are written whole in append mode, so they do not interleave mid-line.
+`prefix_hit_rate` and `awk '{print $NF}'` prints it. Every process appends to the same
+`--log-file`; lines are written whole in append mode, so they do not interleave mid-line. A
+process that is one of several alike (a tensor-parallel rank) names itself in the bracket.
 
 One record is always one line: control characters are escaped (a newline becomes the two
 characters `\\n`) whatever their source, a client's request id or prompt, an exception message or
@@ -17,7 +18,7 @@ import re
 import sys
 from typing import Optional
 
-LOG_FORMAT = "[%(asctime)s.%(msecs)03d %(process)d %(levelname)s] %(message)s"
+LOG_FORMAT = "[%(asctime)s.%(msecs)03d %(process)d %(levelname)s{label}] %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 
 # C0 and C1 control characters, DEL, and the Unicode line and paragraph separators (which some
@@ -47,15 +48,16 @@ class OneLineFormatter(logging.Formatter):
         return escape_control(super().format(record))
 
 
-def setup_logging(level: str = "info", log_file: Optional[str] = None) -> None:
-    """Route the `radixserve` logger to stderr and, when given, to `log_file`."""
+def setup_logging(level: str = "info", log_file: Optional[str] = None, label: str = "") -> None:
+    """Route the `radixserve` logger to stderr and, when given, to `log_file`; `label` (e.g.
+    "tp-rank 1") goes in each line's bracket."""
     logger = logging.getLogger("radixserve")
     logger.setLevel(level.upper())
     logger.propagate = False
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
         handler.close()
-    formatter = OneLineFormatter(LOG_FORMAT, DATE_FORMAT)
+    formatter = OneLineFormatter(LOG_FORMAT.format(label=f" {label}" if label else ""), DATE_FORMAT)
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_file:
         handlers.append(logging.FileHandler(log_file, mode="a", encoding="utf-8"))
