@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Optional
 
 from radixserve.cache.block_hash import page_hashes
-from radixserve.cache.radix_cache import RadixCache, TreeNode
+from radixserve.cache.prefix_cache import PrefixCache, TreeNode
 
 StoredEvent = tuple[str, list[int], Optional[int], list[int], str]
 
@@ -29,7 +29,7 @@ StoredEvent = tuple[str, list[int], Optional[int], list[int], str]
 class BlockEventRecorder:
     """Collects the cache's block events until `take()`; installs itself as the cache's block listener."""
 
-    def __init__(self, cache: RadixCache):
+    def __init__(self, cache: PrefixCache):
         self.cache = cache
         self.page_size = cache.page_size
         self.events: list[tuple] = []

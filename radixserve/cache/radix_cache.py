@@ -1,105 +1,32 @@
-"""The radix tree of cached token prefixes and their KV slots.
+"""The radix tree of cached token prefixes and their KV slots: the device-only `PrefixCache`.
 
 Each node holds a run of tokens (a whole number of pages) and the KV slot of each token.
 Running requests lock the path to the node their prefix ends in; unlocked leaves are
 evictable, in the order of the eviction policy, from a heap that is never rebuilt by a full
 tree scan per eviction. Sizes are kept as counters so `free + evictable + protected + held ==
 total` can be checked at any time. `TieredRadixCache` (tiered_cache.py) puts a host-memory tier
-under this tree through the few hooks marked below; without it nothing here changes.
+under this tree through the few hooks marked below; without it nothing here changes, and the
+protocol's host-tier operations (`host_part`, `load`, `poll`) find nothing to do.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
 from radixserve.cache.kv_pool import PageAllocator, int64_tensor
 from radixserve.cache.prefix import common_prefix_len
+from radixserve.cache.prefix_cache import (ALL, CPU, GPU, PARTIAL, BlockListener, CacheCounters,  # noqa: F401
+                                           EventListener, MatchResult, TreeNode, check_slot_ownership,
+                                           no_host_tier_stats)
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
-# Park keys: a lookup that ends inside a node waits on PARTIAL (a split can lengthen it); one that
-# ends at a node's end waits on the child key of its next token; ALL marks a removed node.
-PARTIAL = "partial"
-ALL = "all"
 # How far short of a finished prompt's end a match may stop and still count as its continuation
 # (see RadixCache.extends_a_prompt).
 PROMPT_END_SLACK = 8
-# The tiers a node's KV can be on, as KV-event consumers name them (vLLM's `medium`).
-GPU = "GPU"
-CPU = "CPU"
-
-
-class TreeNode:
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "waiters", "last_access", "hit_count",
-                 "created", "node_id", "removed", "host_value", "host_seq", "loading_seq", "ends_prompt",
-                 "block_hash")
-
-    def __init__(self, key: list[int], value: Optional[torch.Tensor], parent: Optional["TreeNode"], tick: int,
-                 node_id: int):
-        self.key = key
-        self.value = value  # int64 device slots, len(value) == len(key); None: not on the device (host tier)
-        # The host tier (TieredRadixCache): host slots, and the copies the node waits for.
-        self.host_value: Optional[torch.Tensor] = None
-        self.host_seq = 0  # the last copy that reads or writes host_value
-        self.loading_seq = 0  # the copy that fills value from the host
-        self.children: dict = {}
-        self.parent = parent
-        self.lock_ref = 0
-        self.waiters = 0  # waiting requests whose cached match runs through this node
-        self.last_access = tick
-        self.hit_count = 0
-        self.created = tick
-        self.node_id = node_id
-        self.removed = False
-        # A finished request's prompt ended exactly here (`mark_prompt_end`); a split keeps it on the
-        # lower part, which still ends there.
-        self.ends_prompt = False
-        # The chained hash of the node's last page, memoised by `block_events` while the cache's
-        # blocks are published (None: not computed). A split keeps the lower part's end, so it
-        # stays true for the node's whole life.
-        self.block_hash: Optional[int] = None
-
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
-    def __lt__(self, other: "TreeNode") -> bool:  # heap ties
-        return self.node_id < other.node_id
-
-    def __repr__(self) -> str:
-        return f"TreeNode(id={self.node_id}, len={len(self.key)}, lock={self.lock_ref})"
-
-
-@dataclass
-class MatchResult:
-    length: int
-    slots: torch.Tensor  # int64, the cached KV slots of tokens[:length]
-    last_node: TreeNode  # the node the match ends in (exactly at its end)
-
-
-@dataclass
-class CacheCounters:
-    prompt_tokens: int = 0  # prompt tokens of admitted requests
-    cached_prompt_tokens: int = 0  # of which were found in the cache
-    host_cached_prompt_tokens: int = 0  # of those, found on the host tier (copied back, not computed)
-    inserted_tokens: int = 0  # tokens newly added to the tree
-    evicted_tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def host_hit_rate(self) -> float:
-        return self.host_cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def device_hit_rate(self) -> float:
-        return self.hit_rate - self.host_hit_rate
 
 
 EVICTION_KEYS: dict[str, Callable[[TreeNode], tuple]] = {
@@ -115,13 +42,16 @@ def slots_tensor(slots: Sequence[int] | torch.Tensor, start: int, end: int) -> t
 
 
 class RadixCache:
-    def __init__(self, allocator: PageAllocator, *, page_size: int = 1, eviction_policy: str = "lru",
-                 disable: bool = False):
+    node_type: type[TreeNode] = TreeNode  # the host tier's nodes carry its fields too
+
+    def __init__(self, allocator: PageAllocator, *, page_size: int = 1, eviction_policy: str = "lru"):
         if eviction_policy not in EVICTION_KEYS:
             raise ValueError(f"unknown eviction policy {eviction_policy!r}; use one of {sorted(EVICTION_KEYS)}")
         self.allocator = allocator
         self.page_size = page_size
-        self.disabled = disable
+        self.copier = None  # no host tier: nothing is copied
+        self.loading_tokens = 0
+        self.keeps_prefixes = True
         self._policy_key = EVICTION_KEYS[eviction_policy]
         self._ids = itertools.count()
         self._tick = 0
@@ -130,16 +60,16 @@ class RadixCache:
         self.touched: set[tuple[TreeNode, object]] = set()
         # Called with ("insert" | "evict", tokens from the root to the end of the node) or ("flush", []),
         # so a router can mirror what this cache really holds.
-        self.event_listener: Optional[Callable[[str, list[int]], None]] = None
+        self.event_listener: Optional[EventListener] = None
         # Called with ("stored" | "removed", medium, node) whenever a node's pages gain or lose their
         # KV on a tier (medium "GPU": the device pool, "CPU": the host tier), and ("cleared", "", root)
         # on a flush: the per-tier view a cluster's KV-event consumers follow (`block_events`).
-        self.block_listener: Optional[Callable[[str, str, TreeNode], None]] = None
+        self.block_listener: Optional[BlockListener] = None
         self._reset()
 
     # ------------------------------------------------------------------ basics
     def _reset(self) -> None:
-        self.root = TreeNode([], _EMPTY_SLOTS, None, 0, next(self._ids))
+        self.root = self.node_type([], _EMPTY_SLOTS, None, 0, next(self._ids))
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size = 0
         self.protected_size = 0
@@ -187,8 +117,6 @@ class RadixCache:
 
     def peek_park(self, tokens: Sequence[int]) -> tuple[int, TreeNode, object]:
         """Like peek, plus the park key: which change under that node could lengthen this match."""
-        if self.disabled:
-            return 0, self.root, PARTIAL
         length, last, end = 0, self.root, 0
         for node, n, pos in self._walk(tokens):
             length, last, end = pos + n, node, pos + len(node.key)
@@ -201,8 +129,6 @@ class RadixCache:
     def match(self, tokens: Sequence[int]) -> MatchResult:
         """Longest cached prefix whose KV is usable now (`_ready`); splits the last node so the match
         ends at a node boundary."""
-        if self.disabled:
-            return MatchResult(0, _EMPTY_SLOTS, self.root)
         tick = self._next_tick()
         pieces: list[torch.Tensor] = []
         last, length = self.root, 0
@@ -220,6 +146,21 @@ class RadixCache:
         slots = torch.cat(pieces) if pieces else _EMPTY_SLOTS
         return MatchResult(length, slots, last)
 
+    # ------------------------------------------------------------------ the host tier (none here)
+    def host_part(self, length: int, node: TreeNode) -> tuple[int, bool]:
+        """Every cached token is on the device, ready."""
+        return 0, False
+
+    def load(self, tokens: Sequence[int], *, spare_only: bool) -> int:
+        return 0
+
+    def poll(self) -> bool:
+        return False
+
+    def tier_stats(self) -> dict[str, float]:
+        return no_host_tier_stats()
+
+    # ------------------------------------------------------------------ conversations
     def extends_a_prompt(self, node: TreeNode, uncached: Optional[int] = None) -> bool:
         """Whether the path to node (a request's match, split to end there) runs through the end of
         a finished request's prompt, or stops at most PROMPT_END_SLACK tokens (a page) short of
@@ -253,7 +194,7 @@ class RadixCache:
         locked: the node the request held and its path's length; when that is the prompt's end
         (its prompt went into the tree when computed), the node is marked without a walk."""
         end = self._page_floor(len(prompt))
-        if self.disabled or end <= beyond:
+        if end <= beyond:
             return
         if locked is not None and locked[1] == end and locked[0] is not self.root:
             locked[0].ends_prompt = True
@@ -270,7 +211,7 @@ class RadixCache:
         """Cut node after n tokens; returns the new upper part. Keys and values are copied, not viewed."""
         parent = node.parent
         assert parent is not None
-        upper = TreeNode(node.key[:n], node.value[:n].clone(), parent, node.created, next(self._ids))
+        upper = self.node_type(node.key[:n], node.value[:n].clone(), parent, node.created, next(self._ids))
         upper.lock_ref, upper.last_access, upper.hit_count = node.lock_ref, node.last_access, node.hit_count
         upper.waiters = node.waiters
         parent.children[self._child_key(node.key, 0)] = upper
@@ -282,6 +223,10 @@ class RadixCache:
         self.touched.add((node, PARTIAL))
         return upper
 
+    def insertable_len(self, computed: int) -> int:
+        """A request's computed positions the tree takes: its whole pages."""
+        return self._page_floor(computed)
+
     def insert(self, tokens: Sequence[int], slots: Sequence[int] | torch.Tensor) -> int:
         """Add tokens (whole pages) with their slots; returns how many leading tokens were already cached.
         Slots may be a list: only the part the tree takes is converted (a finished request's
@@ -290,8 +235,6 @@ class RadixCache:
         The caller owns slots[:returned length] only where it did not get them from the tree: those
         are duplicates it must free. The tree takes ownership of slots[returned length:].
         """
-        if self.disabled:
-            return 0
         assert len(tokens) % self.page_size == 0 and len(tokens) == len(slots)
         tick = self._next_tick()
         node, pos = self.root, 0
@@ -309,7 +252,7 @@ class RadixCache:
     def _add_leaf(self, parent: TreeNode, tokens: Sequence[int], pos: int, slots: Sequence[int] | torch.Tensor,
                   tick: int) -> TreeNode:
         """tokens[pos:] as a new evictable leaf under parent, owning slots[pos:]."""
-        leaf = TreeNode(list(tokens[pos:]), slots_tensor(slots, pos, len(tokens)), parent, tick, next(self._ids))
+        leaf = self.node_type(list(tokens[pos:]), slots_tensor(slots, pos, len(tokens)), parent, tick, next(self._ids))
         parent.children[self._child_key(tokens, pos)] = leaf
         self.num_nodes += 1
         self.evictable_size += len(leaf.key)
@@ -505,9 +448,4 @@ class RadixCache:
         assert free + evictable + protected + held_by_running == total, (
             f"free {free} + evictable {evictable} + protected {protected} + held {held_by_running} != {total}")
         owned = self.all_slots() + [self.allocator.free_slot_tensor()] + list(running_slots)
-        every = torch.cat(owned)
-        assert every.numel() == total, f"{every.numel()} slots owned, pool has {total}"
-        # As many owners as slots, so a slot owned twice leaves another slot unowned.
-        seen = torch.zeros(total + self.page_size, dtype=torch.bool)
-        seen[every] = True
-        assert bool(seen[self.page_size:].all()), "a KV slot is owned twice"
+        check_slot_ownership(owned, total, self.page_size)

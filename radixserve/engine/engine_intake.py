@@ -1,9 +1,5 @@
-"""Engine-process helpers for what enters and leaves the scheduler: the waiting-queue limit and
-the radix cache's events as chained block hashes.
-
-`QueueRoom` decides `--max-queued-requests`: a request counts as queued only when the running
-batch has no room left for it (a free request slot and the KV its prompt and a share of its output
-need), so an idle server admits a burst it can run however many arrive within one step.
+"""Engine-process helper for what leaves the cache: its events as chained block hashes (the
+waiting-queue limit is the scheduler's own admission arithmetic, `EngineCore.queue_room`).
 
 `KvHashEvents` turns the cache's insert/evict/flush events into the hashes of whole token blocks
 (`radixserve.cache.block_hash`): an insert publishes the blocks of the inserted path, an eviction
@@ -13,54 +9,16 @@ hashes holds exactly the tree's whole blocks. Token ids never leave the engine.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Optional
+from typing import Any
 
 from radixserve.cache.block_hash import KV_HASH_BLOCK_TOKENS, ROOT_HASH, block_hashes
-from radixserve.engine.messages import GenerateRequest
-
-# As the scheduler does: a request's future output is counted up to this many tokens, scaled by
-# the scheduler's adaptive new-token ratio.
-CLIP_NEW_TOKENS = 4096
-
-
-class QueueRoom:
-    """Room in the running batch, filled by waiting requests in arrival order; the rest is queued."""
-
-    def __init__(self, core):
-        sched = core.scheduler
-        self.ratio = sched.new_token_ratio
-        self.rows = min(sched.max_running - len(sched.running), sched.req_to_token.free_rows)
-        running_need = sum(r.remaining + math.ceil(min(max(r.remaining_new_tokens(), 0), CLIP_NEW_TOKENS) * self.ratio)
-                           for r in sched.running)
-        self.tokens = core.kv_pool.allocator.free_tokens + core.cache.evictable_size - running_need
-        self.fitted = 0
-        for req in sched.waiting:
-            if self.rows <= 0:
-                break
-            self.take(req.seq_len, req.remaining_new_tokens())
-
-    def take(self, prompt_tokens: int, max_new_tokens: int) -> bool:
-        """Reserve room for one request; False (nothing reserved) when the batch is full."""
-        need = prompt_tokens + math.ceil(min(max_new_tokens, CLIP_NEW_TOKENS) * self.ratio)
-        if self.rows <= 0 or need > self.tokens:
-            return False
-        self.rows -= 1
-        self.tokens -= need
-        self.fitted += 1
-        return True
-
-    def admits(self, req: GenerateRequest, waiting: int, limit: Optional[int]) -> bool:
-        """Whether `req` may join the `waiting` requests under the queue limit."""
-        if self.take(len(req.input_ids), req.sampling_params.max_new_tokens):
-            return True
-        return limit is None or waiting - self.fitted < limit
+from radixserve.cache.prefix_cache import PrefixCache
 
 
 class KvHashEvents:
     """Records the cache's events while someone follows them; publishes them as block hashes."""
 
-    def __init__(self, cache, block_size: int = KV_HASH_BLOCK_TOKENS):
+    def __init__(self, cache: PrefixCache, block_size: int = KV_HASH_BLOCK_TOKENS):
         self.cache = cache
         self.block_size = block_size
         self.on = False  # recording starts when the first subscriber asks for a snapshot

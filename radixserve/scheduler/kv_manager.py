@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from radixserve.cache.kv_pool import PageAllocator, ReqToTokenPool, TableWrites, int64_tensor
-from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.scheduler.request import Req
 
 
 class KVManager:
-    def __init__(self, cache: RadixCache, req_to_token: ReqToTokenPool):
+    def __init__(self, cache: PrefixCache, req_to_token: ReqToTokenPool):
         self.cache = cache
         self.allocator: PageAllocator = cache.allocator
         self.page_size = cache.page_size
@@ -111,17 +111,13 @@ class KVManager:
 
     # ------------------------------------------------------------------ giving it back
     def cache_req(self, req: Req, *, finished: bool) -> None:
-        """Put req's computed whole pages into the tree. finished: req gives back everything it
-        holds (lock, slots, row) and leaves the pool. Otherwise it keeps running on the tree's
-        copy of those pages, locked up to their end (a finished prefill chunk)."""
-        if self.cache.disabled:
-            if finished:
-                self._free_slots(req.slots)
-                self._drop(req)
-            return
-        n = self.page_floor(req.kv_len)
+        """Put what the cache takes of req's computed KV (its whole pages) into the cache.
+        finished: req gives back everything it holds (lock, slots, row) and leaves the pool.
+        Otherwise it keeps running on the cache's copy of those pages, locked up to their end (a
+        finished prefill chunk); a cache that takes nothing leaves the chunk's slots with req."""
+        n = self.cache.insertable_len(req.kv_len)
         if not finished and n <= req.locked_len:
-            return  # no new whole page
+            return  # nothing new the cache takes
         already = self.cache.insert(req.fill_ids[:n], req.slots[:n])
         self._free_slots(req.slots[req.locked_len:already])  # duplicates of tokens cached meanwhile
         if finished:

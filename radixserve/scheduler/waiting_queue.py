@@ -13,12 +13,13 @@ import random
 import time
 from collections import defaultdict
 from typing import Callable
-from radixserve.cache.radix_cache import ALL, RadixCache, TreeNode
+
+from radixserve.cache.prefix_cache import ALL, PrefixCache, TreeNode
 from radixserve.scheduler.request import Req
 
 
 class WaitingQueue:
-    def __init__(self, cache: RadixCache, policy: str, *, max_wait_s: float,
+    def __init__(self, cache: PrefixCache, policy: str, *, max_wait_s: float,
                  clock: Callable[[], float] = time.monotonic, seed: int = 0):
         self.cache = cache
         self.policy = policy
