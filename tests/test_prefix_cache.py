@@ -9,7 +9,11 @@ Every position's KV is a number derived from its whole prefix, written when a re
 it, so whatever a match hands out is checked to be the KV of exactly those tokens. After every
 operation: the pool's slots are each owned once (free, cached or a running request's), the sizes
 add up, each node's waiter count is the requests parked at or below it, nothing is reported
-cached that no request computed, and a cache that keeps nothing holds nothing and finds nothing.
+cached that no request of the same cache namespace (its cache_salt) computed, and a cache that
+keeps nothing holds nothing and finds nothing. Both event streams follow the cache: the vLLM-format
+block events replay to exactly the pages on each tier, and the `/kv_events` block hashes to
+exactly the tree's blocks, which a router's mirror then matches each waiting request against,
+hashed from the request's salt as the router hashes it, finding what the cache finds.
 The implementation-specific machines (test_radix_cache.py: exact eviction order; test_tiered_cache.py:
 what each tier holds) go deeper into each one.
 """
@@ -24,7 +28,10 @@ import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from radixserve.cache.block_events import BlockEventRecorder
+from radixserve.cache.block_hash import page_hashes
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
+from radixserve.cache.namespace import cache_namespace, namespace_page_parent
 from radixserve.cache.no_cache import NoPrefixCache
 from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.cache.radix_cache import RadixCache
@@ -33,12 +40,17 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.request import Req, ReqState
 from radixserve.scheduler.waiting_queue import WaitingQueue
+from radixserve.router.keys import routing_keys
+from radixserve.router.prefix_tree import BlockHashMirror
+from radixserve.engine.engine_intake import KvHashEvents
 
 KINDS = ("device", "tiered", "none")
 LAYERS = 2
 DEVICE_TOKENS = 48
 ROWS = 4
 PROMPTS = st.lists(st.integers(0, 2), min_size=2, max_size=20)
+SALTS = (None, "tenant-a", "tenant-b")  # requests' cache_salt: None is the shared namespace
+HASH_BLOCK = 4  # tokens per /kv_events block here: a whole number of pages
 
 
 def make_cache(kind: str, pool: KVPool, *, host_tokens: int = 1024, write_through: bool = False) -> PrefixCache:
@@ -67,8 +79,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.kv = KVManager(self.cache, ReqToTokenPool(ROWS, 64, "cpu"))
         self.waiting = WaitingQueue(self.cache, "fcfs", max_wait_s=1e9)
         self.running: list[Req] = []
-        self.computed: set[tuple] = set()  # every prefix whose KV some request computed and gave the cache
+        # (namespace, prefix) of every prefix whose KV some request computed and gave the cache
+        self.computed: set[tuple] = set()
         self.arrivals = 0
+        self.salts = {cache_namespace(salt): salt for salt in SALTS}
+        self.block_events = BlockEventRecorder(self.cache)
+        self.published: dict[str, set[int]] = {"GPU": set(), "CPU": set()}
+        self.hash_events = KvHashEvents(self.cache, block_size=HASH_BLOCK)
+        self.mirror = set(self.hash_events.snapshot()["blocks"])  # recording starts with a snapshot
 
     # ------------------------------------------------------------------ helpers
     def _write_kv(self, req: Req, start: int, end: int) -> None:
@@ -91,8 +109,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def _keeps(self) -> bool:
         return self.kind != "none"
 
-    def _gave(self, tokens: list[int], n: int) -> None:
-        self.computed.update(tuple(tokens[:i]) for i in range(self.page, n + 1, self.page))
+    def _gave(self, req: Req, n: int) -> None:
+        tokens = req.fill_ids
+        self.computed.update((req.cache_namespace, tuple(tokens[:i])) for i in range(self.page, n + 1, self.page))
 
     # ------------------------------------------------------------------ waiting
     prompts = Bundle("prompts")
@@ -100,13 +119,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     # A prompt sent before comes back (a retry, another user's shared prefix), or a later turn
     # extends it: hits, shared prefixes computed twice at once, and splits.
     # Several copies at once, admitted at once or not: a prefix computed by two requests at once.
+    # The same prompts come with different salts too: they must never find each other's prefixes.
     @rule(target=prompts, prompt=st.one_of(PROMPTS, prompts, st.tuples(prompts, PROMPTS).map(lambda t: t[0] + t[1])),
-          copies=st.integers(1, 3), admit_now=st.booleans())
-    def arrive(self, prompt: list[int], copies: int, admit_now: bool) -> list[int]:
+          copies=st.integers(1, 3), admit_now=st.booleans(), salt=st.sampled_from(SALTS))
+    def arrive(self, prompt: list[int], copies: int, admit_now: bool, salt) -> list[int]:
         params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
         for _ in range(copies):
             req = Req(rid=f"r{self.arrivals}", origin_input_ids=list(prompt[:40]), sampling_params=params,
-                      arrival_time=0.0, arrival_seq=self.arrivals)
+                      arrival_time=0.0, arrival_seq=self.arrivals, cache_namespace=cache_namespace(salt))
             self.arrivals += 1
             self.waiting.add(req)
             if admit_now and self.kv.req_to_token.free_rows:
@@ -123,9 +143,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         host, loading = self.cache.host_part(req.peek_len, req.peek_node)
         if not host or loading:
             return
-        loaded = self.cache.load(req.match_target(), spare_only=spare_only)
+        loaded = self.cache.load(req.match_target(), spare_only=spare_only, namespace=req.cache_namespace)
         if loaded:
-            assert self.cache.host_part(*self.cache.peek(req.match_target()))[1], "a load started but is not in flight"
+            peeked = self.cache.peek(req.match_target(), namespace=req.cache_namespace)
+            assert self.cache.host_part(*peeked)[1], "a load started but is not in flight"
 
     @precondition(lambda self: self.cache.loading_tokens)
     @rule()
@@ -147,7 +168,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         the request once the copy is done)."""
         self.waiting.refresh()
         host, loading = self.cache.host_part(req.peek_len, req.peek_node)
-        if host and not loading and self.cache.load(req.match_target(), spare_only=False):
+        if host and not loading and self.cache.load(req.match_target(), spare_only=False,
+                                                    namespace=req.cache_namespace):
             self.cache.poll()
             self.waiting.refresh()
             assert self.cache.host_part(req.peek_len, req.peek_node) == (0, False), "a finished load left a host part"
@@ -193,7 +215,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             assert taken == 0 and req.locked_len == 0
         else:
             assert req.locked_len == max(locked_before, taken), "the chunk is held on the cache's copy"
-            self._gave(req.fill_ids, taken)
+            self._gave(req, taken)
         self._check_kv(req.fill_ids, req.slots[:req.kv_len])
 
     @precondition(lambda self: self.running)
@@ -208,9 +230,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.kv.cache_req(req, finished=True)
         assert req.req_pool_idx is None and not req.slots and req.last_node is None
         taken = self.cache.insertable_len(computed)
-        found, _ = self.cache.peek(tokens[:taken])
+        found, _ = self.cache.peek(tokens[:taken], namespace=req.cache_namespace)
         if self._keeps():
-            self._gave(tokens, taken)
+            self._gave(req, taken)
             assert found == taken, "what a leaving request gave the cache is found at once"
         else:
             assert taken == 0 and found == 0
@@ -221,7 +243,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def evict(self, n: int) -> None:
         self.cache.evict(n)
         for req in self.running:  # what running requests hold stays on the device
-            assert self.cache.match(req.fill_ids[:req.locked_len]).length == req.locked_len
+            held = self.cache.match(req.fill_ids[:req.locked_len], namespace=req.cache_namespace)
+            assert held.length == req.locked_len
 
     @precondition(lambda self: not self.running and self.cache.num_nodes > 1)
     @rule()
@@ -255,26 +278,83 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if not hasattr(self, "cache"):
             return
         for req in self.waiting:
-            target = req.match_target()
-            assert req.peek_len == 0 or tuple(target[:req.peek_len]) in self.computed, "a prefix nobody computed"
+            target = tuple(req.match_target()[:req.peek_len])
+            assert req.peek_len == 0 or (req.cache_namespace, target) in self.computed, \
+                "a prefix no request of its namespace computed"
             if not self._keeps():
                 assert req.peek_len == 0
-        stack = [((), self.cache.root)]
+        stack = [((), self.cache.root, None)]
         while stack:
-            prefix, node = stack.pop()
+            prefix, node, namespace = stack.pop()
             for child in node.children.values():
+                if child.namespace is not None:  # a namespace's own root
+                    assert not child.key and node is self.cache.root and child.namespace in self.salts
+                    stack.append(((), child, child.namespace))
+                    continue
                 path = prefix + tuple(child.key)
-                assert path[:self.page] in self.computed and path in self.computed
+                assert (namespace, path[:self.page]) in self.computed and (namespace, path) in self.computed
                 if child.value is not None:  # on the device: its slots hold its tokens' KV
                     for i, slot in enumerate(child.value.tolist()):
                         for layer in range(LAYERS):
                             got = self.pool.k_buffers[layer][slot, 0, 0].item()
                             assert got == kv_of(path[:len(prefix) + i + 1], layer), "a node's KV is not its tokens'"
-                stack.append((path, child))
+                stack.append((path, child, namespace))
         if not self._keeps():
             assert self.cache.num_nodes == 1 and not self.cache.root.children
             assert self.cache.evictable_size == self.cache.protected_size == 0
 
+
+    @invariant()
+    def kv_events_follow_the_cache(self) -> None:
+        if not hasattr(self, "cache"):
+            return
+        # vLLM-format block events: replayed per tier, exactly the pages there, a namespace's
+        # pages chained from the namespace (so equal tokens of two salts are different blocks).
+        for event in self.block_events.take():
+            if event[0] == "AllBlocksCleared":
+                self.published = {"GPU": set(), "CPU": set()}
+            elif event[0] == "BlockStored":
+                _, hashes, _, tokens, medium = event
+                assert len(tokens) == len(hashes) * self.page
+                assert not self.published[medium] & set(hashes), "a block stored twice"
+                self.published[medium] |= set(hashes)
+            else:
+                _, hashes, medium = event
+                assert set(hashes) <= self.published[medium], "a block removed that was never stored"
+                self.published[medium] -= set(hashes)
+        held: dict[str, set[int]] = {"GPU": set(), "CPU": set()}
+        stack = [(self.cache.root, None)]
+        while stack:
+            node, parent_hash = stack.pop()
+            for child in node.children.values():
+                if child.namespace is not None:
+                    stack.append((child, namespace_page_parent(child.namespace)))
+                    continue
+                hashes = page_hashes(child.key, self.page, parent_hash)
+                if child.value is not None:
+                    held["GPU"] |= set(hashes)
+                if getattr(child, "host_value", None) is not None:
+                    held["CPU"] |= set(hashes)
+                stack.append((child, hashes[-1]))
+        assert self.published == held
+        # /kv_events: the hashes replay to the tree's blocks, and a router's mirror of them finds
+        # for each waiting request, keyed by its salt, the whole blocks the cache finds.
+        for _, kind, hashes in self.hash_events.take():
+            if kind == "insert":
+                self.mirror |= set(hashes)
+            elif kind == "evict":
+                self.mirror -= set(hashes)
+            else:
+                self.mirror = set()
+        assert self.mirror == set(self.hash_events.snapshot()["blocks"])
+        mirror = BlockHashMirror(HASH_BLOCK)
+        mirror.load(HASH_BLOCK, list(self.mirror))
+        self.waiting.refresh()
+        for req in self.waiting:
+            salt = self.salts[req.cache_namespace]
+            body = {"input_ids": req.match_target(), **({"cache_salt": salt} if salt else {})}
+            key = routing_keys("/generate", body).tokens
+            assert mirror.match_len(key) == req.peek_len // HASH_BLOCK * HASH_BLOCK, "the router's view differs"
 
 PrefixCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
 test_prefix_caches_driven_as_the_scheduler_drives_them = PrefixCacheMachine.TestCase

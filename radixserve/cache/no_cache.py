@@ -39,10 +39,10 @@ class NoPrefixCache:
         return 0
 
     # ------------------------------------------------------------------ lookups: nothing is cached
-    def peek(self, tokens: Sequence[int]) -> tuple[int, TreeNode]:
+    def peek(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode]:
         return 0, self.root
 
-    def peek_park(self, tokens: Sequence[int]) -> tuple[int, TreeNode, object]:
+    def peek_park(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode, object]:
         return 0, self.root, PARTIAL  # no change ever lengthens it
 
     def host_part(self, length: int, node: TreeNode) -> tuple[int, bool]:
@@ -51,7 +51,7 @@ class NoPrefixCache:
     def extends_a_prompt(self, node: TreeNode, uncached: Optional[int] = None) -> bool:
         return False
 
-    def match(self, tokens: Sequence[int]) -> MatchResult:
+    def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
         return MatchResult(0, _EMPTY_SLOTS, self.root)
 
     # The root is the only handle there is, and holding it or waiting on it changes nothing.
@@ -71,22 +71,23 @@ class NoPrefixCache:
     def insertable_len(self, computed: int) -> int:
         return 0
 
-    def insert(self, tokens: Sequence[int], slots: Sequence[int] | torch.Tensor) -> int:
+    def insert(self, tokens: Sequence[int], slots: Sequence[int] | torch.Tensor, *,
+               namespace: Optional[str] = None) -> int:
         """Takes the slots, as a cache would, and frees them at once: nothing was cached before."""
         assert len(tokens) == len(slots)
         if len(slots):
             self.allocator.free_slots(slots if isinstance(slots, torch.Tensor) else int64_tensor(slots))
         return 0
 
-    def mark_prompt_end(self, prompt: Sequence[int], beyond: int,
-                        locked: Optional[tuple[TreeNode, int]] = None) -> None:
+    def mark_prompt_end(self, prompt: Sequence[int], beyond: int, locked: Optional[tuple[TreeNode, int]] = None, *,
+                        namespace: Optional[str] = None) -> None:
         return None
 
     # ------------------------------------------------------------------ memory
     def evict(self, num_tokens: int) -> int:
         return 0
 
-    def load(self, tokens: Sequence[int], *, spare_only: bool) -> int:
+    def load(self, tokens: Sequence[int], *, spare_only: bool, namespace: Optional[str] = None) -> int:
         return 0
 
     def poll(self) -> bool:
@@ -96,7 +97,7 @@ class NoPrefixCache:
         """Nothing to drop; listeners hear the flush all the same, as from a tree."""
         self.touched.add((self.root, ALL))
         if self.event_listener is not None:
-            self.event_listener("flush", [])
+            self.event_listener("flush", [], None)
         if self.block_listener is not None:
             self.block_listener("cleared", "", self.root)
         return True

@@ -16,6 +16,11 @@ the device. When it is admitted, `match` returns the device part ready to read a
 holds it; what it computes goes back with `insert` (as much as `insertable_len` says the cache
 takes) and `dec_lock` lets go. `evict` makes room on demand.
 
+Every lookup and insert names the request's cache namespace (`cache/namespace.py`: its
+`cache_salt`, and its API key with `--cache-salt-per-api-key`; None: the shared one). Prefixes
+of different namespaces are never shared: the tree keeps each namespace under its own child of the
+root, so everything else works in it as in the shared one.
+
 What a cache holds is per position: a match is usable only up to the deepest position every
 kind of state it keeps is there for, and `peek`/`match` report that usable length. Today the one
 kind of state is per-token KV (on the device or the host). A hybrid model's recurrent-state
@@ -40,6 +45,9 @@ if TYPE_CHECKING:
 # ends at a node's end waits on the child key of its next token; ALL marks a removed node.
 PARTIAL = "partial"
 ALL = "all"
+# A namespace's root is the tree root's child under (NAMESPACE, namespace): a key no token or page
+# of tokens is equal to. A lookup in a namespace that has no root yet parks on that key.
+NAMESPACE = "namespace"
 # The tiers a node's KV can be on, as KV-event consumers name them (vLLM's `medium`).
 GPU = "GPU"
 CPU = "CPU"
@@ -51,7 +59,7 @@ class TreeNode:
     nodes carry more (`tiered_cache.HostTierNode`)."""
 
     __slots__ = ("key", "value", "children", "parent", "lock_ref", "waiters", "last_access", "hit_count",
-                 "created", "node_id", "removed", "ends_prompt", "block_hash")
+                 "created", "node_id", "removed", "ends_prompt", "block_hash", "namespace")
 
     def __init__(self, key: list[int], value: Optional[torch.Tensor], parent: Optional["TreeNode"], tick: int,
                  node_id: int):
@@ -73,6 +81,8 @@ class TreeNode:
         # blocks are published (None: not computed). A split keeps the lower part's end, so it
         # stays true for the node's whole life.
         self.block_hash: Optional[int] = None
+        # Set on a namespace's root only (no tokens, never evicted): the namespace it holds.
+        self.namespace: Optional[str] = None
 
     @property
     def is_leaf(self) -> bool:
@@ -113,11 +123,11 @@ class CacheCounters:
         return self.hit_rate - self.host_hit_rate
 
 
-# Listeners: ("insert" | "evict", tokens from the root to the end of the node) or ("flush", []),
-# so a router can mirror what the cache holds (`/kv_events`); and ("stored" | "removed", medium,
-# node) whenever a node's pages gain or lose their KV on a tier, ("cleared", "", root) on a flush:
-# the per-tier view of vLLM-format KV events (`block_events`).
-EventListener = Callable[[str, list[int]], None]
+# Listeners: ("insert" | "evict", tokens from the namespace's root to the end of the node, the
+# namespace) or ("flush", [], None), so a router can mirror what the cache holds (`/kv_events`);
+# and ("stored" | "removed", medium, node) whenever a node's pages gain or lose their KV on a
+# tier, ("cleared", "", root) on a flush: the per-tier view of vLLM-format KV events (`block_events`).
+EventListener = Callable[[str, list[int], Optional[str]], None]
 BlockListener = Callable[[str, str, TreeNode], None]
 
 
@@ -146,10 +156,10 @@ class PrefixCache(Protocol):
         """Evictable tokens no waiting request will reuse: what admission may take without cost."""
 
     # -- lookups: never change what is cached
-    def peek(self, tokens: Sequence[int]) -> tuple[int, TreeNode]:
+    def peek(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode]:
         """The usable cached length of tokens (whole pages, on any tier) and the node it ends in."""
 
-    def peek_park(self, tokens: Sequence[int]) -> tuple[int, TreeNode, object]:
+    def peek_park(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode, object]:
         """As peek, plus the park key: which change under that node could lengthen the match."""
 
     def host_part(self, length: int, node: TreeNode) -> tuple[int, bool]:
@@ -160,7 +170,7 @@ class PrefixCache(Protocol):
         """Whether a match ending at node continues a finished request's prompt (a conversation)."""
 
     # -- taking a prefix
-    def match(self, tokens: Sequence[int]) -> MatchResult:
+    def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
         """The longest cached prefix ready on the device, split to end at a node's end; counts as
         an access for eviction."""
 
@@ -181,20 +191,21 @@ class PrefixCache(Protocol):
         """Of a request's first `computed` positions (their KV computed), how many the cache takes
         (0: it keeps nothing)."""
 
-    def insert(self, tokens: Sequence[int], slots: Sequence[int] | torch.Tensor) -> int:
+    def insert(self, tokens: Sequence[int], slots: Sequence[int] | torch.Tensor, *,
+               namespace: Optional[str] = None) -> int:
         """Add tokens (insertable_len of them) with their device slots; returns how many leading
         tokens were cached already. The caller frees slots[:returned] it did not get from the cache
         (duplicates); the cache owns slots[returned:]."""
 
-    def mark_prompt_end(self, prompt: Sequence[int], beyond: int,
-                        locked: Optional[tuple[TreeNode, int]] = None) -> None:
+    def mark_prompt_end(self, prompt: Sequence[int], beyond: int, locked: Optional[tuple[TreeNode, int]] = None, *,
+                        namespace: Optional[str] = None) -> None:
         """Remember where a finished request's prompt ended (see extends_a_prompt)."""
 
     # -- memory
     def evict(self, num_tokens: int) -> int:
         """Free up to num_tokens device slots nobody holds, in eviction order; returns those freed."""
 
-    def load(self, tokens: Sequence[int], *, spare_only: bool) -> int:
+    def load(self, tokens: Sequence[int], *, spare_only: bool, namespace: Optional[str] = None) -> int:
         """Start copying the host part of tokens' cached prefix back to the device; the tokens now
         loading (0: nothing on the host, or no room). spare_only: take only memory no waiting
         request needs."""

@@ -133,18 +133,19 @@ class TieredRadixCache(RadixCache):
 
     def tier_stats(self) -> dict[str, float]:
         copies = self.copier.stats
-        return {"host_pool_tokens": self.host_allocator.total_tokens, "host_free_tokens": self.host_allocator.free_tokens,
-                "host_cached_tokens": self.host_size, "loading_tokens": self.loading_tokens,
+        return {"host_pool_tokens": self.host_allocator.total_tokens,
+                "host_free_tokens": self.host_allocator.free_tokens, "host_cached_tokens": self.host_size,
+                "loading_tokens": self.loading_tokens,
                 "loaded_tokens": copies.loaded_tokens, "loaded_bytes": copies.loaded_bytes,
                 "written_back_bytes": copies.written_back_bytes, "load_bandwidth_gbps": copies.load_bandwidth / 1e9}
 
     # ------------------------------------------------------------------ loads
-    def load(self, tokens: Sequence[int], *, spare_only: bool) -> int:
+    def load(self, tokens: Sequence[int], *, spare_only: bool, namespace: Optional[str] = None) -> int:
         """Start copying the host part of tokens' cached prefix back to the device; returns the
         tokens now loading (0: none on the host, or no device room). spare_only: take only free
         slots and tree tokens no waiting request will reuse."""
         path = []
-        for node, n, _ in self._walk(tokens):
+        for node, n, _ in self._walk(tokens, namespace):
             if self._loading(node):
                 return 0  # already on its way: the caller waits for it
             if n < len(node.key) and node.value is None:
@@ -205,8 +206,8 @@ class TieredRadixCache(RadixCache):
             finished = True
         return finished
 
-    def _finish_loads_on(self, tokens: Sequence[int]) -> None:
-        seq = max((n.loading_seq for n, _, _ in self._walk(tokens) if self._loading(n)), default=0)
+    def _finish_loads_on(self, tokens: Sequence[int], namespace: Optional[str]) -> None:
+        seq = max((n.loading_seq for n, _, _ in self._walk(tokens, namespace) if self._loading(n)), default=0)
         if seq:
             self.copier.wait(seq)
             self.poll()
@@ -236,14 +237,18 @@ class TieredRadixCache(RadixCache):
         self.touched.add((node, PARTIAL))
         return upper
 
-    def insert(self, tokens: Sequence[int], slots: Sequence[int] | torch.Tensor) -> int:
+    def insert(self, tokens: Sequence[int], slots: Sequence[int] | torch.Tensor, *,
+               namespace: Optional[str] = None) -> int:
         """As RadixCache.insert; a host-only node on the path takes the caller's slots (the caller
         computed those tokens itself), so the returned length is where the device copies end."""
         assert len(tokens) % self.page_size == 0 and len(tokens) == len(slots)
-        self._finish_loads_on(tokens)  # their slots must hold their KV before they count as cached
+        top = self._namespace_root(namespace, create=bool(tokens))
+        if top is None:
+            return 0
+        self._finish_loads_on(tokens, namespace)  # their slots must hold their KV before they count as cached
         tick = self._next_tick()
-        node, pos, device_end = self.root, 0, 0
-        for child, n, child_pos in self._walk(tokens):
+        node, pos, device_end = top, 0, 0
+        for child, n, child_pos in self._walk(tokens, namespace):
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = tick
@@ -257,7 +262,7 @@ class TieredRadixCache(RadixCache):
                 device_end = child_pos + n
             node, pos = child, child_pos + n
         if pos < len(tokens):
-            leaf = self._add_leaf(node, tokens, pos, slots, tick)
+            leaf = self._add_leaf(node, tokens, pos, slots, tick, namespace)
             if self.write_through:
                 self._write_through(leaf)
         elif node is not self.root and self._evictable_leaf(node) and node.lock_ref == 0:

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from radixserve.cache.host_pool import HostKVPool
+from radixserve.cache.namespace import is_cache_namespace
 from radixserve.cache.no_cache import NoPrefixCache
 from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.cache.radix_cache import RadixCache
@@ -194,9 +195,11 @@ class EngineCore:
             raise ValueError("constrained decoding (json_schema, regex, ebnf) needs the model's tokenizer")
         if request.rid in self.scheduler.reqs or request.rid in self.grammar_wait:
             raise ValueError(f"request id {request.rid!r} is already in use")
+        if not is_cache_namespace(request.cache_namespace):
+            raise ValueError(f"cache_namespace {request.cache_namespace!r} is not a namespace digest")
         return Req(rid=request.rid, origin_input_ids=list(ids), sampling_params=params,
                    arrival_time=request.arrival_time or time.monotonic(), arrival_seq=-1, log=request.log,
-                   stream=request.stream)
+                   stream=request.stream, cache_namespace=request.cache_namespace)
 
     def add_request(self, request: GenerateRequest) -> None:
         self.submit(self.make_req(request))

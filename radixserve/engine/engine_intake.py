@@ -9,9 +9,10 @@ hashes holds exactly the tree's whole blocks. Token ids never leave the engine.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
-from radixserve.cache.block_hash import KV_HASH_BLOCK_TOKENS, ROOT_HASH, block_hashes
+from radixserve.cache.block_hash import KV_HASH_BLOCK_TOKENS, block_hashes
+from radixserve.cache.namespace import namespace_parent
 from radixserve.cache.prefix_cache import PrefixCache
 
 
@@ -23,25 +24,27 @@ class KvHashEvents:
         self.block_size = block_size
         self.on = False  # recording starts when the first subscriber asks for a snapshot
         self.seq = 0
-        self.raw: list[tuple[str, list[int]]] = []
+        self.raw: list[tuple[str, list[int], Optional[str]]] = []
         cache.event_listener = self.record
 
-    def record(self, kind: str, tokens: list[int]) -> None:
+    def record(self, kind: str, tokens: list[int], namespace: Optional[str]) -> None:
         if self.on:
-            self.raw.append((kind, tokens))
+            self.raw.append((kind, tokens, namespace))
 
     def take(self) -> list[list]:
         """The events since the last call as [seq, kind, [hash, ...]]. Evictions are resolved
         against the tree as it is now: within one batch a later event can only restore what an
         earlier one removed, and the batch is applied whole."""
         events = []
-        for kind, tokens in self.raw:
+        for kind, tokens, namespace in self.raw:
             self.seq += 1
+            # A cache namespace's blocks chain from its own hash: never equal to another's.
+            parent = namespace_parent(namespace)
             if kind == "insert":
-                hashes = block_hashes(tokens, self.block_size)
+                hashes = block_hashes(tokens, self.block_size, parent)
             elif kind == "evict":
-                held, _ = self.cache.peek(tokens)
-                hashes = block_hashes(tokens, self.block_size)[held // self.block_size:]
+                held, _ = self.cache.peek(tokens, namespace=namespace)
+                hashes = block_hashes(tokens, self.block_size, parent)[held // self.block_size:]
             else:
                 hashes = []
             events.append([self.seq, kind, hashes])
@@ -54,10 +57,13 @@ class KvHashEvents:
         assert not self.raw
         self.on = True
         blocks: list[str] = []
-        stack = [(self.cache.root, ROOT_HASH, [])]
+        stack = [(self.cache.root, namespace_parent(None), [])]
         while stack:
             node, parent, carry = stack.pop()
             for child in node.children.values():
+                if child.namespace is not None:  # a namespace's root: its blocks chain from its hash
+                    stack.append((child, namespace_parent(child.namespace), []))
+                    continue
                 run = carry + list(child.key)
                 hashes = block_hashes(run, self.block_size, parent)
                 blocks.extend(hashes)

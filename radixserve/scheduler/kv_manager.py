@@ -45,7 +45,7 @@ class KVManager:
     # ------------------------------------------------------------------ taking memory
     def lock_prefix(self, req: Req) -> None:
         """Lock the cached prefix of req (whose row is set) and point its row at the prefix's slots."""
-        match = self.cache.match(req.match_target())
+        match = self.cache.match(req.match_target(), namespace=req.cache_namespace)
         self.cache.inc_lock(match.last_node)
         req.last_node = match.last_node
         req.locked_len = match.length
@@ -118,7 +118,7 @@ class KVManager:
         n = self.cache.insertable_len(req.kv_len)
         if not finished and n <= req.locked_len:
             return  # nothing new the cache takes
-        already = self.cache.insert(req.fill_ids[:n], req.slots[:n])
+        already = self.cache.insert(req.fill_ids[:n], req.slots[:n], namespace=req.cache_namespace)
         self._free_slots(req.slots[req.locked_len:already])  # duplicates of tokens cached meanwhile
         if finished:
             self._free_slots(req.slots[n:])  # the partly filled last page
@@ -126,7 +126,7 @@ class KVManager:
             self._drop(req)
             return
         self.cache.dec_lock(req.last_node)
-        match = self.cache.match(req.fill_ids[:n])
+        match = self.cache.match(req.fill_ids[:n], namespace=req.cache_namespace)
         assert match.length == n
         self.cache.inc_lock(match.last_node)
         if already > req.locked_len:  # take the tree's copies of the duplicated positions

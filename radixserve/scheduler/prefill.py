@@ -107,7 +107,8 @@ class PrefillAdder:
         start = req.peek_len
         if req.seq_len - start <= self.min_shared_prefix or self.kv.cache.insertable_len(req.seq_len) <= start:
             return False
-        key = (id(req.peek_node), start, tuple(req.fill_ids[start:start + self.min_shared_prefix]))
+        shared = tuple(req.fill_ids[start:start + self.min_shared_prefix])
+        key = (id(req.peek_node), req.cache_namespace, start, shared)
         if key in self.batch.shared_prefix_keys or key in in_flight_keys:
             return True
         self.batch.shared_prefix_keys.add(key)

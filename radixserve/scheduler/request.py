@@ -39,6 +39,9 @@ class Req:
     arrival_seq: int
     log: bool = False
     stream: bool = True  # outputs every --stream-interval tokens; else the first token and the end
+    # Its cache namespace (radixserve.cache.namespace; None: the shared one): it shares cached
+    # prefixes only with requests of the same one.
+    cache_namespace: Optional[str] = None
 
     state: ReqState = ReqState.WAITING
     output_ids: list[int] = field(default_factory=list)

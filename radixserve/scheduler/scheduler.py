@@ -172,8 +172,8 @@ class Scheduler:
             return
         if not (req.continues_conversation or self._continued_count >= CONVERSATION_SHARE * CONVERSATION_WINDOW):
             return
-        _, node = self.cache.peek(req.fill_ids)
-        if node is not self.cache.root:  # a cache that keeps nothing has nothing to hold
+        found, node = self.cache.peek(req.fill_ids, namespace=req.cache_namespace)
+        if found:  # a cache that keeps nothing has nothing to hold
             self.cache.add_waiter(node)
             self._held.append((self.clock() + self.settings.prefix_hold_s, node))
             self.stats.prefix_holds += 1
@@ -250,7 +250,7 @@ class Scheduler:
             return True  # evicted again each time before it got in: it computes the rest itself
         if host > adder.available:
             return None
-        loaded = self.cache.load(req.match_target(), spare_only=spare_only)
+        loaded = self.cache.load(req.match_target(), spare_only=spare_only, namespace=req.cache_namespace)
         if not loaded:
             return None
         adder.available -= loaded
@@ -481,7 +481,8 @@ class Scheduler:
                 self.running.remove(req)
                 locked = (req.last_node, req.locked_len)  # cache_req lets go of them
                 self.kv.cache_req(req, finished=True)
-                self.cache.mark_prompt_end(req.origin_input_ids, beyond=req.cached_tokens, locked=locked)
+                self.cache.mark_prompt_end(req.origin_input_ids, beyond=req.cached_tokens, locked=locked,
+                                           namespace=req.cache_namespace)
                 self._hold_prefix(req)
                 req.state = ReqState.FINISHED
                 del self.reqs[req.rid]

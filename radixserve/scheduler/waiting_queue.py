@@ -65,7 +65,8 @@ class WaitingQueue:
 
     def _peek(self, req: Req) -> None:
         self._unpark(req)
-        req.peek_len, req.peek_node, req.peek_key = self.cache.peek_park(req.match_target())
+        req.peek_len, req.peek_node, req.peek_key = self.cache.peek_park(req.match_target(),
+                                                                         namespace=req.cache_namespace)
         self._parked.setdefault(req.peek_node, {}).setdefault(req.peek_key, set()).add(req)
         self.cache.add_waiter(req.peek_node)
 
