@@ -37,6 +37,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="The workers' API key: the router requires it from clients (except /health), passes "
                         "the client's Authorization header through, and uses it for its own calls to workers.")
+    p.add_argument("--cache-salt-per-api-key", action="store_true",
+                   help="The workers run with --cache-salt-per-api-key: prefixes are matched within each API "
+                        "key's requests only, as the workers cache them.")
     p.add_argument("--worker-admin-api-key", default=None,
                    help="The workers' --admin-api-key, which kv_aware needs to follow their /kv_events "
                         "(default: --api-key).")
@@ -192,7 +195,8 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
         log.info("dp worker %d: pid %d at %s", i, procs[-1].pid, urls[-1])
     router = RouterSettings(worker_urls=tuple(urls), policy=policy, host=settings.host, port=settings.port,
                             api_key=settings.api_key, worker_admin_api_key=settings.admin_api_key,
-                            health_check_interval=2.0, log_level=settings.log_level,
+                            cache_salt_per_api_key=settings.cache_salt_per_api_key, health_check_interval=2.0,
+                            log_level=settings.log_level,
                             max_connections=settings.max_connections)
 
     def restart_dead_workers() -> None:

@@ -183,6 +183,11 @@ class ServerSettings:
     host: str = _opt("127.0.0.1", "Address the HTTP server binds.")
     port: int = _opt(30000, "HTTP port.")
     api_key: Optional[str] = _opt(None, "Require 'Authorization: Bearer <key>' on every endpoint but /health.")
+    cache_salt_per_api_key: bool = _opt(
+        False, "Isolate each API key's prefix cache: a request shares cached prefixes only with requests sent "
+        "with the same 'Authorization: Bearer' key (and the same cache_salt, if any), so cached_tokens never "
+        "shows another key's prompts. The key need not be --api-key: behind a gateway that checks keys, "
+        "each key it passes through gets its own cache. Requests without a key share one.")
     admin_api_key: Optional[str] = _opt(
         None, "Key for the admin endpoints (/flush_cache, /kv_events), which change every user's state or show "
         "what other users sent. Without it they take --api-key; with neither they are open.")

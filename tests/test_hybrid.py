@@ -207,7 +207,7 @@ def test_logits_equal_transformers_over_prefill_chunks_mixed_steps_and_decode(hy
 def test_greedy_equals_transformers_cold_chunked_and_retracted_with_no_prefix_reused(qwen3_5, settings):
     path, prompts, expected = qwen3_5
     with Engine(str(path), **{"max_total_tokens": 4096, **settings}) as engine:
-        assert engine.core.cache.disabled and engine.core.kv_pool.state is not None
+        assert not engine.core.cache.keeps_prefixes and engine.core.kv_pool.state is not None
         for _ in range(2):  # the second pass finds nothing cached: no state snapshot exists
             results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
             assert [r["output_ids"] for r in results] == expected

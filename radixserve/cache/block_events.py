@@ -11,6 +11,10 @@ and a node of k pages is k blocks. Events, in cache order:
 - ("BlockRemoved", hashes, medium): those pages lost their KV on that tier.
 - ("AllBlocksCleared",): the cache was flushed.
 
+A cache namespace's pages (requests with a `cache_salt`) chain from a hash of the namespace
+(`namespace.namespace_page_parent`), so they never equal another namespace's pages of the same
+tokens; the first page of a namespace reports no parent, as the first page of any path does.
+
 Hashes are computed when the event happens (a later split of the node would change which pages it
 holds) and memoised on the node (`TreeNode.block_hash`, its last page's hash), so an event costs
 its own pages' hashing, not its path's.
@@ -21,7 +25,7 @@ from __future__ import annotations
 from typing import Optional
 
 from radixserve.cache.block_hash import page_hashes
-from radixserve.cache.radix_cache import RadixCache, TreeNode
+from radixserve.cache.prefix_cache import PrefixCache, TreeNode
 
 StoredEvent = tuple[str, list[int], Optional[int], list[int], str]
 
@@ -29,7 +33,7 @@ StoredEvent = tuple[str, list[int], Optional[int], list[int], str]
 class BlockEventRecorder:
     """Collects the cache's block events until `take()`; installs itself as the cache's block listener."""
 
-    def __init__(self, cache: RadixCache):
+    def __init__(self, cache: PrefixCache):
         self.cache = cache
         self.page_size = cache.page_size
         self.events: list[tuple] = []
@@ -43,7 +47,8 @@ class BlockEventRecorder:
         hashes = page_hashes(node.key, self.page_size, parent)
         node.block_hash = hashes[-1]
         if kind == "stored":
-            self.events.append(("BlockStored", hashes, parent, list(node.key), medium))
+            reported = None if node.parent.namespace is not None else parent  # a namespace's first page
+            self.events.append(("BlockStored", hashes, reported, list(node.key), medium))
         else:
             self.events.append(("BlockRemoved", hashes, medium))
 

@@ -1,105 +1,37 @@
-"""The radix tree of cached token prefixes and their KV slots.
+"""The radix tree of cached token prefixes and their KV slots: the device-only `PrefixCache`.
 
 Each node holds a run of tokens (a whole number of pages) and the KV slot of each token.
 Running requests lock the path to the node their prefix ends in; unlocked leaves are
 evictable, in the order of the eviction policy, from a heap that is never rebuilt by a full
 tree scan per eviction. Sizes are kept as counters so `free + evictable + protected + held ==
 total` can be checked at any time. `TieredRadixCache` (tiered_cache.py) puts a host-memory tier
-under this tree through the few hooks marked below; without it nothing here changes.
+under this tree through the few hooks marked below; without it nothing here changes, and the
+protocol's host-tier operations (`host_part`, `load`, `poll`) find nothing to do.
+
+Cache namespaces (requests' cache salts): each has its own root, a child of the tree's root with
+no tokens that is never evicted (it goes when nothing in it is left, held or waited for), so a
+walk in one namespace never reaches another's nodes.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
 from radixserve.cache.kv_pool import PageAllocator, int64_tensor
 from radixserve.cache.prefix import common_prefix_len
+from radixserve.cache.namespace import namespace_page_parent
+from radixserve.cache.prefix_cache import (ALL, CPU, GPU, NAMESPACE, PARTIAL, BlockListener,  # noqa: F401
+                                           CacheCounters, EventListener, MatchResult, TreeNode,
+                                           check_slot_ownership, no_host_tier_stats)
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
-# Park keys: a lookup that ends inside a node waits on PARTIAL (a split can lengthen it); one that
-# ends at a node's end waits on the child key of its next token; ALL marks a removed node.
-PARTIAL = "partial"
-ALL = "all"
 # How far short of a finished prompt's end a match may stop and still count as its continuation
 # (see RadixCache.extends_a_prompt).
 PROMPT_END_SLACK = 8
-# The tiers a node's KV can be on, as KV-event consumers name them (vLLM's `medium`).
-GPU = "GPU"
-CPU = "CPU"
-
-
-class TreeNode:
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "waiters", "last_access", "hit_count",
-                 "created", "node_id", "removed", "host_value", "host_seq", "loading_seq", "ends_prompt",
-                 "block_hash")
-
-    def __init__(self, key: list[int], value: Optional[torch.Tensor], parent: Optional["TreeNode"], tick: int,
-                 node_id: int):
-        self.key = key
-        self.value = value  # int64 device slots, len(value) == len(key); None: not on the device (host tier)
-        # The host tier (TieredRadixCache): host slots, and the copies the node waits for.
-        self.host_value: Optional[torch.Tensor] = None
-        self.host_seq = 0  # the last copy that reads or writes host_value
-        self.loading_seq = 0  # the copy that fills value from the host
-        self.children: dict = {}
-        self.parent = parent
-        self.lock_ref = 0
-        self.waiters = 0  # waiting requests whose cached match runs through this node
-        self.last_access = tick
-        self.hit_count = 0
-        self.created = tick
-        self.node_id = node_id
-        self.removed = False
-        # A finished request's prompt ended exactly here (`mark_prompt_end`); a split keeps it on the
-        # lower part, which still ends there.
-        self.ends_prompt = False
-        # The chained hash of the node's last page, memoised by `block_events` while the cache's
-        # blocks are published (None: not computed). A split keeps the lower part's end, so it
-        # stays true for the node's whole life.
-        self.block_hash: Optional[int] = None
-
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
-    def __lt__(self, other: "TreeNode") -> bool:  # heap ties
-        return self.node_id < other.node_id
-
-    def __repr__(self) -> str:
-        return f"TreeNode(id={self.node_id}, len={len(self.key)}, lock={self.lock_ref})"
-
-
-@dataclass
-class MatchResult:
-    length: int
-    slots: torch.Tensor  # int64, the cached KV slots of tokens[:length]
-    last_node: TreeNode  # the node the match ends in (exactly at its end)
-
-
-@dataclass
-class CacheCounters:
-    prompt_tokens: int = 0  # prompt tokens of admitted requests
-    cached_prompt_tokens: int = 0  # of which were found in the cache
-    host_cached_prompt_tokens: int = 0  # of those, found on the host tier (copied back, not computed)
-    inserted_tokens: int = 0  # tokens newly added to the tree
-    evicted_tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def host_hit_rate(self) -> float:
-        return self.host_cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def device_hit_rate(self) -> float:
-        return self.hit_rate - self.host_hit_rate
 
 
 EVICTION_KEYS: dict[str, Callable[[TreeNode], tuple]] = {
@@ -115,31 +47,34 @@ def slots_tensor(slots: Sequence[int] | torch.Tensor, start: int, end: int) -> t
 
 
 class RadixCache:
-    def __init__(self, allocator: PageAllocator, *, page_size: int = 1, eviction_policy: str = "lru",
-                 disable: bool = False):
+    node_type: type[TreeNode] = TreeNode  # the host tier's nodes carry its fields too
+
+    def __init__(self, allocator: PageAllocator, *, page_size: int = 1, eviction_policy: str = "lru"):
         if eviction_policy not in EVICTION_KEYS:
             raise ValueError(f"unknown eviction policy {eviction_policy!r}; use one of {sorted(EVICTION_KEYS)}")
         self.allocator = allocator
         self.page_size = page_size
-        self.disabled = disable
+        self.copier = None  # no host tier: nothing is copied
+        self.loading_tokens = 0
+        self.keeps_prefixes = True
         self._policy_key = EVICTION_KEYS[eviction_policy]
         self._ids = itertools.count()
         self._tick = 0
         self.counters = CacheCounters()
         # (node, park key) pairs whose lookups may have changed; drained by the scheduler's queue.
         self.touched: set[tuple[TreeNode, object]] = set()
-        # Called with ("insert" | "evict", tokens from the root to the end of the node) or ("flush", []),
-        # so a router can mirror what this cache really holds.
-        self.event_listener: Optional[Callable[[str, list[int]], None]] = None
+        # Called with ("insert" | "evict", tokens from the namespace's root to the end of the node, the
+        # namespace) or ("flush", [], None), so a router can mirror what this cache really holds.
+        self.event_listener: Optional[EventListener] = None
         # Called with ("stored" | "removed", medium, node) whenever a node's pages gain or lose their
         # KV on a tier (medium "GPU": the device pool, "CPU": the host tier), and ("cleared", "", root)
         # on a flush: the per-tier view a cluster's KV-event consumers follow (`block_events`).
-        self.block_listener: Optional[Callable[[str, str, TreeNode], None]] = None
+        self.block_listener: Optional[BlockListener] = None
         self._reset()
 
     # ------------------------------------------------------------------ basics
     def _reset(self) -> None:
-        self.root = TreeNode([], _EMPTY_SLOTS, None, 0, next(self._ids))
+        self.root = self.node_type([], _EMPTY_SLOTS, None, 0, next(self._ids))
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size = 0
         self.protected_size = 0
@@ -161,10 +96,44 @@ class RadixCache:
     def total_cached(self) -> int:
         return self.evictable_size + self.protected_size
 
+    # ------------------------------------------------------------------ namespaces
+    def _namespace_root(self, namespace: Optional[str], *, create: bool = False) -> Optional[TreeNode]:
+        """Where a namespace's prefixes hang (the root for the shared one); None when it has none yet
+        and create is False."""
+        if namespace is None:
+            return self.root
+        node = self.root.children.get((NAMESPACE, namespace))
+        if node is None and create:
+            node = self.node_type([], _EMPTY_SLOTS, self.root, self._tick, next(self._ids))
+            node.lock_ref = 1  # like the root: never evicted (it goes with its last node, see below)
+            node.namespace = namespace
+            node.block_hash = namespace_page_parent(namespace)  # its pages' KV-event hashes chain from it
+            self.root.children[(NAMESPACE, namespace)] = node
+            self.num_nodes += 1
+            self.touched.add((self.root, (NAMESPACE, namespace)))  # lookups parked before it existed
+        return node
+
+    def _drop_namespace_if_empty(self, node: TreeNode) -> None:
+        """A namespace root nothing is cached in, held under or waited on leaves the tree (else
+        every salt ever seen would keep a node)."""
+        if node.namespace is not None and not node.children and node.lock_ref == 1 and not node.waiters \
+                and not node.removed:
+            del self.root.children[(NAMESPACE, node.namespace)]
+            node.removed = True
+            self.num_nodes -= 1
+            self.touched.add((node, ALL))
+
+    def _namespace_of(self, node: TreeNode) -> Optional[str]:
+        while node.parent is not None and node.parent is not self.root:
+            node = node.parent
+        return node.namespace
+
     # ------------------------------------------------------------------ lookup
-    def _walk(self, tokens: Sequence[int]) -> Iterator[tuple[TreeNode, int, int]]:
+    def _walk(self, tokens: Sequence[int], namespace: Optional[str] = None) -> Iterator[tuple[TreeNode, int, int]]:
         """Yield (node, matched tokens within node, position before node) along the match path."""
-        node, pos = self.root, 0
+        node, pos = self._namespace_root(namespace), 0
+        if node is None:
+            return
         end = self._page_floor(len(tokens))
         while pos < end:
             child = node.children.get(self._child_key(tokens, pos))
@@ -180,17 +149,18 @@ class RadixCache:
                 return
             node, pos = child, pos + n
 
-    def peek(self, tokens: Sequence[int]) -> tuple[int, TreeNode]:
+    def peek(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode]:
         """Matched length (page-aligned) and the deepest node touched; never changes the tree."""
-        length, last, _ = self.peek_park(tokens)
+        length, last, _ = self.peek_park(tokens, namespace=namespace)
         return length, last
 
-    def peek_park(self, tokens: Sequence[int]) -> tuple[int, TreeNode, object]:
+    def peek_park(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode, object]:
         """Like peek, plus the park key: which change under that node could lengthen this match."""
-        if self.disabled:
-            return 0, self.root, PARTIAL
-        length, last, end = 0, self.root, 0
-        for node, n, pos in self._walk(tokens):
+        top = self._namespace_root(namespace)
+        if top is None:  # nothing cached in it yet: its first insert adds its root
+            return 0, self.root, (NAMESPACE, namespace)
+        length, last, end = 0, top, 0
+        for node, n, pos in self._walk(tokens, namespace):
             length, last, end = pos + n, node, pos + len(node.key)
         if length < end:
             return length, last, PARTIAL
@@ -198,15 +168,13 @@ class RadixCache:
             return length, last, PARTIAL  # nothing left to match: no insert can lengthen it
         return length, last, self._child_key(tokens, length)
 
-    def match(self, tokens: Sequence[int]) -> MatchResult:
+    def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
         """Longest cached prefix whose KV is usable now (`_ready`); splits the last node so the match
         ends at a node boundary."""
-        if self.disabled:
-            return MatchResult(0, _EMPTY_SLOTS, self.root)
         tick = self._next_tick()
         pieces: list[torch.Tensor] = []
-        last, length = self.root, 0
-        for node, n, pos in self._walk(tokens):
+        last, length = self._namespace_root(namespace) or self.root, 0
+        for node, n, pos in self._walk(tokens, namespace):
             if not self._ready(node):
                 break
             if n < len(node.key):
@@ -215,11 +183,26 @@ class RadixCache:
             node.hit_count += 1
             pieces.append(node.value)
             last, length = node, pos + n
-        if last is not self.root and self._evictable_leaf(last) and last.lock_ref == 0:
+        if last.lock_ref == 0 and self._evictable_leaf(last):
             self._push(last)  # its access time changed
         slots = torch.cat(pieces) if pieces else _EMPTY_SLOTS
         return MatchResult(length, slots, last)
 
+    # ------------------------------------------------------------------ the host tier (none here)
+    def host_part(self, length: int, node: TreeNode) -> tuple[int, bool]:
+        """Every cached token is on the device, ready."""
+        return 0, False
+
+    def load(self, tokens: Sequence[int], *, spare_only: bool, namespace: Optional[str] = None) -> int:
+        return 0
+
+    def poll(self) -> bool:
+        return False
+
+    def tier_stats(self) -> dict[str, float]:
+        return no_host_tier_stats()
+
+    # ------------------------------------------------------------------ conversations
     def extends_a_prompt(self, node: TreeNode, uncached: Optional[int] = None) -> bool:
         """Whether the path to node (a request's match, split to end there) runs through the end of
         a finished request's prompt, or stops at most PROMPT_END_SLACK tokens (a page) short of
@@ -228,7 +211,7 @@ class RadixCache:
         re-tokenizes the previous prompt's last token together with the reply after it, so the
         next turn's match usually ends a token before the mark; the same prompt sent again (a
         retry, a health probe) ends there too, and continues nothing."""
-        if node is self.root:
+        if node is self.root or node.namespace is not None:  # nothing matched
             return False
         # Such a match split the prompt's last node where it stopped: the marked rest is a child
         # (usually the only one). A node with many children is where prompts branch; not scanned.
@@ -245,20 +228,20 @@ class RadixCache:
         return False
 
     # ------------------------------------------------------------------ mutation
-    def mark_prompt_end(self, prompt: Sequence[int], beyond: int,
-                        locked: Optional[tuple[TreeNode, int]] = None) -> None:
+    def mark_prompt_end(self, prompt: Sequence[int], beyond: int, locked: Optional[tuple[TreeNode, int]] = None, *,
+                        namespace: Optional[str] = None) -> None:
         """Mark the node boundary at the end of a finished request's prompt (whole pages; split
         there if needed), when that end lies beyond `beyond` tokens (what the request found
         cached: a prompt that only repeats a shared prefix marks nothing) and is still cached.
         locked: the node the request held and its path's length; when that is the prompt's end
         (its prompt went into the tree when computed), the node is marked without a walk."""
         end = self._page_floor(len(prompt))
-        if self.disabled or end <= beyond:
+        if end <= beyond:
             return
         if locked is not None and locked[1] == end and locked[0] is not self.root:
             locked[0].ends_prompt = True
             return
-        for node, n, pos in self._walk(prompt[:end]):
+        for node, n, pos in self._walk(prompt[:end], namespace):
             if pos + n == end:
                 (node if n == len(node.key) else self._split(node, n)).ends_prompt = True
 
@@ -270,7 +253,7 @@ class RadixCache:
         """Cut node after n tokens; returns the new upper part. Keys and values are copied, not viewed."""
         parent = node.parent
         assert parent is not None
-        upper = TreeNode(node.key[:n], node.value[:n].clone(), parent, node.created, next(self._ids))
+        upper = self.node_type(node.key[:n], node.value[:n].clone(), parent, node.created, next(self._ids))
         upper.lock_ref, upper.last_access, upper.hit_count = node.lock_ref, node.last_access, node.hit_count
         upper.waiters = node.waiters
         parent.children[self._child_key(node.key, 0)] = upper
@@ -282,7 +265,12 @@ class RadixCache:
         self.touched.add((node, PARTIAL))
         return upper
 
-    def insert(self, tokens: Sequence[int], slots: Sequence[int] | torch.Tensor) -> int:
+    def insertable_len(self, computed: int) -> int:
+        """A request's computed positions the tree takes: its whole pages."""
+        return self._page_floor(computed)
+
+    def insert(self, tokens: Sequence[int], slots: Sequence[int] | torch.Tensor, *,
+               namespace: Optional[str] = None) -> int:
         """Add tokens (whole pages) with their slots; returns how many leading tokens were already cached.
         Slots may be a list: only the part the tree takes is converted (a finished request's
         prompt is mostly its cached prefix).
@@ -290,26 +278,27 @@ class RadixCache:
         The caller owns slots[:returned length] only where it did not get them from the tree: those
         are duplicates it must free. The tree takes ownership of slots[returned length:].
         """
-        if self.disabled:
-            return 0
         assert len(tokens) % self.page_size == 0 and len(tokens) == len(slots)
+        top = self._namespace_root(namespace, create=bool(tokens))
+        if top is None:
+            return 0
         tick = self._next_tick()
-        node, pos = self.root, 0
-        for child, n, child_pos in self._walk(tokens):
+        node, pos = top, 0
+        for child, n, child_pos in self._walk(tokens, namespace):
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = tick
             node, pos = child, child_pos + n
         if pos < len(tokens):
-            self._add_leaf(node, tokens, pos, slots, tick)
+            self._add_leaf(node, tokens, pos, slots, tick, namespace)
         elif node is not self.root and self._evictable_leaf(node) and node.lock_ref == 0:
             self._push(node)  # its access time changed
         return pos
 
     def _add_leaf(self, parent: TreeNode, tokens: Sequence[int], pos: int, slots: Sequence[int] | torch.Tensor,
-                  tick: int) -> TreeNode:
+                  tick: int, namespace: Optional[str]) -> TreeNode:
         """tokens[pos:] as a new evictable leaf under parent, owning slots[pos:]."""
-        leaf = TreeNode(list(tokens[pos:]), slots_tensor(slots, pos, len(tokens)), parent, tick, next(self._ids))
+        leaf = self.node_type(list(tokens[pos:]), slots_tensor(slots, pos, len(tokens)), parent, tick, next(self._ids))
         parent.children[self._child_key(tokens, pos)] = leaf
         self.num_nodes += 1
         self.evictable_size += len(leaf.key)
@@ -317,7 +306,7 @@ class RadixCache:
         self._push(leaf)
         self.touched.add((parent, self._child_key(tokens, pos)))
         if self.event_listener is not None:
-            self.event_listener("insert", list(tokens))
+            self.event_listener("insert", list(tokens), namespace)
         if self.block_listener is not None:
             self.block_listener("stored", GPU, leaf)
         return leaf
@@ -334,6 +323,7 @@ class RadixCache:
             node = node.parent
 
     def dec_lock(self, node: TreeNode) -> None:
+        top = node
         while node is not self.root:
             assert node.lock_ref > 0, f"unlock of unlocked {node}"
             node.lock_ref -= 1
@@ -344,7 +334,9 @@ class RadixCache:
                     self.waited_evictable_size += len(node.key)
                 if self._evictable_leaf(node):
                     self._push(node)
-            node = node.parent
+            top, node = node, node.parent
+        if top.namespace is not None:
+            self._drop_namespace_if_empty(top)
 
     # ------------------------------------------------------------------ waiting requests
     def add_waiter(self, node: TreeNode) -> None:
@@ -357,6 +349,7 @@ class RadixCache:
     def _count_waiter(self, node: TreeNode, delta: int) -> None:
         # Walk by parent links, not up to self.root: a node evicted or flushed since the request
         # was parked still leads up its old path, whose counts this undoes.
+        top = node
         while node.parent is not None:
             node.waiters += delta
             assert node.waiters >= 0, f"waiter count of {node} went negative"
@@ -364,7 +357,9 @@ class RadixCache:
                 self.waited_evictable_size += delta * len(node.key)
                 if self._evictable_leaf(node):
                     self._push(node)  # it just changed eviction class
-            node = node.parent
+            top, node = node, node.parent
+        if delta < 0 and top.namespace is not None:
+            self._drop_namespace_if_empty(top)
 
     @property
     def reclaimable_size(self) -> int:
@@ -413,7 +408,7 @@ class RadixCache:
         """Take a childless, unlocked node out of the tree, freeing its device slots (if it has
         them); its parent is offered for eviction once it is a leaf. Returns the node's tokens."""
         if self.event_listener is not None:
-            self.event_listener("evict", self._path_tokens(node))
+            self.event_listener("evict", self._path_tokens(node), self._namespace_of(node))
         if node.value is not None:
             if self.block_listener is not None:
                 self.block_listener("removed", GPU, node)
@@ -429,6 +424,8 @@ class RadixCache:
         if parent is not self.root and parent.value is not None and parent.lock_ref == 0 \
                 and self._evictable_leaf(parent):
             self._push(parent)
+        elif parent.namespace is not None:
+            self._drop_namespace_if_empty(parent)
         return len(node.key)
 
     def flush(self) -> bool:
@@ -443,7 +440,7 @@ class RadixCache:
         self.touched.add((self.root, ALL))
         self._reset()
         if self.event_listener is not None:
-            self.event_listener("flush", [])
+            self.event_listener("flush", [], None)
         if self.block_listener is not None:
             self.block_listener("cleared", "", self.root)
         return True
@@ -484,6 +481,11 @@ class RadixCache:
             if node is self.root:
                 continue
             assert not node.removed, f"{node} is in the tree but marked removed"
+            if node.namespace is not None:
+                assert node.parent is self.root and self.root.children.get((NAMESPACE, node.namespace)) is node
+                assert not node.key and node.lock_ref >= 1, f"{node}: a namespace root holds tokens or is unlocked"
+                assert node.children or node.lock_ref > 1 or node.waiters, f"{node}: an empty namespace root is kept"
+                continue
             assert len(node.key) % self.page_size == 0 and node.key, f"{node}: not whole pages"
             assert node.parent.children.get(self._child_key(node.key, 0)) is node, f"{node}: bad parent link"
             if node.parent is not self.root:
@@ -505,9 +507,4 @@ class RadixCache:
         assert free + evictable + protected + held_by_running == total, (
             f"free {free} + evictable {evictable} + protected {protected} + held {held_by_running} != {total}")
         owned = self.all_slots() + [self.allocator.free_slot_tensor()] + list(running_slots)
-        every = torch.cat(owned)
-        assert every.numel() == total, f"{every.numel()} slots owned, pool has {total}"
-        # As many owners as slots, so a slot owned twice leaves another slot unowned.
-        seen = torch.zeros(total + self.page_size, dtype=torch.bool)
-        seen[every] = True
-        assert bool(seen[self.page_size:].all()), "a KV slot is owned twice"
+        check_slot_ownership(owned, total, self.page_size)

@@ -28,57 +28,73 @@ import torch
 
 from radixserve.cache.host_pool import CopyEngine, CopyStats, HostKVPool, make_copy_engine
 from radixserve.cache.kv_pool import KVPool, PageAllocator
-from radixserve.cache.radix_cache import ALL, CPU, GPU, RadixCache, TreeNode, slots_tensor
+from radixserve.cache.prefix_cache import CPU, GPU, PARTIAL, TreeNode, check_slot_ownership
+from radixserve.cache.radix_cache import RadixCache, slots_tensor
 
 # host_seq of host copies a copy being prepared will use: busy until the copy is issued.
 _RESERVED = 1 << 62
 
 
+class HostTierNode(TreeNode):
+    """A tree node that may hold its tokens' KV on the host too (or only there)."""
+
+    __slots__ = ("host_value", "host_seq", "loading_seq")
+
+    def __init__(self, key: list[int], value: Optional[torch.Tensor], parent: Optional[TreeNode], tick: int,
+                 node_id: int):
+        super().__init__(key, value, parent, tick, node_id)
+        self.host_value: Optional[torch.Tensor] = None  # host slots, len == len(key); None: not on the host
+        self.host_seq = 0  # the last copy that reads or writes host_value
+        self.loading_seq = 0  # the copy that fills value from the host
+
+
 class TieredRadixCache(RadixCache):
+    node_type = HostTierNode
+
     def __init__(self, allocator: PageAllocator, host_pool: HostKVPool, copier: CopyEngine, *, page_size: int = 1,
                  eviction_policy: str = "lru", write_through: bool = False):
         super().__init__(allocator, page_size=page_size, eviction_policy=eviction_policy)
         self.host_pool = host_pool
         self.host_allocator = host_pool.allocator
-        self.copier = copier
+        self.copier: CopyEngine = copier
         self.write_through = write_through
         # Loads in flight: (copy seq, the deepest loading node, tokens), in issue order.
-        self._loads: deque[tuple[int, TreeNode, int]] = deque()
+        self._loads: deque[tuple[int, HostTierNode, int]] = deque()
         self.loading_tokens = 0
         # Host copies in use by a copy: (copy seq, nodes), offered to host eviction once it is done.
-        self._busy: deque[tuple[int, list[TreeNode]]] = deque()
+        self._busy: deque[tuple[int, list[HostTierNode]]] = deque()
 
     def _reset(self) -> None:
         super()._reset()
         self.host_size = 0  # tokens with a host copy
-        self._host_heap: list[tuple[tuple, TreeNode]] = []
+        self._host_heap: list[tuple[tuple, HostTierNode]] = []
 
     def reset_counters(self) -> None:
         super().reset_counters()
         self.copier.stats = CopyStats()
 
     # ------------------------------------------------------------------ node states
-    def _loading(self, node: TreeNode) -> bool:
+    def _loading(self, node: HostTierNode) -> bool:
         return node.loading_seq > self.copier.done_seq
 
-    def _ready(self, node: TreeNode) -> bool:
+    def _ready(self, node: HostTierNode) -> bool:
         """On the device with its KV in place (not waiting for a load): host-only and loading nodes
         end a match."""
         return node.value is not None and node.loading_seq <= self.copier.done_seq
 
-    def _host_busy(self, node: TreeNode) -> bool:
+    def _host_busy(self, node: HostTierNode) -> bool:
         return node.host_seq > self.copier.done_seq
 
-    def _evictable_leaf(self, node: TreeNode) -> bool:
+    def _evictable_leaf(self, node: HostTierNode) -> bool:
         return not any(c.value is not None for c in node.children.values())
 
-    def _on_device(self, node: TreeNode) -> bool:
+    def _on_device(self, node: HostTierNode) -> bool:
         return node.value is not None
 
-    def _is_current(self, entry: tuple[tuple, TreeNode]) -> bool:
+    def _is_current(self, entry: tuple[tuple, HostTierNode]) -> bool:
         return entry[1].value is not None and super()._is_current(entry)
 
-    def _became_device(self, node: TreeNode) -> None:
+    def _became_device(self, node: HostTierNode) -> None:
         """node (unlocked) just got device slots: count them as evictable."""
         if self.block_listener is not None:
             self.block_listener("stored", GPU, node)
@@ -86,7 +102,7 @@ class TieredRadixCache(RadixCache):
         if node.waiters:
             self.waited_evictable_size += len(node.key)
 
-    def _drop_device(self, node: TreeNode) -> None:
+    def _drop_device(self, node: HostTierNode) -> None:
         """Free the device slots of an unlocked device leaf that has a host copy; it stays in the tree."""
         if self.block_listener is not None:
             self.block_listener("removed", GPU, node)
@@ -100,7 +116,7 @@ class TieredRadixCache(RadixCache):
             self._push(parent)
 
     # ------------------------------------------------------------------ lookup
-    def host_part(self, length: int, node: TreeNode) -> tuple[int, bool]:
+    def host_part(self, length: int, node: HostTierNode) -> tuple[int, bool]:
         """Of a match of `length` tokens ending in node (from peek): how many are not on the device
         ready to use, and whether a load of some of them is in flight."""
         path = []
@@ -115,13 +131,21 @@ class TieredRadixCache(RadixCache):
                 loading = True
         return max(0, length - device_end), loading
 
+    def tier_stats(self) -> dict[str, float]:
+        copies = self.copier.stats
+        return {"host_pool_tokens": self.host_allocator.total_tokens,
+                "host_free_tokens": self.host_allocator.free_tokens, "host_cached_tokens": self.host_size,
+                "loading_tokens": self.loading_tokens,
+                "loaded_tokens": copies.loaded_tokens, "loaded_bytes": copies.loaded_bytes,
+                "written_back_bytes": copies.written_back_bytes, "load_bandwidth_gbps": copies.load_bandwidth / 1e9}
+
     # ------------------------------------------------------------------ loads
-    def load(self, tokens: Sequence[int], *, spare_only: bool) -> int:
+    def load(self, tokens: Sequence[int], *, spare_only: bool, namespace: Optional[str] = None) -> int:
         """Start copying the host part of tokens' cached prefix back to the device; returns the
         tokens now loading (0: none on the host, or no device room). spare_only: take only free
         slots and tree tokens no waiting request will reuse."""
         path = []
-        for node, n, _ in self._walk(tokens):
+        for node, n, _ in self._walk(tokens, namespace):
             if self._loading(node):
                 return 0  # already on its way: the caller waits for it
             if n < len(node.key) and node.value is None:
@@ -182,18 +206,18 @@ class TieredRadixCache(RadixCache):
             finished = True
         return finished
 
-    def _finish_loads_on(self, tokens: Sequence[int]) -> None:
-        seq = max((n.loading_seq for n, _, _ in self._walk(tokens) if self._loading(n)), default=0)
+    def _finish_loads_on(self, tokens: Sequence[int], namespace: Optional[str]) -> None:
+        seq = max((n.loading_seq for n, _, _ in self._walk(tokens, namespace) if self._loading(n)), default=0)
         if seq:
             self.copier.wait(seq)
             self.poll()
 
     # ------------------------------------------------------------------ mutation
-    def _split(self, node: TreeNode, n: int) -> TreeNode:
+    def _split(self, node: HostTierNode, n: int) -> HostTierNode:
         parent = node.parent
         assert parent is not None
         value = node.value[:n].clone() if node.value is not None else None
-        upper = TreeNode(node.key[:n], value, parent, node.created, next(self._ids))
+        upper = HostTierNode(node.key[:n], value, parent, node.created, next(self._ids))
         upper.lock_ref, upper.last_access, upper.hit_count = node.lock_ref, node.last_access, node.hit_count
         upper.waiters, upper.host_seq, upper.loading_seq = node.waiters, node.host_seq, node.loading_seq
         if node.host_value is not None:
@@ -210,17 +234,21 @@ class TieredRadixCache(RadixCache):
         node.parent = upper
         upper.children[self._child_key(node.key, 0)] = node
         self.num_nodes += 1
-        self.touched.add((node, "partial"))
+        self.touched.add((node, PARTIAL))
         return upper
 
-    def insert(self, tokens: Sequence[int], slots: Sequence[int] | torch.Tensor) -> int:
+    def insert(self, tokens: Sequence[int], slots: Sequence[int] | torch.Tensor, *,
+               namespace: Optional[str] = None) -> int:
         """As RadixCache.insert; a host-only node on the path takes the caller's slots (the caller
         computed those tokens itself), so the returned length is where the device copies end."""
         assert len(tokens) % self.page_size == 0 and len(tokens) == len(slots)
-        self._finish_loads_on(tokens)  # their slots must hold their KV before they count as cached
+        top = self._namespace_root(namespace, create=bool(tokens))
+        if top is None:
+            return 0
+        self._finish_loads_on(tokens, namespace)  # their slots must hold their KV before they count as cached
         tick = self._next_tick()
-        node, pos, device_end = self.root, 0, 0
-        for child, n, child_pos in self._walk(tokens):
+        node, pos, device_end = top, 0, 0
+        for child, n, child_pos in self._walk(tokens, namespace):
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = tick
@@ -234,7 +262,7 @@ class TieredRadixCache(RadixCache):
                 device_end = child_pos + n
             node, pos = child, child_pos + n
         if pos < len(tokens):
-            leaf = self._add_leaf(node, tokens, pos, slots, tick)
+            leaf = self._add_leaf(node, tokens, pos, slots, tick, namespace)
             if self.write_through:
                 self._write_through(leaf)
         elif node is not self.root and self._evictable_leaf(node) and node.lock_ref == 0:
@@ -246,8 +274,8 @@ class TieredRadixCache(RadixCache):
         """Free device slots of unlocked device leaves in policy order; each keeps (or gets, by a
         write-back) a host copy. Without host room a childless node leaves the tree as without a tier."""
         freed = 0
-        copies: list[tuple[TreeNode, torch.Tensor]] = []
-        skipped: list[tuple[tuple, TreeNode]] = []
+        copies: list[tuple[HostTierNode, torch.Tensor]] = []
+        skipped: list[tuple[tuple, HostTierNode]] = []
         while freed < num_tokens and self._heap:
             entry = heapq.heappop(self._heap)
             if not self._is_current(entry):
@@ -276,14 +304,14 @@ class TieredRadixCache(RadixCache):
         self.counters.evicted_tokens += freed
         return freed
 
-    def _copy_out(self, nodes: list[TreeNode], device_slots: list[torch.Tensor]) -> None:
+    def _copy_out(self, nodes: list[HostTierNode], device_slots: list[torch.Tensor]) -> None:
         """Issue the device-to-host copy of nodes whose host slots are set."""
         seq = self.copier.write_back(torch.cat(device_slots), torch.cat([n.host_value for n in nodes]))
         for n in nodes:
             n.host_seq = seq
         self._busy.append((seq, nodes))
 
-    def _write_through(self, node: TreeNode) -> None:
+    def _write_through(self, node: HostTierNode) -> None:
         """Copy a just-cached node to the host now (it stays device-only when the host has no room)."""
         host = self._host_slots(len(node.key))
         if host is not None:
@@ -292,11 +320,11 @@ class TieredRadixCache(RadixCache):
             self._stored_on_host(node)
             self._copy_out([node], [node.value])
 
-    def _stored_on_host(self, node: TreeNode) -> None:
+    def _stored_on_host(self, node: HostTierNode) -> None:
         if self.block_listener is not None:
             self.block_listener("stored", CPU, node)
 
-    def _remove_subtree(self, node: TreeNode) -> bool:
+    def _remove_subtree(self, node: HostTierNode) -> bool:
         """Take an unlocked device leaf and its host-only descendants out of the tree, unless a
         copy is using one of them (False)."""
         below, stack = [], list(node.children.values())
@@ -311,7 +339,7 @@ class TieredRadixCache(RadixCache):
         self._remove_leaf(node)
         return True
 
-    def _remove_leaf(self, node: TreeNode) -> int:
+    def _remove_leaf(self, node: HostTierNode) -> int:
         """As the base, freeing the node's host copy too; the parent may now leave the host."""
         if node.host_value is not None:
             if self.block_listener is not None:
@@ -324,10 +352,10 @@ class TieredRadixCache(RadixCache):
         return tokens
 
     # ------------------------------------------------------------------ the host pool
-    def _host_priority(self, node: TreeNode) -> tuple:
+    def _host_priority(self, node: HostTierNode) -> tuple:
         return (node.waiters > 0, node.last_access)
 
-    def _push_host(self, node: TreeNode) -> None:
+    def _push_host(self, node: HostTierNode) -> None:
         if node.host_value is not None and not node.removed:
             heapq.heappush(self._host_heap, (self._host_priority(node), node))
             if len(self._host_heap) > 4 * self.num_nodes + 1024:
@@ -335,7 +363,7 @@ class TieredRadixCache(RadixCache):
                 self._host_heap = list(current.values())
                 heapq.heapify(self._host_heap)
 
-    def _host_evictable(self, node: TreeNode) -> bool:
+    def _host_evictable(self, node: HostTierNode) -> bool:
         """A host copy that may go: not in use by a copy, and not the only copy of a node with children."""
         return (node.host_value is not None and not node.removed and not self._host_busy(node)
                 and (node.value is not None or not node.children))
@@ -366,7 +394,7 @@ class TieredRadixCache(RadixCache):
         self.poll()  # finished loads unlock their nodes
         return super().flush()
 
-    def _free_node_slots(self, node: TreeNode) -> None:
+    def _free_node_slots(self, node: HostTierNode) -> None:
         if node.value is not None:
             self.allocator.free_slots(node.value)
         if node.host_value is not None:
@@ -400,10 +428,7 @@ class TieredRadixCache(RadixCache):
         free = self.host_allocator.free_tokens
         assert free + (held - busy) + busy == total, (
             f"host: free {free} + evictable {held - busy} + busy {busy} != {total}")
-        every = torch.cat(host_slots + [self.host_allocator.free_slot_tensor()])
-        seen = torch.zeros(total + self.page_size, dtype=torch.bool)
-        seen[every] = True
-        assert every.numel() == total and bool(seen[self.page_size:].all()), "a host slot is owned twice"
+        check_slot_ownership(host_slots + [self.host_allocator.free_slot_tensor()], total, self.page_size, "host")
 
 
 def make_tiered_cache(kv_pool: KVPool, host_tokens: int, *, eviction_policy: str = "lru",

@@ -21,8 +21,11 @@ from typing import Any, Optional
 import torch
 
 from radixserve.cache.host_pool import HostKVPool
+from radixserve.cache.namespace import is_cache_namespace
+from radixserve.cache.no_cache import NoPrefixCache
+from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.cache.tiered_cache import TieredRadixCache, make_tiered_cache
+from radixserve.cache.tiered_cache import make_tiered_cache
 from radixserve.distributed import TensorParallel
 from radixserve.engine.cpu_affinity import bind_near_gpu
 from radixserve.engine.grammar_wait import GrammarWaitlist
@@ -35,6 +38,7 @@ from radixserve.process.tokenizer import load_tokenizer
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.batch import ScheduledBatch, StepInFlight
+from radixserve.scheduler.prefill import QueueRoom
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.settings import ServerSettings
 
@@ -96,8 +100,7 @@ class EngineCore:
         self.scheduler = Scheduler(settings, self.cache, self.req_to_token, context_len=self.context_len,
                                    eos_token_ids=eos, decode_text=self._decode_tail if self.tokenizer else None)
         self.runner = self.ranks.make_runner(
-            self.model, self.kv_pool, self.req_to_token, settings.random_seed,
-            copier=self.cache.copier if isinstance(self.cache, TieredRadixCache) else None,
+            self.model, self.kv_pool, self.req_to_token, settings.random_seed, copier=self.cache.copier,
             cuda_graph_max_bs=min(settings.cuda_graph_max_bs, max_running),
             disable_cuda_graph=settings.disable_cuda_graph)
         self.runner.eos_token_ids = sorted(set(eos))
@@ -125,7 +128,8 @@ class EngineCore:
                     "fp8" if self.model.fp8 is not None else "unquantized", self.kv_pool.k_buffers[0].dtype,
                     self.pool_size, settings.page_size, max_running, tp.size)
 
-    def _make_cache(self, tp: TensorParallel) -> RadixCache:
+    def _make_cache(self, tp: TensorParallel) -> PrefixCache:
+        """The one place that picks the prefix cache: none, the device tree, or the tree with a host tier."""
         s = self.settings
         if self.model_config.has_recurrent_state:
             # A request resumed from a cached prefix needs the recurrent state at the prefix's end,
@@ -138,11 +142,11 @@ class EngineCore:
                 logger.warning("prefix caching is off for %s: its linear-attention layers keep a recurrent state per "
                                "request that the radix cache does not snapshot yet, so every request computes its "
                                "whole prompt (cached_tokens 0)", self.model_config.architecture)
-            return RadixCache(self.kv_pool.allocator, page_size=s.page_size, eviction_policy=s.radix_eviction_policy,
-                              disable=True)
+            return NoPrefixCache(self.kv_pool.allocator, page_size=s.page_size)
+        if s.disable_radix_cache:
+            return NoPrefixCache(self.kv_pool.allocator, page_size=s.page_size)
         if not s.hicache_enabled:
-            return RadixCache(self.kv_pool.allocator, page_size=s.page_size, eviction_policy=s.radix_eviction_policy,
-                              disable=s.disable_radix_cache)
+            return RadixCache(self.kv_pool.allocator, page_size=s.page_size, eviction_policy=s.radix_eviction_policy)
         per_token = HostKVPool.token_bytes(self.kv_pool)
         tokens = host_tier_tokens(s, self.kv_pool, tp)
         logger.info("host tier: %d tokens (%.1f GB) on each of %d rank(s), %s", tokens, tokens * per_token / 1e9,
@@ -191,9 +195,11 @@ class EngineCore:
             raise ValueError("constrained decoding (json_schema, regex, ebnf) needs the model's tokenizer")
         if request.rid in self.scheduler.reqs or request.rid in self.grammar_wait:
             raise ValueError(f"request id {request.rid!r} is already in use")
+        if not is_cache_namespace(request.cache_namespace):
+            raise ValueError(f"cache_namespace {request.cache_namespace!r} is not a namespace digest")
         return Req(rid=request.rid, origin_input_ids=list(ids), sampling_params=params,
                    arrival_time=request.arrival_time or time.monotonic(), arrival_seq=-1, log=request.log,
-                   stream=request.stream)
+                   stream=request.stream, cache_namespace=request.cache_namespace)
 
     def add_request(self, request: GenerateRequest) -> None:
         self.submit(self.make_req(request))
@@ -350,6 +356,10 @@ class EngineCore:
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
 
+    def queue_room(self) -> QueueRoom:
+        """Room the running batch has for new requests now (what `--max-queued-requests` does not count)."""
+        return self.scheduler.queue_room()
+
     def stats(self) -> dict[str, Any]:
         c, s = self.cache.counters, self.scheduler.stats
         free = self.kv_pool.allocator.free_tokens
@@ -393,21 +403,14 @@ class EngineCore:
                 "device_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device)}
 
     def _tier_stats(self) -> dict[str, Any]:
-        """The host tier's pool and traffic (zeros without one, so every stats dict has the same keys)."""
-        c, tier = self.cache.counters, self.scheduler.tiered
-        copies = tier.copier.stats if tier is not None else None
+        """The hit rate per tier and the host tier's pool and traffic (zeros without one, so every
+        stats dict has the same keys)."""
+        c = self.cache.counters
         return {
             "device_hit_rate": c.device_hit_rate,
             "host_hit_rate": c.host_hit_rate,
             "host_cached_prompt_tokens": c.host_cached_prompt_tokens,
-            "host_pool_tokens": tier.host_allocator.total_tokens if tier else 0,
-            "host_free_tokens": tier.host_allocator.free_tokens if tier else 0,
-            "host_cached_tokens": tier.host_size if tier else 0,
-            "loading_tokens": tier.loading_tokens if tier else 0,
-            "loaded_tokens": copies.loaded_tokens if copies else 0,
-            "loaded_bytes": copies.loaded_bytes if copies else 0,
-            "written_back_bytes": copies.written_back_bytes if copies else 0,
-            "load_bandwidth_gbps": copies.load_bandwidth / 1e9 if copies else 0.0,
+            **self.cache.tier_stats(),
         }
 
 

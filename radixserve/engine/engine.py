@@ -11,6 +11,7 @@ import time
 from typing import Any, Optional, Sequence, Union
 
 from radixserve.cache.host_memory import check_host_memory
+from radixserve.cache.namespace import cache_namespace, check_cache_salt
 from radixserve.default_model import ensure_model_path
 from radixserve.engine.core import EngineCore, new_request_id
 from radixserve.engine.detokenize import decode_output
@@ -38,9 +39,11 @@ class Engine:
     def tokenizer(self):
         return self.core.tokenizer
 
-    def _requests(self, prompt: Prompt, input_ids: InputIds, sampling_params) -> tuple[list[GenerateRequest], bool]:
+    def _requests(self, prompt: Prompt, input_ids: InputIds, sampling_params,
+                  cache_salt: Optional[str] = None) -> tuple[list[GenerateRequest], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
+        check_cache_salt(cache_salt)
         if prompt is not None:
             single = isinstance(prompt, str)
             prompts = [prompt] if single else list(prompt)
@@ -63,14 +66,17 @@ class Engine:
             if spec is not None:
                 check_grammar(*spec)  # a bad grammar is a ValueError before anything is queued
         now = time.monotonic()
+        namespace = cache_namespace(cache_salt)
         reqs = [GenerateRequest(rid=new_request_id(), input_ids=ids, sampling_params=p, arrival_time=now,
-                                stream=False) for ids, p in zip(ids_list, params)]
+                                stream=False, cache_namespace=namespace) for ids, p in zip(ids_list, params)]
         return reqs, single
 
     def generate(self, prompt: Prompt = None, input_ids: InputIds = None,
-                 sampling_params: Union[dict, Sequence[dict], None] = None) -> Union[dict, list[dict]]:
-        """Generate for one request or a list; every request is validated before any is queued."""
-        reqs, single = self._requests(prompt, input_ids, sampling_params)
+                 sampling_params: Union[dict, Sequence[dict], None] = None,
+                 cache_salt: Optional[str] = None) -> Union[dict, list[dict]]:
+        """Generate for one request or a list; every request is validated before any is queued.
+        cache_salt: the requests share cached prefixes only with requests of the same salt."""
+        reqs, single = self._requests(prompt, input_ids, sampling_params, cache_salt)
         engine_reqs = [self.core.make_req(r) for r in reqs]  # raises before anything is allocated
         for r in engine_reqs:
             self.core.submit(r)

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import zmq
 
 from radixserve.engine import messages as m
-from radixserve.engine.engine_intake import KvHashEvents, QueueRoom
+from radixserve.engine.engine_intake import KvHashEvents
 from radixserve.engine.messages import AbortRequest, GenerateRequest, RequestOutput
 from radixserve.engine.kv_publisher import ZmqKvEventPublisher, make_kv_publisher
 from radixserve.engine.step_trace import StepTrace
@@ -28,6 +28,7 @@ from radixserve.process.gc_tuning import FullCollectionGovernor, govern_collecti
 from radixserve.process.logging_setup import setup_logging
 from radixserve.process.spawn import child_arguments, die_with_parent, parent_gone
 from radixserve.sampling_params import SamplingParams
+from radixserve.scheduler.prefill import QueueRoom
 from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")
@@ -199,8 +200,9 @@ class EngineLoop:
             limit = self.settings.max_queued_requests
             if limit is not None:
                 if self.queue_room is None:
-                    self.queue_room = QueueRoom(self.core)
-                if not self.queue_room.admits(msg, len(self.core.scheduler.waiting), limit):
+                    self.queue_room = self.core.queue_room()
+                if not self.queue_room.admits(len(msg.input_ids), msg.sampling_params.max_new_tokens,
+                                              len(self.core.scheduler.waiting), limit):
                     self.pending_errors.append(m.RequestError(
                         rid=msg.rid, queue_full=True,
                         message=f"the waiting queue is full ({limit} requests beyond what is running); "
@@ -370,7 +372,7 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
             vocab_size=core.model_config.vocab_size, max_running_requests=core.scheduler.max_running,
             device=str(core.device), dtype=str(core.dtype).replace("torch.", ""),
             memory=core.memory_plan.as_dict() if core.memory_plan is not None else None,
-            prefix_caching=not core.cache.disabled)))
+            prefix_caching=core.cache.keeps_prefixes)))
         one_host_thread(core.device)  # after loading, which may convert weights on the CPU
         governor = govern_collections("engine")
         loop = EngineLoop(core, settings, pull, push, parent_pid, gc_governor=governor, kv_publisher=kv_publisher)

@@ -34,7 +34,7 @@ import zmq
 from radixserve.kv_events_config import KvEventsConfig, binds, offset_endpoint
 
 if TYPE_CHECKING:  # the API process checks the addresses at start-up and imports no torch
-    from radixserve.cache.radix_cache import RadixCache
+    from radixserve.cache.prefix_cache import PrefixCache
 
 logger = logging.getLogger("radixserve")
 
@@ -61,7 +61,7 @@ def event_record(event: tuple, page_size: int, layout: str) -> list | dict:
 
 
 class ZmqKvEventPublisher:
-    def __init__(self, config: KvEventsConfig, cache: "RadixCache", dp_rank: int = 0):
+    def __init__(self, config: KvEventsConfig, cache: "PrefixCache", dp_rank: int = 0):
         from radixserve.cache.block_events import BlockEventRecorder
 
         self.config = config
@@ -163,7 +163,7 @@ def check_kv_event_endpoints(settings) -> Optional[str]:
     return None
 
 
-def make_kv_publisher(settings, cache: "RadixCache") -> Optional[ZmqKvEventPublisher]:
+def make_kv_publisher(settings, cache: "PrefixCache") -> Optional[ZmqKvEventPublisher]:
     """The publisher `--kv-events-config` asks for (None: off)."""
     config = settings.kv_events
     if config is None:

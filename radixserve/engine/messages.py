@@ -26,6 +26,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     # False: the caller wants the whole result only; the engine sends the first token (for the
     # time to first token) and the end, not every step's token.
     stream: bool = True
+    # The request's cache namespace (`radixserve.cache.namespace.cache_namespace` of its cache_salt
+    # and API key): it shares cached prefixes only with requests of the same one. None: the shared one.
+    cache_namespace: Optional[str] = None
 
 
 class AbortRequest(msgspec.Struct, kw_only=True):

@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from radixserve.http_common.auth import APIKeyMiddleware
+from radixserve.http_common.auth import APIKeyMiddleware, bearer_token
 from radixserve.router.keys import routing_keys, tokenizer_from_files
 from radixserve.router.kv_sync import kv_sync_loop
 from radixserve.router.metrics import RouterMetrics
@@ -56,6 +56,8 @@ class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: Optional[str] = None
+    # The workers isolate each API key's cache (their --cache-salt-per-api-key): so do the prefix keys.
+    cache_salt_per_api_key: bool = False
     # The workers' --admin-api-key, for their /kv_events (without it: api_key).
     worker_admin_api_key: Optional[str] = None
     cache_threshold: float = 0.3
@@ -255,6 +257,12 @@ class Router:
         log("router: worker %s (%s) is %s: %s", worker.id, worker.url, "healthy" if healthy else "unhealthy", why)
 
     # ------------------------------------------------------------------ proxying
+    @staticmethod
+    def request_key(request: Request) -> Optional[str]:
+        """The bearer token a request was sent with, as the workers read it (their cache namespace)."""
+        token = bearer_token(request.headers.get("authorization", "").encode("latin-1", "replace"))
+        return token.decode("latin-1") if token else None
+
     async def proxy(self, path: str, request: Request):
         raw = await request.body()
         try:
@@ -262,12 +270,13 @@ class Router:
         except ValueError:
             body = None
         stream = isinstance(body, dict) and bool(body.get("stream"))
+        api_key = self.request_key(request) if self.settings.cache_salt_per_api_key else None
         if self.settings.policy == "kv_aware" and self.tokenizer is not None:
             # Tokenizing a 3k-token prompt takes ~10 ms, most of it without the GIL: in a thread,
             # so the event loop goes on streaming every other response meanwhile.
-            keys = await asyncio.to_thread(routing_keys, path, body, self.tokenizer, True)
+            keys = await asyncio.to_thread(routing_keys, path, body, self.tokenizer, True, api_key)
         else:
-            keys = routing_keys(path, body, self.tokenizer, self.settings.policy == "kv_aware")
+            keys = routing_keys(path, body, self.tokenizer, self.settings.policy == "kv_aware", api_key)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_REQUEST_HEADERS}
         if self.settings.api_key and "authorization" not in {k.lower() for k in headers}:
             headers.update(self.worker_headers)

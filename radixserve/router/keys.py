@@ -11,6 +11,12 @@
   `--tokenizer-path` or fetched once from a worker's `/tokenizer` endpoint.
 
 A batch (a list of prompts) is routed as a whole on its first prompt.
+
+A request with a `cache_salt` (or, with `--cache-salt-per-api-key`, any request with a key) is in
+its own cache namespace on the workers (`radixserve.cache.namespace`): its keys start with the
+namespace (text: the digest and a NUL; tokens: the digest as a first symbol, which the kv mirror
+hashes from, as the workers do), so its prefix matches only what requests of the same namespace
+left on a worker.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import os
 import tempfile
 from typing import Any, Optional
 
+from radixserve.cache.namespace import MAX_CACHE_SALT_CHARS, cache_namespace
 from radixserve.process.tokenizer import load_tokenizer
 from radixserve.router.policies import RoutingKeys
 
@@ -56,7 +63,24 @@ def chat_text(messages: list[dict]) -> str:
     return "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
 
 
-def routing_keys(path: str, body: Any, tokenizer=None, want_tokens: bool = False) -> RoutingKeys:
+def request_namespace(body: dict, api_key: Optional[str]) -> Optional[str]:
+    """The workers' cache namespace of a request (api_key: its key where keys isolate, else None);
+    a malformed cache_salt (the worker answers 400) counts as none."""
+    salt = body.get("cache_salt")
+    if not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        salt = None
+    return cache_namespace(salt, api_key)
+
+
+def _in_namespace(key: Any, namespace: str) -> Any:
+    if isinstance(key, str):
+        return f"{namespace}\0{key}"
+    return [namespace, *key] if isinstance(key, list) else key
+
+
+def routing_keys(path: str, body: Any, tokenizer=None, want_tokens: bool = False,
+                 api_key: Optional[str] = None) -> RoutingKeys:
+    """api_key: the request's key when the workers isolate keys (--cache-salt-per-api-key)."""
     if not isinstance(body, dict):
         return RoutingKeys(None, None)
     text: Any = None
@@ -85,6 +109,11 @@ def routing_keys(path: str, body: Any, tokenizer=None, want_tokens: bool = False
                 tokens = list(tokenizer.encode(source, add_special_tokens=False))
             except Exception:
                 tokens = None
+    namespace = request_namespace(body, api_key)
+    if namespace is not None:
+        same = tokens is text
+        text = _in_namespace(text, namespace)
+        tokens = text if same else _in_namespace(tokens, namespace)
     return RoutingKeys(text, tokens)
 
 

@@ -18,6 +18,7 @@ import itertools
 from typing import Optional, Union
 
 from radixserve.cache.block_hash import KV_HASH_BLOCK_TOKENS, block_hashes
+from radixserve.cache.namespace import namespace_parent
 from radixserve.cache.prefix import common_prefix_len
 
 Key = Union[str, list[int], tuple[int, ...]]
@@ -175,8 +176,9 @@ class BlockHashMirror:
 
     A prompt is matched by hashing its whole blocks the same way and counting how many leading
     hashes the set holds; a chained hash stands for its whole prefix, so that count is the cached
-    prefix in blocks. The hashes of the last prompt asked about are kept, so routing one request
-    over many workers hashes it once."""
+    prefix in blocks. A key whose first symbol is a cache namespace (`router.keys`) is hashed from
+    that namespace, as the worker hashes its blocks. The hashes of the last prompt asked about are
+    kept, so routing one request over many workers hashes it once."""
 
     def __init__(self, block_size: int = KV_HASH_BLOCK_TOKENS):
         self.block_size = block_size
@@ -191,7 +193,7 @@ class BlockHashMirror:
     def hashes_of(self, key: Key) -> list[str]:
         if key is not self._last_key:
             self._last_key = key
-            self._last_hashes = block_hashes(key, self.block_size) if not isinstance(key, str) else []
+            self._last_hashes = _key_hashes(key, self.block_size) if not isinstance(key, str) else []
         return self._last_hashes
 
     def match_len(self, key: Key, touch: bool = False) -> int:
@@ -220,4 +222,11 @@ class BlockHashMirror:
 
     def insert_tokens(self, tokens: Key) -> None:
         """Hold `tokens` as the worker would after caching them (for tests and warm starts)."""
-        self.add(block_hashes(tokens, self.block_size))
+        self.add(_key_hashes(tokens, self.block_size))
+
+
+def _key_hashes(key: Key, block_size: int) -> list[str]:
+    """The block hashes of a token key, from its namespace when it starts with one."""
+    if len(key) and isinstance(key[0], str):
+        return block_hashes(key[1:], block_size, namespace_parent(key[0]))
+    return block_hashes(key, block_size)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from radixserve.cache.kv_pool import PageAllocator, ReqToTokenPool, TableWrites, int64_tensor
-from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.scheduler.request import Req
 
 
 class KVManager:
-    def __init__(self, cache: RadixCache, req_to_token: ReqToTokenPool):
+    def __init__(self, cache: PrefixCache, req_to_token: ReqToTokenPool):
         self.cache = cache
         self.allocator: PageAllocator = cache.allocator
         self.page_size = cache.page_size
@@ -45,7 +45,7 @@ class KVManager:
     # ------------------------------------------------------------------ taking memory
     def lock_prefix(self, req: Req) -> None:
         """Lock the cached prefix of req (whose row is set) and point its row at the prefix's slots."""
-        match = self.cache.match(req.match_target())
+        match = self.cache.match(req.match_target(), namespace=req.cache_namespace)
         self.cache.inc_lock(match.last_node)
         req.last_node = match.last_node
         req.locked_len = match.length
@@ -111,18 +111,14 @@ class KVManager:
 
     # ------------------------------------------------------------------ giving it back
     def cache_req(self, req: Req, *, finished: bool) -> None:
-        """Put req's computed whole pages into the tree. finished: req gives back everything it
-        holds (lock, slots, row) and leaves the pool. Otherwise it keeps running on the tree's
-        copy of those pages, locked up to their end (a finished prefill chunk)."""
-        if self.cache.disabled:
-            if finished:
-                self._free_slots(req.slots)
-                self._drop(req)
-            return
-        n = self.page_floor(req.kv_len)
+        """Put what the cache takes of req's computed KV (its whole pages) into the cache.
+        finished: req gives back everything it holds (lock, slots, row) and leaves the pool.
+        Otherwise it keeps running on the cache's copy of those pages, locked up to their end (a
+        finished prefill chunk); a cache that takes nothing leaves the chunk's slots with req."""
+        n = self.cache.insertable_len(req.kv_len)
         if not finished and n <= req.locked_len:
-            return  # no new whole page
-        already = self.cache.insert(req.fill_ids[:n], req.slots[:n])
+            return  # nothing new the cache takes
+        already = self.cache.insert(req.fill_ids[:n], req.slots[:n], namespace=req.cache_namespace)
         self._free_slots(req.slots[req.locked_len:already])  # duplicates of tokens cached meanwhile
         if finished:
             self._free_slots(req.slots[n:])  # the partly filled last page
@@ -130,7 +126,7 @@ class KVManager:
             self._drop(req)
             return
         self.cache.dec_lock(req.last_node)
-        match = self.cache.match(req.fill_ids[:n])
+        match = self.cache.match(req.fill_ids[:n], namespace=req.cache_namespace)
         assert match.length == n
         self.cache.inc_lock(match.last_node)
         if already > req.locked_len:  # take the tree's copies of the duplicated positions

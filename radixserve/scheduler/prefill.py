@@ -6,13 +6,13 @@ share (`new_token_ratio`) of its remaining output tokens; a new request is admit
 prompt and its own share fit in what is free or evictable after those reservations. Locking a
 request's cached prefix makes those tree tokens unevictable, so they leave the available memory
 too (`locked_away`). While the pool is busy, tree tokens that waiting requests will reuse do not
-count as evictable either (`RadixCache.reclaimable_size`).
+count as evictable either (`PrefixCache.reclaimable_size`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, Optional
 
 from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.scheduler.kv_manager import KVManager
@@ -33,9 +33,14 @@ PROMPT_LOGPROB_ROWS_PER_STEP = 1024
 SHORT_PROMPT_SHARE = 8  # one eighth: 1,024 tokens of an 8,192-token step
 
 
+def decode_reserve(new_tokens: int, new_token_ratio: float) -> int:
+    """The share of `new_tokens` output tokens still to come that admission keeps memory for."""
+    return math.ceil(min(max(new_tokens, 0), CLIP_MAX_NEW_TOKENS) * new_token_ratio)
+
+
 def reserved_decode_tokens(req: Req, new_token_ratio: float) -> int:
     """The share of req's remaining output tokens that admission keeps memory for."""
-    return math.ceil(min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) * new_token_ratio)
+    return decode_reserve(req.remaining_new_tokens(), new_token_ratio)
 
 
 def future_tokens(req: Req, new_token_ratio: float) -> int:
@@ -96,11 +101,14 @@ class PrefillAdder:
         """In-batch prefix sharing: two requests share an uncached prefix of >= min_shared_prefix
         tokens exactly when their cached match has the same length and node and the next
         min_shared_prefix tokens agree. The first is admitted (its key recorded even if admission
-        then fails); the rest wait and find the prefix cached once that step is collected."""
-        if self.kv.cache.disabled or req.seq_len - req.peek_len <= self.min_shared_prefix:
-            return False
+        then fails); the rest wait and find the prefix cached once that step is collected. Not
+        where the cache would keep nothing of what the first computes beyond the match (no cache,
+        or less than a page): the rest would find nothing more and only have waited."""
         start = req.peek_len
-        key = (id(req.peek_node), start, tuple(req.fill_ids[start:start + self.min_shared_prefix]))
+        if req.seq_len - start <= self.min_shared_prefix or self.kv.cache.insertable_len(req.seq_len) <= start:
+            return False
+        shared = tuple(req.fill_ids[start:start + self.min_shared_prefix])
+        key = (id(req.peek_node), req.cache_namespace, start, shared)
         if key in self.batch.shared_prefix_keys or key in in_flight_keys:
             return True
         self.batch.shared_prefix_keys.add(key)
@@ -148,3 +156,40 @@ class PrefillAdder:
         self.batch.num_new_tokens += n
         self.budget -= n
         return n
+
+
+class QueueRoom:
+    """Room in the running batch between two steps, filled by waiting requests in arrival order:
+    what `--max-queued-requests` does not count as queued. A request fits with a free request slot
+    and the KV its prompt and its share of output tokens need (admission's own reservation),
+    after what the running requests still need (their next positions and their share), so an
+    idle server takes a burst it can run however many arrive within one step."""
+
+    def __init__(self, kv: KVManager, running: list[Req], waiting: Iterable[Req], *, rows: int,
+                 new_token_ratio: float):
+        self.ratio = new_token_ratio
+        self.rows = rows
+        # Between steps a decoding request's next position has no slot yet: it counts too.
+        running_need = sum(r.remaining + reserved_decode_tokens(r, self.ratio) for r in running)
+        self.tokens = kv.available_tokens - running_need
+        self.fitted = 0
+        for req in waiting:
+            if self.rows <= 0:
+                break
+            self.take(req.seq_len, req.remaining_new_tokens())
+
+    def take(self, prompt_tokens: int, max_new_tokens: int) -> bool:
+        """Reserve room for one request; False (nothing reserved) when the batch is full."""
+        need = prompt_tokens + decode_reserve(max_new_tokens, self.ratio)
+        if self.rows <= 0 or need > self.tokens:
+            return False
+        self.rows -= 1
+        self.tokens -= need
+        self.fitted += 1
+        return True
+
+    def admits(self, prompt_tokens: int, max_new_tokens: int, waiting: int, limit: Optional[int]) -> bool:
+        """Whether a new request may join the `waiting` requests under the queue limit."""
+        if self.take(prompt_tokens, max_new_tokens):
+            return True
+        return limit is None or waiting - self.fitted < limit

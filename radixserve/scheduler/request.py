@@ -9,7 +9,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from radixserve.cache.radix_cache import TreeNode
+from radixserve.cache.prefix_cache import TreeNode
 from radixserve.sampling_params import SamplingParams, TokenLogprob
 
 
@@ -39,6 +39,9 @@ class Req:
     arrival_seq: int
     log: bool = False
     stream: bool = True  # outputs every --stream-interval tokens; else the first token and the end
+    # Its cache namespace (radixserve.cache.namespace; None: the shared one): it shares cached
+    # prefixes only with requests of the same one.
+    cache_namespace: Optional[str] = None
 
     state: ReqState = ReqState.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -54,7 +57,7 @@ class Req:
     # Cached prompt tokens found when first admitted (reported to the user).
     cached_tokens: int = -1
     # Whether its cached prefix, when first admitted, ran through a finished request's whole prompt
-    # (RadixCache.extends_a_prompt): a later turn of a conversation.
+    # (PrefixCache.extends_a_prompt): a later turn of a conversation.
     continues_conversation: bool = False
     # Host tier: the most prompt tokens this request waited to have copied back from the host.
     host_hit_len: int = 0

@@ -1,14 +1,16 @@
-"""Continuous batching over the radix cache: admission, chunked prefill, decode and retraction.
+"""Continuous batching over the prefix cache: admission, chunked prefill, decode and retraction.
 
 Every step builds one batch: one new token for each decoding request, plus prompt pieces of
 waiting requests admitted in policy order within the prefill budget (`PrefillAdder`). A request
 holds the tree path of its cached prefix locked and owns the slots of everything after it;
-finished chunks and finished requests go back into the tree (`KVManager.cache_req`), so the next
-request with the same prefix finds them.
+finished chunks and finished requests go back into the cache (`KVManager.cache_req`), so the next
+request with the same prefix finds them. The scheduler knows the cache only as a `PrefixCache`
+(cache/prefix_cache.py): the device tree, the tree with a host tier and the cache that keeps
+nothing run the same code here.
 
-With a host tier (`TieredRadixCache`), a waiting request whose prefix is partly on the host has
-that part copied back while it waits (`_start_loads`, and at the latest when admission reaches
-it); admission passes over it until the copy is done, so it holds up nobody.
+A waiting request whose prefix is partly on a host tier has that part copied back while it waits
+(`_start_loads`, and at the latest when admission reaches it); admission passes over it until the
+copy is done, so it holds up nobody. Without a host tier no prefix has a host part.
 
 Overlap: the step before may still be in flight when a step is scheduled (`StepInFlight`).
 Everything here then works on positions, not token values; the decisions that need the values
@@ -25,11 +27,10 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from radixserve.cache.kv_pool import ReqToTokenPool
-from radixserve.cache.radix_cache import RadixCache, TreeNode
-from radixserve.cache.tiered_cache import TieredRadixCache
+from radixserve.cache.prefix_cache import PrefixCache, TreeNode
 from radixserve.scheduler.batch import ScheduledBatch, StepInFlight
 from radixserve.scheduler.kv_manager import KVManager
-from radixserve.scheduler.prefill import PrefillAdder
+from radixserve.scheduler.prefill import PrefillAdder, QueueRoom
 from radixserve.scheduler.request import Req, ReqState
 from radixserve.scheduler.waiting_queue import WaitingQueue
 from radixserve.sampling_params import TokenLogprob
@@ -67,7 +68,7 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, settings: ServerSettings, cache: RadixCache, req_to_token: ReqToTokenPool, *,
+    def __init__(self, settings: ServerSettings, cache: PrefixCache, req_to_token: ReqToTokenPool, *,
                  context_len: int, eos_token_ids: list[int], decode_text: Optional[Callable[[list[int]], str]] = None,
                  clock: Callable[[], float] = time.monotonic):
         self.settings = settings
@@ -95,8 +96,7 @@ class Scheduler:
         # and how many did.
         self._continued: deque[bool] = deque(maxlen=CONVERSATION_WINDOW)
         self._continued_count = 0
-        # Host tier: requests not looked at for a load yet (loads start while they wait).
-        self.tiered: Optional[TieredRadixCache] = cache if isinstance(cache, TieredRadixCache) else None
+        # Requests not looked at for a host-tier load yet (loads start while they wait).
         self._load_candidates: deque[Req] = deque()
         # Lowered after an allocation failure: the prompt tokens one step may compute (None: the settings').
         self.prefill_cap: Optional[int] = None
@@ -117,8 +117,7 @@ class Scheduler:
 
     def _enqueue(self, req: Req) -> None:
         self.waiting.add(req)
-        if self.tiered is not None:
-            self._load_candidates.append(req)
+        self._load_candidates.append(req)
 
     def abort(self, rid: str) -> Optional[Req]:
         """Stop a request wherever it is; its computed KV stays in the tree. Returns it, if known."""
@@ -138,6 +137,11 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
+
+    def queue_room(self) -> QueueRoom:
+        """The room the running batch has now for waiting and new requests (`--max-queued-requests`)."""
+        rows = min(self.max_running - len(self.running), self.req_to_token.free_rows)
+        return QueueRoom(self.kv, self.running, self.waiting, rows=rows, new_token_ratio=self.new_token_ratio)
 
     def held_by_running(self) -> int:
         return self.kv.owned_tokens(self.running)
@@ -164,12 +168,12 @@ class Scheduler:
         request while the traffic is mostly conversations (CONVERSATION_SHARE), its first turns
         included. Traffic whose finished prompts nobody continues (one-off questions under shared
         system prompts) holds nothing: there it would only take memory from the batch."""
-        if self.settings.prefix_hold_s <= 0 or self.cache.disabled:
+        if self.settings.prefix_hold_s <= 0:
             return
         if not (req.continues_conversation or self._continued_count >= CONVERSATION_SHARE * CONVERSATION_WINDOW):
             return
-        _, node = self.cache.peek(req.fill_ids)
-        if node is not self.cache.root:
+        found, node = self.cache.peek(req.fill_ids, namespace=req.cache_namespace)
+        if found:  # a cache that keeps nothing has nothing to hold
             self.cache.add_waiter(node)
             self._held.append((self.clock() + self.settings.prefix_hold_s, node))
             self.stats.prefix_holds += 1
@@ -216,8 +220,7 @@ class Scheduler:
         """Drop expired prefix holds, take in finished host-tier copies and redo the waiting
         lookups the tree's changes affect."""
         self.release_expired_holds()
-        if self.tiered is not None:
-            self.tiered.poll()
+        self.cache.poll()
         self.waiting.refresh()
 
     # ------------------------------------------------------------------ host tier
@@ -226,7 +229,7 @@ class Scheduler:
         quarter of the device pool in flight, within the memory admission could give them
         (adder.available), taking only memory no waiting request needs."""
         cap = max(self.kv.allocator.total_tokens // 4, self.kv.page_size)
-        while self._load_candidates and self.tiered.loading_tokens < cap:
+        while self._load_candidates and self.cache.loading_tokens < cap:
             req = self._load_candidates[0]
             if req.state is ReqState.WAITING and req.peek_node is not None \
                     and self._load_prefix(req, adder, spare_only=True) is None:
@@ -237,7 +240,7 @@ class Scheduler:
         """Whether req may be admitted with the device part of its cached prefix (True), waits for
         the rest to be copied back from the host (False; the copy is started here if it was not
         running), or cannot have it copied back now for lack of device room (None)."""
-        host, loading = self.tiered.host_part(req.peek_len, req.peek_node)
+        host, loading = self.cache.host_part(req.peek_len, req.peek_node)
         if not host:
             return True
         if loading:
@@ -247,7 +250,7 @@ class Scheduler:
             return True  # evicted again each time before it got in: it computes the rest itself
         if host > adder.available:
             return None
-        loaded = self.tiered.load(req.match_target(), spare_only=spare_only)
+        loaded = self.cache.load(req.match_target(), spare_only=spare_only, namespace=req.cache_namespace)
         if not loaded:
             return None
         adder.available -= loaded
@@ -325,7 +328,7 @@ class Scheduler:
             adder.add_chunk(req, leave=short_room)
         mid_prompt = not all(batch.sample)
         busy = None
-        if self.tiered is not None:  # loads start even in steps that admit nobody
+        if self._load_candidates:  # loads start even in steps that admit nobody
             busy = self._reserve(adder)
             self._start_loads(adder)
         if adder.budget <= 0 or not len(self.waiting) or (mid_prompt and not short_room):
@@ -336,7 +339,7 @@ class Scheduler:
         for req in self.waiting.ordered():
             if adder.budget <= 0 or len(self.running) >= self.max_running or self.req_to_token.free_rows == 0:
                 break
-            if self.tiered is not None and self._load_prefix(req, adder, spare_only=busy) is False:
+            if self._load_prefix(req, adder, spare_only=busy) is False:
                 continue  # its prefix is being copied back from the host: others go first
             if mid_prompt and not adder.completes(req):
                 continue  # beside a prompt mid-way, only prompts that finish in this step
@@ -478,7 +481,8 @@ class Scheduler:
                 self.running.remove(req)
                 locked = (req.last_node, req.locked_len)  # cache_req lets go of them
                 self.kv.cache_req(req, finished=True)
-                self.cache.mark_prompt_end(req.origin_input_ids, beyond=req.cached_tokens, locked=locked)
+                self.cache.mark_prompt_end(req.origin_input_ids, beyond=req.cached_tokens, locked=locked,
+                                           namespace=req.cache_namespace)
                 self._hold_prefix(req)
                 req.state = ReqState.FINISHED
                 del self.reqs[req.rid]

@@ -13,12 +13,13 @@ import random
 import time
 from collections import defaultdict
 from typing import Callable
-from radixserve.cache.radix_cache import ALL, RadixCache, TreeNode
+
+from radixserve.cache.prefix_cache import ALL, PrefixCache, TreeNode
 from radixserve.scheduler.request import Req
 
 
 class WaitingQueue:
-    def __init__(self, cache: RadixCache, policy: str, *, max_wait_s: float,
+    def __init__(self, cache: PrefixCache, policy: str, *, max_wait_s: float,
                  clock: Callable[[], float] = time.monotonic, seed: int = 0):
         self.cache = cache
         self.policy = policy
@@ -64,7 +65,8 @@ class WaitingQueue:
 
     def _peek(self, req: Req) -> None:
         self._unpark(req)
-        req.peek_len, req.peek_node, req.peek_key = self.cache.peek_park(req.match_target())
+        req.peek_len, req.peek_node, req.peek_key = self.cache.peek_park(req.match_target(),
+                                                                         namespace=req.cache_namespace)
         self._parked.setdefault(req.peek_node, {}).setdefault(req.peek_key, set()).add(req)
         self.cache.add_waiter(req.peek_node)
 

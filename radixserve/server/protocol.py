@@ -16,6 +16,7 @@ import msgspec
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidatorFunctionWrapHandler, \
     WrapValidator
 
+from radixserve.cache.namespace import MAX_CACHE_SALT_CHARS
 from radixserve.validation import (LOGIT_BIAS_MAX, MAX_INT32, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                    MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, PENALTY_MAX, REPETITION_PENALTY_MIN, SEED_MAX,
                                    SEED_MIN, TEMPERATURE_MAX, TOP_K_MIN)
@@ -87,6 +88,10 @@ NonEmptyStr = Annotated[Text, Field(min_length=1)]
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Stop = Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)], None]
 MAX_N = 64
+CacheSalt = Annotated[Text, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
+CACHE_SALT_DOC = ("vLLM's field: requests with different salts never share a cached prefix, requests with the same "
+                  "salt do, so usage.prompt_tokens_details.cached_tokens only ever counts this salt's prefixes. "
+                  "Make it long and random (e.g. 43 characters of base64) and keep it secret.")
 # A /generate rid is a label: printable ASCII only, so it can never break a log line.
 RID_PATTERN = r"^[ -~]+$"
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -150,6 +155,7 @@ class _SamplingFields(_Body):
     response_format: Optional[ResponseFormat] = Field(
         None, description="text (default), json_object (any JSON object) or json_schema (output valid "
                           "against the schema, enforced by a grammar whether strict or not).")
+    cache_salt: Optional[CacheSalt] = Field(None, description=CACHE_SALT_DOC)
 
 
 class CompletionRequest(_SamplingFields):
@@ -384,6 +390,7 @@ class GenerateBody(_Body):
         None, description="With return_logprob: meta_info.input_token_logprobs (and input_top_logprobs) for the "
                           "prompt tokens from this position on (the first prompt token's logprob is null); -1: "
                           "none. The cached prefix is reused only up to it.")
+    cache_salt: Optional[CacheSalt] = Field(None, description=CACHE_SALT_DOC)
 
 
 class TokenizeBody(_Body):

@@ -18,7 +18,9 @@ from typing import Annotated, Any, AsyncIterator, Callable, Optional, TypeVar
 import msgspec
 from fastapi import Depends, Request
 
+from radixserve.cache.namespace import cache_namespace as namespace_of
 from radixserve.engine.messages import GenerateRequest, RequestOutput
+from radixserve.http_common.auth import bearer_token
 from radixserve.sampling_params import SamplingParams, TokenLogprob, sampling_params_from_dict
 from radixserve.server.detokenizer import IncrementalDetokenizer
 from radixserve.server.engine_client import (EngineClient, EngineDeadError, EngineRequestError, QueueFullError,
@@ -70,6 +72,7 @@ class Tracker:
     queue_time: Optional[float] = None
     finished: bool = False
     label: Optional[str] = None  # the client's `rid`: shown back to it and logged, never routed on
+    cache_namespace: Optional[str] = None  # of its cache_salt and API key (radixserve.cache.namespace)
 
     @property
     def text(self) -> str:
@@ -122,6 +125,15 @@ class ServingContext:
     @property
     def pool_size(self) -> int:
         return self.engine.ready.pool_size
+
+    def cache_namespace(self, salt: Optional[str], request: Request) -> Optional[str]:
+        """The cache namespace of a request with this cache_salt: of its API key too with
+        --cache-salt-per-api-key (the bearer token as sent; none sent: the salt's alone)."""
+        key = None
+        if self.settings.cache_salt_per_api_key:
+            token = bearer_token(request.headers.get("authorization", "").encode("latin-1", "replace"))
+            key = token.decode("latin-1") if token else None
+        return namespace_of(salt, key)
 
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model not in (self.served_model_name, self.model_path):
@@ -240,7 +252,8 @@ class ServingContext:
 
     def new_trackers(self, prompts: list[list[int]], params_per_prompt: list[list[SamplingParams]],
                      base_id: str, arrival: float, label: Optional[str] = None, *,
-                     logprob_fields: str = "logprobs, n, max_tokens") -> list[Tracker]:
+                     logprob_fields: str = "logprobs, n, max_tokens",
+                     cache_namespace: Optional[str] = None) -> list[Tracker]:
         self.check_logprob_volume(prompts, params_per_prompt, logprob_fields)
         trackers = []
         for p_idx, (ids, choice_params) in enumerate(zip(prompts, params_per_prompt)):
@@ -249,7 +262,7 @@ class ServingContext:
                 rid = base_id if len(prompts) * len(choice_params) == 1 else f"{base_id}-{index}"
                 trackers.append(Tracker(rid=rid, index=index, prompt_index=p_idx, input_ids=ids, params=params,
                                         detok=IncrementalDetokenizer(self.tokenizer, params), arrival=arrival,
-                                        label=label))
+                                        label=label, cache_namespace=cache_namespace))
         return trackers
 
     def submit(self, trackers: list[Tracker], stream: bool = True) -> RequestGroup:
@@ -257,7 +270,8 @@ class ServingContext:
         so the engine sends each request's first token and end only."""
         now = time.monotonic()
         reqs = [GenerateRequest(rid=t.rid, input_ids=t.input_ids, sampling_params=t.params, arrival_time=now,
-                                log=self.settings.log_requests, stream=stream) for t in trackers]
+                                log=self.settings.log_requests, stream=stream, cache_namespace=t.cache_namespace)
+                for t in trackers]
         if self.settings.log_requests:
             for t in trackers:
                 logger.info("Request arrived. id: %s, #prompt-token: %d, max-new-tokens: %d, temperature: %g%s",

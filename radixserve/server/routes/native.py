@@ -105,7 +105,8 @@ async def generate(body: GenerateBody, request: Request, ctx: Ctx):
             await check_request_grammar(ctx, params, f"sampling_params.{spec[0]}")
     # The engine's id is always made here: a client's rid is a label, echoed back and logged.
     trackers = ctx.new_trackers(prompts, params_per_prompt, new_id(""), arrival, label if single else None,
-                                logprob_fields="top_logprobs_num, logprob_start_len, the batch, max_new_tokens")
+                                logprob_fields="top_logprobs_num, logprob_start_len, the batch, max_new_tokens",
+                                cache_namespace=ctx.cache_namespace(body.cache_salt, request))
     texts = ctx.token_texts if body.return_text_in_logprobs else None
 
     def final(ts: list[Tracker]):

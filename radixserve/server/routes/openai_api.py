@@ -143,7 +143,8 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
         texts = [t if t is not None else await ctx.run_blocking(ctx.tokenizer.decode, ids)
                  for t, ids in zip(texts, prompts)]
     cid = new_id("cmpl-")
-    trackers = ctx.new_trackers(prompts, choices, cid, arrival, logprob_fields="logprobs, n, max_tokens, echo")
+    trackers = ctx.new_trackers(prompts, choices, cid, arrival, logprob_fields="logprobs, n, max_tokens, echo",
+                                cache_namespace=ctx.cache_namespace(body.cache_salt, request))
     model = ctx.served_model_name
 
     def echo_text(t: Tracker) -> str:
@@ -331,7 +332,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
                             "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
                             top_logprobs, grammar)
     cid = new_id("chatcmpl-")
-    trackers = ctx.new_trackers([ids], choices, cid, arrival, logprob_fields="top_logprobs, n, max_tokens")
+    trackers = ctx.new_trackers([ids], choices, cid, arrival, logprob_fields="top_logprobs, n, max_tokens",
+                                cache_namespace=ctx.cache_namespace(body.cache_salt, request))
     model = ctx.served_model_name
 
     def logprobs_of(token_ids: list[int], logprobs: list) -> Optional[dict]:

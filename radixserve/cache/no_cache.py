@@ -1,0 +1,124 @@
+"""The prefix cache that keeps nothing (`--disable-radix-cache`): every lookup finds no cached
+token, `insertable_len` takes none of a request's computed KV, so a request keeps the slots of its
+chunks itself and frees them all when it leaves. The tree is its root alone, so every waiting
+request parks there and the KV events are a flush at most."""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from radixserve.cache.kv_pool import PageAllocator, int64_tensor
+from radixserve.cache.prefix_cache import (ALL, PARTIAL, BlockListener, CacheCounters, EventListener, MatchResult,
+                                           TreeNode, check_slot_ownership, no_host_tier_stats)
+
+_EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
+
+
+class NoPrefixCache:
+    def __init__(self, allocator: PageAllocator, *, page_size: int = 1):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.root = TreeNode([], _EMPTY_SLOTS, None, 0, 0)
+        self.root.lock_ref = 1
+        self.counters = CacheCounters()
+        self.evictable_size = 0
+        self.protected_size = 0
+        self.waited_evictable_size = 0
+        self.num_nodes = 1
+        self.loading_tokens = 0
+        self.copier = None
+        self.keeps_prefixes = False
+        self.event_listener: Optional[EventListener] = None
+        self.block_listener: Optional[BlockListener] = None
+        self.touched: set[tuple[TreeNode, object]] = set()
+
+    @property
+    def reclaimable_size(self) -> int:
+        return 0
+
+    # ------------------------------------------------------------------ lookups: nothing is cached
+    def peek(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode]:
+        return 0, self.root
+
+    def peek_park(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode, object]:
+        return 0, self.root, PARTIAL  # no change ever lengthens it
+
+    def host_part(self, length: int, node: TreeNode) -> tuple[int, bool]:
+        return 0, False
+
+    def extends_a_prompt(self, node: TreeNode, uncached: Optional[int] = None) -> bool:
+        return False
+
+    def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
+        return MatchResult(0, _EMPTY_SLOTS, self.root)
+
+    # The root is the only handle there is, and holding it or waiting on it changes nothing.
+    def inc_lock(self, node: TreeNode) -> None:
+        assert node is self.root, f"{node} is not a handle of this cache"
+
+    def dec_lock(self, node: TreeNode) -> None:
+        assert node is self.root, f"{node} is not a handle of this cache"
+
+    def add_waiter(self, node: TreeNode) -> None:
+        assert node is self.root, f"{node} is not a handle of this cache"
+
+    def remove_waiter(self, node: TreeNode) -> None:
+        assert node is self.root, f"{node} is not a handle of this cache"
+
+    # ------------------------------------------------------------------ giving KV back: none is kept
+    def insertable_len(self, computed: int) -> int:
+        return 0
+
+    def insert(self, tokens: Sequence[int], slots: Sequence[int] | torch.Tensor, *,
+               namespace: Optional[str] = None) -> int:
+        """Takes the slots, as a cache would, and frees them at once: nothing was cached before."""
+        assert len(tokens) == len(slots)
+        if len(slots):
+            self.allocator.free_slots(slots if isinstance(slots, torch.Tensor) else int64_tensor(slots))
+        return 0
+
+    def mark_prompt_end(self, prompt: Sequence[int], beyond: int, locked: Optional[tuple[TreeNode, int]] = None, *,
+                        namespace: Optional[str] = None) -> None:
+        return None
+
+    # ------------------------------------------------------------------ memory
+    def evict(self, num_tokens: int) -> int:
+        return 0
+
+    def load(self, tokens: Sequence[int], *, spare_only: bool, namespace: Optional[str] = None) -> int:
+        return 0
+
+    def poll(self) -> bool:
+        return False
+
+    def flush(self) -> bool:
+        """Nothing to drop; listeners hear the flush all the same, as from a tree."""
+        self.touched.add((self.root, ALL))
+        if self.event_listener is not None:
+            self.event_listener("flush", [], None)
+        if self.block_listener is not None:
+            self.block_listener("cleared", "", self.root)
+        return True
+
+    # ------------------------------------------------------------------ bookkeeping
+    def drain_touched(self) -> set[tuple[TreeNode, object]]:
+        touched, self.touched = self.touched, set()
+        return touched
+
+    def reset_counters(self) -> None:
+        self.counters = CacheCounters()
+
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        yield self.root
+
+    def tier_stats(self) -> dict[str, float]:
+        return no_host_tier_stats()
+
+    def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = ()) -> None:
+        """Running requests own every slot that is not free."""
+        assert not self.root.children and self.root.waiters == 0, "the cache that keeps nothing holds something"
+        total, free = self.allocator.total_tokens, self.allocator.free_tokens
+        assert free + held_by_running == total, f"free {free} + held {held_by_running} != {total}"
+        check_slot_ownership([self.allocator.free_slot_tensor(), *running_slots], total, self.page_size)

@@ -1,0 +1,251 @@
+"""The prefix cache as the scheduler, the engine and the event publishers see it: one protocol,
+the tree node it hands out as a handle, and the result and counter types they share.
+
+Three implementations:
+
+- `RadixCache` (radix_cache.py): the radix tree of device KV slots.
+- `TieredRadixCache` (tiered_cache.py): the same tree over two tiers, device slots and a host
+  pool under them; a prefix evicted from the device is copied to the host and loaded back.
+- `NoPrefixCache` (no_cache.py): `--disable-radix-cache`. Nothing is kept or found; a request
+  computes its whole prompt and frees its KV when it leaves.
+
+How a request uses it (scheduler/kv_manager.py and waiting_queue.py): while it waits, `peek_park`
+says how much of its prompt is cached (on any tier) and where to park it, `add_waiter` marks that
+path as wanted (queue-aware eviction) and `host_part` / `load` / `poll` bring a host part back to
+the device. When it is admitted, `match` returns the device part ready to read and `inc_lock`
+holds it; what it computes goes back with `insert` (as much as `insertable_len` says the cache
+takes) and `dec_lock` lets go. `evict` makes room on demand.
+
+Every lookup and insert names the request's cache namespace (`cache/namespace.py`: its
+`cache_salt`, and its API key with `--cache-salt-per-api-key`; None: the shared one). Prefixes
+of different namespaces are never shared: the tree keeps each namespace under its own child of the
+root, so everything else works in it as in the shared one.
+
+What a cache holds is per position: a match is usable only up to the deepest position every
+kind of state it keeps is there for, and `peek`/`match` report that usable length. Today the one
+kind of state is per-token KV (on the device or the host). A hybrid model's recurrent-state
+snapshots (one fixed-size state that can only be resumed where it was taken) fit as a third
+kind: the cache keeps them at node boundaries, its matches stop at the deepest boundary holding
+both KV and a snapshot, `insertable_len` says where a request's computed state can be taken,
+and the scheduler does not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.cache.host_pool import CopyEngine
+    from radixserve.cache.kv_pool import PageAllocator
+
+# Park keys: a lookup that ends inside a node waits on PARTIAL (a split can lengthen it); one that
+# ends at a node's end waits on the child key of its next token; ALL marks a removed node.
+PARTIAL = "partial"
+ALL = "all"
+# A namespace's root is the tree root's child under (NAMESPACE, namespace): a key no token or page
+# of tokens is equal to. A lookup in a namespace that has no root yet parks on that key.
+NAMESPACE = "namespace"
+# The tiers a node's KV can be on, as KV-event consumers name them (vLLM's `medium`).
+GPU = "GPU"
+CPU = "CPU"
+
+
+class TreeNode:
+    """A run of cached tokens (a whole number of pages) and the device KV slot of each: a node of
+    the radix tree, and the handle a match, a lock and a waiting request hold. The host tier's
+    nodes carry more (`tiered_cache.HostTierNode`)."""
+
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "waiters", "last_access", "hit_count",
+                 "created", "node_id", "removed", "ends_prompt", "block_hash", "namespace")
+
+    def __init__(self, key: list[int], value: Optional[torch.Tensor], parent: Optional["TreeNode"], tick: int,
+                 node_id: int):
+        self.key = key
+        self.value = value  # int64 device slots, len(value) == len(key); None: not on the device (host tier)
+        self.children: dict = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.waiters = 0  # waiting requests whose cached match runs through this node
+        self.last_access = tick
+        self.hit_count = 0
+        self.created = tick
+        self.node_id = node_id
+        self.removed = False
+        # A finished request's prompt ended exactly here (`mark_prompt_end`); a split keeps it on the
+        # lower part, which still ends there.
+        self.ends_prompt = False
+        # The chained hash of the node's last page, memoised by `block_events` while the cache's
+        # blocks are published (None: not computed). A split keeps the lower part's end, so it
+        # stays true for the node's whole life.
+        self.block_hash: Optional[int] = None
+        # Set on a namespace's root only (no tokens, never evicted): the namespace it holds.
+        self.namespace: Optional[str] = None
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __lt__(self, other: "TreeNode") -> bool:  # heap ties
+        return self.node_id < other.node_id
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.node_id}, len={len(self.key)}, lock={self.lock_ref})"
+
+
+@dataclass
+class MatchResult:
+    length: int
+    slots: torch.Tensor  # int64, the cached KV slots of tokens[:length]
+    last_node: TreeNode  # the node the match ends in (exactly at its end)
+
+
+@dataclass
+class CacheCounters:
+    prompt_tokens: int = 0  # prompt tokens of admitted requests
+    cached_prompt_tokens: int = 0  # of which were found in the cache
+    host_cached_prompt_tokens: int = 0  # of those, found on the host tier (copied back, not computed)
+    inserted_tokens: int = 0  # tokens newly added to the tree
+    evicted_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def host_hit_rate(self) -> float:
+        return self.host_cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def device_hit_rate(self) -> float:
+        return self.hit_rate - self.host_hit_rate
+
+
+# Listeners: ("insert" | "evict", tokens from the namespace's root to the end of the node, the
+# namespace) or ("flush", [], None), so a router can mirror what the cache holds (`/kv_events`);
+# and ("stored" | "removed", medium, node) whenever a node's pages gain or lose their KV on a
+# tier, ("cleared", "", root) on a flush: the per-tier view of vLLM-format KV events (`block_events`).
+EventListener = Callable[[str, list[int], Optional[str]], None]
+BlockListener = Callable[[str, str, TreeNode], None]
+
+
+@runtime_checkable
+class PrefixCache(Protocol):
+    """Everything outside cache/ may ask of a prefix cache. Sizes are in tokens of the device pool
+    unless they say otherwise; `free + evictable_size + protected_size + held by running requests
+    == total` holds at every step (`check_invariants`)."""
+
+    allocator: "PageAllocator"  # the device pool's pages
+    page_size: int
+    root: TreeNode  # never matched, locked or evicted; every handle hangs below it
+    counters: CacheCounters
+    evictable_size: int  # cached device tokens nobody holds: evict() may free them
+    protected_size: int  # cached device tokens some running request holds (inc_lock)
+    waited_evictable_size: int  # of evictable_size, tokens a waiting request will reuse
+    num_nodes: int
+    loading_tokens: int  # device tokens being copied back from the host now
+    copier: Optional["CopyEngine"]  # the host tier's copy engine (None: no host tier)
+    keeps_prefixes: bool  # False: it finds and keeps nothing (reported as /metrics' enable_prefix_caching)
+    event_listener: Optional[EventListener]
+    block_listener: Optional[BlockListener]
+
+    @property
+    def reclaimable_size(self) -> int:
+        """Evictable tokens no waiting request will reuse: what admission may take without cost."""
+
+    # -- lookups: never change what is cached
+    def peek(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode]:
+        """The usable cached length of tokens (whole pages, on any tier) and the node it ends in."""
+
+    def peek_park(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode, object]:
+        """As peek, plus the park key: which change under that node could lengthen the match."""
+
+    def host_part(self, length: int, node: TreeNode) -> tuple[int, bool]:
+        """Of a peeked match: how many tokens are not on the device ready to read, and whether a
+        load of some of them is in flight."""
+
+    def extends_a_prompt(self, node: TreeNode, uncached: Optional[int] = None) -> bool:
+        """Whether a match ending at node continues a finished request's prompt (a conversation)."""
+
+    # -- taking a prefix
+    def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
+        """The longest cached prefix ready on the device, split to end at a node's end; counts as
+        an access for eviction."""
+
+    def inc_lock(self, node: TreeNode) -> None:
+        """Hold the path to node: a running request reads it."""
+
+    def dec_lock(self, node: TreeNode) -> None:
+        ...
+
+    def add_waiter(self, node: TreeNode) -> None:
+        """A waiting request will reuse the path to node: evict it only when nothing else is left."""
+
+    def remove_waiter(self, node: TreeNode) -> None:
+        ...
+
+    # -- giving computed KV to the cache
+    def insertable_len(self, computed: int) -> int:
+        """Of a request's first `computed` positions (their KV computed), how many the cache takes
+        (0: it keeps nothing)."""
+
+    def insert(self, tokens: Sequence[int], slots: Sequence[int] | torch.Tensor, *,
+               namespace: Optional[str] = None) -> int:
+        """Add tokens (insertable_len of them) with their device slots; returns how many leading
+        tokens were cached already. The caller frees slots[:returned] it did not get from the cache
+        (duplicates); the cache owns slots[returned:]."""
+
+    def mark_prompt_end(self, prompt: Sequence[int], beyond: int, locked: Optional[tuple[TreeNode, int]] = None, *,
+                        namespace: Optional[str] = None) -> None:
+        """Remember where a finished request's prompt ended (see extends_a_prompt)."""
+
+    # -- memory
+    def evict(self, num_tokens: int) -> int:
+        """Free up to num_tokens device slots nobody holds, in eviction order; returns those freed."""
+
+    def load(self, tokens: Sequence[int], *, spare_only: bool, namespace: Optional[str] = None) -> int:
+        """Start copying the host part of tokens' cached prefix back to the device; the tokens now
+        loading (0: nothing on the host, or no room). spare_only: take only memory no waiting
+        request needs."""
+
+    def poll(self) -> bool:
+        """Take in finished host-tier copies; True when a load finished."""
+
+    def flush(self) -> bool:
+        """Drop everything cached; refused (False) while any request holds a prefix."""
+
+    # -- bookkeeping
+    def drain_touched(self) -> set[tuple[TreeNode, object]]:
+        """(node, park key) pairs whose lookups may have changed since the last call."""
+
+    def reset_counters(self) -> None:
+        ...
+
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        ...
+
+    def tier_stats(self) -> dict[str, float]:
+        """The host tier's pool and traffic for /metrics (zeros without one: the same keys always)."""
+
+    def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = ()) -> None:
+        """Sizes add up to the pool and no KV slot is owned twice (running requests own
+        `running_slots`, `held_by_running` tokens); AssertionError otherwise."""
+
+
+def no_host_tier_stats() -> dict[str, float]:
+    """`tier_stats()` of a cache without a host tier."""
+    return {"host_pool_tokens": 0, "host_free_tokens": 0, "host_cached_tokens": 0, "loading_tokens": 0,
+            "loaded_tokens": 0, "loaded_bytes": 0, "written_back_bytes": 0, "load_bandwidth_gbps": 0.0}
+
+
+def check_slot_ownership(owned: Sequence[torch.Tensor], total: int, page_size: int, what: str = "KV") -> None:
+    """Every slot of a pool of `total` slots (slot ids from page_size on: page 0 is the padding
+    page) is owned exactly once by `owned` (the cache, the free list, running requests)."""
+    every = torch.cat(list(owned)) if owned else torch.empty(0, dtype=torch.int64)
+    assert every.numel() == total, f"{every.numel()} {what} slots owned, pool has {total}"
+    # As many owners as slots, so a slot owned twice leaves another slot unowned.
+    seen = torch.zeros(total + page_size, dtype=torch.bool)
+    seen[every] = True
+    assert bool(seen[page_size:].all()), f"a {what} slot is owned twice"

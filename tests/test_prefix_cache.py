@@ -1,0 +1,405 @@
+"""Each prefix cache (the device tree, the tree with a host tier, the cache that keeps nothing)
+driven through the `PrefixCache` protocol exactly as the scheduler drives it: the real
+`WaitingQueue` parks requests on their peeked matches, host parts are loaded back as
+`Scheduler._load_prefix` does, and the real `KVManager` locks a match, grows a request, caches its
+finished chunks and gives everything back when it leaves, with evictions, polls and flushes in
+between.
+
+Every position's KV is a number derived from its whole prefix, written when a request "computes"
+it, so whatever a match hands out is checked to be the KV of exactly those tokens. After every
+operation: the pool's slots are each owned once (free, cached or a running request's), the sizes
+add up, each node's waiter count is the requests parked at or below it, nothing is reported
+cached that no request of the same cache namespace (its cache_salt) computed, and a cache that
+keeps nothing holds nothing and finds nothing. Both event streams follow the cache: the vLLM-format
+block events replay to exactly the pages on each tier, and the `/kv_events` block hashes to
+exactly the tree's blocks, which a router's mirror then matches each waiting request against,
+hashed from the request's salt as the router hashes it, finding what the cache finds.
+The implementation-specific machines (test_radix_cache.py: exact eviction order; test_tiered_cache.py:
+what each tier holds) go deeper into each one.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from radixserve.cache.block_events import BlockEventRecorder
+from radixserve.cache.block_hash import page_hashes
+from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
+from radixserve.cache.namespace import cache_namespace, namespace_page_parent
+from radixserve.cache.no_cache import NoPrefixCache
+from radixserve.cache.prefix_cache import PrefixCache
+from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.tiered_cache import make_tiered_cache
+from radixserve.sampling_params import SamplingParams
+from radixserve.scheduler.kv_manager import KVManager
+from radixserve.scheduler.request import Req, ReqState
+from radixserve.scheduler.waiting_queue import WaitingQueue
+from radixserve.router.keys import routing_keys
+from radixserve.router.prefix_tree import BlockHashMirror
+from radixserve.engine.engine_intake import KvHashEvents
+
+KINDS = ("device", "tiered", "none")
+LAYERS = 2
+DEVICE_TOKENS = 48
+ROWS = 4
+PROMPTS = st.lists(st.integers(0, 2), min_size=2, max_size=20)
+SALTS = (None, "tenant-a", "tenant-b")  # requests' cache_salt: None is the shared namespace
+HASH_BLOCK = 4  # tokens per /kv_events block here: a whole number of pages
+
+
+def make_cache(kind: str, pool: KVPool, *, host_tokens: int = 1024, write_through: bool = False) -> PrefixCache:
+    if kind == "device":
+        return RadixCache(pool.allocator, page_size=pool.page_size)
+    if kind == "tiered":
+        return make_tiered_cache(pool, host_tokens, write_through=write_through)
+    return NoPrefixCache(pool.allocator, page_size=pool.page_size)
+
+
+def kv_of(prefix: tuple, layer: int) -> float:
+    """The KV expected for the last token of prefix, in layer."""
+    return float(hash(prefix) % 100003 + layer * 0.5)
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    @initialize(kind=st.sampled_from(KINDS), page_size=st.sampled_from([1, 2, 4]),
+                host_tokens=st.sampled_from([16, 1024]), write_through=st.booleans())
+    def setup(self, kind: str, page_size: int, host_tokens: int, write_through: bool) -> None:
+        self.kind = kind
+        self.page = page_size
+        self.pool = KVPool(DEVICE_TOKENS, page_size, LAYERS, 1, 2, torch.float32, "cpu")
+        self.alloc = self.pool.allocator
+        self.cache = make_cache(kind, self.pool, host_tokens=host_tokens, write_through=write_through)
+        assert isinstance(self.cache, PrefixCache)
+        self.kv = KVManager(self.cache, ReqToTokenPool(ROWS, 64, "cpu"))
+        self.waiting = WaitingQueue(self.cache, "fcfs", max_wait_s=1e9)
+        self.running: list[Req] = []
+        # (namespace, prefix) of every prefix whose KV some request computed and gave the cache
+        self.computed: set[tuple] = set()
+        self.arrivals = 0
+        self.salts = {cache_namespace(salt): salt for salt in SALTS}
+        self.block_events = BlockEventRecorder(self.cache)
+        self.published: dict[str, set[int]] = {"GPU": set(), "CPU": set()}
+        self.hash_events = KvHashEvents(self.cache, block_size=HASH_BLOCK)
+        self.mirror = set(self.hash_events.snapshot()["blocks"])  # recording starts with a snapshot
+
+    # ------------------------------------------------------------------ helpers
+    def _write_kv(self, req: Req, start: int, end: int) -> None:
+        """"Compute" positions [start, end) of req into its own slots."""
+        tokens = req.fill_ids
+        for pos in range(start, end):
+            slot = req.slots[pos]
+            for layer in range(LAYERS):
+                value = kv_of(tuple(tokens[:pos + 1]), layer)
+                self.pool.k_buffers[layer][slot] = value
+                self.pool.v_buffers[layer][slot, 0, 1] = -value
+
+    def _check_kv(self, tokens: list[int], slots: list[int]) -> None:
+        for pos, slot in enumerate(slots):
+            for layer in range(LAYERS):
+                got = self.pool.k_buffers[layer][slot, 0, 0].item()
+                assert got == kv_of(tuple(tokens[:pos + 1]), layer), f"wrong K at position {pos}, layer {layer}"
+                assert self.pool.v_buffers[layer][slot, 0, 1].item() == -got
+
+    def _keeps(self) -> bool:
+        return self.kind != "none"
+
+    def _gave(self, req: Req, n: int) -> None:
+        tokens = req.fill_ids
+        self.computed.update((req.cache_namespace, tuple(tokens[:i])) for i in range(self.page, n + 1, self.page))
+
+    # ------------------------------------------------------------------ waiting
+    prompts = Bundle("prompts")
+
+    # A prompt sent before comes back (a retry, another user's shared prefix), or a later turn
+    # extends it: hits, shared prefixes computed twice at once, and splits.
+    # Several copies at once, admitted at once or not: a prefix computed by two requests at once.
+    # The same prompts come with different salts too: they must never find each other's prefixes.
+    @rule(target=prompts, prompt=st.one_of(PROMPTS, prompts, st.tuples(prompts, PROMPTS).map(lambda t: t[0] + t[1])),
+          copies=st.integers(1, 3), admit_now=st.booleans(), salt=st.sampled_from(SALTS))
+    def arrive(self, prompt: list[int], copies: int, admit_now: bool, salt) -> list[int]:
+        params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        for _ in range(copies):
+            req = Req(rid=f"r{self.arrivals}", origin_input_ids=list(prompt[:40]), sampling_params=params,
+                      arrival_time=0.0, arrival_seq=self.arrivals, cache_namespace=cache_namespace(salt))
+            self.arrivals += 1
+            self.waiting.add(req)
+            if admit_now and self.kv.req_to_token.free_rows:
+                self._admit(req)
+        return list(prompt[:40])
+
+    # Rules that are always possible are offered only where they can do something: hypothesis picks
+    # among the possible rules evenly, and the runs should mostly serve requests.
+    @precondition(lambda self: self.kind == "tiered" and len(self.waiting))
+    @rule(index=st.integers(0, 100), spare_only=st.booleans())
+    def load(self, index: int, spare_only: bool) -> None:
+        """As Scheduler._load_prefix: a waiting request's host part is copied back."""
+        req = list(self.waiting)[index % len(self.waiting)]
+        host, loading = self.cache.host_part(req.peek_len, req.peek_node)
+        if not host or loading:
+            return
+        loaded = self.cache.load(req.match_target(), spare_only=spare_only, namespace=req.cache_namespace)
+        if loaded:
+            peeked = self.cache.peek(req.match_target(), namespace=req.cache_namespace)
+            assert self.cache.host_part(*peeked)[1], "a load started but is not in flight"
+
+    @precondition(lambda self: self.cache.loading_tokens)
+    @rule()
+    def poll(self) -> None:
+        self.cache.poll()
+        self.waiting.refresh()
+        assert self.cache.loading_tokens == 0  # CPU copies are done as they are issued
+
+    # ------------------------------------------------------------------ running
+    @precondition(lambda self: len(self.waiting) and self.kv.req_to_token.free_rows)
+    @rule(index=st.integers(0, 100))
+    def admit(self, index: int) -> None:
+        self.waiting.refresh()
+        self._admit(list(self.waiting)[index % len(self.waiting)])
+
+    def _admit(self, req: Req) -> None:
+        """As PrefillAdder.try_add_one: a row, the cached prefix locked and pointed at; a host part
+        is loaded back first, as the scheduler does when admission reaches a request (it admits
+        the request once the copy is done)."""
+        self.waiting.refresh()
+        host, loading = self.cache.host_part(req.peek_len, req.peek_node)
+        if host and not loading and self.cache.load(req.match_target(), spare_only=False,
+                                                    namespace=req.cache_namespace):
+            self.cache.poll()
+            self.waiting.refresh()
+            assert self.cache.host_part(req.peek_len, req.peek_node) == (0, False), "a finished load left a host part"
+        peeked = req.peek_len
+        if self.kind != "tiered":
+            assert self.cache.host_part(req.peek_len, req.peek_node) == (0, False), "a host part without a host tier"
+        self.waiting.remove(req)
+        req.req_pool_idx = self.kv.req_to_token.alloc()
+        self.kv.lock_prefix(req)
+        assert req.locked_len <= peeked and req.locked_len % self.page == 0
+        if not self._keeps():
+            assert req.locked_len == 0 and req.last_node is self.cache.root
+        elif self.kind == "device":
+            assert req.locked_len == peeked, "the device tree's match is its peek"
+        self._check_kv(req.fill_ids, req.slots[:req.locked_len])
+        req.state = ReqState.RUNNING
+        self.running.append(req)
+
+    @precondition(lambda self: self.running)
+    @rule(index=st.integers(0, 100), n=st.one_of(st.integers(1, 6), st.just(40)))
+    def compute(self, index: int, n: int) -> None:
+        """A prompt chunk: slots for n more positions (evicting if short), their KV written, and
+        the chunk given to the cache while the request goes on (KVManager.cache_req)."""
+        self._compute(self.running[index % len(self.running)], n)
+
+    @precondition(lambda self: self.running)
+    @rule(n=st.one_of(st.integers(1, 6), st.just(40)))
+    def step(self, n: int) -> None:
+        """A step: a chunk of every running request, in order."""
+        for req in list(self.running):
+            self._compute(req, n)
+
+    def _compute(self, req: Req, n: int) -> None:
+        before = req.kv_len
+        upto = min(before + n, len(req.origin_input_ids))
+        if upto == before or not self.kv.grow(req, upto):
+            return
+        self._write_kv(req, before, upto)
+        locked_before = req.locked_len
+        self.kv.cache_req(req, finished=False)
+        taken = self.cache.insertable_len(upto)
+        if not self._keeps():
+            assert taken == 0 and req.locked_len == 0
+        else:
+            assert req.locked_len == max(locked_before, taken), "the chunk is held on the cache's copy"
+            self._gave(req, taken)
+        self._check_kv(req.fill_ids, req.slots[:req.kv_len])
+
+    @precondition(lambda self: self.running)
+    @rule(index=st.integers(0, 100), finish=st.booleans())
+    def leave(self, index: int, finish: bool) -> None:
+        """The request finishes (its whole prompt computed first), is aborted or retracted:
+        everything it holds goes back."""
+        req = self.running.pop(index % len(self.running))
+        if finish:
+            self._compute(req, len(req.origin_input_ids))
+        tokens, computed = req.fill_ids, req.kv_len
+        self.kv.cache_req(req, finished=True)
+        assert req.req_pool_idx is None and not req.slots and req.last_node is None
+        taken = self.cache.insertable_len(computed)
+        found, _ = self.cache.peek(tokens[:taken], namespace=req.cache_namespace)
+        if self._keeps():
+            self._gave(req, taken)
+            assert found == taken, "what a leaving request gave the cache is found at once"
+        else:
+            assert taken == 0 and found == 0
+
+    # ------------------------------------------------------------------ memory
+    @precondition(lambda self: self.cache.evictable_size)
+    @rule(n=st.integers(1, 40))
+    def evict(self, n: int) -> None:
+        self.cache.evict(n)
+        for req in self.running:  # what running requests hold stays on the device
+            held = self.cache.match(req.fill_ids[:req.locked_len], namespace=req.cache_namespace)
+            assert held.length == req.locked_len
+
+    @precondition(lambda self: not self.running and self.cache.num_nodes > 1)
+    @rule()
+    def flush(self) -> None:
+        assert self.cache.flush()
+        self.waiting.refresh()
+        assert self.alloc.free_tokens == self.alloc.total_tokens
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def slots_are_owned_once_and_sizes_add_up(self) -> None:
+        if hasattr(self, "cache"):
+            self.kv.check_invariants(self.running)
+
+    @invariant()
+    def waiter_counts_are_the_parked_requests(self) -> None:
+        if not hasattr(self, "cache"):
+            return
+        self.waiting.refresh()
+        expected: Counter = Counter()
+        for req in self.waiting:
+            node = req.peek_node
+            while node is not None and node.parent is not None:
+                expected[node] += 1
+                node = node.parent
+        for node in self.cache.iter_nodes():
+            assert node.waiters == expected[node], f"{node}: {node.waiters} waiters, expected {expected[node]}"
+
+    @invariant()
+    def only_computed_prefixes_are_cached_with_their_kv(self) -> None:
+        if not hasattr(self, "cache"):
+            return
+        for req in self.waiting:
+            target = tuple(req.match_target()[:req.peek_len])
+            assert req.peek_len == 0 or (req.cache_namespace, target) in self.computed, \
+                "a prefix no request of its namespace computed"
+            if not self._keeps():
+                assert req.peek_len == 0
+        stack = [((), self.cache.root, None)]
+        while stack:
+            prefix, node, namespace = stack.pop()
+            for child in node.children.values():
+                if child.namespace is not None:  # a namespace's own root
+                    assert not child.key and node is self.cache.root and child.namespace in self.salts
+                    stack.append(((), child, child.namespace))
+                    continue
+                path = prefix + tuple(child.key)
+                assert (namespace, path[:self.page]) in self.computed and (namespace, path) in self.computed
+                if child.value is not None:  # on the device: its slots hold its tokens' KV
+                    for i, slot in enumerate(child.value.tolist()):
+                        for layer in range(LAYERS):
+                            got = self.pool.k_buffers[layer][slot, 0, 0].item()
+                            assert got == kv_of(path[:len(prefix) + i + 1], layer), "a node's KV is not its tokens'"
+                stack.append((path, child, namespace))
+        if not self._keeps():
+            assert self.cache.num_nodes == 1 and not self.cache.root.children
+            assert self.cache.evictable_size == self.cache.protected_size == 0
+
+
+    @invariant()
+    def kv_events_follow_the_cache(self) -> None:
+        if not hasattr(self, "cache"):
+            return
+        # vLLM-format block events: replayed per tier, exactly the pages there, a namespace's
+        # pages chained from the namespace (so equal tokens of two salts are different blocks).
+        for event in self.block_events.take():
+            if event[0] == "AllBlocksCleared":
+                self.published = {"GPU": set(), "CPU": set()}
+            elif event[0] == "BlockStored":
+                _, hashes, _, tokens, medium = event
+                assert len(tokens) == len(hashes) * self.page
+                assert not self.published[medium] & set(hashes), "a block stored twice"
+                self.published[medium] |= set(hashes)
+            else:
+                _, hashes, medium = event
+                assert set(hashes) <= self.published[medium], "a block removed that was never stored"
+                self.published[medium] -= set(hashes)
+        held: dict[str, set[int]] = {"GPU": set(), "CPU": set()}
+        stack = [(self.cache.root, None)]
+        while stack:
+            node, parent_hash = stack.pop()
+            for child in node.children.values():
+                if child.namespace is not None:
+                    stack.append((child, namespace_page_parent(child.namespace)))
+                    continue
+                hashes = page_hashes(child.key, self.page, parent_hash)
+                if child.value is not None:
+                    held["GPU"] |= set(hashes)
+                if getattr(child, "host_value", None) is not None:
+                    held["CPU"] |= set(hashes)
+                stack.append((child, hashes[-1]))
+        assert self.published == held
+        # /kv_events: the hashes replay to the tree's blocks, and a router's mirror of them finds
+        # for each waiting request, keyed by its salt, the whole blocks the cache finds.
+        for _, kind, hashes in self.hash_events.take():
+            if kind == "insert":
+                self.mirror |= set(hashes)
+            elif kind == "evict":
+                self.mirror -= set(hashes)
+            else:
+                self.mirror = set()
+        assert self.mirror == set(self.hash_events.snapshot()["blocks"])
+        mirror = BlockHashMirror(HASH_BLOCK)
+        mirror.load(HASH_BLOCK, list(self.mirror))
+        self.waiting.refresh()
+        for req in self.waiting:
+            salt = self.salts[req.cache_namespace]
+            body = {"input_ids": req.match_target(), **({"cache_salt": salt} if salt else {})}
+            key = routing_keys("/generate", body).tokens
+            assert mirror.match_len(key) == req.peek_len // HASH_BLOCK * HASH_BLOCK, "the router's view differs"
+
+PrefixCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+test_prefix_caches_driven_as_the_scheduler_drives_them = PrefixCacheMachine.TestCase
+
+
+def _protocol_members() -> dict[str, object]:
+    members = {}
+    for cls in reversed(PrefixCache.__mro__):
+        for name, value in vars(cls).items():
+            if not name.startswith("_") and cls is not object and cls.__module__ == PrefixCache.__module__:
+                members[name] = value
+    members.update({name: None for name in PrefixCache.__annotations__})
+    return members
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_cache_implements_the_whole_protocol_with_its_signatures(kind: str) -> None:
+    pool = KVPool(16, 1, 1, 1, 2, torch.float32, "cpu")
+    cache = make_cache(kind, pool, host_tokens=16)
+    assert isinstance(cache, PrefixCache)
+    for name, declared in _protocol_members().items():
+        assert hasattr(cache, name), f"{type(cache).__name__} lacks {name}"
+        if inspect.isfunction(declared):
+            want = list(inspect.signature(declared).parameters)[1:]
+            got = list(inspect.signature(getattr(cache, name)).parameters)
+            assert got == want, f"{type(cache).__name__}.{name}{got} is not the protocol's {want}"
+
+
+def test_the_cache_that_keeps_nothing_frees_a_leaving_requests_slots_and_reports_no_hit() -> None:
+    pool = KVPool(16, 2, 1, 1, 2, torch.float32, "cpu")
+    cache = NoPrefixCache(pool.allocator, page_size=2)
+    kv = KVManager(cache, ReqToTokenPool(2, 32, "cpu"))
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    for i in range(3):  # the same prompt each time: never found
+        req = Req(rid=str(i), origin_input_ids=list(range(9)), sampling_params=params, arrival_time=0.0,
+                  arrival_seq=i)
+        req.req_pool_idx = kv.req_to_token.alloc()
+        kv.lock_prefix(req)
+        assert req.locked_len == 0
+        assert kv.grow(req, 5) and len(req.slots) == 6
+        kv.cache_req(req, finished=False)  # a finished chunk: the request keeps its slots
+        assert req.locked_len == 0 and len(req.slots) == 6 and pool.allocator.free_tokens == 10
+        assert kv.grow(req, 9)
+        kv.check_invariants([req])
+        kv.cache_req(req, finished=True)
+        assert pool.allocator.free_tokens == 16 and cache.peek(list(range(9))) == (0, cache.root)
+        kv.check_invariants([])
+    assert cache.flush() and cache.evict(100) == 0 and cache.tier_stats()["host_pool_tokens"] == 0
