@@ -12,7 +12,6 @@ torch layers. Skipped without CUDA.
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -22,7 +21,6 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-import transformers  # noqa: E402
 
 from radixserve import Engine  # noqa: E402
 from radixserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -32,9 +30,10 @@ from radixserve.kernels import fla_gdn  # noqa: E402
 from radixserve.model.loader import load_model  # noqa: E402
 from radixserve.testing.tiny_model import build_tiny_model  # noqa: E402
 
+from greedy_oracle import MAX_NEW, agreement, hf_greedy, prompts  # noqa: E402,F401
+from greedy_oracle import engine_greedy as _engine_greedy  # noqa: E402
 from test_engine_gpu import _logits  # noqa: E402
 
-MAX_NEW = 24
 # Qwen3.5-27B's text shapes (benchmarks/configs/qwen3.5-27b) with one linear and one full layer.
 QWEN3_5_27B_2_LAYERS = {
     "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 5120,
@@ -65,39 +64,9 @@ def qwen3_5_27b_dir(tmp_path_factory):
     return str(path)
 
 
-def prompts(n: int, vocab: int, seed: int, longest: int = 60) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(5, longest))] for _ in range(n)]
-
-
-def hf_greedy(path: str, dtype: torch.dtype, batch: list[list[int]]) -> list[list[int]]:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
-    out = []
-    for p in batch:
-        with torch.no_grad():
-            ids = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                              do_sample=False, pad_token_id=0)[0].tolist()
-        out.append(ids[len(p):])
-    return out
-
-
-def engine_greedy(path: str, dtype: str, batch: list[list[int]], **settings) -> tuple[list[list[int]], Engine]:
-    settings.setdefault("cuda_graph_max_bs", 16)
-    engine = Engine(path, device="cuda", dtype=dtype, max_total_tokens=8192, **settings)
-    res = engine.generate(input_ids=batch, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0,
-                                                            "ignore_eos": True})
-    engine.check_invariants()
-    assert sum(r["meta_info"]["cached_tokens"] for r in res) == 0
-    return [r["output_ids"] for r in res], engine
-
-
-def agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
-    def common_prefix(a, b):
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        return n
-    return sum(common_prefix(a, b) for a, b in zip(ours, ref)) / sum(len(r) for r in ref)
+def engine_greedy(path: str, dtype: str, batch: list[list[int]], **settings):
+    """Ours on a hybrid: no prefix is reused until the cache snapshots recurrent states."""
+    return _engine_greedy(path, dtype, batch, expect_no_cache_hits=True, **settings)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -9,7 +9,6 @@ hits with the Triton layers close to the torch layers. Skipped without CUDA.
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-import transformers  # noqa: E402
 
 from radixserve import Engine  # noqa: E402
 from radixserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -28,9 +26,9 @@ from radixserve.model.loader import load_model  # noqa: E402
 from radixserve.model.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from radixserve.testing.tiny_model import build_tiny_model  # noqa: E402
 
+from greedy_oracle import MAX_NEW, agreement, engine_greedy, hf_greedy, prompts  # noqa: E402,F401
 from test_engine_gpu import _logits  # noqa: E402
 
-MAX_NEW = 24
 # Qwen3-0.6B's published shape with 2 of its 28 layers.
 QWEN3_0_6B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "head_dim": 128,
               "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 3072, "max_position_embeddings": 40960,
@@ -52,32 +50,6 @@ def qwen3_06b_dir(tmp_path_factory):
     return str(path)
 
 
-def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(5, 60))] for _ in range(n)]
-
-
-def hf_greedy(path: str, dtype: torch.dtype, batch: list[list[int]]) -> list[list[int]]:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
-    assert type(hf).__name__ == "Qwen3ForCausalLM"
-    out = []
-    for p in batch:
-        with torch.no_grad():
-            ids = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                              do_sample=False, pad_token_id=0)[0].tolist()
-        out.append(ids[len(p):])
-    return out
-
-
-def engine_greedy(path: str, dtype: str, batch: list[list[int]], **settings) -> tuple[list[list[int]], Engine]:
-    settings.setdefault("cuda_graph_max_bs", 16)
-    engine = Engine(path, device="cuda", dtype=dtype, max_total_tokens=8192, **settings)
-    res = engine.generate(input_ids=batch, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0,
-                                                            "ignore_eos": True})
-    engine.check_invariants()
-    return [r["output_ids"] for r in res], engine
-
-
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("graphs", [True, False])
 @pytest.mark.parametrize("n", [1, 3, 8])  # 3: padded to the 4-row graph
@@ -90,12 +62,12 @@ def test_fp32_greedy_equals_hf(tiny_dir, graphs, n, overlap):
     assert (runner.graphs is not None) == graphs
     if graphs:
         assert runner.num_graph_steps > 0
-    assert ours == hf_greedy(tiny_dir, torch.float32, batch)
+    assert ours == hf_greedy(tiny_dir, torch.float32, batch, "Qwen3ForCausalLM")
 
 
 def test_fp32_cached_prefix_gives_the_same_tokens(tiny_dir):
     batch = prompts(6, 500, seed=21)
-    expected = hf_greedy(tiny_dir, torch.float32, batch)
+    expected = hf_greedy(tiny_dir, torch.float32, batch, "Qwen3ForCausalLM")
     engine = Engine(tiny_dir, device="cuda", dtype="float32", max_total_tokens=8192, cuda_graph_max_bs=16,
                     chunked_prefill_size=16)
     params = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
@@ -113,13 +85,7 @@ def test_bf16_graphs_on_off_same_tokens_and_close_to_hf(tiny_dir):
     off, _ = engine_greedy(tiny_dir, "bfloat16", batch, disable_cuda_graph=True)
     assert on == off
     ref = hf_greedy(tiny_dir, torch.bfloat16, batch)
-
-    def common_prefix(a, b):
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        return n
-    agree = sum(common_prefix(a, b) for a, b in zip(on, ref)) / sum(len(r) for r in ref)
+    agree = agreement(on, ref)
     assert agree >= 0.5, (agree, on, ref)
 
 

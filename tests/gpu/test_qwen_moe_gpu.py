@@ -9,7 +9,6 @@ prefix hits and the memory plan. Skipped without CUDA.
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,6 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-import transformers  # noqa: E402
 
 from radixserve import Engine  # noqa: E402
 from radixserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -29,9 +27,9 @@ from radixserve.model.layers.moe import SparseMoeBlock  # noqa: E402
 from radixserve.model.loader import load_model  # noqa: E402
 from radixserve.testing.tiny_model import TinyMoe, build_tiny_model  # noqa: E402
 
+from greedy_oracle import MAX_NEW, agreement, engine_greedy, hf_greedy, prompts  # noqa: E402,F401
 from test_engine_gpu import _logits  # noqa: E402
 
-MAX_NEW = 24
 TINY = {
     "qwen3_moe": dict(family="qwen3_moe", layers=3, num_heads=4, num_kv_heads=2, head_dim=32, seed=5,
                       moe=TinyMoe(mlp_only_layers=(1,))),
@@ -51,31 +49,6 @@ def qwen3_30b_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3-30b-a3b-2-layers")
     (path / "config.json").write_text(json.dumps(QWEN3_30B_2_LAYERS))
     return str(path)
-
-
-def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(5, 60))] for _ in range(n)]
-
-
-def hf_greedy(path: str, dtype: torch.dtype, batch: list[list[int]]) -> list[list[int]]:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
-    out = []
-    for p in batch:
-        with torch.no_grad():
-            ids = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                              do_sample=False, pad_token_id=0)[0].tolist()
-        out.append(ids[len(p):])
-    return out
-
-
-def engine_greedy(path: str, dtype: str, batch: list[list[int]], **settings) -> tuple[list[list[int]], Engine]:
-    settings.setdefault("cuda_graph_max_bs", 16)
-    engine = Engine(path, device="cuda", dtype=dtype, max_total_tokens=8192, **settings)
-    res = engine.generate(input_ids=batch, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0,
-                                                            "ignore_eos": True})
-    engine.check_invariants()
-    return [r["output_ids"] for r in res], engine
 
 
 @pytest.mark.parametrize("graphs,overlap", [(True, True), (False, True), (True, False)])
@@ -114,13 +87,7 @@ def test_bf16_graphs_on_off_same_tokens_and_close_to_hf(tiny_dir):
     off, _ = engine_greedy(tiny_dir, "bfloat16", batch, disable_cuda_graph=True)
     assert on == off
     ref = hf_greedy(tiny_dir, torch.bfloat16, batch)
-
-    def common_prefix(a, b):
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        return n
-    agree = sum(common_prefix(a, b) for a, b in zip(on, ref)) / sum(len(r) for r in ref)
+    agree = agreement(on, ref)
     assert agree >= 0.5, (agree, on, ref)
 
 

@@ -1,0 +1,58 @@
+"""The GPU tests' oracle, shared by every model family: random token-id prompts, transformers'
+greedy continuation on CUDA, ours through the Engine, and how far two greedy outputs agree."""
+
+from __future__ import annotations
+
+import random
+from typing import Optional
+
+import torch
+import transformers
+
+from radixserve import Engine
+
+MAX_NEW = 24
+
+
+def prompts(n: int, vocab: int, seed: int, longest: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(5, longest))] for _ in range(n)]
+
+
+def hf_greedy(path: str, dtype: torch.dtype, batch: list[list[int]], architecture: Optional[str] = None
+              ) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one at a time (`architecture`: the class
+    the checkpoint must load as)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
+    assert architecture is None or type(hf).__name__ == architecture, type(hf).__name__
+    out = []
+    for p in batch:
+        with torch.no_grad():
+            ids = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                              do_sample=False, pad_token_id=0)[0].tolist()
+        out.append(ids[len(p):])
+    return out
+
+
+def engine_greedy(path: str, dtype: str, batch: list[list[int]], *, expect_no_cache_hits: bool = False,
+                  **settings) -> tuple[list[list[int]], Engine]:
+    """Our greedy outputs and the engine, its invariants checked (`expect_no_cache_hits`: and no
+    prompt token served from the cache)."""
+    settings.setdefault("cuda_graph_max_bs", 16)  # fewer captures: the buckets used here
+    engine = Engine(path, device="cuda", dtype=dtype, max_total_tokens=8192, **settings)
+    res = engine.generate(input_ids=batch, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0,
+                                                            "ignore_eos": True})
+    engine.check_invariants()
+    if expect_no_cache_hits:
+        assert sum(r["meta_info"]["cached_tokens"] for r in res) == 0
+    return [r["output_ids"] for r in res], engine
+
+
+def agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
+    """The share of reference tokens ours matches before its first difference, over all rows."""
+    def common_prefix(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+    return sum(common_prefix(a, b) for a, b in zip(ours, ref)) / sum(len(r) for r in ref)
