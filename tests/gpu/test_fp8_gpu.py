@@ -224,7 +224,8 @@ def test_fp8_kv_pool_holds_twice_the_tokens(fp8_ckpt):
             working_set[kv] = plan.activation_bytes + plan.graph_bytes
         del engine
     per_token = {kv: pool_bytes[kv] / sizes[kv] for kv in sizes}
-    assert per_token["auto"] == 2 * per_token["fp8_e4m3"], per_token
+    # The pool's few reserved slots make the ratio a hair off an exact 2.
+    assert per_token["auto"] == pytest.approx(2 * per_token["fp8_e4m3"], rel=1e-4), per_token
     # Each pool is the budget, less the measured working set and the little the engine allocates
     # before it sizes the pool.
     assert all(0.9 * 2 * GIB < pool_bytes[kv] + working_set[kv] < 1.01 * 2 * GIB for kv in pool_bytes), \

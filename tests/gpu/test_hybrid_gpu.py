@@ -133,8 +133,12 @@ def test_qwen3_5_27b_shape_plans_its_state_pool_and_serves_with_graphs(qwen3_5_2
     """No --max-total-tokens: the memory plan sizes the KV pool with the state pool allocated beside
     it (one row per running request: 2 x 16 key heads ... of this rank)."""
     batch = prompts(8, 248000, seed=4)
+    # A budget of what is in use now plus 16 GiB (the 2-layer model takes ~7), not the default
+    # share of the whole card: the other test workers on this GPU keep theirs.
+    free, total = torch.cuda.mem_get_info()
     engine = Engine(qwen3_5_27b_dir, load_format="dummy", device="cuda", dtype="bfloat16", cuda_graph_max_bs=16,
-                    max_running_requests=64, context_length=4096)
+                    max_running_requests=64, context_length=4096,
+                    mem_fraction_static=(total - free + 16 * 2**30) / total)
     plan = engine.core.memory_plan
     state = engine.core.kv_pool.state
     assert plan.state_pool_rows == state.num_rows == 64 and plan.state_pool_bytes == state.total_bytes
