@@ -22,8 +22,8 @@ HICACHE_WRITE_POLICIES = ("write_back", "write_through")
 DEFAULT_MAX_RUNNING_REQUESTS = {"cuda": 1024, "cpu": 256}
 CPU_KV_POOL_TOKENS = 65536
 # Rows up to which projections run the weight-streaming Triton GEMM instead of cuBLAS: faster up to
-# 32 rows on an H200; at 64, cuBLAS won on most projections (docs/gpu_notes.md, "A GEMM for decode
-# rows"). The model's default too.
+# 32 rows on an H200; at 64, cuBLAS won on most projections (docs/runs/2026-12-01-decode-row-gemm.md).
+# The model's default too.
 DECODE_GEMM_MAX_ROWS = 32
 
 
@@ -59,8 +59,8 @@ class ServerSettings:
     load_format: str = _opt("auto", "auto: read safetensors; dummy: random weights from config.json alone.",
                             choices=("auto", "safetensors", "dummy"))
     trust_remote_code: bool = _opt(
-        False, "Accepted for compatibility with SGLang/vLLM command lines. Qwen2 models run on built-in "
-        "code, so no code from the model directory is ever executed.")
+        False, "Accepted for compatibility with SGLang/vLLM command lines. Every supported model runs on "
+        "built-in code, so no code from the model directory is ever executed.")
     served_model_name: Optional[str] = _opt(
         None, "Model name reported by /v1/models and accepted in requests' model field (default: the model "
         "directory's name, e.g. tiny-qwen2).")
@@ -132,8 +132,8 @@ class ServerSettings:
         "half the pool, no new request is admitted into its memory), so the conversation's next turn still "
         "finds it. A turn is a request whose prompt extends a finished request's whole prompt; while a "
         "quarter of recent requests are such turns, every finished request's prefix is kept. Traffic "
-        "without conversations holds nothing. Helps agent/chat traffic under cache pressure (the agent "
-        "workload on an H200: 1.16x the throughput of FCFS, hit rate 0.82 against 0.79 without it). 0: off.")
+        "without conversations holds nothing. For chat and agent traffic under cache pressure "
+        "(docs/tuning.md). 0: off.")
     max_running_requests: Optional[int] = _opt(
         None, f"Most requests decoding at once (default: {DEFAULT_MAX_RUNNING_REQUESTS['cuda']} on CUDA, "
         f"{DEFAULT_MAX_RUNNING_REQUESTS['cpu']} on the CPU).")
@@ -161,14 +161,12 @@ class ServerSettings:
                                   choices=("auto", "torch", "triton"))
     cuda_graph_max_bs: int = _opt(
         1024, "Largest decode batch replayed from a CUDA graph (at most --max-running-requests is captured). "
-        "Larger batches launch every kernel from Python: a small model's host-bound decode (0.5B, 1,024 "
-        "streams on an H200) ran 1.8x faster with graphs up to 1024 than up to 256. Lower it to start "
-        "faster or to keep the graphs' memory for the KV pool.")
+        "Larger batches launch every kernel from Python, which costs a small model's decode host time. "
+        "Lower it to start faster or to keep the graphs' memory for the KV pool.")
     disable_cuda_graph: bool = _opt(False, "Run decode steps eagerly.")
     decode_gemm_max_rows: int = _opt(
         DECODE_GEMM_MAX_ROWS, "On CUDA, projections of at most this many rows (decode batches) run our weight-streaming "
-        "Triton GEMM instead of cuBLAS (measured faster up to 32 rows on an H200; FP8 projections up to twice as "
-        "many); 0 turns it off.")
+        "Triton GEMM instead of cuBLAS (FP8 projections up to twice as many rows); 0 turns it off.")
     skip_warmup: bool = _opt(False, "Start without the warm-up requests that compile the GPU kernels "
                              "(the first requests then wait for the compiles).")
     disable_overlap_schedule: bool = _opt(

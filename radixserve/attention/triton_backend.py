@@ -72,7 +72,7 @@ class TritonAttentionBackend:
     extend_num_stages: the extend kernel's tiles; extend_small_block_m / extend_small_num_warps: the
     tiles used instead when the big ones would give fewer than programs_per_sm programs per SM
     (short extends: chunks over a long prefix, many small requests). Defaults from sweeps on an H200
-    (docs/gpu_notes.md).
+    (docs/runs/2026-11-30-triton-kernels-and-fused-model.md).
 
     Heads wider than 128 (the hybrid Qwen models' 256) hold twice the bytes per tile row: their
     tiles are cut to fit shared memory (`wide_head_tiles`): decode BLOCK_N 64 over 2 stages,

@@ -49,7 +49,7 @@ class DecodeLinearConfig:
 
 
 # Per (N, K), for the projections of Qwen2-7B and Qwen2-0.5B: the variant fastest over 1-32 rows
-# in scripts/decode_linear_sweep.py on an H200 (docs/gpu_notes.md, "A GEMM for decode rows").
+# in scripts/decode_linear_sweep.py on an H200 (docs/runs/2026-12-01-decode-row-gemm.md).
 # Comments: us per call at 16 / 32 rows, cuBLAS's in brackets; gate_up with the fused SiLU
 # (cuBLAS + silu_and_mul in brackets). Other shapes get `default_config`.
 TUNED: dict[tuple[int, int], DecodeLinearConfig] = {
@@ -67,8 +67,8 @@ TUNED: dict[tuple[int, int], DecodeLinearConfig] = {
 
 
 # Per (N, K), the variants for e4m3 weights (radixserve.kernels.decode_linear_fp8), where they differ
-# from the bf16 choice, from `scripts/decode_linear_sweep.py --fp8` on an H200 (docs/benchmarks.md,
-# "FP8 decode"). Comments: us per call at 64 rows, activation quantization included, against the
+# from the bf16 choice, from `scripts/decode_linear_sweep.py --fp8` on an H200
+# (docs/runs/2026-12-02-fp8-activations-agent-vs-fcfs.md). Comments: us per call at 64 rows, activation quantization included, against the
 # bf16 kernel / cuBLAS and cuBLASLt's FP8 GEMM (`torch._scaled_mm`, quantization included).
 # A shape not listed takes the bf16 variant in DEFAULT_FP8_MODE.
 TUNED_FP8: dict[tuple[int, int], DecodeLinearConfig] = {

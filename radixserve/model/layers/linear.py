@@ -91,7 +91,8 @@ class Linear(nn.Module):
                     self._decode_linear = self._fp8_decode_linear
                     self._decode_linear_fp8 = decode_linear_fp8
                     # e4m3 tiles are half the bytes: on an H200 this GEMM beat cuBLASLt's FP8 GEMM
-                    # (with its activation quantization) up to twice bf16's limit (docs/benchmarks.md).
+                    # (with its activation quantization) up to twice bf16's limit
+                    # (docs/runs/2026-12-02-fp8-activations-agent-vs-fcfs.md).
                     self._decode_max_rows *= FP8_DECODE_ROWS_FACTOR
         # Per-token FP8 activations from the layer before are what this projection would make of a
         # bf16 input itself: with the Triton kernels, on every path (the decode-row GEMM's default
