@@ -68,8 +68,9 @@ TUNED: dict[tuple[int, int], DecodeLinearConfig] = {
 
 # Per (N, K), the variants for e4m3 weights (radixserve.kernels.decode_linear_fp8), where they differ
 # from the bf16 choice, from `scripts/decode_linear_sweep.py --fp8` on an H200
-# (docs/runs/2026-12-02-fp8-activations-agent-vs-fcfs.md). Comments: us per call at 64 rows, activation quantization included, against the
-# bf16 kernel / cuBLAS and cuBLASLt's FP8 GEMM (`torch._scaled_mm`, quantization included).
+# (docs/runs/2026-12-02-fp8-activations-agent-vs-fcfs.md). Comments: us per call at 64 rows,
+# activation quantization included, against the bf16 kernel / cuBLAS and cuBLASLt's FP8 GEMM
+# (`torch._scaled_mm`, quantization included).
 # A shape not listed takes the bf16 variant in DEFAULT_FP8_MODE.
 TUNED_FP8: dict[tuple[int, int], DecodeLinearConfig] = {
     (4608, 3584): DecodeLinearConfig(64, 128, 1, 4, 5, "token_fp8"),   # 7B qkv: 13.5 (14.2 / 11.2; 19.9)
