@@ -38,7 +38,7 @@ def all_configs() -> list[Config]:
     ]
 
 
-# The policies `--router-policies all` compares: issue 6's placement policies.
+# The policies `--router-policies all` compares: the router's placement policies.
 ROUTER_POLICIES_ALL = ("round_robin", "cache_aware", "kv_aware")
 ROUTER_WORKER_ARGS = ["--schedule-policy", "lpm", "--radix-eviction-policy", "lru"]
 
