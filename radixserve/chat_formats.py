@@ -10,6 +10,10 @@ as `<tool_response>` blocks grouped in one user turn, `enable_thinking=false` ad
 user query (a tool-calling loop in progress) and dropped from earlier turns. Only the wording of
 the tools preamble is ours.
 
+`ReasoningFormat` is the reasoning tags as the tokenizer spells them: the API process splits a
+reply's reasoning with it, and the engine starts a grammar after it (both read it here, in the
+leaf layer).
+
 One variable is ours too: `keep_reasoning` true renders every earlier assistant turn with its
 reasoning as the model generated it (`<think>\\n` reasoning `\\n</think>\\n\\n` content), so the
 next turn's prompt extends the previous turn's whole sequence and the radix cache finds all of it
@@ -17,6 +21,9 @@ next turn's prompt extends the previous turn's whole sequence and the radix cach
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -27,6 +34,75 @@ QWEN3_TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_r
 QWEN3_ADDED_TOKENS = ("<tool_response>", "</tool_response>", THINK_START, THINK_END)
 # The template variable that keeps every earlier turn's reasoning.
 KEEP_REASONING = "keep_reasoning"
+
+REASONING_PARSERS = ("qwen3",)
+# How far back from the end of a prompt its think tags are looked for: the generation prompt's
+# tags sit in its last few tokens; an earlier turn's reasoning never decides.
+PROMPT_TAIL_TOKENS = 16
+# What Qwen3 writes between `</think>` and its answer ("\n\n", one token in its vocabulary).
+ANSWER_LEAD_IN = ("\n", "\n\n")
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """A model's reasoning tags, as text and as the token ids its tokenizer gives them, and the
+    ids of the newline tokens that may come between the end of the reasoning and the answer."""
+
+    start: str
+    end: str
+    start_id: int
+    end_id: int
+    lead_in_ids: tuple[int, ...] = ()
+
+    def prompt_leaves(self, prompt_ids: list[int]) -> Optional[bool]:
+        """What the prompt's last think tag (among its last PROMPT_TAIL_TOKENS tokens) leaves the
+        reply: True inside an opened `<think>` (a template that opens it), False after a closed
+        block (`enable_thinking=false`), None when it has none (the reply may open one)."""
+        for token in reversed(prompt_ids[-PROMPT_TAIL_TOKENS:]):
+            if token == self.start_id:
+                return True
+            if token == self.end_id:
+                return False
+        return None
+
+    def starts_in_reasoning(self, prompt_ids: list[int]) -> bool:
+        """Whether the prompt leaves the reply inside an opened `<think>`."""
+        return self.prompt_leaves(prompt_ids) is True
+
+    def reasoning_tokens(self, output_ids: list[int], in_reasoning: bool) -> int:
+        """Output tokens inside the reasoning (the tags themselves not counted)."""
+        count, started = 0, in_reasoning
+        for token in output_ids:
+            if token == self.end_id:
+                return count
+            if token == self.start_id and not started:
+                started = True
+            elif started:
+                count += 1
+            else:  # the reply did not open with <think>: it has no reasoning
+                return 0
+        return count
+
+
+def reasoning_format(name: str, tokenizer) -> ReasoningFormat:
+    """The format `--reasoning-parser name` reads; ValueError when the tokenizer does not have its
+    tags as single tokens (they decide where the reply starts, count reasoning tokens, and start a
+    grammar that waits for the reasoning)."""
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning-parser {name!r} is not one of {', '.join(REASONING_PARSERS)}")
+    if tokenizer is None:
+        raise ValueError("--reasoning-parser needs the model's tokenizer")
+    ids = []
+    for tag in (THINK_START, THINK_END):
+        encoded = tokenizer.encode(tag, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(f"--reasoning-parser {name}: the tokenizer has no {tag} token (it spells it in "
+                             f"{len(encoded)} tokens); this model does not reason in Qwen3's format")
+        ids.append(encoded[0])
+    lead_in = [tokenizer.encode(text, add_special_tokens=False) for text in ANSWER_LEAD_IN]
+    return ReasoningFormat(THINK_START, THINK_END, ids[0], ids[1],
+                           tuple(sorted({e[0] for e in lead_in if len(e) == 1})))
+
 
 QWEN3_CHAT_TEMPLATE = """\
 {%- set keep = keep_reasoning is defined and keep_reasoning %}

@@ -59,6 +59,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     json_schema: Optional[str] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    # With the engine's reasoning parser: the grammar starts after the reply's reasoning (at its
+    # end-of-reasoning token), which is free text (radixserve.grammar.reasoning_gate). The chat API
+    # sets it for a reply whose reasoning it splits off.
+    grammar_after_reasoning: bool = False
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -54,6 +54,11 @@ class ServerSettings:
         "keep_reasoning; a request's chat_template_kwargs may set it either way): Qwen3's template drops it, "
         "so each turn's prompt stops matching the cached conversation at the previous reply. Needs a "
         "template that reads keep_reasoning, e.g. --chat-template qwen3 (docs/tuning.md).")
+    grammar_in_reasoning: bool = _opt(
+        False, "With --reasoning-parser, a chat reply's grammar (response_format, regex, ebnf, a forced tool "
+        "call) holds from its first token, the reasoning included (vLLM's structured outputs "
+        "enable_in_reasoning). (default: the reasoning is free text and the grammar starts after </think>; "
+        "docs/structured_outputs.md)")
     chat_template_timeout_s: float = _opt(
         5.0, "Longest a chat template may take to render one request; longer is a 400 (template_limit).")
     load_format: str = _opt("auto", "auto: read safetensors; dummy: random weights from config.json alone.",

@@ -122,3 +122,44 @@ def test_constrained_rows_with_logprobs_and_penalties(model_dir):
         assert value == pytest.approx(row[token].item(), abs=1e-4)
         top = out["meta_info"]["output_top_logprobs"][k]
         assert [i for _, i, _ in top] == row.topk(2).indices.tolist()  # unmasked: any token may lead
+
+
+def test_grammars_behind_reasoning_give_the_same_tokens_with_and_without_overlap(tmp_path_factory):
+    """With a reasoning parser, `grammar_after_reasoning` requests reason freely (sampled, of random
+    lengths: logit_bias makes </think> likely) and then follow their grammar, batched with a plain
+    request; overlap scheduling (the mask of a step built while the device runs its forward pass,
+    from a previous token that may have ended the reasoning) gives the same tokens as none."""
+    model = build_tiny_model(tmp_path_factory.mktemp("grammar-tiny-qwen3"), family="qwen3", chat_format="qwen3")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    start, end = (tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>"))
+    prompts = ["The river", "A server answers<think>\n", "Numbers matter", "Once upon a time<think>\n"]
+    gated = {"grammar_after_reasoning": True, "temperature": 1.0, "logit_bias": {start: 3.0, end: 4.0}}
+    params = [{**gated, "max_new_tokens": 160, "seed": 21, "json_schema": json.dumps(SCHEMA)},
+              {**gated, "max_new_tokens": 100, "seed": 22, "regex": REGEX},
+              {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True},
+              {**gated, "max_new_tokens": 160, "seed": 23, "json_schema": json.dumps(SCHEMA)}]
+    runs = []
+    for overlap in (True, False):
+        with Engine(str(model), device="cpu", reasoning_parser="qwen3", disable_overlap_schedule=not overlap) as engine:
+            runs.append(engine.generate(prompts, sampling_params=params))
+            engine.check_invariants()
+    assert [r["output_ids"] for r in runs[0]] == [r["output_ids"] for r in runs[1]]
+    reasoned = 0
+    for k in (0, 1, 3):
+        out = runs[0][k]
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out["text"]
+        ids = out["output_ids"][:-1]  # the end of the turn
+        opened = prompts[k].endswith("<think>\n")  # the reply starts inside the reasoning
+        if opened or ids[0] == start:
+            cut = ids.index(end)
+            reasoned += cut - (0 if opened else 1) > 1
+            answer = tokenizer.decode(ids[cut + 1:]).removeprefix("\n")
+        else:  # the reply did not open its reasoning: the grammar holds from its first token
+            answer = tokenizer.decode(ids)
+        if k == 1:
+            assert re.fullmatch(REGEX, answer), (out["text"], answer)
+        else:
+            jsonschema.validate(json.loads(answer, strict=False), SCHEMA)
+    assert reasoned >= 2  # the test sees reasoning that took several tokens

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Optional
 
 import httpx
 import openai
@@ -127,9 +128,12 @@ def start(model_dir, workdir, *args):
                           "--reasoning-parser", "qwen3", *args], workdir).wait_ready()
 
 
+# The replies these servers write are forced by a grammar of the whole reply (forced_reply), the
+# reasoning included: --grammar-in-reasoning. The grammar behind the reasoning, the default, has
+# its own server below (gated_server).
 @pytest.fixture(scope="module")
 def reasoning_server(qwen3_model_dir, server_workdir):
-    proc = start(qwen3_model_dir, server_workdir)
+    proc = start(qwen3_model_dir, server_workdir, "--grammar-in-reasoning")
     try:
         yield proc
     finally:
@@ -147,7 +151,8 @@ def open_think_server(qwen3_model_dir, server_workdir, tmp_path_factory):
     assert OPEN_THINK_TEMPLATE != QWEN3_CHAT_TEMPLATE
     template = tmp_path_factory.mktemp("open-think") / "open_think.jinja"
     template.write_text(OPEN_THINK_TEMPLATE)
-    proc = start(qwen3_model_dir, server_workdir, "--chat-template", str(template), "--keep-reasoning-history")
+    proc = start(qwen3_model_dir, server_workdir, "--chat-template", str(template), "--keep-reasoning-history",
+                 "--grammar-in-reasoning")
     try:
         yield proc
     finally:
@@ -328,3 +333,183 @@ def test_the_served_schema_names_the_template_variables_a_request_may_set(reason
     spec = httpx.get(f"{reasoning_server.base_url}/openapi.json", timeout=30).json()
     field = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]["chat_template_kwargs"]
     assert field["propertyNames"] == {"enum": ["enable_thinking", "keep_reasoning"]}, field
+
+
+# ----------------------------------------------------------------------------- a grammar behind the reasoning
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+                 "additionalProperties": False}
+JSON_ANSWER = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
+
+
+@pytest.fixture(scope="module")
+def gated_server(qwen3_model_dir, server_workdir):
+    proc = start(qwen3_model_dir, server_workdir)  # the default: a grammar waits for </think>
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def compilers(tokenizer):
+    from radixserve.grammar.backend import GrammarCompilers
+
+    c = GrammarCompilers(tokenizer, len(tokenizer), [tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    yield c
+    c.shutdown()
+
+
+def one_token(tokenizer, text: str) -> int:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) == 1, (text, ids)
+    return ids[0]
+
+
+def scripted_reasoning(tokenizer, lead_in: bool = True) -> dict:
+    """Request fields that make the random model write `<think> mill every</think>`, a newline
+    (`lead_in`) and then whatever the grammar lets it: logit_bias ranks the tokens and
+    repetition_penalty 2 halves a token's biased logit once it is written, so each is written once,
+    in bias order (none of them is in the prompt). A grammar holding the reasoning allows none."""
+    order = ["<think>", " mill", " every", "</think>"] + (["\n"] if lead_in else [])
+    bias = {str(one_token(tokenizer, t)): 100.0 - 5 * i for i, t in enumerate(order)}
+    return {"logit_bias": bias, "repetition_penalty": 2.0, "temperature": 0.0, "max_tokens": 40}
+
+
+def structured(server, tokenizer, stream: bool = False, fields: Optional[dict] = None, **extra):
+    """(message fields, finish_reason, usage) of a scripted reply under `extra`'s grammar."""
+    body = {**(fields if fields is not None else scripted_reasoning(tokenizer)), **extra}
+    model = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    args = dict(model=model, messages=USER, max_tokens=body.pop("max_tokens"), temperature=body.pop("temperature"),
+                logit_bias=body.pop("logit_bias"), response_format=body.pop("response_format", openai.NOT_GIVEN),
+                tools=body.pop("tools", openai.NOT_GIVEN), tool_choice=body.pop("tool_choice", openai.NOT_GIVEN),
+                parallel_tool_calls=body.pop("parallel_tool_calls", openai.NOT_GIVEN),
+                logprobs=body.pop("logprobs", openai.NOT_GIVEN), extra_body=body)
+    client = sdk(server)
+    if not stream:
+        reply = client.chat.completions.create(**args)
+        m, logprobs = reply.choices[0].message, reply.choices[0].logprobs
+        return ({"content": m.content, "reasoning_content": getattr(m, "reasoning_content", None),
+                 "tool_calls": [c.model_dump() for c in m.tool_calls or []],
+                 "tokens": [t.token for t in logprobs.content] if logprobs else None},
+                reply.choices[0].finish_reason, reply.usage)
+    fields_seen, calls, finish, used = {"content": "", "reasoning_content": ""}, [], None, None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args):
+        if not chunk.choices:
+            used = chunk.usage
+            continue
+        delta = chunk.choices[0].delta
+        for name in fields_seen:
+            fields_seen[name] += getattr(delta, name, None) or ""
+        calls += [c.model_dump() for c in delta.tool_calls or []]
+        finish = chunk.choices[0].finish_reason or finish
+    return ({"content": fields_seen["content"] or None, "reasoning_content": fields_seen["reasoning_content"] or None,
+             "tool_calls": calls}, finish, used)
+
+
+def valid_answer(content: Optional[str]) -> dict:
+    import jsonschema
+
+    value = json.loads(content)
+    jsonschema.validate(value, ANSWER_SCHEMA)
+    return value
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_schema_holds_the_answer_after_free_reasoning(gated_server, tokenizer, stream):
+    message, finish, usage = structured(gated_server, tokenizer, stream, response_format=JSON_ANSWER,
+                                        logprobs=not stream)
+    assert message["reasoning_content"] == " mill every" and finish == "stop", message
+    valid_answer(message["content"])  # the newline after </think> is not part of it
+    assert usage.completion_tokens_details.reasoning_tokens == 2
+    if not stream:  # the reply as written: the newline Qwen3 writes before its answer is allowed there
+        assert message["tokens"][:6] == ["<think>", " mill", " every", "</think>", "\n", "{"], message["tokens"]
+
+
+def test_with_thinking_off_the_grammar_holds_from_the_first_token(gated_server, tokenizer):
+    # The prompt closes the think block: <think>, the most favoured token, is not the grammar's.
+    message, finish, usage = structured(gated_server, tokenizer, response_format=JSON_ANSWER,
+                                        chat_template_kwargs={"enable_thinking": False})
+    assert message["reasoning_content"] is None and finish == "stop"
+    valid_answer(message["content"])
+    assert usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_a_reply_that_does_not_open_its_reasoning_follows_the_grammar_from_its_start(gated_server, tokenizer):
+    fields = scripted_reasoning(tokenizer)
+    fields["logit_bias"][str(one_token(tokenizer, "<think>"))] = -100.0
+    for extra in ({"response_format": JSON_ANSWER}, {"regex": '\\{"answer": "(yes|no)"\\}'}):
+        message, finish, _ = structured(gated_server, tokenizer, fields=fields, **extra)
+        assert message["reasoning_content"] is None and finish == "stop", (extra, message)
+        valid_answer(message["content"])
+
+
+def test_a_forced_tool_call_comes_after_the_reasoning(gated_server, tokenizer):
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    for choice in ("required", {"type": "function", "function": {"name": "lookup"}}):
+        fields = dict(scripted_reasoning(tokenizer), max_tokens=120)  # a call is some 50 tokens
+        message, finish, _ = structured(gated_server, tokenizer, fields=fields, tools=tools, tool_choice=choice,
+                                        parallel_tool_calls=False)
+        assert message["reasoning_content"] == " mill every" and message["content"] is None, (choice, message)
+        assert finish == "tool_calls" and [c["function"]["name"] for c in message["tool_calls"]] == ["lookup"]
+        assert json.loads(message["tool_calls"][0]["function"]["arguments"])["city"] in ("Paris", "Rome")
+
+
+def test_reasoning_is_bounded_by_max_tokens_alone(gated_server, tokenizer):
+    fields = scripted_reasoning(tokenizer)
+    fields["logit_bias"].pop(str(one_token(tokenizer, "</think>")))  # the reasoning never ends
+    message, finish, usage = structured(gated_server, tokenizer, fields=dict(fields, max_tokens=12),
+                                        response_format=JSON_ANSWER)
+    assert finish == "length" and message["content"] is None and usage.completion_tokens == 12
+    assert message["reasoning_content"] and usage.completion_tokens_details.reasoning_tokens == 11
+
+
+def test_grammar_in_reasoning_holds_the_reasoning_too(reasoning_server, tokenizer):
+    # The same favoured <think> and words: the grammar allows none of them, so there is no reasoning.
+    message, finish, _ = structured(reasoning_server, tokenizer, response_format=JSON_ANSWER)
+    assert message["reasoning_content"] is None and finish == "stop"
+    valid_answer(message["content"])
+
+
+def test_separate_reasoning_false_keeps_the_grammar_over_the_whole_reply(gated_server, tokenizer):
+    # The content is then the whole reply: the grammar holds it all.
+    message, _, _ = structured(gated_server, tokenizer, response_format=JSON_ANSWER, separate_reasoning=False)
+    assert message["reasoning_content"] is None
+    valid_answer(message["content"])
+
+
+# The gate itself, over real compiled grammars of the tiny vocabulary.
+def test_where_a_gated_grammar_starts_and_what_it_allows(compilers, tokenizer):
+    from radixserve.chat_formats import reasoning_format
+    from radixserve.grammar.backend import RequestGrammar
+    from radixserve.grammar.reasoning_gate import GRAMMAR, LEAD_IN, REASONING, UNDECIDED, GrammarAfterReasoning
+
+    fmt = reasoning_format("qwen3", tokenizer)
+    assert fmt.lead_in_ids == (one_token(tokenizer, "\n"),)
+    compiled = compilers.compile("regex", "ab").result()
+
+    def gate(prompt: str) -> GrammarAfterReasoning:
+        return GrammarAfterReasoning(RequestGrammar(compiled), fmt, tokenizer.encode(prompt))
+
+    assert gate("<|im_start|>assistant\n").state == UNDECIDED
+    assert gate("<|im_start|>assistant\n<think>\n").state == REASONING
+    assert gate("<|im_start|>assistant\n<think>\n\n</think>\n\n").state == GRAMMAR
+    a, b, mill = one_token(tokenizer, "a"), one_token(tokenizer, "b"), one_token(tokenizer, " mill")
+
+    g = gate("hi")
+    assert g.constrains_next and g.also_allowed() == (fmt.start_id,)
+    assert g.accept(fmt.start_id) and g.state == REASONING and not g.constrains_next and g.also_allowed() == ()
+    assert g.accept(mill) and g.accept(a) and g.accept(fmt.start_id) and not g.terminated  # free text, unmatched
+    assert g.accept(fmt.end_id) and g.state == LEAD_IN and g.also_allowed() == fmt.lead_in_ids
+    assert g.accept(fmt.lead_in_ids[0]) and g.state == GRAMMAR and g.also_allowed() == ()
+    assert not g.accept(fmt.lead_in_ids[0])  # one newline only: then the grammar's tokens
+    assert g.accept(a) and g.accept(b) and g.accept(tokenizer.convert_tokens_to_ids("<|im_end|>")) and g.terminated
+
+    g = gate("hi")
+    assert g.accept(a) and g.state == GRAMMAR  # no <think>: the grammar from the first token
+    assert not g.accept(fmt.start_id) and not g.accept(mill)
+    g = gate("<think>\n")
+    assert g.accept(fmt.end_id) and g.accept(a) and g.state == GRAMMAR  # no newline: straight into the grammar
+    g = gate("hi")
+    assert not g.accept(mill)  # neither <think> nor the grammar's

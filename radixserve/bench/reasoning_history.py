@@ -11,13 +11,14 @@ prompt tokens, the cached tokens (`usage.prompt_tokens_details.cached_tokens`) a
 computed (prompt - cached).
 
 The replies are scripted, so the counts do not depend on the model: each is forced by an EBNF
-grammar of its text (SGLang's `ebnf` field) with `logit_bias` on the text's own tokens, longer
-ones favoured, so the model writes the tokens the tokenizer gives the text (`forced_reply`
-checks that this holds before sending). By default the script starts a CPU server over the tiny
+grammar of its text (SGLang's `ebnf` field, over the whole reply: `--grammar-in-reasoning`) with
+`logit_bias` on the text's own tokens, longer ones favoured, so the model writes the tokens the
+tokenizer gives the text (`forced_reply` checks that this holds before sending). By default the script starts a CPU server over the tiny
 random Qwen3 built with Qwen3's chat format and tokenizer tags; `--tokenizer DIR` counts in
 Qwen3's own tokens instead (the tokenizer from `scripts/qwen2_tokenizer.py --qwen3`, dummy
 weights); `--base-url` measures a running server (it needs `--reasoning-parser qwen3` and a
-template that reads keep_reasoning, and `--tokenizer-path` the served tokenizer).
+template that reads keep_reasoning, `--grammar-in-reasoning` so the grammars hold the reasoning
+too, and `--tokenizer-path` the served tokenizer).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def ebnf_literal(text: str) -> str:
 
 def forced_reply(tokenizer, text: str) -> dict[str, Any]:
     """Request fields that make any model write exactly `text` in the tokens the tokenizer gives
-    it: an EBNF grammar of the text and logit_bias on those tokens, longer ones higher. ValueError
+    it: an EBNF grammar of the text and logit_bias on those tokens, longer ones higher (a reply
+    with reasoning needs a server whose grammars hold the reasoning: --grammar-in-reasoning). ValueError
     when the bias would not pick those tokens (two of them of the same length fit one place)."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     pieces = {i: tokenizer.decode([i]) for i in set(ids)}
@@ -219,8 +221,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             from radixserve.experiment.processes import Server
 
             model, flags = build_model(Path(tmp), args.tokenizer)
-            server = Server(["--model-path", str(model), "--device", "cpu", "--reasoning-parser", "qwen3", *flags],
-                            Path(tmp) / "server.log")
+            server = Server(["--model-path", str(model), "--device", "cpu", "--reasoning-parser", "qwen3",
+                             "--grammar-in-reasoning", *flags], Path(tmp) / "server.log")
             server.wait_ready(300)
             base_url, tokenizer_path = server.base_url, str(model)
         else:

@@ -26,6 +26,7 @@ from radixserve.cache.no_cache import NoPrefixCache
 from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.tiered_cache import make_tiered_cache
+from radixserve.chat_formats import reasoning_format
 from radixserve.distributed import TensorParallel
 from radixserve.engine.cpu_affinity import bind_near_gpu
 from radixserve.engine.grammar_wait import GrammarWaitlist
@@ -108,9 +109,12 @@ class EngineCore:
             if self.runner.graphs is not None:
                 self.memory_plan.graph_bytes_captured = self.runner.graphs.pool_bytes
             logger.info("memory: %s", self.memory_plan.describe())
+        # The reasoning format a grammar waits behind (grammar_after_reasoning): its tags' ids.
+        self.reasoning = reasoning_format(settings.reasoning_parser, self.tokenizer) \
+            if settings.reasoning_parser is not None and self.tokenizer is not None else None
         self.grammar_wait = GrammarWaitlist(self.tokenizer, cfg.vocab_size, eos,
                                             compile_timeout_s=settings.grammar_compile_timeout_s,
-                                            cache_mb=settings.grammar_cache_mb)
+                                            cache_mb=settings.grammar_cache_mb, reasoning=self.reasoning)
         if self.tokenizer is not None:
             # Reading a 150k vocabulary into xgrammar takes a second: at start-up, not in a step.
             try:
@@ -193,6 +197,8 @@ class EngineCore:
                              f"does not fit in the KV pool of {self.pool_size} tokens")
         if grammar_spec(params) is not None and self.tokenizer is None:
             raise ValueError("constrained decoding (json_schema, regex, ebnf) needs the model's tokenizer")
+        if params.grammar_after_reasoning and self.reasoning is None:
+            raise ValueError("grammar_after_reasoning needs a reasoning parser (--reasoning-parser)")
         if request.rid in self.scheduler.reqs or request.rid in self.grammar_wait:
             raise ValueError(f"request id {request.rid!r} is already in use")
         if not is_cache_namespace(request.cache_namespace):

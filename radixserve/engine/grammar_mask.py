@@ -22,6 +22,13 @@ from radixserve.model.sampler import apply_token_bitmask_
 from radixserve.scheduler.request import Req
 
 
+def allow_token_(row: torch.Tensor, token: int) -> None:
+    """Set token's bit in a packed int32 bitmask row (xgrammar's layout: bit j of word w allows
+    token 32 * w + j), on the host."""
+    word, bit = divmod(token, 32)
+    row[word] = int(row[word]) | (1 << bit if bit < 31 else -(1 << 31))  # bit 31 is the int32 sign
+
+
 class GrammarMask:
     def __init__(self, compilers, max_rows: int, device: torch.device):
         self.compilers = compilers
@@ -46,8 +53,10 @@ class GrammarMask:
     @staticmethod
     def constrained_rows(sampling: Sequence[Req]) -> list[int]:
         """The sampling rows a grammar constrains (a request that finished meanwhile is left out: its
-        token is dropped and its matcher may be terminated)."""
-        return [i for i, r in enumerate(sampling) if r.grammar is not None and r.finish_reason is None]
+        token is dropped and its matcher may be terminated; so is one inside the reasoning its
+        grammar waits behind: its row is all allowed)."""
+        return [i for i, r in enumerate(sampling)
+                if r.grammar is not None and r.finish_reason is None and r.grammar.constrains_next]
 
     def apply_(self, logits: torch.Tensor, sampling: Sequence[Req], rows: list[int]) -> torch.Tensor:
         """Mask, in place, the logits rows `rows` of the sampling requests by their grammars'
@@ -60,7 +69,11 @@ class GrammarMask:
         n = len(rows)
         assert 0 < n <= self.max_rows
         bitmask = self.host[self.head:self.head + n * self.words].view(n, self.words)
-        self.compilers.fill_bitmask([sampling[i].grammar for i in rows], bitmask)
+        grammars = [sampling[i].grammar for i in rows]
+        self.compilers.fill_bitmask(grammars, bitmask)
+        for k, grammar in enumerate(grammars):
+            for token in grammar.also_allowed():  # a reasoning's own tokens: <think>, a newline after it
+                allow_token_(bitmask[k], token)
         self.host[:n] = torch.tensor(rows, dtype=torch.int32)
 
     def apply_filled_(self, logits: torch.Tensor, n: int) -> torch.Tensor:

@@ -14,6 +14,8 @@ import time
 from concurrent.futures import Future
 from typing import NamedTuple, Optional
 
+from radixserve.chat_formats import ReasoningFormat
+from radixserve.grammar.reasoning_gate import gate_grammar
 from radixserve.grammar.spec import GRAMMAR_COMPILE_TIMEOUT, INVALID_GRAMMAR, grammar_spec
 from radixserve.scheduler.request import Req, ReqState
 
@@ -30,12 +32,14 @@ class _Waiting(NamedTuple):
 
 class GrammarWaitlist:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], *,
-                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, cache_mb: float = 1024):
+                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, cache_mb: float = 1024,
+                 reasoning: Optional[ReasoningFormat] = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self.compile_timeout_s = compile_timeout_s
         self.cache_mb = cache_mb
+        self.reasoning = reasoning  # what a grammar_after_reasoning request's grammar waits behind
         self._compilers = None
         self._disabled: Optional[str] = None  # why constrained decoding is off, when it is
         self.waiting: dict[str, _Waiting] = {}
@@ -71,15 +75,16 @@ class GrammarWaitlist:
         compilers = self.compilers
         future = compilers.compile(kind, text)
         if future.done():
-            req.grammar = self._matcher(future)  # raises ValueError for a bad grammar
+            req.grammar = self._matcher(future, req)  # raises ValueError for a bad grammar
             return True
         self.waiting[req.rid] = _Waiting(req, future, time.monotonic() + self.compile_timeout_s)
         return False
 
-    def _matcher(self, future: Future):
+    def _matcher(self, future: Future, req: Req):
         from radixserve.grammar.backend import RequestGrammar
 
-        return RequestGrammar(future.result())
+        return gate_grammar(RequestGrammar(future.result()), self.reasoning, req.origin_input_ids,
+                            req.sampling_params.grammar_after_reasoning)
 
     def take_ready(self) -> tuple[list[Req], list[Req]]:
         """Requests whose grammar is compiled (with their matcher) and requests that end here:
@@ -98,7 +103,7 @@ class GrammarWaitlist:
                 continue
             del self.waiting[rid]
             try:
-                req.grammar = self._matcher(future)
+                req.grammar = self._matcher(future, req)
                 ready.append(req)
             except Exception as e:  # noqa: BLE001: a grammar the API did not check (offline use)
                 failed.append(self._finish(req, INVALID_GRAMMAR, str(e)))

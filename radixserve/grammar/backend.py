@@ -64,6 +64,12 @@ class RequestGrammar:
 
         self.matcher = xgrammar.GrammarMatcher(compiled)
 
+    # Every next token is masked by the matcher alone (a grammar behind a reasoning says otherwise).
+    constrains_next = True
+
+    def also_allowed(self) -> tuple[int, ...]:
+        return ()
+
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False when the grammar does not allow it."""
         return self.matcher.accept_token(token)

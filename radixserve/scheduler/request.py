@@ -20,7 +20,15 @@ class ReqState(enum.Enum):
 
 
 class TokenGrammar(Protocol):
-    """A request's grammar matcher (radixserve.grammar.backend.RequestGrammar)."""
+    """A request's grammar matcher (radixserve.grammar.backend.RequestGrammar, or
+    radixserve.grammar.reasoning_gate.GrammarAfterReasoning in front of one)."""
+
+    @property
+    def constrains_next(self) -> bool:
+        """Whether the next token is masked (not inside a reasoning the grammar waits behind)."""
+
+    def also_allowed(self) -> tuple[int, ...]:
+        """Tokens allowed next besides the ones the grammar's matcher allows."""
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False when the grammar does not allow it."""

@@ -22,66 +22,11 @@ as `delta.reasoning_content` chunks and then `delta.content`, as vLLM and SGLang
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
-from radixserve.chat_formats import THINK_END, THINK_START
-
-REASONING_PARSERS = ("qwen3",)
-# How far back from the end of a prompt its think tags are looked for: the generation prompt's
-# tags sit in its last few tokens; an earlier turn's reasoning never decides.
-PROMPT_TAIL_TOKENS = 16
-
-
-@dataclass(frozen=True)
-class ReasoningFormat:
-    """A model's reasoning tags, as text and as the token ids its tokenizer gives them."""
-
-    start: str
-    end: str
-    start_id: int
-    end_id: int
-
-    def starts_in_reasoning(self, prompt_ids: list[int]) -> bool:
-        """Whether the prompt leaves the reply inside an opened `<think>`."""
-        for token in reversed(prompt_ids[-PROMPT_TAIL_TOKENS:]):
-            if token == self.start_id:
-                return True
-            if token == self.end_id:
-                return False
-        return False
-
-    def reasoning_tokens(self, output_ids: list[int], in_reasoning: bool) -> int:
-        """Output tokens inside the reasoning (the tags themselves not counted)."""
-        count, started = 0, in_reasoning
-        for token in output_ids:
-            if token == self.end_id:
-                return count
-            if token == self.start_id and not started:
-                started = True
-            elif started:
-                count += 1
-            else:  # the reply did not open with <think>: it has no reasoning
-                return 0
-        return count
-
-
-def reasoning_format(name: str, tokenizer) -> ReasoningFormat:
-    """The format `--reasoning-parser name` reads; ValueError when the tokenizer does not have its
-    tags as single tokens (they decide where the reply starts, and count reasoning tokens)."""
-    if name not in REASONING_PARSERS:
-        raise ValueError(f"--reasoning-parser {name!r} is not one of {', '.join(REASONING_PARSERS)}")
-    if tokenizer is None:
-        raise ValueError("--reasoning-parser needs the model's tokenizer")
-    ids = []
-    for tag in (THINK_START, THINK_END):
-        encoded = tokenizer.encode(tag, add_special_tokens=False)
-        if len(encoded) != 1:
-            raise ValueError(f"--reasoning-parser {name}: the tokenizer has no {tag} token (it spells it in "
-                             f"{len(encoded)} tokens); this model does not reason in Qwen3's format")
-        ids.append(encoded[0])
-    return ReasoningFormat(THINK_START, THINK_END, ids[0], ids[1])
-
+# The format's tags and their ids live in the leaf layer: the engine reads them too (a grammar
+# starts after the reasoning, radixserve.grammar.reasoning_gate).
+from radixserve.chat_formats import REASONING_PARSERS, ReasoningFormat, reasoning_format  # noqa: F401
 
 def _partial_suffix(text: str, tag: str) -> int:
     """How many characters at the end of `text` may be the start of `tag`."""

@@ -82,10 +82,14 @@ def openai_params(body, max_tokens: int, seed_offset: int, top_logprobs: Optiona
 
 def build_choices(ctx: ServingContext, body, prompts: list[list[int]], param: str, max_tokens: Optional[int],
                   max_param: str, top_logprobs: Optional[int],
-                  grammar: Optional[tuple[str, str]] = None, prompt_logprobs: bool = False) -> list[list[SamplingParams]]:
-    """grammar: (kind, text) every choice's output is constrained by (see radixserve.grammar);
-    prompt_logprobs: the prompt's log probabilities too (completions' echo with logprobs)."""
-    extra = {grammar[0]: grammar[1]} if grammar is not None else {}
+                  grammar: Optional[tuple[str, str]] = None, prompt_logprobs: bool = False,
+                  grammar_after_reasoning: bool = False) -> list[list[SamplingParams]]:
+    """grammar: (kind, text) every choice's output is constrained by (see radixserve.grammar), from
+    the end of the reply's reasoning on with grammar_after_reasoning; prompt_logprobs: the
+    prompt's log probabilities too (completions' echo with logprobs)."""
+    extra: dict[str, Any] = {grammar[0]: grammar[1]} if grammar is not None else {}
+    if grammar is not None and grammar_after_reasoning:
+        extra["grammar_after_reasoning"] = True
     out = []
     bias = ctx.logit_bias(body.logit_bias, "logit_bias")
     for ids in prompts:
@@ -328,9 +332,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     in_reasoning = ctx.reasoning is not None and ctx.reasoning.starts_in_reasoning(ids)
     reply = ReplyFormat(policy, ctx.reasoning if body.separate_reasoning else None, in_reasoning)
     top_logprobs = chat_top_logprobs(body)
+    # The grammar holds the content: behind the reasoning when the reply's reasoning is split off
+    # from it (radixserve.grammar.reasoning_gate), over the whole reply when it is not.
+    after_reasoning = reply.reasoning is not None and not ctx.settings.grammar_in_reasoning
     choices = build_choices(ctx, body, [ids], "messages", max_tokens,
                             "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
-                            top_logprobs, grammar)
+                            top_logprobs, grammar, grammar_after_reasoning=after_reasoning)
     cid = new_id("chatcmpl-")
     trackers = ctx.new_trackers([ids], choices, cid, arrival, logprob_fields="top_logprobs, n, max_tokens",
                                 cache_namespace=ctx.cache_namespace(body.cache_salt, request))
