@@ -14,6 +14,12 @@ matmul rate (8192^3 on random data); then, for the model's shape,
 With --quantization fp8 the model's projections hold e4m3 weights (the floors count one byte per
 projection weight, two for norms, biases and lm_head), and with --kv-cache-dtype fp8_e4m3 the KV
 pool holds one byte per value (the floors count that).
+A hybrid model (Qwen3.5 / 3.6, Qwen3-Next) runs over a KV pool of its full-attention layers and
+a recurrent state pool (a conv window and a state per linear-attention layer and request row,
+random like the KV; `--mamba-ssm-dtype` as the server takes it); its decode floor adds each
+running request's states, read and written once per step, and its prefill floor the FLOPs of the
+linear layers' chunked form (radixserve.bench.model_cost). The attention-only rows time its
+full-attention layers' kernels.
 With `--tp-size N`, run under `torchrun --nproc-per-node N`: each GPU holds its shard of the model
 and times the tensor-parallel decode step (fixed-count CUDA-event timing, the slowest rank's time)
 against the TP floor: its weight and KV bytes over the copy bandwidth, plus its all-reduce and
@@ -40,6 +46,7 @@ import torch
 from radixserve.attention.base import ForwardBatch, ForwardMode
 from radixserve.bench.model_cost import ModelCost
 from radixserve.cache.kv_pool import KVPool
+from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
 from radixserve.model.config import ModelConfig
 from radixserve.settings import DECODE_GEMM_MAX_ROWS
 
@@ -89,17 +96,37 @@ def measure_matmul_rate(device: torch.device, n: int = 8192) -> tuple[float, flo
     return 2 * n ** 3 / (burst_ms * 1e-3), 2 * n ** 3 / (sustained_ms * 1e-3)
 
 
+def state_pool_spec(cost: ModelCost, ssm_dtype: torch.dtype,
+                    conv_dtype: torch.dtype = torch.bfloat16) -> Optional[RecurrentStateSpec]:
+    """What one request row of a hybrid's state pool holds on this GPU (the shapes the model asks
+    for, from the cost model's local dims; checked against the model once it is built), or None.
+    The conv windows are in the model's dtype."""
+    h = cost.cfg.hybrid
+    if h is None or not h.num_linear_layers:
+        return None
+    num_v = cost.linear_dims[0]
+    return RecurrentStateSpec(h.num_linear_layers, (h.conv_kernel - 1, cost.linear_conv_channels),
+                              (num_v, h.linear_k_head_dim, h.linear_v_head_dim), conv_dtype, ssm_dtype)
+
+
 class Workload:
-    """A KV pool filled with random values, and a req_to_token table of randomly scattered slots."""
+    """A KV pool filled with random values, and a req_to_token table of randomly scattered slots;
+    for a hybrid model (`state`), a recurrent state pool of random states beside it, one row per
+    request row."""
 
     def __init__(self, cfg: ModelConfig, max_rows: int, max_tokens_per_row: int, row_stride: int,
-                 total_tokens: int, device: torch.device, seed: int, dtype: torch.dtype = torch.bfloat16):
+                 total_tokens: int, device: torch.device, seed: int, dtype: torch.dtype = torch.bfloat16,
+                 state: Optional[RecurrentStateSpec] = None):
         self.cfg = cfg
         self.device = device
-        self.pool = KVPool(total_tokens, 1, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+        self.pool = KVPool(total_tokens, 1, cfg.num_kv_layers, cfg.num_key_value_heads, cfg.head_dim,
                            dtype, device)
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
+        if state is not None:
+            self.pool.state = RecurrentStatePool(max_rows, state, device)
+            for buf in self.pool.state.conv + self.pool.state.ssm:
+                buf.normal_(generator=gen)
         for buf in self.pool.k_buffers + self.pool.v_buffers:
             if buf.dtype == torch.float8_e4m3fn:  # normal_ has no FP8 kernel: draw in bf16, then round
                 for start in range(0, buf.shape[0], 1 << 20):
@@ -369,6 +396,12 @@ def _load_bf16_model(args, work: Workload, rep: Report, decode_gemm_max_rows: in
         return None
     heads, kv_heads = model.local_heads
     backend.reserve_decode_workspace(max(args.batch_sizes), heads, kv_heads, work.cfg.head_dim, work.device)
+    from radixserve.engine.model_stack import state_spec
+
+    costed = work.pool.state.spec if work.pool.state is not None else None
+    wanted = state_spec(model, costed.ssm_dtype if costed is not None else torch.float32)
+    if wanted != costed:  # the floors would count other bytes than the model moves
+        raise RuntimeError(f"the model's recurrent state {wanted} is not the one costed ({costed})")
     return model
 
 
@@ -378,6 +411,7 @@ def bench_model(args, work: Workload, cost: ModelCost, rep: Report, bw: float, f
         return
     rep.meta["decode_weight_bytes"] = cost.decode_weight_bytes
     rep.meta["kv_bytes_per_token"] = cost.kv_bytes_per_token
+    rep.meta["state_bytes_per_request"] = cost.state_bytes_per_request
 
     # Prefill first (it needs no graph); one request per row, from position 0.
     bs, length = args.prefill_batch, args.prefill_len
@@ -463,6 +497,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "quantized); the decode floors count one byte per projection weight")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
                    help="fp8_e4m3: an FP8 KV pool (scales 1.0); the floors count one byte per KV value")
+    p.add_argument("--mamba-ssm-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="a hybrid model's recurrent states (the server's flag); the floors count its bytes")
     p.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel ranks: run under torchrun --nproc-per-node N; times the decode step only")
     p.add_argument("--nvlink-gb-s", type=float, default=450.0,
@@ -498,28 +534,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     rep.add("ceiling", "bf16 matmul 8192^3, sustained", None, None, tflop_s=sustained / 1e12)
 
     cfg = ModelConfig.from_dir(args.model_path)
-    if cfg.hybrid is not None:
-        print(f"{cfg.architecture}: the kernel floors here model attention-only decoders; a hybrid model's "
-              "recurrent states are not costed yet (bench_offline and bench_serving run it)", file=sys.stderr)
-        return 2
     cost, kv_dtype = model_cost(args, cfg, rep)
+    state = state_pool_spec(cost, getattr(torch, args.mamba_ssm_dtype))
     max_bs, max_ctx = max(args.batch_sizes), max(args.contexts)
     row_len = max(max_ctx, args.prefill_len, 1024 + 128) + 1
     rows = max(max_bs, args.prefill_batch, 16)
     total = max(max_bs * max_ctx, args.prefill_batch * args.prefill_len, 16 * (1024 + 128)) + 64
     need = total * cost.kv_bytes_per_token
+    states = (rows + 1) * state.bytes_per_row if state is not None else 0
     free, _ = torch.cuda.mem_get_info(device)
     weights = 0 if args.skip_model else (cost.decode_weight_bytes + cfg.vocab_size * cfg.hidden_size * 2)
-    if need + weights + (6 << 30) > free:
-        print(f"the KV pool ({need / 1e9:.1f} GB) and weights ({weights / 1e9:.1f} GB) do not fit in "
-              f"{free / 1e9:.1f} GB free: use fewer or smaller --batch-sizes/--contexts", file=sys.stderr)
+    if need + states + weights + (6 << 30) > free:
+        print(f"the KV pool ({need / 1e9:.1f} GB), recurrent states ({states / 1e9:.1f} GB: {rows} rows) and "
+              f"weights ({weights / 1e9:.1f} GB) do not fit in {free / 1e9:.1f} GB free: use fewer or smaller "
+              "--batch-sizes/--contexts", file=sys.stderr)
         return 2
-    work = Workload(cfg, rows, row_len, max_ctx, total, device, args.seed, dtype=kv_dtype)
+    work = Workload(cfg, rows, row_len, max_ctx, total, device, args.seed, dtype=kv_dtype, state=state)
     rep.note(f"{args.model_path}: KV pool {total} tokens ({total * cost.kv_bytes_per_token / 1e9:.1f} GB), "
              f"weights read per decode step {cost.decode_weight_bytes / 1e9:.2f} GB, "
-             f"KV {cost.kv_bytes_per_token} B/token")
+             f"KV {cost.kv_bytes_per_token} B/token" + hybrid_note(cost, state, rows))
 
-    if not args.skip_attention:
+    if not args.skip_attention and cfg.num_kv_layers:
         bench_decode_attention(args, work, cost, rep, bw)
         extend_variants = [{}]
         sweep = set() if args.sweep is None else (set(args.sweep) or {"decode", "extend"})
@@ -540,11 +575,29 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def model_cost(args, cfg: ModelConfig, rep: Report, tp: int = 1) -> tuple[ModelCost, torch.dtype]:
-    """The floors' bytes (one per FP8 weight or KV value; `tp`: a rank's shard) and the KV dtype."""
+    """The floors' bytes (one per FP8 weight or KV value, a hybrid's states in --mamba-ssm-dtype;
+    `tp`: a rank's shard) and the KV dtype."""
     fp8_weights, fp8_kv = args.quantization == "fp8" or cfg.quantization is not None, args.kv_cache_dtype != "auto"
     kv_dtype = torch.float8_e4m3fn if fp8_kv else torch.bfloat16
+    ssm_elem = 2 if getattr(args, "mamba_ssm_dtype", "float32") == "bfloat16" else 4
     rep.meta.update(weights="fp8" if fp8_weights else "bf16", kv_cache_dtype=str(kv_dtype))
-    return ModelCost(cfg, tp=tp, kv_elem=1 if fp8_kv else 2, weight_elem=1 if fp8_weights else 2), kv_dtype
+    return ModelCost(cfg, tp=tp, kv_elem=1 if fp8_kv else 2, weight_elem=1 if fp8_weights else 2,
+                     ssm_elem=ssm_elem), kv_dtype
+
+
+def hybrid_note(cost: ModelCost, state: Optional[RecurrentStateSpec], rows: int) -> str:
+    """What the report says of a hybrid's layers and states ("" for an attention-only model)."""
+    h = cost.cfg.hybrid
+    if h is None:
+        return ""
+    from radixserve.kernels import fla_gdn
+
+    text = f"; {h.num_linear_layers} linear / {h.num_full_layers} full layers"
+    if state is not None:
+        text += (f", recurrent states {cost.state_bytes_per_request / 1e6:.1f} MB/request ({rows} rows, "
+                 f"{state.ssm_dtype}), read and written once a decode step")
+    return text + ("; prefill's linear layers: fla's chunked kernel" if fla_gdn.available()
+                   else "; prefill's linear layers: the recurrent kernel (fla-core is not installed)")
 
 
 def time_on_all_ranks_ms(fn: Callable[[], object], rep_ms: int = 0, iters: int = 50, warmup: int = 10) -> float:
@@ -592,10 +645,12 @@ def main_tensor_parallel(args) -> int:
     cost, kv_dtype = model_cost(args, cfg, rep, tp=tp.size)
     local = dataclasses.replace(cfg, num_attention_heads=cost.local_heads, num_key_value_heads=cost.local_kv_heads)
     max_bs, max_ctx = max(args.batch_sizes), max(args.contexts)
+    state = state_pool_spec(cost, getattr(torch, args.mamba_ssm_dtype))
     work = Workload(local, max_bs, max_ctx + 1, max_ctx, max_bs * max_ctx + 64, tp.device, args.seed,
-                    dtype=kv_dtype)
+                    dtype=kv_dtype, state=state)
     rep.note(f"{args.model_path} at TP {tp.size}: per GPU {cost.decode_weight_bytes / 1e9:.2f} GB of weights, "
-             f"KV {cost.kv_bytes_per_token} B/token; NVLink {args.nvlink_gb_s:g} GB/s per direction")
+             f"KV {cost.kv_bytes_per_token} B/token; NVLink {args.nvlink_gb_s:g} GB/s per direction"
+             + hybrid_note(cost, state, max_bs))
     model = _load_bf16_model(args, work, rep, args.decode_gemm_max_rows, tp=tp)
     if model is not None:
         bench_decode_steps(args, work, cost, rep, bw, model, f"decode-step-tp{tp.size}", timer=time_on_all_ranks_ms)

@@ -344,6 +344,7 @@ def test_the_qwen3_5_27b_benchmark_config_builds_its_published_language_model():
     assert sum(p.numel() for p in model.parameters()) == 26_895_998_464
     # Per request: 48 layers x (48 x 128 x 128 float32 state + 3 x 10,240 bf16 conv window).
     assert state_spec(model).bytes_per_row == 48 * (48 * 128 * 128 * 4 + 3 * 10240 * 2)
+    cost_counts_the_model(cfg, model)
 
 
 def test_the_qwen3_6_35b_a3b_benchmark_config_builds_its_published_language_model():
@@ -362,3 +363,86 @@ def test_the_qwen3_6_35b_a3b_benchmark_config_builds_its_published_language_mode
                                                max_positions=64)
     assert sum(p.numel() for p in model.parameters()) == 34_660_610_688
     assert all(type(layer.mlp).__name__ == "SparseMoeBlock" for layer in model.model.layers)
+    cost = cost_counts_the_model(cfg, model)
+    vocab_rows = model.model.embed_tokens.weight.numel() + model.lm_head.weight.numel()
+    assert cost.active_params + vocab_rows + cfg.hidden_size == 3_454_988_928  # "A3B"
+
+
+def cost_counts_the_model(cfg: ModelConfig, model):
+    """The benchmarks' cost model counts the built model's weights and its state pool's bytes."""
+    from radixserve.bench.model_cost import ModelCost
+
+    cost = ModelCost(cfg)
+    vocab_rows = model.model.embed_tokens.weight.numel() + model.lm_head.weight.numel()
+    assert cost.matmul_params == sum(p.numel() for p in model.parameters()) - vocab_rows - cfg.hidden_size
+    assert cost.state_bytes_per_request == state_spec(model).bytes_per_row
+    assert ModelCost(cfg, ssm_elem=2).state_bytes_per_request == state_spec(model, torch.bfloat16).bytes_per_row
+    return cost
+
+
+def test_bench_one_batch_runs_a_hybrid_over_random_states(tmp_path_factory):
+    """bench_one_batch's workload for a hybrid (on the CPU here; the timings need CUDA: tests/gpu):
+    the state pool it costs is the one the model asks for, filled with random states, and the
+    model's prefill and decode batches run over it (a prefill starts its rows from zeros, a decode
+    step continues them)."""
+    from radixserve.bench.model_cost import ModelCost
+    from radixserve.bench_one_batch import Workload, state_pool_spec
+
+    path = build(tmp_path_factory, "qwen3_5_moe")
+    model, cfg = load_model(path, attn_backend=TorchAttentionBackend())
+    spec = state_pool_spec(ModelCost(cfg), torch.float32, conv_dtype=torch.float32)
+    assert spec == state_spec(model)
+    work = Workload(cfg, 4, 64, 32, 256, torch.device("cpu"), seed=0, dtype=torch.float32, state=spec)
+    assert len(work.pool.k_buffers) == cfg.num_kv_layers == 2 and work.pool.state.num_rows == 4
+    random_state = work.pool.state.ssm[0][:3].clone()
+    logits = model(work.extend_batch(3, 0, 20))
+    prefilled = work.pool.state.ssm[0][:3].clone()
+    assert torch.isfinite(logits).all() and logits.shape[0] == 3 and not torch.equal(prefilled, random_state)
+    assert torch.isfinite(model(work.decode_batch(3, 21))).all()
+    assert not torch.equal(work.pool.state.ssm[0][:3], prefilled)
+
+
+# Three linear layers, then one full: hidden 64, 4 query heads / 2 KV heads of 16, linear 2 key /
+# 4 value heads of 8 / 16, conv kernel 4, a dense MLP of 128, 512 tokens.
+TINY_COSTED = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 64,
+               "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 16, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+               "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+               "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "vocab_size": 512,
+               "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10000, "partial_rotary_factor": 0.25}}
+
+
+def test_the_cost_model_of_a_hybrid_by_hand():
+    """bench_one_batch's floors of a hybrid, worked out by hand on a tiny shape."""
+    from radixserve.bench.model_cost import ModelCost
+
+    cfg = ModelConfig.from_dict(TINY_COSTED)
+    cost = ModelCost(cfg)
+    # A linear layer: q|k|v 2 x 16 + 64 = 96 conv channels, in_proj rows 96 + z 64 + b 4 + a 4 = 168.
+    assert (cost.linear_conv_channels, cost.linear_in_rows) == (96, 168)
+    assert cost.linear_projection_params == 64 * 168 + 64 * 64 == 14_848
+    assert cost.layer_other_params(0) == 96 * 4 + 2 * 4 + 16 + 2 * 64 == 536  # conv, A_log|dt_bias, norm, norms
+    # The full layer: q|gate 2 x 64 rows, k and v 32 each, o 64 x 64; q and k norms of 16.
+    assert cost.attention_projection_params == 64 * (128 + 64) + 64 * 64 == 16_384
+    assert cost.layer_other_params(3) == 2 * 16 + 2 * 64 == 160
+    mlp = 3 * 64 * 128
+    assert cost.matmul_params == cost.active_params == 3 * (14_848 + mlp + 536) + 16_384 + mlp + 160 == 161_000
+    # Decode: the weights (+ final norm, lm_head) in bf16, KV of the one full layer, and per request
+    # 3 layers x (conv window 3 x 96 bf16 + state 4 x 8 x 16 float32), read and written.
+    assert cost.decode_weight_bytes == (161_000 + 64 + 512 * 64) * 2 == 387_664
+    assert cost.kv_bytes_per_token == 2 * 1 * 2 * 16 * 2 == 128 and cost.kv_bytes_per_token_layer() == 128
+    assert cost.state_bytes_per_request == 3 * (3 * 96 * 2 + 4 * 8 * 16 * 4) == 7_872
+    assert cost.decode_bytes(4, 100) == 387_664 + 4 * 100 * 128 + 4 * 2 * 7_872 == 501_840
+    assert cost.decode_floor_ms(4, 100, 1e9, 1e9) == pytest.approx(501_840 / 1e9 * 1e3)
+    # Prefill of 100 tokens: projections, causal attention in the full layer (5050 pairs), and per
+    # linear layer the conv (2 x 4 x 96 a token) and the chunked rule: 2 chunks of 64 per value head,
+    # each 64^2 (6 x 8 + 4 x 16) + 6 x 64 x 8 x 16 + 64^3 / 3; the last token's logits.
+    chunk = 64 ** 2 * (6 * 8 + 4 * 16) + 6 * 64 * 8 * 16 + 64 ** 3 / 3
+    assert cost.linear_attention_flops_layer(100) == pytest.approx(2 * 4 * 96 * 100 + 4 * 2 * chunk)
+    expected = 2 * 161_000 * 100 + 4 * 4 * 16 * 5050 + 3 * (2 * 4 * 96 * 100 + 4 * 2 * chunk) + 2 * 64 * 512
+    assert cost.prefill_flops(1, 100) == pytest.approx(expected) and expected == pytest.approx(48_075_584)
+    # At tp 2 a GPU holds half the heads of both kinds, so half of each state.
+    half = ModelCost(cfg, tp=2)
+    assert (half.linear_conv_channels, half.state_bytes_per_request) == (48, 7_872 // 2)
+    assert half.kv_bytes_per_token == 64 and half.attention_projection_params == 16_384 // 2

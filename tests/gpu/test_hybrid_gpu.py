@@ -149,3 +149,35 @@ def test_qwen3_5_27b_shape_plans_its_state_pool_and_serves_with_graphs(qwen3_5_2
     assert all(len(r["output_ids"]) == 16 for r in results)
     assert engine.core.runner.num_graph_steps > 0
     engine.check_invariants()
+
+
+@pytest.mark.parametrize("shape", ["27b", "35b-a3b"])
+def test_bench_one_batch_times_a_hybrid_against_its_floors(shape, tmp_path):
+    """bench_one_batch on the 2-layer shapes, dummy weights: decode steps (eager and graphed) and a
+    prefill, each beside its floor: the weights (the experts the batch touches), the full layer's
+    KV and every request's states read and written, over the measured copy bandwidth; the prefill's
+    FLOPs with the linear layer's chunked form, over the measured matmul rate."""
+    from radixserve.bench.model_cost import ModelCost
+    from radixserve.bench_one_batch import main
+    from radixserve.model.config import ModelConfig
+
+    path = tmp_path / shape
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(QWEN3_5_27B_2_LAYERS if shape == "27b" else QWEN3_6_35B_A3B_2_LAYERS))
+    out = tmp_path / "rows.json"
+    assert main(["--model-path", str(path), "--batch-sizes", "1", "16", "--contexts", "1024", "--prefill-len", "2048",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    meta, rows = report["meta"], report["rows"]
+    cost = ModelCost(ModelConfig.from_dir(path))
+    assert meta["state_bytes_per_request"] == cost.state_bytes_per_request > 0
+    steps = {r["label"]: r for r in rows if r["kind"] == "decode-step"}
+    assert set(steps) == {"bs=1 ctx=1024", "bs=16 ctx=1024"} and all(r["graph"] for r in steps.values())
+    for bs in (1, 16):
+        row = steps[f"bs={bs} ctx=1024"]
+        assert row["floor_ms"] == pytest.approx(cost.decode_bytes(bs, 1024) / meta["copy_bandwidth"] * 1e3)
+        assert row["ratio"] > 0.8, row  # a floor the step beats by more than noise would be wrong
+    prefill = next(r for r in rows if r["kind"] == "prefill")
+    assert prefill["floor_ms"] == pytest.approx(cost.prefill_flops(1, 2048) / meta["matmul_flops"] * 1e3)
+    assert prefill["ratio"] > 0.8, prefill
+    assert any(r["kind"] == "decode-attn" for r in rows)  # the full layer's kernels alone
