@@ -127,8 +127,9 @@ def test_constrained_rows_with_logprobs_and_penalties(model_dir):
 def test_grammars_behind_reasoning_give_the_same_tokens_with_and_without_overlap(tmp_path_factory):
     """With a reasoning parser, `grammar_after_reasoning` requests reason freely (sampled, of random
     lengths: logit_bias makes </think> likely) and then follow their grammar, batched with a plain
-    request; overlap scheduling (the mask of a step built while the device runs its forward pass,
-    from a previous token that may have ended the reasoning) gives the same tokens as none."""
+    request; overlap scheduling gives the same tokens as none. Under overlap a reasoning row whose
+    last token is still on the device is masked there (all allowed unless that token ended the
+    reasoning), without waiting for the step before."""
     model = build_tiny_model(tmp_path_factory.mktemp("grammar-tiny-qwen3"), family="qwen3", chat_format="qwen3")
     from transformers import AutoTokenizer
 
@@ -140,12 +141,26 @@ def test_grammars_behind_reasoning_give_the_same_tokens_with_and_without_overlap
               {**gated, "max_new_tokens": 100, "seed": 22, "regex": REGEX},
               {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True},
               {**gated, "max_new_tokens": 160, "seed": 23, "json_schema": json.dumps(SCHEMA)}]
-    runs = []
+    # Only rows inside their reasoning (longer: </think> less likely) beside a plain one: under
+    # overlap every step of theirs until one reasoning ends is masked on the device.
+    long_reasoning = [{**gated, "logit_bias": {end: 2.5}, "max_new_tokens": 200, "seed": 24 + i,
+                       "json_schema": json.dumps(SCHEMA)} for i in range(2)]
+    runs, alone, deferred = [], [], []
     for overlap in (True, False):
         with Engine(str(model), device="cpu", reasoning_parser="qwen3", disable_overlap_schedule=not overlap) as engine:
             runs.append(engine.generate(prompts, sampling_params=params))
+            alone.append(engine.generate([prompts[1], prompts[2], prompts[3]],
+                                         sampling_params=[long_reasoning[0], params[2], long_reasoning[1]]))
             engine.check_invariants()
+            deferred.append(engine.core.runner._mask().deferred_rows)
     assert [r["output_ids"] for r in runs[0]] == [r["output_ids"] for r in runs[1]]
+    assert [r["output_ids"] for r in alone[0]] == [r["output_ids"] for r in alone[1]]
+    assert deferred[0] > 10 and deferred[1] == 0
+    for out in (alone[0][0], alone[0][2]):
+        ids = out["output_ids"][:-1]
+        assert out["meta_info"]["finish_reason"]["type"] == "stop" and ids.index(end) > 0, out["text"]
+        jsonschema.validate(json.loads(tokenizer.decode(ids[ids.index(end) + 1:]).removeprefix("\n"), strict=False),
+                            SCHEMA)
     reasoned = 0
     for k in (0, 1, 3):
         out = runs[0][k]

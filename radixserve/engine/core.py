@@ -239,8 +239,11 @@ class EngineCore:
 
     @staticmethod
     def _masks_rows(batch: ScheduledBatch) -> bool:
-        """Whether a batch samples for a grammar-constrained request still running."""
-        return any(s and r.grammar is not None and r.finish_reason is None for r, s in zip(batch.reqs, batch.sample))
+        """Whether a batch samples for a grammar-constrained request still running whose mask needs
+        its last token on the host: one inside the reasoning its grammar waits behind does not (its
+        row is decided on the device: radixserve.engine.grammar_mask, deferred rows)."""
+        return any(s and r.grammar is not None and r.finish_reason is None and r.grammar.constrains_next
+                   for r, s in zip(batch.reqs, batch.sample))
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one batch, then collect the step before it (or this one, without

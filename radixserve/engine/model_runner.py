@@ -367,11 +367,12 @@ class ModelRunner:
         if self.grammars is None:
             return processed
         rows = GrammarMask.constrained_rows(sampling)
-        if not rows:
+        deferred = GrammarMask.deferred_rows_of(sampling)  # inside a reasoning that may just have ended
+        if not rows and not deferred:
             return processed
         if processed is raw and any(r.sampling_params.return_logprob for r in sampling):
             processed = raw.clone()
-        return self._mask().apply_(processed, sampling, rows)
+        return self._mask().apply_(processed, sampling, rows, deferred, self.sampled.resolve)
 
     def _mask(self) -> GrammarMask:
         if self._grammar_mask is None:

@@ -13,8 +13,9 @@ One gate per request wraps its matcher. Where it starts is read off the prompt's
   are allowed, so a reply that does not reason still follows the grammar from its first token
   (waiting for a `</think>` that never comes would leave it unconstrained).
 
-In the reasoning nothing is masked (the row is left out of the step's bitmask: all allowed) and
-nothing is fed to the matcher; max_new_tokens still bounds the reply. `</think>` ends it; the next
+In the reasoning nothing is masked (the row is left out of the step's bitmask: all allowed, or,
+when its last token is still on the device, deferred: radixserve.engine.grammar_mask) and nothing
+is fed to the matcher; max_new_tokens still bounds the reply. `</think>` ends it; the next
 token may be a newline token (what Qwen3 writes before its answer, which the reasoning parser
 drops from the content) or one the grammar allows, and the matcher takes everything from there.
 """
@@ -63,8 +64,17 @@ class GrammarAfterReasoning:
         if self.state == UNDECIDED:
             return (self.fmt.start_id,)
         if self.state == LEAD_IN:
-            return self.fmt.lead_in_ids
+            return self.after_end_allowed()
         return ()
+
+    @property
+    def end_id(self) -> int:
+        """The token that ends the reasoning (a deferred mask row looks for it on the device)."""
+        return self.fmt.end_id
+
+    def after_end_allowed(self) -> tuple[int, ...]:
+        """Tokens allowed right after the end of the reasoning besides the grammar's first ones."""
+        return self.fmt.lead_in_ids
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False when neither the reasoning nor the grammar allows it."""

@@ -239,3 +239,41 @@ def test_step_records_its_wait_for_the_device(tiny_dir):
     engine.generate(input_ids=batch, sampling_params=[{"max_new_tokens": 8, "ignore_eos": True}] * len(batch))
     info = engine.core.last_step
     assert info.batch is not None and 0 < info.waited <= info.seconds, info
+
+
+def test_grammars_behind_reasoning_overlap_and_graphs_change_no_token(tmp_path_factory):
+    """Requests whose json_schema waits behind their reasoning (`grammar_after_reasoning`, a
+    reasoning parser): decode steps replayed from graphs, the rows of reasoning requests whose last
+    token is still on the device masked there (deferred), and the same tokens with overlap on and
+    off; after </think> each answer follows the schema, with graphs and without (eager decode
+    rows may pick other kernels than a graph's padded bucket: no token equality there)."""
+    import json
+
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    model = str(build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-think-gpu"), family="qwen3",
+                                 chat_format="qwen3"))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    end = tokenizer.convert_tokens_to_ids("</think>")
+    schema = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                               "ok": {"type": "boolean"}},
+              "required": ["age", "ok"], "additionalProperties": False}
+    texts = ["The river<think>\n", "A server answers<think>\n", "Numbers<think>\n", "Once upon a time"]
+    params = [{"grammar_after_reasoning": True, "temperature": 1.0, "seed": i, "logit_bias": {end: 2.5},
+               "max_new_tokens": 200, "json_schema": json.dumps(schema)} for i in range(3)]
+    params.append({"max_new_tokens": 40, "temperature": 0, "ignore_eos": True})
+    runs, deferred = {}, {}
+    for overlap, graphs in ((True, True), (False, True), (True, False)):
+        engine = Engine(model, device="cuda", dtype="bfloat16", max_total_tokens=8192, cuda_graph_max_bs=16,
+                        reasoning_parser="qwen3", disable_overlap_schedule=not overlap, disable_cuda_graph=not graphs)
+        runs[overlap, graphs] = [r["output_ids"] for r in engine.generate(texts, sampling_params=params)]
+        deferred[overlap, graphs] = engine.core.runner._mask().deferred_rows
+        assert (engine.core.runner.num_graph_steps > 0) == graphs
+        engine.check_invariants()
+        engine.shutdown()
+    assert runs[True, True] == runs[False, True]
+    assert deferred[True, True] > 0 and deferred[True, False] > 0 and deferred[False, True] == 0
+    for ids in runs[True, True][:3] + runs[True, False][:3]:
+        cut = ids.index(end)
+        jsonschema.validate(json.loads(tokenizer.decode(ids[cut + 1:-1]).removeprefix("\n")), schema)
