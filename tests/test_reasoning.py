@@ -163,20 +163,19 @@ def sdk(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def ask(server, tokenizer, text: str, messages=USER, stream: bool = False, **extra):
-    """(message fields, finish_reason, usage) of a reply forced to be `text`."""
-    body = {**forced_reply(tokenizer, text), **extra}
-    model = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
-    args = dict(model=model, messages=messages, max_tokens=body.pop("max_tokens"),
-                temperature=body.pop("temperature"), tools=body.pop("tools", openai.NOT_GIVEN))
-    args["extra_body"] = body  # ebnf, logit_bias and the radixserve fields
+def reply(server, stream: bool, **args):
+    """(message fields, finish_reason, usage) of one chat completion through the openai SDK, streamed
+    or not (streamed: the reasoning must come before the content; the fields joined). Not
+    streamed with logprobs, the fields have the reply's tokens as written ("tokens")."""
+    args["model"] = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
     client = sdk(server)
     if not stream:
-        reply = client.chat.completions.create(**args)
-        m = reply.choices[0].message
+        done = client.chat.completions.create(**args)
+        m, logprobs = done.choices[0].message, done.choices[0].logprobs
         return ({"content": m.content, "reasoning_content": getattr(m, "reasoning_content", None),
-                 "tool_calls": [c.model_dump() for c in m.tool_calls or []]}, reply.choices[0].finish_reason,
-                reply.usage)
+                 "tool_calls": [c.model_dump() for c in m.tool_calls or []],
+                 "tokens": [t.token for t in logprobs.content] if logprobs else None},
+                done.choices[0].finish_reason, done.usage)
     order, fields, calls, finish, used = [], {"content": "", "reasoning_content": ""}, [], None, None
     for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args):
         if not chunk.choices:
@@ -193,6 +192,14 @@ def ask(server, tokenizer, text: str, messages=USER, stream: bool = False, **ext
     assert order == sorted(order, key=lambda name: name != "reasoning_content"), order  # reasoning first
     return ({"content": fields["content"] or None, "reasoning_content": fields["reasoning_content"] or None,
              "tool_calls": calls}, finish, used)
+
+
+def ask(server, tokenizer, text: str, messages=USER, stream: bool = False, **extra):
+    """(message fields, finish_reason, usage) of a reply forced to be `text`."""
+    body = {**forced_reply(tokenizer, text), **extra}
+    return reply(server, stream, messages=messages, max_tokens=body.pop("max_tokens"),
+                 temperature=body.pop("temperature"), tools=body.pop("tools", openai.NOT_GIVEN),
+                 extra_body=body)  # ebnf, logit_bias and the radixserve fields
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -378,32 +385,10 @@ def scripted_reasoning(tokenizer, lead_in: bool = True) -> dict:
 def structured(server, tokenizer, stream: bool = False, fields: Optional[dict] = None, **extra):
     """(message fields, finish_reason, usage) of a scripted reply under `extra`'s grammar."""
     body = {**(fields if fields is not None else scripted_reasoning(tokenizer)), **extra}
-    model = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
-    args = dict(model=model, messages=USER, max_tokens=body.pop("max_tokens"), temperature=body.pop("temperature"),
-                logit_bias=body.pop("logit_bias"), response_format=body.pop("response_format", openai.NOT_GIVEN),
-                tools=body.pop("tools", openai.NOT_GIVEN), tool_choice=body.pop("tool_choice", openai.NOT_GIVEN),
-                parallel_tool_calls=body.pop("parallel_tool_calls", openai.NOT_GIVEN),
-                logprobs=body.pop("logprobs", openai.NOT_GIVEN), extra_body=body)
-    client = sdk(server)
-    if not stream:
-        reply = client.chat.completions.create(**args)
-        m, logprobs = reply.choices[0].message, reply.choices[0].logprobs
-        return ({"content": m.content, "reasoning_content": getattr(m, "reasoning_content", None),
-                 "tool_calls": [c.model_dump() for c in m.tool_calls or []],
-                 "tokens": [t.token for t in logprobs.content] if logprobs else None},
-                reply.choices[0].finish_reason, reply.usage)
-    fields_seen, calls, finish, used = {"content": "", "reasoning_content": ""}, [], None, None
-    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args):
-        if not chunk.choices:
-            used = chunk.usage
-            continue
-        delta = chunk.choices[0].delta
-        for name in fields_seen:
-            fields_seen[name] += getattr(delta, name, None) or ""
-        calls += [c.model_dump() for c in delta.tool_calls or []]
-        finish = chunk.choices[0].finish_reason or finish
-    return ({"content": fields_seen["content"] or None, "reasoning_content": fields_seen["reasoning_content"] or None,
-             "tool_calls": calls}, finish, used)
+    sdk_fields = ("max_tokens", "temperature", "logit_bias", "response_format", "tools", "tool_choice",
+                  "parallel_tool_calls", "logprobs")
+    args = {name: body.pop(name, openai.NOT_GIVEN) for name in sdk_fields}
+    return reply(server, stream, messages=USER, extra_body=body, **args)
 
 
 def valid_answer(content: Optional[str]) -> dict:
