@@ -73,6 +73,39 @@ CONFIGS = {
 }
 
 
+def check_logprobs_equal_hf(path: Path, prompts: list[list[int]], hf, max_new_tokens: int, atol: float) -> None:
+    """The offline engine's prompt and output log probabilities (and the top 3 of each output
+    token) over three of `prompts` (make_prompts' 2nd, 3rd and one-token 6th), chunked prefill of
+    16, equal transformers' log_softmax (`hf`, float32) of the same tokens."""
+    batch = [prompts[1], prompts[2], prompts[5]]
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, "return_logprob": True,
+              "top_logprobs_num": 3, "logprob_start_len": 0}
+    with Engine(str(path), max_total_tokens=4096, chunked_prefill_size=16) as engine:
+        results = engine.generate(input_ids=batch, sampling_params=params)
+    for prompt, result in zip(batch, results):
+        meta, out = result["meta_info"], result["output_ids"]
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt + out])).logits[0].float(), dim=-1)
+        for k, (value, token, _) in enumerate(meta["input_token_logprobs"][1:], start=1):
+            assert value == pytest.approx(ref[k - 1, token].item(), abs=atol)
+        for k, ((value, token, _), top) in enumerate(zip(meta["output_token_logprobs"], meta["output_top_logprobs"])):
+            row = ref[len(prompt) - 1 + k]
+            assert token == out[k] and value == pytest.approx(row[token].item(), abs=atol)
+            assert [v for v, _, _ in top] == pytest.approx(row.topk(3).values.tolist(), abs=atol)
+
+
+def check_greedy_cold_then_cached(path: Path, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    """Greedy outputs equal `expected` cold and again warm, the second time with every prompt but
+    its last token (recomputed for its logits) from the cache."""
+    with Engine(str(path), max_total_tokens=4096) as engine:
+        cold = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [r["output_ids"] for r in cold] == expected
+        warm = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [r["output_ids"] for r in warm] == expected
+        assert sum(r["meta_info"]["cached_tokens"] for r in warm) == sum(len(p) - 1 for p in prompts) > 0
+        check_idle(engine)
+
+
 def check_idle(engine: Engine) -> None:
     engine.check_invariants()
     stats = engine.cache_stats()

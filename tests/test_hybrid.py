@@ -25,7 +25,7 @@ import transformers
 
 from conftest import ServerProcess
 from test_alloc_failure import FailWhen
-from test_engine import GREEDY, check_idle, hf_greedy, make_prompts
+from test_engine import GREEDY, check_idle, check_logprobs_equal_hf, hf_greedy, make_prompts
 from test_model import PoolHarness
 
 from radixserve import Engine
@@ -262,21 +262,7 @@ def test_a_step_that_cannot_allocate_restarts_the_requests_whose_states_it_moved
 def test_logprobs_equal_transformers_log_softmax(qwen3_5):
     path, prompts, _ = qwen3_5
     hf = hf_model(path)
-    batch = [prompts[1], prompts[2], prompts[5]]
-    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "return_logprob": True,
-              "top_logprobs_num": 3, "logprob_start_len": 0}
-    with Engine(str(path), max_total_tokens=4096, chunked_prefill_size=16) as engine:
-        results = engine.generate(input_ids=batch, sampling_params=params)
-    for prompt, result in zip(batch, results):
-        meta, out = result["meta_info"], result["output_ids"]
-        with torch.no_grad():
-            ref = torch.log_softmax(hf(torch.tensor([prompt + out])).logits[0].float(), dim=-1)
-        for k, (value, token, _) in enumerate(meta["input_token_logprobs"][1:], start=1):
-            assert value == pytest.approx(ref[k - 1, token].item(), abs=ATOL)
-        for k, ((value, token, _), top) in enumerate(zip(meta["output_token_logprobs"], meta["output_top_logprobs"])):
-            row = ref[len(prompt) - 1 + k]
-            assert token == out[k] and value == pytest.approx(row[token].item(), abs=ATOL)
-            assert [v for v, _, _ in top] == pytest.approx(row.topk(3).values.tolist(), abs=ATOL)
+    check_logprobs_equal_hf(path, prompts, hf, max_new_tokens=6, atol=ATOL)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next_moe"])

@@ -17,7 +17,8 @@ import pytest
 import torch
 import transformers
 
-from test_engine import GREEDY, check_idle, hf_greedy, make_prompts
+from test_engine import (GREEDY, check_greedy_cold_then_cached, check_idle, check_logprobs_equal_hf,
+                         hf_greedy, make_prompts)
 from test_fp8 import FP8_REL_TOL, hf_logits, prefix_extend_decode, rel_max
 from test_model import random_tokens
 
@@ -145,13 +146,7 @@ def test_logits_equal_hf_through_prefix_extend_decode(tiny):
 
 def test_greedy_equals_hf_cold_and_with_cached_prefixes(tiny):
     _, path, prompts, expected = tiny
-    with Engine(str(path), max_total_tokens=4096) as engine:
-        cold = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-        assert [r["output_ids"] for r in cold] == expected
-        warm = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-        assert [r["output_ids"] for r in warm] == expected
-        assert sum(r["meta_info"]["cached_tokens"] for r in warm) == sum(len(p) - 1 for p in prompts) > 0
-        check_idle(engine)
+    check_greedy_cold_then_cached(path, prompts, expected)
 
 
 def test_greedy_equals_hf_over_chunked_prefill_and_retraction(tiny):
@@ -165,21 +160,7 @@ def test_greedy_equals_hf_over_chunked_prefill_and_retraction(tiny):
 def test_logprobs_equal_hf_log_softmax(tiny):
     _, path, prompts, _ = tiny
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    batch = [prompts[1], prompts[2], prompts[5]]
-    params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True, "return_logprob": True,
-              "top_logprobs_num": 3, "logprob_start_len": 0}
-    with Engine(str(path), max_total_tokens=4096, chunked_prefill_size=16) as engine:
-        results = engine.generate(input_ids=batch, sampling_params=params)
-    for prompt, result in zip(batch, results):
-        meta, out = result["meta_info"], result["output_ids"]
-        with torch.no_grad():
-            ref = torch.log_softmax(hf(torch.tensor([prompt + out])).logits[0].float(), dim=-1)
-        for k, (value, token, _) in enumerate(meta["input_token_logprobs"][1:], start=1):
-            assert value == pytest.approx(ref[k - 1, token].item(), abs=ATOL)
-        for k, ((value, token, _), top) in enumerate(zip(meta["output_token_logprobs"], meta["output_top_logprobs"])):
-            row = ref[len(prompt) - 1 + k]
-            assert token == out[k] and value == pytest.approx(row[token].item(), abs=ATOL)
-            assert [v for v, _, _ in top] == pytest.approx(row.topk(3).values.tolist(), abs=ATOL)
+    check_logprobs_equal_hf(path, prompts, hf, max_new_tokens=5, atol=ATOL)
 
 
 def test_tp2_equals_hf_with_each_rank_holding_half_of_every_expert(tiny):

@@ -1,5 +1,6 @@
 """The GPU tests' oracle, shared by every model family: random token-id prompts, transformers'
-greedy continuation on CUDA, ours through the Engine, and how far two greedy outputs agree."""
+greedy continuation on CUDA, ours through the Engine, how far two greedy outputs agree, and the
+checks every family's tests run on them."""
 
 from __future__ import annotations
 
@@ -56,3 +57,31 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
             n += 1
         return n
     return sum(common_prefix(a, b) for a, b in zip(ours, ref)) / sum(len(r) for r in ref)
+
+
+def check_bf16_graphs_change_no_token(path: str, *, expect_no_cache_hits: bool = False) -> None:
+    """In bf16 (the Triton kernels), four prompts (a graph bucket: the same kernels with and
+    without graphs) give the same tokens with graphs on and off, most of them transformers' bf16."""
+    batch = prompts(4, 500, seed=7)
+    on, engine = engine_greedy(path, "bfloat16", batch, expect_no_cache_hits=expect_no_cache_hits)
+    assert engine.core.model.kernels.triton and engine.core.runner.num_graph_steps > 0
+    off, _ = engine_greedy(path, "bfloat16", batch, disable_cuda_graph=True, expect_no_cache_hits=expect_no_cache_hits)
+    assert on == off
+    ref = hf_greedy(path, torch.bfloat16, batch)
+    agree = agreement(on, ref)
+    assert agree >= 0.5, (agree, on, ref)
+
+
+def check_fp32_cached_prefix_gives_the_same_tokens(path: str, architecture: Optional[str] = None) -> None:
+    """In fp32, six prompts twice with chunked prefill of 16: transformers' greedy tokens both
+    times, the second time with every prompt but its last token from the cache."""
+    batch = prompts(6, 500, seed=21)
+    expected = hf_greedy(path, torch.float32, batch, architecture)
+    engine = Engine(path, device="cuda", dtype="float32", max_total_tokens=8192, cuda_graph_max_bs=16,
+                    chunked_prefill_size=16)
+    params = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    for _ in range(2):
+        results = engine.generate(input_ids=batch, sampling_params=params)
+        assert [r["output_ids"] for r in results] == expected
+    assert sum(r["meta_info"]["cached_tokens"] for r in results) == sum(len(p) - 1 for p in batch)
+    engine.check_invariants()
