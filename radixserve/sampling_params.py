@@ -4,7 +4,7 @@ engine and the API (a leaf module: it imports only the validation rules, which i
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional, Union
 
 import msgspec
 
@@ -101,6 +101,24 @@ class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
     logprob: float
     top_ids: list[int] = []
     top_logprobs: list[float] = []
+
+
+class FinishReason(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
+    """Why a request ended: "stop" (`matched`: the stop or end-of-sequence token id, or the stop
+    string, that ended it; a completed grammar's last token), "length" (`length`: the tokens it
+    generated, at max_new_tokens or the context's end) or "abort" (`message`, and `code` for a
+    grammar that failed: radixserve.grammar.spec's codes). Set once, by the scheduler or the
+    grammar wait; the API shows it as `as_dict()` (the offline meta_info, /generate), whose keys
+    are the fields set."""
+
+    type: Literal["stop", "length", "abort"]
+    matched: Union[int, str, None] = None
+    length: Optional[int] = None
+    message: Optional[str] = None
+    code: Optional[str] = None
+
+    def as_dict(self) -> dict:
+        return {name: value for name in self.__struct_fields__ if (value := getattr(self, name)) is not None}
 
 
 def sampling_params_from_dict(values: Optional[dict]) -> SamplingParams:

@@ -131,15 +131,17 @@ def test_a_projection_takes_the_decode_gemm_only_with_the_triton_kernels():
         def qkv(kernels):
             return MergedLinear(3584, {"q": 3584, "k": 512, "v": 512}, bias=True, dtype=torch.bfloat16, kernels=kernels)
 
-        assert qkv(triton)._decode_config is TUNED[(4608, 3584)]
-        assert qkv(triton)._decode_max_rows == DECODE_GEMM_MAX_ROWS
-        assert qkv(KernelChoice(triton=True, decode_gemm_max_rows=0))._decode_config is None
-        assert qkv(KernelChoice(triton=False))._decode_config is None
+        assert qkv(triton).quant_method.decode_config is TUNED[(4608, 3584)]
+        assert qkv(triton).quant_method.decode_max_rows == DECODE_GEMM_MAX_ROWS
+        assert qkv(KernelChoice(triton=True, decode_gemm_max_rows=0)).quant_method.decode_config is None
+        assert qkv(KernelChoice(triton=False)).quant_method.decode_config is None
         gate_up = MergedLinear(3584, {0: 18944, 1: 18944}, bias=False, dtype=torch.bfloat16, kernels=triton,
                                act=SiluAndMul(kernels=triton))
-        assert gate_up._decode_config is TUNED[(37888, 3584)]  # SiLU-and-mul fused into its epilogue
-        assert Linear(100, 64, bias=False, dtype=torch.bfloat16, kernels=triton)._decode_config is None  # K untileable
+        assert gate_up.quant_method.decode_config is TUNED[(37888, 3584)]  # SiLU-and-mul fused into its epilogue
+        untileable = Linear(100, 64, bias=False, dtype=torch.bfloat16, kernels=triton)  # K: no whole tiles
+        assert untileable.quant_method.decode_config is None
         fp8 = MergedLinear(3584, {"q": 3584, "k": 512, "v": 512}, bias=True, dtype=torch.bfloat16, kernels=triton,
                            fp8=Fp8Config(from_checkpoint=False))
-        assert fp8._decode_config is TUNED_FP8[(4608, 3584)] and fp8._decode_config.fp8_mode == "token_fp8"
-        assert fp8._decode_max_rows == FP8_DECODE_ROWS_FACTOR * DECODE_GEMM_MAX_ROWS
+        config = fp8.quant_method.decode_config
+        assert config is TUNED_FP8[(4608, 3584)] and config.fp8_mode == "token_fp8"
+        assert fp8.quant_method.decode_max_rows == FP8_DECODE_ROWS_FACTOR * DECODE_GEMM_MAX_ROWS

@@ -200,7 +200,7 @@ def test_abort_while_a_step_is_in_flight(oracle):
         for out in core.step():
             outputs[out.rid].extend(out.new_token_ids)
             if out.finished:
-                finished[out.rid] = out.finish_reason["type"]
+                finished[out.rid] = out.finish_reason.type
         steps += 1
         if steps in (2, 4, 6):  # abort two requests that are decoding with a step in flight
             for rid in [r for r in rids if r not in finished][:2]:

@@ -202,7 +202,7 @@ def test_dequantized_fallback_is_the_block_dequantized_weight():
     x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
     rounded = layer.forward(x).float()
     dense = dequantize_blocks(layer.weight, layer.weight_scale_inv, (16, 32))
-    layer.quant.dequantize(layer)
+    layer.quant_method.dequantize(layer)
     assert layer.weight.dtype == torch.bfloat16 and torch.equal(layer.weight, dense.to(torch.bfloat16))
     exact = x.float() @ dense.T
     plain = layer.forward(x).float()

@@ -423,6 +423,7 @@ def test_queued_outputs_of_one_request_are_merged():
     end and counts of the last, the first-token time of the first); other requests' outputs and
     errors keep their place."""
     from radixserve.engine.messages import RequestOutput
+    from radixserve.sampling_params import FinishReason
     from radixserve.server.engine_client import EngineClient, EngineRequestError, RequestGroup
     from radixserve.settings import ServerSettings
 
@@ -442,11 +443,11 @@ def test_queued_outputs_of_one_request_are_merged():
     got = asyncio.run(drain(one, [
         RequestOutput(rid="a", new_token_ids=[1], ttft=0.5, queue_time=0.1, prompt_tokens=4, completion_tokens=1),
         RequestOutput(rid="a", new_token_ids=[2, 3], prompt_tokens=4, completion_tokens=3),
-        RequestOutput(rid="a", new_token_ids=[4], finished=True, finish_reason={"type": "length"},
+        RequestOutput(rid="a", new_token_ids=[4], finished=True, finish_reason=FinishReason("length"),
                       prompt_tokens=4, cached_tokens=2, completion_tokens=4)]))
     assert len(got) == 1
     merged = got[0]
-    assert merged.new_token_ids == [1, 2, 3, 4] and merged.finished and merged.finish_reason == {"type": "length"}
+    assert merged.new_token_ids == [1, 2, 3, 4] and merged.finished and merged.finish_reason == FinishReason("length")
     assert (merged.ttft, merged.queue_time, merged.completion_tokens, merged.cached_tokens) == (0.5, 0.1, 4, 2)
 
     two = RequestGroup(client, ["a", "b"])

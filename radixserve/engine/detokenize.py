@@ -5,7 +5,7 @@ from __future__ import annotations
 import weakref
 from typing import Callable, Optional
 
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import FinishReason, SamplingParams
 
 Decode = Callable[..., str]  # (ids, skip_special_tokens=...) -> text
 _decoders: "weakref.WeakKeyDictionary[object, Decode]" = weakref.WeakKeyDictionary()
@@ -36,16 +36,17 @@ def plain_decode(tokenizer) -> Decode:
         pass
     return decode
 
-def cut_at_stop(text: str, params: SamplingParams, finish_reason: Optional[dict]) -> str:
+def cut_at_stop(text: str, params: SamplingParams, finish_reason: Optional[FinishReason]) -> str:
     """Drop a matched stop string and everything after it (the stop token ids are dropped by decode)."""
-    if finish_reason and isinstance(finish_reason.get("matched"), str):
-        pos = text.find(finish_reason["matched"])
+    if finish_reason is not None and isinstance(finish_reason.matched, str):
+        pos = text.find(finish_reason.matched)
         if pos >= 0:
             return text[:pos]
     return text
 
 
-def decode_output(tokenizer, output_ids: list[int], params: SamplingParams, finish_reason: Optional[dict]) -> str:
+def decode_output(tokenizer, output_ids: list[int], params: SamplingParams,
+                  finish_reason: Optional[FinishReason]) -> str:
     if tokenizer is None:
         return ""
     text = plain_decode(tokenizer)(output_ids, skip_special_tokens=params.skip_special_tokens)

@@ -111,7 +111,7 @@ class Engine:
             "output_ids": output_ids,
             "meta_info": {
                 "id": out.rid,
-                "finish_reason": out.finish_reason,
+                "finish_reason": None if out.finish_reason is None else out.finish_reason.as_dict(),
                 "prompt_tokens": out.prompt_tokens,
                 "completion_tokens": out.completion_tokens,
                 "cached_tokens": out.cached_tokens,

@@ -17,6 +17,7 @@ from typing import NamedTuple, Optional
 from radixserve.chat_formats import ReasoningFormat
 from radixserve.grammar.reasoning_gate import gate_grammar
 from radixserve.grammar.spec import GRAMMAR_COMPILE_TIMEOUT, INVALID_GRAMMAR, grammar_spec
+from radixserve.sampling_params import FinishReason
 from radixserve.scheduler.request import Req, ReqState
 
 # How long a request waits for its grammar to compile. The schema limits keep a compile within a
@@ -111,7 +112,7 @@ class GrammarWaitlist:
 
     @staticmethod
     def _finish(req: Req, code: str, message: str) -> Req:
-        req.finish_reason = {"type": "abort", "message": message, "code": code}
+        req.finish_reason = FinishReason("abort", message=message, code=code)
         req.state = ReqState.FINISHED
         return req
 
@@ -129,6 +130,6 @@ class GrammarWaitlist:
             return None
         self._compilers.release(entry.future)
         req = entry.req
-        req.finish_reason = {"type": "abort", "message": "aborted"}
+        req.finish_reason = FinishReason("abort", message="aborted")
         req.state = ReqState.FINISHED
         return req

@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence, Union
 
 import msgspec
 
-from radixserve.sampling_params import SamplingParams, TokenLogprob
+from radixserve.sampling_params import FinishReason, SamplingParams, TokenLogprob
 
 
 # ----------------------------------------------------------------------------- requests and their outputs
@@ -52,8 +52,7 @@ class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
     # token only: of prompt tokens max(logprob_start_len, 1) onwards.
     input_logprobs: Sequence[TokenLogprob] = ()
     finished: bool = False
-    # {"type": "stop"|"length"|"abort", "matched": token id or stop string, "message": ...}
-    finish_reason: Optional[dict] = None
+    finish_reason: Optional[FinishReason] = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0

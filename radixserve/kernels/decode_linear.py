@@ -36,12 +36,12 @@ def _silu_mul(gate, up, DTYPE: tl.constexpr):
     return gate / (1.0 + tl.exp(-gate)) * up
 
 
-@triton.jit(do_not_specialize=["M", "tiles_per_split"])
-def _decode_linear_kernel(
-    X, W, Bias, Y, M, N, K, stride_xm, stride_ym, tiles_per_split,
-    HAS_BIAS: tl.constexpr, WRITE_PARTIAL: tl.constexpr, GATED: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
+@triton.jit
+def _tile_setup(X, W, M, N, K, stride_xm, tiles_per_split, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Where a program of either decode-row GEMM (this one, decode_linear_fp8's) works: its W rows
+    (`offs_n`, `mask_n`), its x rows (`offs_m`, `mask_m`), the K tiles of its split (`n_tiles`)
+    and the pointers to the first of them. Grid: (output column tiles, K splits, row tiles)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -64,21 +64,32 @@ def _decode_linear_kernel(
     mask_m = offs_m < M
     w_ptrs = W + offs_n[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :]
     x_ptrs = X + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for _ in range(0, n_tiles):
-        if EVEN_N:
-            w = tl.load(w_ptrs)  # unmasked: 16-byte vector loads along K
-        else:
-            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
-        x = tl.load(x_ptrs, mask=mask_m[None, :], other=0.0)
-        acc = tl.dot(w, x, acc)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+    return pid_n, pid_s, offs_n, mask_n, offs_m, mask_m, n_tiles, w_ptrs, x_ptrs
+
+
+@triton.jit
+def _load_tiles(w_ptrs, x_ptrs, mask_n, mask_m, EVEN_N: tl.constexpr):
+    """One K step's weight tile [BLOCK_N, BLOCK_K] and x tile [BLOCK_K, BLOCK_M] (padding rows 0)."""
+    if EVEN_N:
+        w = tl.load(w_ptrs)  # unmasked: 16-byte vector loads along K
+    else:
+        w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+    x = tl.load(x_ptrs, mask=mask_m[None, :], other=0.0)
+    return w, x
+
+
+@triton.jit
+def _store_tile(acc, Bias, Y, M, N, stride_ym, pid_n, pid_s, offs_n, mask_n, offs_m, mask_m,
+                HAS_BIAS: tl.constexpr, WRITE_PARTIAL: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """A program's float32 accumulator [BLOCK_N, BLOCK_M] out: as a split's partial sums, as
+    silu(gate) * up, or plus the bias, in Y's dtype."""
     if WRITE_PARTIAL:
         # Partial [SPLIT, M, N] float32 (W's row order), reduced by _reduce_partials_kernel.
         p_ptrs = Y + (pid_s * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
         tl.store(p_ptrs, acc, mask=mask_n[:, None] & mask_m[None, :])
     elif GATED:
+        HALF: tl.constexpr = BLOCK_N // 2
         gate, up = tl.split(tl.permute(tl.reshape(acc, (2, HALF, BLOCK_M)), (1, 2, 0)))
         h = _silu_mul(gate, up, Y.dtype.element_ty)
         out_cols = pid_n * HALF + tl.arange(0, HALF)
@@ -89,6 +100,24 @@ def _decode_linear_kernel(
             acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
         y_ptrs = Y + offs_m[None, :] * stride_ym + offs_n[:, None]
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "tiles_per_split"])
+def _decode_linear_kernel(
+    X, W, Bias, Y, M, N, K, stride_xm, stride_ym, tiles_per_split,
+    HAS_BIAS: tl.constexpr, WRITE_PARTIAL: tl.constexpr, GATED: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n, pid_s, offs_n, mask_n, offs_m, mask_m, n_tiles, w_ptrs, x_ptrs = _tile_setup(
+        X, W, M, N, K, stride_xm, tiles_per_split, GATED, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(0, n_tiles):
+        w, x = _load_tiles(w_ptrs, x_ptrs, mask_n, mask_m, EVEN_N)
+        acc = tl.dot(w, x, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    _store_tile(acc, Bias, Y, M, N, stride_ym, pid_n, pid_s, offs_n, mask_n, offs_m, mask_m, HAS_BIAS, WRITE_PARTIAL,
+                GATED, BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["M", "num_splits"])

@@ -2,7 +2,8 @@
 step's few rows.
 
 Same tiling, K split and SiLU-and-mul epilogue as the bf16 kernel (radixserve.kernels.decode_linear,
-whose reduce kernel this one shares), with two differences: each weight tile is loaded as e4m3 (one
+whose tile setup, tile loads, store and reduce kernel this one shares), with two
+differences: each weight tile is loaded as e4m3 (one
 byte per weight: half the bytes a decode step streams) and each output column's float32 scale
 multiplies its accumulator before anything is stored, so split partials, the bias and the SiLU see
 dequantized values.
@@ -45,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels.decode_linear import _reduce, _silu_mul
+from radixserve.kernels.decode_linear import _load_tiles, _reduce, _store_tile, _tile_setup
 from radixserve.kernels.decode_linear_config import DecodeLinearConfig, block_m_for, pipeline_stages, split_plan, \
     supported
 from radixserve.kernels.launch import FastKernel
@@ -68,33 +69,11 @@ def _decode_linear_fp8_kernel(
     X_FP8: tl.constexpr, DOT_FP16: tl.constexpr, X_TILE_TERMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    r = tl.arange(0, BLOCK_N)
-    if GATED:
-        HALF: tl.constexpr = BLOCK_N // 2
-        cols = pid_n * HALF + (r % HALF)
-        offs_n = tl.where(r < HALF, cols, N // 2 + cols)
-        mask_n = cols < N // 2
-    else:
-        offs_n = pid_n * BLOCK_N + r
-        mask_n = offs_n < N
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    first = pid_s * tiles_per_split
-    n_tiles = tl.minimum(tiles_per_split, K // BLOCK_K - first)
-    k0 = first * BLOCK_K
-    mask_m = offs_m < M
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :]
-    x_ptrs = X + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None]
+    pid_n, pid_s, offs_n, mask_n, offs_m, mask_m, n_tiles, w_ptrs, x_ptrs = _tile_setup(
+        X, W, M, N, K, stride_xm, tiles_per_split, GATED, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for _ in range(0, n_tiles):
-        if EVEN_N:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
-        x = tl.load(x_ptrs, mask=mask_m[None, :], other=0.0)
+        w, x = _load_tiles(w_ptrs, x_ptrs, mask_n, mask_m, EVEN_N)
         if X_FP8:
             acc = tl.dot(w, x, acc)
         elif X_TILE_TERMS > 0:
@@ -114,20 +93,8 @@ def _decode_linear_fp8_kernel(
     acc *= tl.load(Scale + offs_n, mask=mask_n, other=0.0)[:, None]
     if X_FP8:
         acc *= tl.load(XScale + offs_m, mask=mask_m, other=0.0)[None, :]
-    if WRITE_PARTIAL:
-        p_ptrs = Y + (pid_s * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
-        tl.store(p_ptrs, acc, mask=mask_n[:, None] & mask_m[None, :])
-    elif GATED:
-        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, HALF, BLOCK_M)), (1, 2, 0)))
-        h = _silu_mul(gate, up, Y.dtype.element_ty)
-        out_cols = pid_n * HALF + tl.arange(0, HALF)
-        y_ptrs = Y + offs_m[None, :] * stride_ym + out_cols[:, None]
-        tl.store(y_ptrs, h.to(Y.dtype.element_ty), mask=(out_cols < N // 2)[:, None] & mask_m[None, :])
-    else:
-        if HAS_BIAS:
-            acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        y_ptrs = Y + offs_m[None, :] * stride_ym + offs_n[:, None]
-        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+    _store_tile(acc, Bias, Y, M, N, stride_ym, pid_n, pid_s, offs_n, mask_n, offs_m, mask_m, HAS_BIAS, WRITE_PARTIAL,
+                GATED, BLOCK_M, BLOCK_N)
 
 
 _linear_fp8 = FastKernel(_decode_linear_fp8_kernel)

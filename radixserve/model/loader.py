@@ -214,16 +214,17 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights in place on the model's device and dtype, the same for the same seed.
 
     Norm weights are 1 (as in a freshly initialised HF model); everything else is N(0, 0.02)
-    (FP8 projections: N(0, 0.02) quantized per output row, by their own `fill_dummy`).
+    (a quantized weight format fills its layer's parameters itself, `fill_dummy`: N(0, 0.02)
+    quantized per output row or per block).
     """
     device = next(model.parameters()).device
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     quantized: set[str] = set()
     for module_name, module in model.named_modules():
-        quant = getattr(module, "quant", None)
-        if quant is not None:
-            quant.fill_dummy(module, generator, DUMMY_STD)
+        method = getattr(module, "quant_method", None)
+        if method is not None and method.quantized:
+            method.fill_dummy(module, generator, DUMMY_STD)
             quantized.update(f"{module_name}.{p}" for p, _ in module.named_parameters(recurse=False))
     for name, param in model.named_parameters():  # registration order: deterministic
         if name in quantized:

@@ -10,7 +10,7 @@ from typing import Optional, Protocol
 import torch
 
 from radixserve.cache.prefix_cache import TreeNode
-from radixserve.sampling_params import SamplingParams, TokenLogprob
+from radixserve.sampling_params import FinishReason, SamplingParams, TokenLogprob
 
 
 class ReqState(enum.Enum):
@@ -74,7 +74,7 @@ class Req:
     peek_len: int = 0
     peek_node: Optional[TreeNode] = None
     peek_key: object = None  # what change under peek_node could lengthen the match
-    finish_reason: Optional[dict] = None
+    finish_reason: Optional[FinishReason] = None
     num_retractions: int = 0
     admitted_time: Optional[float] = None
     first_token_time: Optional[float] = None

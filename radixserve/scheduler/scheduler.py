@@ -33,7 +33,7 @@ from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.prefill import PrefillAdder, QueueRoom
 from radixserve.scheduler.request import Req, ReqState
 from radixserve.scheduler.waiting_queue import WaitingQueue
-from radixserve.sampling_params import TokenLogprob
+from radixserve.sampling_params import FinishReason, TokenLogprob
 from radixserve.settings import ServerSettings
 
 # The share of their remaining output tokens that running requests are assumed to need adapts:
@@ -129,7 +129,7 @@ class Scheduler:
         elif req.state is ReqState.RUNNING:
             self.running.remove(req)
             self.kv.cache_req(req, finished=True)
-        req.finish_reason = {"type": "abort", "message": "aborted"}
+        req.finish_reason = FinishReason("abort", message="aborted")
         req.state = ReqState.FINISHED
         del self.reqs[rid]
         return req
@@ -429,7 +429,7 @@ class Scheduler:
             else:
                 self.running.remove(req)
                 self.kv.cache_req(req, finished=True)
-            req.finish_reason = {"type": "abort", "message": "the device ran out of memory for this request"}
+            req.finish_reason = FinishReason("abort", message="the device ran out of memory for this request")
             req.state = ReqState.FINISHED
             del self.reqs[req.rid]
         return "a one-request step failed: its request ends with an error", failed
@@ -491,30 +491,30 @@ class Scheduler:
             self.check_invariants()  # cheap when idle, and it catches any leak at once
         return updated
 
-    def _finish_reason(self, req: Req, token: int) -> Optional[dict]:
+    def _finish_reason(self, req: Req, token: int) -> Optional[FinishReason]:
         """Why req ends with the token it just sampled (appended), or None if it goes on: the
         grammar, min_new_tokens, stop and end-of-sequence ids, stop strings, the length."""
         params = req.sampling_params
         if req.grammar is not None:
             if not req.grammar.accept(token):  # masked sampling never picks one; a bug if it does
-                return {"type": "abort", "message": f"token {token} is not allowed by the request's grammar"}
+                return FinishReason("abort", message=f"token {token} is not allowed by the request's grammar")
             if req.grammar.terminated:
-                return {"type": "stop", "matched": token}
+                return FinishReason("stop", matched=token)
         if len(req.output_ids) < params.min_new_tokens:
             # Stop tokens are masked until then; stop strings are not looked for either (vLLM's rule).
             return self._length_reason(req)
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            return {"type": "stop", "matched": token}
+            return FinishReason("stop", matched=token)
         if params.stop and self.decode_text is not None:
             longest = max(len(s) for s in params.stop)
             tail = self.decode_text(req.output_ids[-(longest + 8):])
             for stop in params.stop:
                 if stop in tail:
-                    return {"type": "stop", "matched": stop}
+                    return FinishReason("stop", matched=stop)
         return self._length_reason(req)
 
-    def _length_reason(self, req: Req) -> Optional[dict]:
+    def _length_reason(self, req: Req) -> Optional[FinishReason]:
         n = len(req.output_ids)
         if n >= req.sampling_params.max_new_tokens or len(req.origin_input_ids) + n >= self.context_len:
-            return {"type": "length", "length": n}
+            return FinishReason("length", length=n)
         return None

@@ -66,7 +66,7 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
         check_template_keeps_reasoning(tokenizer)
 
     def count_abort(out) -> None:
-        if (out.finish_reason or {}).get("type") == "abort" and not out.rid.startswith("health-"):
+        if out.finish_reason is not None and out.finish_reason.type == "abort" and not out.rid.startswith("health-"):
             metrics.requests.labels(finish_reason="abort").inc()
 
     engine.on_untracked_finish = count_abort

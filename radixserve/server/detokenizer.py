@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from radixserve.engine.detokenize import decode_output, plain_decode
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import FinishReason, SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -50,7 +50,7 @@ class IncrementalDetokenizer:
         self.sent = visible
         return delta
 
-    def finish(self, finish_reason: Optional[dict]) -> str:
+    def finish(self, finish_reason: Optional[FinishReason]) -> str:
         """The rest of the text once the request finished; `self.sent` is then the whole answer."""
         final = decode_output(self.tokenizer, self.ids, self.params, finish_reason)
         delta = final[len(self.sent):] if final.startswith(self.sent) else final[len(self.sent):]

@@ -21,7 +21,7 @@ from fastapi import Depends, Request
 from radixserve.cache.namespace import cache_namespace as namespace_of
 from radixserve.engine.messages import GenerateRequest, RequestOutput
 from radixserve.http_common.auth import bearer_token
-from radixserve.sampling_params import SamplingParams, TokenLogprob, sampling_params_from_dict
+from radixserve.sampling_params import FinishReason, SamplingParams, TokenLogprob, sampling_params_from_dict
 from radixserve.server.detokenizer import IncrementalDetokenizer
 from radixserve.server.engine_client import (EngineClient, EngineDeadError, EngineRequestError, QueueFullError,
                                              RequestGroup, ShuttingDownError)
@@ -65,7 +65,7 @@ class Tracker:
     # Prompt log probabilities (params.logprob_start_len), of prompt tokens max(start, 1) onwards.
     input_logprobs: list[TokenLogprob] = field(default_factory=list)
     logprob_text_offset: int = 0  # characters of token text already reported (completions' text_offset)
-    finish_reason: Optional[dict] = None
+    finish_reason: Optional[FinishReason] = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -322,7 +322,7 @@ class ServingContext:
         return delta
 
     def _finished(self, t: Tracker) -> None:
-        reason = (t.finish_reason or {}).get("type", "unknown")
+        reason = "unknown" if t.finish_reason is None else t.finish_reason.type
         self.metrics.requests.labels(finish_reason=reason).inc()
         self.metrics.e2e.observe(t.e2e_latency)
         self.metrics.request_prompt_tokens.inc(t.prompt_tokens)
@@ -404,6 +404,6 @@ async def first_then_rest(agen: AsyncIterator[RequestOutput]) -> tuple[Optional[
     return first, rest()
 
 
-def finish_reason_name(reason: Optional[dict]) -> Optional[str]:
-    return None if reason is None else reason.get("type")
+def finish_reason_name(reason: Optional[FinishReason]) -> Optional[str]:
+    return None if reason is None else reason.type
 

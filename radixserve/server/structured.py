@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from radixserve.grammar.spec import (ANY_OBJECT_SCHEMA, GRAMMAR_COMPILE_TIMEOUT, INVALID_GRAMMAR, check_grammar,
                                      grammar_spec)
+from radixserve.sampling_params import FinishReason
 from radixserve.server.errors import APIError, bad_request
 
 # Engine-side grammar failures a request can end with before its first token.
@@ -53,10 +54,10 @@ async def check_request_grammar(ctx, params: Any, param: str) -> None:
         raise bad_request(error, param, code=INVALID_GRAMMAR)
 
 
-def grammar_failure(finish_reasons: list[Optional[dict]]) -> Optional[APIError]:
+def grammar_failure(finish_reasons: list[Optional[FinishReason]]) -> Optional[APIError]:
     """The 400 of a request whose grammar failed in the engine (it did not compile within the
     timeout, or at all), or None. Every choice of a request has the same grammar."""
     for reason in finish_reasons:
-        if reason and reason.get("type") == "abort" and reason.get("code") in GRAMMAR_FAILURE_CODES:
-            return bad_request(reason.get("message", "the grammar failed"), None, code=reason["code"])
+        if reason is not None and reason.type == "abort" and reason.code in GRAMMAR_FAILURE_CODES:
+            return bad_request(reason.message or "the grammar failed", None, code=reason.code)
     return None

@@ -461,9 +461,9 @@ def test_fp8_decode_rows_match_dequantized_bf16_layers(tmp_path):
     other_path = build(KernelChoice(triton=True, decode_gemm_max_rows=0), fp8=True)
     plain = build(KernelChoice(triton=True, decode_gemm_max_rows=MAX_ROWS), fp8=False)
     assert fp8_model.model.layers[0].mlp.gate_up_proj.weight.dtype == FP8
-    projections = {m: name for name, m in fp8_model.named_modules() if isinstance(m, Linear) and m.quant is not None}
+    projections = {m: name for name, m in fp8_model.named_modules() if isinstance(m, Linear) and m.quant_method.quantized}
     assert len(projections) == 4 * quantized.config.num_hidden_layers  # q|k|v, o, gate|up, down
-    assert all(m._decode_config.fp8_mode == "token_fp8" for m in projections)
+    assert all(m.quant_method.decode_config.fp8_mode == "token_fp8" for m in projections)
     calls = []  # (projection, its input, its output) of every call
 
     def record(module):  # the model calls `forward` itself (no module hooks), so wrap it

@@ -15,6 +15,10 @@ over the rank's own slice of them: a rank's scale is the max |x| of its slice, n
 row, which rounds a little differently from tp 1 (within the FP8 tolerance; a static
 `input_scale` is the same on every rank).
 
+How each parameter shards (radixserve.model.layers.param_sharding): `weight` by rows and columns,
+`weight_scale` by rows or, one value per checkpoint tensor, whole; `input_scale` replicated (one
+value per checkpoint tensor, kept per fused shard); `bias` by rows.
+
 Activations come as a tensor, quantized here in front of the GEMM, or already quantized per token
 as `Fp8Activations`: with the Triton kernels and dynamic activation scales, the RMSNorm in front
 of q|k|v and of gate|up writes e4m3 values and their scales itself (radixserve.kernels.norm,
@@ -22,7 +26,7 @@ of q|k|v and of gate|up writes e4m3 values and their scales itself (radixserve.k
 what quantizing its bf16 output here would give; o_proj and down_proj quantize their input here.
 
 Paths, picked per call from the input:
-- CUDA, M <= the FP8 decode-row limit (radixserve.model.layers.linear) with the Triton kernels:
+- CUDA, M <= FP8_DECODE_ROWS_FACTOR x the decode-row limit with the Triton kernels:
   the weight-streaming decode GEMM's FP8 variant (radixserve.kernels.decode_linear_fp8): the
   activations quantized per token as below (unless they come quantized), then e4m3 x e4m3, both
   scales applied in the epilogue. Decode reads the weights once, so half the bytes is less time.
@@ -35,17 +39,21 @@ Paths, picked per call from the input:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
 
+from radixserve.model.layers.kernel_choice import KernelChoice, decode_gemm_plan
+from radixserve.model.layers.param_sharding import (FP8_DTYPE, REPLICATED, ROWS, ROWS_OR_ONE, WEIGHT, CheckpointPart,
+                                                     Destination, ParamSpec)
 from radixserve.model.quantization import Fp8Config
 
-FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 # A row of zeros gets this scale instead of 0, so quantizing it divides by something finite.
 MIN_SCALE = 1e-12
+# FP8 projections run the decode-row GEMM up to this many times `decode_gemm_max_rows` rows.
+FP8_DECODE_ROWS_FACTOR = 2
 
 
 class Fp8Activations(NamedTuple):
@@ -139,82 +147,72 @@ def fp8_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
 
 
 class Fp8LinearMethod:
-    """The FP8 weight layout and forward of one `Linear` (a MergedLinear's shards included).
+    """The FP8 weight format of one `Linear` (a MergedLinear's shards included).
 
     `create_weights` registers on the layer: `weight` e4m3 [N, K]; `weight_scale` float32 [N];
     with static activations `input_scale` float32 [number of shards]. Where the checkpoint holds
     them they are parameters (the loader requires them); quantized at load, `weight_scale` is a
-    buffer the weight's loading fills. `triton`: the layer runs the Triton kernels.
+    buffer the weight's loading fills. `triton`: the layer runs the Triton kernels (the activation
+    quantization in front of the FP8 GEMM is then one kernel).
     """
 
-    def __init__(self, config: Fp8Config, shard_ids: list[Any], triton: bool = False):
+    quantized = True
+
+    def __init__(self, config: Fp8Config, num_shards: int, triton: bool = False):
         self.config = config
-        self.shard_ids = list(shard_ids)
-        self.triton = triton  # then the activation quantization in front of the FP8 GEMM is one kernel
+        self.num_shards = num_shards
+        self.triton = triton
         # Set by finish_loading: None with per-token scales.
         self.static_scale: Optional[torch.Tensor] = None
+        self.decode_max_rows = 0  # set by choose_kernels; 0: never the decode-row GEMM
+        self.decode_config = None
+        self._fp8_token_input = False
+        self.params: dict[str, ParamSpec] = {}
 
-    def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
+                       shared: Optional[nn.Parameter]) -> None:
+        if shared is not None:
+            raise ValueError("an FP8 projection cannot share another layer's weight")
         layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8_DTYPE), requires_grad=False)
         scale = torch.ones(output_size, dtype=torch.float32)
+        self.params = {"weight": ParamSpec(WEIGHT, self._load_weight), "bias": ParamSpec(ROWS)}
         if self.config.from_checkpoint:
             layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+            # One value per checkpoint tensor (expanded over its rows) or one per row.
+            self.params["weight_scale"] = ParamSpec(ROWS_OR_ONE, load_row_scales)
         else:
-            layer.register_buffer("weight_scale", scale)
+            layer.register_buffer("weight_scale", scale)  # filled as the weight is quantized
         if self.config.static_activations:
-            layer.input_scale = nn.Parameter(torch.ones(len(self.shard_ids), dtype=torch.float32),
-                                             requires_grad=False)
+            layer.input_scale = nn.Parameter(torch.ones(self.num_shards, dtype=torch.float32), requires_grad=False)
+            self.params["input_scale"] = ParamSpec(REPLICATED, _load_input_scale)
         else:
             layer.register_parameter("input_scale", None)
 
-    # ------------------------------------------------------------------ loading
-    def load(self, layer: nn.Module, param: str, loaded: torch.Tensor, shard: Any, rows: tuple[int, int],
-             row_scale: Optional[torch.Tensor] = None) -> None:
-        """Fill `param` of the rows [start, start + size) that shard `shard` owns. `row_scale`
-        (quantized at load): the rows' scales, when `loaded` holds only some columns of each row
-        (a row-parallel slice) and the scale must be the whole row's."""
-        start, size = rows
-        if param == "weight":
-            self._load_weight(layer, loaded, start, size, row_scale)
-        elif param == "weight_scale":
-            dest = layer.weight_scale.narrow(0, start, size)
-            flat = loaded.reshape(-1).float()
-            if flat.numel() == 1:  # per tensor: every row of this shard
-                dest.fill_(float(flat[0]))
-            elif flat.numel() == size:  # per channel ([N] or [N, 1])
-                dest.copy_(flat)
-            else:
-                raise ValueError(f"has shape {tuple(loaded.shape)}: a weight scale is one value or one per output "
-                                 f"row ({size}); block-wise scales are `weight_scale_inv` under a "
-                                 "weight_block_size")
-        elif param == "input_scale":
-            if loaded.numel() != 1:
-                raise ValueError(f"has shape {tuple(loaded.shape)}: a static input scale is one value per tensor")
-            layer.input_scale[self.shard_ids.index(shard)] = float(loaded.reshape(-1)[0])
-        elif param == "bias":
-            _copy(layer.bias.narrow(0, start, size), loaded)
-        else:
-            raise ValueError(f"has no FP8 parameter {param!r}")
+    def choose_kernels(self, layer: nn.Module, kernels: KernelChoice) -> None:
+        self.decode_max_rows, self.decode_config = decode_gemm_plan(kernels, layer.weight, layer.bias, layer.act)
+        if self.decode_max_rows:
+            from radixserve.kernels.decode_linear_fp8 import decode_linear_fp8
 
-    def _load_weight(self, layer: nn.Module, loaded: torch.Tensor, start: int, size: int,
-                     row_scale: Optional[torch.Tensor]) -> None:
-        dest = layer.weight.narrow(0, start, size)
-        if loaded.dtype == FP8_DTYPE:
-            if not self.config.from_checkpoint:
-                raise ValueError("is already FP8, but config.json declares no quantization_config")
-            _copy(dest, loaded)
-            return
-        if self.config.from_checkpoint:
-            raise ValueError(f"is {loaded.dtype}, but config.json declares FP8 weights ({self.config.source})")
-        _check_shape(dest, loaded)
-        # Per output row: quantizing a shard alone gives the same rows as quantizing the fused weight.
-        if row_scale is None:
-            wq, scale = quantize_rows(loaded.to(dest.device))
-        else:
-            scale = row_scale.to(dest.device)
-            wq = quantize_with(loaded.to(dest.device), scale[:, None])
-        dest.copy_(wq)
-        layer.weight_scale.narrow(0, start, size).copy_(scale)
+            self._decode_linear_fp8 = decode_linear_fp8
+            # e4m3 tiles are half the bytes: on an H200 this GEMM beat cuBLASLt's FP8 GEMM (with its
+            # activation quantization) up to twice bf16's limit
+            # (docs/runs/2026-12-02-fp8-activations-agent-vs-fcfs.md).
+            self.decode_max_rows *= FP8_DECODE_ROWS_FACTOR
+        # Per-token FP8 activations from the layer before are what this projection would make of a
+        # bf16 input itself: with the Triton kernels, on every path (the decode-row GEMM's default
+        # "token_fp8" mode and cuBLASLt's FP8 GEMM quantize per token the same way).
+        self._fp8_token_input = self.triton and (self.decode_config is None
+                                                 or self.decode_config.fp8_mode == "token_fp8")
+
+    def takes_fp8_activations(self, layer: nn.Module) -> bool:
+        """Whether the layer in front may hand this projection `Fp8Activations` (per token) instead
+        of a tensor: with the Triton kernels and dynamic activation scales (a static `input_scale`
+        quantizes differently)."""
+        return self._fp8_token_input and layer.input_scale is None
+
+    # ------------------------------------------------------------------ loading
+    def _load_weight(self, layer: nn.Module, name: str, part: CheckpointPart, dest: Destination) -> None:
+        load_fp8_weight(self.config, part, dest.view(layer.weight, WEIGHT), dest.view(layer.weight_scale, ROWS))
 
     def fill_dummy(self, layer: nn.Module, generator: torch.Generator, std: float) -> None:
         """Random N(0, std) weights quantized per row (the --load-format dummy path), bias too."""
@@ -228,16 +226,31 @@ class Fp8LinearMethod:
         if layer.input_scale is not None:
             layer.input_scale.fill_(1.0)
 
-    # ------------------------------------------------------------------ forward
     def finish_loading(self, layer: nn.Module) -> None:
         """Once every tensor is in: the static activation scale [1] of the fused projection."""
         self.static_scale = None if layer.input_scale is None else layer.input_scale.max().reshape(1)
 
+    # ------------------------------------------------------------------ forward
     def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
-        """x [M, K] @ the layer's weight^T (+ bias): x a tensor (quantized here, per token or with
-        the static scale) or Fp8Activations (per token already: multiplied as they are)."""
+        """x [M, K] @ the layer's weight^T (+ bias), then the layer's activation: x a tensor
+        (quantized here, per token or with the static scale) or Fp8Activations (per token
+        already: multiplied as they are). A decode step's few rows take the FP8 decode-row GEMM."""
+        act = layer.act
         if isinstance(x, Fp8Activations):
-            return self._apply_quantized(layer, x)
+            values = x.values
+            if 0 < values.shape[0] <= self.decode_max_rows and values.stride(-1) == 1:
+                return self._decode_linear_fp8(values, layer.weight, layer.weight_scale, layer.bias,
+                                               self.decode_config, silu_mul=act is not None, x_scale=x.scales,
+                                               out_dtype=x.dtype)
+            y = self._apply_quantized(layer, x)
+        elif 0 < x.shape[0] <= self.decode_max_rows and x.stride(-1) == 1:
+            return self._decode_linear_fp8(x, layer.weight, layer.weight_scale, layer.bias, self.decode_config,
+                                           silu_mul=act is not None, input_scale=self.static_scale)
+        else:
+            y = self._apply_tensor(layer, x)
+        return y if act is None else act.forward(y)
+
+    def _apply_tensor(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:
             return torch.empty((0, layer.weight.shape[0]), dtype=x.dtype, device=x.device)
         if _scaled_mm_ok(x, x.dtype, layer.weight):
@@ -257,6 +270,55 @@ class Fp8LinearMethod:
         return fp8_linear_dequantized(values, x.scales, layer.weight, layer.weight_scale, layer.bias, x.dtype)
 
 
+# --------------------------------------------------------------------------- loaders shared with the experts
+
+def load_fp8_weight(config: Fp8Config, part: CheckpointPart, weight: torch.Tensor,
+                    scale: Optional[torch.Tensor]) -> None:
+    """An e4m3 weight's rows (`weight`, their float32 per-row scales `scale`) from a checkpoint
+    tensor: copied from an FP8 checkpoint (the scales are tensors of their own), or quantized
+    here per output row from a plain one. Each row's scale is taken over the whole row, so a
+    row-parallel rank, holding some columns, reads every column of its rows once: its scales and
+    each of its e4m3 values are tp 1's. Quantizing a fused weight's shard alone gives the rows
+    quantizing the fused weight would."""
+    if part.is_fp8:
+        if not config.from_checkpoint:
+            raise ValueError("is already FP8, but config.json declares no quantization_config")
+        _copy(weight, part.read())
+        return
+    if config.from_checkpoint:
+        raise ValueError(f"is {part.dtype_name}, but config.json declares FP8 weights ({config.source})")
+    rows = part.read_rows().to(weight.device)
+    cols = part.cols_of(rows)
+    _check_shape(weight, cols)
+    row_scale = row_scales(rows)
+    weight.copy_(quantize_with(cols, row_scale[:, None]))
+    scale.copy_(row_scale)
+
+
+def load_row_scales(layer: nn.Module, name: str, part: CheckpointPart, dest: Destination) -> None:
+    """A checkpoint's weight scale into its rows' float32 scales: one value per tensor (every row
+    of it gets it) or one per output row ([N] or [N, 1])."""
+    rows = dest.view(getattr(layer, name), part.sharding)
+    flat = part.read().reshape(-1).float()
+    if flat.numel() == 1:
+        rows.fill_(float(flat[0]))
+    elif flat.numel() == rows.numel():
+        rows.copy_(flat)
+    else:
+        raise ValueError(f"has shape {part.shape}: a weight scale is one value or one per output row "
+                         f"({rows.numel()} here); block-wise scales are `weight_scale_inv` under a "
+                         "weight_block_size")
+
+
+def _load_input_scale(layer: nn.Module, name: str, part: CheckpointPart, dest: Destination) -> None:
+    """A static input scale: one value per checkpoint tensor, kept per shard (the fused
+    projection's activations take the largest, `finish_loading`)."""
+    value = part.read()
+    if value.numel() != 1:
+        raise ValueError(f"has shape {tuple(value.shape)}: a static input scale is one value per tensor")
+    getattr(layer, name)[dest.shard] = float(value.reshape(-1)[0])
+
+
 def _check_shape(dest: torch.Tensor, loaded: torch.Tensor) -> None:
     if tuple(loaded.shape) != tuple(dest.shape):
         raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(dest.shape)} from config.json")
@@ -265,4 +327,3 @@ def _check_shape(dest: torch.Tensor, loaded: torch.Tensor) -> None:
 def _copy(dest: torch.Tensor, loaded: torch.Tensor) -> None:
     _check_shape(dest, loaded)
     dest.copy_(loaded)
-

@@ -25,13 +25,15 @@ Paths:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.model.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_with
+from radixserve.model.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, load_fp8_weight, quantize_with
+from radixserve.model.layers.kernel_choice import KernelChoice, decode_gemm_plan
+from radixserve.model.layers.param_sharding import ROWS, WEIGHT, CheckpointPart, Destination, ParamSpec, blocks
 from radixserve.model.quantization import Fp8Config
 
 
@@ -103,51 +105,60 @@ def fp8_block_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: tor
 
 
 class Fp8BlockLinearMethod:
-    """The block-wise FP8 layout and forward of one `Linear` (a MergedLinear's shards included).
+    """The block-wise FP8 format of one `Linear` (a MergedLinear's shards included).
 
     `create_weights` registers on the layer `weight` e4m3 [N, K] and `weight_scale_inv` float32
     [ceil(N/bn), ceil(K/bk)], both filled from the checkpoint; `input_scale` is None (dynamic
     activations only). `dtype`: what the CUDA path dequantizes to. `triton`: the layer runs the
     Triton kernels (its decode rows the bf16 decode-row GEMM), so the weight is dequantized at
     load wherever it is (the Triton interpreter runs on the CPU).
+
+    Sharding: `weight` by rows and columns, `weight_scale_inv` by block rows and block columns
+    (a rank's rows or columns start on the block grid: check_block_alignment), `bias` by rows.
     """
 
-    def __init__(self, config: Fp8Config, shard_ids: list[Any], dtype: torch.dtype, triton: bool = False):
+    quantized = True
+
+    def __init__(self, config: Fp8Config, num_shards: int, dtype: torch.dtype, triton: bool = False):
         if config.block is None:
             raise ValueError("Fp8BlockLinearMethod needs a weight_block_size")
         self.config = config
         self.block = config.block
-        self.shard_ids = list(shard_ids)
+        self.num_shards = num_shards
         self.dtype = dtype
         self.triton = triton
+        self.decode_max_rows = 0  # set by choose_kernels; 0: never the decode-row GEMM
+        self.decode_config = None
+        self.params: dict[str, ParamSpec] = {
+            "weight": ParamSpec(WEIGHT, self._load_weight),
+            "weight_scale_inv": ParamSpec(blocks(*self.block), load_block_scales),
+            "bias": ParamSpec(ROWS),
+        }
 
-    def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
+                       shared: Optional[nn.Parameter]) -> None:
+        if shared is not None:
+            raise ValueError("an FP8 projection cannot share another layer's weight")
         bn, bk = self.block
         layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8_DTYPE), requires_grad=False)
         layer.weight_scale_inv = nn.Parameter(torch.ones(_cdiv(output_size, bn), _cdiv(input_size, bk),
                                                          dtype=torch.float32), requires_grad=False)
         layer.register_parameter("input_scale", None)
 
-    def load(self, layer: nn.Module, param: str, loaded: torch.Tensor, shard: Any, rows: tuple[int, int],
-             row_scale: Optional[torch.Tensor] = None) -> None:
-        """Fill `param` of the rows [start, start + size) that shard `shard` owns (start on a block:
-        check_block_alignment refused every other layout when the model was built)."""
-        start, size = rows
-        if param == "weight":
-            if loaded.dtype != FP8_DTYPE:
-                raise ValueError(f"is {loaded.dtype}, but config.json declares block-wise FP8 weights")
-            _copy(layer.weight.narrow(0, start, size), loaded)
-        elif param == "weight_scale_inv":
-            bn = self.block[0]
-            dest = layer.weight_scale_inv.narrow(0, start // bn, _cdiv(size, bn))
-            if tuple(loaded.shape) != tuple(dest.shape):
-                raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(dest.shape)}: one scale per "
-                                 f"{list(self.block)} block of a [{size}, {layer.weight.shape[1]}] weight")
-            dest.copy_(loaded.float())
-        elif param == "bias":
-            _copy(layer.bias.narrow(0, start, size), loaded)
-        else:
-            raise ValueError(f"has no block-wise FP8 parameter {param!r}")
+    def choose_kernels(self, layer: nn.Module, kernels: KernelChoice) -> None:
+        """The bf16 decode-row GEMM (over the weight dequantized at load), its variant chosen for
+        this [N, K] now."""
+        self.decode_max_rows, self.decode_config = decode_gemm_plan(kernels, layer.weight, layer.bias, layer.act)
+        if self.decode_max_rows:
+            from radixserve.kernels.decode_linear import decode_linear
+
+            self._decode_linear = decode_linear
+
+    def takes_fp8_activations(self, layer: nn.Module) -> bool:
+        return False
+
+    def _load_weight(self, layer: nn.Module, name: str, part: CheckpointPart, dest: Destination) -> None:
+        load_fp8_weight(self.config, part, dest.view(layer.weight, WEIGHT), None)
 
     def fill_dummy(self, layer: nn.Module, generator: torch.Generator, std: float) -> None:
         """Random N(0, std) weights quantized block by block (--load-format dummy), bias too."""
@@ -174,14 +185,24 @@ class Fp8BlockLinearMethod:
             layer.weight = nn.Parameter(dense, requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if 0 < x.shape[0] <= self.decode_max_rows and x.stride(-1) == 1:
+            return self._decode_linear(x, layer.weight, layer.bias, self.decode_config, silu_mul=layer.act is not None)
         if layer.weight.dtype != FP8_DTYPE:  # dequantized at load
-            return F.linear(x, layer.weight, layer.bias)
-        if x.shape[0] == 0:
-            return torch.empty((0, layer.weight.shape[0]), dtype=x.dtype, device=x.device)
-        return fp8_block_linear_reference(x, layer.weight, layer.weight_scale_inv, layer.bias, self.block)
+            y = F.linear(x, layer.weight, layer.bias)
+        elif x.shape[0] == 0:
+            y = torch.empty((0, layer.weight.shape[0]), dtype=x.dtype, device=x.device)
+        else:
+            y = fp8_block_linear_reference(x, layer.weight, layer.weight_scale_inv, layer.bias, self.block)
+        return y if layer.act is None else layer.act.forward(y)
 
 
-def _copy(dest: torch.Tensor, loaded: torch.Tensor) -> None:
-    if tuple(loaded.shape) != tuple(dest.shape):
-        raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(dest.shape)} from config.json")
-    dest.copy_(loaded)
+def load_block_scales(layer: nn.Module, name: str, part: CheckpointPart, dest: Destination) -> None:
+    """One checkpoint tensor's block scales ([ceil(rows / bn), ceil(K / bk)], this rank's block
+    rows or block columns) into their place; the layers and the experts share it."""
+    view = dest.view(getattr(layer, name), part.sharding)
+    got = part.read()
+    if tuple(got.shape) != tuple(view.shape):
+        block = [part.sharding.out_block, part.sharding.in_block]
+        raise ValueError(f"has shape {tuple(got.shape)}, expected {tuple(view.shape)}: one scale per {block} block "
+                         f"of this rank's [{dest.rows[1]}, K] weight")
+    view.copy_(got.float())

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from radixserve.settings import DECODE_GEMM_MAX_ROWS
+
+if TYPE_CHECKING:
+    from radixserve.kernels.decode_linear_config import DecodeLinearConfig
 
 # The Triton kernels compute in float32 and round to these; float32 activations take the torch path.
 TRITON_DTYPES = (torch.bfloat16, torch.float16)
@@ -48,6 +51,21 @@ class KernelChoice:
         elif triton and not on_cuda:
             raise ValueError("the Triton kernels need a CUDA device")
         return cls(triton=triton, decode_gemm_max_rows=decode_gemm_max_rows, fused_moe=fused_moe)
+
+
+def decode_gemm_plan(kernels: KernelChoice, weight: torch.Tensor, bias: Optional[torch.Tensor], act: Optional[object]
+                     ) -> tuple[int, Optional["DecodeLinearConfig"]]:
+    """(rows up to which a projection runs the decode-row GEMM, 0 for never; the kernel's variant
+    for this weight): with the Triton kernels, for a weight it can tile, whose activation (if any)
+    its epilogue fuses (SiLU-and-mul of a gate|up without a bias). Shapes and strides only: fine
+    on the meta device."""
+    fusable_act = act is None or (bias is None and weight.shape[0] % 2 == 0)
+    if not (kernels.triton and kernels.decode_gemm_max_rows > 0 and fusable_act):
+        return 0, None
+    from radixserve.kernels.decode_linear_config import config_for
+
+    config = config_for(weight)
+    return (0, None) if config is None else (kernels.decode_gemm_max_rows, config)
 
 
 def _triton_installed() -> bool:

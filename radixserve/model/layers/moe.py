@@ -39,10 +39,10 @@ from radixserve.distributed import TensorParallel
 from radixserve.distributed.sharding import even_shard
 from radixserve.model.layers.activation import SiluAndMul
 from radixserve.model.layers.kernel_choice import KernelChoice
-from radixserve.model.layers.linear import Linear, ShardId, copy_weight
-from radixserve.model.layers.moe_fp8 import Fp8ExpertsMethod
-from radixserve.model.layers.parallel import (ColumnParallelLinear, Loaded, RowParallelLinear, read_cols, read_rows,
-                                              shape_of)
+from radixserve.model.layers.linear import Linear, ShardId
+from radixserve.model.layers.parallel import ColumnParallelLinear, RowParallelLinear
+from radixserve.model.layers.param_sharding import Cut, Destination, Loaded, Span, load_param
+from radixserve.model.layers.quant_method import ExpertsMethod, experts_method
 from radixserve.model.quantization import Fp8Config
 
 # Checkpoint module of each of an expert's three weights -> (our tensor, the part it fills).
@@ -104,8 +104,11 @@ class FusedExperts(nn.Module):
 
     Parameters: `w13_weight` [E, 2 I_r, H] (this rank's I_r gate rows, then its I_r up rows, of each
     expert) and `w2_weight` [E, H, I_r] (its input columns of each down weight), in `dtype`, or
-    e4m3 with their scales under `fp8` (Fp8ExpertsMethod, held as `self.quant`). `forward(x,
-    topk_weights, topk_ids)` returns this rank's partial sum [T, H].
+    e4m3 with their scales under `fp8`: the weight format (`self.quant_method`,
+    radixserve.model.layers.quant_method.experts_method) creates them and declares how each
+    shards; this layer says which part of each per-expert tensor the rank holds (a gate or up
+    weight: its rows of the intermediate; a down weight: its columns). `forward(x, topk_weights,
+    topk_ids)` returns this rank's partial sum [T, H].
     """
 
     reads_slices = True
@@ -120,13 +123,8 @@ class FusedExperts(nn.Module):
         self.inter_start, self.inter = even_shard(intermediate_size, tp.size, tp.rank)
         self.tp_size = tp.size
         self.dtype = dtype
-        self.quant: Optional[Fp8ExpertsMethod] = None
-        if fp8 is None:
-            self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size, dtype=dtype))
-            self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter, dtype=dtype))
-        else:
-            self.quant = Fp8ExpertsMethod(fp8, dtype, tp_size=tp.size, triton=kernels.triton)
-            self.quant.create_weights(self)
+        self.quant_method: ExpertsMethod = experts_method(fp8, dtype, tp_size=tp.size, triton=kernels.triton)
+        self.quant_method.create_weights(self)
         self._fused = None
         if kernels.fused_moe:
             from radixserve.kernels.fused_moe import fused_moe
@@ -139,45 +137,37 @@ class FusedExperts(nn.Module):
     def checkpoint_tensors(self) -> dict[str, tuple[str, ShardId]]:
         """Checkpoint tensor name (relative to this module) -> (our parameter, its shard id
         (expert, "gate" | "up" | "down")): the loader routes each per-expert tensor here."""
-        params = self.quant.checkpoint_params() if self.quant is not None else ("weight",)
         names: dict[str, tuple[str, ShardId]] = {}
         for e in range(self.num_experts):
             for module, ours, part in EXPERT_PROJECTIONS:
-                for param in params:
-                    names[f"{e}.{module}.{param}"] = (f"{ours}_{param}", (e, part))
+                for suffix in self.quant_method.checkpoint_suffixes:
+                    names[f"{e}.{module}.{suffix}"] = (f"{ours}_{suffix}", (e, part))
         return names
 
-    def load_weight(self, param: str, loaded: Loaded, shard_id: Optional[ShardId] = None) -> None:
-        if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and 0 <= shard_id[0] < self.num_experts):
-            raise ValueError(f"{type(self).__name__} has no shard {shard_id!r} (expert, part)")
+    def checkpoint_place(self, shard_id: ShardId) -> tuple[Cut, Destination]:
+        """A gate or up tensor [I, H]: this rank's rows of the intermediate, into the gate or the
+        up half of the expert's w13 rows; a down tensor [H, I]: its columns, into every w2 row."""
+        parts = ("gate", "up", "down")
+        if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and 0 <= shard_id[0] < self.num_experts
+                and shard_id[1] in parts):
+            raise ValueError(f"{type(self).__name__} has no shard {shard_id!r} (expert, one of {parts})")
         expert, part = shard_id
-        if param.endswith("_weight"):  # the whole tensor, before this rank reads its slice
-            full = self.inter * self.tp_size
-            expected = (self.hidden_size, full) if part == "down" else (full, self.hidden_size)
-            if shape_of(loaded) != expected:
-                raise ValueError(f"has shape {shape_of(loaded)}, expected {expected} from config.json")
-        if self.quant is not None:
-            self.quant.load(self, param, loaded, expert, part)
-            return
-        if param not in ("w13_weight", "w2_weight"):
-            raise ValueError(f"{type(self).__name__} has no parameter {param!r}")
-        start, size = self.inter_start, self.inter
+        span = Span(self.inter_start, self.inter, total=self.inter * self.tp_size)
         if part == "down":
-            copy_weight(self.w2_weight[expert], read_cols(loaded, start, size))
-        else:
-            rows = self.w13_weight[expert].narrow(0, 0 if part == "gate" else size, size)
-            copy_weight(rows, read_rows(loaded, start, size))
+            return Cut(cols=span), Destination((0, self.hidden_size), expert=expert)
+        return Cut(rows=span), Destination((0 if part == "gate" else self.inter, self.inter), expert=expert)
+
+    def load_weight(self, param: str, loaded: Loaded, shard_id: Optional[ShardId] = None) -> None:
+        cut, dest = self.checkpoint_place(shard_id)
+        load_param(self, self.quant_method.params, param, loaded, cut, dest)
 
     def finish_loading(self) -> None:
-        if self.quant is not None:
-            self.quant.finish_loading(self)
+        self.quant_method.finish_loading(self)
 
     # ------------------------------------------------------------------ forward
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [2 I_r, H], w2 [H, I_r]) of expert e in the model dtype (FP8: dequantized)."""
-        if self.quant is not None:
-            return self.quant.dequantized(self, e)
-        return self.w13_weight[e], self.w2_weight[e]
+        return self.quant_method.dequantized(self, e)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self._fused is None:
@@ -187,8 +177,8 @@ class FusedExperts(nn.Module):
         configs = self._configs.get(key)
         if configs is None:
             configs = self._configs[key] = self._pick_configs(t, top_k)
-        extra = self.quant.kernel_args(self) if self.quant is not None else {}
-        return self._fused(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, *configs, **extra)
+        return self._fused(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, *configs,
+                           **self.quant_method.kernel_args(self))
 
     def _reference_weights(self, dtype: torch.dtype):
         def weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,9 +197,7 @@ class FusedExperts(nn.Module):
             from dataclasses import replace
 
             c2 = replace(c2, block_m=c13.block_m)
-        if self.quant is not None:
-            c13, c2 = self.quant.fit_configs(c13, c2)
-        return c13, c2
+        return self.quant_method.fit_configs(c13, c2)
 
 
 class SharedExpert(nn.Module):

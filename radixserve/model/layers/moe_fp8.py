@@ -25,13 +25,16 @@ at load, a rank reads each whole down row once so its scale, and every e4m3 valu
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from radixserve.model.layers.fp8 import FP8_DTYPE, quantize_rows, quantize_with, row_scales
-from radixserve.model.layers.fp8_block import expand_blocks, quantize_blocks
+from radixserve.model.layers.fp8 import FP8_DTYPE, load_fp8_weight, load_row_scales, quantize_rows
+from radixserve.model.layers.fp8_block import expand_blocks, load_block_scales, quantize_blocks
+from radixserve.model.layers.param_sharding import ROWS, ROWS_OR_ONE, WEIGHT, CheckpointPart, Destination, ParamSpec, \
+    blocks
 from radixserve.model.moe_config import check_expert_blocks
 from radixserve.model.quantization import Fp8Config
 
@@ -40,27 +43,16 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _read_rows(loaded: Any, start: int, size: int) -> torch.Tensor:
-    return loaded.narrow(0, start, size) if isinstance(loaded, torch.Tensor) else loaded[start:start + size]
-
-
-def _read_cols(loaded: Any, start: int, size: int) -> torch.Tensor:
-    return loaded.narrow(1, start, size) if isinstance(loaded, torch.Tensor) else loaded[:, start:start + size]
-
-
-def _shape(loaded: Any) -> tuple[int, ...]:
-    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
-
-
-def _copy(dest: torch.Tensor, loaded: torch.Tensor) -> None:
-    if tuple(loaded.shape) != tuple(dest.shape):
-        raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(dest.shape)} from config.json")
-    dest.copy_(loaded)
-
-
 class Fp8ExpertsMethod:
-    """The FP8 layout of one `FusedExperts` (see the module docstring). `dtype`: the model dtype
-    (what the reference dequantizes to, and the activations' dtype)."""
+    """The FP8 format of one `FusedExperts` (see the module docstring). `dtype`: the model dtype
+    (what the reference dequantizes to, and the activations' dtype).
+
+    Sharding, per expert tensor (a gate or up weight is cut by rows, a down weight by columns):
+    the weights by rows and columns, per-channel scales by rows or, one value per tensor, whole;
+    block scales by block rows and block columns.
+    """
+
+    quantized = True
 
     def __init__(self, config: Fp8Config, dtype: torch.dtype, *, tp_size: int = 1, triton: bool = False):
         if config.static_activations:
@@ -72,14 +64,20 @@ class Fp8ExpertsMethod:
         self.dtype = dtype
         self.tp_size = tp_size
         self.triton = triton
-
-    def checkpoint_params(self) -> tuple[str, ...]:
-        """What the checkpoint holds per expert tensor besides nothing (quantized at load)."""
+        # What the checkpoint holds per expert projection (nothing but the weight: quantized at load).
         if self.block is not None:
-            return ("weight", "weight_scale_inv")
-        if self.config.from_checkpoint:
-            return ("weight", "weight_scale")
-        return ("weight",)
+            self.checkpoint_suffixes: tuple[str, ...] = ("weight", "weight_scale_inv")
+        elif config.from_checkpoint:
+            self.checkpoint_suffixes = ("weight", "weight_scale")
+        else:
+            self.checkpoint_suffixes = ("weight",)
+        self.params: dict[str, ParamSpec] = {}
+        for ours in ("w13", "w2"):
+            self.params[f"{ours}_weight"] = ParamSpec(WEIGHT, partial(self._load_weight, scale=f"{ours}_weight_scale"))
+            if self.block is not None:
+                self.params[f"{ours}_weight_scale_inv"] = ParamSpec(blocks(*self.block), load_block_scales)
+            elif config.from_checkpoint:
+                self.params[f"{ours}_weight_scale"] = ParamSpec(ROWS_OR_ONE, load_row_scales)
 
     def create_weights(self, layer: nn.Module) -> None:
         e, h, inter = layer.num_experts, layer.hidden_size, layer.inter
@@ -103,72 +101,12 @@ class Fp8ExpertsMethod:
             layer.register_buffer("w2_weight_scale", s2)
 
     # ------------------------------------------------------------------ loading
-    def load(self, layer: nn.Module, param: str, loaded: Any, expert: int, part: str) -> None:
-        """One checkpoint tensor (or lazy slice) of `expert`'s gate, up or down projection."""
-        kind = param.split("_", 1)[1]  # "weight", "weight_scale", "weight_scale_inv"
-        start, size = layer.inter_start, layer.inter
-        down = part == "down"
-        if kind == "weight":
-            self._load_weight(layer, loaded, expert, part)
-        elif kind == "weight_scale_inv" and self.block is not None:
-            bn, bk = self.block
-            if down:
-                part_scale = _read_cols(loaded, start // bk, _cdiv(size, bk))
-                _copy(layer.w2_weight_scale_inv[expert], part_scale.float())
-            else:
-                rows = _cdiv(size, bn)
-                dest = layer.w13_weight_scale_inv[expert].narrow(0, 0 if part == "gate" else rows, rows)
-                _copy(dest, _read_rows(loaded, start // bn, rows).float())
-        elif kind == "weight_scale" and self.block is None and self.config.from_checkpoint:
-            n = _shape(loaded)
-            flat_rows = layer.hidden_size if down else size
-            if math.prod(n) == 1:
-                value = loaded[...].reshape(-1).float()[0]
-                self._scale_rows(layer, expert, part).fill_(float(value))
-            elif n and n[0] == (layer.hidden_size if down else size * self.tp_size) and math.prod(n[1:]) == 1:
-                rows = loaded[...] if down else _read_rows(loaded, start, size)
-                self._scale_rows(layer, expert, part).copy_(rows.reshape(flat_rows).float())
-            else:
-                raise ValueError(f"has shape {n}: a weight scale is one value or one per output row")
-        else:
-            raise ValueError(f"has no FP8 expert parameter {param!r} ({self.config.source})")
-
-    def _scale_rows(self, layer: nn.Module, expert: int, part: str) -> torch.Tensor:
-        if part == "down":
-            return layer.w2_weight_scale[expert]
-        size = layer.inter
-        return layer.w13_weight_scale[expert].narrow(0, 0 if part == "gate" else size, size)
-
-    def _load_weight(self, layer: nn.Module, loaded: Any, expert: int, part: str) -> None:
-        start, size = layer.inter_start, layer.inter
-        down = part == "down"
-        if down:
-            dest = layer.w2_weight[expert]
-        else:
-            dest = layer.w13_weight[expert].narrow(0, 0 if part == "gate" else size, size)
-        is_fp8 = (loaded.dtype == FP8_DTYPE) if isinstance(loaded, torch.Tensor) else loaded.get_dtype() == "F8_E4M3"
-        if self.config.from_checkpoint:
-            if not is_fp8:
-                raise ValueError(f"is not FP8, but config.json declares FP8 weights ({self.config.source})")
-            _copy(dest, (_read_cols(loaded, start, size) if down else _read_rows(loaded, start, size)))
-            return
-        if is_fp8:
-            raise ValueError("is already FP8, but config.json declares no quantization_config")
-        if down:  # each row's scale from the whole row, every rank the same (tp 1's)
-            full = loaded[...].to(dest.device)
-            if full.dim() != 2 or full.shape[1] < start + size:
-                raise ValueError(f"has shape {tuple(full.shape)}, expected ({layer.hidden_size}, "
-                                 f"{size * self.tp_size}) from config.json")
-            scale = row_scales(full)
-            _copy(dest, quantize_with(full.narrow(1, start, size), scale[:, None]))
-            layer.w2_weight_scale[expert].copy_(scale)
-        else:
-            rows = _read_rows(loaded, start, size).to(dest.device)
-            if tuple(rows.shape) != tuple(dest.shape):
-                raise ValueError(f"has shape {tuple(rows.shape)}, expected {tuple(dest.shape)} from config.json")
-            wq, scale = quantize_rows(rows)
-            dest.copy_(wq)
-            self._scale_rows(layer, expert, part).copy_(scale)
+    def _load_weight(self, layer: nn.Module, name: str, part: CheckpointPart, dest: Destination, *,
+                     scale: str) -> None:
+        """One expert's gate, up or down weight; quantized here, each row's scale into `scale`
+        (block-wise checkpoints are FP8 already: no per-row scale is filled)."""
+        rows = None if self.block is not None else dest.view(getattr(layer, scale), ROWS)
+        load_fp8_weight(self.config, part, dest.view(getattr(layer, name), WEIGHT), rows)
 
     def fill_dummy(self, layer: nn.Module, generator: torch.Generator, std: float) -> None:
         """Random N(0, std) experts quantized per row or per block (--load-format dummy), one expert

@@ -12,13 +12,14 @@ slice from the checkpoint (a safetensors slice is read lazily, so no rank reads 
 A checkpoint tensor arrives as a torch.Tensor or as a safetensors slice (`get_slice`); both index
 the same way.
 
-FP8 projections (`fp8`, radixserve.model.layers.fp8) shard the same way. Column-parallel: the
-e4m3 rows and their per-row scales (a per-tensor scale applies to every row; a per-channel one is
-sliced with the rows, replicated KV heads' rows included). Row-parallel: every output row with its
-whole scale, this rank's input columns of the e4m3 weight. Quantized at load, a row-parallel rank
-reads the whole tensor once to take each row's max |w| over all columns, so every rank's scale,
-and each e4m3 value, is tp 1's.
-
+Every weight format shards through the same loaders: the layer says which part of a checkpoint
+weight the rank holds (`checkpoint_place`: its output rows, or its input columns), the format
+declares per parameter which dims follow those cuts (radixserve.model.layers.param_sharding), and
+the cut of each tensor follows. So for FP8 (radixserve.model.layers.fp8): column-parallel, the
+e4m3 rows with their per-row scales (a per-tensor scale applies to every row; replicated KV
+heads' rows included); row-parallel, every output row with its whole scale and this rank's input
+columns of the e4m3 weight. Quantized at load, a row-parallel rank reads the whole tensor once to
+take each row's max |w| over all columns, so every rank's scale, and each e4m3 value, is tp 1's.
 Block-wise FP8 (`weight_scale_inv` per bn x bk block): a rank's rows or input columns start and
 end on the block grid (radixserve.model.quantization.check_block_alignment refuses any other
 tp size), so it reads the block rows or block columns of its part, and since activations are
@@ -27,8 +28,7 @@ quantized per bk columns, its o_proj and down_proj inputs round exactly as tp 1'
 
 from __future__ import annotations
 
-import math
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -36,46 +36,14 @@ from torch import nn
 
 from radixserve.distributed import TensorParallel
 from radixserve.model.layers.activation import SiluAndMul
-from radixserve.model.layers.fp8 import FP8_DTYPE, row_scales
 from radixserve.model.layers.kernel_choice import KernelChoice
 from radixserve.model.layers.linear import Linear, MergedLinear, ShardId, copy_weight
+from radixserve.model.layers.param_sharding import Cut, Destination, Loaded, Span, read_all, read_cols, read_rows, \
+    shape_of
 from radixserve.model.quantization import Fp8Config
 
-# A checkpoint tensor or a lazily read safetensors slice of one.
-Loaded = Any
-
-
-def read_rows(loaded: Loaded, start: int, size: int) -> torch.Tensor:
-    if isinstance(loaded, torch.Tensor):
-        return loaded.narrow(0, start, size)
-    return loaded[start:start + size]
-
-
-def read_cols(loaded: Loaded, start: int, size: int) -> torch.Tensor:
-    if isinstance(loaded, torch.Tensor):
-        return loaded.narrow(1, start, size)
-    return loaded[:, start:start + size]
-
-
-def read_all(loaded: Loaded) -> torch.Tensor:
-    return loaded[...]
-
-
-def shape_of(loaded: Loaded) -> tuple[int, ...]:
-    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
-
-
-def read_scale_rows(loaded: Loaded, start: int, size: int) -> torch.Tensor:
-    """An FP8 weight scale for rows [start, start + size): a per-tensor scale whole, a per-channel
-    one ([N] or [N, 1]) sliced like the weight's rows."""
-    shape = shape_of(loaded)
-    if math.prod(shape) == 1:
-        return read_all(loaded)
-    if not shape or shape[0] < start + size or math.prod(shape[1:]) != 1:
-        raise ValueError(f"has shape {shape}: a weight scale is one value or one per output row (this rank "
-                         f"reads rows {start}..{start + size - 1}); block-wise scales are "
-                         "`weight_scale_inv` under a weight_block_size")
-    return read_rows(loaded, start, size)
+__all__ = ["ColumnParallelLinear", "Loaded", "ParallelLMHead", "RowParallelLinear", "VocabParallelEmbedding",
+           "read_all", "read_cols", "read_rows", "shape_of"]
 
 
 class ColumnParallelLinear(MergedLinear):
@@ -90,25 +58,10 @@ class ColumnParallelLinear(MergedLinear):
                          kernels=kernels, act=act, fp8=fp8)
         self.source_rows = dict(shards)
 
-    def load_weight(self, param: str, loaded: Loaded, shard_id: Optional[ShardId] = None) -> None:
-        if shard_id not in self.source_rows:
-            raise ValueError(f"{type(self).__name__} has no shard {shard_id!r} (shards: {list(self.source_rows)})")
+    def checkpoint_place(self, shard_id: Optional[ShardId]) -> tuple[Cut, Destination]:
+        _, dest = super().checkpoint_place(shard_id)
         start, size = self.source_rows[shard_id]
-        local_start, _ = self.shard_rows[shard_id]
-        if self.quant is not None:
-            if param == "weight_scale":
-                part = read_scale_rows(loaded, start, size)
-            elif param == "weight_scale_inv":  # block-wise: the block rows of this rank's rows
-                bn = self.quant.config.block[0]
-                part = read_rows(loaded, start // bn, -(-size // bn))
-            elif param == "input_scale":  # one value per checkpoint tensor, the same on every rank
-                part = read_all(loaded)
-            else:
-                part = read_rows(loaded, start, size)
-            self.quant.load(self, param, part, shard_id, (local_start, size))
-            return
-        dest = getattr(self, param).narrow(0, local_start, size)
-        copy_weight(dest, read_rows(loaded, start, size))
+        return Cut(rows=Span(start, size)), dest
 
 
 class RowParallelLinear(Linear):
@@ -127,43 +80,12 @@ class RowParallelLinear(Linear):
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
+        y = self.quant_method.apply(self, x)
         return self.tp.all_reduce(y) if self.reduce else y
 
-    def load_weight(self, param: str, loaded: Loaded, shard_id: Optional[ShardId] = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
-        if self.quant is None:
-            copy_weight(self.weight, read_cols(loaded, self.start, self.input_size))
-        elif param != "weight" or self.quant.config.from_checkpoint or _is_fp8(loaded):
-            # Scales cover every output row, all of which this rank holds; the e4m3 weight its columns
-            # (block-wise scales: the block columns of its columns).
-            if param == "weight":
-                part = read_cols(loaded, self.start, self.input_size)
-            elif param == "weight_scale_inv":
-                bk = self.quant.config.block[1]
-                part = read_cols(loaded, self.start // bk, -(-self.input_size // bk))
-            else:
-                part = read_all(loaded)
-            self.quant.load(self, param, part, None, (0, self.output_size))
-        else:
-            self._quantize_columns(read_all(loaded))
-
-    def _quantize_columns(self, full: torch.Tensor) -> None:
-        """Quantize this rank's columns of a plain weight with each row's scale over all its columns
-        (tp 1's scale; every rank computes the same one)."""
-        if full.dim() != 2 or full.shape[1] < self.start + self.input_size:
-            raise ValueError(f"has shape {tuple(full.shape)}, expected ({self.output_size}, K >= "
-                             f"{self.start + self.input_size}) from config.json")
-        full = full.to(self.weight.device)
-        self.quant.load(self, "weight", full.narrow(1, self.start, self.input_size), None, (0, self.output_size),
-                        row_scale=row_scales(full))
-
-
-def _is_fp8(loaded: Loaded) -> bool:
-    if isinstance(loaded, torch.Tensor):
-        return loaded.dtype == FP8_DTYPE
-    return loaded.get_dtype() == "F8_E4M3"
+    def checkpoint_place(self, shard_id: Optional[ShardId]) -> tuple[Cut, Destination]:
+        _, dest = super().checkpoint_place(shard_id)
+        return Cut(cols=Span(self.start, self.input_size)), dest
 
 
 def _load_vocab_rows(weight: torch.Tensor, loaded: Loaded, start: int, real: int) -> None:
@@ -214,7 +136,7 @@ class ParallelLMHead(Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather_last_dim(super().forward(x))[:, :self.vocab_size]
+        return self.tp.all_gather_last_dim(self.quant_method.apply(self, x))[:, :self.vocab_size]
 
     def load_weight(self, param: str, loaded: Loaded, shard_id: Optional[ShardId] = None) -> None:
         if param != "weight" or shard_id is not None:

@@ -31,7 +31,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def meta_info(t: Tracker, logprob_texts: Optional[TokenTexts] = None) -> dict[str, Any]:
-    info = {"id": t.label or t.rid, "finish_reason": t.finish_reason,
+    info = {"id": t.label or t.rid, "finish_reason": None if t.finish_reason is None else t.finish_reason.as_dict(),
             "prompt_tokens": t.prompt_tokens or len(t.input_ids),
             "completion_tokens": t.completion_tokens, "cached_tokens": t.cached_tokens,
             "e2e_latency": t.e2e_latency}
