@@ -166,6 +166,12 @@ class SnapshotRadixCache(RadixCache):
             states.taken.append((position, slot))
             self._unissued.append((row, slot))
 
+    @property
+    def queued_saves(self) -> set[int]:
+        """Snapshot slots whose copy out of a row is still queued here (their contents are not yet
+        the state they will hold)."""
+        return {slot for _, slot in self._unissued}
+
     def poll(self) -> bool:
         """The start of a step's scheduling: the steps that reached a chunk end are launched, so
         their states are copied out now, before a later forward pass moves their rows on."""
