@@ -95,7 +95,8 @@ def kv_of(prefix: tuple, layer: int) -> float:
 
 class PrefixCacheMachine(RuleBasedStateMachine):
     @initialize(kind=st.sampled_from(KINDS), page_size=st.sampled_from([1, 2, 4]),
-                host_tokens=st.sampled_from([16, 1024]), write_through=st.booleans(), snapshot_slots=st.sampled_from([2, 6]))
+                host_tokens=st.sampled_from([16, 1024]), write_through=st.booleans(),
+                snapshot_slots=st.sampled_from([2, 6]))
     def setup(self, kind: str, page_size: int, host_tokens: int, write_through: bool, snapshot_slots: int) -> None:
         self.kind = kind
         self.page = page_size
