@@ -21,6 +21,8 @@ HICACHE_WRITE_POLICIES = ("write_back", "write_through")
 # Defaults that depend on the device the engine runs on.
 DEFAULT_MAX_RUNNING_REQUESTS = {"cuda": 1024, "cpu": 256}
 CPU_KV_POOL_TOKENS = 65536
+# Recurrent-state snapshots a hybrid model's prefix cache keeps on the CPU without --mamba-cache-size.
+CPU_MAMBA_CACHE_SIZE = 64
 # Rows up to which projections run the weight-streaming Triton GEMM instead of cuBLAS: faster up to
 # 32 rows on an H200; at 64, cuBLAS won on most projections (docs/runs/2026-12-01-decode-row-gemm.md).
 # The model's default too.
@@ -94,6 +96,13 @@ class ServerSettings:
         "states (per layer [value heads, 128, 128]; 151 MiB a request for Qwen3.5-27B in float32). bfloat16 "
         "halves them (the kernels still compute in float32; each step rounds the state once).",
         choices=("float32", "bfloat16"))
+    mamba_cache_size: Optional[int] = _opt(
+        None, "Hybrid models: how many recurrent-state snapshots the prefix cache keeps (one per cached "
+        "position a later request can resume from: a conversation's end, a shared prompt's branch point; "
+        "each the size of one running request's states, in --mamba-ssm-dtype). Their own pool, beside the "
+        "running requests' states and the KV pool. Default: on CUDA as many as a quarter of the memory "
+        "the weights and the running requests' states leave holds, at most 4 per running request; on the "
+        f"CPU {CPU_MAMBA_CACHE_SIZE}. 0: none, and no prefix is reused for these models.")
     random_seed: int = _opt(0, "Seed for dummy weights and for sampling without a per-request seed.")
 
     # --- KV memory ---------------------------------------------------------
@@ -273,6 +282,8 @@ class ServerSettings:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.mamba_cache_size is not None and self.mamba_cache_size < 0:
+            raise ValueError(f"mamba_cache_size must be >= 0, got {self.mamba_cache_size}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.graceful_shutdown_timeout < 0:

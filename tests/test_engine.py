@@ -107,10 +107,15 @@ def check_greedy_cold_then_cached(path: Path, prompts: list[list[int]], expected
 
 
 def check_idle(engine: Engine) -> None:
+    """Nothing runs or waits, and every KV slot and every recurrent-state snapshot slot (a hybrid
+    model's) is free or the cache's, evictable: none is left with a request."""
     engine.check_invariants()
     stats = engine.cache_stats()
     assert stats["running_requests"] == stats["queued_requests"] == 0
     assert stats["free_tokens"] + stats["evictable_tokens"] == stats["pool_tokens"]
+    snapshots = engine.core.kv_pool.snapshots
+    if snapshots is not None:
+        assert snapshots.free_slots + stats["snapshots_held"] == stats["snapshot_slots"] == snapshots.num_slots
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

@@ -1,14 +1,16 @@
 """Hybrid Qwen models (Qwen3-Next, Qwen3.5 and its multimodal checkpoints' language model, and their
 MoE forms) on the CPU against transformers: the config keys and the registry, the checkpoints' layouts, logits over
-prefill chunks and decode steps, the offline engine cold / chunked / retracting / taken back after
-a failed allocation, log probabilities, tensor parallelism over gloo, and the real server.
+prefill chunks and decode steps, the offline engine cold and resumed from the prefix cache's
+recurrent-state snapshots (chunked, paged, retracting, without overlap, taken back after a failed
+allocation), a conversation's next turn and requests branching off a shared prompt, log
+probabilities, tensor parallelism over gloo, and the real server.
 
 The tiny hybrids (radixserve.testing.tiny_model) alternate Gated DeltaNet and gated attention
 layers (4 layers), with 4 query heads of head_dim 32 over hidden 64 (q|gate rows 256), 2 KV heads,
 RoPE on 8 of 32 values, and 2 key / 4 value heads of 16 in the linear layers; every norm and bias
 random. The MoE forms: 8 experts of 32, top-2, a shared expert of 48 (Qwen3-Next: every second
-layer sparse; Qwen3.5-MoE: every layer). Prefix caching is off for these models (no state
-snapshots yet): a warm pass reports 0 cached tokens and computes the same tokens.
+layer sparse; Qwen3.5-MoE: every layer). A warm pass resumes from snapshots (cached_tokens > 0)
+and computes the same tokens as transformers' cold ones.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from radixserve import Engine
 from radixserve.attention.base import ForwardMode
 from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.cache.kv_pool import KVPool
+from radixserve.cache.no_cache import NoPrefixCache
+from radixserve.cache.snapshot_cache import SnapshotRadixCache
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
 from radixserve.engine.model_stack import state_spec
 from radixserve.model.config import ModelConfig
@@ -201,22 +205,85 @@ def test_logits_equal_transformers_over_prefill_chunks_mixed_steps_and_decode(hy
 # --------------------------------------------------------------------------- the offline engine
 
 @pytest.mark.parametrize("settings", [dict(), dict(chunked_prefill_size=7, page_size=4),
+                                      dict(chunked_prefill_size=7, disable_overlap_schedule=True),
                                       dict(chunked_prefill_size=16, max_total_tokens=96, schedule_conservativeness=0.0,
                                            disable_overlap_schedule=True)],
-                         ids=["default", "chunk7-page4", "small-pool-retracts"])
-def test_greedy_equals_transformers_cold_chunked_and_retracted_with_no_prefix_reused(qwen3_5, settings):
+                         ids=["default", "chunk7-page4", "chunk7-no-overlap", "small-pool-retracts"])
+def test_greedy_equals_transformers_cold_and_resumed_from_state_snapshots(qwen3_5, settings):
+    """The second pass resumes each prompt at the deepest snapshot of its prefix (a branch point
+    taken by the first pass: 40 falls inside a 7-token chunk, which ends there) and keeps every
+    token; the small pool retracts, and a retracted request resumes from its own snapshot."""
     path, prompts, expected = qwen3_5
     with Engine(str(path), **{"max_total_tokens": 4096, **settings}) as engine:
-        assert not engine.core.cache.keeps_prefixes and engine.core.kv_pool.state is not None
-        for _ in range(2):  # the second pass finds nothing cached: no state snapshot exists
+        assert isinstance(engine.core.cache, SnapshotRadixCache) and engine.core.kv_pool.state is not None
+        cached = []
+        for _ in range(2):
             results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
             assert [r["output_ids"] for r in results] == expected
-            assert sum(r["meta_info"]["cached_tokens"] for r in results) == 0
+            cached.append([r["meta_info"]["cached_tokens"] for r in results])
+            check_idle(engine)
         stats = engine.cache_stats()
-        assert stats["cached_prompt_tokens"] == 0 and stats["hit_rate"] == 0.0
+        page = engine.settings.page_size
+        assert all(c % page == 0 and c < len(p) for c, p in zip(cached[1], prompts))
         if settings.get("max_total_tokens") == 96:
             assert stats["retractions"] > 0
+        else:
+            assert sum(cached[1]) > sum(cached[0]) and stats["snapshot_hits"] >= sum(c > 0 for c in cached[1]) > 0
+            assert stats["cached_prompt_tokens"] == sum(map(sum, cached))
+        assert stats["snapshots_taken"] > 0 and stats["snapshot_bytes"] == \
+            stats["snapshots_held"] * engine.core.kv_pool.snapshots.bytes_per_slot
+
+
+def test_without_snapshots_nothing_is_reused(qwen3_5):
+    """--mamba-cache-size 0: no snapshot pool, the cache that keeps nothing, the same tokens."""
+    path, prompts, expected = qwen3_5
+    with Engine(str(path), max_total_tokens=4096, mamba_cache_size=0) as engine:
+        assert isinstance(engine.core.cache, NoPrefixCache) and engine.core.kv_pool.snapshots is None
+        for _ in range(2):
+            results = engine.generate(input_ids=prompts[:4], sampling_params=GREEDY)
+            assert [r["output_ids"] for r in results] == expected[:4]
+            assert sum(r["meta_info"]["cached_tokens"] for r in results) == 0
         check_idle(engine)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_conversations_next_turn_resumes_where_the_last_one_ended(qwen3_5, page_size):
+    """Turn 2 = turn 1's prompt + its output + new text: it resumes after everything turn 1
+    computed (its last output token never was: turn 2 computes it), 49 + 8 - 1 = 56 positions, a
+    whole number of pages. (A request's row holds one state, after its last computed position: with
+    pages of several tokens a sequence's end is kept only where it ends a page.)"""
+    path, prompts, _ = qwen3_5
+    turn1 = prompts[3]
+    with Engine(str(path), max_total_tokens=4096, chunked_prefill_size=16, page_size=page_size) as engine:
+        first = engine.generate(input_ids=[turn1], sampling_params={**GREEDY, "max_new_tokens": 8})[0]
+        turn2 = turn1 + first["output_ids"] + [11, 12, 13, 14, 15, 16, 17]
+        second = engine.generate(input_ids=[turn2], sampling_params=GREEDY)[0]
+        check_idle(engine)
+    computed = len(turn1) + len(first["output_ids"]) - 1
+    assert computed == 56 and first["meta_info"]["cached_tokens"] == 0
+    assert second["meta_info"]["cached_tokens"] == computed
+    assert second["output_ids"] == hf_greedy(path, [turn2])[0]
+
+
+def test_requests_branching_off_a_shared_prompt_resume_at_the_branch_point(qwen3_5):
+    """a, b and c share a 40-token system prompt. a computes it all (nothing is cached); b finds its
+    KV but no state there, so its prompt pieces end at the branch point (inside a 16-token chunk)
+    and the state there is kept; c resumes at the branch point."""
+    path = qwen3_5[0]
+    system = [(5 * i) % 90 + 3 for i in range(40)]
+    a, b, c = (system + [(k * 7 + j) % 90 + 3 for j in range(9)] for k in range(3))
+    with Engine(str(path), max_total_tokens=4096, chunked_prefill_size=16) as engine:
+        cache = engine.core.cache
+        got = []
+        for prompt in (a, b):
+            got.append(engine.generate(input_ids=[prompt], sampling_params=GREEDY)[0])
+            assert got[-1]["meta_info"]["cached_tokens"] == 0
+        assert cache.peek(c[:-1])[0] == len(system)  # the state at the branch point is there
+        got.append(engine.generate(input_ids=[c], sampling_params=GREEDY)[0])
+        assert got[-1]["meta_info"]["cached_tokens"] == len(system)
+        assert engine.cache_stats()["snapshot_hits"] == 1
+        check_idle(engine)
+    assert [r["output_ids"] for r in got] == hf_greedy(path, [a, b, c])
 
 
 def test_bfloat16_states_halve_the_pool_and_keep_the_tokens(qwen3_5):
@@ -265,45 +332,76 @@ def test_logprobs_equal_transformers_log_softmax(qwen3_5):
     check_logprobs_equal_hf(path, prompts, hf, max_new_tokens=6, atol=ATOL)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next_moe"])
-def test_tp2_shards_both_layer_kinds_and_the_experts_and_equals_transformers(family, tmp_path_factory):
-    path = build(tmp_path_factory, family, seed=5)
-    prompts = make_prompts(512)[:6]
-    expected = hf_greedy(path, prompts)
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_next_moe"])
+def moe_hybrid(request, tmp_path_factory):
+    path = build(tmp_path_factory, request.param, seed=5)
+    prompts = make_prompts(512)[1:8]  # three share a 33-token system prompt, two a 21-token one
+    return request.param, path, prompts, hf_greedy(path, prompts)
+
+
+def test_moe_hybrids_resume_from_state_snapshots_with_transformers_tokens(moe_hybrid):
+    """Qwen3.5-MoE and Qwen3-Next, chunked in 5-token pieces (the branch points fall inside them)."""
+    _, path, prompts, expected = moe_hybrid
+    with Engine(str(path), max_total_tokens=4096, chunked_prefill_size=5) as engine:
+        passes = [engine.generate(input_ids=prompts, sampling_params=GREEDY) for _ in range(2)]
+        for results in passes:
+            assert [r["output_ids"] for r in results] == expected
+        assert sum(r["meta_info"]["cached_tokens"] for r in passes[1]) > 0
+        check_idle(engine)
+
+
+def test_tp2_shards_both_layer_kinds_and_the_experts_and_resumes_with_transformers_tokens(moe_hybrid):
+    """Every rank holds its heads' share of each snapshot: rank 0's copies (restores at admission,
+    states taken at chunk ends and sequence ends) go to rank 1 with the next step."""
+    _, path, prompts, expected = moe_hybrid
     with Engine(str(path), tp_size=2, max_total_tokens=4096, chunked_prefill_size=7) as engine:
         model = engine.core.model
         assert model.local_heads == (2, 1)
         linear = model.model.layers[0].linear_attn
         assert (linear.heads.num_k, linear.heads.num_v, linear.heads.k_start) == (1, 2, 0)
         assert engine.core.kv_pool.state.ssm[0].shape[1:] == (2, 16, 16)  # this rank's value heads
+        assert engine.core.kv_pool.snapshots.ssm[0].shape[1:] == (2, 16, 16)
         experts = model.model.layers[1].mlp.experts  # a sparse layer: every expert's intermediate split
         assert experts.w13_weight.shape == (8, 2 * 16, 64) and model.model.layers[1].mlp.shared_expert is not None
-        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-        assert [r["output_ids"] for r in results] == expected
+        cached = 0
+        for _ in range(2):
+            results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+            assert [r["output_ids"] for r in results] == expected
+            cached = sum(r["meta_info"]["cached_tokens"] for r in results)
+        assert cached > 0 and engine.cache_stats()["snapshot_hits"] > 0
         check_idle(engine)
 
 
 # --------------------------------------------------------------------------- the real server
 
-def test_server_serves_the_multimodal_checkpoint_as_text_and_says_it_caches_nothing(tmp_path_factory, server_workdir):
+def test_server_serves_the_multimodal_checkpoint_as_text_and_resumes_from_state_snapshots(tmp_path_factory,
+                                                                                           server_workdir):
+    """The same prompt three times: the first computes it, the second finds its KV but no state
+    before its last token, so it keeps one there (a prompt piece ends there), the third resumes there;
+    usage and /metrics count only that reuse."""
     path = build(tmp_path_factory, "qwen3_5_vl", seed=6)
     prompt = make_prompts(512)[1]
     expected = hf_greedy(path, [prompt])[0]
-    proc = ServerProcess(["--model-path", str(path), "--device", "cpu", "--max-total-tokens", "4096"],
-                         server_workdir).wait_ready()
+    proc = ServerProcess(["--model-path", str(path), "--device", "cpu", "--max-total-tokens", "4096",
+                          "--mamba-cache-size", "8"], server_workdir).wait_ready()
     try:
         client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused")
-        for _ in range(2):
+        cached = []
+        for _ in range(3):
             completion = client.completions.create(model=path.name, prompt=prompt, temperature=0,
                                                    max_tokens=GREEDY["max_new_tokens"], extra_body={"ignore_eos": True})
             assert completion.choices[0].text == transformers.AutoTokenizer.from_pretrained(path).decode(expected)
-            assert completion.usage.prompt_tokens_details.cached_tokens == 0
+            cached.append(completion.usage.prompt_tokens_details.cached_tokens)
+        assert cached == [0, 0, len(prompt) - 1]
         with pytest.raises(openai.BadRequestError, match="only text parts are supported, got 'image_url'"):
             client.chat.completions.create(model=path.name, messages=[
                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}])
         metrics = httpx.get(f"{proc.base_url}/metrics").text
-        assert 'enable_prefix_caching="False"' in metrics
-        assert "prefix caching is off for Qwen3_5ForConditionalGeneration" in proc.output()
+        assert 'enable_prefix_caching="True"' in metrics
+        assert "radixserve:state_snapshot_slots 8.0" in metrics
+        assert "radixserve:state_snapshot_hits_total 1.0" in metrics
+        assert re.search(r"^radixserve:state_snapshots [1-8]\.0$", metrics, re.M)
+        assert "prefix cache: 8 recurrent-state snapshots" in proc.output()
     finally:
         proc.stop()
 

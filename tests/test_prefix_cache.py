@@ -1,5 +1,6 @@
-"""Each prefix cache (the device tree, the tree with a host tier, the cache that keeps nothing)
-driven through the `PrefixCache` protocol exactly as the scheduler drives it: the real
+"""Each prefix cache (the device tree, the tree with a host tier, a hybrid model's tree with
+recurrent-state snapshots, the cache that keeps nothing) driven through the `PrefixCache` protocol
+exactly as the scheduler drives it: the real
 `WaitingQueue` parks requests on their peeked matches, host parts are loaded back as
 `Scheduler._load_prefix` does, and the real `KVManager` locks a match, grows a request, caches its
 finished chunks and gives everything back when it leaves, with evictions, polls and flushes in
@@ -13,7 +14,15 @@ cached that no request of the same cache namespace (its cache_salt) computed, an
 keeps nothing holds nothing and finds nothing. Both event streams follow the cache: the vLLM-format
 block events replay to exactly the pages on each tier, and the `/kv_events` block hashes to
 exactly the tree's blocks, which a router's mirror then matches each waiting request against,
-hashed from the request's salt as the router hashes it, finding what the cache finds.
+hashed from the request's salt as the router hashes it, finding what the cache finds (with
+snapshots: what lies on paths to them, `reusable_len`).
+
+The snapshot cache's request rows hold a simulated recurrent state: a number derived from the
+prefix a row has computed, written when a request "computes", read back when a piece continues it
+(so a restored snapshot must be the state of exactly the matched prefix), and a step that fails
+part-way leaves garbage in its rows (`fail_step`). Invariants: every snapshot slot is owned once
+(a node, a running request's row, the free list), a node's snapshot holds the state of its path,
+the usable match never runs past the KV match, and nothing is held by rows when none runs.
 The implementation-specific machines (test_radix_cache.py: exact eviction order; test_tiered_cache.py:
 what each tier holds) go deeper into each one.
 """
@@ -35,6 +44,9 @@ from radixserve.cache.namespace import cache_namespace, namespace_page_parent
 from radixserve.cache.no_cache import NoPrefixCache
 from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.snapshot_cache import SnapshotRadixCache
+from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
+from radixserve.cache.state_snapshots import StateSnapshots
 from radixserve.cache.tiered_cache import make_tiered_cache
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.kv_manager import KVManager
@@ -44,21 +56,36 @@ from radixserve.router.keys import routing_keys
 from radixserve.router.prefix_tree import BlockHashMirror
 from radixserve.engine.engine_intake import KvHashEvents
 
-KINDS = ("device", "tiered", "none")
+KINDS = ("device", "tiered", "snapshot", "none")
 LAYERS = 2
 DEVICE_TOKENS = 48
 ROWS = 4
 PROMPTS = st.lists(st.integers(0, 2), min_size=2, max_size=20)
 SALTS = (None, "tenant-a", "tenant-b")  # requests' cache_salt: None is the shared namespace
 HASH_BLOCK = 4  # tokens per /kv_events block here: a whole number of pages
+# One float64 per row and snapshot: the simulated recurrent state.
+STATE_SPEC = RecurrentStateSpec(num_layers=1, conv_shape=(1, 1), ssm_shape=(1, 1, 1), conv_dtype=torch.float64,
+                                ssm_dtype=torch.float64)
+GARBAGE = -1.0  # what a step that failed part-way leaves in its rows
 
 
-def make_cache(kind: str, pool: KVPool, *, host_tokens: int = 1024, write_through: bool = False) -> PrefixCache:
+def make_cache(kind: str, pool: KVPool, *, host_tokens: int = 1024, write_through: bool = False,
+               snapshot_slots: int = 6) -> PrefixCache:
     if kind == "device":
         return RadixCache(pool.allocator, page_size=pool.page_size)
     if kind == "tiered":
         return make_tiered_cache(pool, host_tokens, write_through=write_through)
+    if kind == "snapshot":
+        pool.state = RecurrentStatePool(ROWS, STATE_SPEC, "cpu")
+        pool.snapshots = StateSnapshots(snapshot_slots, pool.state)
+        # Branch points of a single page are taken too: the prompts here are short.
+        return SnapshotRadixCache(pool.allocator, pool.snapshots, page_size=pool.page_size, branch_min_tokens=1)
     return NoPrefixCache(pool.allocator, page_size=pool.page_size)
+
+
+def state_of(prefix: tuple) -> float:
+    """The simulated recurrent state after computing prefix."""
+    return float(hash(("state",) + prefix) % 100003) + 0.25
 
 
 def kv_of(prefix: tuple, layer: int) -> float:
@@ -68,13 +95,15 @@ def kv_of(prefix: tuple, layer: int) -> float:
 
 class PrefixCacheMachine(RuleBasedStateMachine):
     @initialize(kind=st.sampled_from(KINDS), page_size=st.sampled_from([1, 2, 4]),
-                host_tokens=st.sampled_from([16, 1024]), write_through=st.booleans())
-    def setup(self, kind: str, page_size: int, host_tokens: int, write_through: bool) -> None:
+                host_tokens=st.sampled_from([16, 1024]), write_through=st.booleans(),
+                snapshot_slots=st.sampled_from([2, 6]))
+    def setup(self, kind: str, page_size: int, host_tokens: int, write_through: bool, snapshot_slots: int) -> None:
         self.kind = kind
         self.page = page_size
         self.pool = KVPool(DEVICE_TOKENS, page_size, LAYERS, 1, 2, torch.float32, "cpu")
         self.alloc = self.pool.allocator
-        self.cache = make_cache(kind, self.pool, host_tokens=host_tokens, write_through=write_through)
+        self.cache = make_cache(kind, self.pool, host_tokens=host_tokens, write_through=write_through,
+                                snapshot_slots=snapshot_slots)
         assert isinstance(self.cache, PrefixCache)
         self.kv = KVManager(self.cache, ReqToTokenPool(ROWS, 64, "cpu"))
         self.waiting = WaitingQueue(self.cache, "fcfs", max_wait_s=1e9)
@@ -90,8 +119,15 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ helpers
     def _write_kv(self, req: Req, start: int, end: int) -> None:
-        """"Compute" positions [start, end) of req into its own slots."""
+        """"Compute" positions [start, end) of req into its own slots (and its row's state, which a
+        piece after the first continues: it must hold the state of exactly what came before)."""
         tokens = req.fill_ids
+        if self.pool.state is not None:
+            ssm = self.pool.state.ssm[0]
+            if start > 0:
+                assert ssm[req.req_pool_idx].item() == state_of(tuple(tokens[:start])), \
+                    f"row {req.req_pool_idx} does not hold the state of its first {start} positions"
+            ssm[req.req_pool_idx] = state_of(tuple(tokens[:end]))
         for pos in range(start, end):
             slot = req.slots[pos]
             for layer in range(LAYERS):
@@ -108,6 +144,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     def _keeps(self) -> bool:
         return self.kind != "none"
+
+    def _schedule(self) -> None:
+        """The start of a step's scheduling: the cache takes in what the steps before did."""
+        self.cache.poll()
+        self.waiting.refresh()
 
     def _gave(self, req: Req, n: int) -> None:
         tokens = req.fill_ids
@@ -166,7 +207,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         """As PrefillAdder.try_add_one: a row, the cached prefix locked and pointed at; a host part
         is loaded back first, as the scheduler does when admission reaches a request (it admits
         the request once the copy is done)."""
-        self.waiting.refresh()
+        self._schedule()
         host, loading = self.cache.host_part(req.peek_len, req.peek_node)
         if host and not loading and self.cache.load(req.match_target(), spare_only=False,
                                                     namespace=req.cache_namespace):
@@ -182,8 +223,17 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert req.locked_len <= peeked and req.locked_len % self.page == 0
         if not self._keeps():
             assert req.locked_len == 0 and req.last_node is self.cache.root
-        elif self.kind == "device":
+        elif self.kind in ("device", "snapshot"):
             assert req.locked_len == peeked, "the device tree's match is its peek"
+        if self.kind == "snapshot":
+            kv_len, _ = RadixCache.peek(self.cache, req.match_target(), namespace=req.cache_namespace)
+            assert req.locked_len <= kv_len, "a usable match runs past the KV"
+            if req.locked_len:  # resumed: the snapshot was copied into the row
+                got = self.pool.state.ssm[0][req.req_pool_idx].item()
+                assert got == state_of(tuple(req.fill_ids[:req.locked_len])), "a restored state is not its prefix's"
+            assert all(req.locked_len < end < len(req.fill_ids) for end in req.chunk_ends)
+        else:
+            assert req.chunk_ends == ()
         self._check_kv(req.fill_ids, req.slots[:req.locked_len])
         req.state = ReqState.RUNNING
         self.running.append(req)
@@ -203,8 +253,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             self._compute(req, n)
 
     def _compute(self, req: Req, n: int) -> None:
+        self._schedule()
         before = req.kv_len
         upto = min(before + n, len(req.origin_input_ids))
+        upto = min([upto] + [end for end in req.chunk_ends if end > before])  # as PrefillAdder._add_piece
         if upto == before or not self.kv.grow(req, upto):
             return
         self._write_kv(req, before, upto)
@@ -225,17 +277,47 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         everything it holds goes back."""
         req = self.running.pop(index % len(self.running))
         if finish:
-            self._compute(req, len(req.origin_input_ids))
+            while req.kv_len < len(req.origin_input_ids) and self._compute_whole(req):
+                pass
         tokens, computed = req.fill_ids, req.kv_len
         self.kv.cache_req(req, finished=True)
         assert req.req_pool_idx is None and not req.slots and req.last_node is None
         taken = self.cache.insertable_len(computed)
         found, _ = self.cache.peek(tokens[:taken], namespace=req.cache_namespace)
-        if self._keeps():
+        if self.kind == "snapshot":  # found where a snapshot was kept
+            self._gave(req, taken)
+            assert found <= taken
+        elif self._keeps():
             self._gave(req, taken)
             assert found == taken, "what a leaving request gave the cache is found at once"
         else:
             assert taken == 0 and found == 0
+
+    def _compute_whole(self, req: Req) -> bool:
+        """The rest of req's prompt, piece by piece as its chunk ends cut it; False when it did not fit."""
+        before = req.kv_len
+        self._compute(req, len(req.origin_input_ids))
+        return req.kv_len > before
+
+    @precondition(lambda self: self.kind == "snapshot" and self.running)
+    @rule(index=st.integers(0, 100), n=st.integers(1, 8))
+    def fail_step(self, index: int, n: int) -> None:
+        """A step that failed part-way (the engine's allocation-failure path): its piece is taken back,
+        its row holds garbage, and the request starts over (retracted), keeping nothing of the row."""
+        req = self.running.pop(index % len(self.running))
+        self._schedule()
+        before = req.kv_len
+        upto = min([before + n, len(req.origin_input_ids)] + [end for end in req.chunk_ends if end > before])
+        if upto > before and self.kv.grow(req, upto):
+            self.pool.state.ssm[0][req.req_pool_idx] = GARBAGE
+            self.cache.discard_states([req.req_pool_idx])
+            self.kv.shrink(req, before)
+        else:
+            self.cache.discard_states([req.req_pool_idx])
+            self.pool.state.ssm[0][req.req_pool_idx] = GARBAGE
+        self.kv.cache_req(req, finished=True)
+        req.state = ReqState.WAITING
+        self.waiting.add(req)
 
     # ------------------------------------------------------------------ memory
     @precondition(lambda self: self.cache.evictable_size)
@@ -243,7 +325,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def evict(self, n: int) -> None:
         self.cache.evict(n)
         for req in self.running:  # what running requests hold stays on the device
-            held = self.cache.match(req.fill_ids[:req.locked_len], namespace=req.cache_namespace)
+            held = self.cache.match_kv(req.fill_ids[:req.locked_len], namespace=req.cache_namespace)
             assert held.length == req.locked_len
 
     @precondition(lambda self: not self.running and self.cache.num_nodes > 1)
@@ -252,12 +334,21 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert self.cache.flush()
         self.waiting.refresh()
         assert self.alloc.free_tokens == self.alloc.total_tokens
+        if self.pool.snapshots is not None:
+            assert self.pool.snapshots.free_slots == self.pool.snapshots.num_slots
 
     # ------------------------------------------------------------------ invariants
     @invariant()
     def slots_are_owned_once_and_sizes_add_up(self) -> None:
         if hasattr(self, "cache"):
             self.kv.check_invariants(self.running)
+
+    @invariant()
+    def idle_rows_hold_no_snapshot(self) -> None:
+        if not hasattr(self, "cache") or self.pool.snapshots is None or self.running:
+            return
+        stats = self.cache.snapshot_stats()
+        assert self.pool.snapshots.free_slots + stats["snapshots_held"] == stats["snapshot_slots"], "a snapshot leaked"
 
     @invariant()
     def waiter_counts_are_the_parked_requests(self) -> None:
@@ -293,6 +384,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                     continue
                 path = prefix + tuple(child.key)
                 assert (namespace, path[:self.page]) in self.computed and (namespace, path) in self.computed
+                if child.snapshot is not None and child.snapshot not in getattr(self.cache, "queued_saves", ()):
+                    got = self.pool.snapshots.ssm[0][child.snapshot].item()
+                    assert got == state_of(path), "a node's snapshot is not its path's state"
                 if child.value is not None:  # on the device: its slots hold its tokens' KV
                     for i, slot in enumerate(child.value.tolist()):
                         for layer in range(LAYERS):
@@ -354,7 +448,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             salt = self.salts[req.cache_namespace]
             body = {"input_ids": req.match_target(), **({"cache_salt": salt} if salt else {})}
             key = routing_keys("/generate", body).tokens
-            assert mirror.match_len(key) == req.peek_len // HASH_BLOCK * HASH_BLOCK, "the router's view differs"
+            reusable = self.cache.reusable_len(req.match_target(), namespace=req.cache_namespace)
+            assert req.peek_len <= reusable
+            assert mirror.match_len(key) == reusable // HASH_BLOCK * HASH_BLOCK, "the router's view differs"
 
 PrefixCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
 test_prefix_caches_driven_as_the_scheduler_drives_them = PrefixCacheMachine.TestCase

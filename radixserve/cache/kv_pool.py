@@ -8,12 +8,15 @@ at `req_to_token[req_index, i]`; with pages, the slots of positions in one page 
 from __future__ import annotations
 
 from array import array
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import torch
 
 from radixserve.cache.state_pool import RecurrentStatePool
+
+if TYPE_CHECKING:
+    from radixserve.cache.state_snapshots import StateSnapshots
 
 
 class PageAllocator:
@@ -84,6 +87,8 @@ class KVPool:
     `num_layers` counts the layers that keep KV (a hybrid model's full-attention layers only).
     `state`: a hybrid model's per-request recurrent states (radixserve.cache.state_pool), which
     every forward pass reaches through the pool it is given; None for attention-only models.
+    `snapshots`: the prefix cache's snapshots of those states (radixserve.cache.state_snapshots;
+    None without them), built beside them by the engine and read by no forward pass.
     """
 
     def __init__(self, num_tokens: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -102,6 +107,7 @@ class KVPool:
         self.k_scales = [float(k) for k, _ in scales]
         self.v_scales = [float(v) for _, v in scales]
         self.state: Optional[RecurrentStatePool] = None
+        self.snapshots: Optional["StateSnapshots"] = None
 
     @property
     def is_fp8(self) -> bool:

@@ -11,7 +11,7 @@ import torch
 
 from radixserve.cache.kv_pool import PageAllocator, int64_tensor
 from radixserve.cache.prefix_cache import (ALL, PARTIAL, BlockListener, CacheCounters, EventListener, MatchResult,
-                                           TreeNode, check_slot_ownership, no_host_tier_stats)
+                                           TreeNode, check_slot_ownership, no_host_tier_stats, no_snapshot_stats)
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 
@@ -53,6 +53,23 @@ class NoPrefixCache:
 
     def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
         return MatchResult(0, _EMPTY_SLOTS, self.root)
+
+    def match_kv(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
+        return MatchResult(0, _EMPTY_SLOTS, self.root)
+
+    # A request's state row starts from nothing and nothing of it is kept.
+    def resume(self, row: int, match: MatchResult) -> tuple[int, ...]:
+        return ()
+
+    def take_state(self, row: int, position: int) -> None:
+        return None
+
+    def keep_states(self, row: int, tokens: Sequence[int], *, namespace: Optional[str] = None,
+                    state_len: Optional[int] = None) -> None:
+        return None
+
+    def discard_states(self, rows: Sequence[int]) -> None:
+        return None
 
     # The root is the only handle there is, and holding it or waiting on it changes nothing.
     def inc_lock(self, node: TreeNode) -> None:
@@ -113,10 +130,20 @@ class NoPrefixCache:
     def iter_nodes(self) -> Iterator[TreeNode]:
         yield self.root
 
+    def on_reusable_path(self, node: TreeNode) -> bool:
+        return node is self.root
+
+    def reusable_len(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> int:
+        return 0
+
     def tier_stats(self) -> dict[str, float]:
         return no_host_tier_stats()
 
-    def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = ()) -> None:
+    def snapshot_stats(self) -> dict[str, float]:
+        return no_snapshot_stats()
+
+    def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = (),
+                         running_rows: Sequence[int] = ()) -> None:
         """Running requests own every slot that is not free."""
         assert not self.root.children and self.root.waiters == 0, "the cache that keeps nothing holds something"
         total, free = self.allocator.total_tokens, self.allocator.free_tokens

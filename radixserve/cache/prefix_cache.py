@@ -1,20 +1,23 @@
 """The prefix cache as the scheduler, the engine and the event publishers see it: one protocol,
 the tree node it hands out as a handle, and the result and counter types they share.
 
-Three implementations:
+Four implementations:
 
 - `RadixCache` (radix_cache.py): the radix tree of device KV slots.
 - `TieredRadixCache` (tiered_cache.py): the same tree over two tiers, device slots and a host
   pool under them; a prefix evicted from the device is copied to the host and loaded back.
+- `SnapshotRadixCache` (snapshot_cache.py): the device tree of a hybrid model, which keeps
+  recurrent-state snapshots beside the KV (state_snapshots.py).
 - `NoPrefixCache` (no_cache.py): `--disable-radix-cache`. Nothing is kept or found; a request
   computes its whole prompt and frees its KV when it leaves.
 
 How a request uses it (scheduler/kv_manager.py and waiting_queue.py): while it waits, `peek_park`
 says how much of its prompt is cached (on any tier) and where to park it, `add_waiter` marks that
 path as wanted (queue-aware eviction) and `host_part` / `load` / `poll` bring a host part back to
-the device. When it is admitted, `match` returns the device part ready to read and `inc_lock`
-holds it; what it computes goes back with `insert` (as much as `insertable_len` says the cache
-takes) and `dec_lock` lets go. `evict` makes room on demand.
+the device. When it is admitted, `match` returns the device part ready to read, `inc_lock` holds
+it and `resume` puts into the request's state row whatever else the match needs; what it computes
+goes back with `insert` (as much as `insertable_len` says the cache takes) and `keep_states`, and
+`dec_lock` lets go. `evict` makes room on demand.
 
 Every lookup and insert names the request's cache namespace (`cache/namespace.py`: its
 `cache_salt`, and its API key with `--cache-salt-per-api-key`; None: the shared one). Prefixes
@@ -22,12 +25,14 @@ of different namespaces are never shared: the tree keeps each namespace under it
 root, so everything else works in it as in the shared one.
 
 What a cache holds is per position: a match is usable only up to the deepest position every
-kind of state it keeps is there for, and `peek`/`match` report that usable length. Today the one
-kind of state is per-token KV (on the device or the host). A hybrid model's recurrent-state
-snapshots (one fixed-size state that can only be resumed where it was taken) fit as a third
-kind: the cache keeps them at node boundaries, its matches stop at the deepest boundary holding
-both KV and a snapshot, `insertable_len` says where a request's computed state can be taken,
-and the scheduler does not change.
+kind of state it keeps is there for, and `peek`/`match` report that usable length. For a model of
+attention layers alone the one kind is per-token KV (on the device or the host). A hybrid model's
+recurrent-state snapshots (one fixed-size state that can only be resumed where it was taken) are
+a third kind: `SnapshotRadixCache` keeps them at node boundaries, its matches stop at the deepest
+boundary holding both KV and a snapshot, and it tells the scheduler where a request's prompt
+pieces must end (`MatchResult.chunk_ends`: a branch point, where the state is taken with
+`take_state`). A cache of KV alone asks for no chunk end and keeps no state, so the same scheduler
+code runs over every implementation.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ class TreeNode:
     nodes carry more (`tiered_cache.HostTierNode`)."""
 
     __slots__ = ("key", "value", "children", "parent", "lock_ref", "waiters", "last_access", "hit_count",
-                 "created", "node_id", "removed", "ends_prompt", "block_hash", "namespace")
+                 "created", "node_id", "removed", "ends_prompt", "block_hash", "namespace", "snapshot",
+                 "snapshots_below")
 
     def __init__(self, key: list[int], value: Optional[torch.Tensor], parent: Optional["TreeNode"], tick: int,
                  node_id: int):
@@ -83,6 +89,11 @@ class TreeNode:
         self.block_hash: Optional[int] = None
         # Set on a namespace's root only (no tokens, never evicted): the namespace it holds.
         self.namespace: Optional[str] = None
+        # A hybrid model's cache (snapshot_cache.py): the snapshot slot of the recurrent state after
+        # the node's last token (None: none), and how many snapshots the node and its subtree hold.
+        # A split keeps the snapshot on the lower part, which still ends there.
+        self.snapshot: Optional[int] = None
+        self.snapshots_below = 0
 
     @property
     def is_leaf(self) -> bool:
@@ -100,6 +111,9 @@ class MatchResult:
     length: int
     slots: torch.Tensor  # int64, the cached KV slots of tokens[:length]
     last_node: TreeNode  # the node the match ends in (exactly at its end)
+    # Positions past `length` where the request's prompt pieces must end, so that the state there
+    # can be kept (`PrefixCache.take_state`): a hybrid model's branch point. () for a cache of KV alone.
+    chunk_ends: tuple[int, ...] = ()
 
 
 @dataclass
@@ -171,8 +185,32 @@ class PrefixCache(Protocol):
 
     # -- taking a prefix
     def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
-        """The longest cached prefix ready on the device, split to end at a node's end; counts as
-        an access for eviction."""
+        """The longest usable cached prefix ready on the device, split to end at a node's end;
+        counts as an access for eviction."""
+
+    def match_kv(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
+        """As match, by the KV alone (whatever other state is kept): what a running request holds
+        of the positions it just inserted while it goes on reading them (equal to match for a cache
+        of KV alone)."""
+
+    def resume(self, row: int, match: MatchResult) -> tuple[int, ...]:
+        """A request admitted on `match` (locked) runs in state row `row`: put into the row the state
+        the match ends at beyond its KV (a recurrent-state snapshot; nothing for a cache of KV alone),
+        and return the positions its prompt pieces must end at (`match.chunk_ends`)."""
+
+    def take_state(self, row: int, position: int) -> None:
+        """The step being scheduled takes row's request to `position`, one of its chunk ends: keep
+        the state there once that step is launched."""
+
+    def keep_states(self, row: int, tokens: Sequence[int], *, namespace: Optional[str] = None,
+                    state_len: Optional[int] = None) -> None:
+        """After `insert(tokens, ...)` by the request in state row `row`: hang the states taken of it
+        (`take_state`) within tokens on the tree. state_len: the request leaves and its row holds
+        the state after state_len positions (kept where tokens end there); the row is given back."""
+
+    def discard_states(self, rows: Sequence[int]) -> None:
+        """These rows' states may be wrong (a step that failed part-way may have advanced some of
+        their layers): take no state of them from now until they are given back."""
 
     def inc_lock(self, node: TreeNode) -> None:
         """Hold the path to node: a running request reads it."""
@@ -226,18 +264,36 @@ class PrefixCache(Protocol):
     def iter_nodes(self) -> Iterator[TreeNode]:
         ...
 
+    def on_reusable_path(self, node: TreeNode) -> bool:
+        """Whether a match could still end at or below node (the blocks /kv_events publishes): every
+        node of a cache of KV alone; a snapshot cache's nodes with a snapshot at or below them."""
+
+    def reusable_len(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> int:
+        """How many leading tokens run along such paths (what /kv_events still publishes of them)."""
+
     def tier_stats(self) -> dict[str, float]:
         """The host tier's pool and traffic for /metrics (zeros without one: the same keys always)."""
 
-    def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = ()) -> None:
-        """Sizes add up to the pool and no KV slot is owned twice (running requests own
-        `running_slots`, `held_by_running` tokens); AssertionError otherwise."""
+    def snapshot_stats(self) -> dict[str, float]:
+        """The recurrent-state snapshots' pool and traffic for /metrics (zeros without one)."""
+
+    def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = (),
+                         running_rows: Sequence[int] = ()) -> None:
+        """Sizes add up to the pool and no KV slot (or snapshot slot) is owned twice (running
+        requests own `running_slots`, `held_by_running` tokens, and run in state rows
+        `running_rows`); AssertionError otherwise."""
 
 
 def no_host_tier_stats() -> dict[str, float]:
     """`tier_stats()` of a cache without a host tier."""
     return {"host_pool_tokens": 0, "host_free_tokens": 0, "host_cached_tokens": 0, "loading_tokens": 0,
             "loaded_tokens": 0, "loaded_bytes": 0, "written_back_bytes": 0, "load_bandwidth_gbps": 0.0}
+
+
+def no_snapshot_stats() -> dict[str, float]:
+    """`snapshot_stats()` of a cache that keeps no recurrent-state snapshots."""
+    return {"snapshot_slots": 0, "snapshots_held": 0, "snapshot_bytes": 0, "snapshot_hits": 0,
+            "snapshots_taken": 0, "snapshot_evictions": 0}
 
 
 def check_slot_ownership(owned: Sequence[torch.Tensor], total: int, page_size: int, what: str = "KV") -> None:

@@ -26,7 +26,7 @@ from radixserve.cache.prefix import common_prefix_len
 from radixserve.cache.namespace import namespace_page_parent
 from radixserve.cache.prefix_cache import (ALL, CPU, GPU, NAMESPACE, PARTIAL, BlockListener,  # noqa: F401
                                            CacheCounters, EventListener, MatchResult, TreeNode,
-                                           check_slot_ownership, no_host_tier_stats)
+                                           check_slot_ownership, no_host_tier_stats, no_snapshot_stats)
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 # How far short of a finished prompt's end a match may stop and still count as its continuation
@@ -188,6 +188,36 @@ class RadixCache:
         slots = torch.cat(pieces) if pieces else _EMPTY_SLOTS
         return MatchResult(length, slots, last)
 
+    def match_kv(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
+        """KV is the only state this tree keeps: its match."""
+        return RadixCache.match(self, tokens, namespace=namespace)
+
+    # ------------------------------------------------------------------ recurrent states (none here)
+    # A tree of KV alone keeps no other state: a match needs nothing put into the request's row and
+    # asks for no chunk end; SnapshotRadixCache (snapshot_cache.py) fills these in.
+    def resume(self, row: int, match: MatchResult) -> tuple[int, ...]:
+        return match.chunk_ends
+
+    def take_state(self, row: int, position: int) -> None:
+        return None
+
+    def keep_states(self, row: int, tokens: Sequence[int], *, namespace: Optional[str] = None,
+                    state_len: Optional[int] = None) -> None:
+        return None
+
+    def discard_states(self, rows: Sequence[int]) -> None:
+        return None
+
+    def snapshot_stats(self) -> dict[str, float]:
+        return no_snapshot_stats()
+
+    def on_reusable_path(self, node: TreeNode) -> bool:
+        return True
+
+    def reusable_len(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> int:
+        """Every cached token can be matched: the peek."""
+        return self.peek(tokens, namespace=namespace)[0]
+
     # ------------------------------------------------------------------ the host tier (none here)
     def host_part(self, length: int, node: TreeNode) -> tuple[int, bool]:
         """Every cached token is on the device, ready."""
@@ -255,7 +285,7 @@ class RadixCache:
         assert parent is not None
         upper = self.node_type(node.key[:n], node.value[:n].clone(), parent, node.created, next(self._ids))
         upper.lock_ref, upper.last_access, upper.hit_count = node.lock_ref, node.last_access, node.hit_count
-        upper.waiters = node.waiters
+        upper.waiters, upper.snapshots_below = node.waiters, node.snapshots_below
         parent.children[self._child_key(node.key, 0)] = upper
         node.key = node.key[n:]
         node.value = node.value[n:].clone()
@@ -305,11 +335,16 @@ class RadixCache:
         self.counters.inserted_tokens += len(leaf.key)
         self._push(leaf)
         self.touched.add((parent, self._child_key(tokens, pos)))
-        if self.event_listener is not None:
-            self.event_listener("insert", list(tokens), namespace)
+        self._publish_insert(tokens, namespace)
         if self.block_listener is not None:
             self.block_listener("stored", GPU, leaf)
         return leaf
+
+    def _publish_insert(self, tokens: Sequence[int], namespace: Optional[str]) -> None:
+        """Tell /kv_events that tokens can now be matched (SnapshotRadixCache says so only where a
+        snapshot makes them usable)."""
+        if self.event_listener is not None:
+            self.event_listener("insert", list(tokens), namespace)
 
     # ------------------------------------------------------------------ locking
     def inc_lock(self, node: TreeNode) -> None:
@@ -474,7 +509,8 @@ class RadixCache:
     def all_slots(self) -> list[torch.Tensor]:
         return [n.value for n in self.iter_nodes() if n is not self.root and self._on_device(n)]
 
-    def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = ()) -> None:
+    def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = (),
+                         running_rows: Sequence[int] = ()) -> None:
         """Sizes add up to the pool, no slot is owned twice, locks and pages are consistent."""
         evictable = protected = waited = 0
         for node in self.iter_nodes():

@@ -5,14 +5,14 @@ A Gated DeltaNet layer keeps no KV per token: each running request has, per such
 state. This pool holds them for every request row of `req_to_token`, indexed by the row itself:
 a request's state lives exactly as long as its row (taken at admission, given back when it
 leaves), and nothing is allocated per step. A prompt's first piece starts from zeros (the layer
-does not read the row), its later chunks and every decode step continue it in place.
+does not read the row) unless its cached prefix gave the row a snapshot's state; its later chunks
+and every decode step continue it in place.
 
 One extra row past the request rows, `scratch_row`, takes the writes of padded rows of a decode
 CUDA-graph bucket (they point at request row 0, whose state belongs to a real request).
 
-The states are not cached: a finished request's state is overwritten by the row's next request.
-Until the prefix cache keeps state snapshots, a hybrid model reuses no prefix (see
-radixserve.engine.core).
+A row's state is overwritten by the row's next request: what the prefix cache keeps of it lives in
+its own pool of snapshots (radixserve.cache.state_snapshots), copied out and back in by the cache.
 """
 
 from __future__ import annotations

@@ -220,6 +220,7 @@ class TieredRadixCache(RadixCache):
         upper = HostTierNode(node.key[:n], value, parent, node.created, next(self._ids))
         upper.lock_ref, upper.last_access, upper.hit_count = node.lock_ref, node.last_access, node.hit_count
         upper.waiters, upper.host_seq, upper.loading_seq = node.waiters, node.host_seq, node.loading_seq
+        upper.snapshots_below = node.snapshots_below
         if node.host_value is not None:
             upper.host_value = node.host_value[:n].clone()
             node.host_value = node.host_value[n:].clone()
@@ -401,11 +402,12 @@ class TieredRadixCache(RadixCache):
             self.host_allocator.free_slots(node.host_value)
 
     # ------------------------------------------------------------------ checks
-    def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = ()) -> None:
+    def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = (),
+                         running_rows: Sequence[int] = ()) -> None:
         """The device pool as without a tier (host-only nodes hold no device slot), the device nodes
         a tree from the root, and the host pool's free + evictable + busy == total with no host slot
         owned twice."""
-        super().check_invariants(held_by_running, running_slots)
+        super().check_invariants(held_by_running, running_slots, running_rows)
         host_slots, busy = [], 0
         for node in self.iter_nodes():
             if node is self.root:

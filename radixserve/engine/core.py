@@ -25,6 +25,7 @@ from radixserve.cache.namespace import is_cache_namespace
 from radixserve.cache.no_cache import NoPrefixCache
 from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.snapshot_cache import SnapshotRadixCache
 from radixserve.cache.tiered_cache import make_tiered_cache
 from radixserve.chat_formats import reasoning_format
 from radixserve.distributed import TensorParallel
@@ -102,6 +103,7 @@ class EngineCore:
                                    eos_token_ids=eos, decode_text=self._decode_tail if self.tokenizer else None)
         self.runner = self.ranks.make_runner(
             self.model, self.kv_pool, self.req_to_token, settings.random_seed, copier=self.cache.copier,
+            state_copier=self.kv_pool.snapshots if self.cache.keeps_prefixes else None,
             cuda_graph_max_bs=min(settings.cuda_graph_max_bs, max_running),
             disable_cuda_graph=settings.disable_cuda_graph)
         self.runner.eos_token_ids = sorted(set(eos))
@@ -133,20 +135,27 @@ class EngineCore:
                     self.pool_size, settings.page_size, max_running, tp.size)
 
     def _make_cache(self, tp: TensorParallel) -> PrefixCache:
-        """The one place that picks the prefix cache: none, the device tree, or the tree with a host tier."""
+        """The one place that picks the prefix cache: none, the device tree (with recurrent-state
+        snapshots for a hybrid model), or the tree with a host tier."""
         s = self.settings
         if self.model_config.has_recurrent_state:
             # A request resumed from a cached prefix needs the recurrent state at the prefix's end,
-            # which KV cannot rebuild; until the cache keeps state snapshots, nothing is reused.
+            # which KV cannot rebuild: the tree keeps snapshots of it beside the KV.
             if s.hicache_enabled:
                 raise ValueError("--hicache-size / --hicache-ratio are not supported for "
-                                 f"{self.model_config.architecture} (its linear-attention layers' recurrent states "
-                                 "are not cached)")
-            if not s.disable_radix_cache:
-                logger.warning("prefix caching is off for %s: its linear-attention layers keep a recurrent state per "
-                               "request that the radix cache does not snapshot yet, so every request computes its "
-                               "whole prompt (cached_tokens 0)", self.model_config.architecture)
-            return NoPrefixCache(self.kv_pool.allocator, page_size=s.page_size)
+                                 f"{self.model_config.architecture} (the host tier keeps no recurrent-state "
+                                 "snapshots)")
+            snapshots = self.kv_pool.snapshots
+            if s.disable_radix_cache or snapshots is None:
+                if not s.disable_radix_cache:
+                    logger.warning("prefix caching is off for %s: --mamba-cache-size 0 keeps no recurrent-state "
+                                   "snapshot, so every request computes its whole prompt (cached_tokens 0)",
+                                   self.model_config.architecture)
+                return NoPrefixCache(self.kv_pool.allocator, page_size=s.page_size)
+            logger.info("prefix cache: %d recurrent-state snapshots of %.1f MiB on each of %d rank(s)",
+                        snapshots.num_slots, snapshots.bytes_per_slot / 2**20, tp.size)
+            return SnapshotRadixCache(self.kv_pool.allocator, snapshots, page_size=s.page_size,
+                                      eviction_policy=s.radix_eviction_policy)
         if s.disable_radix_cache:
             return NoPrefixCache(self.kv_pool.allocator, page_size=s.page_size)
         if not s.hicache_enabled:
@@ -282,12 +291,14 @@ class EngineCore:
         and their computed KV), collect the step before it, make later steps smaller, and hand the
         allocator's cached blocks back so the next step starts unfragmented. The engine goes on;
         under tensor parallelism every rank gives the step up with it (`abandon_step`)."""
+        # The failed step may have moved some layers' recurrent states on: positions can be taken
+        # back, those states cannot, so nothing more is kept of them (a cache of KV alone ignores it).
+        self.cache.discard_states([r.req_pool_idx for r in batch.reqs])
         self.scheduler.take_back(batch)  # before `previous` is collected: nothing half computed is cached
         outputs = self._collect(previous)
         change, failed = self.scheduler.shrink_steps(batch)
         if self.model_config.has_recurrent_state:
-            # The failed step may have moved some layers' recurrent states on: positions can be
-            # taken back, those states cannot. Its requests start over from their first token.
+            # Its requests start over, from the deepest state snapshot the cache holds of them.
             self.scheduler.restart(batch.reqs)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -392,6 +403,7 @@ class EngineCore:
             "evicted_tokens": c.evicted_tokens,
             "hit_rate": c.hit_rate,
             **self._tier_stats(),
+            **self.cache.snapshot_stats(),
             "retractions": s.num_retractions,
             "alloc_failures": s.alloc_failures,
             "in_batch_deferrals": s.in_batch_deferrals,

@@ -3,8 +3,10 @@ waiting-queue limit is the scheduler's own admission arithmetic, `EngineCore.que
 
 `KvHashEvents` turns the cache's insert/evict/flush events into the hashes of whole token blocks
 (`radixserve.cache.block_hash`): an insert publishes the blocks of the inserted path, an eviction
-the blocks of the evicted path the tree no longer holds, so a mirror that adds and discards those
-hashes holds exactly the tree's whole blocks. Token ids never leave the engine.
+the blocks of the evicted path no match can use any more, so a mirror that adds and discards those
+hashes holds exactly the tree's whole blocks on paths a match can use (`PrefixCache.
+on_reusable_path`: every path of a tree of KV alone; a hybrid model's paths to its recurrent-state
+snapshots). Token ids never leave the engine.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class KvHashEvents:
             if kind == "insert":
                 hashes = block_hashes(tokens, self.block_size, parent)
             elif kind == "evict":
-                held, _ = self.cache.peek(tokens, namespace=namespace)
+                held = self.cache.reusable_len(tokens, namespace=namespace)
                 hashes = block_hashes(tokens, self.block_size, parent)[held // self.block_size:]
             else:
                 hashes = []
@@ -52,8 +54,8 @@ class KvHashEvents:
         return events
 
     def snapshot(self) -> dict[str, Any]:
-        """Every whole block the tree holds, with the sequence number of the last event in it.
-        Call `take()` first: events recorded but not yet numbered would be lost."""
+        """Every whole block on the tree's reusable paths, with the sequence number of the last event
+        in it. Call `take()` first: events recorded but not yet numbered would be lost."""
         assert not self.raw
         self.on = True
         blocks: list[str] = []
@@ -63,6 +65,8 @@ class KvHashEvents:
             for child in node.children.values():
                 if child.namespace is not None:  # a namespace's root: its blocks chain from its hash
                     stack.append((child, namespace_parent(child.namespace), []))
+                    continue
+                if not self.cache.on_reusable_path(child):
                     continue
                 run = carry + list(child.key)
                 hashes = block_hashes(run, self.block_size, parent)

@@ -66,6 +66,9 @@ class MemoryPlan:
     # A hybrid model's per-request recurrent states (allocated before the plan, inside "in use").
     state_pool_bytes: int = 0
     state_pool_rows: int = 0
+    # Its prefix cache's recurrent-state snapshots (--mamba-cache-size; allocated before the plan too).
+    snapshot_pool_bytes: int = 0
+    snapshot_slots: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,6 +84,8 @@ class MemoryPlan:
                 f"KV pool {self.kv_pool_bytes / GiB:.2f} GiB = {self.kv_pool_tokens} tokens; "
                 + (f"recurrent states {self.state_pool_bytes / GiB:.2f} GiB = {self.state_pool_rows} requests; "
                    if self.state_pool_rows else "")
+                + (f"state snapshots {self.snapshot_pool_bytes / GiB:.2f} GiB = {self.snapshot_slots} slots; "
+                   if self.snapshot_slots else "")
                 + f"outside torch {self.other_bytes / GiB:.2f} GiB")
 
 

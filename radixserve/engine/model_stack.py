@@ -14,10 +14,11 @@ import torch
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
+from radixserve.cache.state_snapshots import StateSnapshots
 from radixserve.distributed import TensorParallel
 from radixserve.engine.memory_plan import MemoryPlan, plan_kv_pool
 from radixserve.model.config import ModelConfig
-from radixserve.settings import CPU_KV_POOL_TOKENS, ServerSettings
+from radixserve.settings import CPU_KV_POOL_TOKENS, CPU_MAMBA_CACHE_SIZE, ServerSettings
 
 logger = logging.getLogger("radixserve")
 
@@ -27,6 +28,12 @@ KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
 # device memory left after the weights holds recurrent states for (the rest is for the working set
 # and the KV pool).
 STATE_POOL_SHARE = 0.5
+# Without --mamba-cache-size, the prefix cache's state snapshots take this share of what the
+# fraction leaves after the weights and the running requests' states (the rest is for the working
+# set and the KV pool), at most SNAPSHOTS_PER_RUNNING_REQUEST per request row: a conversation's end
+# and a branch point or two each.
+SNAPSHOT_POOL_SHARE = 0.25
+SNAPSHOTS_PER_RUNNING_REQUEST = 4
 
 
 def kv_cache_dtype(settings: ServerSettings, dtype: torch.dtype) -> torch.dtype:
@@ -87,6 +94,10 @@ def make_kv_memory(settings: ServerSettings, model, device: torch.device, dtype:
         max_running = tp.min_int(min(max_running, state_rows_that_fit(settings, spec, device)))
     table = table_cls(max_running, context_len + 1, device)
     state = RecurrentStatePool(max_running, spec, device) if spec is not None else None
+    snapshots = None
+    if state is not None:
+        slots = tp.min_int(snapshot_slots(settings, spec, device, max_running))
+        snapshots = StateSnapshots(slots, state) if slots else None
     plan: Optional[MemoryPlan] = None
     if settings.max_total_tokens is not None:
         tokens = settings.max_total_tokens
@@ -103,9 +114,12 @@ def make_kv_memory(settings: ServerSettings, model, device: torch.device, dtype:
     if plan is not None and tokens != plan.kv_pool_tokens:
         plan.kv_pool_bytes = plan.kv_pool_bytes // plan.kv_pool_tokens * tokens
         plan.kv_pool_tokens = tokens
+    if plan is not None and snapshots is not None:
+        plan.snapshot_pool_bytes, plan.snapshot_slots = snapshots.total_bytes, snapshots.num_slots
     kv_pool = KVPool(tokens, settings.page_size, cfg.num_kv_layers, num_kv_heads, cfg.head_dim, kv_dtype, device,
                      kv_scales=model.kv_cache_scales)
     kv_pool.state = state
+    kv_pool.snapshots = snapshots
     return kv_pool, table, plan
 
 
@@ -131,6 +145,23 @@ def state_rows_that_fit(settings: ServerSettings, spec: RecurrentStateSpec, devi
         logger.info("recurrent states: %.0f MiB per request; %d requests run at once (half the memory after the "
                     "weights; --max-running-requests sets it)", spec.bytes_per_row / 2**20, rows)
     return min(rows, default)
+
+
+def snapshot_slots(settings: ServerSettings, spec: RecurrentStateSpec, device: torch.device, max_running: int) -> int:
+    """Slots of the prefix cache's state snapshot pool (0: none): --mamba-cache-size; without it on
+    CUDA SNAPSHOT_POOL_SHARE of what --mem-fraction-static leaves after what the device holds now
+    (the weights and the running requests' states), at most SNAPSHOTS_PER_RUNNING_REQUEST per row;
+    on the CPU CPU_MAMBA_CACHE_SIZE. None with --disable-radix-cache."""
+    if settings.disable_radix_cache:
+        return 0
+    if settings.mamba_cache_size is not None:
+        return settings.mamba_cache_size
+    if device.type != "cuda":
+        return CPU_MAMBA_CACHE_SIZE
+    free, total = torch.cuda.mem_get_info(device)
+    room = total * settings.mem_fraction_static - (total - free)
+    slots = max(0, int(room * SNAPSHOT_POOL_SHARE // spec.bytes_per_row))
+    return min(slots, SNAPSHOTS_PER_RUNNING_REQUEST * max_running)
 
 
 def host_tier_tokens(settings: ServerSettings, kv_pool: KVPool, tp: TensorParallel) -> int:

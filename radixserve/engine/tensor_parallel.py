@@ -11,7 +11,8 @@ arrived and how long it waited (LPM aging, prefix holds), when a grammar finishe
 abort from a client. Ranks deciding "identically" would each need every request at the same
 step and the same clock. What rank 0 sends is what the model runner builds anyway: the step's
 index lists (the ones packed into one int64 buffer), the req_to_token table writes made since the
-last step, the host-tier copies issued since the last step, and the request rows that sample. It
+last step, the host-tier copies and recurrent-state snapshot copies issued since the last step, and
+the request rows that sample. It
 goes over a ZMQ socket per rank, not a collective, so an idle rank waits without a collective
 timeout running.
 
@@ -62,6 +63,7 @@ import zmq
 
 from radixserve.cache.host_pool import CopyEngine, CopyOrder
 from radixserve.cache.kv_pool import ReqToTokenPool, TableWrites
+from radixserve.cache.state_snapshots import StateCopyOrder, StateSnapshots
 from radixserve.distributed import SingleRank, TensorParallel, check_divisible, destroy, init_tensor_parallel
 from radixserve.distributed.group import open_store
 from radixserve.engine.model_runner import LaunchedForward, ModelRunner
@@ -102,7 +104,9 @@ class StepMessage:
     """One step, as every rank runs it. `graph`: replay the decode CUDA graph with `parts` (its five
     columns); else run eagerly with `parts` (ModelRunner.batch_parts). `table_writes`: (rows, cols,
     slots) to apply to req_to_token first; `copies`: the host-tier copies to issue before the
-    forward. `sample_rows`: request rows whose sampled ids rank 0 broadcasts after the forward."""
+    forward; `state_copies`: the recurrent-state snapshot copies rank 0 issued since its last step
+    (between that step's forward and this one's), replayed in order before the forward.
+    `sample_rows`: request rows whose sampled ids rank 0 broadcasts after the forward."""
     graph: bool
     decode: bool
     resolve: bool
@@ -110,6 +114,7 @@ class StepMessage:
     table_writes: Optional[tuple[array, array, array]]
     sample_rows: array
     copies: Optional[CopyBatch] = None
+    state_copies: Optional[list[StateCopyOrder]] = None
 
 
 @dataclass
@@ -161,13 +166,17 @@ class SharedSampledTokens(LastSampledTokens):
 
 class TensorParallelRunner(ModelRunner):
     """Rank 0's model runner: sends each step to the other ranks before running it itself.
-    `copier`: the host tier's copy engine, whose copies go to the other ranks with the steps."""
+    `copier`: the host tier's copy engine, whose copies go to the other ranks with the steps;
+    `state_copier`: the prefix cache's recurrent-state snapshots, whose copies go likewise."""
 
     def __init__(self, *args, send: Callable[[StepMessage | CopyBatch | RejoinGroup], None], tp: TensorParallel,
-                 copier: Optional[CopyEngine] = None, **kwargs):
+                 copier: Optional[CopyEngine] = None, state_copier: Optional[StateSnapshots] = None, **kwargs):
         self.send = send
         self.tp = tp
         self.copier = copier
+        self.state_copier = state_copier
+        if state_copier is not None:
+            state_copier.orders = []
         self.sent_done_seq = 0
         self.announced = False  # the step being launched went to the other ranks
         self.forward_queued = False  # ... and all of its forward pass was queued here too
@@ -198,8 +207,9 @@ class TensorParallelRunner(ModelRunner):
         table = self.req_to_token
         assert isinstance(table, RecordingReqToTokenPool)
         rows = _ints(r.req_pool_idx for r, s in zip(sb.reqs, sb.sample) if s)
+        states = self.state_copier.take_orders() if self.state_copier is not None else None
         self.send(StepMessage(graph, decode, resolve, tuple(_ints(p) for p in parts), table.take(), rows,
-                              self.take_copies()))
+                              self.take_copies(), states))
         self.announced, self.announced_tokens = True, len(parts[0])
 
     def launch_forward(self, sb: ScheduledBatch) -> LaunchedForward:
@@ -241,7 +251,7 @@ class LoneRank:
         self.tp: TensorParallel = SingleRank(device)
 
     def make_runner(self, model, kv_pool, table: ReqToTokenPool, seed: int, copier: Optional[CopyEngine],
-                    **kwargs) -> ModelRunner:
+                    state_copier: Optional[StateSnapshots] = None, **kwargs) -> ModelRunner:
         return ModelRunner(model, kv_pool, table, self.device, seed, **kwargs)
 
     def dead_rank(self, wait_s: float = 2.0) -> Optional[str]:
@@ -364,10 +374,12 @@ class TensorParallelLeader:
         logger.info("tensor-parallel rank %d: on another node, step messages on port %d", rank, port)
 
     def make_runner(self, model, kv_pool, table: ReqToTokenPool, seed: int, copier: Optional[CopyEngine],
-                    **kwargs) -> ModelRunner:
-        """Rank 0's runner: sends each step (and `copier`'s host-tier copies) to the other ranks."""
+                    state_copier: Optional[StateSnapshots] = None, **kwargs) -> ModelRunner:
+        """Rank 0's runner: sends each step (and `copier`'s host-tier copies, `state_copier`'s snapshot
+        copies) to the other ranks."""
         return TensorParallelRunner(model, kv_pool, table, self.device, seed, **kwargs, send=self.send, tp=self.tp,
-                                    copier=copier, sampled=SharedSampledTokens(table.max_requests, self.device, self.tp))
+                                    copier=copier, state_copier=state_copier,
+                                    sampled=SharedSampledTokens(table.max_requests, self.device, self.tp))
 
     def send(self, msg: StepMessage | CopyBatch | RejoinGroup) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)

@@ -93,6 +93,12 @@ class WorkerRank:
             self.req_to_token.write_tensors(*(torch.frombuffer(a, dtype=torch.int64) for a in msg.table_writes))
         if msg.copies is not None:
             self.run_copies(msg.copies)
+        if msg.state_copies:
+            snapshots = self.kv_pool.snapshots
+            if snapshots is None:
+                raise RuntimeError("rank 0 sent state snapshot copies to a rank without a snapshot pool")
+            for order in msg.state_copies:
+                snapshots.replay(order)
         self.runner.run_parts(msg.graph, msg.decode, [p.tolist() for p in msg.parts], msg.resolve)
         if msg.sample_rows:
             self.sampled.receive(msg.sample_rows)

@@ -24,9 +24,9 @@ Not served (refused by name where config.json or the request could ask for it): 
 vision tower (images and videos), multi-token-prediction heads (their `mtp.*` tensors are not
 read). Qwen3.5's multimodal RoPE is plain RoPE for text (the same position on all three axes).
 
-Prefix reuse: a request's recurrent state cannot be rebuilt from KV, and the radix cache keeps
-no state snapshots yet, so the engine serves these models without prefix caching
-(radixserve.engine.core): every request computes its whole prompt.
+Prefix reuse: a request's recurrent state cannot be rebuilt from KV, so the prefix cache keeps
+snapshots of it (radixserve.cache.snapshot_cache) and copies the one a cached prefix ends at into
+the request's row; the layers then continue that row's state as they continue a chunk's.
 """
 
 from __future__ import annotations

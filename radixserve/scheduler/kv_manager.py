@@ -4,6 +4,11 @@ A running request owns a row of req_to_token, holds the tree path of its cached 
 (`Req.locked_len` positions, through `Req.last_node`) and owns the slots after it. `cache_req`
 returns computed KV to the tree: for a finished chunk (the request keeps running on the tree's
 copy) and for a request that leaves (finished, aborted, retracted, or un-admitted).
+
+The row is also the request's row of a hybrid model's recurrent-state pool: the cache puts the
+state its match needs there at admission (`PrefixCache.resume`), is told when a scheduled piece
+reaches one of the request's chunk ends (`take_state`), and hangs what it took on the tree with the
+KV (`keep_states`). For a cache of KV alone these do nothing.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class KVManager:
         """Lock the cached prefix of req (whose row is set) and point its row at the prefix's slots."""
         match = self.cache.match(req.match_target(), namespace=req.cache_namespace)
         self.cache.inc_lock(match.last_node)
+        req.chunk_ends = self.cache.resume(req.req_pool_idx, match)
         req.last_node = match.last_node
         req.locked_len = match.length
         req.slots = match.slots.tolist()
@@ -66,6 +72,8 @@ class KVManager:
             req.slots.extend(slots)
             self._writes.add_run(req.req_pool_idx, have, slots)
         req.kv_len = upto
+        if upto in req.chunk_ends:
+            self.cache.take_state(req.req_pool_idx, upto)
         return True
 
     def grow_decoding(self, reqs: list[Req]) -> list[int]:
@@ -118,7 +126,11 @@ class KVManager:
         n = self.cache.insertable_len(req.kv_len)
         if not finished and n <= req.locked_len:
             return  # nothing new the cache takes
-        already = self.cache.insert(req.fill_ids[:n], req.slots[:n], namespace=req.cache_namespace)
+        tokens = req.fill_ids[:n]
+        already = self.cache.insert(tokens, req.slots[:n], namespace=req.cache_namespace)
+        # A leaving request's row holds the state after all its kv_len positions.
+        self.cache.keep_states(req.req_pool_idx, tokens, namespace=req.cache_namespace,
+                               state_len=req.kv_len if finished else None)
         self._free_slots(req.slots[req.locked_len:already])  # duplicates of tokens cached meanwhile
         if finished:
             self._free_slots(req.slots[n:])  # the partly filled last page
@@ -126,7 +138,7 @@ class KVManager:
             self._drop(req)
             return
         self.cache.dec_lock(req.last_node)
-        match = self.cache.match(req.fill_ids[:n], namespace=req.cache_namespace)
+        match = self.cache.match_kv(tokens, namespace=req.cache_namespace)
         assert match.length == n
         self.cache.inc_lock(match.last_node)
         if already > req.locked_len:  # take the tree's copies of the duplicated positions
@@ -136,7 +148,7 @@ class KVManager:
         req.last_node, req.locked_len = match.last_node, n
 
     def _drop(self, req: Req) -> None:
-        req.slots, req.last_node, req.locked_len, req.kv_len = [], None, 0, 0
+        req.slots, req.last_node, req.locked_len, req.kv_len, req.chunk_ends = [], None, 0, 0, ()
         self.req_to_token.free(req.req_pool_idx)
         req.req_pool_idx = None
 
@@ -158,4 +170,4 @@ class KVManager:
 
     def check_invariants(self, running: list[Req]) -> None:
         owned = [torch.tensor(r.slots[r.locked_len:], dtype=torch.int64) for r in running]
-        self.cache.check_invariants(self.owned_tokens(running), owned)
+        self.cache.check_invariants(self.owned_tokens(running), owned, [r.req_pool_idx for r in running])

@@ -137,6 +137,10 @@ class PrefillAdder:
         todo = req.seq_len - req.kv_len
         room = self.budget - leave if leave < self.budget else self.budget  # what it leaves, if it can
         n = min(todo, room) if self.chunking else todo
+        for end in req.chunk_ends:  # the cache keeps the state there: a piece ends at it, chunking or not
+            if end > req.kv_len:
+                n = min(n, end - req.kv_len)
+                break
         first_scored = req.prompt_logprobs_from
         if first_scored is not None and self.chunking:
             n = min(n, max(first_scored - req.kv_len, 0) + self.prompt_logprob_rows)

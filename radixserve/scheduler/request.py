@@ -62,6 +62,9 @@ class Req:
     req_pool_idx: Optional[int] = None
     # KV slot of each position with a slot (whole pages: len(slots) == page_ceil(kv_len)).
     slots: list[int] = field(default_factory=list)
+    # Positions its prompt pieces must end at, ascending (PrefixCache.resume): there the cache
+    # keeps the state it needs beyond KV (a hybrid model's branch point); () for most requests.
+    chunk_ends: tuple[int, ...] = ()
     # Cached prompt tokens found when first admitted (reported to the user).
     cached_tokens: int = -1
     # Whether its cached prefix, when first admitted, ran through a finished request's whole prompt

@@ -399,9 +399,10 @@ class Scheduler:
             self._enqueue(req)
 
     def restart(self, reqs: list[Req]) -> None:
-        """Send the running ones of these requests back to wait, to be computed from their first
-        token again (a model whose per-request state cannot be rewound: its failed step may
-        have advanced it). Every token must be on the host."""
+        """Send the running ones of these requests back to wait, to be computed again from the
+        deepest state the cache kept of them (a model whose per-request state cannot be rewound:
+        its failed step may have advanced it; the cache was told to keep nothing more of it, see
+        PrefixCache.discard_states). Every token must be on the host."""
         for req in reqs:
             if req.state is ReqState.RUNNING and req in self.running:
                 self._retract_one([req])

@@ -6,7 +6,7 @@ Two sources:
 - request-level series (TTFT, inter-token latency, end-to-end latency, queue time, generated
   tokens, finished requests by reason) are observed here as outputs arrive;
 - engine-side series (KV pool, radix tree, prefix hit rate, evictions, retractions, the host
-  tier's hit rate and copies) are read from
+  tier's hit rate and copies, a hybrid model's recurrent-state snapshots) are read from
   the latest stats snapshot the engine process sends with its outputs (at least every 0.5 s while
   it works, and whenever a request finishes). Engine counters are cumulative in the engine, so
   they are exported as they are rather than re-counted here.
@@ -48,6 +48,11 @@ ENGINE_COUNTERS = (
     ("loaded_tokens", "hicache_loaded_tokens", "Tokens copied from the host tier to the device."),
     ("loaded_bytes", "hicache_loaded_bytes", "Bytes copied from the host tier to the device."),
     ("written_back_bytes", "hicache_written_back_bytes", "Bytes copied from the device to the host tier."),
+    ("snapshot_hits", "state_snapshot_hits",
+     "Hybrid models: admissions resumed from a recurrent-state snapshot of the prefix cache."),
+    ("snapshots_taken", "state_snapshots_taken", "Hybrid models: recurrent states copied into the snapshot pool."),
+    ("snapshot_evictions", "state_snapshot_evictions",
+     "Hybrid models: snapshots freed for room or with their evicted prefix."),
 )
 ENGINE_GAUGES = (
     ("running_requests", "num_running_reqs", "Requests decoding or prefilling in the engine."),
@@ -69,6 +74,10 @@ ENGINE_GAUGES = (
     ("host_free_tokens", "hicache_free_tokens", "Free host tier slots."),
     ("host_cached_tokens", "hicache_cached_tokens", "Tokens with a copy in the host tier."),
     ("loading_tokens", "hicache_loading_tokens", "Tokens being copied back from the host tier now."),
+    ("snapshot_slots", "state_snapshot_slots",
+     "Hybrid models: recurrent-state snapshot slots of the prefix cache (--mamba-cache-size; 0: none)."),
+    ("snapshots_held", "state_snapshots", "Hybrid models: snapshots the prefix cache holds."),
+    ("snapshot_bytes", "state_snapshot_bytes", "Hybrid models: device bytes of the snapshots the prefix cache holds."),
     ("new_token_ratio", "new_token_ratio", "Scheduler's estimate of future decode tokens per request."),
 )
 

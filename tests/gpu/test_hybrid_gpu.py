@@ -6,7 +6,9 @@ installed) graphs change no token, chunked prefill carries the states, and most 
 transformers' bf16; a Qwen3.5-27B-shaped model (head_dim 256, 16 key / 48 value heads of 128) with
 2 of its layers runs with dummy weights through the memory plan (the state pool beside the KV pool)
 and graphs; its Triton layers, and a Qwen3.6-35B-A3B-shaped model's (the fused MoE), close to their
-torch layers. Skipped without CUDA.
+torch layers; requests resumed from the prefix cache's recurrent-state snapshots (branch points
+inside chunks, a conversation's next turn) give the cold pass's and transformers' tokens, with
+graphs and overlap. Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def qwen3_5_27b_dir(tmp_path_factory):
 
 
 def engine_greedy(path: str, dtype: str, batch: list[list[int]], **settings):
-    """Ours on a hybrid: no prefix is reused until the cache snapshots recurrent states."""
+    """Ours on a hybrid, one pass over random prompts that share no prefix: nothing is reused."""
     return _engine_greedy(path, dtype, batch, expect_no_cache_hits=True, **settings)
 
 
@@ -87,6 +89,40 @@ def test_fp32_greedy_equals_hf(tiny_dir, graphs, n, overlap):
         assert agreement(ours, ref) >= 0.9
     else:
         assert ours == ref
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_fp32_resumed_from_state_snapshots_equals_cold_and_hf(tiny_dir, overlap):
+    """Six prompts under one 48-token system prompt, in 16-token chunks: the second request on it
+    ends a piece at the branch point (inside a chunk) and keeps the state there, later ones resume
+    there; the second pass resumes every prompt, and a conversation's next turn resumes where its
+    last turn ended. Snapshots are copied on the compute stream between graph replays and eager
+    prefills; every token is transformers' (90% of them where fla-core runs transformers' side)."""
+    system = prompts(1, 500, seed=11, longest=48)[0][:5] * 10  # 50 tokens
+    batch = [system + p for p in prompts(6, 500, seed=12, longest=20)]
+    ref = hf_greedy(tiny_dir, torch.float32, batch)
+    engine = Engine(tiny_dir, device="cuda", dtype="float32", max_total_tokens=8192, chunked_prefill_size=16,
+                    cuda_graph_max_bs=16, disable_overlap_schedule=not overlap)
+    params = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    passes = [engine.generate(input_ids=batch, sampling_params=params) for _ in range(2)]
+    cold, warm = ([r["output_ids"] for r in results] for results in passes)
+    assert warm == cold
+    if fla_gdn.available():
+        assert agreement(cold, ref) >= 0.9
+    else:
+        assert cold == ref
+    assert all(r["meta_info"]["cached_tokens"] >= len(system) for r in passes[1])
+    stats = engine.cache_stats()
+    assert stats["snapshot_hits"] > 0 and engine.core.runner.num_graph_steps > 0
+    turn2 = batch[0] + cold[0] + [7, 8, 9, 10]
+    second = engine.generate(input_ids=[turn2], sampling_params=params)[0]
+    assert second["meta_info"]["cached_tokens"] == len(batch[0]) + MAX_NEW - 1
+    turn2_ref = hf_greedy(tiny_dir, torch.float32, [turn2])[0]
+    assert second["output_ids"] == turn2_ref or (fla_gdn.available() and agreement([second["output_ids"]],
+                                                                                   [turn2_ref]) >= 0.9)
+    engine.check_invariants()
+    snapshots = engine.core.kv_pool.snapshots
+    assert snapshots.free_slots + engine.cache_stats()["snapshots_held"] == snapshots.num_slots
 
 
 def test_bf16_graphs_on_off_same_tokens_and_close_to_hf(tiny_dir):
@@ -125,8 +161,9 @@ def test_published_shapes_triton_layers_close_to_torch_layers(shape, tmp_path):
 
 
 def test_qwen3_5_27b_shape_plans_its_state_pool_and_serves_with_graphs(qwen3_5_27b_dir):
-    """No --max-total-tokens: the memory plan sizes the KV pool with the state pool allocated beside
-    it (one row per running request: 2 x 16 key heads ... of this rank)."""
+    """No --max-total-tokens: the memory plan sizes the KV pool with the state pool and the prefix
+    cache's snapshot pool allocated beside it (one row per running request: 2 x 16 key heads ... of
+    this rank)."""
     batch = prompts(8, 248000, seed=4)
     # A budget of what is in use now plus 16 GiB (the 2-layer model takes ~7), not the default
     # share of the whole card: the other test workers on this GPU keep theirs.
@@ -137,6 +174,9 @@ def test_qwen3_5_27b_shape_plans_its_state_pool_and_serves_with_graphs(qwen3_5_2
     plan = engine.core.memory_plan
     state = engine.core.kv_pool.state
     assert plan.state_pool_rows == state.num_rows == 64 and plan.state_pool_bytes == state.total_bytes
+    # The snapshot pool: a quarter of what the weights and states leave, at most 4 per request row.
+    snapshots = engine.core.kv_pool.snapshots
+    assert plan.snapshot_slots == snapshots.num_slots == 4 * 64 and plan.snapshot_pool_bytes == snapshots.total_bytes
     assert state.ssm[0].shape == (65, 48, 128, 128) and state.conv[0].shape == (65, 3, 2 * 16 * 128 + 48 * 128)
     assert plan.kv_pool_tokens > 0 and len(engine.core.kv_pool.k_buffers) == 1
     results = engine.generate(input_ids=batch, sampling_params={"max_new_tokens": 16, "temperature": 0,
