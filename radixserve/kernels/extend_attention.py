@@ -23,6 +23,7 @@ k/v (phase 2) come in q's dtype.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import triton
@@ -68,7 +69,9 @@ def _gather_kv(k_base, v_base, slots, offs_d, stride_kbs, stride_vbs, dtype, v_s
     return k, v
 
 
-@triton.jit
+# num_tokens changes with every batch: specialising on it (divisibility by 16) would compile a
+# second variant in the middle of serving.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _extend_kernel(
     Q, K_new, V_new, O, K_buf, V_buf, req_to_token, Mid_O, Mid_L,
     req_pool_indices, prefix_lens, extend_lens, q_starts,
@@ -143,23 +146,23 @@ def _extend_kernel(
         t_end = tl.minimum((m0 + BLOCK_M - 1) // GROUP + 1, extend)
         free_end = ((t_first + 1) // BLOCK_N) * BLOCK_N
         if TMA_NEW:
-            # 3-D descriptors over [tokens, KV heads, D]: any token and head stride. Positions past
-            # the request (the next request's tokens, or zeros past the last) are masked below.
-            kn_desc = tl.make_tensor_descriptor(K_new, shape=[num_tokens, num_kv_heads, HEAD_DIM],
-                                                strides=[stride_knt, stride_knh, 1],
-                                                block_shape=[BLOCK_N, 1, HEAD_DIM])
-            vn_desc = tl.make_tensor_descriptor(V_new, shape=[num_tokens, num_kv_heads, HEAD_DIM],
-                                                strides=[stride_vnt, stride_vnh, 1],
-                                                block_shape=[BLOCK_N, 1, HEAD_DIM])
+            # 2-D descriptors over [tokens, KV heads x D] (the caller checked that a token's heads
+            # are contiguous). Positions past the request (the next request's tokens, or zeros
+            # past the last token) are masked below.
+            kn_desc = tl.make_tensor_descriptor(K_new, shape=[num_tokens, num_kv_heads * HEAD_DIM],
+                                                strides=[stride_knt, 1], block_shape=[BLOCK_N, HEAD_DIM])
+            vn_desc = tl.make_tensor_descriptor(V_new, shape=[num_tokens, num_kv_heads * HEAD_DIM],
+                                                strides=[stride_vnt, 1], block_shape=[BLOCK_N, HEAD_DIM])
             t0 = q_start.to(tl.int32)
+            col = kv_head * HEAD_DIM
             for n0 in tl.range(0, free_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-                k = kn_desc.load([t0 + n0, kv_head, 0]).reshape(BLOCK_N, HEAD_DIM)
-                v = vn_desc.load([t0 + n0, kv_head, 0]).reshape(BLOCK_N, HEAD_DIM)
+                k = kn_desc.load([t0 + n0, col])
+                v = vn_desc.load([t0 + n0, col])
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, qk_scale, None, DOT_PRECISION)
             for n0 in range(free_end, t_end, BLOCK_N):
                 offs = n0 + offs_n
-                k = kn_desc.load([t0 + n0, kv_head, 0]).reshape(BLOCK_N, HEAD_DIM)
-                v = vn_desc.load([t0 + n0, kv_head, 0]).reshape(BLOCK_N, HEAD_DIM)
+                k = kn_desc.load([t0 + n0, col])
+                v = vn_desc.load([t0 + n0, col])
                 causal = (offs[None, :] <= tok[:, None]) & (offs[None, :] < extend)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, qk_scale, causal, DOT_PRECISION)
         else:
@@ -267,6 +270,9 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     for x in (q, k, v, out, k_buf, v_buf):
         assert x.stride(2) == 1, "the head dimension must be contiguous"
     scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else sm_scale
+    if config.tma_new and (k.stride(1) != head_dim or v.stride(1) != head_dim):
+        # The descriptors see a token's heads as one contiguous row: other layouts take pointer loads.
+        config = replace(config, tma_new=False, warp_specialize=False)
     if config.tma_new and q.is_cuda:
         _ensure_tma_allocator()
     mid_o, mid_l = plan.workspace(num_kv_heads, head_dim, q.device)
