@@ -97,7 +97,7 @@ def variants(d: int) -> list[ExtendAttentionConfig]:
         return [C(32, 16, 4, 2, min_split_len=16), C(16, 16, 4, 2, min_split_len=16, prefetch_slots=True),
                 C(32, 16, 4, 2, min_split_len=16, tma_new=True)]
     if d <= 128:
-        base = [C(128, 64, 8, 3), C(128, 64, 8, 4), C(128, 64, 8, 5), C(128, 128, 8, 2), C(128, 32, 4, 4),
+        base = [C(128, 64, 8, 3), C(128, 64, 8, 4), C(128, 64, 8, 5), C(128, 128, 8, 2), C(128, 128, 8, 3), C(128, 32, 4, 4),
                 C(128, 32, 8, 4), C(64, 64, 4, 3), C(64, 64, 4, 4), C(64, 32, 4, 5),
                 C(256, 64, 16, 2), C(256, 64, 16, 3), C(256, 32, 8, 4), C(256, 64, 8, 3),
                 C(128, 64, 8, 3, prefetch_slots=True), C(128, 64, 8, 4, prefetch_slots=True),

@@ -43,11 +43,13 @@ def _attend_tile(acc, m_i, l_i, q, k, v, qk_scale, mask, DOT_PRECISION: tl.const
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if mask is not None:
         qk = tl.where(mask, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
     else:
-        qk = qk * qk_scale
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # The scale goes into the exponent's argument: one FMA per element, no separate pass.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_new, l_i
