@@ -364,7 +364,7 @@ def bench_extend_attention(args, work: Workload, cost: ModelCost, rep: Report, f
     shapes = [(args.prefill_batch, 0, length), (1, max(0, length - 1024), 1024), (16, 1024, 128)]
     for variant in variants:
         backend = TritonAttentionBackend(**variant)
-        name = ",".join(f"{k.replace('extend_', '')}={v}" for k, v in variant.items()) or "default"
+        name = variant["extend_config"].label().replace(" ", ",") if variant else "default"
         for bs, prefix, ext in shapes:
             if prefix + ext > work.max_tokens_per_row or bs > work.req_to_token.shape[0]:
                 continue
@@ -561,12 +561,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         if "decode" in sweep:
             sweep_decode_attention(args, work, cost, rep, bw)
         if "extend" in sweep:
-            fixed = dict(extend_small_block_m=None)  # one tile shape whatever the batch
-            extend_variants += [dict(extend_block_m=128, extend_block_n=64, extend_num_stages=3, **fixed),
-                                dict(extend_block_m=64, extend_block_n=64, extend_num_warps=4, extend_num_stages=3,
-                                     **fixed),
-                                dict(extend_block_m=64, extend_block_n=32, extend_num_warps=4, extend_num_stages=3,
-                                     **fixed)]
+            # A few configs besides the table's (scripts/extend_attention_sweep.py sweeps them all).
+            from radixserve.kernels.extend_attention_config import ExtendAttentionConfig
+
+            extend_variants += [dict(extend_config=ExtendAttentionConfig(128, 64, 8, 3, split_programs_per_sm=0)),
+                                dict(extend_config=ExtendAttentionConfig(128, 64, 8, 4)),
+                                dict(extend_config=ExtendAttentionConfig(64, 64, 4, 3))]
         bench_extend_attention(args, work, cost, rep, flops, extend_variants)
     if not args.skip_model:
         bench_model(args, work, cost, rep, bw, flops)

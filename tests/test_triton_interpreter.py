@@ -20,7 +20,8 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FILES = ["tests/gpu/test_triton_fused.py", "tests/gpu/test_decode_linear.py", "tests/gpu/test_triton_attention.py",
          "tests/gpu/test_triton_layers.py", "tests/gpu/test_token_bitmask.py", "tests/gpu/test_fp8_kernels.py",
-         "tests/gpu/test_fused_moe.py", "tests/gpu/test_gated_delta_kernels.py"]
+         "tests/gpu/test_fused_moe.py", "tests/gpu/test_gated_delta_kernels.py",
+         "tests/gpu/test_extend_attention_gpu.py"]
 # Left out here, a minute or more each under the interpreter: the extend kernel's tile-shape test,
 # the decode-row GEMM at the Qwen2 projection shapes (each kernel path is still covered at
 # its small shapes: 200 x 256 plain, 100 x 128 with SiLU-and-mul), and three of the four hybrid

@@ -5,7 +5,9 @@ the package imports on machines without triton.
 
 Per forward pass, `init_forward` (and, for what needs the number of query heads, the first
 layer) prepares everything the layers share (decode: the number of splits and views of a float32
-workspace; extend: the tile shape and the tile list, copied to the device once). Each layer's
+workspace; extend: the kernel's config for the head shape, and the work list (tiles of packed
+query-head groups, long prefixes split when the batch is small), copied to the device once, with
+the split results' float32 workspace). Each layer's
 `forward` then launches the KV store (unless the caller stored k and v already: save_kv=False)
 and the attention kernels with no host sync and no allocation beyond its output.
 
@@ -39,14 +41,6 @@ class TritonDecodeMeta:
 
 
 @dataclass
-class ExtendConfig:
-    block_m: int
-    block_n: int
-    num_warps: Optional[int]
-    num_stages: int
-
-
-@dataclass
 class TritonExtendMeta:
     extend_lens: list[int]
     prefix_lens: list[int]
@@ -56,8 +50,8 @@ class TritonExtendMeta:
     num_decode: int = 0
     decode: Optional[TritonDecodeMeta] = None
     # Made by the first layer, which knows the number of query heads.
-    config: Optional[ExtendConfig] = None
-    plan: Optional[object] = None  # extend_attention.ExtendPlan
+    config: Optional[object] = None  # extend_attention_config.ExtendAttentionConfig
+    plan: Optional[object] = None  # extend_attention_plan.ExtendPlan
 
 
 class TritonAttentionBackend:
@@ -67,47 +61,33 @@ class TritonAttentionBackend:
     shape; max_splits caps split-K; decode_programs_per_sm: how many stage-1 programs per streaming
     multiprocessor the split count aims for when the batch alone gives fewer programs than there are
     multiprocessors (a batch that fills one wave is not split: the merge launch and the workspace
-    round trip cost more than the last wave's imbalance); programs_per_sm: the extend kernel's fill
-    target (below); extend_block_m / extend_block_n / extend_num_warps /
-    extend_num_stages: the extend kernel's tiles; extend_small_block_m / extend_small_num_warps: the
-    tiles used instead when the big ones would give fewer than programs_per_sm programs per SM
-    (short extends: chunks over a long prefix, many small requests). Defaults from sweeps on an H200
-    (docs/runs/2026-11-30-triton-kernels-and-fused-model.md).
+    round trip cost more than the last wave's imbalance). Defaults from sweeps on an H200
+    (docs/runs/2026-11-30-triton-kernels-and-fused-model.md). extend_config: one ExtendAttentionConfig
+    for every head shape instead of the per-head-dim table (radixserve.kernels.extend_attention_config;
+    sweeps set it).
 
-    Heads wider than 128 (the hybrid Qwen models' 256) hold twice the bytes per tile row: their
-    tiles are cut to fit shared memory (`wide_head_tiles`): decode BLOCK_N 64 over 2 stages,
-    extend 64 x 32 over 2 stages. Not tuned by a sweep yet.
+    Heads wider than 128 (the hybrid Qwen models' 256) hold twice the bytes per tile row: the
+    decode tiles are cut to fit shared memory (`wide_head_decode_tiles`: BLOCK_N 64 over 2 stages).
     """
 
     def __init__(self, *, decode_block_n: int = 128, decode_num_warps: int = 4, decode_num_stages: int = 3,
-                 max_splits: int = 64, decode_programs_per_sm: int = 2, programs_per_sm: int = 4,
-                 extend_block_m: int = 128, extend_block_n: int = 64,
-                 extend_num_warps: Optional[int] = None, extend_num_stages: int = 3,
-                 extend_small_block_m: Optional[int] = 64, extend_small_num_warps: int = 4,
+                 max_splits: int = 64, decode_programs_per_sm: int = 2, extend_config=None,
                  num_sms: Optional[int] = None):
         # Imported here so that merely importing this module needs no triton.
-        from radixserve.kernels import decode_attention, extend_attention, kv_store
+        from radixserve.kernels import decode_attention, extend_attention, extend_attention_config, \
+            extend_attention_plan, kv_store
 
         self._decode = decode_attention
         self._extend = extend_attention
+        self._extend_config = extend_attention_config
+        self._extend_plan = extend_attention_plan
         self._kv_store = kv_store
-        if extend_block_m % extend_block_n:
-            raise ValueError(f"extend_block_m {extend_block_m} must be a multiple of extend_block_n {extend_block_n}")
         self.decode_block_n = decode_block_n
         self.decode_num_warps = decode_num_warps
         self.decode_num_stages = decode_num_stages
         self.max_splits = max_splits
         self.decode_programs_per_sm = decode_programs_per_sm
-        self.programs_per_sm = programs_per_sm
-        self.extend_block_m = extend_block_m
-        self.extend_block_n = extend_block_n
-        self.extend_num_warps = extend_num_warps
-        self.extend_num_stages = extend_num_stages
-        if extend_small_block_m is not None and extend_small_block_m % extend_block_n:
-            raise ValueError(f"extend_small_block_m {extend_small_block_m} must be a multiple of extend_block_n "
-                             f"{extend_block_n}")
-        self.extend_small_block_m = extend_small_block_m
-        self.extend_small_num_warps = extend_small_num_warps
+        self.extend_config = extend_config
         self._num_sms = num_sms
         self._ws_o: Optional[torch.Tensor] = None
         self._ws_lse: Optional[torch.Tensor] = None
@@ -168,23 +148,23 @@ class TritonAttentionBackend:
                 if num_decode else None
             batch.attn_meta = TritonExtendMeta(ext, list(batch.prefix_lens_cpu), num_decode, decode)
 
-    def extend_config(self, dtype: torch.dtype, extend_lens: list[int], num_q_heads: int,
-                      device: torch.device, head_dim: int = 128) -> ExtendConfig:
-        """Tiles for one extend batch: the big ones unless they would leave the GPU under-filled."""
-        if head_dim > 128:
-            return wide_head_tiles(self, dtype)[1]
-        if dtype == torch.float32:
-            # float32 tiles take twice the shared memory: halve both sides.
-            return ExtendConfig(max(16, self.extend_block_m // 2), max(16, self.extend_block_n // 2),
-                                self.extend_num_warps, self.extend_num_stages)
-        big = ExtendConfig(self.extend_block_m, self.extend_block_n, self.extend_num_warps, self.extend_num_stages)
-        if self.extend_small_block_m is None or self.extend_small_block_m >= self.extend_block_m:
-            return big
-        programs = num_q_heads * sum(-(-e // self.extend_block_m) for e in extend_lens)
-        if programs >= self.programs_per_sm * self.num_sms(device):
-            return big
-        return ExtendConfig(self.extend_small_block_m, self.extend_block_n, self.extend_small_num_warps,
-                            self.extend_num_stages)
+    def extend_attention_config(self, head_dim: int, dtype: torch.dtype):
+        """The extend kernel's config for this head dimension and dot dtype (the table's, unless
+        the backend was given one)."""
+        if self.extend_config is not None:
+            return self.extend_config
+        return self._extend_config.config_for(head_dim, dtype)
+
+    def plan_extend(self, meta: TritonExtendMeta, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype, device: torch.device) -> None:
+        """The config and the work list of one extend pass (the first layer makes them)."""
+        cfg = self.extend_attention_config(head_dim, dtype)
+        meta.config = cfg
+        meta.plan = self._extend_plan.plan_extend(
+            meta.extend_lens, meta.prefix_lens, group=num_q_heads // num_kv_heads, block_m=cfg.block_m,
+            block_n=cfg.block_n, device=device, num_kv_heads=num_kv_heads, num_sms=self.num_sms(device),
+            split_programs_per_sm=cfg.split_programs_per_sm, min_split_len=cfg.min_split_len,
+            first_request=meta.num_decode)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch, *, save_kv: bool = True) -> torch.Tensor:
@@ -220,15 +200,10 @@ class TritonAttentionBackend:
             if k.stride(2) != 1 or v.stride(2) != 1:
                 k, v = k.contiguous(), v.contiguous()
             if meta.plan is None:
-                meta.config = self.extend_config(k_buf.dtype, meta.extend_lens[meta.num_decode:], num_q_heads,
-                                                 q.device, head_dim)
-                meta.plan = self._extend.plan_extend_tiles(meta.extend_lens, meta.prefix_lens, meta.config.block_m,
-                                                           q.device, first_request=meta.num_decode)
-            cfg = meta.config
+                self.plan_extend(meta, num_q_heads, k_buf.shape[1], head_dim, q.dtype, q.device)
             self._extend.extend_attention(
                 q, k, v, out, k_buf, v_buf, batch.req_to_token, batch.req_pool_indices,
-                batch.prefix_lens, batch.extend_lens, meta.plan, block_n=cfg.block_n,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, k_scale=scales[0], v_scale=scales[1])
+                batch.prefix_lens, batch.extend_lens, meta.plan, meta.config, k_scale=scales[0], v_scale=scales[1])
         else:
             raise RuntimeError("init_forward must run before forward")
         return out.view(num_tokens, num_q_heads * head_dim)
@@ -243,7 +218,7 @@ class TritonAttentionBackend:
             meta.mid_o = self._ws_o[:numel_o].view(bs, num_q_heads, meta.num_splits, head_dim)
             meta.mid_lse = self._ws_lse[:numel_lse].view(bs, num_q_heads, meta.num_splits)
         block_n, stages = (self.decode_block_n, self.decode_num_stages) if head_dim <= 128 else \
-            wide_head_tiles(self, q.dtype)[0]
+            wide_head_decode_tiles(self, q.dtype)
         self._decode.decode_attention(
             q, k_buf, v_buf, batch.req_to_token, batch.req_pool_indices[:bs], batch.seq_lens[:bs], out,
             meta.mid_o, meta.mid_lse, meta.num_splits, block_n=block_n,
@@ -251,12 +226,9 @@ class TritonAttentionBackend:
             v_scale=scales[1])
 
 
-def wide_head_tiles(backend: TritonAttentionBackend, dtype: torch.dtype) -> tuple[tuple[int, int], ExtendConfig]:
-    """((decode BLOCK_N, stages), extend tiles) for heads wider than 128: half the positions per tile
-    and two stages, so q, k and v tiles of 256 values a row fit an H200's shared memory (float32:
-    halved again)."""
+def wide_head_decode_tiles(backend: TritonAttentionBackend, dtype: torch.dtype) -> tuple[int, int]:
+    """(decode BLOCK_N, stages) for heads wider than 128: half the positions per tile and two
+    stages, so k and v tiles of 256 values a row fit an H200's shared memory (float32: halved
+    again)."""
     narrow = 2 if dtype == torch.float32 else 1
-    decode = (min(backend.decode_block_n, 64 // narrow), min(backend.decode_num_stages, 2))
-    extend = ExtendConfig(min(backend.extend_block_m, 64 // narrow), min(backend.extend_block_n, 32 // narrow),
-                          4, min(backend.extend_num_stages, 2))
-    return decode, extend
+    return min(backend.decode_block_n, 64 // narrow), min(backend.decode_num_stages, 2)

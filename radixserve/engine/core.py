@@ -327,8 +327,9 @@ class EngineCore:
         """Serve a few throw-away requests, then forget them: compiles every Triton kernel variant
         and loads every sampling kernel the first real requests would otherwise wait for (a
         compile takes seconds; at a steady request rate every request arriving meanwhile would see
-        it in its TTFT). Shapes: one long prompt alone (the extend kernel's small-tile variant),
-        a batch of shorter prompts sharing a prefix (the large-tile variant, prefix hits, mixed
+        it in its TTFT). Shapes: one long prompt alone, then a few tokens after it alone (a long
+        prefix hit in a batch too small to fill the GPU: the extend kernel splits the prefix, and
+        the merge kernel runs), a batch of shorter prompts sharing a prefix (prefix hits, mixed
         prefill + decode steps), greedy and filtered sampling. Returns the seconds it took."""
         start = time.perf_counter()
         vocab = self.model_config.vocab_size
@@ -340,7 +341,9 @@ class EngineCore:
             return torch.randint(0, vocab, (n,), generator=rng).tolist()
 
         shared = ids(short // 2)
-        prompts = [ids(longest)] + [shared + ids(short - len(shared)) for _ in range(32)]
+        first = ids(longest)
+        prompts = [first, first + ids(min(16, max(1, self.context_len - 8 - longest)))] \
+            + [shared + ids(short - len(shared)) for _ in range(32)]
         greedy = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
         filtered = SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05,
                                   ignore_eos=True)
@@ -350,7 +353,7 @@ class EngineCore:
                 break
             self.add_request(GenerateRequest(rid=f"warmup-{i}", input_ids=prompt,
                                              sampling_params=greedy if i % 2 else filtered))
-            if i == 0:  # the long prompt runs alone
+            if i < 2:  # the long prompt runs alone, then its continuation
                 while self.has_work:
                     self.step()
         while self.has_work:

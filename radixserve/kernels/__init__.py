@@ -13,7 +13,10 @@
   optionally Qwen3's per-head q/k RMSNorm before it and the KV store after it, in one launch)
 - `radixserve.kernels.kv_store`: `store_kv(k, v, k_buf, v_buf, loc)`, the KV store alone
 - `radixserve.kernels.decode_attention`, `radixserve.kernels.extend_attention`: the attention
-  kernels behind `radixserve.attention.triton_backend` (split-K decode, ragged extend)
+  kernels behind `radixserve.attention.triton_backend` (split-K decode; ragged extend with each KV
+  head's query group packed into one row block and long prefixes split over programs), with the
+  extend kernel's host side in `extend_attention_plan` (its work list) and `extend_attention_config`
+  (its tiles per head dim)
 - `radixserve.kernels.token_bitmask`: `apply_token_bitmask_rows_(logits, bitmask, rows)`, grammar
   masking of the constrained rows from xgrammar's packed bitmask, in place
 - `radixserve.kernels.launch`: `FastKernel`, which launches a compiled kernel through its C launcher
@@ -37,7 +40,8 @@ def compiled_variant_counts() -> dict[str, int]:
 
     kernels = {"decode_stage1": decode_attention._decode_stage1_kernel,
                "decode_stage2": decode_attention._decode_stage2_kernel,
-               "extend": extend_attention._extend_kernel, "store_kv": kv_store._store_kv_kernel,
+               "extend": extend_attention._extend_kernel, "extend_merge": extend_attention._merge_kernel,
+               "store_kv": kv_store._store_kv_kernel,
                "rope": rope._rope_kernel, "rms_norm": norm._rms_norm_kernel,
                "silu_and_mul": activation._silu_and_mul_kernel,
                "decode_linear": decode_linear._decode_linear_kernel,

@@ -30,7 +30,9 @@ from radixserve.attention.triton_backend import TritonAttentionBackend  # noqa: 
 from radixserve.kernels.decode_attention import decode_attention  # noqa: E402
 from radixserve.kernels.decode_linear_config import DecodeLinearConfig  # noqa: E402
 from radixserve.kernels.decode_linear_fp8 import decode_linear_fp8, tile_quantized_reference  # noqa: E402
-from radixserve.kernels.extend_attention import extend_attention, plan_extend_tiles  # noqa: E402
+from radixserve.kernels.extend_attention import extend_attention  # noqa: E402
+from radixserve.kernels.extend_attention_config import ExtendAttentionConfig  # noqa: E402
+from radixserve.kernels.extend_attention_plan import plan_extend  # noqa: E402
 from radixserve.kernels.kv_store import store_kv  # noqa: E402
 from radixserve.kernels.norm import add_rms_norm, rms_norm, rms_norm_fp8  # noqa: E402
 from radixserve.kernels.quant_fp8 import quantize_rows_fp8  # noqa: E402
@@ -353,10 +355,11 @@ def test_extend_attention_fp8_prefix(prefix_lens, extend_lens):
     k, v = cache.k_buf[loc].clone(), cache.v_buf[loc].clone()  # the new tokens as the pool holds them
     out = torch.full((total, hq, d), float("nan"), dtype=LOW, device=DEVICE)
     block_m, block_n = (64, 64) if FULL else (32, 16)
-    plan = plan_extend_tiles(extend_lens, prefix_lens, block_m, DEVICE)
+    plan = plan_extend(extend_lens, prefix_lens, group=hq // hkv, block_m=block_m, block_n=block_n, device=DEVICE)
     to_dev = lambda xs: torch.tensor(xs, dtype=torch.int64, device=DEVICE)  # noqa: E731
     extend_attention(q, k, v, out, kq, vq, cache.req_to_token, cache.req_pool_indices, to_dev(prefix_lens),
-                     to_dev(extend_lens), plan, block_n=block_n, num_warps=4, k_scale=K_SCALE, v_scale=V_SCALE)
+                     to_dev(extend_lens), plan, ExtendAttentionConfig(block_m, block_n, 4, 3 if FULL else 2),
+                     k_scale=K_SCALE, v_scale=V_SCALE)
     check(out, reference(q, cache, prefix_lens, extend_lens), BF16_TOL)
 
 

@@ -25,7 +25,9 @@ pytestmark = pytest.mark.gpu
 
 from radixserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from radixserve.kernels.decode_attention import decode_attention  # noqa: E402
-from radixserve.kernels.extend_attention import extend_attention, plan_extend_tiles  # noqa: E402
+from radixserve.kernels.extend_attention import extend_attention  # noqa: E402
+from radixserve.kernels.extend_attention_config import ExtendAttentionConfig  # noqa: E402
+from radixserve.kernels.extend_attention_plan import plan_extend  # noqa: E402
 from radixserve.kernels.kv_store import store_kv  # noqa: E402
 
 FULL = DEVICE == "cuda"
@@ -220,11 +222,12 @@ def _run_extend(prefix_lens, extend_lens, hq, hkv, head_dim, page_size, dtype, b
     loc = torch.cat([cache.req_to_token[row, p:p + e] for row, p, e in zip(cache.rows, prefix_lens, extend_lens)])
     k, v = cache.k_buf[loc].clone(), cache.v_buf[loc].clone()
     out = torch.full((total, hq, head_dim), float("nan"), dtype=dtype, device=DEVICE)
-    plan = plan_extend_tiles(extend_lens, prefix_lens, block_m, DEVICE)
+    config = ExtendAttentionConfig(block_m, block_n, (8 if head_dim >= 128 else 4) if FULL else 4,
+                                   3 if FULL and dtype != torch.float32 else 2)
+    plan = plan_extend(extend_lens, prefix_lens, group=hq // hkv, block_m=block_m, block_n=block_n, device=DEVICE)
     to_dev = lambda xs: torch.tensor(xs, dtype=torch.int64, device=DEVICE)  # noqa: E731
     extend_attention(q, k, v, out, cache.k_buf, cache.v_buf, cache.req_to_token, cache.req_pool_indices,
-                     to_dev(prefix_lens), to_dev(extend_lens), plan, block_n=block_n,
-                     num_warps=(8 if head_dim >= 128 else 4) if FULL else 4)
+                     to_dev(prefix_lens), to_dev(extend_lens), plan, config)
     return out, reference(q, cache, prefix_lens, extend_lens)
 
 
