@@ -39,6 +39,11 @@ PACKAGES=(
   xgrammar==0.2.9
   apache-tvm-ffi==0.1.15.post2
   py-spy==0.4.3                 # the engine's Python stacks during a run (gpu_agent_bench.sh PROFILE=1)
+  jsonschema==4.26.0            # the structured-output tests validate against the schema
+  jsonschema-specifications==2025.9.1
+  referencing==0.37.0
+  rpds-py==2026.9.1
+  attrs==26.1.0
   fla-core==0.6.0               # Gated DeltaNet's chunked prefill for the hybrid models (pure Triton; einops is there)
 )
 

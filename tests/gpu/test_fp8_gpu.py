@@ -201,13 +201,14 @@ def test_fp8_graphs_on_off_same_tokens(fp8_ckpt):
     assert on == off
 
 
-def test_fp8_kv_pool_holds_twice_the_tokens(fp8_ckpt):
+def test_fp8_kv_pool_holds_twice_the_tokens(fp8_ckpt, gpu_alone):
     """In the same bytes an FP8 pool holds twice the tokens, and each pool is what the budget leaves
     once the measured working set is taken out. mem_fraction_static counts all memory in use
     against the fraction, in this process too: the engines of earlier tests hold theirs until the
     garbage collector frees them (an engine's parts refer to each other). So each engine gets a
     fraction of 2 GiB over what is in use just before it starts: the same budget whatever the
-    GPU's size and whatever ran before. (The two working sets differ, so the token counts are not
+    GPU's size and whatever ran before; other workers' tests wait (`gpu_alone`), their memory
+    would move under the measurement. (The two working sets differ, so the token counts are not
     exactly 2:1; the bytes per token are.)"""
     sizes, pool_bytes, working_set = {}, {}, {}
     for kv in ("auto", "fp8_e4m3"):

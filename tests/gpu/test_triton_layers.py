@@ -82,6 +82,26 @@ def triton_and_torch_models(path) -> dict[bool, Qwen2ForCausalLM]:
     return {True: model.eval(), False: reference}
 
 
+def fp32_twin(model: Qwen2ForCausalLM, path, **load) -> Qwen2ForCausalLM:
+    """The torch layers in float32 holding `model`'s (rounded) weights: the truth both low-precision
+    paths are measured against."""
+    num_sms = None if DEVICE == "cuda" else 8
+    twin, _ = load_model(path, dtype=torch.float32, device=DEVICE, attn_backend=TritonAttentionBackend(num_sms=num_sms),
+                         triton_kernels=False, **load)
+    with torch.no_grad():
+        for ours, theirs in zip(twin.parameters(), model.parameters(), strict=True):
+            ours.copy_(theirs)
+    return twin.eval()
+
+
+def within_low_precision_noise(ours: torch.Tensor, reference: torch.Tensor, truth: torch.Tensor) -> bool:
+    """Whether `ours` (the Triton layers) is no farther from the float32 truth than the reference's
+    own rounding, give or take: on the tiny random hybrids bf16 rounding alone puts the torch layers
+    2-15% away from float32 (measured on an H200), so the two low-precision paths are compared to the
+    truth rather than to each other."""
+    return rel_err(ours, truth) < max(2e-2, 2.5 * rel_err(reference, truth))
+
+
 # (build_tiny_model arguments, prompt lengths): the extend batch (all tokens but the last of each)
 # has more rows than the decode-row GEMM takes, or fewer; lm_head (tied: the embedding) takes it
 # for the few sampled rows. Qwen3: the q/k norms inside the RoPE kernel (the torch layers: RMSNorm
@@ -124,13 +144,15 @@ HYBRID_CASES = {"qwen3_5-decode-gemm-rows": (dict(family="qwen3_5"), (4, 9, 6)),
 @pytest.mark.parametrize("case", HYBRID_CASES)
 def test_hybrid_triton_layers_match_torch_layers(case, tmp_path):
     build, lengths = HYBRID_CASES[case]
-    models = triton_and_torch_models(build_tiny_model(tmp_path / "tiny", layers=4, head_dim=32, **build))
+    path = build_tiny_model(tmp_path / "tiny", layers=4, head_dim=32, **build)
+    models = triton_and_torch_models(path)
     rng = random.Random(sum(lengths))
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
     (ext_t, dec_t), pool_t = extend_then_decode(models[True], prompts)
     (ext_r, dec_r), pool_r = extend_then_decode(models[False], prompts)
+    (ext_f, dec_f), _ = extend_then_decode(fp32_twin(models[False], path), prompts, kv_dtype=torch.float32)
     assert torch.isfinite(ext_t).all() and torch.isfinite(dec_t).all()
-    assert rel_err(ext_t, ext_r) < 2e-2 and rel_err(dec_t, dec_r) < 2e-2
+    assert within_low_precision_noise(ext_t, ext_r, ext_f) and within_low_precision_noise(dec_t, dec_r, dec_f)
     rows = slice(0, len(lengths))  # the scratch row past them is the padding's
     for layer in range(len(pool_t.state.conv)):
         assert rel_err(pool_t.state.conv[layer][rows], pool_r.state.conv[layer][rows]) < 1e-2
