@@ -53,13 +53,16 @@ class ExtendAttentionConfig:
                 f"split{self.split_programs_per_sm}/{self.min_split_len}{flags}")
 
 
-# Per head dimension, for bf16/fp16 queries (the pool bf16 or FP8). Until the sweep fills it:
-# head 128 as the per-head kernel it replaced ran best (128 x 64, 8 warps, 3 stages: one program
-# per SM by registers); 256 in the narrow tiles that fit shared memory.
+# Per head dimension, for bf16/fp16 queries (the pool bf16 or FP8), from the sweep on an H200
+# (docs/runs/2026-12-03-extend-attention.md): per head dim the config with the smallest worst-case
+# slowdown against each shape's best. Splitting long prefixes never won at these shapes (the merge
+# costs more than the idle SMs), so it is off. Head dim 64 was not swept (the per-head kernel's tiles).
 TUNED: dict[int, ExtendAttentionConfig] = {
     64: ExtendAttentionConfig(128, 64, 4, 3),
-    128: ExtendAttentionConfig(128, 64, 8, 3),
-    256: ExtendAttentionConfig(64, 32, 4, 2),
+    # 1x(7168+1024) 0.288 ms 2.04x its floor | 16x(1024+128) 0.111 ms 2.77x | 1x(0+8192) 0.989 ms 1.64x
+    128: ExtendAttentionConfig(256, 64, 16, 3, split_programs_per_sm=0, prefetch_slots=True),
+    # Qwen3.5-27B's gated attention, 16x(1024+128) 0.181 ms 2.64x
+    256: ExtendAttentionConfig(128, 64, 8, 2, split_programs_per_sm=0),
 }
 
 
