@@ -10,7 +10,8 @@
 #   CONFIGS     space-separated "label:server flags" entries, flags joined by commas
 #               (default: lpm, fcfs, lpm with the prefix hold off: --prefix-hold-s 0)
 #   MODEL       model dir (dummy weights; default the Qwen2-7B config)
-#   POOL        --max-total-tokens (default 216825, as the ANCHORS runs)
+#   POOL        --max-total-tokens (default 216825, as the ANCHORS runs; auto: none, the memory
+#               plan sizes the pool from --mem-fraction-static)
 #   WORKLOAD    agent (default) or gsp (64 groups x 16, 2,048-token system prompts, 1,024 at once)
 #   CLIENT_ARGS bench_serving workload flags replacing the above (a quick CPU check of the script)
 #   REPEAT      how many times the list of configurations is run, alternating (default 1)
@@ -60,6 +61,8 @@ else
           --num-prompts 1280 --request-rate inf)
 fi
 . scripts/server_process.sh
+pool_flag=(--max-total-tokens "$POOL")
+if [ "$POOL" = auto ]; then pool_flag=(); fi
 for round in $(seq "$REPEAT"); do
   for entry in $CONFIGS; do
     label=${entry%%:*}; flags=${entry#*:}; IFS=, read -r -a extra <<< "$flags"
@@ -68,7 +71,7 @@ for round in $(seq "$REPEAT"); do
     trace=()
     if [ -n "${TRACE:-}" ]; then trace=(--step-trace-file "$OUT/steps-$label-$round.csv"); fi
     if ! start_server "$OUT/server-$label-$round" --model-path "$MODEL" --load-format dummy \
-        ${TOKENIZER:+--tokenizer-path "$TOKENIZER"} --max-total-tokens "$POOL" --radix-eviction-policy lru \
+        ${TOKENIZER:+--tokenizer-path "$TOKENIZER"} "${pool_flag[@]}" --radix-eviction-policy lru \
         "${trace[@]}" "${extra[@]}"; then
       log "$label did not come up"; continue
     fi
@@ -92,8 +95,9 @@ for round in $(seq "$REPEAT"); do
       || log "$label: client exit $?"
     stop_monitor
     # What the scheduler did for conversations (the prefix hold's counters), before the server goes.
-    curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^radixserve:(continued_turns|prefix_holds)_total" \
+    curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^radixserve:(continued_turns|prefix_holds|state_snapshot[a-z_]*)(_total)? " \
       | sed "s/^/[$label] /"
+    curl -s "http://127.0.0.1:$PORT/server_info" > "$OUT/server_info-$label-$round.json"  # the memory plan
     stop_server
     if [ -n "${TRACE:-}" ]; then python3 -m radixserve.engine.step_trace "$OUT/steps-$label-$round.csv" | sed "s/^/[$label] /"; fi
     # With --log-requests among the flags: who the slowest 1% were.

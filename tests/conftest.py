@@ -6,14 +6,16 @@ from __future__ import annotations
 # A real server process on loopback, started the way users start it, over a tiny random Qwen2
 # built once per session.
 
+import fcntl
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import httpx
 import pytest
@@ -124,3 +126,27 @@ def server(server_model_dir, server_workdir):
         yield proc.wait_ready()
     finally:
         proc.stop()
+
+
+# GPU tests share one device across pytest-xdist's workers. A test that measures how much device
+# memory is in use (the memory plan's arithmetic) asks for `gpu_alone`: it then runs while no other
+# worker's GPU test runs, every other GPU test holding the device shared.
+_LOCK_PATH = os.path.join(tempfile.gettempdir(), "radixserve-gpu-tests.lock")
+
+
+@pytest.fixture(autouse=True)
+def _gpu_shared(request) -> Iterator[None]:
+    if "gpu" not in Path(str(request.node.fspath)).parent.parts:
+        yield
+        return
+    with open(_LOCK_PATH, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if "gpu_alone" in request.fixturenames else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture
+def gpu_alone() -> None:
+    """Marker fixture: `_gpu_shared` takes the device lock exclusively for this test."""

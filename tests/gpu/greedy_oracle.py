@@ -59,14 +59,28 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
     return sum(common_prefix(a, b) for a, b in zip(ours, ref)) / sum(len(r) for r in ref)
 
 
-def check_bf16_graphs_change_no_token(path: str, *, expect_no_cache_hits: bool = False) -> None:
+def check_as_close_to_fp32_as_hf_bf16(path: str, ours: list[list[int]], batch: list[list[int]],
+                                      slack: float = 0.25) -> None:
+    """For a model whose bf16 greedy tokens are chaotic (the tiny random hybrids: transformers' own
+    bf16 tokens follow its float32 ones for 37-52% of the tokens, measured on an H200), ours in bf16
+    follow transformers' float32 tokens about as far as transformers' bf16 do."""
+    truth = hf_greedy(path, torch.float32, batch)
+    theirs = agreement(hf_greedy(path, torch.bfloat16, batch), truth)
+    assert agreement(ours, truth) >= theirs - slack, (agreement(ours, truth), theirs)
+
+
+def check_bf16_graphs_change_no_token(path: str, *, expect_no_cache_hits: bool = False, chaotic: bool = False) -> None:
     """In bf16 (the Triton kernels), four prompts (a graph bucket: the same kernels with and
-    without graphs) give the same tokens with graphs on and off, most of them transformers' bf16."""
+    without graphs) give the same tokens with graphs on and off, most of them transformers' bf16
+    (`chaotic`: as close to its float32 tokens as its bf16 ones are)."""
     batch = prompts(4, 500, seed=7)
     on, engine = engine_greedy(path, "bfloat16", batch, expect_no_cache_hits=expect_no_cache_hits)
     assert engine.core.model.kernels.triton and engine.core.runner.num_graph_steps > 0
     off, _ = engine_greedy(path, "bfloat16", batch, disable_cuda_graph=True, expect_no_cache_hits=expect_no_cache_hits)
     assert on == off
+    if chaotic:
+        check_as_close_to_fp32_as_hf_bf16(path, on, batch)
+        return
     ref = hf_greedy(path, torch.bfloat16, batch)
     agree = agreement(on, ref)
     assert agree >= 0.5, (agree, on, ref)

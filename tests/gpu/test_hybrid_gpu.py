@@ -32,7 +32,8 @@ from radixserve.kernels import fla_gdn  # noqa: E402
 from radixserve.model.loader import load_model  # noqa: E402
 from radixserve.testing.tiny_model import build_tiny_model  # noqa: E402
 
-from greedy_oracle import MAX_NEW, agreement, check_bf16_graphs_change_no_token, hf_greedy, prompts  # noqa: E402
+from greedy_oracle import (MAX_NEW, agreement, check_as_close_to_fp32_as_hf_bf16,  # noqa: E402
+                           check_bf16_graphs_change_no_token, hf_greedy, prompts)
 from greedy_oracle import engine_greedy as _engine_greedy  # noqa: E402
 from test_engine_gpu import _logits  # noqa: E402
 from test_triton_layers import fp32_twin, within_low_precision_noise  # noqa: E402
@@ -127,7 +128,7 @@ def test_fp32_resumed_from_state_snapshots_equals_cold_and_hf(tiny_dir, overlap)
 
 
 def test_bf16_graphs_on_off_same_tokens_and_close_to_hf(tiny_dir):
-    check_bf16_graphs_change_no_token(tiny_dir, expect_no_cache_hits=True)
+    check_bf16_graphs_change_no_token(tiny_dir, expect_no_cache_hits=True, chaotic=True)
 
 
 def test_bf16_chunked_prefill_carries_the_states(tiny_dir):
@@ -136,8 +137,8 @@ def test_bf16_chunked_prefill_carries_the_states(tiny_dir):
     batch = prompts(6, 500, seed=8, longest=300)
     whole, _ = engine_greedy(tiny_dir, "bfloat16", batch)
     chunked, _ = engine_greedy(tiny_dir, "bfloat16", batch, chunked_prefill_size=16)
-    ref = hf_greedy(tiny_dir, torch.bfloat16, batch)
-    assert agreement(whole, ref) >= 0.5 and agreement(chunked, ref) >= 0.5 and agreement(chunked, whole) >= 0.5
+    check_as_close_to_fp32_as_hf_bf16(tiny_dir, whole, batch)
+    check_as_close_to_fp32_as_hf_bf16(tiny_dir, chunked, batch)
 
 
 @pytest.mark.parametrize("shape", ["27b", "35b-a3b"])
