@@ -24,7 +24,6 @@ docs/tensor_parallel.md for why that ordering is enough.
 
 from __future__ import annotations
 
-import logging
 import time
 from array import array
 from collections import deque
@@ -35,8 +34,6 @@ import torch
 
 from radixserve.cache.host_memory import check_host_memory, pin_in_place
 from radixserve.cache.kv_pool import KVPool, PageAllocator
-
-logger = logging.getLogger("radixserve")
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 

@@ -173,7 +173,8 @@ class HostStateSnapshots:
 
         conv_block, ssm_block = block(spec.conv_shape, spec.conv_dtype), block(spec.ssm_shape, spec.ssm_dtype)
         total = spec.num_layers * (conv_block + ssm_block)
-        check_host_memory(total, f"the host tier's state snapshots ({num_slots} of {spec.bytes_per_row} bytes)")
+        check_host_memory(total, f"the host tier's state snapshots (--mamba-host-cache-size {num_slots} of "
+                                 f"{spec.bytes_per_row} bytes)")
         self.buffer = torch.empty(total, dtype=torch.uint8)
         self.conv: list[torch.Tensor] = []
         self.ssm: list[torch.Tensor] = []

@@ -159,6 +159,10 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
                 self._push_host_snapshot(node)
         super()._drop_device(node)
 
+    def _drop_snapshot(self, node: HostSnapshotNode, *, removing: bool) -> None:
+        node.snapshot_from_host = False  # a snapshot hung here later was taken on the device
+        super()._drop_snapshot(node, removing=removing)
+
     def _lost_snapshot(self, node: HostSnapshotNode) -> None:
         """node's only snapshot was freed (it stays in the tree): lookups resumed there look again."""
         self._count_below(node, -1)
