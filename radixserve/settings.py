@@ -131,6 +131,13 @@ class ServerSettings:
         "write_back", "When the host tier gets a copy: write_back (when the device evicts the prefix) or "
         "write_through (as soon as it is cached on the device, so eviction needs no copy).",
         choices=HICACHE_WRITE_POLICIES)
+    mamba_host_cache_size: Optional[int] = _opt(
+        None, "Hybrid models with the host tier: how many recurrent-state snapshots the host tier keeps "
+        "(pinned on CUDA), beside its KV: a prefix evicted from the device takes its snapshot there and "
+        "brings it back when it is loaded, so a request resumes from the host tier too. Each is the size "
+        "of one running request's states. Default: as many times --mamba-cache-size as the host tier "
+        "holds of the device KV pool (--hicache-ratio 4: 4x the snapshots). 0: none (prefixes on the "
+        "host then resume nobody). With --tp-size, per rank.")
 
     # --- scheduling --------------------------------------------------------
     schedule_policy: str = _opt(
@@ -284,6 +291,8 @@ class ServerSettings:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.mamba_cache_size is not None and self.mamba_cache_size < 0:
             raise ValueError(f"mamba_cache_size must be >= 0, got {self.mamba_cache_size}")
+        if self.mamba_host_cache_size is not None and self.mamba_host_cache_size < 0:
+            raise ValueError(f"mamba_host_cache_size must be >= 0, got {self.mamba_host_cache_size}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.graceful_shutdown_timeout < 0:

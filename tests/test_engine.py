@@ -108,7 +108,7 @@ def check_greedy_cold_then_cached(path: Path, prompts: list[list[int]], expected
 
 def check_idle(engine: Engine) -> None:
     """Nothing runs or waits, and every KV slot and every recurrent-state snapshot slot (a hybrid
-    model's) is free or the cache's, evictable: none is left with a request."""
+    model's, on both tiers) is free or the cache's, evictable: none is left with a request."""
     engine.check_invariants()
     stats = engine.cache_stats()
     assert stats["running_requests"] == stats["queued_requests"] == 0
@@ -116,6 +116,9 @@ def check_idle(engine: Engine) -> None:
     snapshots = engine.core.kv_pool.snapshots
     if snapshots is not None:
         assert snapshots.free_slots + stats["snapshots_held"] == stats["snapshot_slots"] == snapshots.num_slots
+        host = snapshots.host  # the host tier's snapshots, when it keeps some
+        if host is not None:
+            assert host.free_slots + stats["host_snapshots_held"] == stats["host_snapshot_slots"] == host.num_slots
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

@@ -2,8 +2,9 @@
 MoE forms) on the CPU against transformers: the config keys and the registry, the checkpoints' layouts, logits over
 prefill chunks and decode steps, the offline engine cold and resumed from the prefix cache's
 recurrent-state snapshots (chunked, paged, retracting, without overlap, taken back after a failed
-allocation), a conversation's next turn and requests branching off a shared prompt, log
-probabilities, tensor parallelism over gloo, and the real server.
+allocation), a conversation's next turn and requests branching off a shared prompt, resumed from
+snapshots that went to the host tier and came back, log probabilities, tensor parallelism over
+gloo (with the host tier too), and the real server.
 
 The tiny hybrids (radixserve.testing.tiny_model) alternate Gated DeltaNet and gated attention
 layers (4 layers), with 4 query heads of head_dim 32 over hidden 64 (q|gate rows 256), 2 KV heads,
@@ -37,11 +38,14 @@ from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.no_cache import NoPrefixCache
 from radixserve.cache.snapshot_cache import SnapshotRadixCache
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
+from radixserve.cache.tiered_snapshot_cache import TieredSnapshotRadixCache
+from radixserve.engine.messages import EngineStats
 from radixserve.engine.model_stack import state_spec
 from radixserve.model.config import ModelConfig
 from radixserve.model.loader import load_model
 from radixserve.model.qwen3_next import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
 from radixserve.model.registry import supported_architectures
+from radixserve.server.metrics import ServerMetrics
 from radixserve.testing.tiny_model import TinyMoe, build_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
@@ -369,6 +373,101 @@ def test_tp2_shards_both_layer_kinds_and_the_experts_and_resumes_with_transforme
             assert [r["output_ids"] for r in results] == expected
             cached = sum(r["meta_info"]["cached_tokens"] for r in results)
         assert cached > 0 and engine.cache_stats()["snapshot_hits"] > 0
+        check_idle(engine)
+
+
+# --------------------------------------------------------------------------- the host tier
+
+def snapshot_nodes(cache) -> tuple[int, int]:
+    """(nodes holding a device snapshot, nodes holding a host snapshot)."""
+    nodes = list(cache.iter_nodes())
+    return sum(n.snapshot is not None for n in nodes), sum(n.host_snapshot is not None for n in nodes)
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(chunked_prefill_size=7, page_size=4, hicache_write_policy="write_through"),
+                                      dict(hicache_ratio=2, mamba_host_cache_size=3, disable_overlap_schedule=True)],
+                         ids=["default", "chunk7-page4-write-through", "small-host-tier"])
+def test_greedy_equals_transformers_resumed_from_snapshots_that_went_to_the_host_tier(qwen3_5, settings):
+    """A device pool of 160 tokens holds a few of the prompts; the host tier (8x) takes the rest with
+    their snapshots, and the second pass resumes from states copied back from it with every token
+    unchanged. The small host tier (2x, 3 snapshots) evicts on the host too."""
+    path, prompts, expected = qwen3_5
+    with Engine(str(path), **{"max_total_tokens": 160, "hicache_ratio": 8, "chunked_prefill_size": 16,
+                              **settings}) as engine:
+        cache = engine.core.cache
+        assert isinstance(cache, TieredSnapshotRadixCache) and not engine.core.kv_pool.snapshots.host.pinned
+        cached = []
+        for _ in range(2):
+            results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+            assert [r["output_ids"] for r in results] == expected
+            cached.append([r["meta_info"]["cached_tokens"] for r in results])
+            check_idle(engine)
+        stats = engine.cache_stats()
+        assert sum(cached[1]) > 0 and stats["evicted_tokens"] > 0 and stats["loaded_tokens"] > 0
+        assert stats["snapshots_written_back"] > 0 and stats["snapshots_loaded"] > 0
+        assert stats["host_snapshot_hits"] > 0 and stats["host_hit_rate"] > 0
+        assert stats["host_snapshot_slots"] == settings.get("mamba_host_cache_size", 8 * 64)  # 8x --mamba-cache-size
+        if "mamba_host_cache_size" in settings:
+            assert stats["host_snapshot_evictions"] > 0
+        assert snapshot_nodes(cache)[1] == stats["host_snapshots_held"] > 0
+        assert stats["host_snapshot_bytes"] == stats["host_snapshots_held"] * engine.core.kv_pool.snapshots.bytes_per_slot
+        # The counters reach /metrics beside the device snapshots'.
+        metrics = ServerMetrics(lambda: EngineStats(time=0.0, values=stats), lambda: True).render().decode()
+        for name in ("state_snapshot_host_hits_total", "state_snapshots_written_back_total",
+                     "state_snapshots_loaded_total", "state_snapshot_host_evictions_total",
+                     "state_snapshot_host_slots", "state_snapshots_host", "state_snapshot_host_bytes"):
+            assert re.search(rf"^radixserve:{name} \d", metrics, re.M), name
+
+
+def test_a_conversations_next_turn_resumes_from_the_host_tier(qwen3_5):
+    """Turn 1 ends, everything is pushed out of the device (its KV and its end's snapshot to the host),
+    and turn 2 is copied back and resumes after all turn 1 computed, with transformers' tokens."""
+    path, prompts, _ = qwen3_5
+    turn1 = prompts[3]
+    with Engine(str(path), max_total_tokens=4096, hicache_ratio=1, chunked_prefill_size=16) as engine:
+        cache = engine.core.cache
+        first = engine.generate(input_ids=[turn1], sampling_params={**GREEDY, "max_new_tokens": 8})[0]
+        computed = len(turn1) + len(first["output_ids"]) - 1
+        cache.evict(cache.evictable_size)
+        assert cache.evictable_size == 0 and snapshot_nodes(cache)[0] == 0 and snapshot_nodes(cache)[1] > 0
+        turn2 = turn1 + first["output_ids"] + [11, 12, 13, 14, 15, 16, 17]
+        assert cache.peek(turn2[:-1])[0] == computed  # found on the host
+        second = engine.generate(input_ids=[turn2], sampling_params=GREEDY)[0]
+        stats = engine.cache_stats()
+        check_idle(engine)
+    assert second["meta_info"]["cached_tokens"] == computed
+    assert stats["host_snapshot_hits"] == 1 and stats["host_cached_prompt_tokens"] == computed
+    assert second["output_ids"] == hf_greedy(path, [turn2])[0]
+
+
+def test_without_host_snapshots_the_host_tier_resumes_nothing_it_holds(qwen3_5):
+    """--mamba-host-cache-size 0: a prefix pushed to the host loses its snapshot, so the next turn
+    computes it again; the tokens stay transformers'."""
+    path, prompts, _ = qwen3_5
+    turn1 = prompts[3]
+    with Engine(str(path), max_total_tokens=4096, hicache_ratio=1, mamba_host_cache_size=0) as engine:
+        cache = engine.core.cache
+        assert engine.core.kv_pool.snapshots.host is None
+        first = engine.generate(input_ids=[turn1], sampling_params={**GREEDY, "max_new_tokens": 8})[0]
+        cache.evict(cache.evictable_size)
+        assert snapshot_nodes(cache) == (0, 0) and cache.host_size > 0
+        turn2 = turn1 + first["output_ids"] + [11, 12]
+        second = engine.generate(input_ids=[turn2], sampling_params=GREEDY)[0]
+        check_idle(engine)
+    assert second["meta_info"]["cached_tokens"] == 0 and second["output_ids"] == hf_greedy(path, [turn2])[0]
+
+
+def test_tp2_copies_each_ranks_share_of_the_snapshots_to_its_host_tier_and_back(qwen3_5):
+    """Under tensor parallelism every rank's host tier holds its heads' share of each snapshot: rank
+    0's write-backs and loads go to rank 1 with the next step, like its device snapshot copies."""
+    path, prompts, expected = qwen3_5
+    with Engine(str(path), tp_size=2, max_total_tokens=160, hicache_ratio=8, chunked_prefill_size=16) as engine:
+        assert engine.core.kv_pool.snapshots.host.ssm[0].shape[1:] == (2, 16, 16)  # this rank's value heads
+        for _ in range(2):
+            results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+            assert [r["output_ids"] for r in results] == expected
+        stats = engine.cache_stats()
+        assert stats["snapshots_written_back"] > 0 and stats["host_snapshot_hits"] > 0
         check_idle(engine)
 
 

@@ -1,5 +1,6 @@
 """Each prefix cache (the device tree, the tree with a host tier, a hybrid model's tree with
-recurrent-state snapshots, the cache that keeps nothing) driven through the `PrefixCache` protocol
+recurrent-state snapshots, that tree over a host tier which keeps snapshots too, the cache that
+keeps nothing) driven through the `PrefixCache` protocol
 exactly as the scheduler drives it: the real
 `WaitingQueue` parks requests on their peeked matches, host parts are loaded back as
 `Scheduler._load_prefix` does, and the real `KVManager` locks a match, grows a request, caches its
@@ -22,7 +23,10 @@ prefix a row has computed, written when a request "computes", read back when a p
 (so a restored snapshot must be the state of exactly the matched prefix), and a step that fails
 part-way leaves garbage in its rows (`fail_step`). Invariants: every snapshot slot is owned once
 (a node, a running request's row, the free list), a node's snapshot holds the state of its path,
-the usable match never runs past the KV match, and nothing is held by rows when none runs.
+the usable match never runs past the KV match, and nothing is held by rows when none runs. Over
+a host tier the same holds of the host snapshot slots (a host-only node or the free list), a host
+snapshot holds its path's state too, and a request admitted after its load resumes from the state
+that came back.
 The implementation-specific machines (test_radix_cache.py: exact eviction order; test_tiered_cache.py:
 what each tier holds) go deeper into each one.
 """
@@ -46,8 +50,9 @@ from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.snapshot_cache import SnapshotRadixCache
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
-from radixserve.cache.state_snapshots import StateSnapshots
+from radixserve.cache.state_snapshots import HostStateSnapshots, StateSnapshots
 from radixserve.cache.tiered_cache import make_tiered_cache
+from radixserve.cache.tiered_snapshot_cache import make_tiered_snapshot_cache
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.request import Req, ReqState
@@ -56,7 +61,9 @@ from radixserve.router.keys import routing_keys
 from radixserve.router.prefix_tree import BlockHashMirror
 from radixserve.engine.engine_intake import KvHashEvents
 
-KINDS = ("device", "tiered", "snapshot", "none")
+KINDS = ("device", "tiered", "snapshot", "tiered-snapshot", "none")
+TIERED = ("tiered", "tiered-snapshot")
+SNAPSHOTS = ("snapshot", "tiered-snapshot")
 LAYERS = 2
 DEVICE_TOKENS = 48
 ROWS = 4
@@ -70,7 +77,7 @@ GARBAGE = -1.0  # what a step that failed part-way leaves in its rows
 
 
 def make_cache(kind: str, pool: KVPool, *, host_tokens: int = 1024, write_through: bool = False,
-               snapshot_slots: int = 6) -> PrefixCache:
+               snapshot_slots: int = 6, host_snapshot_slots: int = 4) -> PrefixCache:
     if kind == "device":
         return RadixCache(pool.allocator, page_size=pool.page_size)
     if kind == "tiered":
@@ -80,6 +87,11 @@ def make_cache(kind: str, pool: KVPool, *, host_tokens: int = 1024, write_throug
         pool.snapshots = StateSnapshots(snapshot_slots, pool.state)
         # Branch points of a single page are taken too: the prompts here are short.
         return SnapshotRadixCache(pool.allocator, pool.snapshots, page_size=pool.page_size, branch_min_tokens=1)
+    if kind == "tiered-snapshot":
+        pool.state = RecurrentStatePool(ROWS, STATE_SPEC, "cpu")
+        pool.snapshots = StateSnapshots(snapshot_slots, pool.state)
+        host = HostStateSnapshots(host_snapshot_slots, pool.snapshots, pin=False) if host_snapshot_slots else None
+        return make_tiered_snapshot_cache(pool, host_tokens, host, write_through=write_through, branch_min_tokens=1)
     return NoPrefixCache(pool.allocator, page_size=pool.page_size)
 
 
@@ -96,14 +108,15 @@ def kv_of(prefix: tuple, layer: int) -> float:
 class PrefixCacheMachine(RuleBasedStateMachine):
     @initialize(kind=st.sampled_from(KINDS), page_size=st.sampled_from([1, 2, 4]),
                 host_tokens=st.sampled_from([16, 1024]), write_through=st.booleans(),
-                snapshot_slots=st.sampled_from([2, 6]))
-    def setup(self, kind: str, page_size: int, host_tokens: int, write_through: bool, snapshot_slots: int) -> None:
+                snapshot_slots=st.sampled_from([2, 6]), host_snapshot_slots=st.sampled_from([0, 1, 4]))
+    def setup(self, kind: str, page_size: int, host_tokens: int, write_through: bool, snapshot_slots: int,
+              host_snapshot_slots: int) -> None:
         self.kind = kind
         self.page = page_size
         self.pool = KVPool(DEVICE_TOKENS, page_size, LAYERS, 1, 2, torch.float32, "cpu")
         self.alloc = self.pool.allocator
         self.cache = make_cache(kind, self.pool, host_tokens=host_tokens, write_through=write_through,
-                                snapshot_slots=snapshot_slots)
+                                snapshot_slots=snapshot_slots, host_snapshot_slots=host_snapshot_slots)
         assert isinstance(self.cache, PrefixCache)
         self.kv = KVManager(self.cache, ReqToTokenPool(ROWS, 64, "cpu"))
         self.waiting = WaitingQueue(self.cache, "fcfs", max_wait_s=1e9)
@@ -174,9 +187,37 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 self._admit(req)
         return list(prompt[:40])
 
+    @precondition(lambda self: self.kind == "tiered-snapshot" and self.kv.req_to_token.free_rows)
+    @rule(target=prompts, prompt=prompts, more=PROMPTS, salt=st.sampled_from(SALTS))
+    def next_turn_from_the_host(self, prompt: list[int], more: list[int], salt) -> list[int]:
+        """A conversation's turn runs to its end and leaves, everything nobody holds goes to the host,
+        and the next turn arrives: admitted (after its load) on the state that came back, if the
+        host kept it."""
+        params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        turns = [list(prompt[:40]), list((prompt + more)[:40])]
+        reqs = [Req(rid=f"r{self.arrivals + i}", origin_input_ids=turn, sampling_params=params, arrival_time=0.0,
+                    arrival_seq=self.arrivals + i, cache_namespace=cache_namespace(salt)) for i, turn in enumerate(turns)]
+        self.arrivals += 2
+        first, second = reqs
+        self.waiting.add(first)
+        self._admit(first)
+        while first.kv_len < len(first.origin_input_ids) and self._compute_whole(first):
+            pass
+        self.running.remove(first)
+        computed = first.kv_len
+        self.kv.cache_req(first, finished=True)
+        self._gave(first, self.cache.insertable_len(computed))
+        self.cache.evict(self.cache.evictable_size)
+        hits = self.cache.snapshot_stats()["host_snapshot_hits"]
+        self.waiting.add(second)
+        self._admit(second)  # checks that a resumed row holds the state of exactly its prefix
+        if self.cache.snapshot_stats()["host_snapshot_hits"] > hits:
+            assert second.locked_len > 0
+        return turns[1]
+
     # Rules that are always possible are offered only where they can do something: hypothesis picks
     # among the possible rules evenly, and the runs should mostly serve requests.
-    @precondition(lambda self: self.kind == "tiered" and len(self.waiting))
+    @precondition(lambda self: self.kind in TIERED and len(self.waiting))
     @rule(index=st.integers(0, 100), spare_only=st.booleans())
     def load(self, index: int, spare_only: bool) -> None:
         """As Scheduler._load_prefix: a waiting request's host part is copied back."""
@@ -215,7 +256,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             self.waiting.refresh()
             assert self.cache.host_part(req.peek_len, req.peek_node) == (0, False), "a finished load left a host part"
         peeked = req.peek_len
-        if self.kind != "tiered":
+        if self.kind not in TIERED:
             assert self.cache.host_part(req.peek_len, req.peek_node) == (0, False), "a host part without a host tier"
         self.waiting.remove(req)
         req.req_pool_idx = self.kv.req_to_token.alloc()
@@ -225,7 +266,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             assert req.locked_len == 0 and req.last_node is self.cache.root
         elif self.kind in ("device", "snapshot"):
             assert req.locked_len == peeked, "the device tree's match is its peek"
-        if self.kind == "snapshot":
+        if self.kind in SNAPSHOTS:
             kv_len, _ = RadixCache.peek(self.cache, req.match_target(), namespace=req.cache_namespace)
             assert req.locked_len <= kv_len, "a usable match runs past the KV"
             if req.locked_len:  # resumed: the snapshot was copied into the row
@@ -284,7 +325,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert req.req_pool_idx is None and not req.slots and req.last_node is None
         taken = self.cache.insertable_len(computed)
         found, _ = self.cache.peek(tokens[:taken], namespace=req.cache_namespace)
-        if self.kind == "snapshot":  # found where a snapshot was kept
+        if self.kind in SNAPSHOTS:  # found where a snapshot was kept
             self._gave(req, taken)
             assert found <= taken
         elif self._keeps():
@@ -299,7 +340,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self._compute(req, len(req.origin_input_ids))
         return req.kv_len > before
 
-    @precondition(lambda self: self.kind == "snapshot" and self.running)
+    @precondition(lambda self: self.kind in SNAPSHOTS and self.running)
     @rule(index=st.integers(0, 100), n=st.integers(1, 8))
     def fail_step(self, index: int, n: int) -> None:
         """A step that failed part-way (the engine's allocation-failure path): its piece is taken back,
@@ -328,6 +369,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             held = self.cache.match_kv(req.fill_ids[:req.locked_len], namespace=req.cache_namespace)
             assert held.length == req.locked_len
 
+    @precondition(lambda self: self.kind in TIERED and self.cache.evictable_size)
+    @rule()
+    def evict_to_host(self) -> None:
+        """Everything nobody holds leaves the device (to the host, where it has room), so that a
+        later turn of a conversation finds its prefix, and its snapshot, only there."""
+        self.cache.evict(self.cache.evictable_size)  # (a node whose host copy a copy still uses stays)
+
     @precondition(lambda self: not self.running and self.cache.num_nodes > 1)
     @rule()
     def flush(self) -> None:
@@ -336,6 +384,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert self.alloc.free_tokens == self.alloc.total_tokens
         if self.pool.snapshots is not None:
             assert self.pool.snapshots.free_slots == self.pool.snapshots.num_slots
+            host = self.pool.snapshots.host
+            assert host is None or host.free_slots == host.num_slots
 
     # ------------------------------------------------------------------ invariants
     @invariant()
@@ -349,6 +399,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             return
         stats = self.cache.snapshot_stats()
         assert self.pool.snapshots.free_slots + stats["snapshots_held"] == stats["snapshot_slots"], "a snapshot leaked"
+        host = self.pool.snapshots.host
+        if host is not None:
+            assert host.free_slots + stats["host_snapshots_held"] == stats["host_snapshot_slots"], \
+                "a host snapshot leaked"
 
     @invariant()
     def waiter_counts_are_the_parked_requests(self) -> None:
@@ -387,6 +441,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 if child.snapshot is not None and child.snapshot not in getattr(self.cache, "queued_saves", ()):
                     got = self.pool.snapshots.ssm[0][child.snapshot].item()
                     assert got == state_of(path), "a node's snapshot is not its path's state"
+                if getattr(child, "host_snapshot", None) is not None:
+                    got = self.pool.snapshots.host.ssm[0][child.host_snapshot].item()
+                    assert got == state_of(path), "a node's host snapshot is not its path's state"
                 if child.value is not None:  # on the device: its slots hold its tokens' KV
                     for i, slot in enumerate(child.value.tolist()):
                         for layer in range(LAYERS):

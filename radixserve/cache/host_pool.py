@@ -24,9 +24,7 @@ docs/tensor_parallel.md for why that ordering is enough.
 
 from __future__ import annotations
 
-import logging
 import time
-import weakref
 from array import array
 from collections import deque
 from dataclasses import dataclass
@@ -34,10 +32,8 @@ from typing import Optional
 
 import torch
 
-from radixserve.cache.host_memory import check_host_memory
+from radixserve.cache.host_memory import check_host_memory, pin_in_place
 from radixserve.cache.kv_pool import KVPool, PageAllocator
-
-logger = logging.getLogger("radixserve")
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
@@ -60,12 +56,7 @@ class HostKVPool:
                           f"the host tier ({num_tokens} tokens of {self.bytes_per_token} bytes)")
         self.allocator = PageAllocator(num_pages, self.page_size)
         self.buffer = torch.empty((num_slots, self.num_layers, 2, self.row_bytes), dtype=torch.uint8)
-        self.pinned = pin and _pin(self.buffer)
-        if self.pinned:
-            # Unregister before the buffer's memory goes back: a later allocation at the same
-            # addresses could not be registered again ("already registered"). Not at exit: the
-            # driver drops it with the process, and unregistering tens of GB would delay the exit.
-            weakref.finalize(self, _unpin, self.buffer).atexit = False
+        self.pinned = pin and pin_in_place(self, self.buffer, "the host tier")
 
     @staticmethod
     def token_bytes(device_pool: KVPool) -> int:
@@ -84,44 +75,6 @@ class HostKVPool:
             return None
         pages.sort()
         return self.allocator.pages_to_slots(pages)
-
-
-def _pin(buffer: torch.Tensor) -> bool:
-    """Page-lock the buffer in place (registering it, unlike pin_memory(), does not round the size up
-    to a power of two, which for tens of GB would double the host memory taken)."""
-    if not torch.cuda.is_available():
-        return False
-    start = time.perf_counter()
-    nbytes = buffer.numel() * buffer.element_size()
-    cudart = torch.cuda.cudart()
-    try:
-        err = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
-        failed = err != cudart.cudaError.success
-    except Exception as e:  # noqa: BLE001: serve unpinned (slower, blocking copies) rather than not at all
-        err, failed = e, True
-    if failed:
-        logger.warning("could not pin the host tier (%d bytes: %s): its copies will block and be slower",
-                       nbytes, _error_name(cudart, err))
-        # The failed call left its error as the thread's last CUDA error, which the next kernel
-        # launch's check would report as its own: take it now.
-        try:
-            torch.zeros(1, device="cuda")
-        except RuntimeError:
-            pass
-        return False
-    logger.info("host tier: %.1f GB pinned in %.1f s", nbytes / 1e9, time.perf_counter() - start)
-    return True
-
-
-def _unpin(buffer: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
-
-
-def _error_name(cudart, err) -> str:
-    try:
-        return f"{int(err)} ({cudart.cudaGetErrorString(err)})"
-    except Exception:  # noqa: BLE001: an exception, or an error code the binding cannot name
-        return str(err)
 
 
 def copy_runs(host_slots: torch.Tensor) -> list[tuple[int, int, int]]:

@@ -1,13 +1,15 @@
 """The prefix cache as the scheduler, the engine and the event publishers see it: one protocol,
 the tree node it hands out as a handle, and the result and counter types they share.
 
-Four implementations:
+Five implementations:
 
 - `RadixCache` (radix_cache.py): the radix tree of device KV slots.
 - `TieredRadixCache` (tiered_cache.py): the same tree over two tiers, device slots and a host
   pool under them; a prefix evicted from the device is copied to the host and loaded back.
 - `SnapshotRadixCache` (snapshot_cache.py): the device tree of a hybrid model, which keeps
   recurrent-state snapshots beside the KV (state_snapshots.py).
+- `TieredSnapshotRadixCache` (tiered_snapshot_cache.py): both, a hybrid model's tree over two
+  tiers; a node's snapshot goes to the host and back with its KV.
 - `NoPrefixCache` (no_cache.py): `--disable-radix-cache`. Nothing is kept or found; a request
   computes its whole prompt and frees its KV when it leaves.
 
@@ -293,7 +295,9 @@ def no_host_tier_stats() -> dict[str, float]:
 def no_snapshot_stats() -> dict[str, float]:
     """`snapshot_stats()` of a cache that keeps no recurrent-state snapshots."""
     return {"snapshot_slots": 0, "snapshots_held": 0, "snapshot_bytes": 0, "snapshot_hits": 0,
-            "snapshots_taken": 0, "snapshot_evictions": 0}
+            "snapshots_taken": 0, "snapshot_evictions": 0, "host_snapshot_slots": 0, "host_snapshots_held": 0,
+            "host_snapshot_bytes": 0, "host_snapshot_hits": 0, "snapshots_written_back": 0, "snapshots_loaded": 0,
+            "host_snapshot_evictions": 0}
 
 
 def check_slot_ownership(owned: Sequence[torch.Tensor], total: int, page_size: int, what: str = "KV") -> None:

@@ -48,7 +48,7 @@ from typing import Optional, Sequence
 import torch
 
 from radixserve.cache.kv_pool import PageAllocator
-from radixserve.cache.prefix_cache import ALL, NAMESPACE, PARTIAL, MatchResult, TreeNode
+from radixserve.cache.prefix_cache import ALL, NAMESPACE, PARTIAL, MatchResult, TreeNode, no_snapshot_stats
 from radixserve.cache.radix_cache import _EMPTY_SLOTS, RadixCache
 from radixserve.cache.state_snapshots import StateSnapshots
 
@@ -76,13 +76,17 @@ class SnapshotCounters:
 class SnapshotRadixCache(RadixCache):
     def __init__(self, allocator: PageAllocator, snapshots: StateSnapshots, *, page_size: int = 1,
                  eviction_policy: str = "lru", branch_min_tokens: int = BRANCH_MIN_TOKENS):
+        self._init_snapshots(snapshots, page_size, branch_min_tokens)
+        super().__init__(allocator, page_size=page_size, eviction_policy=eviction_policy)
+
+    def _init_snapshots(self, snapshots: StateSnapshots, page_size: int, branch_min_tokens: int) -> None:
+        """What this class keeps beside the tree (before the tree is built: its reset reads none of it)."""
         self.snapshots = snapshots
         self.branch_min_tokens = max(branch_min_tokens, page_size)
         self.rows: dict[int, RowStates] = {}
         # (row, slot): states taken for the step being scheduled, copied once it is launched.
         self._unissued: list[tuple[int, int]] = []
         self.snapshot_counters = SnapshotCounters()
-        super().__init__(allocator, page_size=page_size, eviction_policy=eviction_policy)
 
     def _reset(self) -> None:
         super()._reset()
@@ -94,22 +98,32 @@ class SnapshotRadixCache(RadixCache):
         self.snapshot_counters = SnapshotCounters()
 
     # ------------------------------------------------------------------ lookups
-    def _usable_walk(self, tokens: Sequence[int], namespace: Optional[str]) -> tuple[int, TreeNode, int]:
+    def _usable_walk(self, tokens: Sequence[int], namespace: Optional[str], *,
+                     ready: bool = True) -> tuple[int, TreeNode, int]:
         """(usable length, the node it ends at, KV match length): the deepest node end on the KV
-        match with a snapshot ready there."""
+        match with a snapshot there, ready on the device (else on any tier: what a lookup for a
+        waiting request counts)."""
         usable, last, kv = 0, self._namespace_root(namespace) or self.root, 0
+        on_device = True
         for node, n, pos in self._walk(tokens, namespace):
             kv = pos + n
-            if n == len(node.key) and node.snapshot is not None and self._ready(node):
+            # A ready match has its whole path ready (a host tier's device part is a tree from the root).
+            on_device = on_device and self._ready(node)
+            if n == len(node.key) and (on_device or not ready) and self._resumable(node, ready):
                 usable, last = kv, node
         return usable, last, kv
+
+    def _resumable(self, node: TreeNode, ready: bool) -> bool:
+        """A request can resume at node's end: it holds a snapshot (on the device, ready; the host
+        tier's cache counts its host snapshots too when `ready` is False)."""
+        return node.snapshot is not None and self._ready(node)
 
     def peek_park(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode, object]:
         """The usable length, parked at its node under the child key of the next page: a snapshot
         hung below that child (or a removed one at the node) touches it."""
         if self._namespace_root(namespace) is None:
             return 0, self.root, (NAMESPACE, namespace)
-        usable, last, _ = self._usable_walk(tokens, namespace)
+        usable, last, _ = self._usable_walk(tokens, namespace, ready=False)
         if usable + self.page_size > len(tokens):
             return usable, last, PARTIAL  # nothing left to match
         return usable, last, self._child_key(tokens, usable)
@@ -241,7 +255,7 @@ class SnapshotRadixCache(RadixCache):
 
     def _attach(self, node: Optional[TreeNode], slot: int, path: Sequence[int], namespace: Optional[str]) -> None:
         """Hang a taken snapshot on the node its position ends (freed if that node has one)."""
-        if node is None or node.removed or node.snapshot is not None:
+        if node is None or node.removed or node.snapshot is not None or not self._on_device(node):
             self.snapshots.free(slot)
             return
         node.snapshot = slot
@@ -300,7 +314,7 @@ class SnapshotRadixCache(RadixCache):
             prio, node = heapq.heappop(self._snap_heap)
             if node.removed or node.snapshot is None:
                 continue
-            if node.lock_ref:
+            if self._snapshot_held(node):
                 held.append((prio, node))  # offered again once this search is over
                 continue
             current = self._snapshot_priority(node)
@@ -312,6 +326,14 @@ class SnapshotRadixCache(RadixCache):
         for entry in held:
             heapq.heappush(self._snap_heap, entry)
         return self.snapshots.alloc()
+
+    def _snapshot_held(self, node: TreeNode) -> bool:
+        """Whether node's snapshot must stay: a running request (or a load) holds the node."""
+        return node.lock_ref > 0
+
+    def _snapshots_at(self, node: TreeNode) -> int:
+        """Snapshots node holds (a host tier's cache: on either tier), as `snapshots_below` counts them."""
+        return node.snapshot is not None
 
     # ------------------------------------------------------------------ the tree's hooks
     def _priority(self, node: TreeNode) -> tuple:
@@ -335,7 +357,8 @@ class SnapshotRadixCache(RadixCache):
     # ------------------------------------------------------------------ stats and checks
     def snapshot_stats(self) -> dict[str, float]:
         c = self.snapshot_counters
-        return {"snapshot_slots": self.snapshots.num_slots, "snapshots_held": self.snapshots_held,
+        return {**no_snapshot_stats(), "snapshot_slots": self.snapshots.num_slots,
+                "snapshots_held": self.snapshots_held,
                 "snapshot_bytes": self.snapshots_held * self.snapshots.bytes_per_slot, "snapshot_hits": c.hits,
                 "snapshots_taken": c.taken, "snapshot_evictions": c.evictions}
 
@@ -349,13 +372,16 @@ class SnapshotRadixCache(RadixCache):
         below: dict[int, int] = {}
         nodes = list(self.iter_nodes())
         for node in nodes:
-            if node.snapshot is None:
+            count = self._snapshots_at(node)
+            if not count:
                 continue
             assert node is not self.root and node.namespace is None, f"{node}: a root holds a snapshot"
-            owned.append(node.snapshot)
+            if node.snapshot is not None:
+                assert self._on_device(node), f"{node} holds a device snapshot but no device KV"
+                owned.append(node.snapshot)
             up: Optional[TreeNode] = node
             while up is not None:
-                below[id(up)] = below.get(id(up), 0) + 1
+                below[id(up)] = below.get(id(up), 0) + count
                 up = up.parent
         for node in nodes:
             assert node.snapshots_below == below.get(id(node), 0), \

@@ -13,29 +13,45 @@ their place between the forward passes that read and write the rows (the cache i
 right moments: `radixserve.cache.snapshot_cache`). The slots' bookkeeping (who owns each) is the
 cache's; this module only hands out free slots and copies.
 
+With a host tier, `HostStateSnapshots` holds more snapshots in host memory (pinned on CUDA, its
+own budget, `--mamba-host-cache-size`): a snapshot goes there with its node's KV when the device
+evicts the node and comes back with it when the KV is loaded back (the bookkeeping is
+`radixserve.cache.tiered_snapshot_cache`'s). Its copies are queued on the compute stream too, so
+they are ordered with every save and restore without events: a device slot freed after its
+write-back is reused only by copies queued after it, and a host slot is read back only by a load
+queued after the write-back that filled it. The host side never reads the buffer itself.
+
 Under tensor parallelism each rank holds its heads' share of every state and of every snapshot,
-with the same slot numbering. Rank 0's copies are recorded (`orders`, when it is a list) and sent
-with the next step, and every other rank replays them in order before that step's forward
-(`replay`): rank 0 issued them between the same two forward passes.
+on both tiers, with the same slot numbering. Rank 0's copies (host ones included) are recorded
+(`orders`, when it is a list) and sent with the next step, and every other rank replays them in
+order before that step's forward (`replay`): rank 0 issued them between the same two forward passes.
 """
 
 from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from math import prod
 from typing import Optional
 
 import torch
 
+from radixserve.cache.host_memory import check_host_memory, pin_in_place
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
+
+# Each layer's conv and ssm block of the host buffer starts at a multiple of this many bytes, so
+# its view in the state's dtype is aligned.
+_HOST_ALIGN = 64
 
 
 @dataclass
 class StateCopyOrder:
-    """One batch of copies as rank 0 issued it: `save` row -> slot, else slot -> row."""
+    """One batch of copies as rank 0 issued it: `save` row -> slot, else slot -> row; with `host`,
+    between the device snapshot slots (`rows`) and the host tier's (`slots`): `save` device -> host."""
     save: bool
     rows: array
     slots: array
+    host: bool = False
 
 
 class StateSnapshots:
@@ -58,6 +74,7 @@ class StateSnapshots:
         # Slots 0..num_slots-1; popping from the end hands out low slots first.
         self._free = list(range(num_slots - 1, -1, -1))
         self.orders: Optional[list[StateCopyOrder]] = None  # rank 0 of a tensor-parallel engine records its copies
+        self.host: Optional[HostStateSnapshots] = None  # the host tier's snapshots, when there is one
 
     @property
     def bytes_per_slot(self) -> int:
@@ -93,6 +110,11 @@ class StateSnapshots:
 
     def replay(self, order: StateCopyOrder) -> None:
         """Issue rank 0's copies on this rank's share of the states."""
+        if order.host:
+            if self.host is None:
+                raise RuntimeError("rank 0 sent host-tier snapshot copies to a rank without host snapshots")
+            self.host.replay(order)
+            return
         self._copy(order.rows.tolist(), order.slots.tolist(), save=order.save)
 
     def _record(self, save: bool, rows: list[int], slots: list[int]) -> None:
@@ -130,3 +152,92 @@ class StateSnapshots:
             return None
         taken, self.orders = self.orders, []
         return taken
+
+
+class HostStateSnapshots:
+    """The host tier's snapshot slots: per linear layer conv [slots, kernel - 1, channels] and ssm
+    [slots, v_heads, k_head_dim, v_head_dim], views of one byte buffer (pinned on CUDA as a whole),
+    and the copies between them and the device snapshot slots of `device`."""
+
+    def __init__(self, num_slots: int, device: StateSnapshots, *, pin: bool):
+        if num_slots < 1:
+            raise ValueError("a host snapshot pool holds at least one slot")
+        spec = device.spec
+        self.spec = spec
+        self.device = device
+        self.num_slots = num_slots
+
+        def block(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+            size = num_slots * prod(shape) * torch.tensor([], dtype=dtype).element_size()
+            return -(-size // _HOST_ALIGN) * _HOST_ALIGN
+
+        conv_block, ssm_block = block(spec.conv_shape, spec.conv_dtype), block(spec.ssm_shape, spec.ssm_dtype)
+        total = spec.num_layers * (conv_block + ssm_block)
+        check_host_memory(total, f"the host tier's state snapshots (--mamba-host-cache-size {num_slots} of "
+                                 f"{spec.bytes_per_row} bytes)")
+        self.buffer = torch.empty(total, dtype=torch.uint8)
+        self.conv: list[torch.Tensor] = []
+        self.ssm: list[torch.Tensor] = []
+        offset = 0
+        for _ in range(spec.num_layers):
+            for views, shape, dtype, size in ((self.conv, spec.conv_shape, spec.conv_dtype, conv_block),
+                                              (self.ssm, spec.ssm_shape, spec.ssm_dtype, ssm_block)):
+                n = num_slots * prod(shape) * torch.tensor([], dtype=dtype).element_size()
+                views.append(self.buffer[offset:offset + n].view(dtype).view(num_slots, *shape))
+                offset += size
+        self.pinned = pin and pin_in_place(self, self.buffer, "the host tier's state snapshots")
+        self._free = list(range(num_slots - 1, -1, -1))
+        device.host = self
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.spec.bytes_per_row
+
+    @property
+    def total_bytes(self) -> int:
+        return self.buffer.numel()
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def free_slot_list(self) -> list[int]:
+        return list(self._free)
+
+    def alloc(self) -> Optional[int]:
+        return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    # ------------------------------------------------------------------ copies
+    def write_back(self, device_slots: list[int], host_slots: list[int]) -> None:
+        """host[host_slots[i]] = device snapshot device_slots[i], every linear layer."""
+        self._record(True, device_slots, host_slots)
+        self._copy(device_slots, host_slots, to_host=True)
+
+    def load(self, host_slots: list[int], device_slots: list[int]) -> None:
+        """device snapshot device_slots[i] = host[host_slots[i]], every linear layer."""
+        self._record(False, device_slots, host_slots)
+        self._copy(device_slots, host_slots, to_host=False)
+
+    def replay(self, order: StateCopyOrder) -> None:
+        self._copy(order.rows.tolist(), order.slots.tolist(), to_host=order.save)
+
+    def _record(self, to_host: bool, device_slots: list[int], host_slots: list[int]) -> None:
+        orders = self.device.orders
+        if orders is not None and device_slots:
+            orders.append(StateCopyOrder(to_host, array("q", device_slots), array("q", host_slots), host=True))
+
+    def _copy(self, device_slots: list[int], host_slots: list[int], *, to_host: bool) -> None:
+        # One copy per layer and kind: a snapshot's block of each is contiguous on both sides.
+        # Queued on the current (compute) stream; from pinned memory, without blocking the host.
+        dev = self.device
+        for d, h in zip(device_slots, host_slots):
+            for layer in range(self.spec.num_layers):
+                if to_host:
+                    self.conv[layer][h].copy_(dev.conv[layer][d], non_blocking=True)
+                    self.ssm[layer][h].copy_(dev.ssm[layer][d], non_blocking=True)
+                else:
+                    dev.conv[layer][d].copy_(self.conv[layer][h], non_blocking=True)
+                    dev.ssm[layer][d].copy_(self.ssm[layer][h], non_blocking=True)

@@ -194,6 +194,11 @@ class TieredRadixCache(RadixCache):
 
     def poll(self) -> bool:
         """Take in the copies done since the last poll; True when a load finished."""
+        return self._take_in_copies()
+
+    def _take_in_copies(self) -> bool:
+        """poll's work: only this, where a lookup waits for a load (a cache keeping more state does
+        more at a poll, at the start of a step's scheduling only)."""
         done = self.copier.poll()
         while self._busy and self._busy[0][0] <= done:
             for node in self._busy.popleft()[1]:
@@ -210,14 +215,14 @@ class TieredRadixCache(RadixCache):
         seq = max((n.loading_seq for n, _, _ in self._walk(tokens, namespace) if self._loading(n)), default=0)
         if seq:
             self.copier.wait(seq)
-            self.poll()
+            self._take_in_copies()
 
     # ------------------------------------------------------------------ mutation
     def _split(self, node: HostTierNode, n: int) -> HostTierNode:
         parent = node.parent
         assert parent is not None
         value = node.value[:n].clone() if node.value is not None else None
-        upper = HostTierNode(node.key[:n], value, parent, node.created, next(self._ids))
+        upper = self.node_type(node.key[:n], value, parent, node.created, next(self._ids))
         upper.lock_ref, upper.last_access, upper.hit_count = node.lock_ref, node.last_access, node.hit_count
         upper.waiters, upper.host_seq, upper.loading_seq = node.waiters, node.host_seq, node.loading_seq
         upper.snapshots_below = node.snapshots_below

@@ -27,12 +27,13 @@ from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.snapshot_cache import SnapshotRadixCache
 from radixserve.cache.tiered_cache import make_tiered_cache
+from radixserve.cache.tiered_snapshot_cache import make_tiered_snapshot_cache
 from radixserve.chat_formats import reasoning_format
 from radixserve.distributed import TensorParallel
 from radixserve.engine.cpu_affinity import bind_near_gpu
 from radixserve.engine.grammar_wait import GrammarWaitlist
 from radixserve.engine.messages import GenerateRequest, RequestOutput
-from radixserve.engine.model_stack import host_tier_tokens, load_rank_model, make_kv_memory
+from radixserve.engine.model_stack import host_tier_tokens, load_rank_model, make_host_snapshots, make_kv_memory
 from radixserve.engine.tensor_parallel import start_ranks
 from radixserve.grammar.spec import grammar_spec
 from radixserve.model.config import ModelConfig
@@ -136,15 +137,12 @@ class EngineCore:
 
     def _make_cache(self, tp: TensorParallel) -> PrefixCache:
         """The one place that picks the prefix cache: none, the device tree (with recurrent-state
-        snapshots for a hybrid model), or the tree with a host tier."""
+        snapshots for a hybrid model), or the tree with a host tier (keeping a hybrid model's
+        snapshots there too)."""
         s = self.settings
         if self.model_config.has_recurrent_state:
             # A request resumed from a cached prefix needs the recurrent state at the prefix's end,
             # which KV cannot rebuild: the tree keeps snapshots of it beside the KV.
-            if s.hicache_enabled:
-                raise ValueError("--hicache-size / --hicache-ratio are not supported for "
-                                 f"{self.model_config.architecture} (the host tier keeps no recurrent-state "
-                                 "snapshots)")
             snapshots = self.kv_pool.snapshots
             if s.disable_radix_cache or snapshots is None:
                 if not s.disable_radix_cache:
@@ -154,8 +152,9 @@ class EngineCore:
                 return NoPrefixCache(self.kv_pool.allocator, page_size=s.page_size)
             logger.info("prefix cache: %d recurrent-state snapshots of %.1f MiB on each of %d rank(s)",
                         snapshots.num_slots, snapshots.bytes_per_slot / 2**20, tp.size)
-            return SnapshotRadixCache(self.kv_pool.allocator, snapshots, page_size=s.page_size,
-                                      eviction_policy=s.radix_eviction_policy)
+            if not s.hicache_enabled:
+                return SnapshotRadixCache(self.kv_pool.allocator, snapshots, page_size=s.page_size,
+                                          eviction_policy=s.radix_eviction_policy)
         if s.disable_radix_cache:
             return NoPrefixCache(self.kv_pool.allocator, page_size=s.page_size)
         if not s.hicache_enabled:
@@ -164,8 +163,20 @@ class EngineCore:
         tokens = host_tier_tokens(s, self.kv_pool, tp)
         logger.info("host tier: %d tokens (%.1f GB) on each of %d rank(s), %s", tokens, tokens * per_token / 1e9,
                     tp.size, s.hicache_write_policy)
-        return make_tiered_cache(self.kv_pool, tokens, eviction_policy=s.radix_eviction_policy,
-                                 write_through=s.hicache_write_policy == "write_through")
+        write_through = s.hicache_write_policy == "write_through"
+        if self.kv_pool.snapshots is None:
+            return make_tiered_cache(self.kv_pool, tokens, eviction_policy=s.radix_eviction_policy,
+                                     write_through=write_through)
+        # A hybrid model's host tier keeps its snapshots too: a prefix resumes from either tier.
+        host_snapshots = make_host_snapshots(s, self.kv_pool, tokens, tp)
+        if host_snapshots is None:
+            logger.warning("the host tier keeps no recurrent-state snapshot (--mamba-host-cache-size 0): prefixes "
+                           "evicted to it resume no request of %s", self.model_config.architecture)
+        else:
+            logger.info("host tier: %d recurrent-state snapshots (%.1f GB) on each of %d rank(s)",
+                        host_snapshots.num_slots, host_snapshots.total_bytes / 1e9, tp.size)
+        return make_tiered_snapshot_cache(self.kv_pool, tokens, host_snapshots,
+                                          eviction_policy=s.radix_eviction_policy, write_through=write_through)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any (a tp_size 1 engine holds nothing to stop)."""

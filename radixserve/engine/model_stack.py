@@ -14,7 +14,7 @@ import torch
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
-from radixserve.cache.state_snapshots import StateSnapshots
+from radixserve.cache.state_snapshots import HostStateSnapshots, StateSnapshots
 from radixserve.distributed import TensorParallel
 from radixserve.engine.memory_plan import MemoryPlan, plan_kv_pool
 from radixserve.model.config import ModelConfig
@@ -173,3 +173,27 @@ def host_tier_tokens(settings: ServerSettings, kv_pool: KVPool, tp: TensorParall
         return 0
     tokens = settings.hicache_tokens(kv_pool.allocator.total_tokens, HostKVPool.token_bytes(kv_pool))
     return tp.min_int(tokens)
+
+
+def host_snapshot_slots(settings: ServerSettings, kv_pool: KVPool, host_tokens: int) -> int:
+    """Slots of the host tier's state snapshot pool (0: none): --mamba-host-cache-size, else as many
+    times the device snapshot pool as the host tier (host_tokens) is the device KV pool, at least
+    one. 0 without a host tier or without device snapshots (a hybrid model only)."""
+    snapshots = kv_pool.snapshots
+    if not host_tokens or snapshots is None:
+        return 0
+    if settings.mamba_host_cache_size is not None:
+        return settings.mamba_host_cache_size
+    return max(1, round(snapshots.num_slots * host_tokens / kv_pool.allocator.total_tokens))
+
+
+def make_host_snapshots(settings: ServerSettings, kv_pool: KVPool, host_tokens: int,
+                        tp: TensorParallel) -> Optional[HostStateSnapshots]:
+    """This rank's host snapshot pool (its heads' share of each, rank 0's slot numbering: the same
+    count on every rank), set as kv_pool.snapshots.host; None without one."""
+    if kv_pool.snapshots is None:
+        return None  # the same on every rank (the device pool's slots are agreed): no collective
+    slots = tp.min_int(host_snapshot_slots(settings, kv_pool, host_tokens))
+    if not slots:
+        return None
+    return HostStateSnapshots(slots, kv_pool.snapshots, pin=kv_pool.k_buffers[0].device.type == "cuda")

@@ -28,7 +28,7 @@ from radixserve.distributed.group import open_store
 from radixserve.engine.core import DTYPES
 from radixserve.engine.cpu_affinity import bind_near_gpu, one_host_thread
 from radixserve.engine.model_runner import ModelRunner
-from radixserve.engine.model_stack import host_tier_tokens, load_rank_model, make_kv_memory
+from radixserve.engine.model_stack import host_tier_tokens, load_rank_model, make_host_snapshots, make_kv_memory
 from radixserve.engine.tensor_parallel import (CopyBatch, RejoinGroup, SharedSampledTokens, StepMessage, control_key,
                                                rank0_settings)
 from radixserve.model.config import ModelConfig
@@ -71,6 +71,7 @@ class WorkerRank:
         tokens = host_tier_tokens(settings, self.kv_pool, tp)
         if not tokens:
             return None
+        make_host_snapshots(settings, self.kv_pool, tokens, tp)  # a hybrid model's: rank 0's copies replay into it
         host = HostKVPool(tokens, self.kv_pool, pin=self.kv_pool.k_buffers[0].device.type == "cuda")
         return make_copy_engine(self.kv_pool, host)
 

@@ -53,6 +53,13 @@ ENGINE_COUNTERS = (
     ("snapshots_taken", "state_snapshots_taken", "Hybrid models: recurrent states copied into the snapshot pool."),
     ("snapshot_evictions", "state_snapshot_evictions",
      "Hybrid models: snapshots freed for room or with their evicted prefix."),
+    ("host_snapshot_hits", "state_snapshot_host_hits",
+     "Hybrid models: admissions resumed from a snapshot copied back from the host tier."),
+    ("snapshots_written_back", "state_snapshots_written_back",
+     "Hybrid models: snapshots copied to the host tier with their evicted prefix."),
+    ("snapshots_loaded", "state_snapshots_loaded", "Hybrid models: snapshots copied back from the host tier."),
+    ("host_snapshot_evictions", "state_snapshot_host_evictions",
+     "Hybrid models: host-tier snapshots freed for room or with their prefix."),
 )
 ENGINE_GAUGES = (
     ("running_requests", "num_running_reqs", "Requests decoding or prefilling in the engine."),
@@ -78,6 +85,10 @@ ENGINE_GAUGES = (
      "Hybrid models: recurrent-state snapshot slots of the prefix cache (--mamba-cache-size; 0: none)."),
     ("snapshots_held", "state_snapshots", "Hybrid models: snapshots the prefix cache holds."),
     ("snapshot_bytes", "state_snapshot_bytes", "Hybrid models: device bytes of the snapshots the prefix cache holds."),
+    ("host_snapshot_slots", "state_snapshot_host_slots",
+     "Hybrid models: recurrent-state snapshot slots of the host tier (--mamba-host-cache-size; 0: none)."),
+    ("host_snapshots_held", "state_snapshots_host", "Hybrid models: snapshots the host tier holds."),
+    ("host_snapshot_bytes", "state_snapshot_host_bytes", "Hybrid models: host bytes of the snapshots the host tier holds."),
     ("new_token_ratio", "new_token_ratio", "Scheduler's estimate of future decode tokens per request."),
 )
 
