@@ -136,7 +136,8 @@ class ServerSettings:
         "(pinned on CUDA), beside its KV: a prefix evicted from the device takes its snapshot there and "
         "brings it back when it is loaded, so a request resumes from the host tier too. Each is the size "
         "of one running request's states. Default: as many times --mamba-cache-size as the host tier "
-        "holds of the device KV pool (--hicache-ratio 4: 4x the snapshots). 0: none (prefixes on the "
+        "holds of the device KV pool (--hicache-ratio 4: 4x the snapshots), in no more bytes than the "
+        "host tier's KV (at least --mamba-cache-size of them). 0: none (prefixes on the "
         "host then resume nobody). With --tp-size, per rank.")
 
     # --- scheduling --------------------------------------------------------

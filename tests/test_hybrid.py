@@ -34,6 +34,7 @@ from test_model import PoolHarness
 from radixserve import Engine
 from radixserve.attention.base import ForwardMode
 from radixserve.attention.torch_backend import TorchAttentionBackend
+from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.no_cache import NoPrefixCache
 from radixserve.cache.snapshot_cache import SnapshotRadixCache
@@ -406,7 +407,13 @@ def test_greedy_equals_transformers_resumed_from_snapshots_that_went_to_the_host
         assert sum(cached[1]) > 0 and stats["evicted_tokens"] > 0 and stats["loaded_tokens"] > 0
         assert stats["snapshots_written_back"] > 0 and stats["snapshots_loaded"] > 0
         assert stats["host_snapshot_hits"] > 0 and stats["host_hit_rate"] > 0
-        assert stats["host_snapshot_slots"] == settings.get("mamba_host_cache_size", 8 * 64)  # 8x --mamba-cache-size
+        if "mamba_host_cache_size" in settings:
+            assert stats["host_snapshot_slots"] == settings["mamba_host_cache_size"]
+        else:  # 8x --mamba-cache-size, in no more bytes than the tier's KV, at least --mamba-cache-size
+            host = engine.core.kv_pool.snapshots.host
+            host_kv_bytes = stats["host_pool_tokens"] * HostKVPool.token_bytes(engine.core.kv_pool)
+            assert 64 <= stats["host_snapshot_slots"] <= 8 * 64
+            assert stats["host_snapshot_slots"] == 64 or host.total_bytes <= host_kv_bytes
         if "mamba_host_cache_size" in settings:
             assert stats["host_snapshot_evictions"] > 0
         assert snapshot_nodes(cache)[1] == stats["host_snapshots_held"] > 0

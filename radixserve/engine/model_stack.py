@@ -178,13 +178,17 @@ def host_tier_tokens(settings: ServerSettings, kv_pool: KVPool, tp: TensorParall
 def host_snapshot_slots(settings: ServerSettings, kv_pool: KVPool, host_tokens: int) -> int:
     """Slots of the host tier's state snapshot pool (0: none): --mamba-host-cache-size, else as many
     times the device snapshot pool as the host tier (host_tokens) is the device KV pool, at least
-    one. 0 without a host tier or without device snapshots (a hybrid model only)."""
+    one, but no more bytes than the host tier's KV (at least the device pool's count): a large
+    model's snapshots are 150 MB each, and the ratio alone would pin hundreds of GB. 0 without a
+    host tier or without device snapshots (a hybrid model only)."""
     snapshots = kv_pool.snapshots
     if not host_tokens or snapshots is None:
         return 0
     if settings.mamba_host_cache_size is not None:
         return settings.mamba_host_cache_size
-    return max(1, round(snapshots.num_slots * host_tokens / kv_pool.allocator.total_tokens))
+    by_ratio = round(snapshots.num_slots * host_tokens / kv_pool.allocator.total_tokens)
+    by_bytes = host_tokens * HostKVPool.token_bytes(kv_pool) // snapshots.bytes_per_slot
+    return max(1, min(by_ratio, max(snapshots.num_slots, by_bytes)))
 
 
 def make_host_snapshots(settings: ServerSettings, kv_pool: KVPool, host_tokens: int,
