@@ -152,7 +152,6 @@ def test_cache_aware_keeps_a_prefix_on_one_worker(workers, workdir):
         ran = [finished_requests(w) - b for w, b in zip(workers, before)]
         assert sorted(ran) == [0, 6], ran  # all on one worker ...
         assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached  # ... which found the prefix each time
-        home = ran.index(6)
         # A conversation through the chat endpoint: its turns extend one another and stay together.
         messages = [{"role": "system", "content": OTHER}]
         turn_cached = []
@@ -162,8 +161,9 @@ def test_cache_aware_keeps_a_prefix_on_one_worker(workers, workdir):
             messages.append({"role": "assistant", "content": r.choices[0].message.content})
             turn_cached.append(r.usage.prompt_tokens_details.cached_tokens)
         chat_ran = [finished_requests(w) - b - n for w, b, n in zip(workers, before, ran)]
-        # Its prefix matches nothing routed before, so it went to the emptier tree: the other worker.
-        assert chat_ran[1 - home] == 3 and chat_ran[home] == 0, chat_ran
+        # All three turns on one worker. Which one is the gateway's pick for a prefix that matches
+        # nothing: usually the emptier tree, but not always (seen both ways on one commit).
+        assert sorted(chat_ran) == [0, 3], chat_ran
         assert all(c > 0 for c in turn_cached[1:]), turn_cached
 
 
