@@ -54,7 +54,26 @@ class StateCopyOrder:
     host: bool = False
 
 
-class StateSnapshots:
+class _SlotFreeList:
+    """The free list both snapshot pools number their slots with (the lowest slot handed out first)."""
+
+    _free: list[int]
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def free_slot_list(self) -> list[int]:
+        return list(self._free)
+
+    def alloc(self) -> Optional[int]:
+        return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+
+class StateSnapshots(_SlotFreeList):
     """Snapshot slots conv[layer] [slots, kernel - 1, channels] and ssm[layer] [slots, v_heads,
     k_head_dim, v_head_dim] (the spec of the request rows' pool) and the copies to and from the
     rows of `rows`."""
@@ -83,19 +102,6 @@ class StateSnapshots:
     @property
     def total_bytes(self) -> int:
         return self.num_slots * self.spec.bytes_per_row
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
-    def free_slot_list(self) -> list[int]:
-        return list(self._free)
-
-    def alloc(self) -> Optional[int]:
-        return self._free.pop() if self._free else None
-
-    def free(self, slot: int) -> None:
-        self._free.append(slot)
 
     # ------------------------------------------------------------------ copies
     def save(self, rows: list[int], slots: list[int]) -> None:
@@ -154,7 +160,7 @@ class StateSnapshots:
         return taken
 
 
-class HostStateSnapshots:
+class HostStateSnapshots(_SlotFreeList):
     """The host tier's snapshot slots: per linear layer conv [slots, kernel - 1, channels] and ssm
     [slots, v_heads, k_head_dim, v_head_dim], views of one byte buffer (pinned on CUDA as a whole),
     and the copies between them and the device snapshot slots of `device`."""
@@ -196,19 +202,6 @@ class HostStateSnapshots:
     @property
     def total_bytes(self) -> int:
         return self.buffer.numel()
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
-    def free_slot_list(self) -> list[int]:
-        return list(self._free)
-
-    def alloc(self) -> Optional[int]:
-        return self._free.pop() if self._free else None
-
-    def free(self, slot: int) -> None:
-        self._free.append(slot)
 
     # ------------------------------------------------------------------ copies
     def write_back(self, device_slots: list[int], host_slots: list[int]) -> None:
