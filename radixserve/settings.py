@@ -100,9 +100,9 @@ class ServerSettings:
         None, "Hybrid models: how many recurrent-state snapshots the prefix cache keeps (one per cached "
         "position a later request can resume from: a conversation's end, a shared prompt's branch point; "
         "each the size of one running request's states, in --mamba-ssm-dtype). Their own pool, beside the "
-        "running requests' states and the KV pool. Default: on CUDA as many as a quarter of the memory "
-        "the weights and the running requests' states leave holds, at most 4 per running request; on the "
-        f"CPU {CPU_MAMBA_CACHE_SIZE}. 0: none, and no prefix is reused for these models.")
+        "running requests' states and the KV pool. Default: one per 1,024 tokens of the KV pool (on CUDA "
+        "the memory the plan leaves for the pool is split between the two so); on the CPU "
+        f"{CPU_MAMBA_CACHE_SIZE}. 0: none, and no prefix is reused for these models.")
     random_seed: int = _opt(0, "Seed for dummy weights and for sampling without a per-request seed.")
 
     # --- KV memory ---------------------------------------------------------
@@ -158,7 +158,9 @@ class ServerSettings:
         "(docs/tuning.md). 0: off.")
     max_running_requests: Optional[int] = _opt(
         None, f"Most requests decoding at once (default: {DEFAULT_MAX_RUNNING_REQUESTS['cuda']} on CUDA, "
-        f"{DEFAULT_MAX_RUNNING_REQUESTS['cpu']} on the CPU).")
+        f"{DEFAULT_MAX_RUNNING_REQUESTS['cpu']} on the CPU; a hybrid model on CUDA: at most as many as "
+        "15% of the memory after the weights holds recurrent states for, the rest going to the KV pool "
+        "and the prefix cache's state snapshots).")
     max_queued_requests: Optional[int] = _opt(
         None, "Most requests left waiting once the running batch has taken what it has room for (free "
         "request slots and KV); beyond it the server answers 503 with Retry-After.")

@@ -37,6 +37,7 @@ from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.no_cache import NoPrefixCache
+from radixserve.cache.radix_cache import PROMPT_END_SLACK
 from radixserve.cache.snapshot_cache import SnapshotRadixCache
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
 from radixserve.cache.tiered_snapshot_cache import TieredSnapshotRadixCache
@@ -482,9 +483,10 @@ def test_tp2_copies_each_ranks_share_of_the_snapshots_to_its_host_tier_and_back(
 
 def test_server_serves_the_multimodal_checkpoint_as_text_and_resumes_from_state_snapshots(tmp_path_factory,
                                                                                            server_workdir):
-    """The same prompt three times: the first computes it, the second finds its KV but no state
-    before its last token, so it keeps one there (a prompt piece ends there), the third resumes there;
-    usage and /metrics count only that reuse."""
+    """The same prompt three times: the first computes it and keeps its state a few tokens before
+    its end (where a next turn, which re-tokenizes the prompt's end, resumes); the second resumes
+    there, finds the rest of its KV but no state before its last token, so it keeps one there (a
+    prompt piece ends there), the third resumes there; usage and /metrics count only that reuse."""
     path = build(tmp_path_factory, "qwen3_5_vl", seed=6)
     prompt = make_prompts(512)[1]
     expected = hf_greedy(path, [prompt])[0]
@@ -498,14 +500,14 @@ def test_server_serves_the_multimodal_checkpoint_as_text_and_resumes_from_state_
                                                    max_tokens=GREEDY["max_new_tokens"], extra_body={"ignore_eos": True})
             assert completion.choices[0].text == transformers.AutoTokenizer.from_pretrained(path).decode(expected)
             cached.append(completion.usage.prompt_tokens_details.cached_tokens)
-        assert cached == [0, 0, len(prompt) - 1]
+        assert cached == [0, len(prompt) - PROMPT_END_SLACK, len(prompt) - 1]
         with pytest.raises(openai.BadRequestError, match="only text parts are supported, got 'image_url'"):
             client.chat.completions.create(model=path.name, messages=[
                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}])
         metrics = httpx.get(f"{proc.base_url}/metrics").text
         assert 'enable_prefix_caching="True"' in metrics
         assert "radixserve:state_snapshot_slots 8.0" in metrics
-        assert "radixserve:state_snapshot_hits_total 1.0" in metrics
+        assert "radixserve:state_snapshot_hits_total 2.0" in metrics
         assert re.search(r"^radixserve:state_snapshots [1-8]\.0$", metrics, re.M)
         assert "prefix cache: 8 recurrent-state snapshots" in proc.output()
     finally:

@@ -15,6 +15,11 @@ tok/s simulated, 0.691 and 94.0k measured); absolute times are only as good as t
     python -m radixserve.bench.scheduler_sim                    # the 7B agent workload, 216,825-token pool
     python -m radixserve.bench.scheduler_sim --policies lpm fcfs --pool 150000
     python -m radixserve.bench.scheduler_sim --policies lpm --host-ratio 4   # with a host tier
+
+A hybrid model (`--snapshots N`): its prefix cache is the engine's snapshot cache, N recurrent-state
+snapshot slots beside `--max-running` request rows, so a prefix resumes only where a snapshot lies.
+`--hybrid-27b` sets the Qwen3.5-27B's shapes on an H200 (its KV per token, step costs and the
+default split of its memory between running rows and snapshots).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import argparse
 import dataclasses
 import heapq
 import random
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +36,9 @@ import torch
 from radixserve.bench.metrics import LOST_SLACK_TOKENS
 from radixserve.cache.kv_pool import KVPool, PageAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.snapshot_cache import SnapshotRadixCache
+from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
+from radixserve.cache.state_snapshots import StateSnapshots
 from radixserve.cache.tiered_cache import make_tiered_cache
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.batch import ScheduledBatch
@@ -62,9 +71,22 @@ class SimConfig:
     # reply after it, so the next turn's ids differ there (on an H200 every later turn of the agent
     # workload found its previous prompt cached less one token).
     retokenized_boundary: bool = True
+    # A chat client that sends the model's replies back: each later turn's history holds the
+    # previous turn's prompt and sampled tokens as they were (no fixed reply, no re-tokenized end).
+    echo_replies: bool = False
     kv_bytes_per_token: float = 57344  # 7B: 28 layers x 4 KV heads x 128 x (K, V) x 2 bytes
     prefill_us: float = 25.0  # per prompt token computed
+    step_ms: float = 4.2  # a step's fixed cost (the weights read once)
+    decode_row_us: float = 15.0  # per decoding row
+    snapshots: int = 0  # a hybrid model's state snapshot slots (0: an attention-only model)
     seed: int = 1
+
+
+# The Qwen3.5-27B on an H200 (docs/runs/2026-12-03-hybrid-27b.md): 16 full-attention layers' KV per
+# token, prefill ~97 us a token, a decode step of 15.7 ms at batch 1 and 59.9 ms at batch 256; the
+# split its first agent run took (236 running rows, 58 snapshots of 146.8 MiB).
+HYBRID_27B = dict(kv_bytes_per_token=65536, prefill_us=97.0, step_ms=15.5, decode_row_us=173.0,
+                  max_running=236, snapshots=58)
 
 
 @dataclass
@@ -96,18 +118,25 @@ def agent_sessions(cfg: SimConfig) -> list[list[Turn]]:
 
 
 def step_seconds(batch: ScheduledBatch, cfg: SimConfig) -> float:
-    """A coarse H200 step of the 7B architecture: launch floor, decode rows, KV read, prompt tokens."""
+    """A coarse H200 step (the 7B architecture by default): launch floor, decode rows, KV read,
+    prompt tokens."""
     decode = sum(1 for n in batch.extend_lens if n == 1)
     context = sum(batch.kv_lens_before)
-    return 4.2e-3 + 1.5e-5 * decode + context * cfg.kv_bytes_per_token / 4.0e12 + batch.num_new_tokens * cfg.prefill_us * 1e-6
+    return cfg.step_ms * 1e-3 + cfg.decode_row_us * 1e-6 * decode + context * cfg.kv_bytes_per_token / 4.0e12 + batch.num_new_tokens * cfg.prefill_us * 1e-6
 
 
 def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
     """Run every session to its end; the figures a benchmark client would report, plus lost hits."""
+    if cfg.echo_replies:  # the replies are written into the sessions as they come
+        sessions = [[dataclasses.replace(turn) for turn in session] for session in sessions]
     settings = ServerSettings(schedule_policy=cfg.policy, radix_eviction_policy=cfg.eviction,
                               max_total_tokens=cfg.pool, chunked_prefill_size=cfg.chunk,
                               lpm_max_wait_s=cfg.max_wait_s, prefix_hold_s=cfg.prefix_hold_s, device="cpu")
-    if cfg.host_ratio > 0:  # the KV itself is one float per token: only the bookkeeping is simulated
+    if cfg.snapshots > 0:  # one float of state per row and snapshot: only the bookkeeping is simulated
+        spec = RecurrentStateSpec(1, (1, 1), (1, 1, 1), torch.float32)
+        snapshots = StateSnapshots(cfg.snapshots, RecurrentStatePool(cfg.max_running, spec, "cpu"))
+        cache = SnapshotRadixCache(PageAllocator(cfg.pool, 1), snapshots, eviction_policy=cfg.eviction)
+    elif cfg.host_ratio > 0:  # the KV itself is one float per token: only the bookkeeping is simulated
         pool = KVPool(cfg.pool, 1, 1, 1, 1, torch.float32, "cpu")
         cache = make_tiered_cache(pool, int(cfg.pool * cfg.host_ratio), eviction_policy=cfg.eviction)
     else:
@@ -155,6 +184,9 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
                 lost_turns += lost > LOST_SLACK_TOKENS
                 lost_tokens += max(lost, 0)
             if turn + 1 < len(sessions[sid]):
+                if cfg.echo_replies:
+                    following = sessions[sid][turn + 1]
+                    following.prompt = req.origin_input_ids + req.output_ids + following.prompt[-cfg.user_len:]
                 heapq.heappush(arrivals, (now[0] + sessions[sid][turn + 1].think_s, sid, turn + 1))
     sched.check_invariants()
     latencies.sort()
@@ -167,7 +199,11 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
         "p99_ttft_s": round(ttfts[int(0.99 * (len(ttfts) - 1))], 2), "longest_pause_s": round(longest_pause, 2),
         "turns_that_lost_the_previous_prompt": lost_turns, "lost_tokens": lost_tokens,
         "evicted_tokens": cache.counters.evicted_tokens, "retractions": sched.stats.num_retractions, "steps": steps,
+        **({k: v for k, v in cache.snapshot_stats().items() if k in SNAPSHOT_FIGURES} if cfg.snapshots else {}),
     }
+
+
+SNAPSHOT_FIGURES = ("snapshot_slots", "snapshot_hits", "snapshots_taken", "snapshot_evictions")
 
 
 def main() -> None:
@@ -177,8 +213,13 @@ def main() -> None:
         if f.name != "policy":
             parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
                                 help=f"default {f.default}")
+    parser.add_argument("--hybrid-27b", action="store_true",
+                        help="the Qwen3.5-27B's KV, step costs and default split (flags given override them)")
     args = vars(parser.parse_args())
     policies = args.pop("policies")
+    if args.pop("hybrid_27b"):
+        given = {a.lstrip("-").split("=")[0].replace("-", "_") for a in sys.argv[1:] if a.startswith("--")}
+        args.update({k: v for k, v in HYBRID_27B.items() if k not in given})
     cfg = SimConfig(**args)
     sessions = agent_sessions(cfg)
     for policy in policies:

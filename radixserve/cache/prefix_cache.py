@@ -67,7 +67,7 @@ class TreeNode:
 
     __slots__ = ("key", "value", "children", "parent", "lock_ref", "waiters", "last_access", "hit_count",
                  "created", "node_id", "removed", "ends_prompt", "block_hash", "namespace", "snapshot",
-                 "snapshots_below")
+                 "snapshots_below", "snapshot_used", "snapshot_at_end")
 
     def __init__(self, key: list[int], value: Optional[torch.Tensor], parent: Optional["TreeNode"], tick: int,
                  node_id: int):
@@ -96,6 +96,12 @@ class TreeNode:
         # A split keeps the snapshot on the lower part, which still ends there.
         self.snapshot: Optional[int] = None
         self.snapshots_below = 0
+        # When its snapshot was last taken or resumed from (the snapshot's own recency: a match
+        # through the node to a deeper snapshot is no use of this one).
+        self.snapshot_used = 0
+        # Its snapshot was taken where a sequence ended, below one its request kept near its prompt's
+        # end: whether a request resumes from it before it goes tells if such snapshots pay.
+        self.snapshot_at_end = False
 
     @property
     def is_leaf(self) -> bool:

@@ -9,17 +9,26 @@ only up to the deepest node end holding one: `peek`, `match`, the LPM order, the
 
 Where snapshots are taken, so that later requests find them:
 
-- **Where a sequence ended**: a request that leaves (finished, aborted, retracted) hangs its
-  row's state on the node where the KV it gave the tree ends (`keep_states` with `state_len`): the
-  next turn of its conversation, or the request itself once it is readmitted, resumes there. A row
-  holds one state, after its last computed position; with pages of more than one token it is kept
-  only when that position ends a page (the tree holds whole pages).
+- **Near the end of a prompt**: a conversation's next turn rarely carries the previous sequence
+  as it was computed: a client sending text re-tokenizes the prompt's last token together with
+  the reply, an agent or a reasoning template renders the reply anew (tool calls, reasoning
+  dropped). What it does carry is the previous prompt, less its end. So a request's prompt piece
+  ends PROMPT_END_SLACK tokens (whole pages) before its prompt's end (`MatchResult.chunk_ends`),
+  the step that computes that piece takes the state there (`take_state`), and the next turn
+  resumes there, computing those few tokens again.
 - **Where requests branch**: when a request's KV match runs past its usable match (a shared system
-  prompt computed before, but no snapshot where this request leaves it), the match asks the
-  scheduler to end a prompt piece exactly at the end of the KV match (`MatchResult.chunk_ends`,
-  when at least BRANCH_MIN_TOKENS would be saved); the step that computes that piece takes the
-  state there (`take_state`), and the next request that branches off the same prefix resumes
-  there.
+  prompt computed before, but no snapshot where this request leaves it), a piece ends exactly at
+  the end of the KV match (when at least BRANCH_MIN_TOKENS would be saved, or the match is the
+  whole prompt: the same prompt again), and the next request that branches off the same prefix
+  resumes there.
+- **Where a sequence ended**: a request that leaves (finished, aborted, retracted) hangs its
+  row's state on the node where the KV it gave the tree ends (`keep_states` with `state_len`): a
+  client that sends the reply back as generated, or the request itself once it is readmitted,
+  resumes there. A row holds one state, after its last computed position; with pages of more than
+  one token it is kept only when that position ends a page (the tree holds whole pages). A row
+  that kept a snapshot near its prompt's end takes this second one only while such snapshots are
+  resumed from (SEQUENCE_END_WINDOW): for an agent they never are, and each would cost another
+  conversation its snapshot.
 
 When a snapshot is copied: a restore into an admitted request's row at once (`resume`); the state
 at a chunk end once the step that computes it is launched: `take_state` is called while that step
@@ -27,21 +36,32 @@ is being scheduled, and the copy is issued at the next `poll` (the start of the 
 scheduling, before any later forward pass advances the row) or when the row is given back; the
 state at a sequence's end at once, when the request leaves (every step that advanced its row is
 already queued before). A step that failed part-way leaves its rows' states suspect:
-`discard_states` cancels what they had not copied yet and takes nothing more from them.
+`discard_states` cancels what they had not copied yet and takes nothing more from them. A slot
+freed while its copy is still queued has the copy cancelled.
 
-Eviction: snapshots have their own pool and budget. Taking one when the pool is full evicts the
-snapshot the eviction policy picks among nodes no running request holds, those a waiting request
-will resume from last (the KV's queue-aware order); when none can go, no snapshot is taken (never
-an error: a later request computes a little more). A node evicted for KV frees its snapshot with
-it, and leaves without a snapshot are evicted for KV first (their KV beyond the last snapshot can
-only be computed again by whoever needs it). Every snapshot slot is owned exactly once: by a node,
-by the row of a running request that took it and has not hung it on the tree yet, or by the free
-list (`check_invariants`).
+Eviction: snapshots have their own pool and budget. Taking one when the pool is full evicts one
+snapshot: never one a waiting request will resume from (it is sure to be used, the new one only
+may be), else the least recently used. A snapshot's recency is its own (taken, resumed from), not
+its node's: a match through a node to a deeper snapshot does not use it, and a resume stops
+counting once the resuming request keeps a deeper snapshot on a path that does not branch in
+between (a conversation's earlier turns go before another conversation's latest). A snapshot on a
+path a running request holds may go too: that request's row already holds its state. When none
+can go, no snapshot is taken (never an error: a later request computes a little more). A node
+evicted for KV frees its snapshot with it, and leaves without a snapshot are evicted for KV first
+(their KV beyond the last snapshot can only be computed again by whoever needs it). Every snapshot
+slot is owned exactly once: by a node, by the row of a running request that took it and has not
+hung it on the tree yet, or by the free list (`check_invariants`).
+
+How these rules were chosen, and the memory split between running rows, snapshots and KV that
+they need: the scheduler simulator's hybrid runs (`radixserve.bench.scheduler_sim --hybrid-27b`),
+docs/tuning.md.
 """
 
 from __future__ import annotations
 
 import heapq
+import random
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -49,12 +69,21 @@ import torch
 
 from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.prefix_cache import ALL, NAMESPACE, PARTIAL, MatchResult, TreeNode, no_snapshot_stats
-from radixserve.cache.radix_cache import _EMPTY_SLOTS, RadixCache
+from radixserve.cache.radix_cache import _EMPTY_SLOTS, PROMPT_END_SLACK, RadixCache
 from radixserve.cache.state_snapshots import StateSnapshots
 
 # A branch point is worth a prompt piece of its own (one more step for the request that computes
 # it, and a snapshot slot) only when it saves each later sibling at least this many tokens.
 BRANCH_MIN_TOKENS = 16
+# A request that kept a snapshot near its prompt's end takes another where its sequence ends only
+# while they pay: while at least SEQUENCE_END_MIN_SHARE of the last SEQUENCE_END_WINDOW such
+# snapshots to be resumed from or to go were resumed from (a client that sends the replies back as
+# they were generated), else about one leaving request in SEQUENCE_END_PROBE, to notice when they do.
+# An agent whose history is rendered anew (tool calls, reasoning dropped) diverges before the
+# reply: there the second snapshot is a slot taken from another conversation.
+SEQUENCE_END_WINDOW = 16
+SEQUENCE_END_MIN_SHARE = 0.25
+SEQUENCE_END_PROBE = 8
 
 
 @dataclass
@@ -64,6 +93,11 @@ class RowStates:
     # (position, snapshot slot) taken of the row and not hung on the tree yet.
     taken: list[tuple[int, int]] = field(default_factory=list)
     valid: bool = True  # False after discard_states: its state may be wrong
+    kept_chunk_end: bool = False  # a snapshot lies at one of its chunk ends, kept by this row
+    # The node it resumed from and that snapshot's recency before: once the row hangs a deeper
+    # snapshot on a path that does not branch there, the old one gets that recency back.
+    resumed_from: Optional[TreeNode] = None
+    used_before: int = 0
 
 
 @dataclass
@@ -87,6 +121,11 @@ class SnapshotRadixCache(RadixCache):
         # (row, slot): states taken for the step being scheduled, copied once it is launched.
         self._unissued: list[tuple[int, int]] = []
         self.snapshot_counters = SnapshotCounters()
+        # Whether each of the last sequence-end snapshots was resumed from (True) or went unused.
+        self._end_outcomes: deque[bool] = deque(maxlen=SEQUENCE_END_WINDOW)
+        # Which leaving rows probe: drawn, so that no regular pattern of requests (a turn and its
+        # follow-up, leaving in turn) always puts the probe on the same kind; seeded: repeatable.
+        self._probe = random.Random(0)
 
     def _reset(self) -> None:
         super()._reset()
@@ -143,8 +182,24 @@ class SnapshotRadixCache(RadixCache):
         if last.lock_ref == 0 and self._evictable_leaf(last):
             self._push(last)  # its access time changed
         slots = torch.cat(pieces[::-1]) if pieces else _EMPTY_SLOTS
-        chunk_ends = (kv,) if kv - usable >= self.branch_min_tokens else ()
-        return MatchResult(usable, slots, last, chunk_ends)
+        return MatchResult(usable, slots, last, self._chunk_ends(len(tokens), usable, kv))
+
+    def _chunk_ends(self, target_len: int, usable: int, kv: int) -> tuple[int, ...]:
+        """Where a request admitted on this match keeps its state: the end of its KV match (a
+        branch point) and a little before the end of its prompt (its next turn), each only where
+        it saves a later request at least branch_min_tokens over the resume point above it; the
+        end of a KV match that is the whole prompt (the same prompt again: a retry, a benchmark)
+        wherever it lies past the usable match."""
+        ends: list[int] = []
+        resume_at = usable
+        if kv - usable >= self.branch_min_tokens or usable < kv == target_len:
+            ends.append(kv)
+            resume_at = kv
+        # target_len is the prompt less its last token: the next turn re-tokenizes the prompt's end.
+        prompt_end = self._page_floor(target_len + 1 - PROMPT_END_SLACK)
+        if prompt_end - resume_at >= self.branch_min_tokens:
+            ends.append(prompt_end)
+        return tuple(ends)
 
     def on_reusable_path(self, node: TreeNode) -> bool:
         return node.snapshots_below > 0
@@ -161,14 +216,19 @@ class SnapshotRadixCache(RadixCache):
     # ------------------------------------------------------------------ a request's state row
     def resume(self, row: int, match: MatchResult) -> tuple[int, ...]:
         assert row not in self.rows, f"state row {row} was not given back"
-        self.rows[row] = RowStates(match.chunk_ends)
+        states = self.rows[row] = RowStates(match.chunk_ends)
         if match.length:
-            slot = match.last_node.snapshot
+            node = match.last_node
+            slot = node.snapshot
             assert slot is not None, f"a usable match ends at {match.last_node}, which holds no snapshot"
             if any(s == slot for _, s in self._unissued):
                 self._issue()  # hung on the tree by a launched step whose copy is still queued here
             self.snapshots.restore([slot], [row])
             self.snapshot_counters.hits += 1
+            self._end_outcome(node, resumed=True)
+            states.resumed_from, states.used_before = node, node.snapshot_used
+            node.snapshot_used = self._next_tick()
+            self._push_snapshot(node)
         return match.chunk_ends
 
     def take_state(self, row: int, position: int) -> None:
@@ -213,20 +273,23 @@ class SnapshotRadixCache(RadixCache):
         waiting = []
         for position, slot in states.taken:
             if 0 < position <= n:
-                self._attach(self._node_ending_at(tokens, position, namespace), slot, tokens[:position], namespace)
+                if self._attach(self._node_ending_at(tokens, position, namespace), slot, tokens[:position], namespace):
+                    states.kept_chunk_end = True
+                    self._superseded(states)
             else:
                 waiting.append((position, slot))
         states.taken = waiting
         if not leaving:
             return
-        if states.valid and state_len == n and n > 0:
+        if states.valid and state_len == n and n > 0 and self._keeps_sequence_end(states):
             node = self._node_ending_at(tokens, n, namespace)
             if node is not None and node.snapshot is None:
                 slot = self._alloc_snapshot()
                 if slot is not None:
                     self.snapshots.save([row], [slot])
                     self.snapshot_counters.taken += 1
-                    self._attach(node, slot, tokens, namespace)
+                    if self._attach(node, slot, tokens, namespace):
+                        node.snapshot_at_end = states.kept_chunk_end
         for _, slot in states.taken:
             self.snapshots.free(slot)
         del self.rows[row]
@@ -253,12 +316,35 @@ class SnapshotRadixCache(RadixCache):
                 return node if n == len(node.key) else self._split(node, n)
         return None
 
-    def _attach(self, node: Optional[TreeNode], slot: int, path: Sequence[int], namespace: Optional[str]) -> None:
-        """Hang a taken snapshot on the node its position ends (freed if that node has one)."""
+    def _keeps_sequence_end(self, states: RowStates) -> bool:
+        """Whether a leaving row takes a snapshot where its sequence ends (SEQUENCE_END_WINDOW)."""
+        if not states.kept_chunk_end or len(self._end_outcomes) < SEQUENCE_END_WINDOW \
+                or sum(self._end_outcomes) >= SEQUENCE_END_MIN_SHARE * SEQUENCE_END_WINDOW:
+            return True
+        return self._probe.random() < 1 / SEQUENCE_END_PROBE
+
+    def _end_outcome(self, node: TreeNode, *, resumed: bool) -> None:
+        if node.snapshot_at_end:
+            node.snapshot_at_end = False
+            self._end_outcomes.append(resumed)
+
+    def _superseded(self, states: RowStates) -> None:
+        """The row hung a snapshot below the one it resumed from: where nothing branches off between
+        them, the old one resumes nobody the new one would not, and loses its resume's recency."""
+        node, states.resumed_from = states.resumed_from, None
+        if node is not None and node.snapshot is not None and len(node.children) == 1 \
+                and node.snapshot_used > states.used_before:
+            node.snapshot_used = states.used_before
+            self._push_snapshot(node)
+
+    def _attach(self, node: Optional[TreeNode], slot: int, path: Sequence[int], namespace: Optional[str]) -> bool:
+        """Hang a taken snapshot on the node its position ends (freed if that node has one); whether
+        the node holds a snapshot now."""
         if node is None or node.removed or node.snapshot is not None or not self._on_device(node):
-            self.snapshots.free(slot)
-            return
+            self._free_slot(slot)
+            return node is not None and not node.removed and node.snapshot is not None
         node.snapshot = slot
+        node.snapshot_used = self._next_tick()
         self.snapshots_held += 1
         self._count_below(node, +1)
         self._push_snapshot(node)
@@ -271,11 +357,13 @@ class SnapshotRadixCache(RadixCache):
             child, above = above, above.parent
         if self.event_listener is not None:
             self.event_listener("insert", list(path), namespace)
+        return True
 
     def _drop_snapshot(self, node: TreeNode, *, removing: bool) -> None:
         """Free a node's snapshot (evicted: the pool needs room, or the node leaves the tree)."""
-        self.snapshots.free(node.snapshot)
+        self._free_slot(node.snapshot)
         node.snapshot = None
+        self._end_outcome(node, resumed=False)
         self.snapshots_held -= 1
         self.snapshot_counters.evictions += 1
         self._count_below(node, -1)
@@ -294,7 +382,15 @@ class SnapshotRadixCache(RadixCache):
             node = node.parent
 
     def _snapshot_priority(self, node: TreeNode) -> tuple:
-        return (node.waiters > 0,) + self._policy_key(node)
+        # A snapshot some waiting request will resume from goes last. Its recency is its own: the
+        # snapshots above a conversation's latest one are touched by every match through them, yet
+        # resume nobody once a deeper one exists.
+        return (self._parked_at(node), node.snapshot_used)
+
+    @staticmethod
+    def _parked_at(node: TreeNode) -> bool:
+        """Whether a waiting request's usable match ends at node (each one counts on its whole path)."""
+        return node.waiters > sum(child.waiters for child in node.children.values())
 
     def _push_snapshot(self, node: TreeNode) -> None:
         heapq.heappush(self._snap_heap, (self._snapshot_priority(node), node))
@@ -303,9 +399,12 @@ class SnapshotRadixCache(RadixCache):
             self._snap_heap = [(self._snapshot_priority(n), n) for n in holding]
             heapq.heapify(self._snap_heap)
 
-    def _alloc_snapshot(self) -> Optional[int]:
-        """A free snapshot slot, evicting one snapshot if there is none; None when every snapshot is
-        held by a running request."""
+    def _alloc_snapshot(self, *, evict_waited: bool = False) -> Optional[int]:
+        """A free snapshot slot, evicting one snapshot if there is none; None when none can go. A
+        snapshot a waiting request will resume from goes only for another that is sure to be used
+        (`evict_waited`: a load for a request being admitted): a snapshot taken in passing may
+        never be, and trading one for the other is how a pool smaller than its conversations
+        would thrash."""
         slot = self.snapshots.alloc()
         if slot is not None:
             return slot
@@ -321,6 +420,9 @@ class SnapshotRadixCache(RadixCache):
             if prio != current:
                 heapq.heappush(self._snap_heap, (current, node))
                 continue
+            if current[0] and not evict_waited:
+                held.append((prio, node))  # every snapshot left is waited for
+                break
             self._drop_snapshot(node, removing=False)
             break
         for entry in held:
@@ -328,8 +430,8 @@ class SnapshotRadixCache(RadixCache):
         return self.snapshots.alloc()
 
     def _snapshot_held(self, node: TreeNode) -> bool:
-        """Whether node's snapshot must stay: a running request (or a load) holds the node."""
-        return node.lock_ref > 0
+        """Whether node's snapshot must stay (a load holds it)."""
+        return False
 
     def _snapshots_at(self, node: TreeNode) -> int:
         """Snapshots node holds (a host tier's cache: on either tier), as `snapshots_below` counts them."""
@@ -351,8 +453,16 @@ class SnapshotRadixCache(RadixCache):
     def _free_node_slots(self, node: TreeNode) -> None:
         super()._free_node_slots(node)
         if node.snapshot is not None:
-            self.snapshots.free(node.snapshot)
+            self._free_slot(node.snapshot)
             node.snapshot = None
+
+    def _free_slot(self, slot: int) -> None:
+        """Free a snapshot slot a node held or a row took. Its copy out of a row may still be queued
+        (a running request's chunk end, copied at the next poll): it is cancelled, or it would
+        overwrite whatever the slot is taken for next."""
+        if any(s == slot for _, s in self._unissued):
+            self._unissued = [e for e in self._unissued if e[1] != slot]
+        self.snapshots.free(slot)
 
     # ------------------------------------------------------------------ stats and checks
     def snapshot_stats(self) -> dict[str, float]:

@@ -109,7 +109,7 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
         return super().resume(row, match)
 
     def _snapshot_held(self, node: HostSnapshotNode) -> bool:
-        return node.lock_ref > 0 or self._loading(node)
+        return self._loading(node)
 
     def _snapshots_at(self, node: HostSnapshotNode) -> int:
         return (node.snapshot is not None) + (node.host_snapshot is not None)
@@ -123,7 +123,7 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
         host_slot = node.host_snapshot
         node.host_snapshot = None
         self.host_snapshots_held -= 1
-        slot = self._alloc_snapshot()
+        slot = self._alloc_snapshot(evict_waited=True)
         if slot is None:  # every device snapshot is held: this one is lost
             self.host_snapshots.free(host_slot)
             self.host_snapshot_counters.evictions += 1
@@ -133,6 +133,7 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
         self.host_snapshots.free(host_slot)  # reused only by copies queued after this one
         self.host_snapshot_counters.loaded += 1
         node.snapshot = slot
+        node.snapshot_used = self._next_tick()
         node.snapshot_from_host = True
         self.snapshots_held += 1
         self._push_snapshot(node)
@@ -172,7 +173,7 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
 
     # ------------------------------------------------------------------ the host snapshots
     def _host_snapshot_priority(self, node: HostSnapshotNode) -> tuple:
-        return (node.waiters > 0, node.last_access)
+        return self._snapshot_priority(node)
 
     def _push_host_snapshot(self, node: HostSnapshotNode) -> None:
         heapq.heappush(self._host_snap_heap, (self._host_snapshot_priority(node), node))
@@ -211,6 +212,7 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
     def _free_host_snapshot(self, node: HostSnapshotNode) -> None:
         self.host_snapshots.free(node.host_snapshot)
         node.host_snapshot = None
+        self._end_outcome(node, resumed=False)
         self.host_snapshots_held -= 1
         self.host_snapshot_counters.evictions += 1
 

@@ -25,15 +25,16 @@ logger = logging.getLogger("radixserve")
 # --kv-cache-dtype values other than auto (which keeps the model's dtype).
 KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
 # A hybrid model without --max-running-requests runs at most as many requests as this share of the
-# device memory left after the weights holds recurrent states for (the rest is for the working set
-# and the KV pool).
-STATE_POOL_SHARE = 0.5
-# Without --mamba-cache-size, the prefix cache's state snapshots take this share of what the
-# fraction leaves after the weights and the running requests' states (the rest is for the working
-# set and the KV pool), at most SNAPSHOTS_PER_RUNNING_REQUEST per request row: a conversation's end
-# and a branch point or two each.
-SNAPSHOT_POOL_SHARE = 0.25
-SNAPSHOTS_PER_RUNNING_REQUEST = 4
+# device memory left after the weights holds recurrent states for. Each row costs as much as a
+# snapshot (151 MiB on Qwen3.5-27B), and a prefix-heavy workload gains more from snapshots than
+# from rows: on the agent workload 236 rows beside 58 snapshots kept 0.53 of the prompt tokens in
+# the scheduler simulator, 64 rows beside 236 snapshots 0.80 (docs/tuning.md).
+STATE_POOL_SHARE = 0.15
+# Without --mamba-cache-size, the prefix cache keeps one recurrent-state snapshot per this many KV
+# pool tokens: the memory the plan leaves for the pool is split between the two so (a snapshot is
+# where one cached conversation or branch point resumes; a few thousand tokens of agent or chat
+# history each, some of it shared).
+SNAPSHOT_SPAN_TOKENS = 1024
 
 
 def kv_cache_dtype(settings: ServerSettings, dtype: torch.dtype) -> torch.dtype:
@@ -94,10 +95,7 @@ def make_kv_memory(settings: ServerSettings, model, device: torch.device, dtype:
         max_running = tp.min_int(min(max_running, state_rows_that_fit(settings, spec, device)))
     table = table_cls(max_running, context_len + 1, device)
     state = RecurrentStatePool(max_running, spec, device) if spec is not None else None
-    snapshots = None
-    if state is not None:
-        slots = tp.min_int(snapshot_slots(settings, spec, device, max_running))
-        snapshots = StateSnapshots(slots, state) if slots else None
+    per_token = KVPool.bytes_per_token(cfg.num_kv_layers, num_kv_heads, cfg.head_dim, kv_dtype)
     plan: Optional[MemoryPlan] = None
     if settings.max_total_tokens is not None:
         tokens = settings.max_total_tokens
@@ -110,6 +108,12 @@ def make_kv_memory(settings: ServerSettings, model, device: torch.device, dtype:
         tokens = plan.kv_pool_tokens
     else:
         tokens = CPU_KV_POOL_TOKENS
+    snapshots = None
+    if state is not None:
+        # A planned pool's bytes are shared with the snapshots (`tokens` is both their budget).
+        slots, tokens = snapshot_split(settings, spec, device, tokens, per_token, planned=plan is not None)
+        slots = tp.min_int(slots)
+        snapshots = StateSnapshots(slots, state) if slots else None
     tokens = tp.min_int(tokens - tokens % settings.page_size)
     if plan is not None and tokens != plan.kv_pool_tokens:
         plan.kv_pool_bytes = plan.kv_pool_bytes // plan.kv_pool_tokens * tokens
@@ -135,33 +139,45 @@ def state_rows_that_fit(settings: ServerSettings, spec: RecurrentStateSpec, devi
     leaves after what the device holds now (the weights)."""
     free, total = torch.cuda.mem_get_info(device)
     room = total * settings.mem_fraction_static - (total - free)
-    rows = int(room * STATE_POOL_SHARE // spec.bytes_per_row)
+    rows = max(1, int(room * STATE_POOL_SHARE // spec.bytes_per_row)) if room >= spec.bytes_per_row else 0
     if rows < 1:
         raise ValueError(f"mem_fraction_static={settings.mem_fraction_static} leaves no room for one request's "
                          f"recurrent state ({spec.bytes_per_row / 2**20:.0f} MiB): raise the fraction or use more "
                          "--tp-size")
     default = settings.resolved_max_running_requests(device.type)
     if rows < default:
-        logger.info("recurrent states: %.0f MiB per request; %d requests run at once (half the memory after the "
-                    "weights; --max-running-requests sets it)", spec.bytes_per_row / 2**20, rows)
+        logger.info("recurrent states: %.0f MiB per request; %d requests run at once (%.0f%% of the memory after "
+                    "the weights; --max-running-requests sets it)", spec.bytes_per_row / 2**20, rows,
+                    100 * STATE_POOL_SHARE)
     return min(rows, default)
 
 
-def snapshot_slots(settings: ServerSettings, spec: RecurrentStateSpec, device: torch.device, max_running: int) -> int:
-    """Slots of the prefix cache's state snapshot pool (0: none): --mamba-cache-size; without it on
-    CUDA SNAPSHOT_POOL_SHARE of what --mem-fraction-static leaves after what the device holds now
-    (the weights and the running requests' states), at most SNAPSHOTS_PER_RUNNING_REQUEST per row;
-    on the CPU CPU_MAMBA_CACHE_SIZE. None with --disable-radix-cache."""
+def snapshot_split(settings: ServerSettings, spec: RecurrentStateSpec, device: torch.device, tokens: int,
+                   per_token: int, *, planned: bool) -> tuple[int, int]:
+    """(slots of the prefix cache's state snapshot pool, KV pool tokens). --mamba-cache-size, else
+    one per SNAPSHOT_SPAN_TOKENS of the KV pool, else on the CPU CPU_MAMBA_CACHE_SIZE; 0 with
+    --disable-radix-cache. `planned`: `tokens` is what the memory plan left for the pool, in KV
+    tokens, and the snapshots take their bytes out of it; else the pool has `tokens` (set by
+    --max-total-tokens, or the CPU's) and the snapshots come beside it."""
     if settings.disable_radix_cache:
-        return 0
+        return 0, tokens
+    snapshot = spec.bytes_per_row
     if settings.mamba_cache_size is not None:
-        return settings.mamba_cache_size
-    if device.type != "cuda":
-        return CPU_MAMBA_CACHE_SIZE
-    free, total = torch.cuda.mem_get_info(device)
-    room = total * settings.mem_fraction_static - (total - free)
-    slots = max(0, int(room * SNAPSHOT_POOL_SHARE // spec.bytes_per_row))
-    return min(slots, SNAPSHOTS_PER_RUNNING_REQUEST * max_running)
+        slots = settings.mamba_cache_size
+    elif device.type != "cuda":
+        slots = CPU_MAMBA_CACHE_SIZE
+    elif planned:
+        slots = tokens * per_token // (snapshot + SNAPSHOT_SPAN_TOKENS * per_token)
+    else:
+        slots = max(1, tokens // SNAPSHOT_SPAN_TOKENS)
+    if not planned:
+        return slots, tokens
+    left = tokens - -(-slots * snapshot // per_token)
+    if left < settings.page_size:
+        raise ValueError(f"--mamba-cache-size {slots} snapshots of {snapshot / 2**20:.0f} MiB leave no room for a KV "
+                         f"pool in what --mem-fraction-static {settings.mem_fraction_static} leaves "
+                         f"({tokens * per_token / 2**30:.1f} GiB): fewer snapshots or a higher fraction")
+    return slots, left
 
 
 def host_tier_tokens(settings: ServerSettings, kv_pool: KVPool, tp: TensorParallel) -> int:
