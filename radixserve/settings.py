@@ -159,8 +159,8 @@ class ServerSettings:
     max_running_requests: Optional[int] = _opt(
         None, f"Most requests decoding at once (default: {DEFAULT_MAX_RUNNING_REQUESTS['cuda']} on CUDA, "
         f"{DEFAULT_MAX_RUNNING_REQUESTS['cpu']} on the CPU; a hybrid model on CUDA: at most as many as "
-        "15% of the memory after the weights holds recurrent states for, the rest going to the KV pool "
-        "and the prefix cache's state snapshots).")
+        "0.15 of the memory after the weights holds recurrent states for, the rest going to the KV pool and "
+        "the prefix cache's state snapshots).")
     max_queued_requests: Optional[int] = _opt(
         None, "Most requests left waiting once the running batch has taken what it has room for (free "
         "request slots and KV); beyond it the server answers 503 with Retry-After.")

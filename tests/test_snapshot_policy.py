@@ -105,6 +105,27 @@ def next_turn(prompt: list[int], start: int) -> list[int]:
     return prompt[:-1] + [start] + ids(40, start + 1)
 
 
+def test_a_burst_on_a_new_shared_prompt_keeps_the_state_where_its_requests_branch():
+    """Prompts sharing a system prompt nobody computed yet arrive together: the first admitted ends
+    a prompt piece where a waiting one branches off it (the others wait for it, in-batch), so every
+    other resumes after the system prompt, none computes it again."""
+    h = Harness(slots=16)
+    system = ids(300, 0)
+    reqs = h.run(*(system + ids(40, 1000 * (i + 1)) for i in range(4)))
+    assert sorted(r.cached_tokens for r in reqs) == [0] + [len(system)] * 3
+
+
+def test_the_hybrid_reaches_the_unlimited_hit_rate_on_shared_prompts():
+    """gsp-shaped traffic (single-turn prompts on 32 system prompts, all at once, a pool that holds
+    everything): the hybrid finds each system prompt computed once, as an attention-only model."""
+    cfg = SimConfig(**{**HYBRID_27B, "sessions": 256, "turns": 1, "systems": 32, "system_len": 1024,
+                       "user_len": 128, "output_len": 16, "pool": 1_000_000, "snapshots": 400, "max_running": 32})
+    sessions = agent_sessions(cfg)
+    hybrid = simulate(cfg, sessions)
+    attention = simulate(dataclasses.replace(cfg, snapshots=0), sessions)
+    assert hybrid["hit_rate"] >= attention["hit_rate"] - 0.002, (hybrid, attention)
+
+
 def test_a_turns_snapshot_outlives_the_earlier_one_its_request_resumed_from():
     """The snapshot a turn resumed from is touched by that resume, but once the turn keeps a deeper
     one on the same path it resumes nobody the deeper one would not: it goes before another

@@ -58,7 +58,7 @@ class NoPrefixCache:
         return MatchResult(0, _EMPTY_SLOTS, self.root)
 
     # A request's state row starts from nothing and nothing of it is kept.
-    def resume(self, row: int, match: MatchResult) -> tuple[int, ...]:
+    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0) -> tuple[int, ...]:
         return ()
 
     def take_state(self, row: int, position: int) -> None:

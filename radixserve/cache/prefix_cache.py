@@ -201,10 +201,11 @@ class PrefixCache(Protocol):
         of the positions it just inserted while it goes on reading them (equal to match for a cache
         of KV alone)."""
 
-    def resume(self, row: int, match: MatchResult) -> tuple[int, ...]:
+    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0) -> tuple[int, ...]:
         """A request admitted on `match` (locked) runs in state row `row`: put into the row the state
         the match ends at beyond its KV (a recurrent-state snapshot; nothing for a cache of KV alone),
-        and return the positions its prompt pieces must end at (`match.chunk_ends`)."""
+        and return the positions its prompt pieces must end at (`match.chunk_ends`, and `branch_at`
+        where the cache keeps states there: a waiting request shares the prompt up to it)."""
 
     def take_state(self, row: int, position: int) -> None:
         """The step being scheduled takes row's request to `position`, one of its chunk ends: keep

@@ -195,7 +195,7 @@ class RadixCache:
     # ------------------------------------------------------------------ recurrent states (none here)
     # A tree of KV alone keeps no other state: a match needs nothing put into the request's row and
     # asks for no chunk end; SnapshotRadixCache (snapshot_cache.py) fills these in.
-    def resume(self, row: int, match: MatchResult) -> tuple[int, ...]:
+    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0) -> tuple[int, ...]:
         return match.chunk_ends
 
     def take_state(self, row: int, position: int) -> None:

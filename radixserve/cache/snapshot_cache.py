@@ -20,7 +20,10 @@ Where snapshots are taken, so that later requests find them:
   prompt computed before, but no snapshot where this request leaves it), a piece ends exactly at
   the end of the KV match (when at least BRANCH_MIN_TOKENS would be saved, or the match is the
   whole prompt: the same prompt again), and the next request that branches off the same prefix
-  resumes there.
+  resumes there. When the branching requests wait together (a burst on a new shared prompt: the
+  in-batch deferral admits one and holds the rest), the one admitted ends a piece where the
+  earliest one parked beside it branches off (`resume`'s `branch_at`), so none computes the shared
+  part twice.
 - **Where a sequence ended**: a request that leaves (finished, aborted, retracted) hangs its
   row's state on the node where the KV it gave the tree ends (`keep_states` with `state_len`): a
   client that sends the reply back as generated, or the request itself once it is readmitted,
@@ -214,9 +217,9 @@ class SnapshotRadixCache(RadixCache):
         return length
 
     # ------------------------------------------------------------------ a request's state row
-    def resume(self, row: int, match: MatchResult) -> tuple[int, ...]:
+    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0) -> tuple[int, ...]:
         assert row not in self.rows, f"state row {row} was not given back"
-        states = self.rows[row] = RowStates(match.chunk_ends)
+        states = self.rows[row] = RowStates(self._with_branch(match, branch_at))
         if match.length:
             node = match.last_node
             slot = node.snapshot
@@ -229,7 +232,18 @@ class SnapshotRadixCache(RadixCache):
             states.resumed_from, states.used_before = node, node.snapshot_used
             node.snapshot_used = self._next_tick()
             self._push_snapshot(node)
-        return match.chunk_ends
+        return states.chunk_ends
+
+    def _with_branch(self, match: MatchResult, branch_at: int) -> tuple[int, ...]:
+        """match's chunk ends and, where a waiting request will branch off this one's prompt (both
+        wait to be computed: a burst of prompts on a new shared prefix), the branch point too, so
+        that the second one resumes there instead of computing the shared part again; only where it
+        lies at least branch_min_tokens from the match and every other chunk end."""
+        at = self._page_floor(branch_at)
+        ends = match.chunk_ends
+        if all(abs(at - end) >= self.branch_min_tokens for end in (match.length, *ends)) and at > match.length:
+            return tuple(sorted((*ends, at)))
+        return ends
 
     def take_state(self, row: int, position: int) -> None:
         states = self.rows[row]

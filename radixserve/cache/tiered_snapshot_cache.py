@@ -101,12 +101,12 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
             return 0
         return super().load(tokens[:usable], spare_only=spare_only, namespace=namespace)
 
-    def resume(self, row: int, match: MatchResult) -> tuple[int, ...]:
+    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0) -> tuple[int, ...]:
         node = match.last_node
         if match.length and node.snapshot_from_host:
             node.snapshot_from_host = False
             self.host_snapshot_counters.hits += 1
-        return super().resume(row, match)
+        return super().resume(row, match, branch_at=branch_at)
 
     def _snapshot_held(self, node: HostSnapshotNode) -> bool:
         return self._loading(node)

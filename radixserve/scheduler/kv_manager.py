@@ -48,11 +48,12 @@ class KVManager:
         return self.allocator.free_tokens >= tokens
 
     # ------------------------------------------------------------------ taking memory
-    def lock_prefix(self, req: Req) -> None:
-        """Lock the cached prefix of req (whose row is set) and point its row at the prefix's slots."""
+    def lock_prefix(self, req: Req, *, branch_at: int = 0) -> None:
+        """Lock the cached prefix of req (whose row is set) and point its row at the prefix's slots.
+        branch_at: how far a waiting request shares its prompt (PrefixCache.resume)."""
         match = self.cache.match(req.match_target(), namespace=req.cache_namespace)
         self.cache.inc_lock(match.last_node)
-        req.chunk_ends = self.cache.resume(req.req_pool_idx, match)
+        req.chunk_ends = self.cache.resume(req.req_pool_idx, match, branch_at=branch_at)
         req.last_node = match.last_node
         req.locked_len = match.length
         req.slots = match.slots.tolist()

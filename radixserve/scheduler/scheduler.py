@@ -346,8 +346,9 @@ class Scheduler:
             if adder.defers(req, in_flight_keys):
                 self.stats.in_batch_deferrals += 1
                 continue
+            branch_at = self.waiting.shared_with_sibling(req)
             self.waiting.remove(req)
-            if not adder.try_add_one(req, alone=not self.running and not batch.reqs):
+            if not adder.try_add_one(req, alone=not self.running and not batch.reqs, branch_at=branch_at):
                 self.waiting.add(req)
                 break
             self._admit(req)

@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 from typing import Callable
 
+from radixserve.cache.prefix import common_prefix_len
 from radixserve.cache.prefix_cache import ALL, PrefixCache, TreeNode
 from radixserve.scheduler.request import Req
 
@@ -48,6 +49,13 @@ class WaitingQueue:
     def remove(self, req: Req) -> None:
         del self._reqs[req.arrival_seq]
         self._unpark(req)
+
+    def shared_with_sibling(self, req: Req) -> int:
+        """How far req's lookup target agrees with that of the earliest request parked beside it (its
+        match ends at the same node and its next page is the same): where the two will branch."""
+        group = self._parked.get(req.peek_node, {}).get(req.peek_key, ())
+        sibling = min((r for r in group if r is not req), key=lambda r: r.arrival_seq, default=None)
+        return common_prefix_len(req.match_target(), sibling.match_target()) if sibling is not None else 0
 
     def _unpark(self, req: Req) -> None:
         node = req.peek_node
