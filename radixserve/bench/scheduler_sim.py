@@ -92,6 +92,10 @@ HYBRID_27B = dict(kv_bytes_per_token=65536, prefill_us=97.0, step_ms=15.5, decod
                   max_running=70, snapshots=211)
 
 
+# The snapshot cache's counters a hybrid run reports beside the rest.
+SNAPSHOT_FIGURES = ("snapshot_slots", "snapshot_hits", "snapshots_taken", "snapshot_evictions")
+
+
 @dataclass
 class Turn:
     prompt: list[int]
@@ -205,8 +209,6 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
         **({k: v for k, v in cache.snapshot_stats().items() if k in SNAPSHOT_FIGURES} if cfg.snapshots else {}),
     }
 
-
-SNAPSHOT_FIGURES = ("snapshot_slots", "snapshot_hits", "snapshots_taken", "snapshot_evictions")
 
 
 def main() -> None:

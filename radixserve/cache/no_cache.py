@@ -17,6 +17,7 @@ _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 class NoPrefixCache:
+    keeps_branch_states = False
     def __init__(self, allocator: PageAllocator, *, page_size: int = 1):
         self.allocator = allocator
         self.page_size = page_size

@@ -170,6 +170,7 @@ class PrefixCache(Protocol):
     loading_tokens: int  # device tokens being copied back from the host now
     copier: Optional["CopyEngine"]  # the host tier's copy engine (None: no host tier)
     keeps_prefixes: bool  # False: it finds and keeps nothing (reported as /metrics' enable_prefix_caching)
+    keeps_branch_states: bool  # it keeps a state where a waiting request branches off (resume's branch_at)
     event_listener: Optional[EventListener]
     block_listener: Optional[BlockListener]
 

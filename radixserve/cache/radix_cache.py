@@ -48,6 +48,7 @@ def slots_tensor(slots: Sequence[int] | torch.Tensor, start: int, end: int) -> t
 
 class RadixCache:
     node_type: type[TreeNode] = TreeNode  # the host tier's nodes carry its fields too
+    keeps_branch_states = False  # KV alone: a branch point needs nothing kept
 
     def __init__(self, allocator: PageAllocator, *, page_size: int = 1, eviction_policy: str = "lru"):
         if eviction_policy not in EVICTION_KEYS:

@@ -111,6 +111,7 @@ class SnapshotCounters:
 
 
 class SnapshotRadixCache(RadixCache):
+    keeps_branch_states = True
     def __init__(self, allocator: PageAllocator, snapshots: StateSnapshots, *, page_size: int = 1,
                  eviction_policy: str = "lru", branch_min_tokens: int = BRANCH_MIN_TOKENS):
         self._init_snapshots(snapshots, page_size, branch_min_tokens)

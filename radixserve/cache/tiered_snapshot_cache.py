@@ -172,14 +172,11 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
             self.event_listener("evict", self._path_tokens(node), self._namespace_of(node))
 
     # ------------------------------------------------------------------ the host snapshots
-    def _host_snapshot_priority(self, node: HostSnapshotNode) -> tuple:
-        return self._snapshot_priority(node)
-
     def _push_host_snapshot(self, node: HostSnapshotNode) -> None:
-        heapq.heappush(self._host_snap_heap, (self._host_snapshot_priority(node), node))
+        heapq.heappush(self._host_snap_heap, (self._snapshot_priority(node), node))
         if len(self._host_snap_heap) > 4 * self.host_snapshots_held + 1024:
             holding = {n for _, n in self._host_snap_heap if not n.removed and n.host_snapshot is not None}
-            self._host_snap_heap = [(self._host_snapshot_priority(n), n) for n in holding]
+            self._host_snap_heap = [(self._snapshot_priority(n), n) for n in holding]
             heapq.heapify(self._host_snap_heap)
 
     def _alloc_host_snapshot(self) -> Optional[int]:
@@ -198,7 +195,7 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
             if node.host_seq == _RESERVED:
                 reserved.append((prio, node))  # offered again once this search is over
                 continue
-            current = self._host_snapshot_priority(node)
+            current = self._snapshot_priority(node)
             if prio != current:
                 heapq.heappush(self._host_snap_heap, (current, node))
                 continue

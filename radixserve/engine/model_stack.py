@@ -139,11 +139,11 @@ def state_rows_that_fit(settings: ServerSettings, spec: RecurrentStateSpec, devi
     leaves after what the device holds now (the weights)."""
     free, total = torch.cuda.mem_get_info(device)
     room = total * settings.mem_fraction_static - (total - free)
-    rows = max(1, int(room * STATE_POOL_SHARE // spec.bytes_per_row)) if room >= spec.bytes_per_row else 0
-    if rows < 1:
+    if room < spec.bytes_per_row:
         raise ValueError(f"mem_fraction_static={settings.mem_fraction_static} leaves no room for one request's "
                          f"recurrent state ({spec.bytes_per_row / 2**20:.0f} MiB): raise the fraction or use more "
                          "--tp-size")
+    rows = max(1, int(room * STATE_POOL_SHARE // spec.bytes_per_row))
     default = settings.resolved_max_running_requests(device.type)
     if rows < default:
         logger.info("recurrent states: %.0f MiB per request; %d requests run at once (%.0f%% of the memory after "

@@ -52,7 +52,10 @@ class WaitingQueue:
 
     def shared_with_sibling(self, req: Req) -> int:
         """How far req's lookup target agrees with that of the earliest request parked beside it (its
-        match ends at the same node and its next page is the same): where the two will branch."""
+        match ends at the same node and its next page is the same): where the two will branch. 0
+        for a cache that keeps nothing there (not worked out on every admission for nothing)."""
+        if not self.cache.keeps_branch_states:
+            return 0
         group = self._parked.get(req.peek_node, {}).get(req.peek_key, ())
         sibling = min((r for r in group if r is not req), key=lambda r: r.arrival_seq, default=None)
         return common_prefix_len(req.match_target(), sibling.match_target()) if sibling is not None else 0
