@@ -438,11 +438,15 @@ class SnapshotRadixCache(RadixCache):
             if current[0] and not evict_waited:
                 held.append((prio, node))  # every snapshot left is waited for
                 break
-            self._drop_snapshot(node, removing=False)
+            self._evict_snapshot(node)
             break
         for entry in held:
             heapq.heappush(self._snap_heap, entry)
         return self.snapshots.alloc()
+
+    def _evict_snapshot(self, node: TreeNode) -> None:
+        """The pool needs room: node's snapshot goes (a host tier's cache keeps it there)."""
+        self._drop_snapshot(node, removing=False)
 
     def _snapshot_held(self, node: TreeNode) -> bool:
         """Whether node's snapshot must stay (a load holds it)."""
@@ -455,7 +459,7 @@ class SnapshotRadixCache(RadixCache):
     # ------------------------------------------------------------------ the tree's hooks
     def _priority(self, node: TreeNode) -> tuple:
         # Leaves without a snapshot go first: their KV past the last snapshot resumes nobody.
-        return (node.waiters > 0, node.snapshot is not None) + self._policy_key(node)
+        return (node.waiters > 0, self._snapshots_at(node) > 0) + self._policy_key(node)
 
     def _publish_insert(self, tokens: Sequence[int], namespace: Optional[str]) -> None:
         """KV alone resumes nobody: /kv_events hears of a path when a snapshot is hung on it."""

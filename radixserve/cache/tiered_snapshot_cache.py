@@ -1,29 +1,33 @@
 """The prefix cache of a hybrid model over two tiers: the snapshot tree (snapshot_cache.py) on
 the host tier's tree (tiered_cache.py), with the host tier keeping snapshots too.
 
-A node's snapshot (the recurrent state after its last token) follows the node's KV between the
-tiers, and lives on exactly one of them at a time:
+A node's snapshot (the recurrent state after its last token) lives on one tier at a time:
 
-- **Write-back**: when the device evicts a node (its KV keeps or gets a host copy), its device
-  snapshot is copied to a host snapshot slot (`HostStateSnapshots`, its own budget:
-  `--mamba-host-cache-size`) and its device slot is freed. With no host slot to be had, the
-  snapshot is dropped (the node's KV still goes to the host: a longer prefix may hold a snapshot).
-  A snapshot is written back when its node leaves the device under either write policy: it is
-  taken after the KV is cached, and most never leave the device.
+- **Write-back**: a device snapshot is copied to a host snapshot slot (`HostStateSnapshots`, its
+  own budget: `--mamba-host-cache-size`) and its device slot freed when the device evicts its
+  node (the node's KV keeps or gets a host copy), and when the device snapshot pool needs room
+  for a newer snapshot (the node's KV stays on the device). With no host slot to be had, the
+  snapshot is dropped (a longer prefix may hold one). Most snapshots never leave the device: one
+  is written back only when it is evicted there, under either write policy.
 - **Load**: when a load copies a host part back (`load`, which copies back only up to the
   deepest host snapshot on the match: KV beyond it resumes nobody), every loaded node's host
   snapshot moves to a device slot (taken as `take_state` takes one, evicting a device snapshot
   nobody holds if the pool is full; loading nodes' snapshots are held), and so does that of a
   host-only node a request computed again and inserted. The request resumes there once the KV
-  load is done, as from any device snapshot.
-- **Host eviction**: host snapshots are evicted LRU, waited-for ones last, as host KV is; a
-  host-only node leaving the tree frees its host snapshot.
+  load is done, as from any device snapshot. A host snapshot at a node whose KV is on the device
+  is brought back when a request is admitted on it (`match`): the copy is queued ahead of the
+  restore that reads it.
+- **Host eviction**: host snapshots are evicted LRU, waited-for ones last, as host KV is; a node
+  leaving the tree frees its host snapshot. A device snapshot taken where the host holds one
+  replaces it.
 
-So a device snapshot sits only at a node on the device, a host snapshot only at a host-only node
-(`check_invariants`), and a match reported to a waiting request (`peek`) runs to the deepest node
-end holding a snapshot on either tier, KV on either tier being there by the tree's own rule; the
-device match (`match`) stops at the deepest one ready on the device. The host part of a peeked
-match (`host_part`) is what the KV's host part is: a host snapshot is always under host KV.
+So a device snapshot sits only at a node on the device, a host snapshot at a node with KV on
+either tier, never both at one node (`check_invariants`); a match reported to a waiting request
+(`peek`) runs to the deepest node end holding a snapshot on either tier, KV on either tier being
+there by the tree's own rule; the device match (`match`) stops at the deepest one on the device
+once it has brought back the host one at the end of the KV's device part. The host part of a
+peeked match (`host_part`) is what the KV's host part is: a host snapshot past it lies at a node
+the device holds, and comes back at admission.
 
 Every copy of a snapshot between the tiers is queued on the compute stream (state_snapshots.py
 says why that orders them with everything else); under tensor parallelism they go to the other
@@ -115,16 +119,33 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
         return (node.snapshot is not None) + (node.host_snapshot is not None)
 
     # ------------------------------------------------------------------ between the tiers
+    def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
+        """As the device match, after bringing back a host snapshot lying past the deepest device
+        one on the device part of the match (the device pool had evicted it to the host)."""
+        deepest: Optional[HostSnapshotNode] = None
+        for node, n, _ in self._walk(tokens, namespace):
+            if not self._ready(node):
+                break
+            if n == len(node.key) and self._snapshots_at(node):
+                deepest = node
+        if deepest is not None and deepest.snapshot is None:
+            self._snapshot_to_device(deepest)
+        return super().match(tokens, namespace=namespace)
+
     def _became_device(self, node: HostSnapshotNode) -> None:
         """A host-only node got device slots (a load, or a request's insert): its snapshot comes too."""
         super()._became_device(node)
-        if node.host_snapshot is None:
-            return
+        if node.host_snapshot is not None:
+            self._snapshot_to_device(node)
+
+    def _snapshot_to_device(self, node: HostSnapshotNode) -> None:
+        """Copy node's host snapshot to a device slot (taken as `take_state` takes one, evicting a
+        device snapshot nobody holds if the pool is full); lost when every device snapshot is held."""
         host_slot = node.host_snapshot
         node.host_snapshot = None
         self.host_snapshots_held -= 1
         slot = self._alloc_snapshot(evict_waited=True)
-        if slot is None:  # every device snapshot is held: this one is lost
+        if slot is None:
             self.host_snapshots.free(host_slot)
             self.host_snapshot_counters.evictions += 1
             self._lost_snapshot(node)
@@ -137,28 +158,48 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
         node.snapshot_from_host = True
         self.snapshots_held += 1
         self._push_snapshot(node)
-        if node.lock_ref == 0 and self._evictable_leaf(node):
-            self._push(node)  # its eviction class changed
 
     def _drop_device(self, node: HostSnapshotNode) -> None:
         """The device evicts node (its KV on the host now): its snapshot goes to the host too."""
-        if node.snapshot is not None:
-            host_slot = self._alloc_host_snapshot()
-            if host_slot is None:
-                self._drop_snapshot(node, removing=False)
-            else:
-                if any(s == node.snapshot for _, s in self._unissued):
-                    self._issue()  # hung on the tree by a launched step whose copy is still queued here
-                self.host_snapshots.write_back([node.snapshot], [host_slot])
-                self.snapshots.free(node.snapshot)  # reused only by copies queued after this one
-                node.snapshot = None
-                node.snapshot_from_host = False
-                self.snapshots_held -= 1
-                node.host_snapshot = host_slot
-                self.host_snapshots_held += 1
-                self.host_snapshot_counters.written_back += 1
-                self._push_host_snapshot(node)
+        if node.snapshot is not None and not self._snapshot_to_host(node):
+            self._drop_snapshot(node, removing=False)
         super()._drop_device(node)
+
+    def _evict_snapshot(self, node: HostSnapshotNode) -> None:
+        """The device snapshot pool needs room: node's snapshot moves to the host tier (its KV stays
+        on the device), or is dropped when no host slot can be had."""
+        if not self._snapshot_to_host(node):
+            super()._evict_snapshot(node)
+
+    def _snapshot_to_host(self, node: HostSnapshotNode) -> bool:
+        """Copy node's device snapshot to a host slot and free the device one; False when no host
+        slot can be had (the device snapshot stays)."""
+        host_slot = self._alloc_host_snapshot()
+        if host_slot is None:
+            return False
+        if any(s == node.snapshot for _, s in self._unissued):
+            self._issue()  # hung on the tree by a launched step whose copy is still queued here
+        self.host_snapshots.write_back([node.snapshot], [host_slot])
+        self.snapshots.free(node.snapshot)  # reused only by copies queued after this one
+        node.snapshot = None
+        node.snapshot_from_host = False
+        self.snapshots_held -= 1
+        node.host_snapshot = host_slot
+        self.host_snapshots_held += 1
+        self.host_snapshot_counters.written_back += 1
+        self._push_host_snapshot(node)
+        return True
+
+    def _attach(self, node: Optional[HostSnapshotNode], slot: int, path: Sequence[int],
+                namespace: Optional[str]) -> bool:
+        """As the device cache's; a device snapshot taken where the host tier holds one replaces it
+        (the same state, ready on the device)."""
+        if node is not None and not node.removed and node.host_snapshot is not None and self._on_device(node):
+            self.host_snapshots.free(node.host_snapshot)
+            node.host_snapshot = None
+            self.host_snapshots_held -= 1
+            self._count_below(node, -1)
+        return super()._attach(node, slot, path, namespace)
 
     def _drop_snapshot(self, node: HostSnapshotNode, *, removing: bool) -> None:
         node.snapshot_from_host = False  # a snapshot hung here later was taken on the device
@@ -168,6 +209,8 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
         """node's only snapshot was freed (it stays in the tree): lookups resumed there look again."""
         self._count_below(node, -1)
         self.touched.add((node, ALL))
+        if self._on_device(node) and node.lock_ref == 0 and self._evictable_leaf(node):
+            self._push(node)  # its eviction class changed
         if node.snapshots_below == 0 and self.event_listener is not None:
             self.event_listener("evict", self._path_tokens(node), self._namespace_of(node))
 
@@ -245,8 +288,7 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
         for node in self.iter_nodes():
             if node.host_snapshot is None:
                 continue
-            assert node.value is None and node.host_value is not None, \
-                f"{node} holds a host snapshot but is on the device or has no host KV"
+            assert node.value is not None or node.host_value is not None, f"{node} holds a host snapshot but no KV"
             assert node.snapshot is None, f"{node} holds a snapshot on both tiers"
             assert id(node) in offered, f"{node}'s host snapshot can never be evicted"
             owned.append(node.host_snapshot)
