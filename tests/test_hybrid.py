@@ -448,6 +448,29 @@ def test_a_conversations_next_turn_resumes_from_the_host_tier(qwen3_5):
     assert second["output_ids"] == hf_greedy(path, [turn2])[0]
 
 
+def test_a_snapshot_the_device_pool_evicts_for_room_waits_on_the_host_tier(qwen3_5):
+    """Two device snapshot slots: the next conversations' snapshots push turn 1's to the host tier
+    while its KV stays on the device, and turn 2 resumes from the snapshot copied back, after all
+    turn 1 computed, with transformers' tokens."""
+    path, prompts, _ = qwen3_5
+    turn1 = prompts[3]
+    with Engine(str(path), max_total_tokens=4096, hicache_ratio=1, chunked_prefill_size=16,
+                mamba_cache_size=2) as engine:
+        cache = engine.core.cache
+        first = engine.generate(input_ids=[turn1], sampling_params={**GREEDY, "max_new_tokens": 8})[0]
+        computed = len(turn1) + len(first["output_ids"]) - 1
+        engine.generate(input_ids=prompts[:2], sampling_params={**GREEDY, "max_new_tokens": 8})
+        stats = engine.cache_stats()
+        assert stats["snapshots_written_back"] > 0 and stats["evicted_tokens"] == 0 and snapshot_nodes(cache)[1] > 0
+        turn2 = turn1 + first["output_ids"] + [11, 12, 13, 14, 15, 16, 17]
+        second = engine.generate(input_ids=[turn2], sampling_params=GREEDY)[0]
+        stats = engine.cache_stats()
+        check_idle(engine)
+    assert second["meta_info"]["cached_tokens"] == computed
+    assert stats["host_snapshot_hits"] == 1 and stats["host_cached_prompt_tokens"] == 0
+    assert second["output_ids"] == hf_greedy(path, [turn2])[0]
+
+
 def test_without_host_snapshots_the_host_tier_resumes_nothing_it_holds(qwen3_5):
     """--mamba-host-cache-size 0: a prefix pushed to the host loses its snapshot, so the next turn
     computes it again; the tokens stay transformers'."""
