@@ -133,8 +133,9 @@ class ServerSettings:
         choices=HICACHE_WRITE_POLICIES)
     mamba_host_cache_size: Optional[int] = _opt(
         None, "Hybrid models with the host tier: how many recurrent-state snapshots the host tier keeps "
-        "(pinned on CUDA), beside its KV: a prefix evicted from the device takes its snapshot there and "
-        "brings it back when it is loaded, so a request resumes from the host tier too. Each is the size "
+        "(pinned on CUDA), beside its KV: a prefix evicted from the device, or a snapshot the device "
+        "snapshot pool evicts for room, takes its snapshot there and brings it back when it is loaded or "
+        "resumed from, so a request resumes from the host tier too. Each is the size "
         "of one running request's states. Default: as many times --mamba-cache-size as the host tier "
         "holds of the device KV pool (--hicache-ratio 4: 4x the snapshots), in no more bytes than the "
         "host tier's KV (at least --mamba-cache-size of them). 0: none (prefixes on the "
