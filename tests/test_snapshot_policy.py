@@ -174,6 +174,23 @@ def test_a_full_pool_takes_the_snapshot_on_a_running_requests_path():
     assert b2.cached_tokens == 100 - PROMPT_END_SLACK
 
 
+def test_a_retracted_request_keeps_the_state_where_it_stopped_even_when_sequence_ends_do_not_pay():
+    """An agent's sequence-end snapshots go untaken (nobody resumes from them), but a request
+    retracted for memory will resume where it stopped: it keeps that state instead of computing
+    everything it generated again."""
+    h = Harness(slots=8, pool=320, agent=True)
+    a, b = h.add(ids(100, 0), output=80), h.add(ids(100, 5000), output=80)
+    computed = 0
+    while not b.num_retractions:
+        computed = b.kv_len
+        h.step()
+    assert computed > 100 and a.finish_reason is None
+    assert h.cache.peek_park(b.match_target())[0] == computed == len(b.match_target())
+    while b.finish_reason is None or a.finish_reason is None:
+        h.step()
+    h.sched.check_invariants()
+
+
 def _leave_sequence_ends(h: Harness, conversations: int, *, echo: bool) -> int:
     """Run `conversations` two-turn conversations one after another; the second turn sends the
     reply back as generated (echo) or as the agent renders it. Returns the snapshots taken."""

@@ -213,10 +213,12 @@ class PrefixCache(Protocol):
         the state there once that step is launched."""
 
     def keep_states(self, row: int, tokens: Sequence[int], *, namespace: Optional[str] = None,
-                    state_len: Optional[int] = None) -> None:
+                    state_len: Optional[int] = None, readmitted: bool = False) -> None:
         """After `insert(tokens, ...)` by the request in state row `row`: hang the states taken of it
         (`take_state`) within tokens on the tree. state_len: the request leaves and its row holds
-        the state after state_len positions (kept where tokens end there); the row is given back."""
+        the state after state_len positions (kept where tokens end there); the row is given back.
+        readmitted: the request waits to be admitted again (retracted, or its step taken back), so
+        that state is sure to be resumed from."""
 
     def discard_states(self, rows: Sequence[int]) -> None:
         """These rows' states may be wrong (a step that failed part-way may have advanced some of

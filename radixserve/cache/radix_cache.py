@@ -203,7 +203,7 @@ class RadixCache:
         return None
 
     def keep_states(self, row: int, tokens: Sequence[int], *, namespace: Optional[str] = None,
-                    state_len: Optional[int] = None) -> None:
+                    state_len: Optional[int] = None, readmitted: bool = False) -> None:
         return None
 
     def discard_states(self, rows: Sequence[int]) -> None:

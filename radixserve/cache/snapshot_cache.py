@@ -31,7 +31,8 @@ Where snapshots are taken, so that later requests find them:
   one token it is kept only when that position ends a page (the tree holds whole pages). A row
   that kept a snapshot near its prompt's end takes this second one only while such snapshots are
   resumed from (SEQUENCE_END_WINDOW): for an agent they never are, and each would cost another
-  conversation its snapshot.
+  conversation its snapshot. A request that will be admitted again (retracted for memory) always
+  takes it: it resumes there itself instead of computing what it generated again.
 
 When a snapshot is copied: a restore into an admitted request's row at once (`resume`); the state
 at a chunk end once the step that computes it is launched: `take_state` is called while that step
@@ -279,7 +280,7 @@ class SnapshotRadixCache(RadixCache):
             self.snapshot_counters.taken += len(batch)
 
     def keep_states(self, row: int, tokens: Sequence[int], *, namespace: Optional[str] = None,
-                    state_len: Optional[int] = None) -> None:
+                    state_len: Optional[int] = None, readmitted: bool = False) -> None:
         states = self.rows[row]
         leaving = state_len is not None
         if leaving:
@@ -296,7 +297,7 @@ class SnapshotRadixCache(RadixCache):
         states.taken = waiting
         if not leaving:
             return
-        if states.valid and state_len == n and n > 0 and self._keeps_sequence_end(states):
+        if states.valid and state_len == n and n > 0 and (readmitted or self._keeps_sequence_end(states)):
             node = self._node_ending_at(tokens, n, namespace)
             if node is not None and node.snapshot is None:
                 slot = self._alloc_snapshot()
@@ -304,7 +305,8 @@ class SnapshotRadixCache(RadixCache):
                     self.snapshots.save([row], [slot])
                     self.snapshot_counters.taken += 1
                     if self._attach(node, slot, tokens, namespace):
-                        node.snapshot_at_end = states.kept_chunk_end
+                        # Whether such snapshots pay is learnt from clients' next turns alone.
+                        node.snapshot_at_end = states.kept_chunk_end and not readmitted
         for _, slot in states.taken:
             self.snapshots.free(slot)
         del self.rows[row]

@@ -119,9 +119,10 @@ class KVManager:
         return self.allocator.pages_to_slots(pages).tolist() if self.page_size > 1 else pages
 
     # ------------------------------------------------------------------ giving it back
-    def cache_req(self, req: Req, *, finished: bool) -> None:
+    def cache_req(self, req: Req, *, finished: bool, readmitted: bool = False) -> None:
         """Put what the cache takes of req's computed KV (its whole pages) into the cache.
-        finished: req gives back everything it holds (lock, slots, row) and leaves the pool.
+        finished: req gives back everything it holds (lock, slots, row) and leaves the pool;
+        readmitted: it waits to be admitted again (a hybrid's cache keeps its state for it).
         Otherwise it keeps running on the cache's copy of those pages, locked up to their end (a
         finished prefill chunk); a cache that takes nothing leaves the chunk's slots with req."""
         n = self.cache.insertable_len(req.kv_len)
@@ -131,7 +132,7 @@ class KVManager:
         already = self.cache.insert(tokens, req.slots[:n], namespace=req.cache_namespace)
         # A leaving request's row holds the state after all its kv_len positions.
         self.cache.keep_states(req.req_pool_idx, tokens, namespace=req.cache_namespace,
-                               state_len=req.kv_len if finished else None)
+                               state_len=req.kv_len if finished else None, readmitted=readmitted)
         self._free_slots(req.slots[req.locked_len:already])  # duplicates of tokens cached meanwhile
         if finished:
             self._free_slots(req.slots[n:])  # the partly filled last page

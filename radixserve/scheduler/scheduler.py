@@ -303,7 +303,7 @@ class Scheduler:
         victim = min(candidates, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
         candidates.remove(victim)
         self.running.remove(victim)
-        self.kv.cache_req(victim, finished=True)
+        self.kv.cache_req(victim, finished=True, readmitted=True)
         victim.state = ReqState.WAITING
         victim.num_retractions += 1
         self.stats.num_retractions += 1
@@ -395,7 +395,7 @@ class Scheduler:
             self.kv.shrink(req, before)
         for req in batch.admitted:
             self.running.remove(req)
-            self.kv.cache_req(req, finished=True)
+            self.kv.cache_req(req, finished=True, readmitted=True)
             req.state = ReqState.WAITING
             self._enqueue(req)
 
