@@ -244,6 +244,23 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.waiting.refresh()
         self._admit(list(self.waiting)[index % len(self.waiting)])
 
+    @precondition(lambda self: len(self.waiting) and self.kv.req_to_token.free_rows)
+    @rule(index=st.integers(0, 100))
+    def admit_and_undo(self, index: int) -> None:
+        """As PrefillAdder.try_add_one when the request's memory does not fit: admitted on its
+        match, then given back (KVManager.unlock_prefix); no snapshot hit is counted."""
+        self.waiting.refresh()
+        req = list(self.waiting)[index % len(self.waiting)]
+        hits = self.cache.snapshot_stats()
+        self._admit(req)
+        self.running.remove(req)
+        self.kv.unlock_prefix(req)
+        req.state = ReqState.WAITING
+        self.waiting.add(req)
+        after = self.cache.snapshot_stats()
+        for counter in ("snapshot_hits", "host_snapshot_hits"):
+            assert after[counter] == hits[counter], f"an undone admission counted in {counter}"
+
     def _admit(self, req: Req) -> None:
         """As PrefillAdder.try_add_one: a row, the cached prefix locked and pointed at; a host part
         is loaded back first, as the scheduler does when admission reaches a request (it admits

@@ -62,6 +62,9 @@ class NoPrefixCache:
     def resume(self, row: int, match: MatchResult, *, branch_at: int = 0) -> tuple[int, ...]:
         return ()
 
+    def cancel_resume(self, row: int) -> None:
+        return None
+
     def take_state(self, row: int, position: int) -> None:
         return None
 

@@ -208,6 +208,10 @@ class PrefixCache(Protocol):
         and return the positions its prompt pieces must end at (`match.chunk_ends`, and `branch_at`
         where the cache keeps states there: a waiting request shares the prompt up to it)."""
 
+    def cancel_resume(self, row: int) -> None:
+        """The request `resume` put in `row` is not run after all (its memory did not fit): its
+        resume counts as no hit, and the row is given back with nothing kept."""
+
     def take_state(self, row: int, position: int) -> None:
         """The step being scheduled takes row's request to `position`, one of its chunk ends: keep
         the state there once that step is launched."""

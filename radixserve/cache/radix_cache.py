@@ -199,6 +199,9 @@ class RadixCache:
     def resume(self, row: int, match: MatchResult, *, branch_at: int = 0) -> tuple[int, ...]:
         return match.chunk_ends
 
+    def cancel_resume(self, row: int) -> None:
+        return None
+
     def take_state(self, row: int, position: int) -> None:
         return None
 

@@ -102,6 +102,7 @@ class RowStates:
     # snapshot on a path that does not branch there, the old one gets that recency back.
     resumed_from: Optional[TreeNode] = None
     used_before: int = 0
+    from_host: bool = False  # the snapshot it resumed from was loaded back from the host tier
 
 
 @dataclass
@@ -235,6 +236,16 @@ class SnapshotRadixCache(RadixCache):
             node.snapshot_used = self._next_tick()
             self._push_snapshot(node)
         return states.chunk_ends
+
+    def cancel_resume(self, row: int) -> None:
+        states = self.rows.pop(row)
+        assert not states.taken, f"state row {row} was scheduled before its admission was undone"
+        node = states.resumed_from
+        if node is not None:
+            self.snapshot_counters.hits -= 1
+            if node.snapshot is not None:
+                node.snapshot_used = states.used_before
+                self._push_snapshot(node)
 
     def _with_branch(self, match: MatchResult, branch_at: int) -> tuple[int, ...]:
         """match's chunk ends and, where a waiting request will branch off this one's prompt (both

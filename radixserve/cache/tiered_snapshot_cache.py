@@ -107,10 +107,20 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
 
     def resume(self, row: int, match: MatchResult, *, branch_at: int = 0) -> tuple[int, ...]:
         node = match.last_node
-        if match.length and node.snapshot_from_host:
+        from_host = bool(match.length) and node.snapshot_from_host
+        if from_host:
             node.snapshot_from_host = False
             self.host_snapshot_counters.hits += 1
-        return super().resume(row, match, branch_at=branch_at)
+        chunk_ends = super().resume(row, match, branch_at=branch_at)
+        self.rows[row].from_host = from_host
+        return chunk_ends
+
+    def cancel_resume(self, row: int) -> None:
+        states = self.rows[row]
+        if states.from_host:
+            self.host_snapshot_counters.hits -= 1
+            states.resumed_from.snapshot_from_host = True
+        super().cancel_resume(row)
 
     def _snapshot_held(self, node: HostSnapshotNode) -> bool:
         return self._loading(node)

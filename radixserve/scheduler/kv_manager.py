@@ -60,6 +60,12 @@ class KVManager:
         req.kv_len = match.length
         self._writes.add_run(req.req_pool_idx, 0, match.slots)  # the row may hold a previous request's slots
 
+    def unlock_prefix(self, req: Req) -> None:
+        """Undo `lock_prefix` for a request that is not run after all: it holds nothing again."""
+        self.cache.cancel_resume(req.req_pool_idx)
+        self.cache.dec_lock(req.last_node)
+        self._drop(req)
+
     def grow(self, req: Req, upto: int) -> bool:
         """Give req slots for positions up to `upto`; False (nothing taken) when memory is short."""
         have = self.page_ceil(req.kv_len)

@@ -127,7 +127,7 @@ class PrefillAdder:
         room = self.available - locked_away
         fits = need <= room or (alone and prompt_left <= self.kv.available_tokens)
         if not fits or not self._add_piece(req, new=True):
-            self.kv.cache_req(req, finished=True)
+            self.kv.unlock_prefix(req)
             return False
         self.available -= locked_away + need
         return True
