@@ -150,16 +150,16 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
 
     def _snapshot_to_device(self, node: HostSnapshotNode) -> None:
         """Copy node's host snapshot to a device slot (taken as `take_state` takes one, evicting a
-        device snapshot nobody holds if the pool is full); lost when every device snapshot is held."""
+        device snapshot nobody holds if the pool is full); it stays on the host when every device
+        snapshot is held."""
         host_slot = node.host_snapshot
-        node.host_snapshot = None
-        self.host_snapshots_held -= 1
+        node.host_snapshot = None  # out of host eviction's reach while the device pool makes room
         slot = self._alloc_snapshot(evict_waited=True)
         if slot is None:
-            self.host_snapshots.free(host_slot)
-            self.host_snapshot_counters.evictions += 1
-            self._lost_snapshot(node)
+            node.host_snapshot = host_slot
+            self._push_host_snapshot(node)
             return
+        self.host_snapshots_held -= 1
         self.host_snapshots.load([host_slot], [slot])
         self.host_snapshots.free(host_slot)  # reused only by copies queued after this one
         self.host_snapshot_counters.loaded += 1
