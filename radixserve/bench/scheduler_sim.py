@@ -15,6 +15,7 @@ tok/s simulated, 0.691 and 94.0k measured); absolute times are only as good as t
     python -m radixserve.bench.scheduler_sim                    # the 7B agent workload, 216,825-token pool
     python -m radixserve.bench.scheduler_sim --policies lpm fcfs --pool 150000
     python -m radixserve.bench.scheduler_sim --policies lpm --host-ratio 4   # with a host tier
+    python -m radixserve.bench.scheduler_sim --policies lpm --hybrid-27b --host-ratio 4 --host-snapshots 844
 
 A hybrid model (`--snapshots N`): its prefix cache is the engine's snapshot cache, N recurrent-state
 snapshot slots beside `--max-running` request rows, so a prefix resumes only where a snapshot lies.
@@ -39,8 +40,9 @@ from radixserve.cache.kv_pool import KVPool, PageAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.snapshot_cache import SnapshotRadixCache
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
-from radixserve.cache.state_snapshots import StateSnapshots
+from radixserve.cache.state_snapshots import HostStateSnapshots, StateSnapshots
 from radixserve.cache.tiered_cache import make_tiered_cache
+from radixserve.cache.tiered_snapshot_cache import make_tiered_snapshot_cache
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.scheduler.request import Req
@@ -80,6 +82,8 @@ class SimConfig:
     step_ms: float = 4.2  # a step's fixed cost (the weights read once)
     decode_row_us: float = 15.0  # per decoding row
     snapshots: int = 0  # a hybrid model's state snapshot slots (0: an attention-only model)
+    host_snapshots: int = 0  # a hybrid's snapshot slots in the host tier (with --host-ratio; --mamba-host-cache-size)
+    snapshot_copy_ms: float = 0.0  # one snapshot copied between the tiers (on the compute stream)
     seed: int = 1
 
 
@@ -89,11 +93,12 @@ class SimConfig:
 # one snapshot per 1,024 pool tokens). Its first agent run had 236 rows and 58 snapshots: hit 0.641
 # measured, 0.633 simulated (seed 1; 0.629 over seeds 1-4) with the snapshot policy it ran.
 HYBRID_27B = dict(kv_bytes_per_token=65536, prefill_us=97.0, step_ms=15.5, decode_row_us=173.0,
-                  max_running=70, snapshots=211)
+                  max_running=70, snapshots=211, snapshot_copy_ms=3.2)  # 151 MiB at ~50 GB/s
 
 
 # The snapshot cache's counters a hybrid run reports beside the rest.
-SNAPSHOT_FIGURES = ("snapshot_slots", "snapshot_hits", "snapshots_taken", "snapshot_evictions")
+SNAPSHOT_FIGURES = ("snapshot_slots", "snapshot_hits", "snapshots_taken", "snapshot_evictions", "host_snapshot_hits",
+                    "snapshots_written_back", "snapshots_loaded")
 
 
 @dataclass
@@ -142,7 +147,13 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
     if cfg.snapshots > 0:  # one float of state per row and snapshot: only the bookkeeping is simulated
         spec = RecurrentStateSpec(1, (1, 1), (1, 1, 1), torch.float32)
         snapshots = StateSnapshots(cfg.snapshots, RecurrentStatePool(cfg.max_running, spec, "cpu"))
-        cache = SnapshotRadixCache(PageAllocator(cfg.pool, 1), snapshots, eviction_policy=cfg.eviction)
+        if cfg.host_ratio > 0:
+            pool = KVPool(cfg.pool, 1, 1, 1, 1, torch.float32, "cpu")
+            pool.snapshots = snapshots
+            host = HostStateSnapshots(cfg.host_snapshots, snapshots, pin=False) if cfg.host_snapshots else None
+            cache = make_tiered_snapshot_cache(pool, int(cfg.pool * cfg.host_ratio), host, eviction_policy=cfg.eviction)
+        else:
+            cache = SnapshotRadixCache(PageAllocator(cfg.pool, 1), snapshots, eviction_policy=cfg.eviction)
     elif cfg.host_ratio > 0:  # the KV itself is one float per token: only the bookkeeping is simulated
         pool = KVPool(cfg.pool, 1, 1, 1, 1, torch.float32, "cpu")
         cache = make_tiered_cache(pool, int(cfg.pool * cfg.host_ratio), eviction_policy=cfg.eviction)
@@ -161,6 +172,11 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
     ttfts: list[float] = []
     last_token_at: dict[str, float] = {}
     longest_pause = 0.0  # between two tokens of one request (a retraction shows here)
+
+    def tier_copies() -> int:
+        stats = cache.snapshot_stats()
+        return stats["snapshots_written_back"] + stats["snapshots_loaded"]
+    copies_charged = 0
     while len(latencies) < total:
         while arrivals and arrivals[0][0] <= now[0]:
             t, sid, turn = heapq.heappop(arrivals)
@@ -174,7 +190,8 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
             now[0] = arrivals[0][0]
             continue
         steps += 1
-        now[0] += step_seconds(batch, cfg)
+        now[0] += step_seconds(batch, cfg) + cfg.snapshot_copy_ms * 1e-3 * (tier_copies() - copies_charged)
+        copies_charged = tier_copies()
         for req in sched.process_results(batch, [rng.randrange(VOCAB) for s in batch.sample if s]):
             if req.rid in last_token_at:
                 longest_pause = max(longest_pause, now[0] - last_token_at[req.rid])

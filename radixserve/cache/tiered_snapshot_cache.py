@@ -9,14 +9,12 @@ A node's snapshot (the recurrent state after its last token) lives on one tier a
   for a newer snapshot (the node's KV stays on the device). With no host slot to be had, the
   snapshot is dropped (a longer prefix may hold one). Most snapshots never leave the device: one
   is written back only when it is evicted there, under either write policy.
-- **Load**: when a load copies a host part back (`load`, which copies back only up to the
-  deepest host snapshot on the match: KV beyond it resumes nobody), every loaded node's host
-  snapshot moves to a device slot (taken as `take_state` takes one, evicting a device snapshot
-  nobody holds if the pool is full; loading nodes' snapshots are held), and so does that of a
-  host-only node a request computed again and inserted. The request resumes there once the KV
-  load is done, as from any device snapshot. A host snapshot at a node whose KV is on the device
-  is brought back when a request is admitted on it (`match`): the copy is queued ahead of the
-  restore that reads it.
+- **Load**: a load copies a host part's KV back (`load`, only up to the deepest host snapshot on
+  the match: KV beyond it resumes nobody); the snapshots on it stay on the host. The one a request
+  resumes from is copied to a device slot when the request is admitted on it (`match`; the slot
+  is taken as `take_state` takes one, evicting a device snapshot nobody holds if the pool is
+  full): the copy is queued ahead of the restore that reads it. The snapshots a load passes over
+  on the way are not copied (each is a running request's whole state: 151 MiB for the 27B).
 - **Host eviction**: host snapshots are evicted LRU, waited-for ones last, as host KV is; a node
   leaving the tree frees its host snapshot. A device snapshot taken where the host holds one
   replaces it.
@@ -26,8 +24,8 @@ either tier, never both at one node (`check_invariants`); a match reported to a 
 (`peek`) runs to the deepest node end holding a snapshot on either tier, KV on either tier being
 there by the tree's own rule; the device match (`match`) stops at the deepest one on the device
 once it has brought back the host one at the end of the KV's device part. The host part of a
-peeked match (`host_part`) is what the KV's host part is: a host snapshot past it lies at a node
-the device holds, and comes back at admission.
+peeked match (`host_part`) is its KV's host part: the snapshot at its end comes back at
+admission, wherever its KV was.
 
 Every copy of a snapshot between the tiers is queued on the compute stream (state_snapshots.py
 says why that orders them with everything else); under tensor parallelism they go to the other
@@ -141,12 +139,6 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
         if deepest is not None and deepest.snapshot is None:
             self._snapshot_to_device(deepest)
         return super().match(tokens, namespace=namespace)
-
-    def _became_device(self, node: HostSnapshotNode) -> None:
-        """A host-only node got device slots (a load, or a request's insert): its snapshot comes too."""
-        super()._became_device(node)
-        if node.host_snapshot is not None:
-            self._snapshot_to_device(node)
 
     def _snapshot_to_device(self, node: HostSnapshotNode) -> None:
         """Copy node's host snapshot to a device slot (taken as `take_state` takes one, evicting a
