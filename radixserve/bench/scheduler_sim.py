@@ -190,8 +190,9 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
             now[0] = arrivals[0][0]
             continue
         steps += 1
-        now[0] += step_seconds(batch, cfg) + cfg.snapshot_copy_ms * 1e-3 * (tier_copies() - copies_charged)
-        copies_charged = tier_copies()
+        copies = tier_copies()
+        now[0] += step_seconds(batch, cfg) + cfg.snapshot_copy_ms * 1e-3 * (copies - copies_charged)
+        copies_charged = copies
         for req in sched.process_results(batch, [rng.randrange(VOCAB) for s in batch.sample if s]):
             if req.rid in last_token_at:
                 longest_pause = max(longest_pause, now[0] - last_token_at[req.rid])
