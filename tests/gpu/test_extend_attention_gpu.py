@@ -88,12 +88,14 @@ def _shape_cases():
 
 @pytest.mark.parametrize("prefix_lens,extend_lens,hq,hkv,head_dim,page_size", _shape_cases())
 def test_extend_attention_shapes(prefix_lens, extend_lens, hq, hkv, head_dim, page_size):
-    """The table's config with the default split rule (the long prefix in a one-request batch splits)."""
-    out, ref, plan = run_kernel(prefix_lens, extend_lens, hq, hkv, head_dim, page_size, default_config(head_dim),
+    """The table's config and its split rule: a long prefix in a one-request batch splits where the
+    head dimension's tuned entry splits at all (the sweep turned splitting off for 128 and 256)."""
+    config = default_config(head_dim)
+    out, ref, plan = run_kernel(prefix_lens, extend_lens, hq, hkv, head_dim, page_size, config,
                                 num_sms=132 if FULL else 4)
     check(out, ref, BF16_TOL)
     if max(prefix_lens) >= (3000 if FULL else 70) and len(prefix_lens) == 1:
-        assert plan.num_merges > 0, "a long prefix in a small batch should be split"
+        assert (plan.num_merges > 0) == (config.split_programs_per_sm > 0)
 
 
 @pytest.mark.parametrize("hq,hkv,head_dim", [GQA[3 if FULL else 2] + (HEAD_DIMS[1],), GQA[2 if FULL else 1]
@@ -186,8 +188,8 @@ def test_backend_model_shapes(hq, hkv, d, fp8):
         k = torch.randn(total, hkv, d, device=DEVICE).to(LOW)
         v = torch.randn(total, hkv, d, device=DEVICE).to(LOW)
     out = backend.forward(q, k, v, 0, batch)
-    if FULL:
-        assert batch.attn_meta.plan.num_merges > 0  # the 4000-token prefix is split
+    if FULL:  # the 4000-token prefix is split where the head dimension's tuned entry splits
+        assert (batch.attn_meta.plan.num_merges > 0) == (default_config(d).split_programs_per_sm > 0)
 
     class _View:  # the reference reads the pool (dequantized) through the same table
         pass
