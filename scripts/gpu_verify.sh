@@ -20,6 +20,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
+STAGES=("$@")
+set --  # gpu_run.sh runs its arguments as a command
 . scripts/gpu_run.sh || exit 1
 OUT=${OUT:-runs/verify}
 mkdir -p "$OUT"
@@ -164,7 +166,7 @@ stage_qwen3() {
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,power.limit --format=csv,noheader
 row start machine "$(python3 -c 'import json,torch,triton; print(json.dumps({"torch": torch.__version__, "triton": triton.__version__}))')"
-for stage in "$@"; do
+for stage in "${STAGES[@]}"; do
   case $stage in
     suite|memory|hybrid27b|peers27b|qwen3) "stage_$stage" ;;
     *) log "unknown stage $stage" ;;
