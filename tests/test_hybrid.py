@@ -17,6 +17,7 @@ and computes the same tokens as transformers' cold ones.
 from __future__ import annotations
 
 import json
+import random
 import re
 from pathlib import Path
 
@@ -425,6 +426,26 @@ def test_greedy_equals_transformers_resumed_from_snapshots_that_went_to_the_host
                      "state_snapshots_loaded_total", "state_snapshot_host_evictions_total",
                      "state_snapshot_host_slots", "state_snapshots_host", "state_snapshot_host_bytes"):
             assert re.search(rf"^radixserve:{name} \d", metrics, re.M), name
+
+
+def test_a_resume_from_a_host_snapshot_counts_as_a_host_hit(qwen3_5):
+    """One device snapshot slot: a prefix whose KV stayed on the device but whose state came back
+    from the host tier was served by that tier: its tokens count in host_hit_rate (once 0, as only
+    copied-back KV counted; the GPU's default of one snapshot per 1,024 pool tokens makes this the
+    usual case for a small pool)."""
+    path = qwen3_5[0]
+    gen = random.Random(11)
+    system = [gen.randrange(1, 500) for _ in range(5)] * 10
+    prompts = [system + [gen.randrange(1, 500) for _ in range(gen.randint(5, 40))] for _ in range(12)]
+    params = {**GREEDY, "max_new_tokens": 8}
+    with Engine(str(path), max_total_tokens=256, hicache_ratio=8, chunked_prefill_size=16,
+                mamba_cache_size=1) as engine:
+        first = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
+        assert [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)] == first
+        stats = engine.cache_stats()
+        assert stats["host_snapshot_hits"] > 0 and stats["host_hit_rate"] > 0
+        assert stats["hit_rate"] == pytest.approx(stats["device_hit_rate"] + stats["host_hit_rate"])
+        check_idle(engine)
 
 
 def test_a_conversations_next_turn_resumes_from_the_host_tier(qwen3_5):

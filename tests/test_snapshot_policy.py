@@ -250,6 +250,14 @@ def test_the_memory_plan_splits_the_pool_between_kv_and_snapshots():
     assert tokens // SNAPSHOT_SPAN_TOKENS == slots  # one snapshot per span of the pool
     # --max-total-tokens: the pool is as given, the snapshots beside it.
     assert snapshot_split(settings, spec, cuda, 216_825, per_token, planned=False) == (211, 216_825)
+    # ... in what the memory fraction leaves beside it: fewer when they do not fit (an H100 with the
+    # 27B's weights and that pool has room for 48, not 211), an error for an explicit count.
+    room = 48 * snapshot + snapshot // 2
+    assert snapshot_split(settings, spec, cuda, 216_825, per_token, planned=False, room_bytes=room) == (48, 216_825)
+    assert snapshot_split(settings, spec, cuda, 216_825, per_token, planned=False, room_bytes=-1) == (0, 216_825)
+    with pytest.raises(ValueError, match="--mamba-cache-size 100 snapshots .* at most 48 snapshots"):
+        snapshot_split(dataclasses.replace(settings, mamba_cache_size=100), spec, cuda, 216_825, per_token,
+                       planned=False, room_bytes=room)
     # --mamba-cache-size comes out of the planned budget; too many is a clear error.
     explicit = dataclasses.replace(settings, mamba_cache_size=100)
     assert snapshot_split(explicit, spec, cuda, budget, per_token, planned=True) == \

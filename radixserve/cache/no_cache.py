@@ -62,6 +62,9 @@ class NoPrefixCache:
     def resume(self, row: int, match: MatchResult, *, branch_at: int = 0) -> tuple[int, ...]:
         return ()
 
+    def resumed_from_host(self, row: int) -> bool:
+        return False
+
     def cancel_resume(self, row: int) -> None:
         return None
 

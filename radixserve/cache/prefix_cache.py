@@ -128,7 +128,7 @@ class MatchResult:
 class CacheCounters:
     prompt_tokens: int = 0  # prompt tokens of admitted requests
     cached_prompt_tokens: int = 0  # of which were found in the cache
-    host_cached_prompt_tokens: int = 0  # of those, found on the host tier (copied back, not computed)
+    host_cached_prompt_tokens: int = 0  # of those, served by the host tier (KV or the resumed state copied back)
     inserted_tokens: int = 0  # tokens newly added to the tree
     evicted_tokens: int = 0
 
@@ -207,6 +207,10 @@ class PrefixCache(Protocol):
         the match ends at beyond its KV (a recurrent-state snapshot; nothing for a cache of KV alone),
         and return the positions its prompt pieces must end at (`match.chunk_ends`, and `branch_at`
         where the cache keeps states there: a waiting request shares the prompt up to it)."""
+
+    def resumed_from_host(self, row: int) -> bool:
+        """Whether the state the request in `row` resumed from came back from the host tier (then
+        its whole cached prefix was served by that tier, whatever of its KV was on the device)."""
 
     def cancel_resume(self, row: int) -> None:
         """The request `resume` put in `row` is not run after all (its memory did not fit): its

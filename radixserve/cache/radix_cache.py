@@ -199,6 +199,9 @@ class RadixCache:
     def resume(self, row: int, match: MatchResult, *, branch_at: int = 0) -> tuple[int, ...]:
         return match.chunk_ends
 
+    def resumed_from_host(self, row: int) -> bool:
+        return False
+
     def cancel_resume(self, row: int) -> None:
         return None
 

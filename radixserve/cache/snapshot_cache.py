@@ -237,6 +237,10 @@ class SnapshotRadixCache(RadixCache):
             self._push_snapshot(node)
         return states.chunk_ends
 
+    def resumed_from_host(self, row: int) -> bool:
+        states = self.rows.get(row)
+        return states is not None and states.from_host
+
     def cancel_resume(self, row: int) -> None:
         states = self.rows.pop(row)
         assert not states.taken, f"state row {row} was scheduled before its admission was undone"

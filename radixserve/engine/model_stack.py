@@ -110,8 +110,14 @@ def make_kv_memory(settings: ServerSettings, model, device: torch.device, dtype:
         tokens = CPU_KV_POOL_TOKENS
     snapshots = None
     if state is not None:
-        # A planned pool's bytes are shared with the snapshots (`tokens` is both their budget).
-        slots, tokens = snapshot_split(settings, spec, device, tokens, per_token, planned=plan is not None)
+        # A planned pool's bytes are shared with the snapshots (`tokens` is both their budget); a
+        # pool set by --max-total-tokens gets its snapshots beside it, in what the fraction leaves.
+        room = None
+        if plan is None and device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            room = int(total * settings.mem_fraction_static - (total - free)) - tokens * per_token
+        slots, tokens = snapshot_split(settings, spec, device, tokens, per_token, planned=plan is not None,
+                                       room_bytes=room)
         slots = tp.min_int(slots)
         snapshots = StateSnapshots(slots, state) if slots else None
     tokens = tp.min_int(tokens - tokens % settings.page_size)
@@ -153,12 +159,14 @@ def state_rows_that_fit(settings: ServerSettings, spec: RecurrentStateSpec, devi
 
 
 def snapshot_split(settings: ServerSettings, spec: RecurrentStateSpec, device: torch.device, tokens: int,
-                   per_token: int, *, planned: bool) -> tuple[int, int]:
+                   per_token: int, *, planned: bool, room_bytes: Optional[int] = None) -> tuple[int, int]:
     """(slots of the prefix cache's state snapshot pool, KV pool tokens). --mamba-cache-size, else
     one per SNAPSHOT_SPAN_TOKENS of the KV pool, else on the CPU CPU_MAMBA_CACHE_SIZE; 0 with
     --disable-radix-cache. `planned`: `tokens` is what the memory plan left for the pool, in KV
     tokens, and the snapshots take their bytes out of it; else the pool has `tokens` (set by
-    --max-total-tokens, or the CPU's) and the snapshots come beside it."""
+    --max-total-tokens, or the CPU's) and the snapshots come beside it, in `room_bytes` (what
+    --mem-fraction-static leaves beside that pool on a GPU; None: no bound): a 216,825-token pool
+    of Qwen3.5-27B asks 211 snapshots of 147 MiB, 31 GiB an H100 does not have beside the weights."""
     if settings.disable_radix_cache:
         return 0, tokens
     snapshot = spec.bytes_per_row
@@ -171,13 +179,34 @@ def snapshot_split(settings: ServerSettings, spec: RecurrentStateSpec, device: t
     else:
         slots = max(1, tokens // SNAPSHOT_SPAN_TOKENS)
     if not planned:
-        return slots, tokens
+        return fit_beside_the_pool(settings, slots, snapshot, tokens, room_bytes), tokens
     left = tokens - -(-slots * snapshot // per_token)
     if left < settings.page_size:
         raise ValueError(f"--mamba-cache-size {slots} snapshots of {snapshot / 2**20:.0f} MiB leave no room for a KV "
                          f"pool in what --mem-fraction-static {settings.mem_fraction_static} leaves "
                          f"({tokens * per_token / 2**30:.1f} GiB): fewer snapshots or a higher fraction")
     return slots, left
+
+
+def fit_beside_the_pool(settings: ServerSettings, slots: int, snapshot: int, tokens: int,
+                        room_bytes: Optional[int]) -> int:
+    """`slots` snapshots, or as many as fit in room_bytes: fewer (with a warning) when their count
+    was derived from the pool, an error when --mamba-cache-size asked for them."""
+    if room_bytes is None or slots * snapshot <= room_bytes:
+        return slots
+    fit = max(0, room_bytes // snapshot)
+    room = f"{max(0, room_bytes) / 2**30:.1f} GiB"
+    if settings.mamba_cache_size is not None:
+        raise ValueError(f"--mamba-cache-size {slots} snapshots of {snapshot / 2**20:.0f} MiB need "
+                         f"{slots * snapshot / 2**30:.1f} GiB; --mem-fraction-static {settings.mem_fraction_static} "
+                         f"leaves {room} beside the {tokens}-token KV pool (--max-total-tokens): at most {fit} "
+                         "snapshots, fewer KV tokens or a higher fraction")
+    logger.warning("prefix cache: %d recurrent-state snapshots of %.0f MiB fit beside the %d-token KV pool "
+                   "(--max-total-tokens) in what --mem-fraction-static %.2f leaves (%s), not the %d of one per "
+                   "%d pool tokens%s", fit, snapshot / 2**20, tokens, settings.mem_fraction_static, room, slots,
+                   SNAPSHOT_SPAN_TOKENS, "" if fit else ": a hybrid model then reuses no prefix; leave "
+                   "--max-total-tokens out and the memory plan splits the memory between the two")
+    return fit
 
 
 def host_tier_tokens(settings: ServerSettings, kv_pool: KVPool, tp: TensorParallel) -> int:

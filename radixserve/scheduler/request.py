@@ -70,8 +70,11 @@ class Req:
     # Whether its cached prefix, when first admitted, ran through a finished request's whole prompt
     # (PrefixCache.extends_a_prompt): a later turn of a conversation.
     continues_conversation: bool = False
-    # Host tier: the most prompt tokens this request waited to have copied back from the host.
-    host_hit_len: int = 0
+    # Host tier: the prompt positions [host_hit_start, host_hit_end) this request waited to have
+    # copied back from the host (the widest such span); at admission, the part of its locked prefix
+    # inside it counts as host hits (a hybrid may resume before the span's end, at a snapshot).
+    host_hit_start: int = 0
+    host_hit_end: int = 0
     host_loads: int = 0  # loads started for it (a prefix evicted again before admission is reloaded)
     # The scheduler's view while waiting: length of the cached prefix and the node it reaches.
     peek_len: int = 0
@@ -147,3 +150,8 @@ class Req:
 
     def remaining_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens - self.num_generated
+
+    def note_host_span(self, start: int, end: int) -> None:
+        """It waits for positions [start, end) of its prompt to be copied back from the host tier."""
+        if end - start > self.host_hit_end - self.host_hit_start:
+            self.host_hit_start, self.host_hit_end = start, end

@@ -244,7 +244,7 @@ class Scheduler:
         if not host:
             return True
         if loading:
-            req.host_hit_len = max(req.host_hit_len, host)
+            req.note_host_span(req.peek_len - host, req.peek_len)
             return False
         if req.host_loads >= MAX_LOADS_PER_REQUEST:
             return True  # evicted again each time before it got in: it computes the rest itself
@@ -255,7 +255,7 @@ class Scheduler:
             return None
         adder.available -= loaded
         req.host_loads += 1
-        req.host_hit_len = max(req.host_hit_len, host)
+        req.note_host_span(req.peek_len - host, req.peek_len)
         return False
 
     # ------------------------------------------------------------------ decode
@@ -376,8 +376,10 @@ class Scheduler:
             self.stats.continued_turns += req.continues_conversation
             self.cache.counters.prompt_tokens += len(req.origin_input_ids)
             self.cache.counters.cached_prompt_tokens += min(req.locked_len, len(req.origin_input_ids))
-            host_hits = req.host_hit_len if req.host_hit_len <= req.locked_len else 0
-            self.cache.counters.host_cached_prompt_tokens += min(host_hits, len(req.origin_input_ids))
+            cached = min(req.locked_len, len(req.origin_input_ids))
+            from_host = cached if self.cache.resumed_from_host(req.req_pool_idx) \
+                else max(0, min(cached, req.host_hit_end) - req.host_hit_start)
+            self.cache.counters.host_cached_prompt_tokens += from_host
         req.state = ReqState.RUNNING
         req.admitted_time = req.admitted_time or self.clock()
         self.running.append(req)

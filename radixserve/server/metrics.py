@@ -75,7 +75,7 @@ ENGINE_GAUGES = (
     ("hit_rate", "prefix_hit_rate", "Cumulative prefix hit rate: cached prompt tokens / prompt tokens."),
     ("hit_rate_window", "prefix_hit_rate_window", "Prefix hit rate over the last 60 seconds."),
     ("device_hit_rate", "device_hit_rate", "Cumulative share of prompt tokens found on the device."),
-    ("host_hit_rate", "host_hit_rate", "Cumulative share of prompt tokens copied back from the host tier."),
+    ("host_hit_rate", "host_hit_rate", "Cumulative share of prompt tokens served by the host tier (their KV copied back, or for a hybrid model the state they resume from)."),
     ("load_bandwidth_gbps", "hicache_load_bandwidth_gbps", "Host-to-device load bandwidth so far, GB/s."),
     ("host_pool_tokens", "hicache_pool_tokens", "Host tier size in tokens (0: no host tier)."),
     ("host_free_tokens", "hicache_free_tokens", "Free host tier slots."),

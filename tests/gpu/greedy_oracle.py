@@ -4,7 +4,12 @@ checks every family's tests run on them."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -33,6 +38,23 @@ def hf_greedy(path: str, dtype: torch.dtype, batch: list[list[int]], architectur
                               do_sample=False, pad_token_id=0)[0].tolist()
         out.append(ids[len(p):])
     return out
+
+
+def hf_greedy_fp32_torch(path: str, batch: list[list[int]]) -> list[list[int]]:
+    """transformers' float32 greedy continuation on its torch code paths. With flash-linear-attention
+    installed, transformers runs a hybrid's linear-attention layers through fla's chunked kernels,
+    whose dots are TF32: near-ties of a tiny random model then break either way. A process that
+    cannot import fla runs them in float32, the reference for our float32 prefill in short chunks
+    (which takes the recurrent kernel, never fla)."""
+    if importlib.util.find_spec("fla") is None:
+        return hf_greedy(path, torch.float32, batch)
+    code = ("import json, sys; sys.modules['fla'] = None; sys.path.insert(0, sys.argv[2]); import torch; "
+            "from greedy_oracle import hf_greedy; "
+            "print(json.dumps(hf_greedy(sys.argv[1], torch.float32, json.loads(sys.stdin.read()))))")
+    done = subprocess.run([sys.executable, "-c", code, path, str(Path(__file__).parent)], input=json.dumps(batch),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def engine_greedy(path: str, dtype: str, batch: list[list[int]], *, expect_no_cache_hits: bool = False,

@@ -28,12 +28,14 @@ from radixserve import Engine  # noqa: E402
 from radixserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from radixserve.cache.kv_pool import KVPool  # noqa: E402
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec  # noqa: E402
+from radixserve.engine.model_stack import SNAPSHOT_SPAN_TOKENS  # noqa: E402
 from radixserve.kernels import fla_gdn  # noqa: E402
 from radixserve.model.loader import load_model  # noqa: E402
 from radixserve.testing.tiny_model import build_tiny_model  # noqa: E402
 
 from greedy_oracle import (MAX_NEW, agreement, check_as_close_to_fp32_as_hf_bf16,  # noqa: E402
-                           check_bf16_graphs_change_no_token, hf_greedy, prompts)
+                           check_bf16_graphs_change_no_token, hf_greedy, hf_greedy_fp32_torch,
+                           prompts)
 from greedy_oracle import engine_greedy as _engine_greedy  # noqa: E402
 from test_engine_gpu import _logits  # noqa: E402
 from test_triton_layers import fp32_twin, within_low_precision_noise  # noqa: E402
@@ -99,29 +101,25 @@ def test_fp32_resumed_from_state_snapshots_equals_cold_and_hf(tiny_dir, overlap)
     ends a piece at the branch point (inside a chunk) and keeps the state there, later ones resume
     there; the second pass resumes every prompt, and a conversation's next turn resumes where its
     last turn ended. Snapshots are copied on the compute stream between graph replays and eager
-    prefills; every token is transformers' (90% of them where fla-core runs transformers' side)."""
+    prefills; every token is transformers' float32 torch path's (our 16-token pieces take the recurrent
+    kernel, never fla's TF32 one). 64 snapshot slots as on the CPU (a CUDA pool of 8,192 tokens would
+    get 8, one per 1,024 tokens: too few to keep every request's, which is not what this tests)."""
     system = prompts(1, 500, seed=11, longest=48)[0][:5] * 10  # 50 tokens
     batch = [system + p for p in prompts(6, 500, seed=12, longest=20)]
-    ref = hf_greedy(tiny_dir, torch.float32, batch)
+    ref = hf_greedy_fp32_torch(tiny_dir, batch)
     engine = Engine(tiny_dir, device="cuda", dtype="float32", max_total_tokens=8192, chunked_prefill_size=16,
-                    cuda_graph_max_bs=16, disable_overlap_schedule=not overlap)
+                    cuda_graph_max_bs=16, disable_overlap_schedule=not overlap, mamba_cache_size=64)
     params = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
     passes = [engine.generate(input_ids=batch, sampling_params=params) for _ in range(2)]
     cold, warm = ([r["output_ids"] for r in results] for results in passes)
-    assert warm == cold
-    if fla_gdn.available():
-        assert agreement(cold, ref) >= 0.9
-    else:
-        assert cold == ref
+    assert warm == cold == ref
     assert all(r["meta_info"]["cached_tokens"] >= len(system) for r in passes[1])
     stats = engine.cache_stats()
     assert stats["snapshot_hits"] > 0 and engine.core.runner.num_graph_steps > 0
     turn2 = batch[0] + cold[0] + [7, 8, 9, 10]
     second = engine.generate(input_ids=[turn2], sampling_params=params)[0]
     assert second["meta_info"]["cached_tokens"] == len(batch[0]) + MAX_NEW - 1
-    turn2_ref = hf_greedy(tiny_dir, torch.float32, [turn2])[0]
-    assert second["output_ids"] == turn2_ref or (fla_gdn.available() and agreement([second["output_ids"]],
-                                                                                   [turn2_ref]) >= 0.9)
+    assert second["output_ids"] == hf_greedy_fp32_torch(tiny_dir, [turn2])[0]
     engine.check_invariants()
     snapshots = engine.core.kv_pool.snapshots
     assert snapshots.free_slots + engine.cache_stats()["snapshots_held"] == snapshots.num_slots
@@ -179,9 +177,13 @@ def test_qwen3_5_27b_shape_plans_its_state_pool_and_serves_with_graphs(qwen3_5_2
     plan = engine.core.memory_plan
     state = engine.core.kv_pool.state
     assert plan.state_pool_rows == state.num_rows == 64 and plan.state_pool_bytes == state.total_bytes
-    # The snapshot pool: a quarter of what the weights and states leave, at most 4 per request row.
+    # The snapshot pool shares the planned pool's bytes: one snapshot per SNAPSHOT_SPAN_TOKENS of
+    # the KV pool that is left, the remainder (less than one snapshot and one span) to the KV pool.
     snapshots = engine.core.kv_pool.snapshots
-    assert plan.snapshot_slots == snapshots.num_slots == 4 * 64 and plan.snapshot_pool_bytes == snapshots.total_bytes
+    assert plan.snapshot_slots == snapshots.num_slots > 0 and plan.snapshot_pool_bytes == snapshots.total_bytes
+    snapshot_in_tokens = snapshots.bytes_per_slot // (plan.kv_pool_bytes // plan.kv_pool_tokens)
+    assert (snapshots.num_slots * SNAPSHOT_SPAN_TOKENS <= plan.kv_pool_tokens
+            <= (snapshots.num_slots + 1) * SNAPSHOT_SPAN_TOKENS + snapshot_in_tokens + 1)
     assert state.ssm[0].shape == (65, 48, 128, 128) and state.conv[0].shape == (65, 3, 2 * 16 * 128 + 48 * 128)
     assert plan.kv_pool_tokens > 0 and len(engine.core.kv_pool.k_buffers) == 1
     results = engine.generate(input_ids=batch, sampling_params={"max_new_tokens": 16, "temperature": 0,
@@ -192,11 +194,13 @@ def test_qwen3_5_27b_shape_plans_its_state_pool_and_serves_with_graphs(qwen3_5_2
 
 
 @pytest.mark.parametrize("shape", ["27b", "35b-a3b"])
-def test_bench_one_batch_times_a_hybrid_against_its_floors(shape, tmp_path):
+def test_bench_one_batch_times_a_hybrid_against_its_floors(shape, tmp_path, gpu_alone):
     """bench_one_batch on the 2-layer shapes, dummy weights: decode steps (eager and graphed) and a
     prefill, each beside its floor: the weights (the experts the batch touches), the full layer's
     KV and every request's states read and written, over the measured copy bandwidth; the prefill's
-    FLOPs with the linear layer's chunked form, over the measured matmul rate."""
+    FLOPs with the linear layer's chunked form, over the measured matmul rate. Alone on the GPU
+    (`gpu_alone`): a copy bandwidth measured beside other workers' kernels puts the floor above
+    the step (0.76x under -n 8 on an H100)."""
     from radixserve.bench.model_cost import ModelCost
     from radixserve.bench_one_batch import main
     from radixserve.model.config import ModelConfig

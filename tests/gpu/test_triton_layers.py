@@ -150,10 +150,15 @@ def test_hybrid_triton_layers_match_torch_layers(case, tmp_path):
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
     (ext_t, dec_t), pool_t = extend_then_decode(models[True], prompts)
     (ext_r, dec_r), pool_r = extend_then_decode(models[False], prompts)
-    (ext_f, dec_f), _ = extend_then_decode(fp32_twin(models[False], path), prompts, kv_dtype=torch.float32)
+    (ext_f, dec_f), pool_f = extend_then_decode(fp32_twin(models[False], path), prompts, kv_dtype=torch.float32)
     assert torch.isfinite(ext_t).all() and torch.isfinite(dec_t).all()
     assert within_low_precision_noise(ext_t, ext_r, ext_f) and within_low_precision_noise(dec_t, dec_r, dec_f)
+    # The states too, against the float32 twin's: a layer's conv state holds its input projection,
+    # which carries every earlier layer's bf16 rounding (the two bf16 paths differ 2-6% there on an
+    # H100, as the hidden states do), so they are held to the truth rather than to each other.
     rows = slice(0, len(lengths))  # the scratch row past them is the padding's
     for layer in range(len(pool_t.state.conv)):
-        assert rel_err(pool_t.state.conv[layer][rows], pool_r.state.conv[layer][rows]) < 1e-2
-        assert rel_err(pool_t.state.ssm[layer][rows], pool_r.state.ssm[layer][rows]) < 2e-2
+        for kind in ("conv", "ssm"):
+            ours, ref, truth = (getattr(p.state, kind)[layer][rows] for p in (pool_t, pool_r, pool_f))
+            assert within_low_precision_noise(ours, ref, truth), (kind, layer, rel_err(ours, truth),
+                                                                  rel_err(ref, truth))
