@@ -120,11 +120,10 @@ class Workload:
         self.cfg = cfg
         self.device = device
         self.pool = KVPool(total_tokens, 1, cfg.num_kv_layers, cfg.num_key_value_heads, cfg.head_dim,
-                           dtype, device)
+                           dtype, device, state=RecurrentStatePool(max_rows, state, device) if state else None)
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
         if state is not None:
-            self.pool.state = RecurrentStatePool(max_rows, state, device)
             for buf in self.pool.state.conv + self.pool.state.ssm:
                 buf.normal_(generator=gen)
         for buf in self.pool.k_buffers + self.pool.v_buffers:

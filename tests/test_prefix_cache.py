@@ -43,16 +43,14 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 from radixserve.cache.block_events import BlockEventRecorder
 from radixserve.cache.block_hash import page_hashes
+from radixserve.cache.factory import host_tier, tree_cache
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.cache.namespace import cache_namespace, namespace_page_parent
 from radixserve.cache.no_cache import NoPrefixCache
 from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.cache.snapshot_cache import SnapshotRadixCache
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
-from radixserve.cache.state_snapshots import HostStateSnapshots, StateSnapshots
-from radixserve.cache.tiered_cache import make_tiered_cache
-from radixserve.cache.tiered_snapshot_cache import make_tiered_snapshot_cache
+from radixserve.cache.state_snapshots import StateSnapshots
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.request import Req, ReqState
@@ -78,21 +76,14 @@ GARBAGE = -1.0  # what a step that failed part-way leaves in its rows
 
 def make_cache(kind: str, pool: KVPool, *, host_tokens: int = 1024, write_through: bool = False,
                snapshot_slots: int = 6, host_snapshot_slots: int = 4) -> PrefixCache:
-    if kind == "device":
-        return RadixCache(pool.allocator, page_size=pool.page_size)
-    if kind == "tiered":
-        return make_tiered_cache(pool, host_tokens, write_through=write_through)
-    if kind == "snapshot":
+    if kind == "none":
+        return NoPrefixCache(pool.allocator, page_size=pool.page_size)
+    if "snapshot" in kind:
         pool.state = RecurrentStatePool(ROWS, STATE_SPEC, "cpu")
         pool.snapshots = StateSnapshots(snapshot_slots, pool.state)
-        # Branch points of a single page are taken too: the prompts here are short.
-        return SnapshotRadixCache(pool.allocator, pool.snapshots, page_size=pool.page_size, branch_min_tokens=1)
-    if kind == "tiered-snapshot":
-        pool.state = RecurrentStatePool(ROWS, STATE_SPEC, "cpu")
-        pool.snapshots = StateSnapshots(snapshot_slots, pool.state)
-        host = HostStateSnapshots(host_snapshot_slots, pool.snapshots, pin=False) if host_snapshot_slots else None
-        return make_tiered_snapshot_cache(pool, host_tokens, host, write_through=write_through, branch_min_tokens=1)
-    return NoPrefixCache(pool.allocator, page_size=pool.page_size)
+    host = host_tier(pool, host_tokens, host_snapshot_slots) if kind.startswith("tiered") else None
+    # Branch points of a single page are taken too: the prompts here are short.
+    return tree_cache(pool, host, write_through=write_through, branch_min_tokens=1)
 
 
 def state_of(prefix: tuple) -> float:

@@ -23,7 +23,7 @@ from radixserve.cache.snapshot_cache import (SEQUENCE_END_MIN_SHARE, SEQUENCE_EN
                                              SnapshotRadixCache)
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
 from radixserve.cache.state_snapshots import StateSnapshots
-from radixserve.engine.model_stack import SNAPSHOT_SPAN_TOKENS, snapshot_split
+from radixserve.cache.factory import SNAPSHOT_SPAN_TOKENS, snapshot_split
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.scheduler import Scheduler

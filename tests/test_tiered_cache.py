@@ -19,7 +19,7 @@ from radixserve.cache.block_events import BlockEventRecorder
 from radixserve.cache.block_hash import page_hashes
 from radixserve.cache.host_pool import copy_runs
 from radixserve.cache.kv_pool import KVPool
-from radixserve.cache.tiered_cache import make_tiered_cache
+from radixserve.cache.factory import host_tier, tree_cache
 
 TOKENS = st.lists(st.integers(0, 3), min_size=0, max_size=14)
 LAYERS = 2
@@ -38,7 +38,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
         self.page = page_size
         self.pool = KVPool(DEVICE_TOKENS, page_size, LAYERS, 1, 2, torch.float32, "cpu")
         self.alloc = self.pool.allocator
-        self.cache = make_tiered_cache(self.pool, host_tokens, write_through=write_through)
+        self.cache = tree_cache(self.pool, host_tier(self.pool, host_tokens), write_through=write_through)
         self.exact = host_tokens >= 1024  # room for everything: nothing may be lost
         self.ref: set[tuple] = set()  # every cached page-aligned prefix
         self.locked: list = []
@@ -243,7 +243,7 @@ def test_copy_runs_group_consecutive_host_slots() -> None:
 
 def test_a_loading_prefix_is_locked_until_poll_reports_its_copy() -> None:
     pool = KVPool(16, 1, 1, 1, 2, torch.float32, "cpu")
-    cache = make_tiered_cache(pool, 64)
+    cache = tree_cache(pool, host_tier(pool, 64))
     slots = pool.allocator.pages_to_slots(pool.allocator.alloc_pages(8))
     cache.insert(list(range(8)), slots)
     assert cache.evict(8) == 8 and pool.allocator.free_tokens == 16

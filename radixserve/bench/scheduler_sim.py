@@ -36,13 +36,11 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.bench.metrics import LOST_SLACK_TOKENS
-from radixserve.cache.kv_pool import KVPool, PageAllocator, ReqToTokenPool
-from radixserve.cache.radix_cache import RadixCache
-from radixserve.cache.snapshot_cache import SnapshotRadixCache
+from radixserve.cache.factory import build_prefix_cache, make_host_tier, snapshot_split
+from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
+from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
-from radixserve.cache.state_snapshots import HostStateSnapshots, StateSnapshots
-from radixserve.cache.tiered_cache import make_tiered_cache
-from radixserve.cache.tiered_snapshot_cache import make_tiered_snapshot_cache
+from radixserve.cache.state_snapshots import StateSnapshots
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.scheduler.request import Req
@@ -137,30 +135,37 @@ def step_seconds(batch: ScheduledBatch, cfg: SimConfig) -> float:
     return cfg.step_ms * 1e-3 + cfg.decode_row_us * 1e-6 * decode + context * cfg.kv_bytes_per_token / 4.0e12 + batch.num_new_tokens * cfg.prefill_us * 1e-6
 
 
+class UnreadSlotTable(ReqToTokenPool):
+    """The request table of a run without a model: nothing reads the slots, so none is written."""
+
+    def write(self, writes) -> None:
+        return None
+
+
+def build_cache(settings: ServerSettings, cfg: SimConfig) -> PrefixCache:
+    """The server's cache, built by the server's factory, over pools of one float per token and per
+    state row and snapshot: only the bookkeeping is simulated."""
+    spec = RecurrentStateSpec(1, (1, 1), (1, 1, 1), torch.float32)
+    state = RecurrentStatePool(cfg.max_running, spec, "cpu") if cfg.snapshots > 0 else None
+    snapshots = None
+    if state is not None:
+        slots, _ = snapshot_split(settings, spec, torch.device("cpu"), cfg.pool, 4, planned=False)
+        snapshots = StateSnapshots(slots, state)
+    kv_pool = KVPool(cfg.pool, 1, 1, 1, 1, torch.float32, "cpu", state=state, snapshots=snapshots)
+    return build_prefix_cache(settings, kv_pool, make_host_tier(settings, kv_pool), recurrent=state is not None)
+
+
 def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
     """Run every session to its end; the figures a benchmark client would report, plus lost hits."""
     if cfg.echo_replies:  # the replies are written into the sessions as they come
         sessions = [[dataclasses.replace(turn) for turn in session] for session in sessions]
     settings = ServerSettings(schedule_policy=cfg.policy, radix_eviction_policy=cfg.eviction,
                               max_total_tokens=cfg.pool, chunked_prefill_size=cfg.chunk,
-                              lpm_max_wait_s=cfg.max_wait_s, prefix_hold_s=cfg.prefix_hold_s, device="cpu")
-    if cfg.snapshots > 0:  # one float of state per row and snapshot: only the bookkeeping is simulated
-        spec = RecurrentStateSpec(1, (1, 1), (1, 1, 1), torch.float32)
-        snapshots = StateSnapshots(cfg.snapshots, RecurrentStatePool(cfg.max_running, spec, "cpu"))
-        if cfg.host_ratio > 0:
-            pool = KVPool(cfg.pool, 1, 1, 1, 1, torch.float32, "cpu")
-            pool.snapshots = snapshots
-            host = HostStateSnapshots(cfg.host_snapshots, snapshots, pin=False) if cfg.host_snapshots else None
-            cache = make_tiered_snapshot_cache(pool, int(cfg.pool * cfg.host_ratio), host, eviction_policy=cfg.eviction)
-        else:
-            cache = SnapshotRadixCache(PageAllocator(cfg.pool, 1), snapshots, eviction_policy=cfg.eviction)
-    elif cfg.host_ratio > 0:  # the KV itself is one float per token: only the bookkeeping is simulated
-        pool = KVPool(cfg.pool, 1, 1, 1, 1, torch.float32, "cpu")
-        cache = make_tiered_cache(pool, int(cfg.pool * cfg.host_ratio), eviction_policy=cfg.eviction)
-    else:
-        cache = RadixCache(PageAllocator(cfg.pool, 1), page_size=1, eviction_policy=cfg.eviction)
-    rows = ReqToTokenPool(cfg.max_running, 1, "cpu")
-    rows.write = lambda *a: None  # no model reads the slot table here
+                              lpm_max_wait_s=cfg.max_wait_s, prefix_hold_s=cfg.prefix_hold_s, device="cpu",
+                              hicache_ratio=cfg.host_ratio, mamba_cache_size=cfg.snapshots,
+                              mamba_host_cache_size=cfg.host_snapshots)
+    cache = build_cache(settings, cfg)
+    rows = UnreadSlotTable(cfg.max_running, 1, "cpu")
     now = [0.0]
     sched = Scheduler(settings, cache, rows, context_len=32768, eos_token_ids=[], clock=lambda: now[0])
     rng = random.Random(cfg.seed + 1)

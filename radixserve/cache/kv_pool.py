@@ -93,7 +93,8 @@ class KVPool:
 
     def __init__(self, num_tokens: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str,
-                 kv_scales: Optional[Sequence[tuple[float, float]]] = None):
+                 kv_scales: Optional[Sequence[tuple[float, float]]] = None,
+                 state: Optional[RecurrentStatePool] = None, snapshots: Optional["StateSnapshots"] = None):
         num_pages = num_tokens // page_size
         self.allocator = PageAllocator(num_pages, page_size)
         self.page_size = page_size
@@ -106,8 +107,8 @@ class KVPool:
             raise ValueError(f"{len(scales)} KV scale pairs for {num_layers} layers")
         self.k_scales = [float(k) for k, _ in scales]
         self.v_scales = [float(v) for _, v in scales]
-        self.state: Optional[RecurrentStatePool] = None
-        self.snapshots: Optional["StateSnapshots"] = None
+        self.state = state
+        self.snapshots = snapshots
 
     @property
     def is_fp8(self) -> bool:

@@ -437,11 +437,3 @@ class TieredRadixCache(RadixCache):
             f"host: free {free} + evictable {held - busy} + busy {busy} != {total}")
         check_slot_ownership(host_slots + [self.host_allocator.free_slot_tensor()], total, self.page_size, "host")
 
-
-def make_tiered_cache(kv_pool: KVPool, host_tokens: int, *, eviction_policy: str = "lru",
-                      write_through: bool = False) -> TieredRadixCache:
-    """A radix cache over kv_pool with a host tier of host_tokens (pinned when the pool is on CUDA)."""
-    on_cuda = kv_pool.k_buffers[0].device.type == "cuda"
-    host = HostKVPool(host_tokens, kv_pool, pin=on_cuda)
-    return TieredRadixCache(kv_pool.allocator, host, make_copy_engine(kv_pool, host), page_size=kv_pool.page_size,
-                            eviction_policy=eviction_policy, write_through=write_through)

@@ -302,14 +302,3 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
         assert sorted(owned) == list(range(self.host_snapshots.num_slots)), \
             "a host snapshot slot is owned twice or by no one"
 
-
-def make_tiered_snapshot_cache(kv_pool: KVPool, host_tokens: int, host_snapshots: Optional[HostStateSnapshots], *,
-                               eviction_policy: str = "lru", write_through: bool = False,
-                               branch_min_tokens: int = BRANCH_MIN_TOKENS) -> TieredSnapshotRadixCache:
-    """A hybrid model's cache over kv_pool and its snapshots (kv_pool.snapshots) with a host tier of
-    host_tokens (pinned when the pool is on CUDA) and host_snapshots (None: the host keeps none)."""
-    on_cuda = kv_pool.k_buffers[0].device.type == "cuda"
-    host = HostKVPool(host_tokens, kv_pool, pin=on_cuda)
-    return TieredSnapshotRadixCache(kv_pool.allocator, kv_pool.snapshots, host, make_copy_engine(kv_pool, host),
-                                    host_snapshots, page_size=kv_pool.page_size, eviction_policy=eviction_policy,
-                                    write_through=write_through, branch_min_tokens=branch_min_tokens)

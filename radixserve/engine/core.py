@@ -20,20 +20,15 @@ from typing import Any, Optional
 
 import torch
 
-from radixserve.cache.host_pool import HostKVPool
+from radixserve.cache.factory import build_prefix_cache, make_host_tier
 from radixserve.cache.namespace import is_cache_namespace
-from radixserve.cache.no_cache import NoPrefixCache
 from radixserve.cache.prefix_cache import PrefixCache
-from radixserve.cache.radix_cache import RadixCache
-from radixserve.cache.snapshot_cache import SnapshotRadixCache
-from radixserve.cache.tiered_cache import make_tiered_cache
-from radixserve.cache.tiered_snapshot_cache import make_tiered_snapshot_cache
 from radixserve.chat_formats import reasoning_format
 from radixserve.distributed import TensorParallel
 from radixserve.engine.cpu_affinity import bind_near_gpu
 from radixserve.engine.grammar_wait import GrammarWaitlist
 from radixserve.engine.messages import GenerateRequest, RequestOutput
-from radixserve.engine.model_stack import host_tier_tokens, load_rank_model, make_host_snapshots, make_kv_memory
+from radixserve.engine.model_stack import load_rank_model, make_kv_memory
 from radixserve.engine.tensor_parallel import start_ranks
 from radixserve.grammar.spec import grammar_spec
 from radixserve.model.config import ModelConfig
@@ -136,47 +131,29 @@ class EngineCore:
                     self.pool_size, settings.page_size, max_running, tp.size)
 
     def _make_cache(self, tp: TensorParallel) -> PrefixCache:
-        """The one place that picks the prefix cache: none, the device tree (with recurrent-state
-        snapshots for a hybrid model), or the tree with a host tier (keeping a hybrid model's
-        snapshots there too)."""
-        s = self.settings
-        if self.model_config.has_recurrent_state:
-            # A request resumed from a cached prefix needs the recurrent state at the prefix's end,
-            # which KV cannot rebuild: the tree keeps snapshots of it beside the KV.
-            snapshots = self.kv_pool.snapshots
-            if s.disable_radix_cache or snapshots is None:
-                if not s.disable_radix_cache:
-                    logger.warning("prefix caching is off for %s: --mamba-cache-size 0 keeps no recurrent-state "
-                                   "snapshot, so every request computes its whole prompt (cached_tokens 0)",
-                                   self.model_config.architecture)
-                return NoPrefixCache(self.kv_pool.allocator, page_size=s.page_size)
+        """The prefix cache (cache/factory.py picks it) and what it says about itself at start-up."""
+        s, arch = self.settings, self.model_config.architecture
+        recurrent = self.model_config.has_recurrent_state
+        host = make_host_tier(s, self.kv_pool, tp.min_int)
+        cache = build_prefix_cache(s, self.kv_pool, host, recurrent=recurrent)
+        snapshots = self.kv_pool.snapshots
+        if recurrent and snapshots is None and not s.disable_radix_cache:
+            logger.warning("prefix caching is off for %s: --mamba-cache-size 0 keeps no recurrent-state snapshot, "
+                           "so every request computes its whole prompt (cached_tokens 0)", arch)
+        if snapshots is not None and cache.keeps_prefixes:
             logger.info("prefix cache: %d recurrent-state snapshots of %.1f MiB on each of %d rank(s)",
                         snapshots.num_slots, snapshots.bytes_per_slot / 2**20, tp.size)
-            if not s.hicache_enabled:
-                return SnapshotRadixCache(self.kv_pool.allocator, snapshots, page_size=s.page_size,
-                                          eviction_policy=s.radix_eviction_policy)
-        if s.disable_radix_cache:
-            return NoPrefixCache(self.kv_pool.allocator, page_size=s.page_size)
-        if not s.hicache_enabled:
-            return RadixCache(self.kv_pool.allocator, page_size=s.page_size, eviction_policy=s.radix_eviction_policy)
-        per_token = HostKVPool.token_bytes(self.kv_pool)
-        tokens = host_tier_tokens(s, self.kv_pool, tp)
-        logger.info("host tier: %d tokens (%.1f GB) on each of %d rank(s), %s", tokens, tokens * per_token / 1e9,
-                    tp.size, s.hicache_write_policy)
-        write_through = s.hicache_write_policy == "write_through"
-        if self.kv_pool.snapshots is None:
-            return make_tiered_cache(self.kv_pool, tokens, eviction_policy=s.radix_eviction_policy,
-                                     write_through=write_through)
-        # A hybrid model's host tier keeps its snapshots too: a prefix resumes from either tier.
-        host_snapshots = make_host_snapshots(s, self.kv_pool, tokens, tp)
-        if host_snapshots is None:
-            logger.warning("the host tier keeps no recurrent-state snapshot (--mamba-host-cache-size 0): prefixes "
-                           "evicted to it resume no request of %s", self.model_config.architecture)
-        else:
-            logger.info("host tier: %d recurrent-state snapshots (%.1f GB) on each of %d rank(s)",
-                        host_snapshots.num_slots, host_snapshots.total_bytes / 1e9, tp.size)
-        return make_tiered_snapshot_cache(self.kv_pool, tokens, host_snapshots,
-                                          eviction_policy=s.radix_eviction_policy, write_through=write_through)
+        if host is not None and cache.keeps_prefixes:
+            tokens = host.pool.allocator.total_tokens
+            logger.info("host tier: %d tokens (%.1f GB) on each of %d rank(s), %s", tokens,
+                        tokens * host.pool.bytes_per_token / 1e9, tp.size, s.hicache_write_policy)
+            if host.snapshots is not None:
+                logger.info("host tier: %d recurrent-state snapshots (%.1f GB) on each of %d rank(s)",
+                            host.snapshots.num_slots, host.snapshots.total_bytes / 1e9, tp.size)
+            elif snapshots is not None:
+                logger.warning("the host tier keeps no recurrent-state snapshot (--mamba-host-cache-size 0): "
+                               "prefixes evicted to it resume no request of %s", arch)
+        return cache
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any (a tp_size 1 engine holds nothing to stop)."""

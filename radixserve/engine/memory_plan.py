@@ -160,8 +160,7 @@ def profile_step(settings: ServerSettings, model, req_to_token: ReqToTokenPool, 
     batch, slots_needed = _profile_batch(req_to_token, settings.page_size, prefill, req_to_token.max_requests - 1,
                                          cfg.vocab_size)
     pool = KVPool(slots_needed, settings.page_size, cfg.num_kv_layers, model.local_heads[1], cfg.head_dim,
-                  kv_dtype, device, kv_scales=model.kv_cache_scales)
-    pool.state = state
+                  kv_dtype, device, kv_scales=model.kv_cache_scales, state=state)
     return ModelRunner(model, pool, req_to_token, device, settings.random_seed, disable_cuda_graph=True), batch
 
 

@@ -11,14 +11,14 @@ from typing import Optional
 
 import torch
 
-from radixserve.cache.host_pool import HostKVPool
+from radixserve.cache.factory import snapshot_split
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
-from radixserve.cache.state_snapshots import HostStateSnapshots, StateSnapshots
+from radixserve.cache.state_snapshots import StateSnapshots
 from radixserve.distributed import TensorParallel
 from radixserve.engine.memory_plan import MemoryPlan, plan_kv_pool
 from radixserve.model.config import ModelConfig
-from radixserve.settings import CPU_KV_POOL_TOKENS, CPU_MAMBA_CACHE_SIZE, ServerSettings
+from radixserve.settings import CPU_KV_POOL_TOKENS, ServerSettings
 
 logger = logging.getLogger("radixserve")
 
@@ -30,11 +30,6 @@ KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
 # from rows: on the agent workload 236 rows beside 58 snapshots kept 0.53 of the prompt tokens in
 # the scheduler simulator, 64 rows beside 236 snapshots 0.80 (docs/tuning.md).
 STATE_POOL_SHARE = 0.15
-# Without --mamba-cache-size, the prefix cache keeps one recurrent-state snapshot per this many KV
-# pool tokens: the memory the plan leaves for the pool is split between the two so (a snapshot is
-# where one cached conversation or branch point resumes; a few thousand tokens of agent or chat
-# history each, some of it shared).
-SNAPSHOT_SPAN_TOKENS = 1024
 
 
 def kv_cache_dtype(settings: ServerSettings, dtype: torch.dtype) -> torch.dtype:
@@ -127,9 +122,7 @@ def make_kv_memory(settings: ServerSettings, model, device: torch.device, dtype:
     if plan is not None and snapshots is not None:
         plan.snapshot_pool_bytes, plan.snapshot_slots = snapshots.total_bytes, snapshots.num_slots
     kv_pool = KVPool(tokens, settings.page_size, cfg.num_kv_layers, num_kv_heads, cfg.head_dim, kv_dtype, device,
-                     kv_scales=model.kv_cache_scales)
-    kv_pool.state = state
-    kv_pool.snapshots = snapshots
+                     kv_scales=model.kv_cache_scales, state=state, snapshots=snapshots)
     return kv_pool, table, plan
 
 
@@ -156,93 +149,3 @@ def state_rows_that_fit(settings: ServerSettings, spec: RecurrentStateSpec, devi
                     "the weights; --max-running-requests sets it)", spec.bytes_per_row / 2**20, rows,
                     100 * STATE_POOL_SHARE)
     return min(rows, default)
-
-
-def snapshot_split(settings: ServerSettings, spec: RecurrentStateSpec, device: torch.device, tokens: int,
-                   per_token: int, *, planned: bool, room_bytes: Optional[int] = None) -> tuple[int, int]:
-    """(slots of the prefix cache's state snapshot pool, KV pool tokens). --mamba-cache-size, else
-    one per SNAPSHOT_SPAN_TOKENS of the KV pool, else on the CPU CPU_MAMBA_CACHE_SIZE; 0 with
-    --disable-radix-cache. `planned`: `tokens` is what the memory plan left for the pool, in KV
-    tokens, and the snapshots take their bytes out of it; else the pool has `tokens` (set by
-    --max-total-tokens, or the CPU's) and the snapshots come beside it, in `room_bytes` (what
-    --mem-fraction-static leaves beside that pool on a GPU; None: no bound): a 216,825-token pool
-    of Qwen3.5-27B asks 211 snapshots of 147 MiB, 31 GiB an H100 does not have beside the weights."""
-    if settings.disable_radix_cache:
-        return 0, tokens
-    snapshot = spec.bytes_per_row
-    if settings.mamba_cache_size is not None:
-        slots = settings.mamba_cache_size
-    elif device.type != "cuda":
-        slots = CPU_MAMBA_CACHE_SIZE
-    elif planned:
-        slots = tokens * per_token // (snapshot + SNAPSHOT_SPAN_TOKENS * per_token)
-    else:
-        slots = max(1, tokens // SNAPSHOT_SPAN_TOKENS)
-    if not planned:
-        return fit_beside_the_pool(settings, slots, snapshot, tokens, room_bytes), tokens
-    left = tokens - -(-slots * snapshot // per_token)
-    if left < settings.page_size:
-        raise ValueError(f"--mamba-cache-size {slots} snapshots of {snapshot / 2**20:.0f} MiB leave no room for a KV "
-                         f"pool in what --mem-fraction-static {settings.mem_fraction_static} leaves "
-                         f"({tokens * per_token / 2**30:.1f} GiB): fewer snapshots or a higher fraction")
-    return slots, left
-
-
-def fit_beside_the_pool(settings: ServerSettings, slots: int, snapshot: int, tokens: int,
-                        room_bytes: Optional[int]) -> int:
-    """`slots` snapshots, or as many as fit in room_bytes: fewer (with a warning) when their count
-    was derived from the pool, an error when --mamba-cache-size asked for them."""
-    if room_bytes is None or slots * snapshot <= room_bytes:
-        return slots
-    fit = max(0, room_bytes // snapshot)
-    room = f"{max(0, room_bytes) / 2**30:.1f} GiB"
-    if settings.mamba_cache_size is not None:
-        raise ValueError(f"--mamba-cache-size {slots} snapshots of {snapshot / 2**20:.0f} MiB need "
-                         f"{slots * snapshot / 2**30:.1f} GiB; --mem-fraction-static {settings.mem_fraction_static} "
-                         f"leaves {room} beside the {tokens}-token KV pool (--max-total-tokens): at most {fit} "
-                         "snapshots, fewer KV tokens or a higher fraction")
-    logger.warning("prefix cache: %d recurrent-state snapshots of %.0f MiB fit beside the %d-token KV pool "
-                   "(--max-total-tokens) in what --mem-fraction-static %.2f leaves (%s), not the %d of one per "
-                   "%d pool tokens%s", fit, snapshot / 2**20, tokens, settings.mem_fraction_static, room, slots,
-                   SNAPSHOT_SPAN_TOKENS, "" if fit else ": a hybrid model then reuses no prefix; leave "
-                   "--max-total-tokens out and the memory plan splits the memory between the two")
-    return fit
-
-
-def host_tier_tokens(settings: ServerSettings, kv_pool: KVPool, tp: TensorParallel) -> int:
-    """Slots of this rank's host tier (0: none): --hicache-size GB of this rank's KV bytes per
-    token (so per rank), or --hicache-ratio times the device pool. Every rank of a
-    tensor-parallel engine gets the same number, the fewest any rank computed: rank 0's tree numbers
-    the host slots of every rank."""
-    if not settings.hicache_enabled:
-        return 0
-    tokens = settings.hicache_tokens(kv_pool.allocator.total_tokens, HostKVPool.token_bytes(kv_pool))
-    return tp.min_int(tokens)
-
-
-def host_snapshot_slots(settings: ServerSettings, kv_pool: KVPool, host_tokens: int) -> int:
-    """Slots of the host tier's state snapshot pool (0: none): --mamba-host-cache-size, else as many
-    times the device snapshot pool as the host tier (host_tokens) is the device KV pool, at least
-    one, but no more bytes than the host tier's KV (at least the device pool's count): a large
-    model's snapshots are 150 MB each, and the ratio alone would pin hundreds of GB. 0 without a
-    host tier or without device snapshots (a hybrid model only)."""
-    snapshots = kv_pool.snapshots
-    if not host_tokens or snapshots is None:
-        return 0
-    if settings.mamba_host_cache_size is not None:
-        return settings.mamba_host_cache_size
-    by_ratio = round(snapshots.num_slots * host_tokens / kv_pool.allocator.total_tokens)
-    by_bytes = host_tokens * HostKVPool.token_bytes(kv_pool) // snapshots.bytes_per_slot
-    return max(1, min(by_ratio, max(snapshots.num_slots, by_bytes)))
-
-
-def make_host_snapshots(settings: ServerSettings, kv_pool: KVPool, host_tokens: int,
-                        tp: TensorParallel) -> Optional[HostStateSnapshots]:
-    """This rank's host snapshot pool (its heads' share of each, rank 0's slot numbering: the same
-    count on every rank), set as kv_pool.snapshots.host; None without one."""
-    if kv_pool.snapshots is None:
-        return None  # the same on every rank (the device pool's slots are agreed): no collective
-    slots = tp.min_int(host_snapshot_slots(settings, kv_pool, host_tokens))
-    if not slots:
-        return None
-    return HostStateSnapshots(slots, kv_pool.snapshots, pin=kv_pool.k_buffers[0].device.type == "cuda")

@@ -22,13 +22,14 @@ from typing import Optional
 import torch
 import zmq
 
-from radixserve.cache.host_pool import CopyEngine, HostKVPool, make_copy_engine
+from radixserve.cache.factory import make_host_tier
+from radixserve.cache.host_pool import CopyEngine
 from radixserve.distributed import TensorParallel, destroy, init_tensor_parallel
 from radixserve.distributed.group import open_store
 from radixserve.engine.core import DTYPES
 from radixserve.engine.cpu_affinity import bind_near_gpu, one_host_thread
 from radixserve.engine.model_runner import ModelRunner
-from radixserve.engine.model_stack import host_tier_tokens, load_rank_model, make_host_snapshots, make_kv_memory
+from radixserve.engine.model_stack import load_rank_model, make_kv_memory
 from radixserve.engine.tensor_parallel import (CopyBatch, RejoinGroup, SharedSampledTokens, StepMessage, control_key,
                                                rank0_settings)
 from radixserve.model.config import ModelConfig
@@ -67,13 +68,11 @@ class WorkerRank:
         self.before_last_step: Optional[torch.cuda.Event] = None
 
     def _make_copier(self, settings: ServerSettings, tp: TensorParallel) -> Optional[CopyEngine]:
-        """This rank's host tier (its KV shard's bytes, rank 0's slot numbering) and copy engine."""
-        tokens = host_tier_tokens(settings, self.kv_pool, tp)
-        if not tokens:
-            return None
-        make_host_snapshots(settings, self.kv_pool, tokens, tp)  # a hybrid model's: rank 0's copies replay into it
-        host = HostKVPool(tokens, self.kv_pool, pin=self.kv_pool.k_buffers[0].device.type == "cuda")
-        return make_copy_engine(self.kv_pool, host)
+        """This rank's host tier (its KV shard's bytes and a hybrid's snapshots, rank 0's slot
+        numbering; sized as rank 0's by the same factory) and copy engine, which rank 0's copies
+        replay into."""
+        host = make_host_tier(settings, self.kv_pool, tp.min_int)
+        return host.copier if host is not None else None
 
     @torch.inference_mode()
     def run_copies(self, copies: CopyBatch) -> None:

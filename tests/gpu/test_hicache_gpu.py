@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 from radixserve import Engine  # noqa: E402
 from radixserve.cache.host_pool import CudaCopyEngine, HostKVPool  # noqa: E402
 from radixserve.cache.kv_pool import KVPool  # noqa: E402
-from radixserve.cache.tiered_cache import make_tiered_cache  # noqa: E402
+from radixserve.cache.factory import host_tier, tree_cache  # noqa: E402
 from radixserve.testing.tiny_model import build_tiny_model  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32] + (
@@ -57,7 +57,7 @@ def test_write_back_then_load_restores_every_layer(dtype):
 def test_a_load_runs_beside_the_compute_stream():
     """While a 1 GiB load is in flight, work on the compute stream completes without waiting for it."""
     pool = KVPool(65536, 16, 8, 8, 128, torch.bfloat16, "cuda")
-    cache = make_tiered_cache(pool, 65536)
+    cache = tree_cache(pool, host_tier(pool, 65536))
     tokens = list(range(32768))
     slots = pool.allocator.pages_to_slots(pool.allocator.alloc_pages(len(tokens) // 16))
     cache.insert(tokens, slots)

@@ -28,7 +28,7 @@ from radixserve import Engine  # noqa: E402
 from radixserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from radixserve.cache.kv_pool import KVPool  # noqa: E402
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec  # noqa: E402
-from radixserve.engine.model_stack import SNAPSHOT_SPAN_TOKENS  # noqa: E402
+from radixserve.cache.factory import SNAPSHOT_SPAN_TOKENS  # noqa: E402
 from radixserve.kernels import fla_gdn  # noqa: E402
 from radixserve.model.loader import load_model  # noqa: E402
 from radixserve.testing.tiny_model import build_tiny_model  # noqa: E402

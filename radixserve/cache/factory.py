@@ -1,0 +1,179 @@
+"""The one place a prefix cache and the memory beside it are chosen and sized: the engine (rank 0's
+tree), every tensor-parallel rank (the host tier and snapshot pools rank 0's copies replay into)
+and the scheduler simulator all build through here, so none of them can drift from the others.
+
+Sizing needs agreement between tensor-parallel ranks (every rank holds the same number of slots,
+the fewest any rank has room for): the functions take `agree`, a collective minimum over the
+ranks (the identity for one rank), rather than the distributed layer itself."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from radixserve.cache.host_pool import CopyEngine, HostKVPool, make_copy_engine
+from radixserve.cache.kv_pool import KVPool
+from radixserve.cache.no_cache import NoPrefixCache
+from radixserve.cache.prefix_cache import PrefixCache
+from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.snapshot_cache import BRANCH_MIN_TOKENS, SnapshotRadixCache
+from radixserve.cache.state_pool import RecurrentStateSpec
+from radixserve.cache.state_snapshots import HostStateSnapshots
+from radixserve.cache.tiered_cache import TieredRadixCache
+from radixserve.cache.tiered_snapshot_cache import TieredSnapshotRadixCache
+from radixserve.settings import CPU_MAMBA_CACHE_SIZE, ServerSettings
+
+logger = logging.getLogger("radixserve")
+
+Agree = Callable[[int], int]  # the fewest over the tensor-parallel ranks
+
+
+def _alone(n: int) -> int:
+    return n
+
+
+# Without --mamba-cache-size, the prefix cache keeps one recurrent-state snapshot per this many KV
+# pool tokens: the memory the plan leaves for the pool is split between the two so (a snapshot is
+# where one cached conversation or branch point resumes; a few thousand tokens of agent or chat
+# history each, some of it shared).
+SNAPSHOT_SPAN_TOKENS = 1024
+
+
+# ---------------------------------------------------------------------------------------- sizing
+def snapshot_split(settings: ServerSettings, spec: RecurrentStateSpec, device: torch.device, tokens: int,
+                   per_token: int, *, planned: bool, room_bytes: Optional[int] = None) -> tuple[int, int]:
+    """(slots of the prefix cache's state snapshot pool, KV pool tokens). --mamba-cache-size, else
+    one per SNAPSHOT_SPAN_TOKENS of the KV pool, else on the CPU CPU_MAMBA_CACHE_SIZE; 0 with
+    --disable-radix-cache. `planned`: `tokens` is what the memory plan left for the pool, in KV
+    tokens, and the snapshots take their bytes out of it; else the pool has `tokens` (set by
+    --max-total-tokens, or the CPU's) and the snapshots come beside it, in `room_bytes` (what
+    --mem-fraction-static leaves beside that pool on a GPU; None: no bound): a 216,825-token pool
+    of Qwen3.5-27B asks 211 snapshots of 147 MiB, 31 GiB an H100 does not have beside the weights."""
+    if settings.disable_radix_cache:
+        return 0, tokens
+    snapshot = spec.bytes_per_row
+    if settings.mamba_cache_size is not None:
+        slots = settings.mamba_cache_size
+    elif device.type != "cuda":
+        slots = CPU_MAMBA_CACHE_SIZE
+    elif planned:
+        slots = tokens * per_token // (snapshot + SNAPSHOT_SPAN_TOKENS * per_token)
+    else:
+        slots = max(1, tokens // SNAPSHOT_SPAN_TOKENS)
+    if not planned:
+        return _fit_beside_the_pool(settings, slots, snapshot, tokens, room_bytes), tokens
+    left = tokens - -(-slots * snapshot // per_token)
+    if left < settings.page_size:
+        raise ValueError(f"--mamba-cache-size {slots} snapshots of {snapshot / 2**20:.0f} MiB leave no room for a KV "
+                         f"pool in what --mem-fraction-static {settings.mem_fraction_static} leaves "
+                         f"({tokens * per_token / 2**30:.1f} GiB): fewer snapshots or a higher fraction")
+    return slots, left
+
+
+def _fit_beside_the_pool(settings: ServerSettings, slots: int, snapshot: int, tokens: int,
+                         room_bytes: Optional[int]) -> int:
+    """`slots` snapshots, or as many as fit in room_bytes: fewer (with a warning) when their count
+    was derived from the pool, an error when --mamba-cache-size asked for them."""
+    if room_bytes is None or slots * snapshot <= room_bytes:
+        return slots
+    fit = max(0, room_bytes // snapshot)
+    room = f"{max(0, room_bytes) / 2**30:.1f} GiB"
+    if settings.mamba_cache_size is not None:
+        raise ValueError(f"--mamba-cache-size {slots} snapshots of {snapshot / 2**20:.0f} MiB need "
+                         f"{slots * snapshot / 2**30:.1f} GiB; --mem-fraction-static {settings.mem_fraction_static} "
+                         f"leaves {room} beside the {tokens}-token KV pool (--max-total-tokens): at most {fit} "
+                         "snapshots, fewer KV tokens or a higher fraction")
+    logger.warning("prefix cache: %d recurrent-state snapshots of %.0f MiB fit beside the %d-token KV pool "
+                   "(--max-total-tokens) in what --mem-fraction-static %.2f leaves (%s), not the %d of one per "
+                   "%d pool tokens%s", fit, snapshot / 2**20, tokens, settings.mem_fraction_static, room, slots,
+                   SNAPSHOT_SPAN_TOKENS, "" if fit else ": a hybrid model then reuses no prefix; leave "
+                   "--max-total-tokens out and the memory plan splits the memory between the two")
+    return fit
+
+
+def host_tier_tokens(settings: ServerSettings, kv_pool: KVPool, agree: Agree = _alone) -> int:
+    """Slots of this rank's host tier (0: none): --hicache-size GB of this rank's KV bytes per
+    token (so per rank), or --hicache-ratio times the device pool; the same on every rank (rank 0's
+    tree numbers the host slots of every rank)."""
+    if settings.disable_radix_cache or not settings.hicache_enabled:
+        return 0
+    return agree(settings.hicache_tokens(kv_pool.allocator.total_tokens, HostKVPool.token_bytes(kv_pool)))
+
+
+def host_snapshot_slots(settings: ServerSettings, kv_pool: KVPool, host_tokens: int) -> int:
+    """Slots of the host tier's state snapshot pool (0: none): --mamba-host-cache-size, else as many
+    times the device snapshot pool as the host tier (host_tokens) is the device KV pool, at least
+    one, but no more bytes than the host tier's KV (at least the device pool's count): a large
+    model's snapshots are 150 MB each, and the ratio alone would pin hundreds of GB. 0 without a
+    host tier or without device snapshots (a hybrid model only)."""
+    snapshots = kv_pool.snapshots
+    if not host_tokens or snapshots is None:
+        return 0
+    if settings.mamba_host_cache_size is not None:
+        return settings.mamba_host_cache_size
+    by_ratio = round(snapshots.num_slots * host_tokens / kv_pool.allocator.total_tokens)
+    by_bytes = host_tokens * HostKVPool.token_bytes(kv_pool) // snapshots.bytes_per_slot
+    return max(1, min(by_ratio, max(snapshots.num_slots, by_bytes)))
+
+
+# ----------------------------------------------------------------------------------- the tiers
+@dataclass
+class HostTier:
+    """One rank's host tier: its KV pool (this rank's heads of each token), the copy engine between
+    it and the device pool, and a hybrid model's host snapshot pool (None: it keeps none)."""
+    pool: HostKVPool
+    copier: CopyEngine
+    snapshots: Optional[HostStateSnapshots]
+
+
+def host_tier(kv_pool: KVPool, tokens: int, snapshot_slots: int = 0) -> HostTier:
+    """A host tier of `tokens` KV slots and `snapshot_slots` state snapshot slots (with a hybrid
+    model's snapshot pool, kv_pool.snapshots, to which they attach: kv_pool.snapshots.host), pinned
+    when the device pool is on CUDA."""
+    pinned = kv_pool.k_buffers[0].device.type == "cuda"
+    pool = HostKVPool(tokens, kv_pool, pin=pinned)
+    snapshots = None
+    if kv_pool.snapshots is not None and snapshot_slots:
+        snapshots = HostStateSnapshots(snapshot_slots, kv_pool.snapshots, pin=pinned)
+    return HostTier(pool, make_copy_engine(kv_pool, pool), snapshots)
+
+
+def make_host_tier(settings: ServerSettings, kv_pool: KVPool, agree: Agree = _alone) -> Optional[HostTier]:
+    """This rank's host tier as the settings size it, alike on every rank; None without one."""
+    tokens = host_tier_tokens(settings, kv_pool, agree)
+    if not tokens:
+        return None
+    slots = 0
+    if kv_pool.snapshots is not None:  # the device pool's slots are agreed: the same branch on every rank
+        slots = agree(host_snapshot_slots(settings, kv_pool, tokens))
+    return host_tier(kv_pool, tokens, slots)
+
+
+# ----------------------------------------------------------------------------------- the cache
+def build_prefix_cache(settings: ServerSettings, kv_pool: KVPool, host: Optional[HostTier], *,
+                       recurrent: bool) -> PrefixCache:
+    """The prefix cache the settings ask for: none (--disable-radix-cache, or a hybrid model without
+    a snapshot pool: its requests cannot resume from KV alone), else the tree over what there is."""
+    if settings.disable_radix_cache or (recurrent and kv_pool.snapshots is None):
+        return NoPrefixCache(kv_pool.allocator, page_size=kv_pool.page_size)
+    return tree_cache(kv_pool, host, eviction_policy=settings.radix_eviction_policy,
+                      write_through=settings.hicache_write_policy == "write_through")
+
+
+def tree_cache(kv_pool: KVPool, host: Optional[HostTier] = None, *, eviction_policy: str = "lru",
+               write_through: bool = False, branch_min_tokens: int = BRANCH_MIN_TOKENS) -> PrefixCache:
+    """The radix tree over kv_pool, keeping a hybrid model's state snapshots (kv_pool.snapshots)
+    where there are some, and with the host tier `host` where there is one."""
+    common = dict(page_size=kv_pool.page_size, eviction_policy=eviction_policy)
+    snapshots = kv_pool.snapshots
+    if host is None:
+        if snapshots is None:
+            return RadixCache(kv_pool.allocator, **common)
+        return SnapshotRadixCache(kv_pool.allocator, snapshots, branch_min_tokens=branch_min_tokens, **common)
+    if snapshots is None:
+        return TieredRadixCache(kv_pool.allocator, host.pool, host.copier, write_through=write_through, **common)
+    return TieredSnapshotRadixCache(kv_pool.allocator, snapshots, host.pool, host.copier, host.snapshots,
+                                    write_through=write_through, branch_min_tokens=branch_min_tokens, **common)
