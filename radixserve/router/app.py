@@ -251,10 +251,12 @@ class Router:
     def add_worker(self, url: object) -> Worker:
         """A worker added at run time (POST /workers): trusted only where the operator allowlisted it."""
         worker = self.registry.add(url, trusted=self.trust.trusts(normalize_url(url)))
-        if self.admin_headers_for(worker) is None:
-            trust = "the workers' admin key is withheld from it"
+        if not self.withholds_worker_admin_key:
+            trust = "no --worker-admin-api-key of its own: the router's admin calls carry --api-key"
+        elif worker.trusted:
+            trust = "allowlisted: trusted with the workers' admin key"
         else:
-            trust = "trusted with the workers' admin key" if worker.trusted else "no workers' admin key is set"
+            trust = "the workers' admin key is withheld from it"
         logger.info("router: worker %s added at %s (%s)", worker.id, worker.url, trust)
         if self.client is not None:
             self._start_worker_tasks(worker)
