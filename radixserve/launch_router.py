@@ -30,19 +30,35 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     d = RouterSettings()
     p = argparse.ArgumentParser(prog=prog, description="radixserve router: cache-aware placement over workers.")
     p.add_argument("--worker-urls", nargs="*", default=[], metavar="URL",
-                   help="Workers at start (more can be added with POST /workers).")
+                   help="Workers at start, the operator's: they get --worker-admin-api-key (more can be added "
+                        "with POST /workers and --admin-api-key).")
     p.add_argument("--policy", default=d.policy, choices=POLICIES, help=f"Routing policy (default: {d.policy}).")
     p.add_argument("--host", default=d.host, help=f"Address to bind (default: {d.host}).")
     p.add_argument("--port", type=int, default=d.port, help=f"Port (default: {d.port}).")
     p.add_argument("--api-key", default=None,
-                   help="The workers' API key: the router requires it from clients (except /health), passes "
-                        "the client's Authorization header through, and uses it for its own calls to workers.")
+                   help="The workers' API key: the router requires it from clients (except /health and its "
+                        "admin endpoints), passes the client's Authorization header through, and uses it for its "
+                        "own calls to workers. It never manages workers or flushes caches.")
+    p.add_argument("--admin-api-key", default=None, metavar="KEY",
+                   help="The router's own admin key, other than --api-key: POST /workers, DELETE /workers/{id} and "
+                        "POST /flush_cache take it and only it; GET /workers and /metrics take it beside --api-key; "
+                        "every other endpoint refuses it, so it never reaches a worker. Without it those admin "
+                        "endpoints are off (403, said at start-up); not loopback-only, since a proxy on this host "
+                        "connects from loopback for any client.")
     p.add_argument("--cache-salt-per-api-key", action="store_true",
                    help="The workers run with --cache-salt-per-api-key: prefixes are matched within each API "
                         "key's requests only, as the workers cache them.")
     p.add_argument("--worker-admin-api-key", default=None,
-                   help="The workers' --admin-api-key, which kv_aware needs to follow their /kv_events "
-                        "(default: --api-key).")
+                   help="The workers' --admin-api-key, which kv_aware needs to follow their /kv_events and "
+                        "POST /flush_cache to flush them (default: --api-key). Sent only to the workers of "
+                        "--worker-urls and to run-time workers matching --worker-url-allowlist, never to a URL a "
+                        "client sent: other run-time workers are not followed (kv_aware routes them on the prompts "
+                        "in flight there) and /flush_cache skips them.")
+    p.add_argument("--worker-url-allowlist", nargs="*", default=[], metavar="ENTRY",
+                   help="Workers added at run time (POST /workers) that get --worker-admin-api-key: exact URLs "
+                        "(http://10.0.0.5:30000), host names (any port), IP addresses or CIDR blocks "
+                        "(10.0.0.0/24; matched against URLs whose host is an IP literal, never by resolving a "
+                        "name). Default: none.")
     p.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
                    help="Route to the best-matching worker when its match covers at least this fraction of the "
                         f"prompt, else to the least-loaded one (default: {d.cache_threshold}).")
@@ -80,6 +96,7 @@ def settings_from_argv(argv: Optional[list[str]] = None, prog: Optional[str] = N
     args = parser.parse_args(argv)
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(RouterSettings) if hasattr(args, f.name)}
     values["worker_urls"] = tuple(args.worker_urls)
+    values["worker_url_allowlist"] = tuple(args.worker_url_allowlist)
     settings = RouterSettings(**values)
     try:
         settings.validate()
@@ -193,8 +210,12 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
         procs.append(subprocess.Popen(cmd, env=env))
         urls.append(f"http://127.0.0.1:{port}")
         log.info("dp worker %d: pid %d at %s", i, procs[-1].pid, urls[-1])
+    # The launcher's --admin-api-key guards the router's admin endpoints too (never --api-key: they are
+    # off when both are the same or it is unset); its workers are its own, named at start: trusted.
+    router_admin = settings.admin_api_key if settings.admin_api_key != settings.api_key else None
     router = RouterSettings(worker_urls=tuple(urls), policy=policy, host=settings.host, port=settings.port,
                             api_key=settings.api_key, worker_admin_api_key=settings.admin_api_key,
+                            admin_api_key=router_admin,
                             cache_salt_per_api_key=settings.cache_salt_per_api_key, health_check_interval=2.0,
                             log_level=settings.log_level,
                             max_connections=settings.max_connections)

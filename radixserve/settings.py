@@ -213,7 +213,9 @@ class ServerSettings:
         "each key it passes through gets its own cache. Requests without a key share one.")
     admin_api_key: Optional[str] = _opt(
         None, "Key for the admin endpoints (/flush_cache, /kv_events), which change every user's state or show "
-        "what other users sent. Without it they take --api-key; with neither they are open.")
+        "what other users sent. Without it they take --api-key; with neither they are open. With --dp-size it "
+        "is the router's admin key too (its worker management and /flush_cache, which never take --api-key: "
+        "off without this key).")
     graceful_shutdown_timeout: float = _opt(
         30.0, "On SIGTERM, seconds in-flight requests get to finish (/health answers 503 meanwhile); what is "
         "left then gets a 503 error body, or an error event and [DONE] on a stream.")

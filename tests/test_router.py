@@ -290,24 +290,26 @@ def test_imbalance_triggers_balancing(workers, router_workdir):
 
 def test_register_remove_and_bad_input(workers, router_workdir):
     a, b = workers
-    router = start_router(router_workdir, [a.base_url], "cache_aware")
+    # Worker management takes the router's admin key (tests/test_router_security.py checks who may).
+    router = start_router(router_workdir, [a.base_url], "cache_aware", "--admin-api-key", "router-admin")
     try:
+        admin = {"Authorization": "Bearer router-admin"}
         with httpx.Client(base_url=router.base_url, timeout=30) as c:
             for body, status in ((b"not json", 400), (b"{}", 400), (b'{"url": "ftp://x:1"}', 400),
                                  (b'{"url": 5}', 400), (json.dumps({"url": a.base_url}).encode(), 409)):
-                r = c.post("/workers", content=body, headers={"content-type": "application/json"})
+                r = c.post("/workers", content=body, headers={"content-type": "application/json", **admin})
                 assert r.status_code == status, (body, r.text)
                 assert r.json()["error"]["message"]
-            r = c.post("/workers", json={"url": b.base_url + "/"})
+            r = c.post("/workers", json={"url": b.base_url + "/"}, headers=admin)
             assert r.status_code == 201, r.text
             new_id = r.json()["id"]
             deadline = time.monotonic() + 20
             while not all(w["healthy"] for w in c.get("/workers").json()["workers"]):
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
-            r = c.delete("/workers/worker-404")
+            r = c.delete("/workers/worker-404", headers=admin)
             assert r.status_code == 404 and r.json()["error"]["code"] == "worker_not_found"
-            assert c.delete(f"/workers/{new_id}").json()["removed"] is True
+            assert c.delete(f"/workers/{new_id}", headers=admin).json()["removed"] is True
             assert [w["url"] for w in c.get("/workers").json()["workers"]] == [a.base_url]
             for i in range(3):
                 _complete(c, f"after removal {i}")

@@ -10,8 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
                415: "invalid_request_error",
                500: "server_error", 503: "service_unavailable_error"}
 # The `code` of errors Starlette raises itself (unknown path, wrong method).

@@ -11,6 +11,10 @@ Control: `GET /workers`, `POST /workers {"url": ...}`, `DELETE /workers/{id}`, `
 `GET /v1/models`, `GET /tokenizer` (from a healthy worker), `GET /server_info` (a healthy worker's,
 with `pool_size` summed over the healthy workers and a `router` entry per worker), so
 `bench_serving` runs against a router as against one server.
+
+Keys: which endpoint takes which key is in `access.py` (worker management and `/flush_cache`
+take the router's own `--admin-api-key`, never `--api-key`); which workers the router sends the
+workers' admin key to is in `trust.py` (those the operator named, never a URL a client sent).
 """
 
 from __future__ import annotations
@@ -21,19 +25,22 @@ import json
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import AsyncIterator, Optional
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from radixserve.http_common.auth import APIKeyMiddleware, bearer_token
+from radixserve.http_common.auth import bearer_token
+from radixserve.router.access import RouterAccessMiddleware, access_summary
+from radixserve.router.admin_routes import add_admin_routes
 from radixserve.router.keys import routing_keys, tokenizer_from_files
 from radixserve.router.kv_sync import kv_sync_loop
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import BalanceConfig, make_policy
-from radixserve.router.workers import Worker, WorkerRegistry
+from radixserve.router.trust import WorkerAllowlist, WorkerTrust
+from radixserve.router.workers import Worker, WorkerRegistry, normalize_url
 from radixserve.http_common.errors import error_body, error_response, install_error_handlers
 from radixserve.process.gc_tuning import governed_collections
 from radixserve.process.tokenizer import load_tokenizer
@@ -58,8 +65,13 @@ class RouterSettings:
     api_key: Optional[str] = None
     # The workers isolate each API key's cache (their --cache-salt-per-api-key): so do the prefix keys.
     cache_salt_per_api_key: bool = False
-    # The workers' --admin-api-key, for their /kv_events (without it: api_key).
+    # The workers' --admin-api-key, for their /kv_events and /flush_cache (without it: api_key). Sent
+    # only to the workers of worker_urls and run-time workers matching worker_url_allowlist (trust.py).
     worker_admin_api_key: Optional[str] = None
+    # The router's own key for worker management and /flush_cache (access.py); None: those are off.
+    admin_api_key: Optional[str] = None
+    # Workers added at run time that may receive worker_admin_api_key: URLs, host names, IPs, CIDR blocks.
+    worker_url_allowlist: tuple[str, ...] = ()
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
@@ -96,6 +108,12 @@ class RouterSettings:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.admin_api_key is not None and not self.admin_api_key.strip():
+            raise ValueError("admin_api_key must not be empty")
+        if self.admin_api_key and self.admin_api_key == self.api_key:
+            raise ValueError("--admin-api-key must differ from --api-key: every client holds the API key, and "
+                             "the admin key decides where their requests go")
+        WorkerAllowlist.parse(self.worker_url_allowlist)
 
 
 class RetryableError(Exception):
@@ -116,8 +134,9 @@ class Router:
         self._tokens = itertools.count()
         self._health_task: Optional[asyncio.Task] = None
         self._tokenizer_task: Optional[asyncio.Task] = None
+        self.trust = WorkerTrust.from_settings(settings.worker_urls, settings.worker_url_allowlist)
         for url in settings.worker_urls:
-            self.registry.add(url)
+            self.registry.add(url, trusted=True)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -133,13 +152,41 @@ class Router:
         key = self.settings.worker_admin_api_key
         return {"Authorization": f"Bearer {key}"} if key else self.worker_headers
 
+    @property
+    def policy_name(self) -> str:
+        return self.policy.name
+
+    @property
+    def admin_api_key(self) -> Optional[str]:
+        return self.settings.admin_api_key
+
+    @property
+    def withholds_worker_admin_key(self) -> bool:
+        """A workers' admin key of its own is set: it goes to trusted workers only. (Without one the
+        router's admin calls carry --api-key, which every client holds and sends to any worker.)"""
+        key = self.settings.worker_admin_api_key
+        return bool(key) and key != self.settings.api_key
+
+    def admin_headers_for(self, worker: Worker) -> Optional[dict[str, str]]:
+        """Headers of the router's own admin calls to `worker` (/kv_events, /flush_cache); None where
+        the workers' admin key is withheld from it (added at run time, not allowlisted: trust.py)."""
+        if worker.trusted or not self.withholds_worker_admin_key:
+            return self.worker_admin_headers
+        return None
+
     async def start(self) -> None:
         timeout = httpx.Timeout(self.settings.request_timeout, connect=self.settings.connect_timeout)
         # Idle connections to workers expire before the workers' keep-alive (uvicorn: 5 s) closes them,
         # so a request never goes out on a connection being closed (a ReadError and a needless retry
         # on another worker, typically right after a health check 5 s earlier).
-        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(
+        # Redirects are never followed: a worker's 3xx must not carry a key to another address.
+        self.client = httpx.AsyncClient(timeout=timeout, follow_redirects=False, limits=httpx.Limits(
             max_connections=None, max_keepalive_connections=256, keepalive_expiry=WORKER_KEEPALIVE_S))
+        logger.info("%s", access_summary(self.settings.api_key, self.settings.admin_api_key))
+        if self.withholds_worker_admin_key:
+            logger.info("router: the workers' admin key goes to the %d worker(s) of --worker-urls and to run-time "
+                        "workers matching --worker-url-allowlist (%s) only", len(self.trust.configured),
+                        self.trust.allowlist.describe())
         await self.check_all()
         for worker in self.registry:
             self._start_worker_tasks(worker)
@@ -161,8 +208,15 @@ class Router:
             await self.client.aclose()
 
     def _start_worker_tasks(self, worker: Worker) -> None:
-        if self.settings.policy == "kv_aware" and worker.kv_task is None:
-            worker.kv_task = asyncio.create_task(kv_sync_loop(self, worker), name=f"kv-sync-{worker.id}")
+        if self.settings.policy != "kv_aware" or worker.kv_task is not None:
+            return
+        headers = self.admin_headers_for(worker)
+        if headers is None:
+            logger.warning("router: worker %s (%s) was added at run time and matches no --worker-url-allowlist "
+                           "entry: the workers' admin key is withheld from it, so kv_aware does not follow its "
+                           "/kv_events (it is routed on the prompts in flight there)", worker.id, worker.url)
+            return
+        worker.kv_task = asyncio.create_task(kv_sync_loop(self, worker, headers), name=f"kv-sync-{worker.id}")
 
     async def _load_tokenizer(self) -> None:
         if self.settings.tokenizer_path:
@@ -170,7 +224,8 @@ class Router:
             self.tokenizer_state = "loaded"
             return
         while True:
-            for worker in self.registry.healthy():
+            # The operator's workers first: a run-time worker's tokenizer is only as good as its owner.
+            for worker in sorted(self.registry.healthy(), key=lambda w: not w.trusted):
                 try:
                     r = await self.client.get(worker.url + "/tokenizer", headers=self.worker_headers, timeout=30.0)
                 except httpx.HTTPError:
@@ -194,12 +249,37 @@ class Router:
 
     # ------------------------------------------------------------------ workers
     def add_worker(self, url: object) -> Worker:
-        worker = self.registry.add(url)
-        logger.info("router: worker %s added at %s", worker.id, worker.url)
+        """A worker added at run time (POST /workers): trusted only where the operator allowlisted it."""
+        worker = self.registry.add(url, trusted=self.trust.trusts(normalize_url(url)))
+        if not self.withholds_worker_admin_key:
+            trust = "no --worker-admin-api-key of its own: the router's admin calls carry --api-key"
+        elif worker.trusted:
+            trust = "allowlisted: trusted with the workers' admin key"
+        else:
+            trust = "the workers' admin key is withheld from it"
+        logger.info("router: worker %s added at %s (%s)", worker.id, worker.url, trust)
         if self.client is not None:
             self._start_worker_tasks(worker)
             asyncio.ensure_future(self.check(worker))
         return worker
+
+    async def flush_workers(self) -> tuple[dict[str, object], bool]:
+        """POST /flush_cache to each worker with its admin headers; a worker the workers' admin key is
+        withheld from is skipped (and said so). Returns (per-worker result, all flushed)."""
+        results: dict[str, object] = {}
+        for worker in self.registry:
+            headers = self.admin_headers_for(worker)
+            if headers is None:
+                results[worker.id] = ("skipped: added at run time and not in --worker-url-allowlist, so the "
+                                      "router does not send it the workers' admin key")
+                continue
+            worker.tree.clear()
+            try:
+                r = await self.client.post(worker.url + "/flush_cache", headers=headers, timeout=30.0)
+                results[worker.id] = r.status_code
+            except httpx.HTTPError as e:
+                results[worker.id] = f"{type(e).__name__}"
+        return results, all(v == 200 for v in results.values())
 
     def remove_worker(self, worker_id: str) -> Worker:
         worker = self.registry.remove(worker_id)
@@ -432,8 +512,7 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
 
     app = FastAPI(title="radixserve router", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
-    if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(RouterAccessMiddleware, api_key=settings.api_key, admin_api_key=settings.admin_api_key)
     app.state.router = router
 
     for path in GENERATION_PATHS:
@@ -450,25 +529,11 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
             return error_response(503, "the router is loading the tokenizer", code="router_starting")
         return {"status": "ok", "healthy_workers": len(healthy), "workers": len(router.registry)}
 
-    add_worker_routes(app, router)
+    add_admin_routes(app, router)
 
     @app.get("/metrics")
     async def metrics():
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/flush_cache")
-    async def flush_cache():
-        results = {}
-        for worker in router.registry:
-            worker.tree.clear()
-            try:
-                r = await router.client.post(worker.url + "/flush_cache", headers=router.worker_admin_headers,
-                                             timeout=30.0)
-                results[worker.id] = r.status_code
-            except httpx.HTTPError as e:
-                results[worker.id] = f"{type(e).__name__}"
-        ok = all(v == 200 for v in results.values())
-        return JSONResponse({"status": "ok" if ok else "partial", "workers": results}, status_code=200 if ok else 409)
 
     @app.get("/v1/models")
     async def models():
@@ -492,40 +557,3 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
         return await router.cluster_info()
 
     return app
-
-
-def add_worker_routes(app: FastAPI, router: Router) -> None:
-    """`GET /workers`, `POST /workers {"url": ...}`, `DELETE /workers/{id}`."""
-    @app.get("/workers")
-    async def list_workers():
-        return {"policy": router.policy.name, "tokenizer": router.tokenizer_state,
-                "workers": [w.describe() for w in router.registry]}
-
-    @app.post("/workers", status_code=201)
-    async def add_worker(request: Request):
-        raw = await request.body()
-        try:
-            body: Any = json.loads(raw) if raw else None
-        except ValueError:
-            return error_response(400, "the body is not valid JSON", code="invalid_request")
-        if not isinstance(body, dict) or "url" not in body:
-            return error_response(400, 'the body must be a JSON object like {"url": "http://host:port"}',
-                                  param="url", code="invalid_request")
-        try:
-            worker = router.add_worker(body["url"])
-        except ValueError as e:
-            return error_response(400, str(e), param="url", code="invalid_value")
-        except KeyError:
-            return error_response(409, f"a worker at {body['url']!r} is already registered", param="url",
-                                  code="worker_exists")
-        return JSONResponse(worker.describe(), status_code=201)
-
-    @app.delete("/workers/{worker_id}")
-    async def delete_worker(worker_id: str):
-        try:
-            worker = router.remove_worker(worker_id)
-        except KeyError:
-            known = ", ".join(router.registry.workers) or "none"
-            return error_response(404, f"unknown worker {worker_id!r} (registered: {known})",
-                                  param="worker_id", code="worker_not_found")
-        return {"id": worker.id, "url": worker.url, "removed": True, "in_flight": worker.load}

@@ -31,9 +31,6 @@ class KvSyncOwner(Protocol):
     @property
     def connect_timeout(self) -> float: ...
 
-    @property
-    def worker_admin_headers(self) -> dict[str, str]: ...
-
 
 class SequenceGap(Exception):
     pass
@@ -55,11 +52,13 @@ def apply_events(worker: Worker, events: list) -> None:
             worker.mirror.clear()
 
 
-async def kv_sync_loop(router: KvSyncOwner, worker: Worker) -> None:
+async def kv_sync_loop(router: KvSyncOwner, worker: Worker, headers: dict[str, str]) -> None:
+    """headers: the router's admin headers for this worker (the router decides who gets the workers'
+    admin key: trust.py)."""
     while True:
         try:
             if worker.healthy or not worker.ever_checked:
-                await _follow(router, worker)
+                await _follow(router, worker, headers)
         except asyncio.CancelledError:
             raise
         except (httpx.HTTPError, SequenceGap, ValueError, KeyError) as e:
@@ -68,9 +67,9 @@ async def kv_sync_loop(router: KvSyncOwner, worker: Worker) -> None:
         await asyncio.sleep(RECONNECT_S)
 
 
-async def _follow(router: KvSyncOwner, worker: Worker) -> None:
+async def _follow(router: KvSyncOwner, worker: Worker, headers: dict[str, str]) -> None:
     timeout = httpx.Timeout(None, connect=router.connect_timeout)
-    async with router.client.stream("GET", worker.url + "/kv_events", headers=router.worker_admin_headers,
+    async with router.client.stream("GET", worker.url + "/kv_events", headers=headers,
                                     timeout=timeout) as resp:
         if resp.status_code != 200:
             raise ValueError(f"/kv_events answered {resp.status_code}")

@@ -32,6 +32,9 @@ def normalize_url(url: object) -> str:
         raise ValueError(f"url {url!r} must start with http:// or https://")
     if not parts.hostname:
         raise ValueError(f"url {url!r} has no host")
+    if parts.username is not None or parts.password is not None:
+        # A password in a URL would show in GET /workers, the metrics' labels and the logs.
+        raise ValueError("a worker url must not carry a user name or password (user:password@)")
     try:
         parts.port
     except ValueError:
@@ -46,6 +49,8 @@ class Worker:
     id: str
     url: str
     max_tree_size: Optional[int] = None
+    # The router sends it the workers' admin key (router/trust.py): the operator named its URL.
+    trusted: bool = False
     healthy: bool = False
     ever_checked: bool = False
     ever_healthy: bool = False
@@ -117,8 +122,8 @@ class Worker:
             self.pending_stale = True
 
     def describe(self) -> dict:
-        return {"id": self.id, "url": self.url, "healthy": self.healthy, "load": self.load,
-                "requests": self.requests, "consecutive_failures": self.consecutive_failures,
+        return {"id": self.id, "url": self.url, "trusted": self.trusted, "healthy": self.healthy,
+                "load": self.load, "requests": self.requests, "consecutive_failures": self.consecutive_failures,
                 "last_error": self.last_error, "approx_tree_size": len(self.tree),
                 "kv_synced": self.kv_synced, "kv_tree_size": len(self.mirror), "kv_events": self.kv_events}
 
@@ -129,11 +134,12 @@ class WorkerRegistry:
         self.workers: dict[str, Worker] = {}
         self._ids = itertools.count()
 
-    def add(self, url: object) -> Worker:
+    def add(self, url: object, trusted: bool = False) -> Worker:
+        """`url` is normalised first (ValueError); KeyError when a worker there is registered."""
         url = normalize_url(url)
         if any(w.url == url for w in self.workers.values()):
             raise KeyError(url)
-        worker = Worker(id=f"worker-{next(self._ids)}", url=url, max_tree_size=self.max_tree_size)
+        worker = Worker(id=f"worker-{next(self._ids)}", url=url, max_tree_size=self.max_tree_size, trusted=trusted)
         self.workers[worker.id] = worker
         return worker
 
