@@ -20,6 +20,7 @@ import torch
 
 from test_engine import GREEDY, check_idle, hf_greedy, make_prompts
 
+from radixserve.cache.copy_log import CopyLog, replay
 from radixserve import Engine
 from radixserve.cache.host_pool import HostKVPool, make_copy_engine
 from radixserve.cache.kv_pool import KVPool
@@ -107,18 +108,18 @@ def test_tp2_second_pass_over_evicted_prompts_is_cached_and_decodes_the_same(gqa
 def test_a_replayed_copy_moves_this_ranks_shard_between_rank_0s_slots():
     shards = [KVPool(64, 4, 2, 1, 8, torch.float32, "cpu") for _ in range(2)]
     first, other = (make_copy_engine(pool, HostKVPool(128, pool, pin=False)) for pool in shards)
-    first.orders = []
+    first.log = CopyLog()
     for rank, pool in enumerate(shards):
         for buffer in pool.k_buffers + pool.v_buffers:
             buffer[8:16] = rank + torch.arange(8.0)[:, None, None]
     first.write_back(torch.arange(8, 16), first.host.alloc(8))
     first.load(torch.arange(4, 12), torch.arange(20, 28))  # host slots 4..11 hold device slots 8..15
-    for order in first.orders:
-        other.replay(order)
+    orders = first.log.take()
+    replay(orders, other, None)
     other.compute_waits_for(first.issued_seq)
     for rank, pool in enumerate(shards):
         for buffer in pool.k_buffers + pool.v_buffers:
             assert torch.equal(buffer[20:28], buffer[8:16]) and buffer[20, 0, 0] == rank
-    stale = first.orders[0]
+    stale = orders[0]
     with pytest.raises(RuntimeError, match="diverged"):
         other.replay(stale)

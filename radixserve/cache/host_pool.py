@@ -16,8 +16,8 @@ slots can be reused by the very next step), and the copy stream moves it to the 
 only by `poll`, so the scheduler's issued -> done path is the same.
 
 Under tensor parallelism each rank holds a host pool for its own KV shard, with the same slot
-numbering. Rank 0's engine records every copy it issues (`CopyOrder`, when `orders` is a list); the
-other ranks replay them in the same order on their own shard (`replay`) and make their compute
+numbering. Rank 0's engine records every copy it issues (into `log`, cache/copy_log.py, when it has
+one); the other ranks replay them in the same order on their own shard (`replay`) and make their compute
 stream wait for them when rank 0 has seen its own copies done (`compute_waits_for`); see
 docs/tensor_parallel.md for why that ordering is enough.
 """
@@ -32,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from radixserve.cache.copy_log import CopyKind, CopyLog, CopyOrder
 from radixserve.cache.host_memory import check_host_memory, pin_in_place
 from radixserve.cache.kv_pool import KVPool, PageAllocator
 
@@ -96,15 +97,6 @@ def _slot_array(slots: torch.Tensor) -> array:
 
 
 @dataclass
-class CopyOrder:
-    """One copy as rank 0 issued it (its sequence number), for another rank to issue on its shard."""
-    seq: int
-    load: bool  # host -> device; else a write-back, device -> host
-    dev_slots: array
-    host_slots: array
-
-
-@dataclass
 class CopyStats:
     loaded_tokens: int = 0
     loaded_bytes: int = 0
@@ -139,12 +131,16 @@ class CopyEngine:
         # (seq, tokens loaded or 0, end event, start event) of copies not yet seen done.
         self._pending: deque[tuple[int, int, object, object]] = deque()
         # Every copy issued, kept for the other tensor-parallel ranks (None: not kept).
-        self.orders: Optional[list[CopyOrder]] = None
+        self.log: Optional[CopyLog] = None
 
     def _next(self, load: bool, dev_slots: torch.Tensor, host_slots: torch.Tensor) -> int:
         self.issued_seq += 1
-        if self.orders is not None:
-            self.orders.append(CopyOrder(self.issued_seq, load, _slot_array(dev_slots), _slot_array(host_slots)))
+        if self.log is not None:
+            dev, host = _slot_array(dev_slots), _slot_array(host_slots)
+            if load:
+                self.log.record(CopyKind.KV_LOAD, host, dev, self.issued_seq)
+            else:
+                self.log.record(CopyKind.KV_WRITE_BACK, dev, host, self.issued_seq)
         return self.issued_seq
 
     def write_back(self, dev_slots: torch.Tensor, host_slots: torch.Tensor) -> int:
@@ -161,9 +157,9 @@ class CopyEngine:
 
     def replay(self, order: CopyOrder) -> None:
         """Issue rank 0's copy on this rank's shard; it gets the same sequence number."""
-        dev = torch.frombuffer(order.dev_slots, dtype=torch.int64) if order.dev_slots else _NO_SLOTS
-        host = torch.frombuffer(order.host_slots, dtype=torch.int64) if order.host_slots else _NO_SLOTS
-        seq = self.load(host, dev) if order.load else self.write_back(dev, host)
+        src = torch.frombuffer(order.src, dtype=torch.int64) if order.src else _NO_SLOTS
+        dst = torch.frombuffer(order.dst, dtype=torch.int64) if order.dst else _NO_SLOTS
+        seq = self.load(src, dst) if order.kind is CopyKind.KV_LOAD else self.write_back(src, dst)
         if seq != order.seq:
             raise RuntimeError(f"copy {order.seq} of rank 0 was issued here as copy {seq}: the ranks' host tiers "
                                "have diverged")

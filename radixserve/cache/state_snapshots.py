@@ -23,35 +23,24 @@ queued after the write-back that filled it. The host side never reads the buffer
 
 Under tensor parallelism each rank holds its heads' share of every state and of every snapshot,
 on both tiers, with the same slot numbering. Rank 0's copies (host ones included) are recorded
-(`orders`, when it is a list) and sent with the next step, and every other rank replays them in
+(into `log`, cache/copy_log.py, when it has one) and sent with the next step, and every other rank replays them in
 order before that step's forward (`replay`): rank 0 issued them between the same two forward passes.
 """
 
 from __future__ import annotations
 
-from array import array
-from dataclasses import dataclass
 from math import prod
 from typing import Optional
 
 import torch
 
+from radixserve.cache.copy_log import CopyKind, CopyLog, CopyOrder, slot_array
 from radixserve.cache.host_memory import check_host_memory, pin_in_place
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
 
 # Each layer's conv and ssm block of the host buffer starts at a multiple of this many bytes, so
 # its view in the state's dtype is aligned.
 _HOST_ALIGN = 64
-
-
-@dataclass
-class StateCopyOrder:
-    """One batch of copies as rank 0 issued it: `save` row -> slot, else slot -> row; with `host`,
-    between the device snapshot slots (`rows`) and the host tier's (`slots`): `save` device -> host."""
-    save: bool
-    rows: array
-    slots: array
-    host: bool = False
 
 
 class _SlotFreeList:
@@ -92,7 +81,7 @@ class StateSnapshots(_SlotFreeList):
                     for _ in range(spec.num_layers)]
         # Slots 0..num_slots-1; popping from the end hands out low slots first.
         self._free = list(range(num_slots - 1, -1, -1))
-        self.orders: Optional[list[StateCopyOrder]] = None  # rank 0 of a tensor-parallel engine records its copies
+        self.log: Optional[CopyLog] = None  # rank 0 of a tensor-parallel engine records its copies (its host tier's too)
         self.host: Optional[HostStateSnapshots] = None  # the host tier's snapshots, when there is one
 
     @property
@@ -106,26 +95,29 @@ class StateSnapshots(_SlotFreeList):
     # ------------------------------------------------------------------ copies
     def save(self, rows: list[int], slots: list[int]) -> None:
         """snapshot[slots[i]] = the state of request row rows[i], every linear layer."""
-        self._record(True, rows, slots)
+        self.record(CopyKind.STATE_SAVE, rows, slots)
         self._copy(rows, slots, save=True)
 
     def restore(self, slots: list[int], rows: list[int]) -> None:
         """The state of request row rows[i] = snapshot[slots[i]], every linear layer."""
-        self._record(False, rows, slots)
+        self.record(CopyKind.STATE_RESTORE, slots, rows)
         self._copy(rows, slots, save=False)
 
-    def replay(self, order: StateCopyOrder) -> None:
-        """Issue rank 0's copies on this rank's share of the states."""
-        if order.host:
-            if self.host is None:
-                raise RuntimeError("rank 0 sent host-tier snapshot copies to a rank without host snapshots")
+    def replay(self, order: CopyOrder) -> None:
+        """Issue rank 0's copies on this rank's share of the states (or of its host tier's)."""
+        src, dst = order.src.tolist(), order.dst.tolist()
+        if order.kind is CopyKind.STATE_SAVE:
+            self._copy(src, dst, save=True)
+        elif order.kind is CopyKind.STATE_RESTORE:
+            self._copy(dst, src, save=False)
+        elif self.host is None:
+            raise RuntimeError("rank 0 sent host-tier snapshot copies to a rank without host snapshots")
+        else:
             self.host.replay(order)
-            return
-        self._copy(order.rows.tolist(), order.slots.tolist(), save=order.save)
 
-    def _record(self, save: bool, rows: list[int], slots: list[int]) -> None:
-        if self.orders is not None and rows:
-            self.orders.append(StateCopyOrder(save, array("q", rows), array("q", slots)))
+    def record(self, kind: CopyKind, src: list[int], dst: list[int]) -> None:
+        if self.log is not None and src:
+            self.log.record(kind, slot_array(src), slot_array(dst))
 
     def _copy(self, rows: list[int], slots: list[int], *, save: bool) -> None:
         if not rows:
@@ -152,12 +144,6 @@ class StateSnapshots(_SlotFreeList):
                 state.conv[layer].index_copy_(0, rows_t, self.conv[layer].index_select(0, slots_t))
                 state.ssm[layer].index_copy_(0, rows_t, self.ssm[layer].index_select(0, slots_t))
 
-    def take_orders(self) -> Optional[list[StateCopyOrder]]:
-        """The copies recorded since the last call (None: none), for the other ranks."""
-        if not self.orders:
-            return None
-        taken, self.orders = self.orders, []
-        return taken
 
 
 class HostStateSnapshots(_SlotFreeList):
@@ -206,21 +192,19 @@ class HostStateSnapshots(_SlotFreeList):
     # ------------------------------------------------------------------ copies
     def write_back(self, device_slots: list[int], host_slots: list[int]) -> None:
         """host[host_slots[i]] = device snapshot device_slots[i], every linear layer."""
-        self._record(True, device_slots, host_slots)
+        self.device.record(CopyKind.STATE_WRITE_BACK, device_slots, host_slots)
         self._copy(device_slots, host_slots, to_host=True)
 
     def load(self, host_slots: list[int], device_slots: list[int]) -> None:
         """device snapshot device_slots[i] = host[host_slots[i]], every linear layer."""
-        self._record(False, device_slots, host_slots)
+        self.device.record(CopyKind.STATE_LOAD, host_slots, device_slots)
         self._copy(device_slots, host_slots, to_host=False)
 
-    def replay(self, order: StateCopyOrder) -> None:
-        self._copy(order.rows.tolist(), order.slots.tolist(), to_host=order.save)
-
-    def _record(self, to_host: bool, device_slots: list[int], host_slots: list[int]) -> None:
-        orders = self.device.orders
-        if orders is not None and device_slots:
-            orders.append(StateCopyOrder(to_host, array("q", device_slots), array("q", host_slots), host=True))
+    def replay(self, order: CopyOrder) -> None:
+        if order.kind is CopyKind.STATE_WRITE_BACK:
+            self._copy(order.src.tolist(), order.dst.tolist(), to_host=True)
+        else:
+            self._copy(order.dst.tolist(), order.src.tolist(), to_host=False)
 
     def _copy(self, device_slots: list[int], host_slots: list[int], *, to_host: bool) -> None:
         # One copy per layer and kind: a snapshot's block of each is contiguous on both sides.

@@ -61,9 +61,10 @@ from typing import Callable, Optional
 import torch
 import zmq
 
-from radixserve.cache.host_pool import CopyEngine, CopyOrder
+from radixserve.cache.copy_log import CopyLog, CopyOrder
+from radixserve.cache.host_pool import CopyEngine
 from radixserve.cache.kv_pool import ReqToTokenPool, TableWrites
-from radixserve.cache.state_snapshots import StateCopyOrder, StateSnapshots
+from radixserve.cache.state_snapshots import StateSnapshots
 from radixserve.distributed import SingleRank, TensorParallel, check_divisible, destroy, init_tensor_parallel
 from radixserve.distributed.group import open_store
 from radixserve.engine.model_runner import LaunchedForward, ModelRunner
@@ -91,10 +92,11 @@ def _ints(values) -> array:
 
 @dataclass
 class CopyBatch:
-    """The host-tier copies rank 0 issued since its last message, in issue order, and the last copy
-    rank 0 has seen complete (`done_seq`): a rank issues the copies on its own shard, then makes
-    its compute stream wait for its own copies up to done_seq (docs/tensor_parallel.md says why
-    that is enough). Sent alone when rank 0 issued copies in a step that launched nothing."""
+    """The prefix cache's copies rank 0 issued since its last message, every kind in issue order
+    (cache/copy_log.py), and the last host-tier KV copy rank 0 has seen complete (`done_seq`): a
+    rank issues the copies on its own shards, then makes its compute stream wait for its own KV
+    copies up to done_seq (docs/tensor_parallel.md says why that is enough). Sent alone when rank 0
+    issued copies in a step that launched nothing."""
     orders: list[CopyOrder]
     done_seq: int
 
@@ -103,9 +105,8 @@ class CopyBatch:
 class StepMessage:
     """One step, as every rank runs it. `graph`: replay the decode CUDA graph with `parts` (its five
     columns); else run eagerly with `parts` (ModelRunner.batch_parts). `table_writes`: (rows, cols,
-    slots) to apply to req_to_token first; `copies`: the host-tier copies to issue before the
-    forward; `state_copies`: the recurrent-state snapshot copies rank 0 issued since its last step
-    (between that step's forward and this one's), replayed in order before the forward.
+    slots) to apply to req_to_token first; `copies`: the prefix cache's copies rank 0 issued since
+    its last message (host-tier KV, recurrent-state snapshots), replayed in order before the forward.
     `sample_rows`: request rows whose sampled ids rank 0 broadcasts after the forward."""
     graph: bool
     decode: bool
@@ -114,7 +115,6 @@ class StepMessage:
     table_writes: Optional[tuple[array, array, array]]
     sample_rows: array
     copies: Optional[CopyBatch] = None
-    state_copies: Optional[list[StateCopyOrder]] = None
 
 
 @dataclass
@@ -166,33 +166,31 @@ class SharedSampledTokens(LastSampledTokens):
 
 class TensorParallelRunner(ModelRunner):
     """Rank 0's model runner: sends each step to the other ranks before running it itself.
-    `copier`: the host tier's copy engine, whose copies go to the other ranks with the steps;
-    `state_copier`: the prefix cache's recurrent-state snapshots, whose copies go likewise."""
+    `copier`: the host tier's copy engine and `state_copier`: the prefix cache's recurrent-state
+    snapshots; both record their copies into one log, which goes to the other ranks with the steps."""
 
     def __init__(self, *args, send: Callable[[StepMessage | CopyBatch | RejoinGroup], None], tp: TensorParallel,
                  copier: Optional[CopyEngine] = None, state_copier: Optional[StateSnapshots] = None, **kwargs):
         self.send = send
         self.tp = tp
         self.copier = copier
-        self.state_copier = state_copier
-        if state_copier is not None:
-            state_copier.orders = []
+        self.copy_log = CopyLog()
+        for store in (copier, state_copier):
+            if store is not None:
+                store.log = self.copy_log
         self.sent_done_seq = 0
         self.announced = False  # the step being launched went to the other ranks
         self.forward_queued = False  # ... and all of its forward pass was queued here too
         self.announced_tokens = 0
-        if copier is not None:
-            copier.orders = []
         super().__init__(*args, **kwargs)
 
     def take_copies(self) -> Optional[CopyBatch]:
         """The copies issued since the last message, unless there is none and no copy completed since."""
-        copier = self.copier
-        if copier is None or (not copier.orders and copier.done_seq == self.sent_done_seq):
+        done_seq = self.copier.done_seq if self.copier is not None else 0
+        if not self.copy_log.orders and done_seq == self.sent_done_seq:
             return None
-        orders, copier.orders = copier.orders, []
-        self.sent_done_seq = copier.done_seq
-        return CopyBatch(orders, copier.done_seq)
+        self.sent_done_seq = done_seq
+        return CopyBatch(self.copy_log.take(), done_seq)
 
     def send_copies(self) -> None:
         """Send the copies issued in a step that launched nothing (loads started while every request
@@ -207,9 +205,8 @@ class TensorParallelRunner(ModelRunner):
         table = self.req_to_token
         assert isinstance(table, RecordingReqToTokenPool)
         rows = _ints(r.req_pool_idx for r, s in zip(sb.reqs, sb.sample) if s)
-        states = self.state_copier.take_orders() if self.state_copier is not None else None
         self.send(StepMessage(graph, decode, resolve, tuple(_ints(p) for p in parts), table.take(), rows,
-                              self.take_copies(), states))
+                              self.take_copies()))
         self.announced, self.announced_tokens = True, len(parts[0])
 
     def launch_forward(self, sb: ScheduledBatch) -> LaunchedForward:

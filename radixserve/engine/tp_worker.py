@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import zmq
 
+from radixserve.cache.copy_log import replay
 from radixserve.cache.factory import make_host_tier
 from radixserve.cache.host_pool import CopyEngine
 from radixserve.distributed import TensorParallel, destroy, init_tensor_parallel
@@ -76,13 +77,11 @@ class WorkerRank:
 
     @torch.inference_mode()
     def run_copies(self, copies: CopyBatch) -> None:
-        """Issue rank 0's copies on this shard, then hold this rank's compute stream until its own
-        loads up to the last one rank 0 has seen complete are complete."""
-        if self.copier is None:
-            raise RuntimeError("rank 0 sent host-tier copies to a rank without a host tier")
-        for order in copies.orders:
-            self.copier.replay(order)
-        self.copier.compute_waits_for(copies.done_seq)
+        """Issue rank 0's copies on this rank's shards, then hold this rank's compute stream until
+        its own KV loads up to the last one rank 0 has seen complete are complete."""
+        replay(copies.orders, self.copier, self.kv_pool.snapshots)
+        if self.copier is not None:
+            self.copier.compute_waits_for(copies.done_seq)
 
     @torch.inference_mode()
     def run_step(self, msg: StepMessage) -> None:
@@ -93,12 +92,6 @@ class WorkerRank:
             self.req_to_token.write_tensors(*(torch.frombuffer(a, dtype=torch.int64) for a in msg.table_writes))
         if msg.copies is not None:
             self.run_copies(msg.copies)
-        if msg.state_copies:
-            snapshots = self.kv_pool.snapshots
-            if snapshots is None:
-                raise RuntimeError("rank 0 sent state snapshot copies to a rank without a snapshot pool")
-            for order in msg.state_copies:
-                snapshots.replay(order)
         self.runner.run_parts(msg.graph, msg.decode, [p.tolist() for p in msg.parts], msg.resolve)
         if msg.sample_rows:
             self.sampled.receive(msg.sample_rows)
