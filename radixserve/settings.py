@@ -30,8 +30,10 @@ DECODE_GEMM_MAX_ROWS = 32
 
 
 def _opt(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None,
-         cli: bool = True) -> Any:
-    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices, "cli": cli})
+         cli: bool = True, repeat: bool = False) -> Any:
+    """A setting; repeat: its flag may be given several times, each adding a string to a tuple."""
+    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices, "cli": cli,
+                                            "repeat": repeat})
 
 
 @dataclass
@@ -205,15 +207,30 @@ class ServerSettings:
     # --- server ------------------------------------------------------------
     host: str = _opt("127.0.0.1", "Address the HTTP server binds.")
     port: int = _opt(30000, "HTTP port.")
-    api_key: Optional[str] = _opt(None, "Require 'Authorization: Bearer <key>' on every endpoint but /health.")
+    # Every accepted key (`--api-key` repeated); a lone string given to ServerSettings or Engine is one key.
+    api_key: tuple[str, ...] = _opt(
+        (), "Require 'Authorization: Bearer <key>' on every endpoint but /health. Repeat it for several keys; "
+        "with more than one, each key gets its own prefix cache (see --shared-cache-across-keys). Any local "
+        "user can read a command line (ps): prefer --api-key-file. (default: none, open)", repeat=True)
+    api_key_file: Optional[str] = _opt(
+        None, "A file of accepted keys, one a line: KEY, or KEY NAME (a name that logs show instead of the "
+        "key); blank lines and lines starting with # are skipped. Adds to --api-key; keeps the keys off the "
+        "command line. Keep it mode 600. (default: none)")
+    shared_cache_across_keys: bool = _opt(
+        False, "With more than one API key (--api-key repeated, --api-key-file), share one prefix cache across "
+        "all of them. By default each key gets its own, as with --cache-salt-per-api-key: in a shared cache, "
+        "cached_tokens and the time to the first token tell one key's holder what prompts another key sent "
+        "(docs/serving.md, Tenants). Only for keys of one team that may see each other's prompts.")
     cache_salt_per_api_key: bool = _opt(
         False, "Isolate each API key's prefix cache: a request shares cached prefixes only with requests sent "
         "with the same 'Authorization: Bearer' key (and the same cache_salt, if any), so cached_tokens never "
-        "shows another key's prompts. The key need not be --api-key: behind a gateway that checks keys, "
-        "each key it passes through gets its own cache. Requests without a key share one.")
+        "shows another key's prompts. The default with more than one key (--api-key, --api-key-file); with "
+        "one or none, this "
+        "flag turns it on: the key need not be --api-key, behind a gateway that checks keys each key it "
+        "passes through gets its own cache. Requests without a key share one.")
     admin_api_key: Optional[str] = _opt(
         None, "Key for the admin endpoints (/flush_cache, /kv_events), which change every user's state or show "
-        "what other users sent. Without it they take --api-key; with neither they are open.")
+        "what other users sent. Without it they take any --api-key; with neither they are open.")
     graceful_shutdown_timeout: float = _opt(
         30.0, "On SIGTERM, seconds in-flight requests get to finish (/health answers 503 meanwhile); what is "
         "left then gets a 503 error body, or an error event and [DONE] on a stream.")
@@ -270,6 +287,13 @@ class ServerSettings:
         "scripts/tp_allreduce_bench.py.", choices=("nccl", "symm-mem"))
 
     def __post_init__(self) -> None:
+        # One key as a string (the offline Engine's and older callers' spelling), or a JSON list.
+        if self.api_key is None:
+            self.api_key = ()
+        elif isinstance(self.api_key, str):
+            self.api_key = (self.api_key,)
+        else:
+            self.api_key = tuple(self.api_key)
         self.validate()
 
     def validate(self) -> None:
@@ -330,6 +354,7 @@ class ServerSettings:
             parse_kv_events_config(self.kv_events_config)
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        self._validate_keys()
         self._validate_nodes()
         if self.decode_gemm_max_rows < 0:
             raise ValueError(f"decode_gemm_max_rows must be >= 0, got {self.decode_gemm_max_rows}")
@@ -339,6 +364,18 @@ class ServerSettings:
             raise ValueError(f"chat_template_timeout_s must be > 0, got {self.chat_template_timeout_s}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+
+    def _validate_keys(self) -> None:
+        for key in (*self.api_key, self.admin_api_key):
+            if key is not None and (not isinstance(key, str) or not key or any(c.isspace() for c in key)):
+                raise ValueError("an API key must be a non-empty string without whitespace")
+        if self.shared_cache_across_keys and self.cache_salt_per_api_key:
+            raise ValueError("shared_cache_across_keys and cache_salt_per_api_key contradict each other: give one")
+
+    def without_secrets(self) -> "ServerSettings":
+        """These settings without the keys: what the engine process and its ranks are given (they check
+        no key) and what a multi-node engine's store (unauthenticated) holds."""
+        return dataclasses.replace(self, api_key=(), api_key_file=None, admin_api_key=None)
 
     def _validate_nodes(self) -> None:
         if self.nnodes < 1:
@@ -444,6 +481,9 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type = ServerSe
         if f.type in ("bool", bool):
             parser.add_argument(*flags, dest=f.name, action="store_true", default=default, help=help_text)
             continue
+        if f.metadata.get("repeat"):  # None when never given; settings_from_args makes it the tuple
+            parser.add_argument(*flags, dest=f.name, action="append", type=str, default=None, help=help_text)
+            continue
         kind = str if "str" in str(f.type) else int if "int" in str(f.type) else float
         if "(default" not in help_text:  # a help that explains its own default keeps only that one
             help_text += f" (default: {default})"
@@ -453,4 +493,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type = ServerSe
 
 def settings_from_args(args: argparse.Namespace, cls: type = ServerSettings) -> ServerSettings:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("repeat") and values.get(f.name) is None:
+            values[f.name] = f.default
     return cls(**values)

@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from radixserve.http_common.api_keys import load_key_ring
 from radixserve.http_common.auth import APIKeyMiddleware, bearer_token
 from radixserve.router.keys import routing_keys, tokenizer_from_files
 from radixserve.router.kv_sync import kv_sync_loop
@@ -55,9 +56,12 @@ class RouterSettings:
     policy: str = "cache_aware"
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: Optional[str] = None
-    # The workers isolate each API key's cache (their --cache-salt-per-api-key): so do the prefix keys.
+    api_key: tuple[str, ...] = ()  # the keys clients may send (the workers'), with those of api_key_file
+    api_key_file: Optional[str] = None
+    # The workers isolate each API key's cache (their --cache-salt-per-api-key, or their default with
+    # several keys unless shared_cache_across_keys): so do the prefix keys.
     cache_salt_per_api_key: bool = False
+    shared_cache_across_keys: bool = False
     # The workers' --admin-api-key, for their /kv_events (without it: api_key).
     worker_admin_api_key: Optional[str] = None
     cache_threshold: float = 0.3
@@ -79,6 +83,11 @@ class RouterSettings:
 
     def validate(self) -> None:
         from radixserve.router.policies import POLICIES
+
+        if isinstance(self.api_key, str):  # one key, as callers wrote it before keys could repeat
+            self.api_key = (self.api_key,)
+        if self.cache_salt_per_api_key and self.shared_cache_across_keys:
+            raise ValueError("cache_salt_per_api_key and shared_cache_across_keys contradict each other: give one")
 
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} is not one of {', '.join(POLICIES)}")
@@ -106,6 +115,10 @@ class Router:
     def __init__(self, settings: RouterSettings):
         settings.validate()
         self.settings = settings
+        self.keys = load_key_ring(settings.api_key, settings.api_key_file)
+        # Whether the workers give each key its own cache, so the prefix keys must be per key too.
+        self.isolate_keys = self.keys.isolates_cache(settings.cache_salt_per_api_key,
+                                                     settings.shared_cache_across_keys)
         self.registry = WorkerRegistry(settings.max_tree_size)
         self.policy = make_policy(settings.policy, BalanceConfig(
             settings.cache_threshold, settings.balance_abs_threshold, settings.balance_rel_threshold), settings.seed)
@@ -126,7 +139,8 @@ class Router:
 
     @property
     def worker_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
+        key = self.keys.first_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     @property
     def worker_admin_headers(self) -> dict[str, str]:
@@ -270,7 +284,7 @@ class Router:
         except ValueError:
             body = None
         stream = isinstance(body, dict) and bool(body.get("stream"))
-        api_key = self.request_key(request) if self.settings.cache_salt_per_api_key else None
+        api_key = self.request_key(request) if self.isolate_keys else None
         if self.settings.policy == "kv_aware" and self.tokenizer is not None:
             # Tokenizing a 3k-token prompt takes ~10 ms, most of it without the GIL: in a thread,
             # so the event loop goes on streaming every other response meanwhile.
@@ -278,7 +292,7 @@ class Router:
         else:
             keys = routing_keys(path, body, self.tokenizer, self.settings.policy == "kv_aware", api_key)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_REQUEST_HEADERS}
-        if self.settings.api_key and "authorization" not in {k.lower() for k in headers}:
+        if self.keys and "authorization" not in {k.lower() for k in headers}:
             headers.update(self.worker_headers)
         tried: set[str] = set()
         last_error = "no worker is registered"
@@ -418,6 +432,8 @@ class Router:
 
 def create_router_app(settings: RouterSettings) -> FastAPI:
     router = Router(settings)
+    if router.keys:  # labels and counts only, never a key
+        logger.info("API keys: %s", router.keys.describe(router.isolate_keys))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -432,8 +448,8 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
 
     app = FastAPI(title="radixserve router", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
-    if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    if router.keys:
+        app.add_middleware(APIKeyMiddleware, keys=router.keys)
     app.state.router = router
 
     for path in GENERATION_PATHS:
