@@ -50,7 +50,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                         "matched across all of them.")
     p.add_argument("--worker-admin-api-key", default=None,
                    help="The workers' --admin-api-key, which kv_aware needs to follow their /kv_events "
-                        "(default: --api-key).")
+                        "(default: the first --api-key).")
+    p.add_argument("--worker-admin-api-key-file", default=None,
+                   help="A file holding --worker-admin-api-key (one line), which keeps it off the command line.")
     p.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
                    help="Route to the best-matching worker when its match covers at least this fraction of the "
                         f"prompt, else to the least-loaded one (default: {d.cache_threshold}).")
@@ -92,9 +94,10 @@ def settings_from_argv(argv: Optional[list[str]] = None, prog: Optional[str] = N
     settings = RouterSettings(**values)
     try:
         settings.validate()
-        from radixserve.http_common.api_keys import load_key_ring
+        from radixserve.http_common.api_keys import load_admin_key, load_key_ring
 
         load_key_ring(settings.api_key, settings.api_key_file, warn=False)  # a bad key file: one line, now
+        load_admin_key(settings.worker_admin_api_key, settings.worker_admin_api_key_file, "--worker-admin-api-key")
         from radixserve.router.workers import normalize_url
 
         for url in settings.worker_urls:
@@ -192,6 +195,7 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
     router = RouterSettings(worker_urls=tuple(urls), policy=policy, host=settings.host, port=settings.port,
                             api_key=settings.api_key, api_key_file=settings.api_key_file,
                             worker_admin_api_key=settings.admin_api_key,
+                            worker_admin_api_key_file=settings.admin_api_key_file,
                             cache_salt_per_api_key=settings.cache_salt_per_api_key,
                             shared_cache_across_keys=settings.shared_cache_across_keys, health_check_interval=2.0,
                             log_level=settings.log_level,

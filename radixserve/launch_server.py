@@ -45,7 +45,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
 def parse_args(argv: Optional[list[str]] = None,
                prog: Optional[str] = None) -> tuple[ServerSettings, str]:
     """The server settings and the --dp-size router's policy."""
-    from radixserve.http_common.api_keys import load_key_ring
+    from radixserve.http_common.api_keys import load_admin_key, load_key_ring
 
     parser = build_parser(prog)
     args = parser.parse_args(argv)
@@ -54,7 +54,9 @@ def parse_args(argv: Optional[list[str]] = None,
             settings = ServerSettings(**args.settings_from_fd)
         else:
             settings = settings_from_args(args)
-        load_key_ring(settings.api_key, settings.api_key_file, warn=False)  # a bad key file: one line, now
+        # A bad key file: one line, now.
+        load_key_ring(settings.api_key, settings.api_key_file, warn=False)
+        load_admin_key(settings.admin_api_key, settings.admin_api_key_file)
     except ValueError as e:
         parser.error(str(e))
         raise  # unreachable: parser.error exits

@@ -225,12 +225,14 @@ class ServerSettings:
         False, "Isolate each API key's prefix cache: a request shares cached prefixes only with requests sent "
         "with the same 'Authorization: Bearer' key (and the same cache_salt, if any), so cached_tokens never "
         "shows another key's prompts. The default with more than one key (--api-key, --api-key-file); with "
-        "one or none, this "
-        "flag turns it on: the key need not be --api-key, behind a gateway that checks keys each key it "
-        "passes through gets its own cache. Requests without a key share one.")
+        "one or none, this flag turns it on: the key need not be --api-key, behind a gateway that checks "
+        "keys each key it passes through gets its own cache. Requests without a key share one.")
     admin_api_key: Optional[str] = _opt(
         None, "Key for the admin endpoints (/flush_cache, /kv_events), which change every user's state or show "
         "what other users sent. Without it they take any --api-key; with neither they are open.")
+    admin_api_key_file: Optional[str] = _opt(
+        None, "A file holding the --admin-api-key (one line; # comments skipped), which keeps it off the "
+        "command line. (default: none)")
     graceful_shutdown_timeout: float = _opt(
         30.0, "On SIGTERM, seconds in-flight requests get to finish (/health answers 503 meanwhile); what is "
         "left then gets a 503 error body, or an error event and [DONE] on a stream.")
@@ -265,10 +267,13 @@ class ServerSettings:
         "ports are offset by it. --dp-size sets it for each worker it starts.")
     kv_events_config: Optional[str] = _opt(
         None, "Publish the radix cache's blocks as KV events in vLLM's wire format over ZMQ, for a cluster's "
-        "KV-aware router: vLLM's KVEventsConfig as JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": "
-        "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'. The events carry "
-        "token ids: bind where only the router reaches them (docs/tuning.md, \"KV events for a cluster's router\"). "
-        "(default: off)")
+        "KV-aware router: vLLM's KVEventsConfig as JSON, e.g. '{\"enable_kv_cache_events\": true, "
+        "\"replay_endpoint\": \"tcp://127.0.0.1:5558\"}' (the events bound on tcp://127.0.0.1:5557, the default "
+        "endpoint; an endpoint with a host name or IP is connected to, vLLM's rule: the router binds there). "
+        "Blocks of the shared cache carry their token ids (\"unsalted_token_ids\": false: none do); a salted or "
+        "per-key cache's never do. Anyone who reaches the sockets reads them, the replay socket all it "
+        "buffered: a wildcard address (*, 0.0.0.0, ::) is warned about at start-up (docs/serving.md, "
+        "\"What a KV-event subscriber learns\"). (default: off)")
     tp_size: int = _opt(
         1, "Tensor-parallel ranks per engine: the model's heads, MLP and vocabulary split over this many "
         "processes, one per GPU (NCCL; gloo on the CPU). With --dp-size M, M x N GPUs.", aliases=("--tp",))
@@ -369,13 +374,16 @@ class ServerSettings:
         for key in (*self.api_key, self.admin_api_key):
             if key is not None and (not isinstance(key, str) or not key or any(c.isspace() for c in key)):
                 raise ValueError("an API key must be a non-empty string without whitespace")
+        if self.admin_api_key is not None and self.admin_api_key_file is not None:
+            raise ValueError("give admin_api_key or admin_api_key_file, not both")
         if self.shared_cache_across_keys and self.cache_salt_per_api_key:
             raise ValueError("shared_cache_across_keys and cache_salt_per_api_key contradict each other: give one")
 
     def without_secrets(self) -> "ServerSettings":
         """These settings without the keys: what the engine process and its ranks are given (they check
         no key) and what a multi-node engine's store (unauthenticated) holds."""
-        return dataclasses.replace(self, api_key=(), api_key_file=None, admin_api_key=None)
+        return dataclasses.replace(self, api_key=(), api_key_file=None, admin_api_key=None,
+                                   admin_api_key_file=None)
 
     def _validate_nodes(self) -> None:
         if self.nnodes < 1:

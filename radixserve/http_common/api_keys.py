@@ -6,6 +6,8 @@ Key file format, one key a line:
     sk-3f9a...            (a key alone: named "key 2" in logs, by its line's place among the keys)
     sk-81c0...  alice     (a key, whitespace, then a name for logs)
 
+The admin key (`--admin-api-key-file`) is a file of its own holding one key.
+
 A key is a bearer token: no whitespace in it (RFC 6750's token has none), so the first word of a
 line is the key and the second, if any, its tenant's name (letters, digits, `.`, `_`, `-`, `@`; at
 most 64). More than two words, a key listed twice, or a bad name is refused with the line number,
@@ -114,6 +116,24 @@ def parse_key_file(text: str, path: str, first_number: int = 1) -> list[ApiKey]:
                              "starting with a letter or digit")
         keys.append(ApiKey(words[0], name or f"key {first_number + len(keys)}"))
     return keys
+
+
+def load_admin_key(key: Optional[str], key_file: Optional[str], flag: str = "--admin-api-key") -> Optional[str]:
+    """The admin key given itself or as the one key of a file (`flag`-file: its first line that is not
+    blank or a # comment); ValueError saying what is wrong, never showing the key."""
+    if key is not None and key_file is not None:
+        raise ValueError(f"give {flag} or {flag}-file, not both")
+    if key_file is None:
+        return key
+    try:
+        with open(key_file, encoding="utf-8") as f:
+            lines = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag}-file: cannot read {key_file}: {getattr(e, 'strerror', None) or e}") from None
+    if len(lines) != 1:
+        raise ValueError(f"{flag}-file: {key_file} must hold one key, found {len(lines)} lines")
+    check_key(lines[0], f"{flag}-file {key_file}")
+    return lines[0]
 
 
 def load_key_ring(keys: Sequence[str] = (), key_file: Optional[str] = None, *, warn: bool = True) -> ApiKeyRing:

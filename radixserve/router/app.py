@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from radixserve.http_common.api_keys import load_key_ring
+from radixserve.http_common.api_keys import load_admin_key, load_key_ring
 from radixserve.http_common.auth import APIKeyMiddleware, bearer_token
 from radixserve.router.keys import routing_keys, tokenizer_from_files
 from radixserve.router.kv_sync import kv_sync_loop
@@ -64,6 +64,7 @@ class RouterSettings:
     shared_cache_across_keys: bool = False
     # The workers' --admin-api-key, for their /kv_events (without it: api_key).
     worker_admin_api_key: Optional[str] = None
+    worker_admin_api_key_file: Optional[str] = None  # holds worker_admin_api_key instead
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
@@ -116,6 +117,8 @@ class Router:
         settings.validate()
         self.settings = settings
         self.keys = load_key_ring(settings.api_key, settings.api_key_file)
+        self.worker_admin_key = load_admin_key(settings.worker_admin_api_key, settings.worker_admin_api_key_file,
+                                               "--worker-admin-api-key")
         # Whether the workers give each key its own cache, so the prefix keys must be per key too.
         self.isolate_keys = self.keys.isolates_cache(settings.cache_salt_per_api_key,
                                                      settings.shared_cache_across_keys)
@@ -144,7 +147,7 @@ class Router:
 
     @property
     def worker_admin_headers(self) -> dict[str, str]:
-        key = self.settings.worker_admin_api_key
+        key = self.worker_admin_key
         return {"Authorization": f"Bearer {key}"} if key else self.worker_headers
 
     async def start(self) -> None:

@@ -86,8 +86,8 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, limit=lambda: request_bytes_limit(settings, engine))
     app.add_middleware(JSONContentTypeMiddleware)
-    if ctx.api_keys or settings.admin_api_key:
-        app.add_middleware(APIKeyMiddleware, keys=ctx.api_keys, admin_api_key=settings.admin_api_key)
+    if ctx.api_keys or ctx.admin_api_key:
+        app.add_middleware(APIKeyMiddleware, keys=ctx.api_keys, admin_api_key=ctx.admin_api_key)
     if ctx.api_keys or ctx.isolate_keys:  # names and counts only, never a key
         logger.info("API keys: %s", ctx.api_keys.describe(ctx.isolate_keys) if ctx.api_keys
                     else "none checked here; each bearer key sent gets its own prefix cache")

@@ -20,7 +20,7 @@ from fastapi import Depends, Request
 
 from radixserve.cache.namespace import cache_namespace as namespace_of
 from radixserve.engine.messages import GenerateRequest, RequestOutput
-from radixserve.http_common.api_keys import load_key_ring
+from radixserve.http_common.api_keys import load_admin_key, load_key_ring
 from radixserve.http_common.auth import bearer_token
 from radixserve.sampling_params import FinishReason, SamplingParams, TokenLogprob, sampling_params_from_dict
 from radixserve.server.detokenizer import IncrementalDetokenizer
@@ -111,6 +111,7 @@ class ServingContext:
         self.served_model_name = served_model_name
         # The accepted keys (--api-key, --api-key-file); whether each key's requests get their own cache.
         self.api_keys = load_key_ring(settings.api_key, settings.api_key_file)
+        self.admin_api_key = load_admin_key(settings.admin_api_key, settings.admin_api_key_file)
         self.isolate_keys = self.api_keys.isolates_cache(settings.cache_salt_per_api_key,
                                                          settings.shared_cache_across_keys)
         self.health = HealthChecker(engine, [0])
