@@ -50,7 +50,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                         "matched across all of them.")
     p.add_argument("--worker-admin-api-key", default=None,
                    help="The workers' --admin-api-key, which kv_aware needs to follow their /kv_events "
-                        "(default: the first --api-key).")
+                        "(default: the first of the keys).")
     p.add_argument("--worker-admin-api-key-file", default=None,
                    help="A file holding --worker-admin-api-key (one line), which keeps it off the command line.")
     p.add_argument("--cache-threshold", type=float, default=d.cache_threshold,

@@ -213,3 +213,23 @@ def test_dp_workers_get_the_keys_off_their_command_lines(server_model_dir, serve
         assert not any(secret in proc.output() for secret in SECRETS)
     finally:
         assert proc.stop(60) == 0, proc.output()[-3000:]
+
+
+def test_another_nodes_ranks_get_rank_0s_settings_without_the_keys():
+    """A multi-node engine's settings go through rank 0's TCP store, which answers whoever reaches
+    its port: the keys are never put there, and a node started with the same keys on its command
+    line is not told that its settings differ from rank 0's."""
+    import json
+
+    from radixserve.engine.tensor_parallel import SETTINGS_KEY, rank0_settings
+    from radixserve.settings import ServerSettings
+
+    class Store(dict):
+        def get(self, key):
+            return self[key]
+
+    node0 = ServerSettings(api_key=(KEY_A,), admin_api_key=ADMIN_KEY, tp_size=2)
+    store = Store({SETTINGS_KEY: json.dumps(node0.without_secrets().to_dict()).encode()})
+    assert not any(secret.encode() in store[SETTINGS_KEY] for secret in SECRETS)
+    settings, differ = rank0_settings(store, ServerSettings(api_key=KEY_A, admin_api_key=ADMIN_KEY, tp_size=2))
+    assert differ == [] and settings.api_key == () and settings.admin_api_key is None

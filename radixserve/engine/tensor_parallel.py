@@ -297,7 +297,8 @@ def rank0_settings(store, own: ServerSettings) -> tuple[ServerSettings, list[str
     the names of the settings this node's command line gave otherwise (they would make the ranks
     disagree on the steps rank 0 sends: a pool size, a CUDA graph's batch sizes)."""
     theirs = json.loads(store.get(SETTINGS_KEY).decode())
-    mine = own.without_secrets().to_dict()  # rank 0 publishes its settings without the keys
+    # Rank 0 publishes its settings without the keys; compared as JSON gives them (tuples as lists).
+    mine = json.loads(json.dumps(own.without_secrets().to_dict()))
     differ = sorted(k for k, v in theirs.items() if k not in PER_NODE_SETTINGS and mine.get(k) != v)
     theirs.update({k: mine[k] for k in PER_NODE_SETTINGS})
     return ServerSettings(**theirs), differ
