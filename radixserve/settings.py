@@ -213,8 +213,8 @@ class ServerSettings:
         "with more than one, each key gets its own prefix cache (see --shared-cache-across-keys). Any local "
         "user can read a command line (ps): prefer --api-key-file. (default: none, open)", repeat=True)
     api_key_file: Optional[str] = _opt(
-        None, "A file of accepted keys, one a line: KEY, or KEY NAME (a name that logs show instead of the "
-        "key); blank lines and lines starting with # are skipped. Adds to --api-key; keeps the keys off the "
+        None, "A file of accepted keys, one a line: KEY, or KEY NAME (a name the start-up log shows instead of "
+        "the key); blank lines and lines starting with # are skipped. Adds to --api-key; keeps the keys off the "
         "command line. Keep it mode 600. (default: none)")
     shared_cache_across_keys: bool = _opt(
         False, "With more than one API key (--api-key repeated, --api-key-file), share one prefix cache across "

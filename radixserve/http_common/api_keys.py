@@ -13,7 +13,7 @@ line is the key and the second, if any, its tenant's name (letters, digits, `.`,
 most 64). More than two words, a key listed twice, or a bad name is refused with the line number,
 never the key. A file that others than its owner can read is used with a warning.
 
-The name is what logs show instead of a key; it does not group keys. With more than one key each
+The name is what the start-up log line shows instead of a key; it does not group keys. With more than one key each
 key's requests get their own prefix cache by default (the server's `--shared-cache-across-keys`
 turns that off): the namespace is made from the key as sent (`radixserve.cache.namespace`), so it
 is as hard to guess as the key, and a router computes the same from the bearer token it forwards.
@@ -40,7 +40,7 @@ TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 @dataclass(frozen=True)
 class ApiKey:
     key: str = field(repr=False)
-    label: str  # the tenant's name, or "key N": what logs say instead of the key
+    label: str  # the tenant's name, or "key N": what the log says instead of the key
 
 
 def _digest(token: bytes) -> bytes:
