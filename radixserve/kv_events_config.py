@@ -4,16 +4,20 @@ The same JSON means what it means to vLLM: `enable_kv_cache_events` turns the ev
 `publisher` is "zmq" (the default when enabled) or "null"; `endpoint` is the ZMQ PUB address,
 bound when it is a wildcard (`tcp://*:5557`), IPv6 (`::`), `ipc://` or `inproc://`, else
 connected to (the router binds a SUB socket there); `replay_endpoint` a ROUTER address that is
-always bound; `buffer_steps` how many past batches a replay can return; `hwm` the PUB socket's
+always bound. One default differs from vLLM's, on purpose: without an `endpoint` the PUB socket is
+bound on loopback, `tcp://127.0.0.1:5557` (vLLM binds `tcp://*:5557`, every interface, and the
+events carry prompts' token ids; the replay socket hands anyone who connects all it buffered); `buffer_steps` how many past batches a replay can return; `hwm` the PUB socket's
 high-water mark; `topic` the first frame of every message; `max_queue_size` is accepted for vLLM
 configs and has nothing to bound here (the engine loop publishes each step's batch itself, with
 no queue in between). With `--dp-size`, worker i adds i to both ports, as vLLM's ranks do.
 
-One field is ours: `event_layout`, how an event is encoded in the batch. "array" (default):
+Two fields are ours. `event_layout`, how an event is encoded in the batch. "array" (default):
 vLLM's original layout, every event a msgpack array whose first element is its class name
 (`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]`);
 "map": the layout of recent vLLM releases, every event a map with its name under "type".
-Consumers written for either exist; most current ones read both.
+Consumers written for either exist; most current ones read both. `unsalted_token_ids` (default
+true): whether the blocks of the shared cache carry their token ids (gateways that re-hash tokens
+need them); a salted namespace's blocks (`cache_salt`, per-key caches) never do, whatever it says.
 Any other field is refused by name.
 """
 
@@ -25,19 +29,33 @@ from typing import Optional
 
 PUBLISHERS = ("null", "zmq")
 EVENT_LAYOUTS = ("array", "map")
+# Where the PUB socket is bound when the config names no endpoint: this host only.
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+# Hosts of a tcp:// address that listen on every interface.
+WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "[*]")
 
 
 @dataclass(frozen=True)
 class KvEventsConfig:
     enable_kv_cache_events: bool = False
     publisher: Optional[str] = None  # None: "zmq" when enabled, else "null" (vLLM's rule)
-    endpoint: str = "tcp://*:5557"
+    endpoint: Optional[str] = None  # None: bound on DEFAULT_ENDPOINT
     replay_endpoint: Optional[str] = None
     buffer_steps: int = 10_000
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
     event_layout: str = "array"
+    unsalted_token_ids: bool = True
+
+    @property
+    def resolved_endpoint(self) -> str:
+        return self.endpoint if self.endpoint is not None else DEFAULT_ENDPOINT
+
+    @property
+    def endpoint_binds(self) -> bool:
+        """Whether the PUB socket binds its address (vLLM's rule, and the loopback default), else connects."""
+        return self.endpoint is None or binds(self.endpoint)
 
     @property
     def publishes(self) -> bool:
@@ -52,7 +70,8 @@ class KvEventsConfig:
 
 _TYPE_NAMES = {bool: "boolean", int: "integer", str: "string"}
 _TYPES = {"enable_kv_cache_events": bool, "publisher": str, "endpoint": str, "replay_endpoint": str,
-          "buffer_steps": int, "hwm": int, "max_queue_size": int, "topic": str, "event_layout": str}
+          "buffer_steps": int, "hwm": int, "max_queue_size": int, "topic": str, "event_layout": str,
+          "unsalted_token_ids": bool}
 
 
 def parse_kv_events_config(text: str) -> KvEventsConfig:
@@ -70,7 +89,7 @@ def parse_kv_events_config(text: str) -> KvEventsConfig:
                          f"the fields are {', '.join(sorted(known))}")
     for name, value in raw.items():
         kind = _TYPES[name]
-        nullable = name in ("publisher", "replay_endpoint")
+        nullable = name in ("publisher", "endpoint", "replay_endpoint")
         if value is None and nullable:
             continue
         ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
@@ -90,8 +109,8 @@ def parse_kv_events_config(text: str) -> KvEventsConfig:
         if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"kv_events_config.{name} must be a tcp://, ipc:// or inproc:// address, got {value!r}")
         if value is not None and value.startswith("tcp://") and not value.rpartition(":")[2].isdigit():
-            raise ValueError(f"kv_events_config.{name} needs a port, e.g. tcp://*:5557; got {value!r}")
-    if config.endpoint == config.replay_endpoint:
+            raise ValueError(f"kv_events_config.{name} needs a port, e.g. tcp://127.0.0.1:5557; got {value!r}")
+    if config.resolved_endpoint == config.replay_endpoint:
         raise ValueError("kv_events_config.replay_endpoint must differ from endpoint")
     return config
 
@@ -110,3 +129,19 @@ def offset_endpoint(endpoint: Optional[str], dp_rank: int) -> Optional[str]:
 def binds(endpoint: str) -> bool:
     """vLLM's rule: bind a wildcard, IPv6, ipc or inproc address; connect to any other."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def listens_everywhere(endpoint: str) -> bool:
+    """Whether binding this address listens on every interface (a tcp:// wildcard host)."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rpartition(":")[0]
+    return host in WILDCARD_HOSTS
+
+
+def exposed_endpoints(config: KvEventsConfig, dp_rank: int = 0) -> list[str]:
+    """The addresses this config binds on every interface (data-parallel rank dp_rank's)."""
+    bound = [offset_endpoint(config.resolved_endpoint, dp_rank)] if config.endpoint_binds else []
+    if config.replay_endpoint is not None:
+        bound.append(offset_endpoint(config.replay_endpoint, dp_rank))
+    return [e for e in bound if listens_everywhere(e)]

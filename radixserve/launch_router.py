@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -17,8 +18,9 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
+from radixserve.process.spawn import popen_with_settings
 from radixserve.router.app import RouterSettings
 from radixserve.router.policies import POLICIES
 
@@ -35,25 +37,33 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--policy", default=d.policy, choices=POLICIES, help=f"Routing policy (default: {d.policy}).")
     p.add_argument("--host", default=d.host, help=f"Address to bind (default: {d.host}).")
     p.add_argument("--port", type=int, default=d.port, help=f"Port (default: {d.port}).")
-    p.add_argument("--api-key", default=None,
+    p.add_argument("--api-key", action="append", default=None,
                    help="The workers' API key: the router requires it from clients (except /health and its "
-                        "admin endpoints), passes the client's Authorization header through, and uses it for its "
-                        "own calls to workers. It never manages workers or flushes caches.")
+                        "admin endpoints), passes the client's Authorization header through, and uses the first "
+                        "for its own calls to workers. Repeat it for each of the workers' keys; or --api-key-file. "
+                        "It never manages workers or flushes caches.")
+    p.add_argument("--api-key-file", default=None,
+                   help="The workers' --api-key-file (one key a line, KEY or KEY NAME), read the same way.")
     p.add_argument("--admin-api-key", default=None, metavar="KEY",
-                   help="The router's own admin key, other than --api-key: POST /workers, DELETE /workers/{id} and "
-                        "POST /flush_cache take it and only it; GET /workers and /metrics take it beside --api-key; "
-                        "every other endpoint refuses it, so it never reaches a worker. Without it those admin "
-                        "endpoints are off (403, said at start-up); not loopback-only, since a proxy on this host "
-                        "connects from loopback for any client.")
+                   help="The router's own admin key, other than every --api-key: POST /workers, DELETE "
+                        "/workers/{id} and POST /flush_cache take it and only it; GET /workers and /metrics take it "
+                        "beside --api-key; every other endpoint refuses it, so it never reaches a worker. Without it "
+                        "those admin endpoints are off (403, said at start-up); not loopback-only, since a proxy on "
+                        "this host connects from loopback for any client.")
     p.add_argument("--cache-salt-per-api-key", action="store_true",
                    help="The workers run with --cache-salt-per-api-key: prefixes are matched within each API "
-                        "key's requests only, as the workers cache them.")
+                        "key's requests only, as the workers cache them. The default with more than one key.")
+    p.add_argument("--shared-cache-across-keys", action="store_true",
+                   help="The workers run with --shared-cache-across-keys: with several keys, prefixes are "
+                        "matched across all of them.")
     p.add_argument("--worker-admin-api-key", default=None,
                    help="The workers' --admin-api-key, which kv_aware needs to follow their /kv_events and "
-                        "POST /flush_cache to flush them (default: --api-key). Sent only to the workers of "
-                        "--worker-urls and to run-time workers matching --worker-url-allowlist, never to a URL a "
-                        "client sent: other run-time workers are not followed (kv_aware routes them on the prompts "
-                        "in flight there) and /flush_cache skips them.")
+                        "POST /flush_cache to flush them (default: the first of the keys). Sent only to the "
+                        "workers of --worker-urls and to run-time workers matching --worker-url-allowlist, never "
+                        "to a URL a client sent: other run-time workers are not followed (kv_aware routes them on "
+                        "the prompts in flight there) and /flush_cache skips them.")
+    p.add_argument("--worker-admin-api-key-file", default=None,
+                   help="A file holding --worker-admin-api-key (one line), which keeps it off the command line.")
     p.add_argument("--worker-url-allowlist", nargs="*", default=[], metavar="ENTRY",
                    help="Workers added at run time (POST /workers) that get --worker-admin-api-key: exact URLs "
                         "(http://10.0.0.5:30000), host names (any port), IP addresses or CIDR blocks "
@@ -97,9 +107,14 @@ def settings_from_argv(argv: Optional[list[str]] = None, prog: Optional[str] = N
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(RouterSettings) if hasattr(args, f.name)}
     values["worker_urls"] = tuple(args.worker_urls)
     values["worker_url_allowlist"] = tuple(args.worker_url_allowlist)
+    values["api_key"] = tuple(args.api_key or ())
     settings = RouterSettings(**values)
     try:
         settings.validate()
+        from radixserve.http_common.api_keys import load_admin_key, load_key_ring
+
+        load_key_ring(settings.api_key, settings.api_key_file, warn=False)  # a bad key file: one line, now
+        load_admin_key(settings.worker_admin_api_key, settings.worker_admin_api_key_file, "--worker-admin-api-key")
         from radixserve.router.workers import normalize_url
 
         for url in settings.worker_urls:
@@ -156,23 +171,6 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _settings_argv(settings) -> list[str]:
-    """The non-default fields of a ServerSettings as command-line flags."""
-    argv: list[str] = []
-    default = type(settings)()
-    for f in dataclasses.fields(settings):
-        value = getattr(settings, f.name)
-        if f.name in ("host", "port", "dp_size") or value == getattr(default, f.name):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            if value:
-                argv.append(flag)
-        elif value is not None:
-            argv += [flag, str(value)]
-    return argv
-
-
 def worker_gpus(index: int, tp_size: int, gpus: int, workers: int) -> Optional[str]:
     """CUDA_VISIBLE_DEVICES of data-parallel worker `index`: its own tp_size GPUs when there are
     enough for every worker, else None (the workers share what is visible)."""
@@ -190,9 +188,10 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
         import torch
 
         gpus = torch.cuda.device_count()
-    worker_argv = _settings_argv(settings)
     procs: list[subprocess.Popen] = []
-    cmds: list[tuple[list[str], dict]] = []
+    # Each worker's settings go through a pipe (radixserve.process.spawn), never its command line,
+    # which any local user can read: they hold the API keys.
+    starts: list[Callable[[], subprocess.Popen]] = []
     urls = []
     log = logging.getLogger("radixserve")
     stopping = threading.Event()
@@ -202,21 +201,27 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
         visible = worker_gpus(i, tp, gpus, n)
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
-        cmd = [sys.executable, "-m", "radixserve.launch_server", *worker_argv, "--host", "127.0.0.1",
-               "--port", str(port), "--dp-rank", str(i)]
-        if settings.step_trace_file:  # the last occurrence of a flag wins
-            cmd += ["--step-trace-file", f"{settings.step_trace_file}.{i}"]
-        cmds.append((cmd, env))
-        procs.append(subprocess.Popen(cmd, env=env))
+        worker = dataclasses.replace(
+            settings, host="127.0.0.1", port=port, dp_size=1, dp_rank=i,
+            step_trace_file=f"{settings.step_trace_file}.{i}" if settings.step_trace_file else None)
+        starts.append(functools.partial(popen_with_settings, [sys.executable, "-m", "radixserve.launch_server"],
+                                        worker.to_dict(), env=env))
+        procs.append(starts[i]())
         urls.append(f"http://127.0.0.1:{port}")
         log.info("dp worker %d: pid %d at %s", i, procs[-1].pid, urls[-1])
     # The launcher's --admin-api-key guards the router's admin endpoints too (never --api-key: they are
     # off when both are the same or it is unset); its workers are its own, named at start: trusted.
-    router_admin = settings.admin_api_key if settings.admin_api_key != settings.api_key else None
+    from radixserve.http_common.api_keys import load_admin_key, load_key_ring
+
+    admin_key = load_admin_key(settings.admin_api_key, settings.admin_api_key_file)
+    user_keys = load_key_ring(settings.api_key, settings.api_key_file, warn=False)
+    router_admin = admin_key if admin_key and user_keys.match(admin_key.encode()) is None else None
     router = RouterSettings(worker_urls=tuple(urls), policy=policy, host=settings.host, port=settings.port,
-                            api_key=settings.api_key, worker_admin_api_key=settings.admin_api_key,
-                            admin_api_key=router_admin,
-                            cache_salt_per_api_key=settings.cache_salt_per_api_key, health_check_interval=2.0,
+                            api_key=settings.api_key, api_key_file=settings.api_key_file,
+                            worker_admin_api_key=settings.admin_api_key,
+                            worker_admin_api_key_file=settings.admin_api_key_file, admin_api_key=router_admin,
+                            cache_salt_per_api_key=settings.cache_salt_per_api_key,
+                            shared_cache_across_keys=settings.shared_cache_across_keys, health_check_interval=2.0,
                             log_level=settings.log_level,
                             max_connections=settings.max_connections)
 
@@ -227,7 +232,7 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
             for i, p in enumerate(procs):
                 if p.poll() is not None and not stopping.is_set():
                     log.error("dp worker %d (pid %d) exited with code %s; restarting it", i, p.pid, p.returncode)
-                    procs[i] = subprocess.Popen(cmds[i][0], env=cmds[i][1])
+                    procs[i] = starts[i]()
 
     def stop_workers(*_args) -> None:
         stopping.set()

@@ -15,6 +15,7 @@ import logging
 import sys
 from typing import Optional
 
+from radixserve.process.spawn import SETTINGS_FD_FLAG, read_settings_fd
 from radixserve.settings import ServerSettings, add_settings_arguments, settings_from_args
 
 DEFAULT_ROUTER_POLICY = "cache_aware"
@@ -34,16 +35,28 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--router-policy", default=None, choices=POLICIES,
                         help=f"Routing policy of the --dp-size router (default: {DEFAULT_ROUTER_POLICY}); "
                              "see python -m radixserve.launch_router --help.")
+    # How the --dp-size launcher hands a worker its settings, keys included, off the command line
+    # (radixserve.process.spawn): every other flag is then ignored.
+    parser.add_argument(SETTINGS_FD_FLAG, dest="settings_from_fd", type=read_settings_fd, default=None,
+                        help=argparse.SUPPRESS)
     return parser
 
 
 def parse_args(argv: Optional[list[str]] = None,
                prog: Optional[str] = None) -> tuple[ServerSettings, str]:
     """The server settings and the --dp-size router's policy."""
+    from radixserve.http_common.api_keys import load_admin_key, load_key_ring
+
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
-        settings = settings_from_args(args)
+        if args.settings_from_fd is not None:
+            settings = ServerSettings(**args.settings_from_fd)
+        else:
+            settings = settings_from_args(args)
+        # A bad key file: one line, now.
+        load_key_ring(settings.api_key, settings.api_key_file, warn=False)
+        load_admin_key(settings.admin_api_key, settings.admin_api_key_file)
     except ValueError as e:
         parser.error(str(e))
         raise  # unreachable: parser.error exits

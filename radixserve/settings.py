@@ -30,8 +30,10 @@ DECODE_GEMM_MAX_ROWS = 32
 
 
 def _opt(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None,
-         cli: bool = True) -> Any:
-    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices, "cli": cli})
+         cli: bool = True, repeat: bool = False) -> Any:
+    """A setting; repeat: its flag may be given several times, each adding a string to a tuple."""
+    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices, "cli": cli,
+                                            "repeat": repeat})
 
 
 @dataclass
@@ -205,17 +207,34 @@ class ServerSettings:
     # --- server ------------------------------------------------------------
     host: str = _opt("127.0.0.1", "Address the HTTP server binds.")
     port: int = _opt(30000, "HTTP port.")
-    api_key: Optional[str] = _opt(None, "Require 'Authorization: Bearer <key>' on every endpoint but /health.")
+    # Every accepted key (`--api-key` repeated); a lone string given to ServerSettings or Engine is one key.
+    api_key: tuple[str, ...] = _opt(
+        (), "Require 'Authorization: Bearer <key>' on every endpoint but /health. Repeat it for several keys; "
+        "with more than one, each key gets its own prefix cache (see --shared-cache-across-keys). Any local "
+        "user can read a command line (ps): prefer --api-key-file. (default: none, open)", repeat=True)
+    api_key_file: Optional[str] = _opt(
+        None, "A file of accepted keys, one a line: KEY, or KEY NAME (a name the start-up log shows instead of "
+        "the key); blank lines and lines starting with # are skipped. Adds to --api-key; keeps the keys off the "
+        "command line. Keep it mode 600. (default: none)")
+    shared_cache_across_keys: bool = _opt(
+        False, "With more than one API key (--api-key repeated, --api-key-file), share one prefix cache across "
+        "all of them. By default each key gets its own, as with --cache-salt-per-api-key: in a shared cache, "
+        "cached_tokens and the time to the first token tell one key's holder what prompts another key sent "
+        "(docs/serving.md, Tenants). Only for keys of one team that may see each other's prompts.")
     cache_salt_per_api_key: bool = _opt(
         False, "Isolate each API key's prefix cache: a request shares cached prefixes only with requests sent "
         "with the same 'Authorization: Bearer' key (and the same cache_salt, if any), so cached_tokens never "
-        "shows another key's prompts. The key need not be --api-key: behind a gateway that checks keys, "
-        "each key it passes through gets its own cache. Requests without a key share one.")
+        "shows another key's prompts. The default with more than one key (--api-key, --api-key-file); with "
+        "one or none, this flag turns it on: the key need not be --api-key, behind a gateway that checks "
+        "keys each key it passes through gets its own cache. Requests without a key share one.")
     admin_api_key: Optional[str] = _opt(
         None, "Key for the admin endpoints (/flush_cache, /kv_events), which change every user's state or show "
-        "what other users sent. Without it they take --api-key; with neither they are open. With --dp-size it "
-        "is the router's admin key too (its worker management and /flush_cache, which never take --api-key: "
+        "what other users sent. Without it they take any --api-key; with neither they are open. With --dp-size "
+        "it is the router's admin key too (its worker management and /flush_cache, which never take --api-key: "
         "off without this key).")
+    admin_api_key_file: Optional[str] = _opt(
+        None, "A file holding the --admin-api-key (one line; # comments skipped), which keeps it off the "
+        "command line. (default: none)")
     graceful_shutdown_timeout: float = _opt(
         30.0, "On SIGTERM, seconds in-flight requests get to finish (/health answers 503 meanwhile); what is "
         "left then gets a 503 error body, or an error event and [DONE] on a stream.")
@@ -250,10 +269,13 @@ class ServerSettings:
         "ports are offset by it. --dp-size sets it for each worker it starts.")
     kv_events_config: Optional[str] = _opt(
         None, "Publish the radix cache's blocks as KV events in vLLM's wire format over ZMQ, for a cluster's "
-        "KV-aware router: vLLM's KVEventsConfig as JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": "
-        "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'. The events carry "
-        "token ids: bind where only the router reaches them (docs/tuning.md, \"KV events for a cluster's router\"). "
-        "(default: off)")
+        "KV-aware router: vLLM's KVEventsConfig as JSON, e.g. '{\"enable_kv_cache_events\": true, "
+        "\"replay_endpoint\": \"tcp://127.0.0.1:5558\"}' (the events bound on tcp://127.0.0.1:5557, the default "
+        "endpoint; an endpoint with a host name or IP is connected to, vLLM's rule: the router binds there). "
+        "Blocks of the shared cache carry their token ids (\"unsalted_token_ids\": false: none do); a salted or "
+        "per-key cache's never do. Anyone who reaches the sockets reads them, the replay socket all it "
+        "buffered: a wildcard address (*, 0.0.0.0, ::) is warned about at start-up (docs/serving.md, "
+        "\"What a KV-event subscriber learns\"). (default: off)")
     tp_size: int = _opt(
         1, "Tensor-parallel ranks per engine: the model's heads, MLP and vocabulary split over this many "
         "processes, one per GPU (NCCL; gloo on the CPU). With --dp-size M, M x N GPUs.", aliases=("--tp",))
@@ -272,6 +294,13 @@ class ServerSettings:
         "scripts/tp_allreduce_bench.py.", choices=("nccl", "symm-mem"))
 
     def __post_init__(self) -> None:
+        # One key as a string (the offline Engine's and older callers' spelling), or a JSON list.
+        if self.api_key is None:
+            self.api_key = ()
+        elif isinstance(self.api_key, str):
+            self.api_key = (self.api_key,)
+        else:
+            self.api_key = tuple(self.api_key)
         self.validate()
 
     def validate(self) -> None:
@@ -332,6 +361,7 @@ class ServerSettings:
             parse_kv_events_config(self.kv_events_config)
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        self._validate_keys()
         self._validate_nodes()
         if self.decode_gemm_max_rows < 0:
             raise ValueError(f"decode_gemm_max_rows must be >= 0, got {self.decode_gemm_max_rows}")
@@ -341,6 +371,21 @@ class ServerSettings:
             raise ValueError(f"chat_template_timeout_s must be > 0, got {self.chat_template_timeout_s}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+
+    def _validate_keys(self) -> None:
+        for key in (*self.api_key, self.admin_api_key):
+            if key is not None and (not isinstance(key, str) or not key or any(c.isspace() for c in key)):
+                raise ValueError("an API key must be a non-empty string without whitespace")
+        if self.admin_api_key is not None and self.admin_api_key_file is not None:
+            raise ValueError("give admin_api_key or admin_api_key_file, not both")
+        if self.shared_cache_across_keys and self.cache_salt_per_api_key:
+            raise ValueError("shared_cache_across_keys and cache_salt_per_api_key contradict each other: give one")
+
+    def without_secrets(self) -> "ServerSettings":
+        """These settings without the keys: what the engine process and its ranks are given (they check
+        no key) and what a multi-node engine's store (unauthenticated) holds."""
+        return dataclasses.replace(self, api_key=(), api_key_file=None, admin_api_key=None,
+                                   admin_api_key_file=None)
 
     def _validate_nodes(self) -> None:
         if self.nnodes < 1:
@@ -446,6 +491,9 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type = ServerSe
         if f.type in ("bool", bool):
             parser.add_argument(*flags, dest=f.name, action="store_true", default=default, help=help_text)
             continue
+        if f.metadata.get("repeat"):  # None when never given; settings_from_args makes it the tuple
+            parser.add_argument(*flags, dest=f.name, action="append", type=str, default=None, help=help_text)
+            continue
         kind = str if "str" in str(f.type) else int if "int" in str(f.type) else float
         if "(default" not in help_text:  # a help that explains its own default keeps only that one
             help_text += f" (default: {default})"
@@ -455,4 +503,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type = ServerSe
 
 def settings_from_args(args: argparse.Namespace, cls: type = ServerSettings) -> ServerSettings:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("repeat") and values.get(f.name) is None:
+            values[f.name] = f.default
     return cls(**values)

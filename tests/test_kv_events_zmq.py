@@ -303,6 +303,86 @@ def test_late_subscriber_replays_host_tier_blocks_and_rank(server_model_dir, ser
             sub.close()
 
 
+def test_salted_blocks_reach_a_late_subscriber_as_hashes_without_token_ids(server_model_dir, server_workdir, ctx):
+    """A salted request and an unsalted one, then a subscriber that connects late and replays from
+    sequence number 0, as anyone who reaches the sockets can: the unsalted prompt's blocks carry
+    its token ids, the salted one's only their hashes (chained from the salt's namespace, so not
+    the hashes the same tokens get unsalted). The PUB socket is bound on a wildcard address, which
+    the start-up log warns about."""
+    pub_port, replay_port = free_port(), free_port()
+    proc = ServerProcess(kv_events_args(server_model_dir, f"tcp://*:{pub_port}", f"tcp://127.0.0.1:{replay_port}"),
+                         server_workdir)
+    sub = None
+    try:
+        proc.wait_ready()
+        base, secret, shared = proc.base_url, prompt(21), prompt(22)
+        r = httpx.post(base + "/generate", timeout=60, json={
+            "input_ids": secret, "cache_salt": f"tenant-{uuid.uuid4()}",
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        assert r.status_code == 200, r.text
+        generate(base, shared)
+        generate(base, secret)  # the same tokens unsalted: other hashes, and their tokens published
+
+        sub = VllmEventSubscriber(ctx, f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}", bind=False)
+        whole = 28  # 30-token prompts: 7 whole pages of 4
+
+        def stored() -> list[tuple[list[int], list[int]]]:
+            events = [e for _, payload in sub.replay(0) for e in msgpack.unpackb(payload, raw=False)[1]]
+            return [(e[1], e[3]) for e in events if e[0] == "BlockStored"]
+
+        deadline = time.monotonic() + 60
+        while sum(len(hashes) for hashes, _ in stored()) < 3 * whole // PAGE:
+            assert time.monotonic() < deadline, f"the three prompts' blocks were not published: {stored()}"
+            time.sleep(0.2)
+        events = stored()
+        with_tokens = [(hashes, tokens) for hashes, tokens in events if tokens]
+        without = [hashes for hashes, tokens in events if not tokens]
+        assert all(len(tokens) == len(hashes) * PAGE for hashes, tokens in with_tokens)
+        pages = {tuple(tokens[i:i + PAGE]) for _, tokens in with_tokens for i in range(0, len(tokens), PAGE)}
+        assert {tuple(p[i:i + PAGE]) for p in (shared, secret) for i in range(0, whole, PAGE)} == pages
+        salted_hashes = [h for hashes in without for h in hashes]
+        assert len(salted_hashes) == whole // PAGE and all(isinstance(h, int) and h for h in salted_hashes)
+        assert not set(salted_hashes) & {h for hashes, _ in with_tokens for h in hashes}
+        assert f"KV events: tcp://*:{pub_port} listens on every interface" in proc.output()
+    finally:
+        proc.stop()
+        if sub is not None:
+            sub.close()
+
+
+def test_unsalted_token_ids_false_publishes_no_token_ids_at_all():
+    """The config's own field: the shared cache's blocks lose their token ids too, hashes kept."""
+    from radixserve.cache.block_events import BlockEventRecorder
+    from radixserve.cache.kv_pool import PageAllocator
+    from radixserve.cache.namespace import cache_namespace
+    from radixserve.cache.radix_cache import RadixCache
+    from radixserve.kv_events_config import parse_kv_events_config
+
+    assert parse_kv_events_config('{"enable_kv_cache_events": true}').unsalted_token_ids
+    for keep in (True, False):
+        alloc = PageAllocator(16, PAGE)
+        cache = RadixCache(alloc, page_size=PAGE)
+        recorder = BlockEventRecorder(cache, unsalted_token_ids=keep)
+        for namespace in (None, cache_namespace("salt")):
+            cache.insert(list(range(8)), alloc.pages_to_slots(alloc.alloc_pages(2)), namespace=namespace)
+        shared, salted = [e for e in recorder.take() if e[0] == "BlockStored"]
+        assert len(shared[1]) == len(salted[1]) == 2 and not set(shared[1]) & set(salted[1])
+        assert shared[3] == (list(range(8)) if keep else []) and salted[3] == []
+
+
+def test_the_default_endpoint_is_bound_on_loopback_and_wildcards_are_named():
+    from radixserve.kv_events_config import exposed_endpoints, listens_everywhere, parse_kv_events_config
+
+    default = parse_kv_events_config('{"enable_kv_cache_events": true, "replay_endpoint": "tcp://127.0.0.1:5558"}')
+    assert default.resolved_endpoint == "tcp://127.0.0.1:5557" and default.endpoint_binds
+    assert exposed_endpoints(default) == []
+    assert all(listens_everywhere(e) for e in ("tcp://*:5557", "tcp://0.0.0.0:5558", "tcp://[::]:5557"))
+    assert not any(listens_everywhere(e) for e in ("tcp://127.0.0.1:5557", "tcp://[::1]:5557", "ipc:///tmp/kv"))
+    wide = parse_kv_events_config('{"enable_kv_cache_events": true, "endpoint": "tcp://router:5557", '
+                                  '"replay_endpoint": "tcp://0.0.0.0:5558"}')
+    assert exposed_endpoints(wide, dp_rank=2) == ["tcp://0.0.0.0:5560"]  # connected PUB: only the replay listens
+
+
 def test_map_layout_is_recent_vllms_tagged_maps():
     """event_layout "map": each event a map with its class name under "type", required fields
     present even when nil, as recent vLLM releases send them."""

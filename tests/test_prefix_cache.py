@@ -118,6 +118,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.salts = {cache_namespace(salt): salt for salt in SALTS}
         self.block_events = BlockEventRecorder(self.cache)
         self.published: dict[str, set[int]] = {"GPU": set(), "CPU": set()}
+        self.token_less: dict[int, bool] = {}  # block hash -> whether it was stored without its token ids
         self.hash_events = KvHashEvents(self.cache, block_size=HASH_BLOCK)
         self.mirror = set(self.hash_events.snapshot()["blocks"])  # recording starts with a snapshot
 
@@ -468,13 +469,15 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if not hasattr(self, "cache"):
             return
         # vLLM-format block events: replayed per tier, exactly the pages there, a namespace's
-        # pages chained from the namespace (so equal tokens of two salts are different blocks).
+        # pages chained from the namespace (so equal tokens of two salts are different blocks) and
+        # stored without their token ids (the shared cache's with them).
         for event in self.block_events.take():
             if event[0] == "AllBlocksCleared":
                 self.published = {"GPU": set(), "CPU": set()}
             elif event[0] == "BlockStored":
                 _, hashes, _, tokens, medium = event
-                assert len(tokens) == len(hashes) * self.page
+                assert len(tokens) in (0, len(hashes) * self.page)
+                self.token_less.update((h, not tokens) for h in hashes)
                 assert not self.published[medium] & set(hashes), "a block stored twice"
                 self.published[medium] |= set(hashes)
             else:
@@ -482,19 +485,21 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 assert set(hashes) <= self.published[medium], "a block removed that was never stored"
                 self.published[medium] -= set(hashes)
         held: dict[str, set[int]] = {"GPU": set(), "CPU": set()}
-        stack = [(self.cache.root, None)]
+        stack = [(self.cache.root, None, False)]
         while stack:
-            node, parent_hash = stack.pop()
+            node, parent_hash, salted = stack.pop()
             for child in node.children.values():
                 if child.namespace is not None:
-                    stack.append((child, namespace_page_parent(child.namespace)))
+                    stack.append((child, namespace_page_parent(child.namespace), True))
                     continue
                 hashes = page_hashes(child.key, self.page, parent_hash)
+                assert all(self.token_less.get(h, salted) == salted for h in hashes), \
+                    "a salted block published with its token ids, or a shared one without"
                 if child.value is not None:
                     held["GPU"] |= set(hashes)
                 if getattr(child, "host_value", None) is not None:
                     held["CPU"] |= set(hashes)
-                stack.append((child, hashes[-1]))
+                stack.append((child, hashes[-1], salted))
         assert self.published == held
         # /kv_events: the hashes replay to the tree's blocks, and a router's mirror of them finds
         # for each waiting request, keyed by its salt, the whole blocks the cache finds.

@@ -1,12 +1,11 @@
 """The per-process helpers every server process uses (radixserve/process/): a spawned child gets its
-settings and dies with its parent, and the one tokenizer loader says what is missing.
+settings (through a pipe, never on its command line) and dies with its parent, and the one tokenizer loader says what is missing.
 
 Real processes: a parent python that spawns a child through `spawn_child`, killed with SIGKILL
 (nothing of it runs after), and a child that finds itself orphaned at start."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from radixserve.process.spawn import popen_with_settings
 from radixserve.process.tokenizer import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +69,8 @@ def test_a_spawned_child_gets_the_settings_and_dies_with_its_parent(tmp_path):
         while not (out.exists() and out.read_text()) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert out.read_text() == f"hello {parent.pid}"
+        with open(f"/proc/{child_pid}/cmdline", "rb") as f:  # what `ps` shows any local user
+            assert b"hello" not in f.read(), "the settings are on the child's command line"
         assert not _gone(child_pid)
         parent.kill()  # SIGKILL: nothing of the parent runs after it
         parent.wait()
@@ -84,10 +86,9 @@ def test_a_child_whose_parent_died_before_it_looked_exits_at_once(tmp_path):
     """The parent-death signal is not sent for a parent that died before the child asked for it:
     `die_with_parent` sends it itself (here the named parent is not ours)."""
     not_its_parent = os.getpid() + 1  # its parent is this process
-    proc = subprocess.run([sys.executable, "-m", "plumbing_child", "--settings-json", json.dumps({"word": "x"}),
-                           "--parent-pid", str(not_its_parent), "--out", str(tmp_path / "x")],
-                          env=_env(tmp_path), timeout=DEADLINE_S)
-    assert proc.returncode == -signal.SIGTERM
+    proc = popen_with_settings([sys.executable, "-m", "plumbing_child", "--parent-pid", str(not_its_parent),
+                                "--out", str(tmp_path / "x")], {"word": "x"}, env=_env(tmp_path))
+    assert proc.wait(DEADLINE_S) == -signal.SIGTERM
     assert not (tmp_path / "x").exists()
 
 

@@ -11,9 +11,13 @@ and a node of k pages is k blocks. Events, in cache order:
 - ("BlockRemoved", hashes, medium): those pages lost their KV on that tier.
 - ("AllBlocksCleared",): the cache was flushed.
 
-A cache namespace's pages (requests with a `cache_salt`) chain from a hash of the namespace
-(`namespace.namespace_page_parent`), so they never equal another namespace's pages of the same
-tokens; the first page of a namespace reports no parent, as the first page of any path does.
+A cache namespace's pages (requests with a `cache_salt`, or of a per-key cache) chain from a hash
+of the namespace (`namespace.namespace_page_parent`), so they never equal another namespace's pages
+of the same tokens; the first page of a namespace reports no parent, as the first page of any path
+does. They are stored with no token ids (vLLM's BlockStored allows an empty list): the events go
+to whoever subscribes, or replays from the first batch, and a salt exists to keep its prompts from
+everyone else; a gateway routes salted requests by these hashes. `unsalted_token_ids` False
+empties the shared cache's blocks' token ids too.
 
 Hashes are computed when the event happens (a later split of the node would change which pages it
 holds) and memoised on the node (`TreeNode.block_hash`, its last page's hash), so an event costs
@@ -33,9 +37,10 @@ StoredEvent = tuple[str, list[int], Optional[int], list[int], str]
 class BlockEventRecorder:
     """Collects the cache's block events until `take()`; installs itself as the cache's block listener."""
 
-    def __init__(self, cache: PrefixCache):
+    def __init__(self, cache: PrefixCache, *, unsalted_token_ids: bool = True):
         self.cache = cache
         self.page_size = cache.page_size
+        self.unsalted_token_ids = unsalted_token_ids
         self.events: list[tuple] = []
         cache.block_listener = self.record
 
@@ -48,9 +53,17 @@ class BlockEventRecorder:
         node.block_hash = hashes[-1]
         if kind == "stored":
             reported = None if node.parent.namespace is not None else parent  # a namespace's first page
-            self.events.append(("BlockStored", hashes, reported, list(node.key), medium))
+            tokens = list(node.key) if self.unsalted_token_ids and not self.salted(node) else []
+            self.events.append(("BlockStored", hashes, reported, tokens, medium))
         else:
             self.events.append(("BlockRemoved", hashes, medium))
+
+    @staticmethod
+    def salted(node: TreeNode) -> bool:
+        """Whether node is in a cache namespace (under a namespace root), not the shared cache."""
+        while node.parent is not None and node.parent.parent is not None:
+            node = node.parent
+        return node.namespace is not None
 
     def hash_of(self, node: Optional[TreeNode]) -> Optional[int]:
         """The hash of the last page on the path to node (None for the root), memoising it on the way."""

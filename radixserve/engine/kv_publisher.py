@@ -14,6 +14,11 @@ since the epoch; the rank: `--dp-rank`, 0 without data parallelism), its events
 them, encoded in the config's `event_layout` (`radixserve.kv_events_config`). `lora_id` is
 always nil (no adapters here).
 
+A salted namespace's blocks (`cache_salt`, per-key caches) are published with an empty token id
+list, as vLLM's BlockStored allows: their hashes, which chain from the namespace, are what a
+gateway routes such requests by; `unsalted_token_ids` false empties the shared cache's too
+(`radixserve.cache.block_events`).
+
 Replay, vLLM's protocol: a client (DEALER, or REQ for the first reply only) sends
 `b"" | start_seq` (8 bytes, big-endian) to the ROUTER at `replay_endpoint`; it gets back every
 buffered batch from start_seq on as `b"" | seq | payload`, then `b"" | -1 (8 bytes, signed) | b""`.
@@ -31,7 +36,7 @@ from typing import TYPE_CHECKING, Optional
 import msgspec
 import zmq
 
-from radixserve.kv_events_config import KvEventsConfig, binds, offset_endpoint
+from radixserve.kv_events_config import KvEventsConfig, exposed_endpoints, offset_endpoint
 
 if TYPE_CHECKING:  # the API process checks the addresses at start-up and imports no torch
     from radixserve.cache.prefix_cache import PrefixCache
@@ -67,7 +72,7 @@ class ZmqKvEventPublisher:
         self.config = config
         self.dp_rank = dp_rank
         self.page_size = cache.page_size
-        self.recorder = BlockEventRecorder(cache)
+        self.recorder = BlockEventRecorder(cache, unsalted_token_ids=config.unsalted_token_ids)
         self.topic = config.topic.encode("utf-8")
         self.encoder = msgspec.msgpack.Encoder()
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
@@ -77,9 +82,9 @@ class ZmqKvEventPublisher:
         self.replay: Optional[zmq.Socket] = None
         try:
             self.pub.set_hwm(config.hwm)
-            self.endpoint = offset_endpoint(config.endpoint, dp_rank)
+            self.endpoint = offset_endpoint(config.resolved_endpoint, dp_rank)
             self.pub.setsockopt(zmq.IPV6, 1 if "[" in self.endpoint else 0)
-            (self.pub.bind if binds(self.endpoint) else self.pub.connect)(self.endpoint)
+            (self.pub.bind if config.endpoint_binds else self.pub.connect)(self.endpoint)
             self.replay_endpoint = offset_endpoint(config.replay_endpoint, dp_rank)
             if self.replay_endpoint is not None:
                 self.replay = self.ctx.socket(zmq.ROUTER)
@@ -92,9 +97,17 @@ class ZmqKvEventPublisher:
             raise ValueError(f"--kv-events-config: cannot open {e.strerror.lower()} "
                              f"(endpoint {config.endpoint!r}, replay_endpoint {config.replay_endpoint!r}, "
                              f"data-parallel rank {dp_rank})") from None
-        logger.info("KV events: publishing on %s (%s)%s, data-parallel rank %d, blocks of %d tokens",
-                    self.endpoint, "bound" if binds(self.endpoint) else "connected",
-                    f", replay on {self.replay_endpoint}" if self.replay_endpoint else "", dp_rank, self.page_size)
+        logger.info("KV events: publishing on %s (%s)%s, data-parallel rank %d, blocks of %d tokens; token ids "
+                    "in %s", self.endpoint, "bound" if config.endpoint_binds else "connected",
+                    f", replay on {self.replay_endpoint}" if self.replay_endpoint else "", dp_rank, self.page_size,
+                    "the shared cache's blocks only" if config.unsalted_token_ids else "no block")
+        for endpoint in exposed_endpoints(config, dp_rank):
+            logger.warning("KV events: %s listens on every interface, unauthenticated: whoever reaches it %s. "
+                           "Bind 127.0.0.1, an ipc:// path or the one interface the router uses, and firewall it "
+                           "(docs/serving.md, \"What a KV-event subscriber learns\")", endpoint,
+                           ("reads the shared cache's prompts as token ids" if config.unsalted_token_ids
+                            else "learns which prompts share prefixes")
+                           + (", from the first one buffered (replay)" if endpoint == self.replay_endpoint else ""))
 
     def step(self) -> None:
         """Publish what the cache recorded since the last call as one batch; answer replay requests."""
@@ -143,8 +156,7 @@ def check_kv_event_endpoints(settings) -> Optional[str]:
     config = settings.kv_events
     if config is None:
         return None
-    endpoints = [offset_endpoint(config.endpoint, settings.dp_rank)]
-    endpoints = [e for e in endpoints if binds(e)]
+    endpoints = [offset_endpoint(config.resolved_endpoint, settings.dp_rank)] if config.endpoint_binds else []
     if config.replay_endpoint:
         endpoints.append(offset_endpoint(config.replay_endpoint, settings.dp_rank))
     ctx = zmq.Context()

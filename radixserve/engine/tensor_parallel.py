@@ -294,7 +294,8 @@ def rank0_settings(store, own: ServerSettings) -> tuple[ServerSettings, list[str
     the names of the settings this node's command line gave otherwise (they would make the ranks
     disagree on the steps rank 0 sends: a pool size, a CUDA graph's batch sizes)."""
     theirs = json.loads(store.get(SETTINGS_KEY).decode())
-    mine = own.to_dict()
+    # Rank 0 publishes its settings without the keys; compared as JSON gives them (tuples as lists).
+    mine = json.loads(json.dumps(own.without_secrets().to_dict()))
     differ = sorted(k for k, v in theirs.items() if k not in PER_NODE_SETTINGS and mine.get(k) != v)
     theirs.update({k: mine[k] for k in PER_NODE_SETTINGS})
     return ServerSettings(**theirs), differ
@@ -337,7 +338,8 @@ class TensorParallelLeader:
             for rank in range(1, self.local_size):
                 self._spawn(rank, settings, self.store.port)
             if self.local_size < self.size:
-                self.store.set(SETTINGS_KEY, json.dumps(settings.to_dict()))
+                # The store answers anyone who reaches its port: never the keys.
+                self.store.set(SETTINGS_KEY, json.dumps(settings.without_secrets().to_dict()))
             for rank in range(self.local_size, self.size):
                 self._open_remote(rank, host)
             # Watching from before the group forms: a rank failing while it loads ends the wait.

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import hmac
 from typing import Optional
 
+from radixserve.http_common.api_keys import ApiKey, ApiKeyRing
 from radixserve.http_common.errors import error_response
 
 # Endpoints that change every user's state (/flush_cache wipes everyone's cache) or show what other
@@ -20,29 +20,30 @@ def bearer_token(header: bytes) -> Optional[bytes]:
 
 
 class APIKeyMiddleware:
-    """Pure ASGI (streams pass through untouched); compares keys in constant time.
+    """Pure ASGI (streams pass through untouched); keys are looked up by digest (`ApiKeyRing`), so
+    the time a check takes says nothing about how close a wrong key came.
 
-    `api_key` guards every path but /health; `admin_api_key` guards `ADMIN_PATHS` instead of it
-    (with only `api_key` set, the admin paths take that key; with neither, nothing is checked)."""
+    `keys` guard every path but /health; `admin_api_key` guards `ADMIN_PATHS` instead of them
+    (without it, the admin paths take any of `keys`; with neither, nothing is checked)."""
 
     OPEN_PATHS = ("/health",)
 
-    def __init__(self, app, api_key: Optional[str] = None, admin_api_key: Optional[str] = None):
+    def __init__(self, app, keys: Optional[ApiKeyRing] = None, admin_api_key: Optional[str] = None):
         self.app = app
-        self.expected = api_key.encode() if api_key else None
-        self.admin_expected = admin_api_key.encode() if admin_api_key else self.expected
+        self.keys = keys if keys else None
+        self.admin_keys = ApiKeyRing([ApiKey(admin_api_key, "admin")]) if admin_api_key else self.keys
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
             return await self.app(scope, receive, send)
         admin = scope["path"] in ADMIN_PATHS
-        expected = self.admin_expected if admin else self.expected
+        expected = self.admin_keys if admin else self.keys
         if expected is None:
             return await self.app(scope, receive, send)
         given = bearer_token(dict(scope.get("headers") or ()).get(b"authorization", b""))
-        if given is not None and hmac.compare_digest(given, expected):
+        if expected.match(given) is not None:
             return await self.app(scope, receive, send)
-        what = "admin API key" if admin and self.admin_expected is not self.expected else "API key"
+        what = "admin API key" if admin and self.admin_keys is not self.keys else "API key"
         response = error_response(401, f"missing or invalid {what} (send 'Authorization: Bearer <key>')",
                                   code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)

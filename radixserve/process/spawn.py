@@ -3,9 +3,15 @@ with its parent.
 
 A server has two kinds of child: the engine process (started by the API process) and a
 tensor-parallel rank (started by the engine process). Both start the same way, `python -m MODULE
---settings-json ... --parent-pid ...`: the settings travel whole as JSON, so the child runs with
+--settings-fd N --parent-pid ...`: the settings travel whole as JSON, so the child runs with
 exactly the parent's, and this package goes first on PYTHONPATH, so the child imports the code the
 parent runs however it was installed (a checkout, editable, site-packages).
+
+The JSON goes through a pipe the child inherits as file descriptor N, never on the command line:
+any local user can read a process's command line (`ps`, /proc/PID/cmdline), and the settings may
+hold secrets (the API keys; the engine's children are given none, `ServerSettings.without_secrets`,
+but a `--dp-size` worker needs them). The child reads the pipe to its end once, at start, and
+closes it; only processes of the same user (or root) can open another's descriptors.
 
 One death policy for every child: SIGTERM when its parent dies (Linux's parent-death signal), and
 a parent check in its idle loop where the signal cannot be had. SIGTERM, not SIGKILL: the engine
@@ -26,6 +32,8 @@ from typing import Any, Optional
 
 PR_SET_PDEATHSIG = 1
 DEATH_SIGNAL = signal.SIGTERM
+# The flag naming the inherited descriptor a child reads its settings from.
+SETTINGS_FD_FLAG = "--settings-fd"
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -38,20 +46,54 @@ def child_env(env: Optional[dict[str, str]] = None) -> dict[str, str]:
 
 def spawn_child(module: str, settings: dict[str, Any], *args: str,
                 env: Optional[dict[str, str]] = None) -> subprocess.Popen:
-    """Start `python -m module --settings-json SETTINGS --parent-pid THIS_PID *args`.
+    """Start `python -m module --settings-fd N --parent-pid THIS_PID *args`, the settings readable
+    on descriptor N (`popen_with_settings`).
 
     The parent-death signal comes when the *thread* that started the child ends (Linux's rule),
     so call this from a thread that lives as long as the process (the main thread)."""
-    cmd = [sys.executable, "-m", module, "--settings-json", json.dumps(settings), "--parent-pid", str(os.getpid()),
-           *args]
-    return subprocess.Popen(cmd, env=child_env(env), stdin=subprocess.DEVNULL)
+    return popen_with_settings([sys.executable, "-m", module, "--parent-pid", str(os.getpid()), *args], settings,
+                               env=child_env(env))
+
+
+def popen_with_settings(cmd: list[str], settings: dict[str, Any], *,
+                        env: Optional[dict[str, str]] = None) -> subprocess.Popen:
+    """Start `cmd --settings-fd N`, with `settings` as JSON on a pipe the child inherits as N.
+
+    Writes the whole JSON before returning: a settings dict is a few KB, well within a pipe's
+    buffer, and a larger one waits for the child to read it at start. A child that died before
+    reading it is left to its exit code (what it wrote to stderr says why)."""
+    read_fd, write_fd = os.pipe()  # neither end is inherited but through pass_fds (PEP 446)
+    try:
+        proc = subprocess.Popen([*cmd, SETTINGS_FD_FLAG, str(read_fd)], env=env, stdin=subprocess.DEVNULL,
+                                pass_fds=(read_fd,))
+    except BaseException:
+        os.close(write_fd)
+        raise
+    finally:
+        os.close(read_fd)
+    with os.fdopen(write_fd, "wb") as pipe:
+        try:
+            pipe.write(json.dumps(settings).encode())
+        except BrokenPipeError:
+            pass
+    return proc
+
+
+def read_settings_fd(value: str) -> dict[str, Any]:
+    """The settings dict `popen_with_settings` wrote on descriptor `value`; reads it to its end and closes it."""
+    with os.fdopen(int(value), "rb") as pipe:
+        settings = json.loads(pipe.read())
+    if not isinstance(settings, dict):
+        raise ValueError(f"{SETTINGS_FD_FLAG}: the settings must be a JSON object")
+    return settings
 
 
 def child_arguments(description: str) -> argparse.ArgumentParser:
     """A child's argument parser with the two arguments `spawn_child` passes: `settings` (the
-    parsed JSON dict) and `parent_pid`; the child adds its own."""
+    dict read from `--settings-fd`) and `parent_pid`; the child adds its own."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--settings-json", dest="settings", type=json.loads, required=True)
+    parser.add_argument(SETTINGS_FD_FLAG, dest="settings", type=read_settings_fd, required=True,
+                        help="A file descriptor to read the settings (a JSON object) from, once.")
     parser.add_argument("--parent-pid", type=int, required=True)
     return parser
 

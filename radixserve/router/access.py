@@ -24,6 +24,7 @@ from typing import Optional
 
 from fastapi.responses import JSONResponse
 
+from radixserve.http_common.api_keys import ApiKeyRing
 from radixserve.http_common.auth import bearer_token
 from radixserve.http_common.errors import error_response
 
@@ -73,9 +74,9 @@ def admin_refusal(headers: list[tuple[bytes, bytes]], admin_api_key: Optional[st
 class RouterAccessMiddleware:
     """Pure ASGI (streams pass through untouched); keys are compared in constant time."""
 
-    def __init__(self, app, api_key: Optional[str] = None, admin_api_key: Optional[str] = None):
+    def __init__(self, app, keys: Optional[ApiKeyRing] = None, admin_api_key: Optional[str] = None):
         self.app = app
-        self.expected = api_key.encode() if api_key else None
+        self.keys = keys if keys else None
         self.admin_expected = admin_api_key.encode() if admin_api_key else None
 
     async def __call__(self, scope, receive, send):
@@ -94,7 +95,7 @@ class RouterAccessMiddleware:
                 401, "the router's admin API key is taken only by its admin and status endpoints and is never "
                 "forwarded to a worker: send the API key (--api-key) here", code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"})
-        elif self.expected is None or _matches(given, self.expected):
+        elif self.keys is None or self.keys.match(given) is not None:
             return await self.app(scope, receive, send)
         else:
             response = error_response(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
@@ -102,9 +103,9 @@ class RouterAccessMiddleware:
         await response(scope, receive, send)
 
 
-def access_summary(api_key: Optional[str], admin_api_key: Optional[str]) -> str:
+def access_summary(has_api_keys: bool, admin_api_key: Optional[str]) -> str:
     """One start-up log line: who may do what."""
-    users = "take --api-key" if api_key else "are open (no --api-key)"
+    users = "take --api-key" if has_api_keys else "are open (no --api-key)"
     if admin_api_key:
         admin = f"{ADMIN_ENDPOINTS} take --admin-api-key only"
     else:

@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from radixserve.http_common.api_keys import load_admin_key, load_key_ring
 from radixserve.http_common.auth import bearer_token
 from radixserve.router.access import RouterAccessMiddleware, access_summary
 from radixserve.router.admin_routes import add_admin_routes
@@ -62,12 +63,16 @@ class RouterSettings:
     policy: str = "cache_aware"
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: Optional[str] = None
-    # The workers isolate each API key's cache (their --cache-salt-per-api-key): so do the prefix keys.
+    api_key: tuple[str, ...] = ()  # the keys clients may send (the workers'), with those of api_key_file
+    api_key_file: Optional[str] = None
+    # The workers isolate each API key's cache (their --cache-salt-per-api-key, or their default with
+    # several keys unless shared_cache_across_keys): so do the prefix keys.
     cache_salt_per_api_key: bool = False
+    shared_cache_across_keys: bool = False
     # The workers' --admin-api-key, for their /kv_events and /flush_cache (without it: api_key). Sent
     # only to the workers of worker_urls and run-time workers matching worker_url_allowlist (trust.py).
     worker_admin_api_key: Optional[str] = None
+    worker_admin_api_key_file: Optional[str] = None  # holds worker_admin_api_key instead
     # The router's own key for worker management and /flush_cache (access.py); None: those are off.
     admin_api_key: Optional[str] = None
     # Workers added at run time that may receive worker_admin_api_key: URLs, host names, IPs, CIDR blocks.
@@ -92,6 +97,11 @@ class RouterSettings:
     def validate(self) -> None:
         from radixserve.router.policies import POLICIES
 
+        if isinstance(self.api_key, str):  # one key, as callers wrote it before keys could repeat
+            self.api_key = (self.api_key,)
+        if self.cache_salt_per_api_key and self.shared_cache_across_keys:
+            raise ValueError("cache_salt_per_api_key and shared_cache_across_keys contradict each other: give one")
+
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} is not one of {', '.join(POLICIES)}")
         if not 0.0 <= self.cache_threshold <= 1.0:
@@ -110,7 +120,7 @@ class RouterSettings:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         if self.admin_api_key is not None and not self.admin_api_key.strip():
             raise ValueError("admin_api_key must not be empty")
-        if self.admin_api_key and self.admin_api_key == self.api_key:
+        if self.admin_api_key and self.admin_api_key in self.api_key:
             raise ValueError("--admin-api-key must differ from --api-key: every client holds the API key, and "
                              "the admin key decides where their requests go")
         WorkerAllowlist.parse(self.worker_url_allowlist)
@@ -124,6 +134,15 @@ class Router:
     def __init__(self, settings: RouterSettings):
         settings.validate()
         self.settings = settings
+        self.keys = load_key_ring(settings.api_key, settings.api_key_file)
+        if settings.admin_api_key and self.keys.match(settings.admin_api_key.encode()) is not None:
+            raise ValueError("--admin-api-key must differ from every --api-key: every client holds an API key, "
+                             "and the admin key decides where their requests go")
+        self.worker_admin_key = load_admin_key(settings.worker_admin_api_key, settings.worker_admin_api_key_file,
+                                               "--worker-admin-api-key")
+        # Whether the workers give each key its own cache, so the prefix keys must be per key too.
+        self.isolate_keys = self.keys.isolates_cache(settings.cache_salt_per_api_key,
+                                                     settings.shared_cache_across_keys)
         self.registry = WorkerRegistry(settings.max_tree_size)
         self.policy = make_policy(settings.policy, BalanceConfig(
             settings.cache_threshold, settings.balance_abs_threshold, settings.balance_rel_threshold), settings.seed)
@@ -145,11 +164,12 @@ class Router:
 
     @property
     def worker_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
+        key = self.keys.first_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     @property
     def worker_admin_headers(self) -> dict[str, str]:
-        key = self.settings.worker_admin_api_key
+        key = self.worker_admin_key
         return {"Authorization": f"Bearer {key}"} if key else self.worker_headers
 
     @property
@@ -164,8 +184,8 @@ class Router:
     def withholds_worker_admin_key(self) -> bool:
         """A workers' admin key of its own is set: it goes to trusted workers only. (Without one the
         router's admin calls carry --api-key, which every client holds and sends to any worker.)"""
-        key = self.settings.worker_admin_api_key
-        return bool(key) and key != self.settings.api_key
+        key = self.worker_admin_key
+        return bool(key) and self.keys.match(key.encode()) is None
 
     def admin_headers_for(self, worker: Worker) -> Optional[dict[str, str]]:
         """Headers of the router's own admin calls to `worker` (/kv_events, /flush_cache); None where
@@ -182,7 +202,7 @@ class Router:
         # Redirects are never followed: a worker's 3xx must not carry a key to another address.
         self.client = httpx.AsyncClient(timeout=timeout, follow_redirects=False, limits=httpx.Limits(
             max_connections=None, max_keepalive_connections=256, keepalive_expiry=WORKER_KEEPALIVE_S))
-        logger.info("%s", access_summary(self.settings.api_key, self.settings.admin_api_key))
+        logger.info("%s", access_summary(bool(self.keys), self.settings.admin_api_key))
         if self.withholds_worker_admin_key:
             logger.info("router: the workers' admin key goes to the %d worker(s) of --worker-urls and to run-time "
                         "workers matching --worker-url-allowlist (%s) only", len(self.trust.configured),
@@ -350,7 +370,7 @@ class Router:
         except ValueError:
             body = None
         stream = isinstance(body, dict) and bool(body.get("stream"))
-        api_key = self.request_key(request) if self.settings.cache_salt_per_api_key else None
+        api_key = self.request_key(request) if self.isolate_keys else None
         if self.settings.policy == "kv_aware" and self.tokenizer is not None:
             # Tokenizing a 3k-token prompt takes ~10 ms, most of it without the GIL: in a thread,
             # so the event loop goes on streaming every other response meanwhile.
@@ -358,7 +378,7 @@ class Router:
         else:
             keys = routing_keys(path, body, self.tokenizer, self.settings.policy == "kv_aware", api_key)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_REQUEST_HEADERS}
-        if self.settings.api_key and "authorization" not in {k.lower() for k in headers}:
+        if self.keys and "authorization" not in {k.lower() for k in headers}:
             headers.update(self.worker_headers)
         tried: set[str] = set()
         last_error = "no worker is registered"
@@ -498,6 +518,8 @@ class Router:
 
 def create_router_app(settings: RouterSettings) -> FastAPI:
     router = Router(settings)
+    if router.keys:  # labels and counts only, never a key
+        logger.info("API keys: %s", router.keys.describe(router.isolate_keys))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -512,7 +534,7 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
 
     app = FastAPI(title="radixserve router", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(RouterAccessMiddleware, api_key=settings.api_key, admin_api_key=settings.admin_api_key)
+    app.add_middleware(RouterAccessMiddleware, keys=router.keys, admin_api_key=settings.admin_api_key)
     app.state.router = router
 
     for path in GENERATION_PATHS:

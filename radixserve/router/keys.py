@@ -12,11 +12,11 @@
 
 A batch (a list of prompts) is routed as a whole on its first prompt.
 
-A request with a `cache_salt` (or, with `--cache-salt-per-api-key`, any request with a key) is in
-its own cache namespace on the workers (`radixserve.cache.namespace`): its keys start with the
-namespace (text: the digest and a NUL; tokens: the digest as a first symbol, which the kv mirror
-hashes from, as the workers do), so its prefix matches only what requests of the same namespace
-left on a worker.
+A request with a `cache_salt` (or, where keys isolate, `--cache-salt-per-api-key` or several keys,
+any request with a key) is in its own cache namespace on the workers (`radixserve.cache.namespace`):
+its keys start with the namespace (text: the digest and a NUL; tokens: the digest as a first
+symbol, which the kv mirror hashes from, as the workers do), so its prefix matches only what
+requests of the same namespace left on a worker.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _in_namespace(key: Any, namespace: str) -> Any:
 
 def routing_keys(path: str, body: Any, tokenizer=None, want_tokens: bool = False,
                  api_key: Optional[str] = None) -> RoutingKeys:
-    """api_key: the request's key when the workers isolate keys (--cache-salt-per-api-key)."""
+    """api_key: the request's key when the workers isolate keys (--cache-salt-per-api-key, several keys)."""
     if not isinstance(body, dict):
         return RoutingKeys(None, None)
     text: Any = None

@@ -5,8 +5,8 @@ Endpoints, by router (`radixserve.server.routes`): OpenAI (`/v1/completions`,
 with the files `radixserve.client.AsyncClient.tokenizer` needs), tokenizer (`/v1/tokenize`,
 `/v1/detokenize` and SGLang's `/tokenize`, `/detokenize`), admin (`/server_info`,
 `/flush_cache`, `/kv_events`) and observability (`/health`, `/metrics`). They share one
-`ServingContext`. With `--api-key`, every path but `/health` answers 401 without
-`Authorization: Bearer <key>`; `/health` stays open so load balancers can probe it and reveals
+`ServingContext`. With `--api-key` (or `--api-key-file`), every path but `/health` answers 401
+without `Authorization: Bearer <key>` of one of the keys; `/health` stays open so load balancers can probe it and reveals
 nothing but whether the engine generates. `/flush_cache` and `/kv_events` take `--admin-api-key`
 when it is set. Shutdown and engine death: `radixserve.server.lifecycle`.
 """
@@ -86,8 +86,11 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, limit=lambda: request_bytes_limit(settings, engine))
     app.add_middleware(JSONContentTypeMiddleware)
-    if settings.api_key or settings.admin_api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, admin_api_key=settings.admin_api_key)
+    if ctx.api_keys or ctx.admin_api_key:
+        app.add_middleware(APIKeyMiddleware, keys=ctx.api_keys, admin_api_key=ctx.admin_api_key)
+    if ctx.api_keys or ctx.isolate_keys:  # names and counts only, never a key
+        logger.info("API keys: %s", ctx.api_keys.describe(ctx.isolate_keys) if ctx.api_keys
+                    else "none checked here; each bearer key sent gets its own prefix cache")
     app.add_middleware(RejectionRecorder, metrics=metrics, log=settings.log_requests)
     app.state.engine = engine
     app.state.ctx = ctx
@@ -96,7 +99,7 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
     app.include_router(tokenize.router)
     app.include_router(observability.router)
     app.state.kv_events = install_admin(app, ctx)
-    install_openapi(app, auth=bool(settings.api_key),
+    install_openapi(app, auth=bool(ctx.api_keys),
                     vocab_size=lambda: engine.ready.vocab_size if engine.ready else None,
                     max_output_tokens=lambda: (min(engine.ready.context_len, engine.ready.pool_size) - 1
                                                if engine.ready else None),

@@ -227,7 +227,8 @@ class EngineClient:
         self._pull_sync.setsockopt(zmq.LINGER, 0)
         self._pull_sync.bind(out_addr)
 
-        self.proc = spawn_child("radixserve.engine.engine_process", self.settings.to_dict(),
+        # The engine checks no key: it (and its ranks, and ps) never sees them.
+        self.proc = spawn_child("radixserve.engine.engine_process", self.settings.without_secrets().to_dict(),
                                 "--in-addr", in_addr, "--out-addr", out_addr)
         logger.info("engine process %d starting", self.proc.pid)
 

@@ -20,6 +20,7 @@ from fastapi import Depends, Request
 
 from radixserve.cache.namespace import cache_namespace as namespace_of
 from radixserve.engine.messages import GenerateRequest, RequestOutput
+from radixserve.http_common.api_keys import load_admin_key, load_key_ring
 from radixserve.http_common.auth import bearer_token
 from radixserve.sampling_params import FinishReason, SamplingParams, TokenLogprob, sampling_params_from_dict
 from radixserve.server.detokenizer import IncrementalDetokenizer
@@ -108,6 +109,11 @@ class ServingContext:
         self.metrics = metrics
         self.model_path = model_path
         self.served_model_name = served_model_name
+        # The accepted keys (--api-key, --api-key-file); whether each key's requests get their own cache.
+        self.api_keys = load_key_ring(settings.api_key, settings.api_key_file)
+        self.admin_api_key = load_admin_key(settings.admin_api_key, settings.admin_api_key_file)
+        self.isolate_keys = self.api_keys.isolates_cache(settings.cache_salt_per_api_key,
+                                                         settings.shared_cache_across_keys)
         self.health = HealthChecker(engine, [0])
         self.executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
         self.max_token_chars = longest_token_chars(tokenizer)
@@ -127,10 +133,11 @@ class ServingContext:
         return self.engine.ready.pool_size
 
     def cache_namespace(self, salt: Optional[str], request: Request) -> Optional[str]:
-        """The cache namespace of a request with this cache_salt: of its API key too with
-        --cache-salt-per-api-key (the bearer token as sent; none sent: the salt's alone)."""
+        """The cache namespace of a request with this cache_salt: of its API key too where keys
+        isolate (--cache-salt-per-api-key, or several keys without --shared-cache-across-keys): the
+        bearer token as sent; none sent: the salt's alone."""
         key = None
-        if self.settings.cache_salt_per_api_key:
+        if self.isolate_keys:
             token = bearer_token(request.headers.get("authorization", "").encode("latin-1", "replace"))
             key = token.decode("latin-1") if token else None
         return namespace_of(salt, key)

@@ -32,7 +32,9 @@ async def server_info(request: Request, ctx: Ctx):
     if stats is None and engine.latest_stats is not None:
         stats = engine.latest_stats.values
     ready = engine.ready
-    return {"settings": info, "model_path": ctx.model_path, "served_model_name": ctx.served_model_name,
+    # How many keys and whether their caches are apart: never a key, nor the other tenants' names.
+    return {"settings": info, "api_key_count": len(ctx.api_keys), "cache_per_api_key": ctx.isolate_keys,
+            "model_path": ctx.model_path, "served_model_name": ctx.served_model_name,
             "engine_alive": engine.alive, "engine_error": engine.dead_reason,
             "engine_pid": engine.engine_pid, "api_pid": os.getpid(),
             "pool_size": ready.pool_size if ready else None,
