@@ -3,7 +3,7 @@
 # writing its results as soon as it has them, so a call that is cut short keeps what it measured.
 # On the GPU machine, from the repository root, with .whl and .qwen2-tokenizer carried:
 #
-#   bash scripts/gpu_verify.sh suite hybrid27b       # stages run in the order given
+#   VERIFY_COMMIT=abc1234 bash scripts/gpu_verify.sh suite hybrid27b   # stages run in the order given
 #
 # Stages:
 #   suite       tests/gpu with -n 8 and a per-test timeout, then the tests that failed again, alone
@@ -11,6 +11,8 @@
 #   memory      the 7B at the default memory fraction and at 0.90: random burst, gsp, agent
 #   hybrid27b   Qwen3.5-27B, agent workload at the 216,825-token pool: our default and our host tier
 #               4x, then gsp 64x16 (hit against the unlimited oracle)
+#   smoke27b    Qwen3.5-27B with --max-total-tokens 216825 starts (its snapshots fit in what the memory
+#               fraction leaves beside that pool) and serves gsp 8x8 with hits; its memory line
 #   peers27b    SGLang and vLLM on the same agent workload (their bundles unpacked under /tmp)
 #   qwen3       Qwen3-8B and Qwen3-30B-A3B beside the peers: random, rate 5, gsp
 #
@@ -29,7 +31,7 @@ ROWS=$OUT/verify.jsonl
 VERIFY_DEADLINE_S=${VERIFY_DEADLINE_S:-570}
 WORK=/tmp/verify
 mkdir -p "$WORK"
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+COMMIT=${VERIFY_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}  # the checkout that travels may carry no history
 DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 left() { echo $((VERIFY_DEADLINE_S - ($(date +%s) - T0))); }
 log() { echo "[verify $(( $(date +%s) - T0 ))s] $*"; }
@@ -143,6 +145,28 @@ stage_hybrid27b() {
   pack_logs hybrid27b
 }
 
+stage_smoke27b() {
+  [ "$(left)" -lt 150 ] && { log "smoke27b: skipped, $(left)s left"; return; }
+  log "smoke27b: Qwen3.5-27B at --max-total-tokens 216825"
+  mkdir -p "$WORK/smoke27b"
+  PORT=${PORT:-30000}
+  . scripts/server_process.sh
+  if start_server "$WORK/smoke27b/server" --model-path benchmarks/configs/qwen3.5-27b --load-format dummy \
+      --tokenizer-path .qwen2-tokenizer --max-total-tokens 216825; then
+    timeout -k 5 $(( $(left) - 30 )) python3 -m radixserve.bench_serving --backend openai --port "$PORT" \
+      --tokenizer .qwen2-tokenizer --dataset-name generated-shared-prefix --prompt-ids --gsp-num-groups 8 \
+      --gsp-prompts-per-group 8 --gsp-system-prompt-len 2048 --gsp-question-len 128 --gsp-output-len 32 \
+      --request-rate inf --disable-tqdm --output-file "$WORK/smoke27b/results.jsonl" > "$WORK/smoke27b/bench.txt" 2>&1
+    grep -iE "hit|Successful|Failed|throughput" "$WORK/smoke27b/bench.txt"
+    bench_rows smoke27b "$WORK/smoke27b/results.jsonl"
+  else
+    row smoke27b start '{"error": "the server did not come up"}'
+  fi
+  grep -hE "snapshots|memory:|WARNING|ERROR" "$WORK/smoke27b/server.log" | cut -c1-400 | head -8
+  stop_server
+  pack_logs smoke27b
+}
+
 stage_peers27b() {
   log "peers27b: SGLang and vLLM on the 27B agent workload"
   mkdir -p "$WORK/peers27b"
@@ -168,7 +192,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,power.limit --
 row start machine "$(python3 -c 'import json,torch,triton; print(json.dumps({"torch": torch.__version__, "triton": triton.__version__}))')"
 for stage in "${STAGES[@]}"; do
   case $stage in
-    suite|memory|hybrid27b|peers27b|qwen3) "stage_$stage" ;;
+    suite|memory|hybrid27b|smoke27b|peers27b|qwen3) "stage_$stage" ;;
     *) log "unknown stage $stage" ;;
   esac
   log "$stage done, $(left)s left"
