@@ -10,11 +10,7 @@ from __future__ import annotations
 import enum
 from array import array
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
-
-if TYPE_CHECKING:
-    from radixserve.cache.host_pool import CopyEngine
-    from radixserve.cache.state_snapshots import StateSnapshots
+from typing import Optional, Protocol, Sequence
 
 
 class CopyKind(enum.Enum):
@@ -59,9 +55,16 @@ class CopyLog:
         return taken
 
 
-def replay(orders: Sequence[CopyOrder], kv: Optional["CopyEngine"], states: Optional["StateSnapshots"]) -> None:
+class Replays(Protocol):
+    """A store whose copies rank 0 records: it makes one of them on this rank's shard."""
+
+    def replay(self, order: CopyOrder) -> None: ...
+
+
+def replay(orders: Sequence[CopyOrder], kv: Optional[Replays], states: Optional[Replays]) -> None:
     """Make rank 0's copies on this rank's shards, in rank 0's order: the KV ones on this rank's
-    copy engine, the state ones on its snapshot pool (and its host tier's)."""
+    copy engine (host_pool.CopyEngine), the state ones on its snapshot pool (and its host tier's;
+    state_snapshots.StateSnapshots)."""
     for order in orders:
         store = kv if order.kind.of_kv else states
         if store is None:
