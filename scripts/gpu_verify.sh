@@ -6,11 +6,11 @@
 #   VERIFY_COMMIT=abc1234 bash scripts/gpu_verify.sh suite hybrid27b   # stages run in the order given
 #
 # Stages:
-#   suite       tests/gpu with -n 8 and a per-test timeout, then the tests that failed again, alone
-#               and verbose (their output names what went wrong)
+#   suite       tests/gpu (or SUITE_FILES) with -n 8 and a per-test timeout, then the tests that failed
+#               again, alone and verbose (their output names what went wrong)
 #   memory      the 7B at the default memory fraction and at 0.90: random burst, gsp, agent
 #   hybrid27b   Qwen3.5-27B, agent workload at the 216,825-token pool: our default and our host tier
-#               4x, then gsp 64x16 (hit against the unlimited oracle)
+#               4x (HYBRID_CONFIGS), then gsp 64x16 (hit against the unlimited oracle)
 #   smoke27b    Qwen3.5-27B with --max-total-tokens 216825 starts (its snapshots fit in what the memory
 #               fraction leaves beside that pool) and serves gsp 8x8 with hits; its memory line
 #   peers27b    SGLang and vLLM on the same agent workload (their bundles unpacked under /tmp)
@@ -68,9 +68,10 @@ pack_logs() {  # few files come back: one archive per stage
 stage_suite() {
   local budget=$(( $(left) - 30 ))
   [ "$budget" -lt 120 ] && { log "suite: skipped, ${budget}s left"; return; }
-  log "suite: tests/gpu -n 8 within ${budget}s"
+  log "suite: ${SUITE_FILES:-tests/gpu} -n 8 within ${budget}s"
   mkdir -p "$WORK/suite"
-  timeout -k 10 "$budget" python3 -m pytest -q -n 8 tests/gpu --timeout 240 -rfEs -p no:cacheprovider \
+  # shellcheck disable=SC2086
+  timeout -k 10 "$budget" python3 -m pytest -q -n 8 ${SUITE_FILES:-tests/gpu} --timeout 240 -rfEs -p no:cacheprovider \
     --junitxml "$WORK/suite/junit.xml" > "$OUT/suite.log" 2>&1
   log "suite: $(tail -1 "$OUT/suite.log")"
   row suite summary "$(python3 - "$WORK/suite/junit.xml" <<'EOF'
@@ -134,7 +135,7 @@ stage_hybrid27b() {
   log "hybrid27b: Qwen3.5-27B agent workload, default and host tier 4x"
   mkdir -p "$WORK/hybrid27b"
   OUT=$WORK/hybrid27b MODEL=benchmarks/configs/qwen3.5-27b DEADLINE_S=$(( $(left) - 20 )) MIN_LEFT_S=150 \
-    CONFIGS="default:--schedule-policy,lpm hicache4:--schedule-policy,lpm,--hicache-ratio,4" \
+    CONFIGS=${HYBRID_CONFIGS:-"default:--schedule-policy,lpm hicache4:--schedule-policy,lpm,--hicache-ratio,4"} \
     bash scripts/gpu_agent_bench.sh
   bench_rows hybrid27b "$WORK/hybrid27b/results.jsonl"
   if [ "$(left)" -gt 150 ]; then
