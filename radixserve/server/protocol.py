@@ -115,12 +115,19 @@ class JsonSchemaFormat(_Body):
 
 
 class ResponseFormat(_Body):
-    # The schema says what the server checks: type json_schema comes with a json_schema object.
-    model_config = ConfigDict(json_schema_extra={
-        "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
-        "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}}})
+    # The schema says what the server checks: type json_schema comes with a json_schema object, and
+    # a top-level schema comes with type json_object only.
+    model_config = ConfigDict(populate_by_name=True, json_schema_extra={"allOf": [
+        {"if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+         "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}}},
+        {"if": {"properties": {"type": {"enum": ["text", "json_schema"]}}, "required": ["type"]},
+         "then": {"properties": {"schema": {"type": "null"}}}}]})
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = Field(None, description="Required with type json_schema.")
+    schema_: Optional[dict[str, Any]] = Field(
+        None, alias="schema", description="With type json_object only: a JSON Schema the output follows, "
+                                          "enforced as json_schema's is (the form several hosted APIs take, and "
+                                          "instructor's JSON_SCHEMA mode sends).")
 
 
 class _SamplingFields(_Body):

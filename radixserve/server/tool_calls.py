@@ -286,6 +286,7 @@ def template_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:
 def tool_policy(body: Any) -> ToolPolicy:
     """A chat request's tools and tool_choice, checked (APIError 400 naming the field)."""
     from radixserve.server.errors import CONFLICTING_FIELDS, bad_request
+    from radixserve.server.structured import response_format_constrains
 
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     names = [t["function"]["name"] for t in tools]
@@ -305,7 +306,7 @@ def tool_policy(body: Any) -> ToolPolicy:
         raise bad_request(f"tool_choice {policy.mode!r} needs tools", "tool_choice", code=CONFLICTING_FIELDS)
     if policy.mode == "named" and policy.name not in names:
         raise bad_request(f"tool_choice names {policy.name!r}, which is not one of the tools", "tool_choice")
-    if policy.forced and body.response_format is not None and body.response_format.type != "text":
+    if policy.forced and response_format_constrains(getattr(body, "response_format", None)):
         raise bad_request("response_format cannot constrain a reply that tool_choice forces to be a tool call",
                           "response_format", code=CONFLICTING_FIELDS)
     if policy.forced:

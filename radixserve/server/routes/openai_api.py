@@ -18,7 +18,7 @@ from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.server.reasoning import ReasoningFormat, ReasoningStream, split_reasoning
 from radixserve.server.responses import per_output, run_request, usage
 from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, finish_reason_name, new_id, sse
-from radixserve.server.structured import check_request_grammar, response_format_grammar
+from radixserve.server.structured import check_request_grammar, response_format_constrains, response_format_grammar
 from radixserve.server.tool_calls import ToolCallStream, ToolPolicy, forced_call_grammar, parse_tool_calls, tool_policy
 from radixserve.validation import choice_seed
 
@@ -245,8 +245,7 @@ def thinking_off(ctx: ServingContext, body: ChatCompletionRequest) -> None:
 def chat_grammar_field(body: ChatCompletionRequest, policy: ToolPolicy) -> Optional[str]:
     """The field whose grammar constrains the reply, or None; 400 when two would."""
     fields = [name for name, on in (("tools", policy.forced),
-                                    ("response_format", body.response_format is not None
-                                     and body.response_format.type != "text"),
+                                    ("response_format", response_format_constrains(body.response_format)),
                                     ("regex", body.regex is not None), ("ebnf", body.ebnf is not None)) if on]
     if len(fields) > 1:
         raise bad_request(f"{fields[0]} and {fields[1]} both constrain the reply; give one", fields[1],
