@@ -403,12 +403,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
 
 
 def finish_chunks(t: Tracker, tools: Optional[ToolCallStream]) -> list[tuple[dict, Optional[str]]]:
-    """The last deltas of a streamed choice: text held back, then the finish reason."""
+    """The last deltas of a streamed choice: text held back, a call that max_tokens cut off after
+    its JSON was complete (as the whole reply has it), then the finish reason."""
     reason = finish_reason_name(t.finish_reason)
     if tools is None:
         return [({}, reason)]
-    rest = tools.finish(cut_off=reason == "length")
+    cut_off = reason == "length"
+    calls = tools.finish_calls(cut_off)
+    rest = tools.finish(cut_off)
     events: list[tuple[dict, Optional[str]]] = [({"content": rest}, None)] if rest else []
+    first = tools.num_calls - len(calls)
+    events += [({"tool_calls": [{"index": first + i, **call}]}, None) for i, call in enumerate(calls)]
     return events + [({}, "tool_calls" if tools.num_calls and reason == "stop" else reason)]
 
 
