@@ -337,7 +337,7 @@ def tool_policy(body: Any) -> ToolPolicy:
     for i, tool in enumerate(tools):
         _check_parameters(tool["function"].get("parameters"), f"tools[{i}].function.parameters")
     choice = body.tool_choice
-    policy = ToolPolicy(tools=tools, parallel=body.parallel_tool_calls is not False)
+    policy = ToolPolicy(tools=tools, parallel=getattr(body, "parallel_tool_calls", None) is not False)
     if choice is None:
         policy.mode = "auto" if tools else "none"
     elif isinstance(choice, str):
