@@ -347,7 +347,8 @@ def tool_policy(body: Any) -> ToolPolicy:
     if policy.mode in ("required", "named") and not tools:
         raise bad_request(f"tool_choice {policy.mode!r} needs tools", "tool_choice", code=CONFLICTING_FIELDS)
     if policy.mode == "named" and policy.name not in names:
-        raise bad_request(f"tool_choice names {policy.name!r}, which is not one of the tools", "tool_choice")
+        raise bad_request(f"tool_choice names {policy.name!r}, which is not one of the tools", "tool_choice",
+                          code=CONFLICTING_FIELDS)
     if policy.forced and response_format_constrains(getattr(body, "response_format", None)):
         raise bad_request("response_format cannot constrain a reply that tool_choice forces to be a tool call",
                           "response_format", code=CONFLICTING_FIELDS)
