@@ -61,12 +61,9 @@ def detokenize(server, ids: list[int]) -> str:
 ])
 def test_template_kwargs_set_only_what_the_template_reads(server, kwargs, param):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template_kwargs": kwargs}
-    for path in ("/v1/chat/completions", "/v1/tokenize"):
+    for path in ("/v1/chat/completions", "/v1/tokenize"):  # /v1/tokenize checks them as chat does
         r = httpx.post(f"{server.base_url}{path}", json=body if path.endswith("completions") else
                        {k: v for k, v in body.items() if k != "max_tokens"}, timeout=60)
-        if path.endswith("tokenize"):  # /v1/tokenize has no chat_template_kwargs: refused as unknown
-            assert r.status_code == 400
-            continue
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert (error["param"], error["code"]) == (param, "unsupported_parameter"), error
@@ -83,6 +80,34 @@ def test_a_variable_the_template_reads_is_set(greeting_server):
     refused = httpx.post(f"{greeting_server.base_url}/v1/chat/completions",
                          json={**body, "chat_template_kwargs": {"farewell": "bye"}}, timeout=60)
     assert refused.status_code == 400 and "greeting" in refused.json()["error"]["message"]
+
+
+def test_tokenize_counts_what_chat_counts_with_tools_and_template_variables(greeting_server):
+    """/v1/tokenize renders tools (unless tool_choice is none) and chat_template_kwargs as chat does,
+    so its count is the chat's usage.prompt_tokens."""
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
+                                             "parameters": {"type": "object", "properties": {
+                                                 "city": {"type": "string", "maxLength": 8}}}}}
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    cases = [{}, {"tools": [tool]}, {"tools": [tool], "tool_choice": "none"}, {"tools": [tool], "tool_choice": "auto"},
+             {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+             {"chat_template_kwargs": {"greeting": "Hello there"}},
+             {"tools": [tool], "chat_template_kwargs": {"greeting": "Hi", "times": 2}}]
+    counts = []
+    for extra in cases:
+        chat = httpx.post(f"{greeting_server.base_url}/v1/chat/completions", timeout=60,
+                          json={"messages": messages, "max_tokens": 1, **extra})
+        assert chat.status_code == 200, (extra, chat.text)
+        counted = tokenize(greeting_server, messages=messages, **extra)
+        assert counted.status_code == 200, (extra, counted.text)
+        assert counted.json()["count"] == chat.json()["usage"]["prompt_tokens"], extra
+        counts.append(counted.json()["count"])
+    assert counts[1] > counts[0] == counts[2] and counts[5] > counts[0] and counts[6] > counts[1]
+    for name, value in (("tools", [tool]), ("tool_choice", "auto"), ("chat_template_kwargs", {"greeting": "x"})):
+        r = tokenize(greeting_server, prompt="hello", **{name: value})  # a chat prompt's fields need messages
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+    r = tokenize(greeting_server, messages=messages, tool_choice="required")  # as chat refuses it
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
 
 
 def test_template_rendering_is_bounded_in_size_and_time(greeting_server):

@@ -73,3 +73,40 @@ def test_instructor_default_mode(base_url, model):
     person = client.chat.completions.create(model=model, response_model=Person, max_tokens=MAX_TOKENS, seed=1,
                                             messages=[{"role": "user", "content": QUESTION}], max_retries=1)
     assert isinstance(person, Person)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_object_with_a_schema_as_instructor_json_schema_mode_sends_it(base_url, model, stream):
+    """instructor 1.3.x's Mode.JSON_SCHEMA (and several hosted APIs) put the schema beside type
+    json_object: it is enforced as a json_schema's is, so the reply validates as the model."""
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    response_format = {"type": "json_object", "schema": Person.model_json_schema()}
+    args = dict(model=model, messages=[{"role": "user", "content": QUESTION}], response_format=response_format,
+                max_tokens=MAX_TOKENS, seed=1)
+    if stream:
+        text, finish = "", None
+        for chunk in client.chat.completions.create(stream=True, **args):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+    else:
+        choice = client.chat.completions.create(**args).choices[0]
+        text, finish = choice.message.content, choice.finish_reason
+    assert finish == "stop", text
+    Person.model_validate_json(text)
+    done = client.completions.create(model=model, prompt=QUESTION, max_tokens=MAX_TOKENS, seed=1,
+                                     extra_body={"response_format": response_format})
+    assert done.choices[0].finish_reason == "stop"
+    Person.model_validate_json(done.choices[0].text)
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "text", "schema": {"type": "object"}},
+    {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}, "schema": {"type": "object"}},
+])
+def test_a_schema_beside_another_type_is_refused_by_name(base_url, model, response_format):
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=4,
+                                       response_format=response_format)
+    assert e.value.body["param"] == "response_format.schema", e.value.body

@@ -67,3 +67,21 @@ def test_out_of_bounds_metadata_is_refused(server, chat_schema):
             r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("metadata"), r.text
         assert not chat_schema.is_valid(body)
+
+
+def test_prompt_cache_key_is_accepted_on_completions_as_on_chat(server):
+    """Accepted and not used on both (the radix cache finds a shared prefix by its tokens): the
+    completion is the one without it, and the served schema allows it."""
+    spec = httpx.get(f"{server.base_url}/openapi.json", timeout=30).json()
+    validator = jsonschema.Draft202012Validator({"$ref": "#/components/schemas/CompletionRequest",
+                                                 "components": spec["components"]})
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+    plain = client.completions.create(model=model, prompt="The river", max_tokens=4, temperature=0)
+    keyed = client.completions.create(model=model, prompt="The river", max_tokens=4, temperature=0,
+                                      extra_body={"prompt_cache_key": "tenant-42/agent"})
+    assert keyed.choices[0].text == plain.choices[0].text
+    validator.validate({"prompt": "The river", "prompt_cache_key": "tenant-42/agent"})
+    with server.client(timeout=60) as http:
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "prompt_cache_key": "k" * 1025})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_cache_key", r.text

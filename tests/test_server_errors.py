@@ -333,9 +333,10 @@ FUZZ_OPERATIONS = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST")
                    ("/detokenize", "POST")]
 # Schema-valid requests the schema cannot tell from servable ones, because JSON Schema bounds each
 # field and not their relations: a prompt plus max_tokens past the model's context (a 400, as
-# OpenAI answers it), or two fields that contradict each other; nor can it say which strings are
-# grammars (an `ebnf` or `regex` that does not parse).
-CONTEXT_DEPENDENT_CODES = ("context_length_exceeded", "conflicting_fields", "invalid_grammar")
+# OpenAI answers it), a conversation the chat template renders longer than any prompt the context
+# takes, or two fields that contradict each other; nor can it say which strings are grammars (an
+# `ebnf` or `regex` that does not parse).
+CONTEXT_DEPENDENT_CODES = ("context_length_exceeded", "template_limit", "conflicting_fields", "invalid_grammar")
 
 
 def positive_data_accepted_unless_context_bound(ctx, response, case):

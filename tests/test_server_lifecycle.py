@@ -78,6 +78,41 @@ def test_missing_model_path_fails_before_loading(tmp_path):
     assert_failed_before_loading(run, tmp_path / "cache", "no config.json in it")
 
 
+@pytest.mark.parametrize("config,found", [
+    ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "unsupported architecture LlamaForCausalLM"),
+    ({"model_type": "mistral"}, "unsupported architecture model_type='mistral'"),
+])
+def test_unsupported_architecture_is_one_line_on_stderr(tmp_path, server_model_dir, config, found):
+    """A config.json of a model radixserve does not run: one line on stderr naming it and the
+    supported ones, exit 1, before any engine starts (no traceback)."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(server_model_dir, model)
+    data = json.loads((model / "config.json").read_text())
+    data.pop("architectures")
+    (model / "config.json").write_text(json.dumps({**data, **config}))
+    run = launch(["--model-path", str(model), "--port", str(free_port())], tmp_path / "cache")
+    assert_failed_before_loading(run, tmp_path / "cache", found)
+    assert run.stdout == "" and "Qwen2ForCausalLM" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_engine_that_fails_to_start_is_one_server_line_without_traceback(tmp_path, server_model_dir):
+    """A failure only the engine finds (here: no weights) ends the server with one `server failed`
+    line and exit 1, not uvicorn's lifespan traceback and exit 3."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(server_model_dir, model)
+    for weights in model.glob("*.safetensors"):
+        weights.unlink()
+    run = launch(["--model-path", str(model), "--port", str(free_port())], tmp_path / "cache")
+    lines = (run.stdout + run.stderr).strip().splitlines()
+    assert run.returncode == 1, lines
+    assert "Traceback" not in run.stderr and "server failed: " in lines[-1] and "no safetensors" in lines[-1], lines
+
+
 def test_missing_chat_template_fails_before_loading(tmp_path):
     run = launch(["--chat-template", str(tmp_path / "no-such.jinja"), "--port", str(free_port())], tmp_path / "cache")
     assert_failed_before_loading(run, tmp_path / "cache", "no-such.jinja': no such file")

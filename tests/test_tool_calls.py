@@ -33,9 +33,9 @@ def served_model(server) -> str:
     return httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
-def ask(client, model, messages, stream: bool, max_tokens: int = MAX_TOKENS, **kwargs):
+def ask(client, model, messages, stream: bool, max_tokens: int = MAX_TOKENS, tools=TOOLS, **kwargs):
     """(message dict, finish_reason) of one reply, streamed or not, as the SDK hands it over."""
-    args = dict(model=model, messages=messages, tools=TOOLS, max_tokens=max_tokens, temperature=1.0, seed=7,
+    args = dict(model=model, messages=messages, tools=tools, max_tokens=max_tokens, temperature=1.0, seed=7,
                 **kwargs)
     if not stream:
         reply = client.chat.completions.create(**args)
@@ -184,6 +184,76 @@ def test_forced_call_cut_off_by_max_tokens_shows_no_markup(server, stream, max_t
     assert finish == "length"
     # Cut inside the opening tag (3 tokens) or inside the JSON (12): nothing parsed, nothing shown.
     assert message == {"content": None, "tool_calls": []}
+
+
+# Arguments in ASCII only (an enum and a digit), so the reply's tokens, each decoded on its own in
+# the log probabilities, spell its text exactly.
+FORECAST = {"type": "function", "function": {"name": "get_forecast", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["unit", "days"], "additionalProperties": False}}}
+
+
+def complete_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_call_cut_off_after_its_json_is_returned(server, stream):
+    """max_tokens ends the reply after the call's JSON but before its closing tag: the call comes
+    back (SDK code reads tool_calls[0]) with finish_reason length, whole and streamed alike."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    model = served_model(server)
+    messages = [{"role": "user", "content": "forecast?"}]
+    named = {"type": "function", "function": {"name": "get_forecast"}}
+    full = client.chat.completions.create(model=model, messages=messages, tools=[FORECAST], tool_choice=named,
+                                          max_tokens=MAX_TOKENS, temperature=1.0, seed=7, logprobs=True)
+    choice = full.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (expected,) = choice.message.tool_calls
+    pieces = [entry.token for entry in choice.logprobs.content]
+    # How many tokens spell the call's JSON in full (the closing tag comes after them).
+    complete = next(i for i in range(1, len(pieces) + 1)
+                    if complete_json("".join(pieces[:i]).partition("<tool_call>")[2].strip()))
+    assert complete < len(pieces)
+    for max_tokens in sorted({complete, len(pieces) - 1}):
+        message, finish = ask(client, model, messages, stream, max_tokens, tools=[FORECAST], tool_choice=named)
+        assert finish == "length", (max_tokens, message)
+        assert message["content"] is None
+        (call,) = message["tool_calls"]
+        assert call["id"] and call["function"] == expected.function.model_dump(), (max_tokens, message)
+
+
+def test_a_block_cut_off_after_its_json_is_a_call():
+    """Cut anywhere after the call's arguments are complete JSON (the closing tag, the newline
+    before it or the call's last brace missing), whole text and stream give the same call; cut
+    inside the JSON, neither gives one."""
+    full = '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}\n</tool_call>'
+    arguments_end = full.index("]}") + 2
+    for cut in range(len("<tool_call>"), len(full)):
+        text = "Sure. " + full[:cut]
+        content, calls = parse_tool_calls(text, names={"f"}, cut_off=True)
+        stream = ToolCallStream(names={"f"})
+        shown, handed = "", []
+        third = len(text) // 3
+        for piece in (text[:third], text[third:2 * third], text[2 * third:]):
+            more, closed = stream.feed(piece)
+            shown, handed = shown + more, handed + closed
+        handed += stream.finish_calls(cut_off=True)
+        shown += stream.finish(cut_off=True)
+        assert content == "Sure." and shown.strip() == "Sure.", cut
+        got = [c["function"] for c in calls]
+        assert got == [c["function"] for c in handed], cut
+        assert got == ([{"name": "f", "arguments": '{"a": [1, 2]}'}] if cut >= arguments_end else []), (cut, text)
+    # Without arguments there is no call to make, and a call after one is refused without parallel calls.
+    assert parse_tool_calls('<tool_call>\n{"name": "f"', names={"f"}, cut_off=True) == (None, [])
+    done = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n'
+    assert len(parse_tool_calls(done + full[:-3], parallel=False, cut_off=True)[1]) == 1
+    assert len(parse_tool_calls(done + full[:-3], cut_off=True)[1]) == 2
 
 
 def test_cut_off_text_drops_the_unfinished_block_only():

@@ -357,7 +357,10 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
 
             core = EngineCore(settings)
         except Exception as e:
-            logger.error("engine failed to start: %s\n%s", e, traceback.format_exc())
+            # A model or setting it cannot run (ValueError, a missing file) says why in its message;
+            # anything else is a bug, whose traceback is wanted.
+            expected = isinstance(e, (ValueError, FileNotFoundError))
+            logger.error("engine failed to start: %s%s", e, "" if expected else "\n" + traceback.format_exc())
             push.send_multipart(m.encode(m.EngineFailed(message=f"{type(e).__name__}: {e}")))
             return 1
         try:

@@ -5,8 +5,10 @@ lookahead is dropped with a warning, so output that violates it still ends with 
 an anchor that is not at an end, and it unrolls a bounded repeat state by state. Inside a JSON
 string (a schema's `pattern`) it excludes the characters JSON must escape from `.` and negated
 classes, but a literal `"`, `\\`, newline or other control character in the pattern is emitted raw,
-which is not valid JSON. The pattern is parsed with Python's own regex parser (the dialects agree
-on everything checked here); a pattern it cannot parse is refused, since it cannot be checked.
+which is not valid JSON, and a `?` after a group that ends in a repeat lets the group's start be
+skipped (`{0,1}` does not: `optional_groups_counted` rewrites the one into the other). The pattern
+is parsed with Python's own regex parser (the dialects agree on everything checked here); a
+pattern it cannot parse is refused, since it cannot be checked.
 """
 
 from __future__ import annotations
@@ -94,6 +96,41 @@ def _node(op, arg, pattern: str, what: str, in_json: bool, top: bool, first: boo
     if op == getattr(_c, "ATOMIC_GROUP", None):
         _refuse(what, pattern, "an atomic group")
     return 1
+
+
+def optional_groups_counted(pattern: str) -> str:
+    """`pattern` with each `?` that quantifies a group written `{0,1}` (the same language).
+
+    Inside a JSON string (a schema's `pattern`) xgrammar 0.2.9 lets `(...)?` skip the start of a
+    group that ends in a repeat of a variable count: `^a(xy+)?b$` takes "ayb", `^a(x[0-9]{1,2})?b$`
+    takes "a1b" (measured); `{0,1}` is enforced as written. Escapes and character classes are
+    stepped over, so only a `?` right after a group's `)` changes."""
+    out: list[str] = []
+    i, n = 0, len(pattern)
+    in_class = False
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            # A `]` first in a class (after an optional `^`) is a literal, not its end.
+            j = i + 1 + (pattern[i + 1:i + 2] == "^")
+            if pattern[j:j + 1] == "]":
+                out.append(pattern[i:j + 1])
+                i = j + 1
+                continue
+        elif c == ")" and pattern[i + 1:i + 2] == "?":
+            out.append("){0,1}")
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def _check_class(items: list, what: str, pattern: str) -> None:

@@ -3,9 +3,10 @@ backend would not enforce it, and refused with the limit when it is too large to
 bounded time.
 
 xgrammar 0.2.9 silently drops a keyword it does not implement (`uniqueItems`, `contains`, `not`,
-`if`, a second `allOf` branch, `multipleOf` on a number ...), lets `oneOf` fall back to `anyOf`,
-ignores every keyword beside `$ref`, `const`, `enum`, `anyOf`, `oneOf` and `allOf`, and ignores
-`minLength`/`maxLength` beside a `pattern` or `format`. Each of these was measured to let
+`if`, a second `allOf` branch, `multipleOf` on a number, a `format` it does not know ...), lets
+`oneOf` fall back to `anyOf`, ignores every keyword beside `$ref`, `const`, `enum`, `anyOf`, `oneOf`
+and `allOf`, ignores `minLength`/`maxLength` beside a `pattern` or `format` and `pattern` beside
+`format`, and enforces some formats loosely (radixserve.grammar.string_formats). Each of these was measured to let
 violating output end with `finish_reason: stop`; each is a 400 here instead.
 
 Compile cost: optional properties grow the compile about cubically (1,000 optional properties of
@@ -20,7 +21,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.grammar.regex_check import RegexRefused, check_regex
+from radixserve.grammar.regex_check import RegexRefused, check_regex, optional_groups_counted
+from radixserve.grammar.string_formats import REPLACED, format_problem
 
 MAX_SCHEMA_BYTES = 128 * 1024
 MAX_DEPTH = 32
@@ -75,6 +77,34 @@ def check_schema(schema: Any) -> None:
         _check(schema, "#", 0, _Walk(schema))
     except (TypeError, AttributeError) as e:  # a keyword of the wrong shape (xgrammar would refuse it too)
         raise SchemaRefused(f"the schema is malformed: {e}") from None
+
+
+def enforceable_schema(schema: Any) -> Any:
+    """A schema `check_schema` passed, as the backend is to get it: each `format` whose backend
+    grammar lets invalid values through replaced by the pattern of its valid values
+    (radixserve.grammar.string_formats), and each pattern's optional groups written so the backend
+    enforces them (radixserve.grammar.regex_check.optional_groups_counted). `schema` itself when
+    nothing changes."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if schema.get("format") in REPLACED:
+        del out["format"]
+        out["pattern"] = f"^({REPLACED[schema['format']]})$"
+    if isinstance(out.get("pattern"), str):
+        out["pattern"] = optional_groups_counted(out["pattern"])
+    if isinstance(schema.get("patternProperties"), dict):
+        out["patternProperties"] = {optional_groups_counted(k): v for k, v in schema["patternProperties"].items()}
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: enforceable_schema(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [enforceable_schema(sub) for sub in out[key]]
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = enforceable_schema(out[key])
+    return schema if out == schema else out
 
 
 def _check(schema: Any, where: str, depth: int, walk: _Walk) -> None:
@@ -220,6 +250,9 @@ def _check_strings(schema: dict, where: str) -> None:
         if holder in schema and lengths:
             _refuse(lengths[0], where, f"it is ignored beside {holder!r}; put the length into the pattern "
                                        "or leave one out")
+    problem = format_problem(schema)
+    if problem is not None:
+        _refuse(problem[0], where, problem[1])
     patterns = []
     if isinstance(schema.get("pattern"), str):
         patterns.append((schema["pattern"], f"{where}/pattern"))

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from radixserve.grammar.json_strings import escape_bounded_strings
 from radixserve.grammar.regex_check import RegexRefused, check_regex
-from radixserve.grammar.schema_check import MAX_SCHEMA_BYTES, SchemaRefused, check_schema
+from radixserve.grammar.schema_check import MAX_SCHEMA_BYTES, SchemaRefused, check_schema, enforceable_schema
 from radixserve.sampling_params import GRAMMAR_KINDS
 
 # Outputs are compact JSON (", " and ": " separators, no other whitespace): a model cannot pad
@@ -65,6 +65,9 @@ def build_grammar(kind: str, text: str):
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("json_schema must be a JSON object (a JSON Schema)")
             check_schema(schema)
+            enforced = enforceable_schema(schema)
+            if enforced is not schema:
+                text = json.dumps(enforced)
             grammar = xgrammar.Grammar.from_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS,
                                                         strict_mode=True)
             return escape_bounded_strings(grammar)

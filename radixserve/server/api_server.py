@@ -73,7 +73,7 @@ def create_app(settings: ServerSettings, model_path: str, tokenizer, engine: Opt
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await engine.start()
+        await engine.start()  # under run_server ServingServer started it first: ready at once
         try:
             async with governed_collections("api", lambda: not engine.groups), watch_loop_lag("api"):
                 yield

@@ -233,7 +233,10 @@ class EngineClient:
         logger.info("engine process %d starting", self.proc.pid)
 
     async def start(self) -> m.EngineReady:
-        """Spawn the engine if `spawn()` was not called yet and wait until it is ready."""
+        """Spawn the engine if `spawn()` was not called yet and wait until it is ready (at once when
+        it is already). RuntimeError with the reason when it does not start."""
+        if self.ready is not None:
+            return self.ready
         self.spawn()
         # The receiving side is read by the event loop that serves HTTP, so it is wrapped here.
         self._pull = zmq.asyncio.Socket.from_socket(self._pull_sync)

@@ -51,6 +51,16 @@ class ServingServer(uvicorn.Server):
 
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
+        # The engine starts before uvicorn's lifespan (whose start then finds it ready): an engine
+        # that fails to start is one line and exit code 1, where a lifespan failure would print
+        # uvicorn's traceback and exit 3.
+        try:
+            await self.engine.start()
+        except RuntimeError as e:
+            logger.error("server failed: %s", e)
+            self.exit_code = 1
+            self.should_exit = True
+            return
         await super().startup(sockets)
         if self.started and not self.should_exit:
             logger.info("%s", self.announce)

@@ -115,12 +115,19 @@ class JsonSchemaFormat(_Body):
 
 
 class ResponseFormat(_Body):
-    # The schema says what the server checks: type json_schema comes with a json_schema object.
-    model_config = ConfigDict(json_schema_extra={
-        "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
-        "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}}})
+    # The schema says what the server checks: type json_schema comes with a json_schema object, and
+    # a top-level schema comes with type json_object only.
+    model_config = ConfigDict(populate_by_name=True, json_schema_extra={"allOf": [
+        {"if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+         "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}}},
+        {"if": {"properties": {"type": {"enum": ["text", "json_schema"]}}, "required": ["type"]},
+         "then": {"properties": {"schema": {"type": "null"}}}}]})
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = Field(None, description="Required with type json_schema.")
+    schema_: Optional[dict[str, Any]] = Field(
+        None, alias="schema", description="With type json_object only: a JSON Schema the output follows, "
+                                          "enforced as json_schema's is (the form several hosted APIs take, and "
+                                          "instructor's JSON_SCHEMA mode sends).")
 
 
 class _SamplingFields(_Body):
@@ -156,6 +163,8 @@ class _SamplingFields(_Body):
         None, description="text (default), json_object (any JSON object) or json_schema (output valid "
                           "against the schema, enforced by a grammar whether strict or not).")
     cache_salt: Optional[CacheSalt] = Field(None, description=CACHE_SALT_DOC)
+    prompt_cache_key: Optional[Annotated[str, Field(max_length=1024)]] = Field(
+        None, description="Accepted and not used: the radix cache finds a shared prefix by its tokens, with no key.")
 
 
 class CompletionRequest(_SamplingFields):
@@ -289,8 +298,6 @@ class ChatCompletionRequest(_SamplingFields):
         None, description="Accepted and not used (OpenAI's bounds: 16 pairs, keys of 64 and values of 512 characters).")
     service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority"]] = Field(
         None, description="Accepted; the server has one tier.")
-    prompt_cache_key: Optional[Annotated[str, Field(max_length=1024)]] = Field(
-        None, description="Accepted and not used: the radix cache finds a shared prefix by its tokens, with no key.")
     safety_identifier: Optional[str] = Field(None, description="Accepted for compatibility; not used.")
     verbosity: Optional[Literal["low", "medium", "high"]] = Field(
         None, description="Only medium (the default): the served model has no verbosity control.",
@@ -404,6 +411,13 @@ class TokenizeBody(_Body):
                                                         "(default false: the completions and chat endpoints "
                                                         "add none, and count is what they count).")
     add_generation_prompt: bool = Field(True, description="For messages, as in chat completions.")
+    tools: Optional[list[Tool]] = Field(None, description="For messages, as in chat completions: the chat "
+                                                          "template renders them into the prompt.")
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
+        None, description="For messages, as in chat completions: none leaves the tools out of the prompt.")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, description="For messages, as in chat completions: variables the served chat template reads.",
+        json_schema_extra={TEMPLATE_VARIABLES_SCHEMA_MARK: True})
     return_token_strs: bool = Field(False, description="Also answer the tokens' vocabulary strings.")
 
 

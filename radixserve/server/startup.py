@@ -2,9 +2,10 @@
 its life, from the `serving` line to the shutdown, is `lifecycle.py`).
 
 The checks run before the engine process starts or any weights load, so a wrong path, a
-quantization method the model cannot run (AWQ, GPTQ, ...), a context longer than the model's, a
-host tier larger than the host's available memory, a busy port or a KV event address that cannot
-be bound fails in well under a second with one line instead of after the model loaded.
+config.json of an architecture radixserve does not run, a quantization method the model cannot
+run (AWQ, GPTQ, ...), a context longer than the model's, a host tier larger than the host's
+available memory, a busy port or a KV event address that cannot be bound fails in well under a
+second with one line instead of after the model loaded.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from radixserve.cache.host_memory import check_host_memory
 from radixserve.chat_formats import BUILTIN_CHAT_TEMPLATES
 from radixserve.default_model import DEFAULT_MODEL_NAME, default_model_positions
 from radixserve.http_common.listen import ListenAddressError, check_listen_address
+from radixserve.model.config import ModelConfig
 from radixserve.model.quantization import quantization_config
 from radixserve.engine.kv_publisher import check_kv_event_endpoints
 from radixserve.settings import ServerSettings
@@ -73,6 +75,19 @@ def check_quantization(settings: ServerSettings) -> None:
         raise StartupError(str(e)) from None
 
 
+def check_model_config(settings: ServerSettings) -> None:
+    """config.json must describe a model radixserve runs: a supported architecture (or model_type)
+    with the keys and values its family needs, as the engine reads it (pure Python, no torch)."""
+    path = settings.model_path
+    if path is None:
+        return
+    raw = _read_config(path)
+    try:
+        ModelConfig.from_dict(raw, source=f"--model-path {path!r}: config.json")
+    except (ValueError, TypeError) as e:
+        raise StartupError(str(e)) from None
+
+
 def check_context_length(settings: ServerSettings) -> None:
     """--context-length may not exceed the model's max_position_embeddings (unless allowed)."""
     if settings.context_length is None:
@@ -113,6 +128,7 @@ def check_before_loading(settings: ServerSettings) -> None:
     """Every check that needs nothing loaded; raises StartupError with the first problem."""
     check_model_path(settings)
     check_quantization(settings)
+    check_model_config(settings)
     check_context_length(settings)
     check_hicache_memory(settings)
     check_port_free(settings.host, settings.port)

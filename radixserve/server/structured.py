@@ -11,17 +11,32 @@ from typing import Any, Optional
 from radixserve.grammar.spec import (ANY_OBJECT_SCHEMA, GRAMMAR_COMPILE_TIMEOUT, INVALID_GRAMMAR, check_grammar,
                                      grammar_spec)
 from radixserve.sampling_params import FinishReason
-from radixserve.server.errors import APIError, bad_request
+from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
 
 # Engine-side grammar failures a request can end with before its first token.
 GRAMMAR_FAILURE_CODES = (GRAMMAR_COMPILE_TIMEOUT, INVALID_GRAMMAR)
 
 
+def response_format_constrains(response_format: Any) -> bool:
+    """Whether a `response_format` asks for anything beyond plain text (a schema beside type text
+    does, and is refused by `response_format_grammar`)."""
+    return response_format is not None and (response_format.type != "text" or response_format.schema_ is not None)
+
+
 def response_format_grammar(response_format: Any) -> Optional[tuple[str, str]]:
     """(kind, text) of an OpenAI `response_format`, or None for plain text."""
-    if response_format is None or response_format.type == "text":
+    if not response_format_constrains(response_format):
         return None
+    if response_format.schema_ is not None and response_format.type != "json_object":
+        hint = "; type json_schema takes its schema in json_schema.schema" if response_format.type == "json_schema" \
+            else ""
+        raise bad_request(f"response_format.schema goes with type json_object only, not {response_format.type}{hint}",
+                          "response_format.schema", code=CONFLICTING_FIELDS)
     if response_format.type == "json_object":
+        # {"type": "json_object", "schema": {...}}: the form several hosted APIs (and instructor's
+        # JSON_SCHEMA mode) send; the schema is enforced as json_schema's is.
+        if response_format.schema_ is not None:
+            return "json_schema", json.dumps(response_format.schema_)
         return "json_schema", ANY_OBJECT_SCHEMA
     spec = response_format.json_schema
     if spec is None:

@@ -151,8 +151,9 @@ def parse_tool_calls(text: str, parallel: bool = True, *, names: Optional[Collec
 
     forced: the grammar allowed only call blocks, so text outside them is the start of a block
     that `max_tokens` or a stop string cut off: no content at all. cut_off (finish reason
-    length): an unclosed block at the end is an unfinished call, dropped rather than shown as
-    template markup."""
+    length): an unclosed block at the end is a call when its JSON was complete (only the closing
+    tag, or the brace after the arguments, was cut off: see `_cut_off_call`), else an unfinished
+    call, dropped rather than shown as template markup."""
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     last = 0
@@ -163,9 +164,34 @@ def parse_tool_calls(text: str, parallel: bool = True, *, names: Optional[Collec
         kept.append(text[last:match.start()])
         last = match.end()
         calls.append(call)
+    found = _cut_off_call(text, last, names) if cut_off and (parallel or not calls) else None
+    if found is not None:
+        kept.append(text[last:found[0]])
+        last = len(text)
+        calls.append(found[1])
     kept.append(text[last:])
     content = _shown_text("".join(kept), forced, cut_off)
     return (content or None), calls
+
+
+def _cut_off_call(text: str, start: int, names: Optional[Collection[str]]) -> Optional[tuple[int, dict[str, Any]]]:
+    """(where the block starts, its call) when text[start:] ends in a block that `max_tokens` cut
+    off after the call's arguments were complete JSON: the closing tag (or part of it) is missing,
+    and at most the `}` that closes the call after its arguments. None otherwise: a block cut
+    inside its JSON is no call a client can run. A forced call's grammar allows nothing but `}`,
+    a newline and the tag after the arguments, so nothing is lost."""
+    at = text.rfind(TOOL_CALL_START, start)
+    if at < 0 or TOOL_CALL_END in text[at:]:
+        return None
+    body = text[at + len(TOOL_CALL_START):]
+    body = body[:len(body) - _partial_tag_length(body, TOOL_CALL_END)].strip()
+    value = _json(body)
+    if value is None and body.endswith("}"):
+        value = _json(body + "}")
+    if not isinstance(value, dict) or not ("arguments" in value or "parameters" in value):
+        return None  # {"name": "f"} alone: the arguments were never written
+    call = _call_of_value(value, names)
+    return None if call is None else (at, call)
 
 
 def _shown_text(rest: str, forced: bool, cut_off: bool) -> str:
@@ -181,10 +207,9 @@ def _shown_text(rest: str, forced: bool, cut_off: bool) -> str:
     return rest.strip()
 
 
-def _partial_tag_length(text: str) -> int:
-    """How many characters at the end of `text` may be the start of a `<tool_call>` tag."""
-    return next((k for k in range(min(len(TOOL_CALL_START) - 1, len(text)), 0, -1)
-                 if text.endswith(TOOL_CALL_START[:k])), 0)
+def _partial_tag_length(text: str, tag: str = TOOL_CALL_START) -> int:
+    """How many characters at the end of `text` may be the start of `tag`."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
 
 
 def _json(text: str) -> Any:
@@ -200,7 +225,11 @@ def _call_of(body: str, names: Optional[Collection[str]]) -> Optional[dict[str, 
     """The call a block's JSON makes, or None when it is no call a client can run: not a JSON
     object, a function the request did not declare, or arguments that are not a JSON object (a
     model may write them as an object or as a JSON text of one)."""
-    value = _json(body)
+    return _call_of_value(_json(body), names)
+
+
+def _call_of_value(value: Any, names: Optional[Collection[str]]) -> Optional[dict[str, Any]]:
+    """`_call_of` of a block's parsed JSON."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     if names is not None and value["name"] not in names:
@@ -255,6 +284,19 @@ class ToolCallStream:
             calls.append(call)
         return calls
 
+    def finish_calls(self, cut_off: bool = False) -> list[dict[str, Any]]:
+        """At the end, before `finish`: the call of a block that `max_tokens` cut off after its
+        JSON was complete (as `parse_tool_calls` finds it), or none."""
+        if not cut_off or self.calls_text is None or (self.num_calls and not self.parallel):
+            return []
+        found = _cut_off_call(self.calls_text, self.scanned, self.names)
+        if found is None:
+            return []
+        self.kept.append(self.calls_text[self.scanned:found[0]])
+        self.scanned = len(self.calls_text)
+        self.num_calls += 1
+        return [found[1]]
+
     def finish(self, cut_off: bool = False) -> str:
         """The text still to show: what was held and what lay outside the calls (forced and
         cut_off as in `parse_tool_calls`)."""
@@ -286,6 +328,7 @@ def template_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:
 def tool_policy(body: Any) -> ToolPolicy:
     """A chat request's tools and tool_choice, checked (APIError 400 naming the field)."""
     from radixserve.server.errors import CONFLICTING_FIELDS, bad_request
+    from radixserve.server.structured import response_format_constrains
 
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     names = [t["function"]["name"] for t in tools]
@@ -294,7 +337,7 @@ def tool_policy(body: Any) -> ToolPolicy:
     for i, tool in enumerate(tools):
         _check_parameters(tool["function"].get("parameters"), f"tools[{i}].function.parameters")
     choice = body.tool_choice
-    policy = ToolPolicy(tools=tools, parallel=body.parallel_tool_calls is not False)
+    policy = ToolPolicy(tools=tools, parallel=getattr(body, "parallel_tool_calls", None) is not False)
     if choice is None:
         policy.mode = "auto" if tools else "none"
     elif isinstance(choice, str):
@@ -304,8 +347,9 @@ def tool_policy(body: Any) -> ToolPolicy:
     if policy.mode in ("required", "named") and not tools:
         raise bad_request(f"tool_choice {policy.mode!r} needs tools", "tool_choice", code=CONFLICTING_FIELDS)
     if policy.mode == "named" and policy.name not in names:
-        raise bad_request(f"tool_choice names {policy.name!r}, which is not one of the tools", "tool_choice")
-    if policy.forced and body.response_format is not None and body.response_format.type != "text":
+        raise bad_request(f"tool_choice names {policy.name!r}, which is not one of the tools", "tool_choice",
+                          code=CONFLICTING_FIELDS)
+    if policy.forced and response_format_constrains(getattr(body, "response_format", None)):
         raise bad_request("response_format cannot constrain a reply that tool_choice forces to be a tool call",
                           "response_format", code=CONFLICTING_FIELDS)
     if policy.forced:

@@ -18,7 +18,7 @@ from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.server.reasoning import ReasoningFormat, ReasoningStream, split_reasoning
 from radixserve.server.responses import per_output, run_request, usage
 from radixserve.server.serving import SSE_DONE, Ctx, ServingContext, Tracker, finish_reason_name, new_id, sse
-from radixserve.server.structured import check_request_grammar, response_format_grammar
+from radixserve.server.structured import check_request_grammar, response_format_constrains, response_format_grammar
 from radixserve.server.tool_calls import ToolCallStream, ToolPolicy, forced_call_grammar, parse_tool_calls, tool_policy
 from radixserve.validation import choice_seed
 
@@ -245,8 +245,7 @@ def thinking_off(ctx: ServingContext, body: ChatCompletionRequest) -> None:
 def chat_grammar_field(body: ChatCompletionRequest, policy: ToolPolicy) -> Optional[str]:
     """The field whose grammar constrains the reply, or None; 400 when two would."""
     fields = [name for name, on in (("tools", policy.forced),
-                                    ("response_format", body.response_format is not None
-                                     and body.response_format.type != "text"),
+                                    ("response_format", response_format_constrains(body.response_format)),
                                     ("regex", body.regex is not None), ("ebnf", body.ebnf is not None)) if on]
     if len(fields) > 1:
         raise bad_request(f"{fields[0]} and {fields[1]} both constrain the reply; give one", fields[1],
@@ -404,12 +403,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
 
 
 def finish_chunks(t: Tracker, tools: Optional[ToolCallStream]) -> list[tuple[dict, Optional[str]]]:
-    """The last deltas of a streamed choice: text held back, then the finish reason."""
+    """The last deltas of a streamed choice: text held back, a call that max_tokens cut off after
+    its JSON was complete (as the whole reply has it), then the finish reason."""
     reason = finish_reason_name(t.finish_reason)
     if tools is None:
         return [({}, reason)]
-    rest = tools.finish(cut_off=reason == "length")
+    cut_off = reason == "length"
+    calls = tools.finish_calls(cut_off)
+    rest = tools.finish(cut_off)
     events: list[tuple[dict, Optional[str]]] = [({"content": rest}, None)] if rest else []
+    first = tools.num_calls - len(calls)
+    events += [({"tool_calls": [{"index": first + i, **call}]}, None) for i, call in enumerate(calls)]
     return events + [({}, "tool_calls" if tools.num_calls and reason == "stop" else reason)]
 
 

@@ -3,8 +3,9 @@
 detokenize answers `text` where vLLM's answers `prompt`).
 
 A `prompt` is tokenized as the completions endpoints tokenize it and `messages` as the chat
-endpoint renders and tokenizes them, so `count` equals the `usage.prompt_tokens` those would
-report. Long texts are tokenized and decoded in the tokenizer thread pool, like everywhere else.
+endpoint renders and tokenizes them (with `tools`, `tool_choice` and `chat_template_kwargs` as chat
+takes them), so `count` equals the `usage.prompt_tokens` those would report. Long texts are
+tokenized and decoded in the tokenizer thread pool, like everywhere else.
 """
 
 from __future__ import annotations
@@ -14,20 +15,29 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from radixserve.server.errors import bad_request
+from radixserve.server.errors import CONFLICTING_FIELDS, bad_request
 from radixserve.server.intake import MsgspecJSONRoute
 from radixserve.server.protocol import DetokenizeBody, TokenizeBody
 from radixserve.server.chat_prompt import chat_prompt_ids
 from radixserve.server.serving import INLINE_TOKENIZE_CHARS, Ctx, ServingContext
+from radixserve.server.tool_calls import tool_policy
 
 router = APIRouter(route_class=MsgspecJSONRoute)
+# Fields that shape a chat prompt: with `messages` only.
+CHAT_ONLY_FIELDS = ("tools", "tool_choice", "chat_template_kwargs")
 
 
 async def _tokens(ctx: ServingContext, body: TokenizeBody) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
     if body.messages is not None:  # as the chat endpoint tokenizes them: message text stays text
-        return await chat_prompt_ids(ctx, body, add_special_tokens=body.add_special_tokens)
+        # The tools (unless tool_choice is none) and template variables render as chat renders them.
+        policy = tool_policy(body) if body.tools is not None or body.tool_choice is not None else None
+        return await chat_prompt_ids(ctx, body, policy, add_special_tokens=body.add_special_tokens)
+    for name in CHAT_ONLY_FIELDS:
+        if getattr(body, name) is not None:
+            raise bad_request(f"{name} shapes a chat prompt: it goes with messages, not prompt", name,
+                              code=CONFLICTING_FIELDS)
     ids = await ctx.tokenize(body.prompt, "prompt")  # checks the length and that there is a tokenizer
     if body.add_special_tokens:  # the tokenizer's own additions (a BOS, for tokenizers with one)
         ids = await ctx.run_blocking(partial(ctx.tokenizer.encode, body.prompt, add_special_tokens=True))
