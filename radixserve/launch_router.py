@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -16,14 +17,16 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from typing import Optional
 
+from radixserve.process.supervisor import Supervisor
 from radixserve.router.app import RouterSettings
 from radixserve.router.policies import POLICIES
 
 # How often the --dp-size launcher looks for workers that exited (and restarts them).
 WORKER_RESTART_CHECK_S = 1.0
+# What the workers get to drain and exit after SIGTERM (more than their default --graceful-shutdown-timeout).
+WORKER_STOP_GRACE_S = 40.0
 
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
@@ -191,8 +194,7 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
 
         gpus = torch.cuda.device_count()
     worker_argv = _settings_argv(settings)
-    procs: list[subprocess.Popen] = []
-    cmds: list[tuple[list[str], dict]] = []
+    workers = Supervisor()
     urls = []
     log = logging.getLogger("radixserve")
     stopping = threading.Event()
@@ -206,10 +208,9 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
                "--port", str(port), "--dp-rank", str(i)]
         if settings.step_trace_file:  # the last occurrence of a flag wins
             cmd += ["--step-trace-file", f"{settings.step_trace_file}.{i}"]
-        cmds.append((cmd, env))
-        procs.append(subprocess.Popen(cmd, env=env))
+        worker = workers.start(f"dp worker {i}", functools.partial(subprocess.Popen, cmd, env=env))
         urls.append(f"http://127.0.0.1:{port}")
-        log.info("dp worker %d: pid %d at %s", i, procs[-1].pid, urls[-1])
+        log.info("dp worker %d: pid %d at %s", i, worker.pid, urls[-1])
     # The launcher's --admin-api-key guards the router's admin endpoints too (never --api-key: they are
     # off when both are the same or it is unset); its workers are its own, named at start: trusted.
     router_admin = settings.admin_api_key if settings.admin_api_key != settings.api_key else None
@@ -223,23 +224,16 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
     def restart_dead_workers() -> None:
         """A worker exits when its engine dies; start it again on its port (the router's health
         checks take it out of rotation meanwhile and bring it back once it answers)."""
-        while not stopping.wait(WORKER_RESTART_CHECK_S):
-            for i, p in enumerate(procs):
-                if p.poll() is not None and not stopping.is_set():
-                    log.error("dp worker %d (pid %d) exited with code %s; restarting it", i, p.pid, p.returncode)
-                    procs[i] = subprocess.Popen(cmds[i][0], env=cmds[i][1])
+        for worker in workers.exits(WORKER_RESTART_CHECK_S, wait=lambda s: not stopping.wait(s)):
+            if stopping.is_set():
+                return
+            log.error("%s; restarting it", worker.death_line())
+            worker.restart()
 
-    def stop_workers(*_args) -> None:
+    def stop_workers() -> None:
         stopping.set()
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 40
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
+        restarts.join(WORKER_RESTART_CHECK_S * 5)  # a restart under way ends first: its worker is stopped too
+        workers.stop(WORKER_STOP_GRACE_S)
 
     def exit_on_signal(signum, frame) -> None:
         raise SystemExit(0)
@@ -248,7 +242,8 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
     # it runs the `finally` below, so the workers are stopped too.
     signal.signal(signal.SIGTERM, exit_on_signal)
     signal.signal(signal.SIGINT, exit_on_signal)
-    threading.Thread(target=restart_dead_workers, name="dp-worker-restarts", daemon=True).start()
+    restarts = threading.Thread(target=restart_dead_workers, name="dp-worker-restarts", daemon=True)
+    restarts.start()
     try:
         return run_router(router)
     finally:

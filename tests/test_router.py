@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from conftest import ServerProcess, free_port
+from test_server_lifecycle import children_of, pid_alive
 from radixserve.cache.block_hash import block_hashes
 from radixserve.router.keys import chat_text, routing_keys
 from radixserve.router.policies import BalanceConfig, CacheAware, KvAware, RoundRobin, RoutingKeys
@@ -454,8 +455,23 @@ def test_launch_server_dp_size_starts_workers_behind_a_router(server_model_dir, 
             for i in range(2):  # the same prefix, spread by round_robin (cache_aware would keep it on one)
                 _complete(c, f"dp {i}")
         assert sorted(_requests_per_worker(proc).values()) == [1, 1]
+
+        # A worker that exits is started again on its port and comes back into rotation.
+        victim, survivor = children_of(proc.proc.pid)
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while f"(pid {victim}) exited (killed by signal 9); restarting it" not in proc.output():
+            assert time.monotonic() < deadline, proc.output()[-3000:]
+            time.sleep(0.2)
+        (restarted,) = set(children_of(proc.proc.pid)) - {survivor}
+        while not all(w["healthy"] for w in httpx.get(proc.base_url + "/workers").json()["workers"]):
+            assert time.monotonic() < deadline, proc.output()[-3000:]
+            time.sleep(0.2)
+        with proc.client() as c:
+            _complete(c, "dp again")
     finally:
         assert proc.stop(60) == 0, proc.output()[-3000:]
+    assert not pid_alive(restarted) and not pid_alive(survivor), "a worker outlived its launcher"
 
 
 def test_launch_server_router_policy_flag():
