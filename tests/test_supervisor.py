@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from radixserve.process.supervisor import Supervisor, exit_description, process_stopped, stop_all
+from radixserve.process.supervisor import Supervisor, exit_description, process_stopped, stop_all, wait_all_async
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -131,3 +131,10 @@ def test_an_event_loop_watches_the_same_way():
         return ""
 
     assert asyncio.run(first()) == f"quick (pid {child.pid}) exited (exit code 2)"
+
+    sleeper, quick = start_sleeper(), start_sleeper(seconds=0.1)
+    try:
+        assert asyncio.run(wait_all_async([sleeper, quick], 1.0)) == [sleeper]
+        assert quick.returncode == 0
+    finally:
+        stop_all([sleeper], grace_s=5.0)

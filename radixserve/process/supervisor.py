@@ -11,7 +11,7 @@ launcher with its workers, the experiment with its servers. They are written onc
   is alive, but a peer waiting on it would wait forever.
 - stop: `stop_all` sends SIGTERM to every child, gives them one grace period together (not one
   each: ten stuck children must not take ten periods), then SIGKILLs and reaps what is left.
-  `wait_all` is the grace alone, for children already asked to exit by a message.
+  `wait_all` (`wait_all_async`) is the grace alone, for children already asked to exit by a message.
 - describe: `exit_description` says how a child ended in the same words in every log line.
 
 How a child is started (its command, its settings) is the caller's: a `Child` is a name, the
@@ -57,6 +57,16 @@ def wait_all(procs: Iterable[subprocess.Popen], timeout_s: float) -> list[subpro
         except subprocess.TimeoutExpired:
             running.append(proc)
     return running
+
+
+async def wait_all_async(procs: Iterable[subprocess.Popen], timeout_s: float,
+                         interval_s: float = 0.05) -> list[subprocess.Popen]:
+    """`wait_all` for an event loop (polled every interval_s: the loop goes on meanwhile)."""
+    procs = list(procs)
+    deadline = time.monotonic() + timeout_s
+    while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+        await asyncio.sleep(interval_s)
+    return [proc for proc in procs if proc.poll() is None]
 
 
 def kill_all(procs: Iterable[subprocess.Popen]) -> None:

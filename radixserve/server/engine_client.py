@@ -34,7 +34,7 @@ import zmq.asyncio
 from radixserve.engine.messages import AbortRequest, GenerateRequest, RequestOutput
 from radixserve.engine import messages as m
 from radixserve.process.spawn import spawn_child
-from radixserve.process.supervisor import Supervisor, exit_description, kill_all, stop_all
+from radixserve.process.supervisor import Supervisor, exit_description, kill_all, stop_all, wait_all_async
 from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")
@@ -284,13 +284,10 @@ class EngineClient:
     async def _reap(self, timeout_s: float) -> None:
         if self.proc is None:
             return
-        deadline = time.monotonic() + timeout_s
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
         # Told to shut down and still there: it is stuck in its exit (waiting for a worker thread,
         # e.g. a grammar compile). SIGTERM would only raise SystemExit inside that wait and print
         # its traceback, so it is killed outright.
-        self.kill_now(force=True)
+        kill_all(await wait_all_async([self.proc], timeout_s))
 
     def kill_now(self, force: bool = False) -> None:
         """Synchronous last resort (also used from atexit): the engine is gone when this returns.
