@@ -289,14 +289,9 @@ class EngineClient:
         # its traceback, so it is killed outright.
         kill_all(await wait_all_async([self.proc], timeout_s))
 
-    def kill_now(self, force: bool = False) -> None:
-        """Synchronous last resort (also used from atexit): the engine is gone when this returns.
-        force: SIGKILL at once instead of SIGTERM first."""
-        if self.proc is None:
-            return
-        if force:
-            kill_all([self.proc])
-        else:
+    def kill_now(self) -> None:
+        """Synchronous last resort (also used from atexit): the engine is gone when this returns."""
+        if self.proc is not None:
             stop_all([self.proc], ENGINE_TERMINATE_GRACE_S)
 
     def close_sockets(self) -> None:
