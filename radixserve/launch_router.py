@@ -14,101 +14,31 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
-import time
-from typing import Callable, Optional
+from typing import Optional
 
 from radixserve.process.spawn import popen_with_settings
-from radixserve.router.app import RouterSettings
-from radixserve.router.policies import POLICIES
+from radixserve.process.supervisor import Supervisor
+from radixserve.router.settings import RouterSettings
+from radixserve.settings import add_settings_arguments, settings_from_args
 
 # How often the --dp-size launcher looks for workers that exited (and restarts them).
 WORKER_RESTART_CHECK_S = 1.0
+# What the workers get to drain and exit after SIGTERM (more than their default --graceful-shutdown-timeout).
+WORKER_STOP_GRACE_S = 40.0
 
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
-    d = RouterSettings()
-    p = argparse.ArgumentParser(prog=prog, description="radixserve router: cache-aware placement over workers.")
-    p.add_argument("--worker-urls", nargs="*", default=[], metavar="URL",
-                   help="Workers at start, the operator's: they get --worker-admin-api-key (more can be added "
-                        "with POST /workers and --admin-api-key).")
-    p.add_argument("--policy", default=d.policy, choices=POLICIES, help=f"Routing policy (default: {d.policy}).")
-    p.add_argument("--host", default=d.host, help=f"Address to bind (default: {d.host}).")
-    p.add_argument("--port", type=int, default=d.port, help=f"Port (default: {d.port}).")
-    p.add_argument("--api-key", action="append", default=None,
-                   help="The workers' API key: the router requires it from clients (except /health and its "
-                        "admin endpoints), passes the client's Authorization header through, and uses the first "
-                        "for its own calls to workers. Repeat it for each of the workers' keys; or --api-key-file. "
-                        "It never manages workers or flushes caches.")
-    p.add_argument("--api-key-file", default=None,
-                   help="The workers' --api-key-file (one key a line, KEY or KEY NAME), read the same way.")
-    p.add_argument("--admin-api-key", default=None, metavar="KEY",
-                   help="The router's own admin key, other than every --api-key: POST /workers, DELETE "
-                        "/workers/{id} and POST /flush_cache take it and only it; GET /workers and /metrics take it "
-                        "beside --api-key; every other endpoint refuses it, so it never reaches a worker. Without it "
-                        "those admin endpoints are off (403, said at start-up); not loopback-only, since a proxy on "
-                        "this host connects from loopback for any client.")
-    p.add_argument("--cache-salt-per-api-key", action="store_true",
-                   help="The workers run with --cache-salt-per-api-key: prefixes are matched within each API "
-                        "key's requests only, as the workers cache them. The default with more than one key.")
-    p.add_argument("--shared-cache-across-keys", action="store_true",
-                   help="The workers run with --shared-cache-across-keys: with several keys, prefixes are "
-                        "matched across all of them.")
-    p.add_argument("--worker-admin-api-key", default=None,
-                   help="The workers' --admin-api-key, which kv_aware needs to follow their /kv_events and "
-                        "POST /flush_cache to flush them (default: the first of the keys). Sent only to the "
-                        "workers of --worker-urls and to run-time workers matching --worker-url-allowlist, never "
-                        "to a URL a client sent: other run-time workers are not followed (kv_aware routes them on "
-                        "the prompts in flight there) and /flush_cache skips them.")
-    p.add_argument("--worker-admin-api-key-file", default=None,
-                   help="A file holding --worker-admin-api-key (one line), which keeps it off the command line.")
-    p.add_argument("--worker-url-allowlist", nargs="*", default=[], metavar="ENTRY",
-                   help="Workers added at run time (POST /workers) that get --worker-admin-api-key: exact URLs "
-                        "(http://10.0.0.5:30000), host names (any port), IP addresses or CIDR blocks "
-                        "(10.0.0.0/24; matched against URLs whose host is an IP literal, never by resolving a "
-                        "name). Default: none.")
-    p.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
-                   help="Route to the best-matching worker when its match covers at least this fraction of the "
-                        f"prompt, else to the least-loaded one (default: {d.cache_threshold}).")
-    p.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
-                   help=f"Balance first when max load - min load exceeds this ... (default: {d.balance_abs_threshold})")
-    p.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
-                   help=f"... and max load > min load x this (default: {d.balance_rel_threshold}).")
-    p.add_argument("--max-tree-size", type=int, default=d.max_tree_size,
-                   help=f"Symbols per worker's approximate tree; least-recently-used leaves are trimmed "
-                        f"(default: {d.max_tree_size}).")
-    p.add_argument("--health-check-interval", type=float, default=d.health_check_interval,
-                   help=f"Seconds between health checks of each worker (default: {d.health_check_interval}).")
-    p.add_argument("--health-check-timeout", type=float, default=d.health_check_timeout,
-                   help=f"Seconds a health check may take (default: {d.health_check_timeout}).")
-    p.add_argument("--health-failure-threshold", type=int, default=d.health_failure_threshold,
-                   help=f"Consecutive failures that take a worker out of rotation "
-                        f"(default: {d.health_failure_threshold}).")
-    p.add_argument("--health-success-threshold", type=int, default=d.health_success_threshold,
-                   help=f"Consecutive successes that bring it back (default: {d.health_success_threshold}).")
-    p.add_argument("--max-retries", type=int, default=d.max_retries,
-                   help=f"Other workers tried when one fails before any byte is sent (default: {d.max_retries}).")
-    p.add_argument("--tokenizer-path", default=None,
-                   help="Tokenizer for kv_aware (default: fetched from a worker's /tokenizer).")
-    p.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
-    p.add_argument("--seed", type=int, default=None, help="Seed for the random and power_of_two policies.")
-    p.add_argument("--max-connections", type=int, default=None,
-                   help="Most client connections held at once; one more is answered 503 as it opens. A request's "
-                        "headers must arrive within 10 s and its body within 60 s. The router raises its soft "
-                        "open-file limit to the hard one (up to 65,536). Default: that limit less 256.")
-    return p
+    """The router's flags, one per RouterSettings field (radixserve/router/settings.py)."""
+    parser = argparse.ArgumentParser(prog=prog, description="radixserve router: cache-aware placement over workers.")
+    add_settings_arguments(parser, RouterSettings)
+    return parser
 
 
 def settings_from_argv(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> RouterSettings:
     parser = build_parser(prog)
-    args = parser.parse_args(argv)
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(RouterSettings) if hasattr(args, f.name)}
-    values["worker_urls"] = tuple(args.worker_urls)
-    values["worker_url_allowlist"] = tuple(args.worker_url_allowlist)
-    values["api_key"] = tuple(args.api_key or ())
-    settings = RouterSettings(**values)
+    settings = settings_from_args(parser.parse_args(argv), RouterSettings)
     try:
         settings.validate()
         from radixserve.http_common.api_keys import load_admin_key, load_key_ring
@@ -188,10 +118,9 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
         import torch
 
         gpus = torch.cuda.device_count()
-    procs: list[subprocess.Popen] = []
     # Each worker's settings go through a pipe (radixserve.process.spawn), never its command line,
     # which any local user can read: they hold the API keys.
-    starts: list[Callable[[], subprocess.Popen]] = []
+    workers = Supervisor()
     urls = []
     log = logging.getLogger("radixserve")
     stopping = threading.Event()
@@ -204,11 +133,10 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
         worker = dataclasses.replace(
             settings, host="127.0.0.1", port=port, dp_size=1, dp_rank=i,
             step_trace_file=f"{settings.step_trace_file}.{i}" if settings.step_trace_file else None)
-        starts.append(functools.partial(popen_with_settings, [sys.executable, "-m", "radixserve.launch_server"],
-                                        worker.to_dict(), env=env))
-        procs.append(starts[i]())
+        worker = workers.start(f"dp worker {i}", functools.partial(
+            popen_with_settings, [sys.executable, "-m", "radixserve.launch_server"], worker.to_dict(), env=env))
         urls.append(f"http://127.0.0.1:{port}")
-        log.info("dp worker %d: pid %d at %s", i, procs[-1].pid, urls[-1])
+        log.info("dp worker %d: pid %d at %s", i, worker.pid, urls[-1])
     # The launcher's --admin-api-key guards the router's admin endpoints too (never --api-key: they are
     # off when both are the same or it is unset); its workers are its own, named at start: trusted.
     from radixserve.http_common.api_keys import load_admin_key, load_key_ring
@@ -228,23 +156,16 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
     def restart_dead_workers() -> None:
         """A worker exits when its engine dies; start it again on its port (the router's health
         checks take it out of rotation meanwhile and bring it back once it answers)."""
-        while not stopping.wait(WORKER_RESTART_CHECK_S):
-            for i, p in enumerate(procs):
-                if p.poll() is not None and not stopping.is_set():
-                    log.error("dp worker %d (pid %d) exited with code %s; restarting it", i, p.pid, p.returncode)
-                    procs[i] = starts[i]()
+        for worker in workers.exits(WORKER_RESTART_CHECK_S, wait=lambda s: not stopping.wait(s)):
+            if stopping.is_set():
+                return
+            log.error("%s; restarting it", worker.death_line())
+            worker.restart()
 
-    def stop_workers(*_args) -> None:
+    def stop_workers() -> None:
         stopping.set()
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 40
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
+        restarts.join(WORKER_RESTART_CHECK_S * 5)  # a restart under way ends first: its worker is stopped too
+        workers.stop(WORKER_STOP_GRACE_S)
 
     def exit_on_signal(signum, frame) -> None:
         raise SystemExit(0)
@@ -253,7 +174,8 @@ def run_data_parallel(settings, policy: str = "cache_aware") -> int:
     # it runs the `finally` below, so the workers are stopped too.
     signal.signal(signal.SIGTERM, exit_on_signal)
     signal.signal(signal.SIGINT, exit_on_signal)
-    threading.Thread(target=restart_dead_workers, name="dp-worker-restarts", daemon=True).start()
+    restarts = threading.Thread(target=restart_dead_workers, name="dp-worker-restarts", daemon=True)
+    restarts.start()
     try:
         return run_router(router)
     finally:

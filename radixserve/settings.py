@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 from radixserve.kv_events_config import KvEventsConfig, parse_kv_events_config
 
@@ -29,11 +29,18 @@ CPU_MAMBA_CACHE_SIZE = 64
 DECODE_GEMM_MAX_ROWS = 32
 
 
-def _opt(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None,
-         cli: bool = True, repeat: bool = False) -> Any:
-    """A setting; repeat: its flag may be given several times, each adding a string to a tuple."""
+def option(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None,
+           cli: bool = True, metavar: Optional[str] = None, show_default: bool = True, repeat: bool = False) -> Any:
+    """A settings dataclass field with what `add_settings_arguments` makes its command-line flag of:
+    `help`, `aliases`, `choices`, `metavar`; `cli=False` for a field with no flag; `show_default=False`
+    for a help whose prose says what happens without the flag (a "(default: ...)" in the help needs
+    nothing: it is never added twice). A `tuple[str, ...]` field takes any number of values after
+    its flag, or with `repeat` one value per flag, the flag given several times."""
     return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices, "cli": cli,
-                                            "repeat": repeat})
+                                            "metavar": metavar, "show_default": show_default, "repeat": repeat})
+
+
+_opt = option  # the short spelling of ServerSettings' many fields
 
 
 @dataclass
@@ -480,8 +487,12 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _takes_many(f: dataclasses.Field) -> bool:
+    return str(f.type).startswith("tuple")
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser, cls: type = ServerSettings) -> None:
-    """One argparse option per dataclass field, with its help, aliases and choices."""
+    """One argparse option per dataclass field (see `option`), in field order."""
     for f in dataclasses.fields(cls):
         if not f.metadata.get("cli", True):
             continue
@@ -495,15 +506,26 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type = ServerSe
             parser.add_argument(*flags, dest=f.name, action="append", type=str, default=None, help=help_text)
             continue
         kind = str if "str" in str(f.type) else int if "int" in str(f.type) else float
-        if "(default" not in help_text:  # a help that explains its own default keeps only that one
-            help_text += f" (default: {default})"
+        # A help that explains its own default keeps only that one. The default follows a help's
+        # last sentence ("Port. (default: 1)"), or ends one left open for it ("Port (default: 1).").
+        if "(default" not in help_text and f.metadata.get("show_default", True):
+            help_text += f" (default: {default})" + ("" if help_text.endswith(".") else ".")
+        extra: dict[str, Any] = {"nargs": "*"} if _takes_many(f) else {}
+        if f.metadata.get("metavar"):
+            extra["metavar"] = f.metadata["metavar"]
         parser.add_argument(*flags, dest=f.name, type=kind, default=default,
-                            choices=f.metadata.get("choices"), help=help_text)
+                            choices=f.metadata.get("choices"), help=help_text, **extra)
 
 
-def settings_from_args(args: argparse.Namespace, cls: type = ServerSettings) -> ServerSettings:
+SettingsT = TypeVar("SettingsT")
+
+
+def settings_from_args(args: argparse.Namespace, cls: type[SettingsT] = ServerSettings) -> SettingsT:
+    """An instance of `cls` from what its generated flags parsed (a list of values as a tuple)."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     for f in dataclasses.fields(cls):
         if f.metadata.get("repeat") and values.get(f.name) is None:
             values[f.name] = f.default
+        if _takes_many(f) and f.name in values:
+            values[f.name] = tuple(values[f.name])
     return cls(**values)

@@ -28,7 +28,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "radixserve"
 LAYERS: list[tuple[str, set[str]]] = [
     # shared types and settings
     ("leaf", {"settings", "sampling_params", "validation", "default_model", "kv_events_config", "chat_formats"}),
-    ("process", {"process"}),  # what every process does for itself (logging, GC, spawning a child): no torch
+    ("process", {"process"}),  # what every process does for itself (logging, GC, its children): no torch
     ("grammar", {"grammar"}),  # constrained decoding: xgrammar behind a small interface
     ("cache", {"cache"}),
     ("kernels", {"kernels"}),
@@ -82,7 +82,8 @@ API_SIDE_ENGINE = {"radixserve.engine.messages", "radixserve.engine.detokenize",
 # imports torch, through transformers, when it loads).
 TORCH_FREE = ("radixserve.server.api_server", "radixserve.launch_server", "radixserve.router.app",
               "radixserve.launch_router", *sorted(API_SIDE_ENGINE), "radixserve.process.spawn",
-              "radixserve.process.logging_setup", "radixserve.process.gc_tuning", "radixserve.process.tokenizer")
+              "radixserve.process.logging_setup", "radixserve.process.gc_tuning", "radixserve.process.tokenizer",
+              "radixserve.process.supervisor")
 
 # A helper for tests and entry points only: it may import the leaf layer, and only the entry layer
 # and default_model (which resolves the built-in tiny model for the entry points) may import it.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import httpx
 import pytest
 
 from conftest import ServerProcess, free_port
+from test_server_lifecycle import children_of, pid_alive
 from radixserve.cache.block_hash import block_hashes
 from radixserve.router.keys import chat_text, routing_keys
 from radixserve.router.policies import BalanceConfig, CacheAware, KvAware, RoundRobin, RoutingKeys
@@ -454,8 +456,23 @@ def test_launch_server_dp_size_starts_workers_behind_a_router(server_model_dir, 
             for i in range(2):  # the same prefix, spread by round_robin (cache_aware would keep it on one)
                 _complete(c, f"dp {i}")
         assert sorted(_requests_per_worker(proc).values()) == [1, 1]
+
+        # A worker that exits is started again on its port and comes back into rotation.
+        victim, survivor = children_of(proc.proc.pid)
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while f"(pid {victim}) exited (killed by signal 9); restarting it" not in proc.output():
+            assert time.monotonic() < deadline, proc.output()[-3000:]
+            time.sleep(0.2)
+        (restarted,) = set(children_of(proc.proc.pid)) - {survivor}
+        while not all(w["healthy"] for w in httpx.get(proc.base_url + "/workers").json()["workers"]):
+            assert time.monotonic() < deadline, proc.output()[-3000:]
+            time.sleep(0.2)
+        with proc.client() as c:
+            _complete(c, "dp again")
     finally:
         assert proc.stop(60) == 0, proc.output()[-3000:]
+    assert not pid_alive(restarted) and not pid_alive(survivor), "a worker outlived its launcher"
 
 
 def test_launch_server_router_policy_flag():
@@ -469,6 +486,30 @@ def test_launch_server_router_policy_flag():
         parse_args(["--dp-size", "2", "--router-policy", "bogus"])
     help_text = " ".join(build_parser().format_help().split())
     assert "--router-policy" in help_text and "default: cache_aware" in help_text
+
+
+def test_router_flags_are_generated_from_its_settings():
+    """One flag per RouterSettings field that has one, in field order, with the field's default and
+    help; lists of values become tuples."""
+    from radixserve.launch_router import build_parser, settings_from_argv
+    from radixserve.router.settings import RouterSettings
+
+    fields = [f for f in dataclasses.fields(RouterSettings) if f.metadata["cli"]]
+    actions = [a for a in build_parser()._actions if a.dest != "help"]
+    assert [a.option_strings for a in actions] == [["--" + f.name.replace("_", "-")] for f in fields]
+    assert settings_from_argv([]) == RouterSettings()
+    help_text = " ".join(build_parser().format_help().split())
+    unwrapped = "".join(help_text.split())  # argparse wraps lines at spaces and hyphens
+    for f in fields:
+        assert "".join(f.metadata["help"].split()) in unwrapped
+    assert "Routing policy (default: cache_aware)." in help_text  # the default ends a sentence left open
+    assert "--admin-api-key KEY" in help_text and "(default: None)" not in help_text
+    s = settings_from_argv(["--worker-urls", "http://a:1", "http://b:2", "--worker-url-allowlist", "10.0.0.0/24",
+                            "--policy", "kv_aware", "--seed", "3", "--cache-salt-per-api-key"])
+    assert (s.worker_urls, s.worker_url_allowlist) == (("http://a:1", "http://b:2"), ("10.0.0.0/24",))
+    assert (s.policy, s.seed, s.cache_salt_per_api_key) == ("kv_aware", 3, True)
+    with pytest.raises(SystemExit):
+        settings_from_argv(["--policy", "bogus"])
 
 
 def test_agent_workload_hit_rate_by_policy(workers, tmp_path, capsys):

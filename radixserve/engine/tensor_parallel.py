@@ -53,7 +53,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import time
 from array import array
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -73,6 +72,7 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.moe_config import check_moe_layout
 from radixserve.model.quantization import check_block_alignment
 from radixserve.process.spawn import spawn_child
+from radixserve.process.supervisor import Child, Supervisor, stop_all, wait_all
 from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.settings import ServerSettings
 
@@ -84,6 +84,8 @@ RANK_DEATH_EXIT_CODE = 1
 # A rank stopped this long (SIGSTOP) counts as dead: the engine ends, and its requests are answered.
 RANK_STOPPED_LIMIT_S = 3.0
 SHUTDOWN_WAIT_S = 5.0
+# A rank that did not exit on its shutdown message: SIGTERM, and SIGKILL after this.
+RANK_TERMINATE_GRACE_S = 2.0
 
 
 def _ints(values) -> array:
@@ -323,7 +325,7 @@ class TensorParallelLeader:
         self.ipc_dir = tempfile.mkdtemp(prefix="radixserve-tp-")
         self.ctx = zmq.Context()
         self.sockets: list[zmq.Socket] = []
-        self.procs: list[subprocess.Popen] = []
+        self.local_ranks = Supervisor()  # the processes of this node's other ranks
         self.closed = False
         self._stop_watch = threading.Event()
         # (rank, monitor) per rank on another node: its control socket's disconnect events, which
@@ -358,7 +360,7 @@ class TensorParallelLeader:
         sock.bind(addr)
         self.sockets.append(sock)
         proc = spawn_rank(settings, rank, "127.0.0.1", store_port, control_addr=addr)
-        self.procs.append(proc)
+        self.local_ranks.add(f"tensor-parallel rank {rank}", proc)
         logger.info("tensor-parallel rank %d: pid %d", rank, proc.pid)
 
     def _open_remote(self, rank: int, host: str) -> None:
@@ -385,16 +387,16 @@ class TensorParallelLeader:
         for sock in self.sockets:
             sock.send(data, copy=False)
 
-    def _wait_watch(self) -> bool:
-        """Wait RANK_WATCH_S; False once the watch is to stop. A rank on another node whose
+    def _wait_watch(self, seconds: float) -> bool:
+        """Wait `seconds`; False once the watch is to stop. A rank on another node whose
         connection closed (its node stopped or failed) ends the engine here: rank 0's next step
         would wait for it forever, in the send or in the collective."""
         if not self.monitors:
-            return not self._stop_watch.wait(RANK_WATCH_S)
+            return not self._stop_watch.wait(seconds)
         poller = zmq.Poller()
         for _, mon in self.monitors:
             poller.register(mon, zmq.POLLIN)
-        ready = dict(poller.poll(int(RANK_WATCH_S * 1000)))
+        ready = dict(poller.poll(int(seconds * 1000)))
         if self._stop_watch.is_set():
             return False
         for rank, mon in self.monitors:
@@ -412,43 +414,23 @@ class TensorParallelLeader:
                 mon.close(0)
 
     def _watch_ranks(self) -> None:
-        stopped_since: dict[int, float] = {}
-        while self._wait_watch():
-            for rank, proc in enumerate(self.procs, start=1):
-                if proc.poll() is not None and not self._stop_watch.is_set():
-                    self.on_rank_death(self._death_line(rank, proc))
-                    return
-                # A stopped rank (SIGSTOP, a debugger) is alive but runs no collective: every step
-                # would wait on it for the collective timeout (300 s) with the server's /health at 503.
-                if _process_stopped(proc.pid):
-                    since = stopped_since.setdefault(rank, time.monotonic())
-                    if time.monotonic() - since >= RANK_STOPPED_LIMIT_S and not self._stop_watch.is_set():
-                        proc.kill()  # a stopped process takes SIGKILL; nothing else would end it
-                        self.on_rank_death(f"tensor-parallel rank {rank} (pid {proc.pid}) has been stopped for "
-                                           f"{RANK_STOPPED_LIMIT_S:g} s (SIGSTOP?); killed it, the other "
-                                           f"{self.size - 1} rank(s) cannot go on without it")
-                        return
-                else:
-                    stopped_since.pop(rank, None)
+        # A stopped rank (SIGSTOP, a debugger) is alive but runs no collective: every step would
+        # wait on it for the collective timeout (300 s) with the server's /health at 503; the
+        # supervisor kills it after RANK_STOPPED_LIMIT_S and it counts as dead.
+        for rank in self.local_ranks.exits(RANK_WATCH_S, wait=self._wait_watch, stopped_limit_s=RANK_STOPPED_LIMIT_S):
+            if not self._stop_watch.is_set():
+                self.on_rank_death(self._death_line(rank))
+            return
 
-    def _death_line(self, rank: int, proc: subprocess.Popen) -> str:
-        code = proc.returncode
-        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        return (f"tensor-parallel rank {rank} (pid {proc.pid}) exited ({how}); the other {self.size - 1} rank(s) "
-                f"cannot go on without it")
+    def _death_line(self, rank: Child) -> str:
+        return f"{rank.death_line()}; the other {self.size - 1} rank(s) cannot go on without it"
 
     def dead_rank(self, wait_s: float = 2.0) -> Optional[str]:
         """The line saying which rank exited, waiting up to `wait_s` for one to be seen exiting, or
         None. A step's collective fails the moment a killed rank's sockets close, before the watch
         sees the process gone: the engine then reports the rank, not the collective's traceback."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            for rank, proc in enumerate(self.procs, start=1):
-                if proc.poll() is not None:
-                    return self._death_line(rank, proc)
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.02)
+        rank = self.local_ranks.first_exit(wait_s)
+        return self._death_line(rank) if rank is not None else None
 
     def close(self) -> None:
         """Stop the ranks (a shutdown message, then SIGTERM, then SIGKILL) and leave the group."""
@@ -461,20 +443,10 @@ class TensorParallelLeader:
                 sock.send(pickle.dumps(None), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        deadline = time.monotonic() + SHUTDOWN_WAIT_S
-        clean = True
-        for proc in self.procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                clean = False
-                proc.terminate()
-                try:
-                    proc.wait(2.0)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            clean = clean and proc.returncode == 0
+        # Asked by the shutdown message; what does not exit gets SIGTERM, then SIGKILL.
+        left = wait_all(self.local_ranks.procs, SHUTDOWN_WAIT_S)
+        stop_all(left, RANK_TERMINATE_GRACE_S)
+        clean = not left and all(proc.returncode == 0 for proc in self.local_ranks.procs)
         if self.watcher is not None:
             self.watcher.join(RANK_WATCH_S * 5)
         for i, sock in enumerate(self.sockets, start=1):
@@ -489,14 +461,6 @@ class TensorParallelLeader:
         if clean or self.device.type != "cuda":
             destroy(getattr(self, "tp", None))
 
-
-def _process_stopped(pid: int) -> bool:
-    """Whether the process is stopped (state T, or t under a tracer) in /proc (False where unknown)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
 
 
 def _exit_engine(reason: str) -> None:

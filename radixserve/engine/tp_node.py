@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import logging
 import signal
-import subprocess
 import time
 from types import FrameType
 from typing import Optional
 
 from radixserve.engine.tensor_parallel import spawn_rank
+from radixserve.process.supervisor import Supervisor
 from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")
@@ -47,19 +47,6 @@ def check_node_devices(settings: ServerSettings) -> None:
                          f"{settings.tp_size} over nnodes={settings.nnodes}; {count} GPUs visible")
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    deadline = time.monotonic() + STOP_WAIT_S
-    for proc in procs:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def run_node(settings: ServerSettings) -> int:
     """Start this node's ranks and wait for them; the exit code (0: the engine ended normally)."""
     if settings.nnodes < 2 or settings.node_rank < 1:
@@ -67,38 +54,38 @@ def run_node(settings: ServerSettings) -> int:
     check_node_devices(settings)
     host, port = settings.dist_init_host_port()
     ranks = node_ranks(settings)
-    procs: list[subprocess.Popen] = []
+    children = Supervisor()
     stopping: list[int] = []
 
     def on_signal(signum: int, _frame: Optional[FrameType]) -> None:
         stopping.append(signum)
 
+    def until_signal(seconds: float) -> bool:
+        if not stopping:
+            time.sleep(seconds)  # a signal's handler runs inside; the sleep goes on after it
+        return not stopping
+
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         for rank in ranks:
-            procs.append(spawn_rank(settings, rank, host, port))
+            children.add(f"tensor-parallel rank {rank}", spawn_rank(settings, rank, host, port))
         logger.info("node %d of %d: tensor-parallel ranks %d-%d of %d (pids %s) joining rank 0 at %s:%d",
                     settings.node_rank, settings.nnodes, ranks[0], ranks[-1], settings.tp_size,
-                    ", ".join(str(p.pid) for p in procs), host, port)
-        while True:
-            if stopping:
-                logger.info("node %d: signal %d, stopping its ranks", settings.node_rank, stopping[0])
-                _stop(procs)
-                return 0
-            failed = [(r, p) for r, p in zip(ranks, procs) if p.poll() not in (None, 0)]
+                    ", ".join(str(c.pid) for c in children.children), host, port)
+        for _ in children.exits(WATCH_S, wait=until_signal):
+            failed = [c for c in children.exited() if c.returncode != 0]
             if failed:
-                rank, proc = failed[0]
-                code = proc.returncode
-                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                logger.error("node %d: tensor-parallel rank %d (pid %d) exited (%s); stopping the node's other "
-                             "ranks", settings.node_rank, rank, proc.pid, how)
-                _stop(procs)
+                logger.error("node %d: %s; stopping the node's other ranks", settings.node_rank,
+                             failed[0].death_line())
+                children.stop(STOP_WAIT_S)
                 return 1
-            if all(p.poll() == 0 for p in procs):
+            if not children.running():
                 logger.info("node %d: its ranks ended with the engine", settings.node_rank)
                 return 0
-            time.sleep(WATCH_S)
+        logger.info("node %d: signal %d, stopping its ranks", settings.node_rank, stopping[0])
+        children.stop(STOP_WAIT_S)
+        return 0
     finally:
-        _stop(procs)
+        children.stop(STOP_WAIT_S)
         for s, handler in old.items():
             signal.signal(s, handler)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Optional
+
+from radixserve.process.supervisor import stop_all
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,13 +61,7 @@ class Server:
         raise RuntimeError(f"the {self.what} was not ready after {timeout_s:.0f} s:\n{self.tail()}")
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_all([self.proc], timeout_s)
         self._out.close()
 
 

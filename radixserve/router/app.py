@@ -24,7 +24,6 @@ import itertools
 import json
 import logging
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 import httpx
@@ -40,7 +39,8 @@ from radixserve.router.keys import routing_keys, tokenizer_from_files
 from radixserve.router.kv_sync import kv_sync_loop
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import BalanceConfig, make_policy
-from radixserve.router.trust import WorkerAllowlist, WorkerTrust
+from radixserve.router.settings import RouterSettings
+from radixserve.router.trust import WorkerTrust
 from radixserve.router.workers import Worker, WorkerRegistry, normalize_url
 from radixserve.http_common.errors import error_body, error_response, install_error_handlers
 from radixserve.process.gc_tuning import governed_collections
@@ -55,75 +55,6 @@ TOKENIZE_PATHS = ("/v1/tokenize", "/v1/detokenize", "/tokenize", "/detokenize")
 FORWARD_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 FORWARD_RESPONSE_HEADERS = ("content-type", "retry-after", "cache-control", "x-accel-buffering")
 WORKER_KEEPALIVE_S = 4.0
-
-
-@dataclass
-class RouterSettings:
-    worker_urls: tuple[str, ...] = ()
-    policy: str = "cache_aware"
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: tuple[str, ...] = ()  # the keys clients may send (the workers'), with those of api_key_file
-    api_key_file: Optional[str] = None
-    # The workers isolate each API key's cache (their --cache-salt-per-api-key, or their default with
-    # several keys unless shared_cache_across_keys): so do the prefix keys.
-    cache_salt_per_api_key: bool = False
-    shared_cache_across_keys: bool = False
-    # The workers' --admin-api-key, for their /kv_events and /flush_cache (without it: api_key). Sent
-    # only to the workers of worker_urls and run-time workers matching worker_url_allowlist (trust.py).
-    worker_admin_api_key: Optional[str] = None
-    worker_admin_api_key_file: Optional[str] = None  # holds worker_admin_api_key instead
-    # The router's own key for worker management and /flush_cache (access.py); None: those are off.
-    admin_api_key: Optional[str] = None
-    # Workers added at run time that may receive worker_admin_api_key: URLs, host names, IPs, CIDR blocks.
-    worker_url_allowlist: tuple[str, ...] = ()
-    cache_threshold: float = 0.3
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
-    max_tree_size: int = 2 ** 24
-    health_check_interval: float = 5.0
-    health_check_timeout: float = 10.0
-    health_failure_threshold: int = 3
-    health_success_threshold: int = 2
-    max_retries: int = 3
-    connect_timeout: float = 5.0
-    request_timeout: Optional[float] = None
-    tokenizer_path: Optional[str] = None
-    log_level: str = "info"
-    seed: Optional[int] = None
-    # Client connections held at once (None: the open-file limit less a reserve); see http_common.open_files.
-    max_connections: Optional[int] = None
-
-    def validate(self) -> None:
-        from radixserve.router.policies import POLICIES
-
-        if isinstance(self.api_key, str):  # one key, as callers wrote it before keys could repeat
-            self.api_key = (self.api_key,)
-        if self.cache_salt_per_api_key and self.shared_cache_across_keys:
-            raise ValueError("cache_salt_per_api_key and shared_cache_across_keys contradict each other: give one")
-
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy={self.policy!r} is not one of {', '.join(POLICIES)}")
-        if not 0.0 <= self.cache_threshold <= 1.0:
-            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
-        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
-            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
-        if self.max_tree_size < 1:
-            raise ValueError(f"max_tree_size must be >= 1, got {self.max_tree_size}")
-        if self.health_check_interval <= 0 or self.health_check_timeout <= 0:
-            raise ValueError("health check interval and timeout must be > 0")
-        if self.health_failure_threshold < 1 or self.health_success_threshold < 1:
-            raise ValueError("health thresholds must be >= 1")
-        if self.max_connections is not None and self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        if self.admin_api_key is not None and not self.admin_api_key.strip():
-            raise ValueError("admin_api_key must not be empty")
-        if self.admin_api_key and self.admin_api_key in self.api_key:
-            raise ValueError("--admin-api-key must differ from --api-key: every client holds the API key, and "
-                             "the admin key decides where their requests go")
-        WorkerAllowlist.parse(self.worker_url_allowlist)
 
 
 class RetryableError(Exception):

@@ -34,11 +34,14 @@ import zmq.asyncio
 from radixserve.engine.messages import AbortRequest, GenerateRequest, RequestOutput
 from radixserve.engine import messages as m
 from radixserve.process.spawn import spawn_child
+from radixserve.process.supervisor import Supervisor, exit_description, kill_all, stop_all, wait_all_async
 from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")
 
 WATCHDOG_INTERVAL_S = 0.2
+# kill_now's grace between SIGTERM and SIGKILL.
+ENGINE_TERMINATE_GRACE_S = 3.0
 # Engine outputs handed to their requests per event-loop iteration: each wakes a stream that then
 # renders and writes an event (~0.1 ms), so the first tokens of a thousand requests, which arrive
 # in one message, are handed out over several short iterations instead of one long one.
@@ -174,6 +177,7 @@ class EngineClient:
         self.settings = settings
         self.startup_timeout_s = startup_timeout_s
         self.proc: Optional[subprocess.Popen] = None
+        self.children = Supervisor()  # the engine process, once spawned
         self.ready: Optional[m.EngineReady] = None
         self.groups: dict[str, RequestGroup] = {}
         self.replies: dict[str, asyncio.Future] = {}
@@ -230,6 +234,7 @@ class EngineClient:
         # The engine checks no key: it (and its ranks, and ps) never sees them.
         self.proc = spawn_child("radixserve.engine.engine_process", self.settings.without_secrets().to_dict(),
                                 "--in-addr", in_addr, "--out-addr", out_addr)
+        self.children.add("engine process", self.proc)
         logger.info("engine process %d starting", self.proc.pid)
 
     async def start(self) -> m.EngineReady:
@@ -283,28 +288,15 @@ class EngineClient:
     async def _reap(self, timeout_s: float) -> None:
         if self.proc is None:
             return
-        deadline = time.monotonic() + timeout_s
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
         # Told to shut down and still there: it is stuck in its exit (waiting for a worker thread,
         # e.g. a grammar compile). SIGTERM would only raise SystemExit inside that wait and print
         # its traceback, so it is killed outright.
-        self.kill_now(force=True)
+        kill_all(await wait_all_async([self.proc], timeout_s))
 
-    def kill_now(self, force: bool = False) -> None:
-        """Synchronous last resort (also used from atexit): the engine is gone when this returns.
-        force: SIGKILL at once instead of SIGTERM first."""
-        if self.proc is not None and self.proc.poll() is None:
-            if force:
-                self.proc.kill()
-                self.proc.wait()
-                return
-            self.proc.terminate()
-            try:
-                self.proc.wait(3.0)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    def kill_now(self) -> None:
+        """Synchronous last resort (also used from atexit): the engine is gone when this returns."""
+        if self.proc is not None:
+            stop_all([self.proc], ENGINE_TERMINATE_GRACE_S)
 
     def close_sockets(self) -> None:
         for sock in (self._push, self._pull, self._pull_sync):
@@ -329,16 +321,12 @@ class EngineClient:
         self.replies.clear()
 
     async def _watchdog(self) -> None:
-        while True:
-            await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            code = self.proc.poll() if self.proc else None
-            if code is not None:
-                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                reason = f"the engine process {self.proc.pid} exited ({how})"
-                self._mark_dead(reason)
-                if not self._stopping and self.on_death is not None:
-                    self.on_death(reason)
-                return
+        async for engine in self.children.exits_async(WATCHDOG_INTERVAL_S):
+            reason = f"the engine process {engine.pid} exited ({exit_description(engine.returncode)})"
+            self._mark_dead(reason)
+            if not self._stopping and self.on_death is not None:
+                self.on_death(reason)
+            return
 
     @property
     def requests_in_flight(self) -> int:
