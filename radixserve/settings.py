@@ -20,6 +20,10 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 HICACHE_WRITE_POLICIES = ("write_back", "write_through")
 # Defaults that depend on the device the engine runs on.
 DEFAULT_MAX_RUNNING_REQUESTS = {"cuda": 1024, "cpu": 256}
+# A chunk's step costs its tokens times the context they attend to: on the CPU an 8,192-token chunk
+# deep into a 30,000-token prompt took 15-43 s a step (one long prompt then held every other request
+# that long), a 1,024-token chunk ~2.8 s, and the whole prompt took 48 s instead of 107 s.
+DEFAULT_CHUNKED_PREFILL_SIZE = {"cuda": 8192, "cpu": 1024}
 CPU_KV_POOL_TOKENS = 65536
 # Recurrent-state snapshots a hybrid model's prefix cache keeps on the CPU without --mamba-cache-size.
 CPU_MAMBA_CACHE_SIZE = 64
@@ -175,9 +179,17 @@ class ServerSettings:
         None, "Most requests left waiting once the running batch has taken what it has room for (free "
         "request slots and KV); beyond it the server answers 503 with Retry-After.")
     max_prefill_tokens: int = _opt(16384, "Most new prompt tokens computed in one step.")
-    chunked_prefill_size: int = _opt(
-        8192, "Longest prompt piece computed in one step; longer prompts are split and each finished "
-        "chunk goes into the radix tree. -1 disables chunking.", aliases=("--chunk-prefill-size",))
+    chunked_prefill_size: Optional[int] = _opt(
+        None, "Longest prompt piece computed in one step; longer prompts are split and each finished "
+        "chunk goes into the radix tree. -1 disables chunking. (default: "
+        f"{DEFAULT_CHUNKED_PREFILL_SIZE['cuda']} on CUDA, {DEFAULT_CHUNKED_PREFILL_SIZE['cpu']} on the CPU, "
+        "where a step's cost grows fastest with the chunk)", aliases=("--chunk-prefill-size",))
+    chunked_prefill_reserve: float = _opt(
+        0.25, "While a prompt is mid-way through its chunks, this share of each step's prefill budget "
+        "goes first to everyone else: waiting prompts that fit whole in it, then one longer prompt "
+        "started in pieces of it; decode rows count against it too. The long prompt's chunk takes the "
+        "rest, all of the budget when nobody else needs any, and never less than 1 - this share. 0: the "
+        "chunk takes the whole budget and other prompts wait until the long one is computed.")
     grammar_compile_timeout_s: float = _opt(
         20.0, "A structured-output request whose grammar has not compiled after this many seconds fails "
         "with a 400 (grammar_compile_timeout).")
@@ -242,6 +254,11 @@ class ServerSettings:
     admin_api_key_file: Optional[str] = _opt(
         None, "A file holding the --admin-api-key (one line; # comments skipped), which keeps it off the "
         "command line. (default: none)")
+    health_stall_timeout_s: float = _opt(
+        60.0, "/health answers 503 when the engine loop has been inside one step this long (wedged: a "
+        "hung collective, a kernel that never returns) or the engine process sent no heartbeat for "
+        "min(10 s, this) (stopped, or stuck holding the interpreter). A busy engine whose steps finish "
+        "stays 200 however long its queue; /health_generate still checks that a token comes out.")
     graceful_shutdown_timeout: float = _opt(
         30.0, "On SIGTERM, seconds in-flight requests get to finish (/health answers 503 meanwhile); what is "
         "left then gets a 503 error body, or an error event and [DONE] on a stream.")
@@ -325,8 +342,13 @@ class ServerSettings:
             raise ValueError(f"max_total_tokens={self.max_total_tokens} holds no page")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
-        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+        chunk = self.chunked_prefill_size
+        if chunk is not None and (chunk == 0 or chunk < -1):
             raise ValueError(f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}")
+        if not 0.0 <= self.chunked_prefill_reserve < 1.0:
+            raise ValueError(f"chunked_prefill_reserve must be in [0, 1), got {self.chunked_prefill_reserve}")
+        if not self.health_stall_timeout_s > 0:
+            raise ValueError(f"health_stall_timeout_s must be > 0, got {self.health_stall_timeout_s}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.max_running_requests is not None and self.max_running_requests < 1:
@@ -474,6 +496,12 @@ class ServerSettings:
 
     def resolved_max_running_requests(self, device_type: str) -> int:
         return self.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS["cuda" if device_type == "cuda" else "cpu"]
+
+    def resolved_chunked_prefill_size(self, device_type: str) -> int:
+        """--chunked-prefill-size, or the device's default (-1: no chunking)."""
+        if self.chunked_prefill_size is not None:
+            return self.chunked_prefill_size
+        return DEFAULT_CHUNKED_PREFILL_SIZE["cuda" if device_type == "cuda" else "cpu"]
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -78,7 +78,8 @@ def test_a_prefill_step_that_cannot_allocate_is_taken_back_and_halved(model_dir,
 
 
 def test_a_failing_sampler_lowers_the_running_requests(model_dir, monkeypatch):
-    """The penalty pass fails on a batch of more than two rows: 6 rows -> 4 -> 3 -> 2."""
+    """The penalty pass fails on a batch of more than two rows: 5 rows -> 3 -> 2 (the first
+    prompt's chunks leave a quarter of each step to the others, so 5 rows is the widest step)."""
     _, _, expected = run(model_dir, PENALISED, max_prefill_tokens=200)
 
     def inject(engine):
@@ -87,10 +88,10 @@ def test_a_failing_sampler_lowers_the_running_requests(model_dir, monkeypatch):
         return fault
 
     engine, fault, got = run(model_dir, PENALISED, inject, max_prefill_tokens=200)
-    assert fault.raised == 3
+    assert fault.raised == 2
     assert got == expected
     assert engine.core.scheduler.max_running == 2
-    assert engine.cache_stats()["alloc_failures"] == 3
+    assert engine.cache_stats()["alloc_failures"] == 2
 
 
 def test_a_one_request_step_that_keeps_failing_fails_that_request_only(model_dir, monkeypatch):
@@ -147,7 +148,7 @@ def fail_sampling(engine: Engine, times: int = 3) -> FailWhen:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("inject, params, settings, failures", [
     (fail_big_mlp, GREEDY, {}, 2),
-    (fail_sampling, PENALISED, {"max_prefill_tokens": 200}, 3),
+    (fail_sampling, PENALISED, {"max_prefill_tokens": 200}, 2),
 ], ids=["mid-forward", "before-the-ids-broadcast"])
 def test_under_tp2_every_rank_gives_the_failed_step_up_and_the_engine_goes_on(model_dir, inject, params, settings,
                                                                               failures):

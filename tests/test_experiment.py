@@ -71,8 +71,8 @@ def test_experiment_router_configurations(server_model_dir, tmp_path, capsys):
         assert "--max-total-tokens" in c["server_args"] and str(small) in c["server_args"]
         # the router's /server_info sums the pools, so the capacity oracle sees the cluster's
         assert rec["server"]["pool_size"] == 2 * small and rec["oracle_capacity_tokens"] == 2 * small
-        # aggregated over both workers: the responses' counts equal the workers' /metrics summed (which
-        # also count the router's health probes: a few uncached prompt tokens every 5 s)
+        # aggregated over both workers: the responses' counts equal the workers' /metrics summed (the
+        # router's health checks send the engines nothing)
         assert rec["metrics_cached_tokens"] == rec["cached_tokens"], rec
         assert 0 <= rec["metrics_prompt_tokens"] - rec["total_input_tokens"] <= 20, rec
         assert sum(router["requests_per_worker"].values()) == 17  # 16 + the warm-up request

@@ -12,7 +12,6 @@ import pytest
 from radixserve import Engine
 from radixserve.engine.messages import GenerateRequest
 from radixserve.sampling_params import SamplingParams
-from radixserve.scheduler.request import ReqState
 from radixserve.testing.tiny_model import build_tiny_model
 
 
@@ -177,28 +176,3 @@ def test_retraction_takes_the_request_with_the_least_output(tiny_dir, overlap):
     assert outputs == expected
     engine.check_invariants()
 
-
-def test_a_chunked_prompt_leaves_room_for_short_prompts_only(tiny_dir):
-    """A long prompt mid-way through its chunks leaves an eighth of the step to waiting prompts that
-    fit whole in it (a 2-token request is served in the next step, not after every chunk), and
-    nothing when only long prompts wait."""
-    engine = Engine(str(tiny_dir), max_total_tokens=30000, chunked_prefill_size=512, max_prefill_tokens=512,
-                    context_length=8192)
-    core, sched = engine.core, engine.core.scheduler
-    rng = random.Random(11)
-
-    def step() -> tuple[int, list[str], list[str]]:
-        batch = sched.schedule()
-        updated = sched.process_results(batch, core.runner.forward(batch))
-        done = [r.rid for r in updated if r.state == ReqState.FINISHED]
-        return batch.num_new_tokens, [r.rid for r in batch.reqs], done
-
-    core.add_request(request("long", ids(rng, 6000), 0.0))
-    assert step() == (512, ["long"], [])
-    core.add_request(request("long2", ids(rng, 3000), 1.0))  # too long to join a step: no room is left for it
-    assert step() == (512, ["long"], [])
-    core.add_request(request("short", ids(rng, 2), 2.0))
-    assert step() == (512, ["long", "short"], ["short"])  # the chunk took 510 tokens, the short prompt 2
-    for rid in list(sched.reqs):
-        core.abort(rid)
-    engine.check_invariants()

@@ -16,7 +16,8 @@ MAX_CONNECTIONS = 12
 
 @pytest.fixture(scope="module")
 def bounds_server(server_model_dir, server_workdir):
-    # Chunks of 16 tokens: a 4,000-token prompt takes 250 steps, long enough to send others beside it.
+    # Chunks of 16 tokens: a 4,000-token prompt takes 250 steps (a long prompt beside short ones is
+    # test_long_prompt_server.py's).
     proc = ServerProcess(["--model-path", str(server_model_dir), "--device", "cpu", "--max-request-bytes",
                           str(REQUEST_LIMIT), "--chunked-prefill-size", "16", "--max-running-requests", "16",
                           "--max-connections", str(MAX_CONNECTIONS)],
@@ -53,33 +54,6 @@ def test_chunked_body_over_the_limit_is_413(bounds_server):
         err = assert_error_body(r, 413, code="request_too_large")
         assert f"{REQUEST_LIMIT} bytes" in err["message"]
         assert http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
-
-
-def test_short_request_is_served_beside_a_long_prompt(bounds_server):
-    """A 2-token request sent while a 4,000-token prompt is mid-way through its chunks is served in
-    a few steps: each chunk leaves room in the step for it, instead of it waiting for all 250."""
-    import concurrent.futures
-    import time
-
-    def post_timed(body: dict) -> tuple[httpx.Response, float]:
-        response = http.post("/generate", json=body)
-        return response, time.monotonic()
-
-    with bounds_server.client(timeout=120) as http, concurrent.futures.ThreadPoolExecutor(1) as pool:
-        long = pool.submit(post_timed, {"input_ids": [7 + i % 400 for i in range(4000)],
-                                        "sampling_params": {"max_new_tokens": 1}})
-        deadline = time.monotonic() + 60
-        while bounds_server.server_info()["stats"]["running_requests"] < 1:
-            assert time.monotonic() < deadline and not long.done(), "the long prompt never showed as running"
-            time.sleep(0.02)
-        sent = time.monotonic()
-        short, short_done = post_timed({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}})
-        long_response, long_done = long.result()
-        assert short.status_code == 200 and long_response.status_code == 200, (short.text, long_response.text)
-        # Served beside the long prompt, the short request takes a few steps of its 250; behind it,
-        # all that were left.
-        assert short_done - sent < (long_done - sent) / 2, (short_done - sent, long_done - sent)
-        assert http.get("/health").status_code == 200
 
 
 def test_batches_and_prompts_times_n_are_capped(bounds_server):

@@ -96,7 +96,8 @@ class EngineCore:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(settings, self.cache, self.req_to_token, context_len=self.context_len,
-                                   eos_token_ids=eos, decode_text=self._decode_tail if self.tokenizer else None)
+                                   eos_token_ids=eos, decode_text=self._decode_tail if self.tokenizer else None,
+                                   device_type=self.device.type)
         self.runner = self.ranks.make_runner(
             self.model, self.kv_pool, self.req_to_token, settings.random_seed, copier=self.cache.copier,
             state_copier=self.kv_pool.snapshots if self.cache.keeps_prefixes else None,

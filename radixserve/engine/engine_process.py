@@ -4,7 +4,9 @@ The loop never waits on the API process: while it has work it only drains messag
 already there (a zero-timeout poll) and steps; when idle it blocks in a poll with a short timeout.
 It is started by `EngineClient.spawn` in the API process as `python -m radixserve.engine.engine_process`
 (`radixserve.process.spawn`) and exits when told to, when its parent dies, or when a step raises
-(the API then answers 503).
+(the API then answers 503). Beside the loop, a heartbeat thread (`radixserve.engine.heartbeat`)
+tells the API process twice a second that the process runs and how long the loop has been in its
+current step, which is what `/health` answers from.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import zmq
 
 from radixserve.engine import messages as m
 from radixserve.engine.engine_intake import KvHashEvents
+from radixserve.engine.heartbeat import Heartbeat, LoopPulse
 from radixserve.engine.messages import AbortRequest, GenerateRequest, RequestOutput
 from radixserve.engine.kv_publisher import ZmqKvEventPublisher, make_kv_publisher
 from radixserve.engine.step_trace import StepTrace
@@ -171,6 +174,8 @@ class EngineLoop:
         self.idle_since: Optional[float] = None
         self.running = True
         self.steps = 0
+        # Read by the heartbeat thread, which the API process's /health listens to.
+        self.pulse = LoopPulse()
         # KV events are recorded only once someone asked for a snapshot (a router subscribed).
         self.kv_events = KvHashEvents(core.cache)
         self.pending_kv_events: list[list] = []
@@ -279,6 +284,7 @@ class EngineLoop:
 
     def run(self) -> None:
         while self.running:
+            self.pulse.beat(busy=self.core.has_work)
             if not self.parent_alive():
                 logger.warning("engine: the API process is gone; exiting")
                 return
@@ -286,8 +292,10 @@ class EngineLoop:
             if self.core.has_work:
                 self.checked_idle = False
                 self.idle_since = None
+                self.pulse.busy = True
                 outputs = self.core.step()
                 self.steps += 1
+                self.pulse.steps = self.steps
                 self.batch_logger.after_step(self.core, self.core.stats)
                 if self.slow_steps is not None:
                     self.slow_steps.after_step(self.core)
@@ -379,6 +387,7 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
         one_host_thread(core.device)  # after loading, which may convert weights on the CPU
         governor = govern_collections("engine")
         loop = EngineLoop(core, settings, pull, push, parent_pid, gc_governor=governor, kv_publisher=kv_publisher)
+        heartbeat = Heartbeat(ctx, out_addr, loop.pulse).start()
         try:
             loop.run()
         except Exception:
@@ -389,6 +398,7 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
                 logger.error("engine loop crashed:\n%s", traceback.format_exc())
             code = 1
         finally:
+            heartbeat.stop()  # its socket closes before the context ends
             governor.uninstall()
             if loop.step_trace is not None:  # SIGTERM ends run() with SystemExit
                 loop.step_trace.close()

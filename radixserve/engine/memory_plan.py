@@ -89,11 +89,12 @@ class MemoryPlan:
                 + f"outside torch {self.other_bytes / GiB:.2f} GiB")
 
 
-def profile_prefill_tokens(settings: ServerSettings, context_len: int) -> int:
+def profile_prefill_tokens(settings: ServerSettings, context_len: int, device_type: str = "cuda") -> int:
     """The most prompt tokens one step computes: the chunk, or without chunking a whole prompt
     (one over --max-prefill-tokens runs alone)."""
-    if settings.chunked_prefill_size > 0:
-        return min(settings.max_prefill_tokens, settings.chunked_prefill_size)
+    chunk = settings.resolved_chunked_prefill_size(device_type)
+    if chunk > 0:
+        return min(settings.max_prefill_tokens, chunk)
     return max(settings.max_prefill_tokens, context_len - 1)
 
 
@@ -156,7 +157,7 @@ def profile_step(settings: ServerSettings, model, req_to_token: ReqToTokenPool, 
     from radixserve.engine.model_runner import ModelRunner
 
     cfg = model.config
-    prefill = min(profile_prefill_tokens(settings, context_len), context_len - 1)
+    prefill = min(profile_prefill_tokens(settings, context_len, device.type), context_len - 1)
     batch, slots_needed = _profile_batch(req_to_token, settings.page_size, prefill, req_to_token.max_requests - 1,
                                          cfg.vocab_size)
     pool = KVPool(slots_needed, settings.page_size, cfg.num_kv_layers, model.local_heads[1], cfg.head_dim,

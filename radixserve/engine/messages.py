@@ -129,6 +129,15 @@ class OutputBatch(msgspec.Struct, kw_only=True):
     kv_events: list[tuple[int, str, list[str]]] = []
 
 
+class EngineHeartbeat(msgspec.Struct, kw_only=True):
+    """Sent by the engine process's heartbeat thread every half second (radixserve.engine.heartbeat),
+    whatever its loop is doing: /health is answered from the latest one."""
+    pid: int
+    steps: int  # steps the loop has finished
+    busy: bool  # whether the loop had requests to step when its current iteration started
+    loop_s: float  # seconds the loop has been in its current iteration (a step, when busy)
+
+
 class ControlReply(msgspec.Struct, kw_only=True):
     reply_id: str
     ok: bool
@@ -137,12 +146,12 @@ class ControlReply(msgspec.Struct, kw_only=True):
 
 
 ToEngine = Union[GenerateRequest, AbortRequest, HealthProbe, FlushCache, GetStats, GetKvSnapshot, Shutdown]
-FromEngine = Union[EngineReady, EngineFailed, OutputBatch, ControlReply]
+FromEngine = Union[EngineReady, EngineFailed, OutputBatch, EngineHeartbeat, ControlReply]
 
 _TYPES: dict[bytes, type] = {
     cls.__name__.encode(): cls
     for cls in (GenerateRequest, AbortRequest, HealthProbe, FlushCache, GetStats, GetKvSnapshot, Shutdown,
-                EngineReady, EngineFailed, OutputBatch, ControlReply)
+                EngineReady, EngineFailed, OutputBatch, EngineHeartbeat, ControlReply)
 }
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in _TYPES.items()}

@@ -25,12 +25,6 @@ CLIP_MAX_NEW_TOKENS = 4096
 # 0.6 GB per 1,024 rows at a 152k vocabulary); a step computes at most this many such rows, so the
 # start-up memory plan can measure the largest step (radixserve.engine.memory_plan).
 PROMPT_LOGPROB_ROWS_PER_STEP = 1024
-# While a chunked prompt is mid-way and shorter prompts wait, the chunk leaves up to this share of
-# the step's prefill budget to the waiting prompts that fit whole in it (a chat turn, the health
-# probe). Without it one 30,000-token prompt filled four 8,192-token steps in a row while a 2-token
-# request waited 36.5 s behind it and the health probe timed out. The long prompt loses at most
-# this share of its steps' tokens, and only while short prompts wait.
-SHORT_PROMPT_SHARE = 8  # one eighth: 1,024 tokens of an 8,192-token step
 
 
 def decode_reserve(new_tokens: int, new_token_ratio: float) -> int:
@@ -72,38 +66,31 @@ class PrefillAdder:
         """Tree tokens admission may evict."""
         return self.kv.cache.evictable_size if self.spare_waited else self.kv.cache.reclaimable_size
 
-    def short_prompt_room(self, waiting: Iterable[Req]) -> int:
-        """Tokens of this step a chunked prompt leaves for waiting prompts: what the waiting prompts
-        that fit whole in SHORT_PROMPT_SHARE of the budget need together, up to that share (0 when
-        none does, so a queue of long prompts costs the chunk nothing)."""
-        if not self.chunking:
-            return 0
-        cap = self.budget // SHORT_PROMPT_SHARE
-        room = 0
-        for req in waiting:
-            need = req.seq_len - req.peek_len
-            if need <= cap - room:
-                room += need
-                if room == cap:
-                    break
-        return room
-
     def completes(self, req: Req) -> bool:
         """Whether a waiting request's uncached prompt fits whole in what is left of the budget."""
         return req.seq_len - req.peek_len <= self.budget
 
-    def add_chunk(self, req: Req, *, leave: int = 0) -> int:
-        """The next piece of a running request's chunked prompt, leaving `leave` tokens of the
-        budget to others; returns the tokens taken."""
-        return self._add_piece(req, new=False, leave=leave)
+    def add_chunk(self, req: Req) -> int:
+        """The next piece of a running request's chunked prompt; returns the tokens taken."""
+        return self._add_piece(req, new=False)
 
-    def defers(self, req: Req, in_flight_keys: set[tuple]) -> bool:
+    def continuation_key(self, req: Req) -> tuple:
+        """The in-batch sharing key (`defers`) of what a running request mid-prompt computes next:
+        a waiting request with the same key would compute those tokens again beside it, so it waits
+        for them to be cached instead (its match ends where this request's cached chunks end, and
+        its next tokens are this request's)."""
+        start = req.locked_len
+        return (id(req.last_node), req.cache_namespace, start,
+                tuple(req.fill_ids[start:start + self.min_shared_prefix]))
+
+    def defers(self, req: Req, in_flight_keys: set[tuple], *, record: bool = True) -> bool:
         """In-batch prefix sharing: two requests share an uncached prefix of >= min_shared_prefix
         tokens exactly when their cached match has the same length and node and the next
         min_shared_prefix tokens agree. The first is admitted (its key recorded even if admission
-        then fails); the rest wait and find the prefix cached once that step is collected. Not
-        where the cache would keep nothing of what the first computes beyond the match (no cache,
-        or less than a page): the rest would find nothing more and only have waited."""
+        then fails; not at all with record=False); the rest wait and find the prefix cached once
+        that step is collected. Not where the cache would keep nothing of what the first computes
+        beyond the match (no cache, or less than a page): the rest would find nothing more and only
+        have waited."""
         start = req.peek_len
         if req.seq_len - start <= self.min_shared_prefix or self.kv.cache.insertable_len(req.seq_len) <= start:
             return False
@@ -111,7 +98,8 @@ class PrefillAdder:
         key = (id(req.peek_node), req.cache_namespace, start, shared)
         if key in self.batch.shared_prefix_keys or key in in_flight_keys:
             return True
-        self.batch.shared_prefix_keys.add(key)
+        if record:
+            self.batch.shared_prefix_keys.add(key)
         return False
 
     def try_add_one(self, req: Req, *, alone: bool, branch_at: int = 0) -> bool:
@@ -132,11 +120,10 @@ class PrefillAdder:
         self.available -= locked_away + need
         return True
 
-    def _add_piece(self, req: Req, *, new: bool, leave: int = 0) -> int:
+    def _add_piece(self, req: Req, *, new: bool) -> int:
         """Schedule the next piece of req's prompt; returns the tokens taken (0: not scheduled)."""
         todo = req.seq_len - req.kv_len
-        room = self.budget - leave if leave < self.budget else self.budget  # what it leaves, if it can
-        n = min(todo, room) if self.chunking else todo
+        n = min(todo, self.budget) if self.chunking else todo
         for end in req.chunk_ends:  # the cache keeps the state there: a piece ends at it, chunking or not
             if end > req.kv_len:
                 n = min(n, end - req.kv_len)

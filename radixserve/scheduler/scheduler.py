@@ -1,7 +1,10 @@
 """Continuous batching over the prefix cache: admission, chunked prefill, decode and retraction.
 
 Every step builds one batch: one new token for each decoding request, plus prompt pieces of
-waiting requests admitted in policy order within the prefill budget (`PrefillAdder`). A request
+waiting requests admitted in policy order within the prefill budget (`PrefillAdder`). While a prompt
+is mid-way through its chunks, it shares the step: everyone else takes up to
+--chunked-prefill-reserve of the budget first, the long prompt's chunk the rest
+(`_share_with_chunks`), so one long prompt holds nobody up for more than a step. A request
 holds the tree path of its cached prefix locked and owns the slots of everything after it;
 finished chunks and finished requests go back into the cache (`KVManager.cache_req`), so the next
 request with the same prefix finds them. The scheduler knows the cache only as a `PrefixCache`
@@ -70,8 +73,10 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, settings: ServerSettings, cache: PrefixCache, req_to_token: ReqToTokenPool, *,
                  context_len: int, eos_token_ids: list[int], decode_text: Optional[Callable[[list[int]], str]] = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, device_type: str = "cuda"):
         self.settings = settings
+        # Prompt tokens one piece may take (-1: no chunking); its default depends on the device.
+        self.chunk_size = settings.resolved_chunked_prefill_size(device_type)
         self.cache = cache
         self.kv = KVManager(cache, req_to_token)
         self.req_to_token = req_to_token
@@ -314,47 +319,102 @@ class Scheduler:
     # ------------------------------------------------------------------ prefill
     def _prefill_budget(self) -> int:
         s = self.settings
-        budget = min(s.max_prefill_tokens, s.chunked_prefill_size) if s.chunked_prefill_size > 0 \
-            else s.max_prefill_tokens
+        budget = min(s.max_prefill_tokens, self.chunk_size) if self.chunk_size > 0 else s.max_prefill_tokens
         return budget if self.prefill_cap is None else min(budget, self.prefill_cap)
 
     def _schedule_prefill(self, batch: ScheduledBatch, in_flight: Optional[StepInFlight], chunked: list[Req]) -> None:
-        """chunked: the running requests in the middle of a chunked prompt; they continue first."""
+        """Prompt pieces after the decode rows. chunked: the running requests in the middle of a
+        chunked prompt; they share the step with the others (`_share_with_chunks`), and while one
+        is still mid-way after this step no other prompt starts beyond that share."""
         adder = PrefillAdder(self.kv, batch, budget=self._prefill_budget(),
-                             chunking=self.settings.chunked_prefill_size > 0, new_token_ratio=self.new_token_ratio,
+                             chunking=self.chunk_size > 0, new_token_ratio=self.new_token_ratio,
                              min_shared_prefix=self.settings.in_batch_prefix_min_len)
-        short_room = adder.short_prompt_room(self.waiting) if chunked and len(self.waiting) else 0
-        for req in chunked:
-            adder.add_chunk(req, leave=short_room)
-        mid_prompt = not all(batch.sample)
-        busy = None
+        # Admission's memory arithmetic starts once, before any prompt piece of this step.
+        busy = self._reserve(adder) if self._load_candidates or len(self.waiting) else False
         if self._load_candidates:  # loads start even in steps that admit nobody
-            busy = self._reserve(adder)
             self._start_loads(adder)
-        if adder.budget <= 0 or not len(self.waiting) or (mid_prompt and not short_room):
-            return  # no budget, nobody waiting, or a request mid-prompt and no short prompt to join it
-        in_flight_keys = in_flight.shared_prefix_keys if in_flight is not None else set()
-        if busy is None:
-            busy = self._reserve(adder)
+        defer_keys = in_flight.shared_prefix_keys if in_flight is not None else set()
+        if chunked:
+            # A waiting request whose next tokens a chunked prompt is computing waits for its chunks.
+            defer_keys = defer_keys | {adder.continuation_key(r) for r in chunked}
+            self._share_with_chunks(batch, adder, chunked, defer_keys, busy)
+            if not all(batch.sample) or any(r.kv_len < r.seq_len for r in chunked):
+                return  # a prompt is still mid-way: it goes on next step before anyone else starts
+        if adder.budget > 0 and len(self.waiting):
+            self._admit_waiting(batch, adder, defer_keys, busy)
+
+    def _share_with_chunks(self, batch: ScheduledBatch, adder: PrefillAdder, chunked: list[Req],
+                           defer_keys: set[tuple], busy: bool) -> None:
+        """Split the step's budget between the prompt with the most left to compute (the long one)
+        and everyone else. The others' share (--chunked-prefill-reserve of the budget) is served
+        first: waiting prompts that fit whole in it (policy order), the other prompts mid-way, then,
+        when no other is mid-way, one waiting prompt started in a piece of what is left. The long
+        prompt's chunk takes the rest, less the decode rows while the share lasts: beside a long
+        prompt a step computes at most the budget, and a short request is served in the next step
+        instead of after every chunk (one 30,000-token prompt on the CPU once held a 2-token request
+        for 140 s)."""
+        budget = adder.budget
+        share = int(budget * self.settings.chunked_prefill_reserve) if adder.chunking else 0
+        if share <= 0:
+            for req in chunked:
+                adder.add_chunk(req)
+            return
+        decode_rows = len(batch.reqs)  # the decode rows are scheduled before any prompt piece
+        longest = max(chunked, key=lambda r: (r.seq_len - r.kv_len, -r.arrival_seq))
+        others = [r for r in chunked if r is not longest]
+        adder.budget = share
+        starter = self._admit_waiting(batch, adder, defer_keys, busy, whole_only=True) if len(self.waiting) else None
+        for req in others:
+            adder.add_chunk(req)
+        if starter is not None and not others and adder.budget > 0 and self._has_row() \
+                and not adder.defers(starter, defer_keys):
+            self._admit_one(batch, adder, starter)
+        others_took = share - adder.budget
+        given = min(share, decode_rows + others_took)
+        adder.budget = budget - given
+        adder.add_chunk(longest)
+        adder.budget += given - others_took  # past the long prompt's chunk, decode rows cost no budget
+
+    def _admit_waiting(self, batch: ScheduledBatch, adder: PrefillAdder, defer_keys: set[tuple], busy: bool,
+                       *, whole_only: bool = False) -> Optional[Req]:
+        """Admit waiting requests in policy order while the budget, the request rows and memory
+        last; the first one admitted in part (a chunked prompt) is the last. whole_only: only those
+        whose prompt fits whole in the budget; returns the first passed over for not fitting that
+        could start instead (neither copied back from the host nor deferred), or None."""
+        starter = None
         for req in self.waiting.ordered():
-            if adder.budget <= 0 or len(self.running) >= self.max_running or self.req_to_token.free_rows == 0:
+            if adder.budget <= 0 or not self._has_row():
                 break
             if self._load_prefix(req, adder, spare_only=busy) is False:
                 continue  # its prefix is being copied back from the host: others go first
-            if mid_prompt and not adder.completes(req):
-                continue  # beside a prompt mid-way, only prompts that finish in this step
-            if adder.defers(req, in_flight_keys):
+            if whole_only and not adder.completes(req):
+                if starter is None and not adder.defers(req, defer_keys, record=False):
+                    starter = req  # its key is recorded if it is admitted after all
+                continue
+            if adder.defers(req, defer_keys):
                 self.stats.in_batch_deferrals += 1
                 continue
-            branch_at = self.waiting.shared_with_sibling(req)
-            self.waiting.remove(req)
-            if not adder.try_add_one(req, alone=not self.running and not batch.reqs, branch_at=branch_at):
-                self.waiting.add(req)
+            if not self._admit_one(batch, adder, req):
                 break
-            self._admit(req)
-            batch.admitted.append(req)
             if not batch.sample[-1]:
                 break  # it became the chunked request: one at a time
+        return starter
+
+    def _has_row(self) -> bool:
+        """Whether one more request may run (--max-running-requests, and a free req_to_token row)."""
+        return len(self.running) < self.max_running and self.req_to_token.free_rows > 0
+
+    def _admit_one(self, batch: ScheduledBatch, adder: PrefillAdder, req: Req) -> bool:
+        """Admit one waiting request with its first prompt piece; False (it waits on) when its
+        memory does not fit."""
+        branch_at = self.waiting.shared_with_sibling(req)
+        self.waiting.remove(req)
+        if not adder.try_add_one(req, alone=not self.running and not batch.reqs, branch_at=branch_at):
+            self.waiting.add(req)
+            return False
+        self._admit(req)
+        batch.admitted.append(req)
+        return True
 
     def _reserve(self, adder: PrefillAdder) -> bool:
         """Start admission's memory arithmetic; returns whether running requests fill half the pool.

@@ -4,10 +4,10 @@ Endpoints, by router (`radixserve.server.routes`): OpenAI (`/v1/completions`,
 `/v1/chat/completions`, `/v1/models`), SGLang-native (`/generate`, `/get_model_info`, `/tokenizer`
 with the files `radixserve.client.AsyncClient.tokenizer` needs), tokenizer (`/v1/tokenize`,
 `/v1/detokenize` and SGLang's `/tokenize`, `/detokenize`), admin (`/server_info`,
-`/flush_cache`, `/kv_events`) and observability (`/health`, `/metrics`). They share one
-`ServingContext`. With `--api-key` (or `--api-key-file`), every path but `/health` answers 401
-without `Authorization: Bearer <key>` of one of the keys; `/health` stays open so load balancers can probe it and reveals
-nothing but whether the engine generates. `/flush_cache` and `/kv_events` take `--admin-api-key`
+`/flush_cache`, `/kv_events`) and observability (`/health`, `/health_generate`, `/metrics`). They
+share one `ServingContext`. With `--api-key` (or `--api-key-file`), every path but `/health` answers
+401 without `Authorization: Bearer <key>` of one of the keys; `/health` stays open so load balancers
+can probe it and reveals nothing but whether the engine runs. `/flush_cache` and `/kv_events` take `--admin-api-key`
 when it is set. Shutdown and engine death: `radixserve.server.lifecycle`.
 """
 

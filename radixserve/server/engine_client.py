@@ -35,6 +35,7 @@ from radixserve.engine.messages import AbortRequest, GenerateRequest, RequestOut
 from radixserve.engine import messages as m
 from radixserve.process.spawn import spawn_child
 from radixserve.process.supervisor import Supervisor, exit_description, kill_all, stop_all, wait_all_async
+from radixserve.server.liveness import Liveness, judge
 from radixserve.settings import ServerSettings
 
 logger = logging.getLogger("radixserve")
@@ -182,9 +183,10 @@ class EngineClient:
         self.groups: dict[str, RequestGroup] = {}
         self.replies: dict[str, asyncio.Future] = {}
         self.latest_stats: Optional[m.EngineStats] = None
-        # time.monotonic() when the engine last reported a step more than before: a busy engine
-        # whose health probe waits behind long steps is still making progress.
-        self.progress_at: Optional[float] = None
+        # The engine's latest heartbeat and time.monotonic() when it arrived (when the engine became
+        # ready, before the first): what /health judges the engine by (radixserve.server.liveness).
+        self.heartbeat: Optional[m.EngineHeartbeat] = None
+        self.heartbeat_at: Optional[float] = None
         self.on_stats: Optional[Callable[[m.EngineStats], None]] = None
         # Radix cache events ([seq, kind, tokens] lists), for the /kv_events stream.
         self.on_kv_events: Optional[Callable[[list], None]] = None
@@ -251,6 +253,7 @@ class EngineClient:
                 msg = m.decode(await self._pull.recv_multipart())
                 if isinstance(msg, m.EngineReady):
                     self.ready = msg
+                    self.heartbeat_at = time.monotonic()
                     break
                 if isinstance(msg, m.EngineFailed):
                     await self._reap(5.0)
@@ -384,13 +387,12 @@ class EngineClient:
             if fut is not None and not fut.done():
                 fut.set_result(msg)
             return 0
+        if isinstance(msg, m.EngineHeartbeat):
+            self.heartbeat, self.heartbeat_at = msg, time.monotonic()
+            return 0
         if not isinstance(msg, m.OutputBatch):
             return 0
         if msg.stats is not None:
-            steps = msg.stats.values.get("engine_steps")
-            before = self.latest_stats.values.get("engine_steps") if self.latest_stats is not None else None
-            if steps is not None and steps != before:
-                self.progress_at = time.monotonic()
             self.latest_stats = msg.stats
             if self.on_stats is not None:
                 self.on_stats(msg.stats)
@@ -479,9 +481,10 @@ class EngineClient:
         if self.alive:
             self._send(AbortRequest(rid=rid))
 
-    def progressed_within(self, seconds: float) -> bool:
-        """Whether the engine reported finished steps in the last `seconds`."""
-        return self.progress_at is not None and time.monotonic() - self.progress_at <= seconds
+    def liveness(self, stall_timeout_s: float) -> Liveness:
+        """Whether the running engine is alive, from its heartbeats alone (nothing is sent to it)."""
+        silence = time.monotonic() - self.heartbeat_at if self.heartbeat_at is not None else 0.0
+        return judge(self.heartbeat, silence, stall_timeout_s)
 
     async def probe(self, input_ids: list[int], timeout_s: float) -> float:
         """Generate one token through the engine; returns seconds taken or raises."""

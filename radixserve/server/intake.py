@@ -26,7 +26,7 @@ logger = logging.getLogger("radixserve")
 # (UTF-8's longest) times 16 characters a token, more than any real tokenizer averages.
 REQUEST_BYTES_PER_CONTEXT_TOKEN = 4 * 16
 # Paths whose errors are answers, not rejections: a red /health is what a probe asked about.
-NOT_REJECTIONS = ("/health",)
+NOT_REJECTIONS = ("/health", "/health_generate")
 # The status a client that went away is answered with (nobody reads it).
 CLIENT_CLOSED_STATUS = 499
 

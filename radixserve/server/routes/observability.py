@@ -1,9 +1,13 @@
 """What load balancers and scrapers read: `/health` (open even with `--api-key`: it reveals
-nothing but whether the engine generates) and `/metrics` (Prometheus).
+nothing but whether the engine runs), `/health_generate` and `/metrics` (Prometheus).
 
-`/health` is 200 when a one-token probe request generates within HEALTH_TIMEOUT_S, or, when it does
-not, while the engine still reports finished steps (busy, not stuck); 503 when the engine is gone
-or finished no step in that time."""
+`/health` is answered in the API process from the engine's heartbeats (`radixserve.server.liveness`),
+without a round trip through the engine: 200 while the engine process beats and its loop finishes
+its steps, however busy (a load balancer that restarted a busy server would drop everything it
+serves); 503 when the engine process is gone, stopped, or wedged in one step for
+--health-stall-timeout-s, and while the server shuts down. `/health_generate` (SGLang's) is the
+deeper check: 200 when a one-token request generates within HEALTH_TIMEOUT_S, so on a busy engine
+it waits its turn behind the running requests' steps."""
 
 from __future__ import annotations
 
@@ -26,15 +30,22 @@ async def health_check(ctx: Ctx):
     if not engine.alive:
         return error_response(503, f"the engine is unavailable: {engine.dead_reason or 'not started'}",
                               code="engine_unavailable")
+    if engine.draining is not None:
+        return error_response(503, f"the engine is unavailable: {engine.draining}", code="engine_unavailable")
+    state = engine.liveness(ctx.settings.health_stall_timeout_s)
+    if not state.ok:
+        return error_response(503, f"the engine is unavailable: {state.reason}", code="engine_unavailable")
+    return {"status": "ok", "busy": state.busy, "step_seconds": round(state.loop_s, 3),
+            "engine_steps": state.steps}
+
+
+@router.get("/health_generate")
+async def health_generate(ctx: Ctx):
     try:
         seconds = await ctx.health.check()
     except asyncio.TimeoutError:
-        if engine.progressed_within(HEALTH_TIMEOUT_S):
-            # Busy, not stuck: the probe waits behind long steps, but steps finish. A liveness probe
-            # that restarted a busy server would drop everything it was serving.
-            return {"status": "ok", "busy": True, "probe_seconds": None}
-        return error_response(503, f"the engine did not generate a token within {HEALTH_TIMEOUT_S:.0f} s "
-                              "and finished no step in that time", code="engine_unavailable")
+        return error_response(503, f"the engine did not generate a token within {HEALTH_TIMEOUT_S:.0f} s",
+                              code="engine_unavailable")
     except (EngineDeadError, EngineRequestError, QueueFullError) as e:
         return error_response(503, f"the engine is unavailable: {e}", code="engine_unavailable")
     return {"status": "ok", "probe_seconds": round(seconds, 4)}
