@@ -38,6 +38,7 @@ from radixserve.router.admin_routes import add_admin_routes
 from radixserve.router.keys import routing_keys, tokenizer_from_files
 from radixserve.router.kv_sync import kv_sync_loop
 from radixserve.router.metrics import RouterMetrics
+from radixserve.router.openapi import install_router_openapi
 from radixserve.router.policies import BalanceConfig, make_policy
 from radixserve.router.settings import RouterSettings
 from radixserve.router.trust import WorkerTrust
@@ -468,10 +469,19 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
     app.add_middleware(RouterAccessMiddleware, keys=router.keys, admin_api_key=settings.admin_api_key)
     app.state.router = router
 
+    # One closure per path (not a default argument: FastAPI would publish it as a query parameter).
+    def proxied(path: str):
+        async def endpoint(request: Request):
+            return await router.proxy(path, request)
+        return endpoint
+
+    def tokenizing(path: str):
+        async def endpoint(request: Request):
+            return await router.any_worker_post(path, request)
+        return endpoint
+
     for path in GENERATION_PATHS:
-        async def endpoint(request: Request, _path: str = path):
-            return await router.proxy(_path, request)
-        app.add_api_route(path, endpoint, methods=["POST"])
+        app.add_api_route(path, proxied(path), methods=["POST"])
 
     @app.get("/health")
     async def health():
@@ -501,12 +511,11 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
         return await router.any_worker_get("/tokenizer")
 
     for path in TOKENIZE_PATHS:
-        async def tokenize(request: Request, _path: str = path):
-            return await router.any_worker_post(_path, request)
-        app.add_api_route(path, tokenize, methods=["POST"])
+        app.add_api_route(path, tokenizing(path), methods=["POST"])
 
     @app.get("/server_info")
     async def server_info():
         return await router.cluster_info()
 
+    install_router_openapi(app, auth=bool(router.keys))
     return app
