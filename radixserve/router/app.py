@@ -58,6 +58,12 @@ FORWARD_RESPONSE_HEADERS = ("content-type", "retry-after", "cache-control", "x-a
 WORKER_KEEPALIVE_S = 4.0
 
 
+def worker_failed(response: httpx.Response) -> bool:
+    """A worker's answer the router does not pass on: a 5xx (another worker may answer) or a redirect
+    (not followed: it would carry the request elsewhere; not passed on: its Location is dropped)."""
+    return response.status_code >= 500 or 300 <= response.status_code < 400
+
+
 class RetryableError(Exception):
     """The worker failed before anything reached the client."""
 
@@ -361,6 +367,12 @@ class Router:
             self.record_failure(worker, f"{type(e).__name__}: {e}")
             raise RetryableError(f"{type(e).__name__}: {e}") from None
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() in FORWARD_RESPONSE_HEADERS}
+        if 300 <= resp.status_code < 400:
+            # A worker's redirect is never followed (it would carry the client's key and body elsewhere)
+            # and never passed on (a 3xx without its Location means nothing to the client): a failure.
+            await resp.aclose()
+            self.record_failure(worker, f"answered {resp.status_code} (a redirect)")
+            raise RetryableError(f"worker answered {resp.status_code}, a redirect")
         if resp.status_code >= 500:
             try:
                 detail = (await resp.aread()).decode(errors="replace")[:300]
@@ -405,8 +417,10 @@ class Router:
                 r = await self.client.get(worker.url + path, headers=self.worker_headers, timeout=30.0)
             except httpx.HTTPError:
                 continue
+            if worker_failed(r):
+                continue
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
-        return error_response(503, "no healthy worker", code="no_healthy_worker")
+        return error_response(503, "no healthy worker could answer", code="no_healthy_worker")
 
     async def any_worker_post(self, path: str, request: Request) -> Response:
         """A stateless POST (tokenizing) answered by the first healthy worker that answers."""
@@ -417,8 +431,10 @@ class Router:
                 r = await self.client.post(worker.url + path, content=body, headers=headers, timeout=30.0)
             except httpx.HTTPError:
                 continue
+            if worker_failed(r):
+                continue
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
-        return error_response(503, "no healthy worker", code="no_healthy_worker")
+        return error_response(503, "no healthy worker could answer", code="no_healthy_worker")
 
     async def cluster_info(self) -> Response:
         """A healthy worker's /server_info with the pool summed over the healthy workers.
