@@ -67,6 +67,10 @@ def worker_failed(response: httpx.Response) -> bool:
 class RetryableError(Exception):
     """The worker failed before anything reached the client."""
 
+    def __init__(self, message: str, queue_full: bool = False):
+        super().__init__(message)
+        self.queue_full = queue_full  # a healthy worker's queue-full 503, not a failure
+
 
 class Router:
     def __init__(self, settings: RouterSettings):
@@ -320,6 +324,7 @@ class Router:
             headers.update(self.worker_headers)
         tried: set[str] = set()
         last_error = "no worker is registered"
+        queue_full = False
         for attempt in range(self.settings.max_retries + 1):
             candidates = [w for w in self.registry.healthy() if w.id not in tried]
             if not candidates:
@@ -345,11 +350,17 @@ class Router:
             except RetryableError as e:
                 release()
                 last_error = str(e)
+                queue_full = queue_full or e.queue_full
                 logger.warning("router: %s on %s failed before any byte was sent (%s); retrying elsewhere",
                                path, worker.id, e)
             except BaseException:
                 release()
                 raise
+        if queue_full:
+            # The cluster is busy, not broken: say so as a worker would (clients back off on queue_full).
+            self.metrics.errors.labels(kind="queue_full").inc()
+            return error_response(503, "every worker tried has a full waiting queue; retry later",
+                                  code="queue_full", headers={"Retry-After": "1"})
         if not self.registry.healthy():
             last_error = "no healthy worker" + (f" ({last_error})" if tried else "")
         self.metrics.errors.labels(kind="no_worker").inc()
@@ -381,7 +392,8 @@ class Router:
             await resp.aclose()
             if resp.status_code == 503 and "queue is full" not in detail:
                 self.record_failure(worker, f"answered {resp.status_code}")
-            raise RetryableError(f"worker answered {resp.status_code}: {detail}")
+            raise RetryableError(f"worker answered {resp.status_code}: {detail}",
+                                 queue_full=resp.status_code == 503 and "queue is full" in detail)
         is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
         if not (stream and is_sse):
             try:
