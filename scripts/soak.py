@@ -17,6 +17,15 @@ requests served, errors by kind, unexpected answers and 5xx answers other than t
 processes' RSS at start and end (target: flat within 5%), and the API event loop's stalls over
 100 ms (target 0; the server logs each). The client watches its own event loop the same way: its
 stalls mean the machine was busy, and the server's then likely came from the machine too.
+
+With --router the traffic goes through a real router (`launch_router`, kv_aware) in front of two
+workers: the real server, named at start with the workers' admin key, and a hostile fake worker
+added at run time with the router's admin key (radixserve/testing/hostile_worker.py: it answers
+garbage, hangs, resets, 500s, slow-drips event streams, redirects to another loopback address,
+and records every Authorization header it and that address receive). The report adds how often
+the workers' admin key reached either (target 0), answers the router passed on from the hostile
+worker (a 200 it cannot tell from a good one; listed apart), the router's 5xx other than its
+documented 503 (target 0), and the real worker's leaked slots once idle (target 0).
 """
 
 from __future__ import annotations
@@ -38,6 +47,14 @@ from typing import Any, Optional
 import httpx
 
 from radixserve.http_common.loop_lag import LoopLagWatch
+from radixserve.testing.hostile_worker import MARK, HostileWorker
+
+HOSTILE_MARK = MARK.decode()
+# --router: clients hold USER_KEY; the router's admin endpoints take ROUTER_ADMIN_KEY; the workers'
+# admin key goes to the real worker only.
+USER_KEY = "soak-user-key"
+ROUTER_ADMIN_KEY = "soak-router-admin-key"
+WORKERS_ADMIN_KEY = "soak-workers-admin-key"
 
 PREFIXES = [("You are a careful assistant. " * 8), ("Summarise the following report. " * 6),
             ("Translate into French: " * 4), ""]
@@ -115,6 +132,8 @@ class Tally:
         """Count `r`; with expect_4xx it must be a 4xx error body naming `param` (when given)."""
         if r.status_code == 200 and not expect_4xx:
             self.served += 1
+            if HOSTILE_MARK in r.text:
+                self.unexpected.append(f"{r.request.url.path} -> 200 {r.text[:200]}")
             return
         try:
             error = r.json()["error"]
@@ -123,6 +142,7 @@ class Tally:
             code = named = None
         self.errors[f"{r.status_code} {code}"] += 1
         if r.status_code >= 500 and code != "queue_full" or (expect_4xx and not 400 <= r.status_code < 500) \
+                or r.status_code < 400 \
                 or (expect_4xx and param is not None and named != param):
             self.unexpected.append(f"{r.request.url.path} -> {r.status_code} {r.text[:200]}")
 
@@ -153,7 +173,12 @@ async def checked(http: httpx.AsyncClient, tally: Tally, path: str, body: dict, 
     r = await http.post(path, json=body)
     tally.answer(r)
     if r.status_code == 200:
-        why = check(r.json())
+        try:
+            reply = r.json()
+        except ValueError:
+            tally.unexpected.append(f"{path}: a 200 that is not JSON: {r.text[:300]}")
+            return
+        why = check(reply)
         if why:
             tally.unexpected.append(f"{path}: {why}: {r.text[:300]}")
 
@@ -267,15 +292,19 @@ async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally)
                     await r.aread()
                     tally.answer(r)
                     return
-                chunks = 0
+                chunks, hostile = 0, False
                 async for line in r.aiter_lines():
                     chunks += line.startswith("data: ")
+                    hostile = hostile or HOSTILE_MARK in line
                     if kind == "drop_stream" and chunks >= 3:
                         tally.dropped += 1
                         return
                     if line.startswith("data: ") and '"error"' in line:
-                        tally.unexpected.append(f"stream error event: {line[:200]}")
+                        after = f" after {HOSTILE_MARK}'s events" if hostile else ""
+                        tally.unexpected.append(f"stream error event{after}: {line[:200]}")
                 tally.served += 1
+                if hostile:
+                    tally.unexpected.append(f"stream of {HOSTILE_MARK} events")
         elif kind == "drop_plain":
             try:
                 await http.post("/v1/completions", json={"prompt": prompt(rng), "max_tokens": 500,
@@ -304,14 +333,16 @@ async def burst(http: httpx.AsyncClient, size: int, tally: Tally) -> None:
             tally.answer(r)
 
 
-async def traffic(base: str, duration_s: float, concurrency: int, burst_size: int, seed: int) -> dict[str, Any]:
+async def traffic(base: str, duration_s: float, concurrency: int, burst_size: int, seed: int,
+                  headers: Optional[dict[str, str]] = None,
+                  admin_headers: Optional[dict[str, str]] = None) -> dict[str, Any]:
     tally = Tally()
     flushes: collections.Counter = collections.Counter()
     deadline = time.monotonic() + duration_s
     watch = LoopLagWatch("soak client", log=False)
     watcher = asyncio.create_task(watch.run())
     limits = httpx.Limits(max_connections=concurrency + burst_size + 8)
-    async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as http:
+    async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits, headers=headers or {}) as http:
         async def worker(i: int) -> None:
             rng = random.Random(seed * 1000 + i)
             while time.monotonic() < deadline:
@@ -321,7 +352,7 @@ async def traffic(base: str, duration_s: float, concurrency: int, burst_size: in
             next_burst = time.monotonic() + 30
             while time.monotonic() < deadline:
                 await asyncio.sleep(15)
-                r = await http.post("/flush_cache")
+                r = await http.post("/flush_cache", headers=admin_headers)
                 flushes[r.status_code] += 1
                 if time.monotonic() >= next_burst and time.monotonic() < deadline:
                     next_burst += 60
@@ -329,11 +360,39 @@ async def traffic(base: str, duration_s: float, concurrency: int, burst_size: in
 
         await asyncio.gather(operator(), *(worker(i) for i in range(concurrency)))
     watcher.cancel()
+    hostile = [u for u in tally.unexpected if HOSTILE_MARK in u]
+    other = [u for u in tally.unexpected if HOSTILE_MARK not in u]
     return {"served": tally.served, "dropped_on_purpose": tally.dropped, "sent_by_kind": dict(tally.sent),
             "errors_by_kind": dict(tally.errors),
-            "unexpected": tally.unexpected[:50], "unexpected_count": len(tally.unexpected),
+            "unexpected": other[:50], "unexpected_count": len(other),
+            "hostile_answers_passed_on": len(hostile), "hostile_answers_sample": hostile[:10],
             "flushes": {str(k): v for k, v in flushes.items()},
             "client_loop_stalls_over_100ms": watch.stalls, "client_max_loop_lag_ms": round(watch.max_lag_s * 1000)}
+
+
+def wait_healthy(http: httpx.Client, proc: subprocess.Popen, what: str, out: Path, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the {what} exited ({proc.returncode}); see {out}")
+        try:
+            if http.get("/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the {what} did not start; see {out}")
+        time.sleep(0.5)
+
+
+def start_router(workdir: Path, port: int, worker_url: str) -> subprocess.Popen:
+    """kv_aware (it follows the real worker's /kv_events with the workers' admin key)."""
+    cmd = [sys.executable, "-m", "radixserve.launch_router", "--worker-urls", worker_url, "--policy", "kv_aware",
+           "--port", str(port), "--api-key", USER_KEY, "--admin-api-key", ROUTER_ADMIN_KEY,
+           "--worker-admin-api-key", WORKERS_ADMIN_KEY, "--health-check-interval", "1",
+           "--health-check-timeout", "5"]
+    out = open(workdir / "router.out", "wb")
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 
 
 def wait_idle(http: httpx.Client, timeout_s: float = 120) -> dict:
@@ -355,7 +414,7 @@ def git_commit() -> Optional[str]:
         return None
 
 
-def start_server(args, workdir: Path, log_file: Path, port: int) -> subprocess.Popen:
+def start_server(args, workdir: Path, log_file: Path, port: int, keys: tuple[str, ...] = ()) -> subprocess.Popen:
     model = args.model_path
     if model is None:
         from radixserve.testing.tiny_model import build_tiny_model
@@ -367,8 +426,35 @@ def start_server(args, workdir: Path, log_file: Path, port: int) -> subprocess.P
            "--log-file", str(log_file)]
     if args.hicache_size:
         cmd += ["--hicache-size", str(args.hicache_size)]
+    cmd += list(keys)
     out = open(workdir / "server.out", "wb")
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+
+def router_figures(front: str, result: dict, warm: dict, hostile: HostileWorker, workdir: Path) -> dict[str, Any]:
+    """What --router adds to the report: where the keys went, what the hostile worker did, the router's state."""
+    with httpx.Client(base_url=front, timeout=30, headers={"Authorization": f"Bearer {ROUTER_ADMIN_KEY}"}) as r_http:
+        workers = r_http.get("/workers").json()["workers"]
+        metrics = r_http.get("/metrics").text
+    admin = f"Bearer {WORKERS_ADMIN_KEY}"
+    router_admin = f"Bearer {ROUTER_ADMIN_KEY}"
+    return {
+        "router": {
+            "workers": [{k: w.get(k) for k in ("id", "url", "healthy", "trusted", "load", "last_error")}
+                        for w in workers],
+            "counters": {name: float(value) for name, value in re.findall(
+                r"^(\S*router_(?:retries|errors)_total\S*) (\S+)$", metrics, re.M)},
+            "log": str(workdir / "router.out")},
+        "warmup_unexpected": warm["unexpected_count"],
+        "hostile_requests_by_path": dict(hostile.requests),
+        "hostile_answers_by_mode": dict(hostile.answered),
+        "hostile_authorizations": {("user key" if a == f"Bearer {USER_KEY}" else "workers' admin key" if a == admin
+                                    else "router admin key" if a == router_admin else "other"): n
+                                   for a, n in hostile.authorizations.items()},
+        "workers_admin_key_reached_hostile": hostile.received(admin) + hostile.collector.received(admin),
+        "router_admin_key_reached_hostile": hostile.received(router_admin) + hostile.collector.received(router_admin),
+        "requests_reaching_redirect_target": sum(hostile.collector.requests.values()),
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -386,35 +472,44 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--port", type=int, default=30123)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="Write the report as JSON here too.")
+    p.add_argument("--router", action="store_true",
+                   help="Through a router in front of the server and a hostile fake worker (see above).")
     args = p.parse_args(argv)
 
     commit = git_commit()  # at the start: the code the server runs
     workdir = Path(tempfile.mkdtemp(prefix="radixserve-soak-"))
     log_file = workdir / "server.log"
     base = f"http://127.0.0.1:{args.port}"
-    server = start_server(args, workdir, log_file, args.port)
-    http = httpx.Client(base_url=base, timeout=60)
+    keys = ("--api-key", USER_KEY, "--admin-api-key", WORKERS_ADMIN_KEY) if args.router else ()
+    server = start_server(args, workdir, log_file, args.port, keys)
+    client_headers = {"Authorization": f"Bearer {USER_KEY}"} if args.router else {}
+    # The server's own figures come from it directly, also behind a router.
+    http = httpx.Client(base_url=base, timeout=60, headers=client_headers)
+    router: Optional[subprocess.Popen] = None
+    hostile: Optional[HostileWorker] = None
+    front, admin_headers = base, None
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the server exited ({server.returncode}); see {workdir / 'server.out'}")
-            try:
-                if http.get("/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.5)
+        wait_healthy(http, server, "server", workdir / "server.out")
+        if args.router:
+            router_port = args.port + 1
+            router = start_router(workdir, router_port, base)
+            front = f"http://127.0.0.1:{router_port}"
+            admin_headers = {"Authorization": f"Bearer {ROUTER_ADMIN_KEY}"}
+            with httpx.Client(base_url=front, timeout=30) as r_http:
+                wait_healthy(r_http, router, "router", workdir / "router.out", 120)
+                hostile = HostileWorker()
+                added = r_http.post("/workers", json={"url": hostile.url}, headers=admin_headers)
+                if added.status_code != 201:
+                    raise RuntimeError(f"POST /workers answered {added.status_code}: {added.text}")
         info = http.get("/server_info").json()
         api_pid, engine_pid = info["api_pid"], info["engine_pid"]
-        asyncio.run(traffic(base, 20, args.concurrency, 0, args.seed + 1))  # warm-up: allocator and caches
+        warm = asyncio.run(traffic(front, 20, args.concurrency, 0, args.seed + 1, client_headers, admin_headers))
         wait_idle(http)
         rss_start = {"api_kb": rss_kb(api_pid), "engine_kb": rss_kb(engine_pid)}
         stalls_before = log_file.read_text(errors="replace").count("api: event loop stalled")
         started = time.time()
-        result = asyncio.run(traffic(base, args.duration, args.concurrency, args.burst, args.seed))
+        result = asyncio.run(traffic(front, args.duration, args.concurrency, args.burst, args.seed,
+                                     client_headers, admin_headers))
         idle = wait_idle(http)
         rss_end = {"api_kb": rss_kb(api_pid), "engine_kb": rss_kb(engine_pid)}
         log = log_file.read_text(errors="replace")
@@ -423,7 +518,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         leaked = pool - idle["free_tokens"] - idle["evictable_tokens"]
         host_pool = idle.get("host_pool_tokens", 0)
         host_leaked = host_pool - idle.get("host_free_tokens", 0) - idle.get("host_cached_tokens", 0)
-        flushed = http.post("/flush_cache").status_code
+        if args.router:
+            flush_headers = {"Authorization": f"Bearer {WORKERS_ADMIN_KEY}"}
+            router_report = router_figures(front, result, warm, hostile, workdir)
+        else:
+            flush_headers, router_report = {}, {}
+        flushed = http.post("/flush_cache", headers=flush_headers).status_code
         after_flush = http.get("/server_info").json()["stats"]
         report = {
             "duration_s": args.duration, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)),
@@ -444,9 +544,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             "api_max_stall_ms": max(stall_ms[stalls_before:], default=0),
             "engine_alive": http.get("/server_info").json()["engine_alive"],
             "server_log": str(log_file),
+            **router_report,
         }
     finally:
         http.close()
+        if hostile is not None:
+            hostile.stop()
+        if router is not None and router.poll() is None:
+            router.terminate()
+            router.wait(60)
         if server.poll() is None:
             server.terminate()
             server.wait(60)
@@ -455,7 +561,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.output:
         Path(args.output).write_text(text + "\n")
     ok = (report["5xx_other_than_queue_full"] == 0 and report["leaked_slots_idle"] == 0
-          and report["host_leaked_slots_idle"] == 0 and report["unexpected_count"] == 0)
+          and report["host_leaked_slots_idle"] == 0 and report["unexpected_count"] == 0
+          and report.get("workers_admin_key_reached_hostile", 0) == 0)
     return 0 if ok else 1
 
 

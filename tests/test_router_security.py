@@ -418,3 +418,62 @@ def test_without_a_workers_admin_key_added_workers_are_followed_with_the_user_ke
         assert added.authorizations() <= {None, f"Bearer {USER_KEY}"}
     finally:
         router.stop()
+
+
+# ============================================================================ redirects
+class RedirectingWorker(FakeWorker):
+    """Healthy, but answers every other request with a 307 to elsewhere (as the soak's hostile worker does)."""
+
+    @staticmethod
+    def answer(method: str, path: str) -> tuple[int, str, bytes]:
+        if path in ("/health", "/kv_events"):
+            return FakeWorker.answer(method, path)
+        return 307, "application/json", json.dumps({"to": "http://elsewhere.invalid"}).encode()
+
+
+def test_a_workers_redirect_is_a_failure_retried_elsewhere_never_an_answer(routers, fake_workers):
+    """Found by the soak: a worker's 3xx reached the client (without its Location). It is now
+    retried on another worker, like a 5xx, for proxied and for any-worker endpoints."""
+    redirecting = RedirectingWorker()
+    try:
+        good = fake_workers()
+        router = routers([redirecting.url, good.url], "--policy", "round_robin")
+        wait_for(lambda: all(w["healthy"] for w in workers_of_user(router).values()), "both workers healthy", router)
+        calls = [("POST", "/v1/completions", {"prompt": "x"}), ("POST", "/generate", {"text": "x"}),
+                 ("POST", "/v1/tokenize", {"prompt": "x"}), ("GET", "/v1/models", None)]
+        for _ in range(3):
+            for method, path, body in calls:
+                r = httpx.request(method, router.base_url + path, json=body, headers=bearer(USER_KEY), timeout=30)
+                assert r.status_code == 200, (path, r.status_code, r.text)
+        assert redirecting.count("/v1/completions") + redirecting.count("/generate") >= 1
+        assert redirecting.count("/v1/tokenize") >= 1 and redirecting.count("/v1/models") >= 1
+    finally:
+        redirecting.stop()
+
+
+class FullWorker(FakeWorker):
+    """Healthy, with a full waiting queue: every generation request is a 503 queue_full, as a real worker's."""
+
+    @staticmethod
+    def answer(method: str, path: str) -> tuple[int, str, bytes]:
+        if method == "POST" and path == "/v1/completions":
+            return 503, "application/json", json.dumps({"error": {
+                "message": "the waiting queue is full (16 requests beyond what is running); retry later",
+                "type": "service_unavailable_error", "param": None, "code": "queue_full"}}).encode()
+        return FakeWorker.answer(method, path)
+
+
+def test_every_worker_full_is_a_queue_full_503_not_no_healthy_worker(routers):
+    """Found by the soak: behind the router, a burst over the queue limit read as 'no healthy worker'."""
+    full = [FullWorker(), FullWorker()]
+    try:
+        router = routers([w.url for w in full], "--policy", "round_robin")
+        wait_for(lambda: all(w["healthy"] for w in workers_of_user(router).values()), "both workers healthy", router)
+        r = httpx.post(router.base_url + "/v1/completions", json={"prompt": "x"}, headers=bearer(USER_KEY), timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+        assert r.headers.get("retry-after") == "1"
+        assert all(w.count("/v1/completions") == 1 for w in full)  # each tried once
+        assert all(w["healthy"] for w in workers_of_user(router).values())  # busy is not broken
+    finally:
+        for w in full:
+            w.stop()

@@ -38,6 +38,7 @@ from radixserve.router.admin_routes import add_admin_routes
 from radixserve.router.keys import routing_keys, tokenizer_from_files
 from radixserve.router.kv_sync import kv_sync_loop
 from radixserve.router.metrics import RouterMetrics
+from radixserve.router.openapi import install_router_openapi
 from radixserve.router.policies import BalanceConfig, make_policy
 from radixserve.router.settings import RouterSettings
 from radixserve.router.trust import WorkerTrust
@@ -57,8 +58,18 @@ FORWARD_RESPONSE_HEADERS = ("content-type", "retry-after", "cache-control", "x-a
 WORKER_KEEPALIVE_S = 4.0
 
 
+def worker_failed(response: httpx.Response) -> bool:
+    """A worker's answer the router does not pass on: a 5xx (another worker may answer) or a redirect
+    (not followed: it would carry the request elsewhere; not passed on: its Location is dropped)."""
+    return response.status_code >= 500 or 300 <= response.status_code < 400
+
+
 class RetryableError(Exception):
     """The worker failed before anything reached the client."""
+
+    def __init__(self, message: str, queue_full: bool = False):
+        super().__init__(message)
+        self.queue_full = queue_full  # a healthy worker's queue-full 503, not a failure
 
 
 class Router:
@@ -313,6 +324,7 @@ class Router:
             headers.update(self.worker_headers)
         tried: set[str] = set()
         last_error = "no worker is registered"
+        queue_full = False
         for attempt in range(self.settings.max_retries + 1):
             candidates = [w for w in self.registry.healthy() if w.id not in tried]
             if not candidates:
@@ -338,11 +350,17 @@ class Router:
             except RetryableError as e:
                 release()
                 last_error = str(e)
+                queue_full = queue_full or e.queue_full
                 logger.warning("router: %s on %s failed before any byte was sent (%s); retrying elsewhere",
                                path, worker.id, e)
             except BaseException:
                 release()
                 raise
+        if queue_full:
+            # The cluster is busy, not broken: say so as a worker would (clients back off on queue_full).
+            self.metrics.errors.labels(kind="queue_full").inc()
+            return error_response(503, "every worker tried has a full waiting queue; retry later",
+                                  code="queue_full", headers={"Retry-After": "1"})
         if not self.registry.healthy():
             last_error = "no healthy worker" + (f" ({last_error})" if tried else "")
         self.metrics.errors.labels(kind="no_worker").inc()
@@ -360,6 +378,12 @@ class Router:
             self.record_failure(worker, f"{type(e).__name__}: {e}")
             raise RetryableError(f"{type(e).__name__}: {e}") from None
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() in FORWARD_RESPONSE_HEADERS}
+        if 300 <= resp.status_code < 400:
+            # A worker's redirect is never followed (it would carry the client's key and body elsewhere)
+            # and never passed on (a 3xx without its Location means nothing to the client): a failure.
+            await resp.aclose()
+            self.record_failure(worker, f"answered {resp.status_code} (a redirect)")
+            raise RetryableError(f"worker answered {resp.status_code}, a redirect")
         if resp.status_code >= 500:
             try:
                 detail = (await resp.aread()).decode(errors="replace")[:300]
@@ -368,7 +392,8 @@ class Router:
             await resp.aclose()
             if resp.status_code == 503 and "queue is full" not in detail:
                 self.record_failure(worker, f"answered {resp.status_code}")
-            raise RetryableError(f"worker answered {resp.status_code}: {detail}")
+            raise RetryableError(f"worker answered {resp.status_code}: {detail}",
+                                 queue_full=resp.status_code == 503 and "queue is full" in detail)
         is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
         if not (stream and is_sse):
             try:
@@ -404,8 +429,10 @@ class Router:
                 r = await self.client.get(worker.url + path, headers=self.worker_headers, timeout=30.0)
             except httpx.HTTPError:
                 continue
+            if worker_failed(r):
+                continue
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
-        return error_response(503, "no healthy worker", code="no_healthy_worker")
+        return error_response(503, "no healthy worker could answer", code="no_healthy_worker")
 
     async def any_worker_post(self, path: str, request: Request) -> Response:
         """A stateless POST (tokenizing) answered by the first healthy worker that answers."""
@@ -416,8 +443,10 @@ class Router:
                 r = await self.client.post(worker.url + path, content=body, headers=headers, timeout=30.0)
             except httpx.HTTPError:
                 continue
+            if worker_failed(r):
+                continue
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
-        return error_response(503, "no healthy worker", code="no_healthy_worker")
+        return error_response(503, "no healthy worker could answer", code="no_healthy_worker")
 
     async def cluster_info(self) -> Response:
         """A healthy worker's /server_info with the pool summed over the healthy workers.
@@ -468,10 +497,19 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
     app.add_middleware(RouterAccessMiddleware, keys=router.keys, admin_api_key=settings.admin_api_key)
     app.state.router = router
 
+    # One closure per path (not a default argument: FastAPI would publish it as a query parameter).
+    def proxied(path: str):
+        async def endpoint(request: Request):
+            return await router.proxy(path, request)
+        return endpoint
+
+    def tokenizing(path: str):
+        async def endpoint(request: Request):
+            return await router.any_worker_post(path, request)
+        return endpoint
+
     for path in GENERATION_PATHS:
-        async def endpoint(request: Request, _path: str = path):
-            return await router.proxy(_path, request)
-        app.add_api_route(path, endpoint, methods=["POST"])
+        app.add_api_route(path, proxied(path), methods=["POST"])
 
     @app.get("/health")
     async def health():
@@ -501,12 +539,11 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
         return await router.any_worker_get("/tokenizer")
 
     for path in TOKENIZE_PATHS:
-        async def tokenize(request: Request, _path: str = path):
-            return await router.any_worker_post(_path, request)
-        app.add_api_route(path, tokenize, methods=["POST"])
+        app.add_api_route(path, tokenizing(path), methods=["POST"])
 
     @app.get("/server_info")
     async def server_info():
         return await router.cluster_info()
 
+    install_router_openapi(app, auth=bool(router.keys))
     return app

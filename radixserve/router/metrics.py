@@ -45,7 +45,7 @@ class RouterMetrics:
                                           ["worker", "to"], registry=r)
         self.retries = Counter(PREFIX + "retries", "Requests retried on another worker before any byte was sent.",
                                registry=r)
-        self.errors = Counter(PREFIX + "errors", "Requests the router could not complete: no_worker (503), "
+        self.errors = Counter(PREFIX + "errors", "Requests the router could not complete: no_worker (503), queue_full (503, every worker tried was full), "
                               "stream_broken (a worker failed mid-stream).", ["kind"], registry=r)
         self.kv_events = Counter(PREFIX + "kv_events", "KV cache events received from workers.", ["worker"],
                                  registry=r)
