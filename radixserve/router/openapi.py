@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from radixserve.router.access import endpoint_class
-from radixserve.server.openapi import ERROR_SCHEMA, EVENT_STREAM
+from radixserve.http_common.openapi_schemas import ERROR_SCHEMA, EVENT_STREAM
 
 FREE_OBJECT: dict[str, Any] = {"type": "object", "additionalProperties": True}
 ANY_JSON: dict[str, Any] = {}

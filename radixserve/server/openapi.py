@@ -13,15 +13,10 @@ from typing import Any, Callable, Optional
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from radixserve.http_common.openapi_schemas import ERROR_SCHEMA, EVENT_STREAM
 from radixserve.server.protocol import (OUTPUT_TOKENS_SCHEMA_MARK, TEMPLATE_VARIABLES_SCHEMA_MARK,
                                        TOKEN_ID_KEYS_SCHEMA_MARK, TOKEN_ID_SCHEMA_MARK)
 
-ERROR_SCHEMA = {
-    "type": "object", "required": ["error"], "additionalProperties": False,
-    "properties": {"error": {
-        "type": "object", "required": ["message", "type", "param", "code"],
-        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 ERROR_DESCRIPTIONS = {"400": "Invalid request (OpenAI error body).", "401": "Missing or invalid API key.",
                       "404": "Unknown model or resource.", "405": "Method not allowed.",
                       "409": "Conflict with the server's state.", "413": "Request body too large.",
@@ -32,11 +27,6 @@ COMMON_ERRORS = ("404", "405", "500", "503")
 BODY_ERRORS = ("400", "413", "415")
 STREAMING_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 EXTRA_ERRORS = {"/flush_cache": ("409",)}
-# Before OpenAPI 3.2 a text/event-stream schema describes each event: its fields, `data` a JSON
-# chunk of the response (or `[DONE]` at the end).
-EVENT_STREAM = {"text/event-stream": {"schema": {
-    "type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"},
-                                     "id": {"type": "string"}, "retry": {"type": "integer"}}}}}
 
 
 def _error_response(status: str) -> dict[str, Any]:
