@@ -9,6 +9,12 @@ the later turns that lost their previous prompt.
 
     python scripts/hybrid_cache_sim.py              # no host tier
     python scripts/hybrid_cache_sim.py --host-tier  # a host tier of 4x the pool (--hicache-ratio 4)
+    python scripts/hybrid_cache_sim.py --chat       # chat traffic instead (below)
+
+`--chat` runs chat traffic (`scheduler_sim.chat_sessions`): 96 system prompts of 1,024-3,072
+tokens, each seen by 4 single-question requests (128 tokens) one after another, every system
+prompt's first request at t=0; once with the system turn's end marked as the chat API marks it,
+once unmarked (a /v1/completions client). Its table adds the snapshots taken per request.
 
 With the host tier each snapshot copied between the tiers costs the 27B's 3.2 ms (151 MiB at ~50
 GB/s, on the compute stream); its KV loads finish within a step.
@@ -19,7 +25,7 @@ from __future__ import annotations
 import statistics
 import sys
 
-from radixserve.bench.scheduler_sim import HYBRID_27B, SimConfig, agent_sessions, simulate
+from radixserve.bench.scheduler_sim import HYBRID_27B, SimConfig, make_sessions, simulate
 
 SEEDS = (1, 2, 3, 4)
 ATTENTION_TWIN_TOKENS = 178_000  # an all-attention 27B's tokens in the hybrid's KV + snapshot bytes
@@ -45,7 +51,40 @@ HOST_ROWS = [
 ]
 
 
+# Chat traffic (`--chat`): many system prompts, each seen a few times in a row.
+CHAT = dict(workload="chat", systems=96, visits=4, user_len=128)
+CHAT_ROWS = [
+    ("attention-only, 216,825 tokens, 70 rows", dict(snapshots=0, max_running=70)),
+    ("hybrid, 70 rows + 211 snapshots (the default split)", dict(max_running=70, snapshots=211)),
+]
+
+
+def summary(runs: list[dict]) -> str:
+    hits = [r["hit_rate"] for r in runs]
+    lost = statistics.mean(r["turns_that_lost_the_previous_prompt"] for r in runs)
+    return (f"{statistics.mean(hits):.3f} ({min(hits):.3f}-{max(hits):.3f}) | "
+            f"{statistics.mean(r['total_tok_s'] for r in runs) / 1000:.1f}k | {lost:.0f}")
+
+
+def chat_main() -> None:
+    for marks in (True, False):
+        print(f"\nchat: {'system turns marked (the chat API)' if marks else 'nothing marked (/v1/completions)'}\n")
+        print("| configuration | hit rate, mean (min-max) | total tok/s | requests that lost the system prompt "
+              "| snapshots taken per request |")
+        print("|---|---|---|---|---|")
+        for label, overrides in CHAT_ROWS:
+            runs = []
+            for seed in SEEDS:
+                cfg = SimConfig(**{**HYBRID_27B, **CHAT, "seed": seed, "system_marks": marks, **overrides})
+                runs.append(simulate(cfg, make_sessions(cfg)))
+            taken = statistics.mean(r.get("snapshots_taken", 0) for r in runs) / (CHAT["systems"] * CHAT["visits"])
+            print(f"| {label} | {summary(runs)} | {taken:.2f} |", flush=True)
+
+
 def main() -> None:
+    if "--chat" in sys.argv[1:]:
+        chat_main()
+        return
     host_tier = "--host-tier" in sys.argv[1:]
     rows = HOST_ROWS if host_tier else ROWS
     for echo in (False, True):
@@ -57,11 +96,8 @@ def main() -> None:
             for seed in SEEDS:
                 cfg = SimConfig(**{**HYBRID_27B, "seed": seed, "echo_replies": echo,
                                    "host_ratio": HOST_RATIO if host_tier else 0.0, **overrides})
-                runs.append(simulate(cfg, agent_sessions(cfg)))
-            hits = [r["hit_rate"] for r in runs]
-            lost = statistics.mean(r["turns_that_lost_the_previous_prompt"] for r in runs)
-            print(f"| {label} | {statistics.mean(hits):.3f} ({min(hits):.3f}-{max(hits):.3f}) | "
-                  f"{statistics.mean(r['total_tok_s'] for r in runs) / 1000:.1f}k | {lost:.0f} |", flush=True)
+                runs.append(simulate(cfg, make_sessions(cfg)))
+            print(f"| {label} | {summary(runs)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     # The request's cache namespace (`radixserve.cache.namespace.cache_namespace` of its cache_salt
     # and API key): it shares cached prefixes only with requests of the same one. None: the shared one.
     cache_namespace: Optional[str] = None
+    # Prompt positions where later requests are likely to branch off this one (the end of a chat's
+    # system turn, found by the API for a hybrid model; `Req.branch_hints`).
+    branch_hints: tuple[int, ...] = ()
 
 
 class AbortRequest(msgspec.Struct, kw_only=True):
