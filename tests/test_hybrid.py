@@ -273,12 +273,12 @@ def test_a_conversations_next_turn_resumes_where_the_last_one_ended(qwen3_5, pag
 
 
 def test_requests_branching_off_a_shared_prompt_resume_at_the_branch_point(qwen3_5):
-    """a, b and c share a 40-token system prompt. a computes it all (nothing is cached), keeping a
-    checkpoint 32 tokens in (where its second 16-token chunk ends); b resumes there, finds KV past
+    """a, b and c share a 60-token system prompt. a computes it all (nothing is cached), keeping
+    checkpoints where its first two 16-token chunks end; b resumes at the deeper (32), finds KV past
     it but no state, so its prompt pieces end at the branch point (inside a 16-token chunk) and the
     state there is kept; c resumes at the branch point."""
     path = qwen3_5[0]
-    system = [(5 * i) % 90 + 3 for i in range(40)]
+    system = [(5 * i) % 90 + 3 for i in range(60)]
     a, b, c = (system + [(k * 7 + j) % 90 + 3 for j in range(9)] for k in range(3))
     with Engine(str(path), max_total_tokens=4096, chunked_prefill_size=16) as engine:
         cache = engine.core.cache

@@ -74,6 +74,7 @@ import torch
 from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.prefix_cache import ALL, NAMESPACE, PARTIAL, MatchResult, TreeNode, no_snapshot_stats
 from radixserve.cache.radix_cache import _EMPTY_SLOTS, PROMPT_END_SLACK, RadixCache
+from radixserve.cache.snapshot_policy import Checkpoint, checkpoint_worth, plan_checkpoints, saves_below
 from radixserve.cache.state_snapshots import StateSnapshots
 
 # A branch point is worth a prompt piece of its own (one more step for the request that computes
@@ -88,6 +89,14 @@ BRANCH_MIN_TOKENS = 16
 SEQUENCE_END_WINDOW = 16
 SEQUENCE_END_MIN_SHARE = 0.25
 SEQUENCE_END_PROBE = 8
+# A snapshot near a prompt's end is kept (evicted least recently used, with the branch points) while
+# at least PROMPT_END_MIN_SHARE of the last PROMPT_END_WINDOW of them to be resumed from or to go
+# were resumed from (a conversation's next turn: agents, chats that come back); else it is taken
+# as a checkpoint (a guess, evicted first: single-question chats, whose prompt ends nobody
+# resumes from, would otherwise push out the system prompts the next users share). A checkpoint
+# resumed from is kept from then on and counts as resumed, so the window notices when they pay again.
+PROMPT_END_WINDOW = 32
+PROMPT_END_MIN_SHARE = 0.25
 
 
 @dataclass
@@ -96,20 +105,37 @@ class RowStates:
     chunk_ends: tuple[int, ...]
     # (position, snapshot slot) taken of the row and not hung on the tree yet.
     taken: list[tuple[int, int]] = field(default_factory=list)
+    # Where it keeps states on its way without ending a piece there (snapshot_policy.py), and how
+    # far its prompt runs (no checkpoint past it).
+    checkpoints: tuple[Checkpoint, ...] = ()
+    target_len: int = 0
+    # Positions kept or planned so far (its resume point, chunk ends, checkpoints, chunk boundaries):
+    # what a new checkpoint saves is measured from the deepest one below it.
+    points: set[int] = field(default_factory=set)
+    # Of the taken slots: the checkpoints' worth (absent: a kept snapshot), and those the forward
+    # pass writes (captured inside a piece: not copied from the row).
+    worth: dict[int, float] = field(default_factory=dict)
+    captured: set[int] = field(default_factory=set)
+    hinted: set[int] = field(default_factory=set)  # of the kept ones, those at a client's hint
     valid: bool = True  # False after discard_states: its state may be wrong
     kept_chunk_end: bool = False  # a snapshot lies at one of its chunk ends, kept by this row
+    prompt_end: int = 0  # the chunk end a little before its prompt's end (0: none)
+    prompt_end_slot: Optional[int] = None  # the slot taken there
     # The node it resumed from and that snapshot's recency before: once the row hangs a deeper
     # snapshot on a path that does not branch there, the old one gets that recency back.
     resumed_from: Optional[TreeNode] = None
     used_before: int = 0
+    worth_before: Optional[float] = None  # that snapshot's worth, a checkpoint's (None: a kept one)
     from_host: bool = False  # the snapshot it resumed from was loaded back from the host tier
 
 
 @dataclass
 class SnapshotCounters:
     hits: int = 0  # admissions resumed from a snapshot
-    taken: int = 0  # snapshots copied out of a request row
+    taken: int = 0  # snapshots copied out of a request row (or written there by the forward pass)
     evictions: int = 0  # snapshots freed to make room or with their node
+    checkpoints_taken: int = 0  # of those taken, checkpoints (snapshot_policy.py)
+    checkpoint_hits: int = 0  # of the hits, resumed from a checkpoint (it is kept from then on)
 
 
 class SnapshotRadixCache(RadixCache):
@@ -127,8 +153,13 @@ class SnapshotRadixCache(RadixCache):
         # (row, slot): states taken for the step being scheduled, copied once it is launched.
         self._unissued: list[tuple[int, int]] = []
         self.snapshot_counters = SnapshotCounters()
+        # Snapshot events so far (taken, hung on the tree, resumed from; never reset): the clock
+        # every snapshot's recency is read on (a pool's turnover is about num_slots of them).
+        self._state_clock = 0
         # Whether each of the last sequence-end snapshots was resumed from (True) or went unused.
         self._end_outcomes: deque[bool] = deque(maxlen=SEQUENCE_END_WINDOW)
+        # The same of the snapshots taken near prompts' ends (PROMPT_END_WINDOW).
+        self._prompt_end_outcomes: deque[bool] = deque(maxlen=PROMPT_END_WINDOW)
         # Which leaving rows probe: drawn, so that no regular pattern of requests (a turn and its
         # follow-up, leaving in turn) always puts the probe on the same kind; seeded: repeatable.
         self._probe = random.Random(0)
@@ -188,7 +219,7 @@ class SnapshotRadixCache(RadixCache):
         if last.lock_ref == 0 and self._evictable_leaf(last):
             self._push(last)  # its access time changed
         slots = torch.cat(pieces[::-1]) if pieces else _EMPTY_SLOTS
-        return MatchResult(usable, slots, last, self._chunk_ends(len(tokens), usable, kv))
+        return MatchResult(usable, slots, last, self._chunk_ends(len(tokens), usable, kv), len(tokens))
 
     def _chunk_ends(self, target_len: int, usable: int, kv: int) -> tuple[int, ...]:
         """Where a request admitted on this match keeps its state: the end of its KV match (a
@@ -220,9 +251,16 @@ class SnapshotRadixCache(RadixCache):
         return length
 
     # ------------------------------------------------------------------ a request's state row
-    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0) -> tuple[int, ...]:
+    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0,
+               hints: Sequence[int] = ()) -> tuple[int, ...]:
         assert row not in self.rows, f"state row {row} was not given back"
-        states = self.rows[row] = RowStates(self._with_branch(match, branch_at))
+        chunk_ends = self._with_branch(match, branch_at)
+        checkpoints = plan_checkpoints(match.length, match.target_len, chunk_ends, hints,
+                                       min_gap=self.branch_min_tokens, page_size=self.page_size)
+        prompt_end = self._page_floor(match.target_len + 1 - PROMPT_END_SLACK)
+        states = self.rows[row] = RowStates(chunk_ends, checkpoints=checkpoints, target_len=match.target_len,
+                                            points={match.length, *chunk_ends, *(c.position for c in checkpoints)},
+                                            prompt_end=prompt_end if prompt_end in chunk_ends else 0)
         if match.length:
             node = match.last_node
             slot = node.snapshot
@@ -233,7 +271,11 @@ class SnapshotRadixCache(RadixCache):
             self.snapshot_counters.hits += 1
             self._end_outcome(node, resumed=True)
             states.resumed_from, states.used_before = node, node.snapshot_used
-            node.snapshot_used = self._next_tick()
+            states.worth_before = node.snapshot_worth
+            if node.snapshot_worth is not None:  # a checkpoint resumed from has proven itself
+                self.snapshot_counters.checkpoint_hits += 1
+                node.snapshot_worth = None
+            node.snapshot_used = self._recency(node)
             self._push_snapshot(node)
         return states.chunk_ends
 
@@ -247,8 +289,9 @@ class SnapshotRadixCache(RadixCache):
         node = states.resumed_from
         if node is not None:
             self.snapshot_counters.hits -= 1
+            self.snapshot_counters.checkpoint_hits -= states.worth_before is not None
             if node.snapshot is not None:
-                node.snapshot_used = states.used_before
+                node.snapshot_used, node.snapshot_worth = states.used_before, states.worth_before
                 self._push_snapshot(node)
 
     def _with_branch(self, match: MatchResult, branch_at: int) -> tuple[int, ...]:
@@ -263,13 +306,75 @@ class SnapshotRadixCache(RadixCache):
         return ends
 
     def take_state(self, row: int, position: int) -> None:
+        self._take_row_state(row, position)
+
+    def _take_row_state(self, row: int, position: int, *, worth: Optional[float] = None,
+                        hinted: bool = False) -> None:
+        """take_state; worth: a checkpoint's (None: a kept snapshot's); hinted: at a client's hint."""
         states = self.rows[row]
         if not states.valid or any(p == position for p, _ in states.taken):
             return
-        slot = self._alloc_snapshot()
+        at_prompt_end = position == states.prompt_end
+        if at_prompt_end and not self._prompt_ends_pay():
+            worth = self._worth(saves_below(position, states.points) or position)
+        slot = self._take_slot(states, position, worth, hinted)
         if slot is not None:  # no room: the next request branching there computes it again
-            states.taken.append((position, slot))
             self._unissued.append((row, slot))
+            if at_prompt_end:
+                states.prompt_end_slot = slot
+
+    def capture_states(self, row: int, start: int, end: int) -> list[tuple[int, int]]:
+        """The checkpoints in (start, end) the pool has room for, each captured by the forward pass;
+        one at `end`, or `end` itself where a long prefill's chunk ends inside the prompt, copied
+        from the row as a chunk end's state is."""
+        states = self.rows[row]
+        if not states.valid:
+            return []
+        captures = []
+        for checkpoint in states.checkpoints:
+            if not start < checkpoint.position <= end:
+                continue
+            worth = None if checkpoint.hinted else self._worth(checkpoint.saves)
+            if checkpoint.position == end:
+                self._take_row_state(row, end, worth=worth, hinted=checkpoint.hinted)
+                continue
+            slot = self._take_slot(states, checkpoint.position, worth, checkpoint.hinted)
+            if slot is not None:
+                states.captured.add(slot)
+                captures.append((checkpoint.position, slot))
+                self.snapshot_counters.taken += 1
+        saves = saves_below(end, states.points)
+        if end < states.target_len and saves is not None and end % self.page_size == 0 \
+                and all(abs(end - p) >= self.branch_min_tokens for p in states.points):
+            states.points.add(end)  # a chunk boundary: the row holds the state there anyway
+            self._take_row_state(row, end, worth=self._worth(saves))
+        return captures
+
+    def _recency(self, node: TreeNode) -> int:
+        """A snapshot's recency now that it is taken or resumed from: the clock's next tick, one
+        pool's turnover later for a client's hint (the end of a chat's system turn serves every
+        conversation on that system prompt, a prompt's end one conversation)."""
+        self._state_clock += 1
+        return self._state_clock + (self.snapshots.num_slots if node.snapshot_hinted else 0)
+
+    def _worth(self, saves: int) -> float:
+        return checkpoint_worth(saves, self._state_clock, self.snapshots.num_slots)
+
+    def _take_slot(self, states: RowStates, position: int, worth: Optional[float],
+                   hinted: bool = False) -> Optional[int]:
+        """A slot for the state at `position` of the row (a checkpoint's when worth is given; at a
+        client's hint when hinted), owned by the row until it is hung on the tree; None when the
+        pool has none to give it."""
+        slot = self._alloc_snapshot(worth=worth)
+        if slot is None:
+            return None
+        states.taken.append((position, slot))
+        if hinted:
+            states.hinted.add(slot)
+        if worth is not None:
+            states.worth[slot] = worth
+            self.snapshot_counters.checkpoints_taken += 1
+        return slot
 
     @property
     def queued_saves(self) -> set[int]:
@@ -304,9 +409,16 @@ class SnapshotRadixCache(RadixCache):
         waiting = []
         for position, slot in states.taken:
             if 0 < position <= n:
-                if self._attach(self._node_ending_at(tokens, position, namespace), slot, tokens[:position], namespace):
-                    states.kept_chunk_end = True
-                    self._superseded(states)
+                worth = states.worth.pop(slot, None)
+                states.captured.discard(slot)
+                node = self._node_ending_at(tokens, position, namespace)
+                if self._attach(node, slot, tokens[:position], namespace, worth=worth, hinted=slot in states.hinted):
+                    if node.snapshot == slot and slot == states.prompt_end_slot:
+                        node.snapshot_at_prompt_end = True  # whether it is resumed from tells if they pay
+                    if position in states.chunk_ends:
+                        states.kept_chunk_end = True
+                    if worth is None:
+                        self._superseded(states)
             else:
                 waiting.append((position, slot))
         states.taken = waiting
@@ -335,8 +447,11 @@ class SnapshotRadixCache(RadixCache):
             if states is None:
                 continue
             states.valid = False
-            for entry in [(p, s) for p, s in states.taken if (row, s) in cancelled]:
+            # Queued copies are cancelled; the states its steps' forward passes were to write are suspect.
+            for entry in [(p, s) for p, s in states.taken if (row, s) in cancelled or s in states.captured]:
                 states.taken.remove(entry)
+                states.captured.discard(entry[1])
+                states.worth.pop(entry[1], None)
                 self.snapshots.free(entry[1])
 
     # ------------------------------------------------------------------ the tree's snapshots
@@ -359,6 +474,15 @@ class SnapshotRadixCache(RadixCache):
         if node.snapshot_at_end:
             node.snapshot_at_end = False
             self._end_outcomes.append(resumed)
+        if node.snapshot_at_prompt_end:
+            node.snapshot_at_prompt_end = False
+            self._prompt_end_outcomes.append(resumed)
+
+    def _prompt_ends_pay(self) -> bool:
+        """Whether a snapshot near a prompt's end is kept rather than taken as a checkpoint
+        (PROMPT_END_WINDOW)."""
+        window = self._prompt_end_outcomes
+        return len(window) < PROMPT_END_WINDOW or sum(window) >= PROMPT_END_MIN_SHARE * PROMPT_END_WINDOW
 
     def _superseded(self, states: RowStates) -> None:
         """The row hung a snapshot below the one it resumed from: where nothing branches off between
@@ -369,14 +493,18 @@ class SnapshotRadixCache(RadixCache):
             node.snapshot_used = states.used_before
             self._push_snapshot(node)
 
-    def _attach(self, node: Optional[TreeNode], slot: int, path: Sequence[int], namespace: Optional[str]) -> bool:
-        """Hang a taken snapshot on the node its position ends (freed if that node has one); whether
-        the node holds a snapshot now."""
+    def _attach(self, node: Optional[TreeNode], slot: int, path: Sequence[int], namespace: Optional[str], *,
+                worth: Optional[float] = None, hinted: bool = False) -> bool:
+        """Hang a taken snapshot (a checkpoint's when worth is given; where a client hinted a branch,
+        when hinted) on the node its position ends (freed if that node has one); whether the node
+        holds a snapshot now."""
         if node is None or node.removed or node.snapshot is not None or not self._on_device(node):
             self._free_slot(slot)
             return node is not None and not node.removed and node.snapshot is not None
         node.snapshot = slot
-        node.snapshot_used = self._next_tick()
+        node.snapshot_worth = worth
+        node.snapshot_hinted = hinted
+        node.snapshot_used = self._recency(node)
         self.snapshots_held += 1
         self._count_below(node, +1)
         self._push_snapshot(node)
@@ -395,6 +523,8 @@ class SnapshotRadixCache(RadixCache):
         """Free a node's snapshot (evicted: the pool needs room, or the node leaves the tree)."""
         self._free_slot(node.snapshot)
         node.snapshot = None
+        node.snapshot_worth = None
+        node.snapshot_hinted = False
         self._end_outcome(node, resumed=False)
         self.snapshots_held -= 1
         self.snapshot_counters.evictions += 1
@@ -414,10 +544,13 @@ class SnapshotRadixCache(RadixCache):
             node = node.parent
 
     def _snapshot_priority(self, node: TreeNode) -> tuple:
-        # A snapshot some waiting request will resume from goes last. Its recency is its own: the
-        # snapshots above a conversation's latest one are touched by every match through them, yet
-        # resume nobody once a deeper one exists.
-        return (self._parked_at(node), node.snapshot_used)
+        # A snapshot some waiting request will resume from goes last; checkpoints (guesses) first,
+        # the least worth first. A kept one's recency is its own: the snapshots above a
+        # conversation's latest one are touched by every match through them, yet resume nobody
+        # once a deeper one exists.
+        if node.snapshot_worth is not None:
+            return (self._parked_at(node), False, node.snapshot_worth)
+        return (self._parked_at(node), True, node.snapshot_used)
 
     @staticmethod
     def _parked_at(node: TreeNode) -> bool:
@@ -431,12 +564,13 @@ class SnapshotRadixCache(RadixCache):
             self._snap_heap = [(self._snapshot_priority(n), n) for n in holding]
             heapq.heapify(self._snap_heap)
 
-    def _alloc_snapshot(self, *, evict_waited: bool = False) -> Optional[int]:
+    def _alloc_snapshot(self, *, evict_waited: bool = False, worth: Optional[float] = None) -> Optional[int]:
         """A free snapshot slot, evicting one snapshot if there is none; None when none can go. A
         snapshot a waiting request will resume from goes only for another that is sure to be used
         (`evict_waited`: a load for a request being admitted): a snapshot taken in passing may
         never be, and trading one for the other is how a pool smaller than its conversations
-        would thrash."""
+        would thrash. worth: the slot is for a checkpoint of that worth, which may take only a
+        checkpoint's slot worth less."""
         slot = self.snapshots.alloc()
         if slot is not None:
             return slot
@@ -454,6 +588,9 @@ class SnapshotRadixCache(RadixCache):
                 continue
             if current[0] and not evict_waited:
                 held.append((prio, node))  # every snapshot left is waited for
+                break
+            if worth is not None and (current[1] or current[2] >= worth):
+                held.append((prio, node))  # every snapshot left is worth more than this checkpoint
                 break
             self._evict_snapshot(node)
             break
@@ -506,7 +643,8 @@ class SnapshotRadixCache(RadixCache):
         return {**no_snapshot_stats(), "snapshot_slots": self.snapshots.num_slots,
                 "snapshots_held": self.snapshots_held,
                 "snapshot_bytes": self.snapshots_held * self.snapshots.bytes_per_slot, "snapshot_hits": c.hits,
-                "snapshots_taken": c.taken, "snapshot_evictions": c.evictions}
+                "snapshots_taken": c.taken, "snapshot_evictions": c.evictions,
+                "checkpoints_taken": c.checkpoints_taken, "checkpoint_hits": c.checkpoint_hits}
 
     def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = (),
                          running_rows: Sequence[int] = ()) -> None:
