@@ -14,7 +14,12 @@ the later turns that lost their previous prompt.
 `--chat` runs chat traffic (`scheduler_sim.chat_sessions`): 96 system prompts of 1,024-3,072
 tokens, each seen by 4 single-question requests (128 tokens) one after another, every system
 prompt's first request at t=0; once with the system turn's end marked as the chat API marks it,
-once unmarked (a /v1/completions client). Its table adds the snapshots taken per request.
+once unmarked (a /v1/completions client).
+
+Every table also gives what the states cost: snapshots taken per request (of them, checkpoints
+taken on the way), admissions resumed from a checkpoint, and the extra rounds of the linear layers'
+mixing per step that capturing states inside prompt pieces takes (charged at the 27B's estimated
+2.5 ms each in the throughput).
 
 With the host tier each snapshot copied between the tiers costs the 27B's 3.2 ms (151 MiB at ~50
 GB/s, on the compute stream); its KV loads finish within a step.
@@ -59,26 +64,39 @@ CHAT_ROWS = [
 ]
 
 
-def summary(runs: list[dict]) -> str:
+HEADER = ("| {what} | hit rate, mean (min-max) | total tok/s | {lost} | snapshots taken per request "
+          "(checkpoints) | resumed from a checkpoint | capture rounds per step |\n|---|---|---|---|---|---|---|")
+
+
+def summary(runs: list[dict], requests: int) -> str:
+    """A table row's figures: mean (min-max) over the seeds' runs of `requests` requests each."""
     hits = [r["hit_rate"] for r in runs]
-    lost = statistics.mean(r["turns_that_lost_the_previous_prompt"] for r in runs)
-    return (f"{statistics.mean(hits):.3f} ({min(hits):.3f}-{max(hits):.3f}) | "
-            f"{statistics.mean(r['total_tok_s'] for r in runs) / 1000:.1f}k | {lost:.0f}")
+
+    def mean(key: str) -> float:
+        return statistics.mean(r.get(key, 0) for r in runs)
+
+    costs = "- | - | -" if not runs[0].get("snapshot_slots") else (
+        f"{mean('snapshots_taken') / requests:.2f} ({mean('checkpoints_taken') / requests:.2f}) | "
+        f"{mean('checkpoint_hits'):.0f} | {mean('capture_rounds') / mean('steps'):.2f}")
+    return (f"{statistics.mean(hits):.3f} ({min(hits):.3f}-{max(hits):.3f}) | {mean('total_tok_s') / 1000:.1f}k | "
+            f"{mean('turns_that_lost_the_previous_prompt'):.0f} | {costs}")
+
+
+def run_rows(rows: list[tuple[str, dict]], base: dict) -> None:
+    for label, overrides in rows:
+        runs = []
+        for seed in SEEDS:
+            cfg = SimConfig(**{**HYBRID_27B, **base, "seed": seed, **overrides})
+            sessions = make_sessions(cfg)
+            runs.append(simulate(cfg, sessions))
+        print(f"| {label} | {summary(runs, sum(map(len, sessions)))} |", flush=True)
 
 
 def chat_main() -> None:
     for marks in (True, False):
         print(f"\nchat: {'system turns marked (the chat API)' if marks else 'nothing marked (/v1/completions)'}\n")
-        print("| configuration | hit rate, mean (min-max) | total tok/s | requests that lost the system prompt "
-              "| snapshots taken per request |")
-        print("|---|---|---|---|---|")
-        for label, overrides in CHAT_ROWS:
-            runs = []
-            for seed in SEEDS:
-                cfg = SimConfig(**{**HYBRID_27B, **CHAT, "seed": seed, "system_marks": marks, **overrides})
-                runs.append(simulate(cfg, make_sessions(cfg)))
-            taken = statistics.mean(r.get("snapshots_taken", 0) for r in runs) / (CHAT["systems"] * CHAT["visits"])
-            print(f"| {label} | {summary(runs)} | {taken:.2f} |", flush=True)
+        print(HEADER.format(what="configuration", lost="requests that lost the system prompt"))
+        run_rows(CHAT_ROWS, {**CHAT, "system_marks": marks})
 
 
 def main() -> None:
@@ -89,15 +107,8 @@ def main() -> None:
     rows = HOST_ROWS if host_tier else ROWS
     for echo in (False, True):
         print(f"\nhistory: {'replies sent back as generated' if echo else 'the agent dataset (re-rendered)'}\n")
-        print("| configuration | hit rate, mean (min-max) | total tok/s | turns that lost the previous prompt |")
-        print("|---|---|---|---|")
-        for label, overrides in rows:
-            runs = []
-            for seed in SEEDS:
-                cfg = SimConfig(**{**HYBRID_27B, "seed": seed, "echo_replies": echo,
-                                   "host_ratio": HOST_RATIO if host_tier else 0.0, **overrides})
-                runs.append(simulate(cfg, make_sessions(cfg)))
-            print(f"| {label} | {summary(runs)} |", flush=True)
+        print(HEADER.format(what="configuration", lost="turns that lost the previous prompt"))
+        run_rows(rows, {"echo_replies": echo, "host_ratio": HOST_RATIO if host_tier else 0.0})
 
 
 if __name__ == "__main__":

@@ -346,21 +346,22 @@ def test_bfloat16_states_halve_the_pool_and_keep_the_tokens(qwen3_5):
 
 
 def test_a_step_that_cannot_allocate_restarts_the_requests_whose_states_it_moved(qwen3_5):
-    """The second big prefill step fails in the last layer's MLP, after the linear layers before it
-    advanced its chunked requests' states: those requests start over, and every output is
-    unchanged."""
+    """The second big prefill step (the first request's second 400-token chunk, with a checkpoint
+    512 tokens in captured inside it) fails in the last layer's MLP, after the linear layers before
+    it advanced its chunked request's state and wrote that checkpoint: the request starts over from
+    what was kept before that step, and every output is unchanged."""
     path = qwen3_5[0]
-    shared = [(5 * i) % 500 + 3 for i in range(300)]
+    shared = [(5 * i) % 500 + 3 for i in range(900)]
     prompts = [shared + [(7 * i + j) % 500 + 3 for j in range(20 + i)] for i in range(6)]
     params = {**GREEDY, "max_new_tokens": 4}
-    with Engine(str(path), max_total_tokens=8192, chunked_prefill_size=1024) as engine:
+    with Engine(str(path), max_total_tokens=8192, chunked_prefill_size=400) as engine:
         expected = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
-    with Engine(str(path), max_total_tokens=8192, chunked_prefill_size=1024) as engine:
+    with Engine(str(path), max_total_tokens=8192, chunked_prefill_size=400) as engine:
         mlp = engine.core.model.model.layers[-1].mlp
         seen = []
 
         def second_big_step(args):
-            seen.append(args[0].shape[0] > 300)
+            seen.append(args[0].shape[0] > 256)
             return seen.count(True) == 2
 
         mlp.forward = FailWhen(mlp.forward, second_big_step, 1)
@@ -606,11 +607,17 @@ def test_the_second_chat_on_a_2048_token_system_prompt_finds_it_cached(tmp_path_
     path = build(tmp_path_factory, "qwen3_5", seed=8)
     tok = transformers.AutoTokenizer.from_pretrained(path)
     system = {"role": "system", "content": " ".join(f"Rule {i}: answer in one short sentence." for i in range(400))}
-    system_turn = tok.apply_chat_template([system], tokenize=True)
+
+    def ids(chat: list[dict], add_generation_prompt: bool) -> list[int]:
+        text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tok.encode(text, add_special_tokens=False)
+
+    system_turn = ids([system], False)
     assert len(system_turn) >= 2048
     chats = [[system, {"role": "user", "content": question}]
              for question in ("Where should I go in spring?", "What is good to see in winter?")]
-    prompts = [tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=True) for chat in chats]
+    prompts = [ids(chat, True) for chat in chats]
+    assert all(prompt[:len(system_turn)] == system_turn for prompt in prompts)
     expected = hf_greedy(path, prompts, max_new=6)
     proc = ServerProcess(["--model-path", str(path), "--device", "cpu", "--max-total-tokens", "16384"],
                          server_workdir).wait_ready()

@@ -19,8 +19,8 @@ import torch
 from radixserve.bench.scheduler_sim import HYBRID_27B, SimConfig, agent_sessions, make_sessions, simulate
 from radixserve.cache.kv_pool import PageAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import PROMPT_END_SLACK
-from radixserve.cache.snapshot_cache import (SEQUENCE_END_MIN_SHARE, SEQUENCE_END_PROBE, SEQUENCE_END_WINDOW,
-                                             SnapshotRadixCache)
+from radixserve.cache.snapshot_cache import SnapshotRadixCache
+from radixserve.cache.snapshot_policy import SEQUENCE_END_MIN_SHARE, SEQUENCE_END_PROBE, SEQUENCE_END_WINDOW
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
 from radixserve.cache.state_snapshots import StateSnapshots
 from radixserve.cache.factory import SNAPSHOT_SPAN_TOKENS, snapshot_split

@@ -89,6 +89,9 @@ class SimConfig:
     snapshots: int = 0  # a hybrid model's state snapshot slots (0: an attention-only model)
     host_snapshots: int = 0  # a hybrid's snapshot slots in the host tier (with --host-ratio; --mamba-host-cache-size)
     snapshot_copy_ms: float = 0.0  # one snapshot copied between the tiers (on the compute stream)
+    # Each extra round of the linear layers' sequence mixing in a step that captures states inside
+    # prompt pieces (one per capture point of the row with the most): launches and a state copy.
+    capture_round_ms: float = 0.0
     seed: int = 1
     workload: str = "agent"  # or "chat" (`chat_sessions`)
     visits: int = 4  # chat: requests on each system prompt, one after another
@@ -100,13 +103,16 @@ class SimConfig:
 # default split beside a 216,825-token pool (70 running rows: 15% of the memory after the weights;
 # one snapshot per 1,024 pool tokens). Its first agent run had 236 rows and 58 snapshots: hit 0.641
 # measured, 0.633 simulated (seed 1; 0.629 over seeds 1-4) with the snapshot policy it ran.
+# A capture round: ~10 launches in each of its 48 Gated DeltaNet layers at ~5 us (host-bound) and a
+# 151 MiB device copy per state: estimated 2.5 ms, not measured.
 HYBRID_27B = dict(kv_bytes_per_token=65536, prefill_us=97.0, step_ms=15.5, decode_row_us=173.0,
-                  max_running=70, snapshots=211, snapshot_copy_ms=3.2)  # 151 MiB at ~50 GB/s
+                  max_running=70, snapshots=211, snapshot_copy_ms=3.2,  # 151 MiB at ~50 GB/s
+                  capture_round_ms=2.5)
 
 
 # The snapshot cache's counters a hybrid run reports beside the rest.
 SNAPSHOT_FIGURES = ("snapshot_slots", "snapshot_hits", "snapshots_taken", "snapshot_evictions", "host_snapshot_hits",
-                    "snapshots_written_back", "snapshots_loaded")
+                    "snapshots_written_back", "snapshots_loaded", "checkpoints_taken", "checkpoint_hits")
 
 
 @dataclass
@@ -170,12 +176,22 @@ def make_sessions(cfg: SimConfig) -> list[list[Turn]]:
     return agent_sessions(cfg)
 
 
+def capture_rounds(batch: ScheduledBatch) -> int:
+    """The extra rounds of the linear layers' mixing a step's state captures take (the most of one row)."""
+    per_row: dict[int, int] = {}
+    for row, _, _ in batch.state_captures:
+        per_row[row] = per_row.get(row, 0) + 1
+    return max(per_row.values(), default=0)
+
+
 def step_seconds(batch: ScheduledBatch, cfg: SimConfig) -> float:
     """A coarse H200 step (the 7B architecture by default): launch floor, decode rows, KV read,
-    prompt tokens."""
+    prompt tokens, the rounds of a hybrid's state captures."""
     decode = sum(1 for n in batch.extend_lens if n == 1)
     context = sum(batch.kv_lens_before)
-    return cfg.step_ms * 1e-3 + cfg.decode_row_us * 1e-6 * decode + context * cfg.kv_bytes_per_token / 4.0e12 + batch.num_new_tokens * cfg.prefill_us * 1e-6
+    rounds = capture_rounds(batch)
+    return cfg.step_ms * 1e-3 + cfg.decode_row_us * 1e-6 * decode + context * cfg.kv_bytes_per_token / 4.0e12 + \
+        batch.num_new_tokens * cfg.prefill_us * 1e-6 + rounds * cfg.capture_round_ms * 1e-3
 
 
 class UnreadSlotTable(ReqToTokenPool):
@@ -215,7 +231,7 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
     arrivals = [(0.0, sid, 0) for sid in range(len(sessions))]
     heapq.heapify(arrivals)
     total = sum(len(s) for s in sessions)
-    tokens_served, latencies, lost_turns, lost_tokens, steps = 0, [], 0, 0, 0
+    tokens_served, latencies, lost_turns, lost_tokens, steps, rounds = 0, [], 0, 0, 0, 0
     sent_at: dict[str, float] = {}
     ttfts: list[float] = []
     last_token_at: dict[str, float] = {}
@@ -238,6 +254,7 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
             now[0] = arrivals[0][0]
             continue
         steps += 1
+        rounds += capture_rounds(batch)
         copies = tier_copies()
         now[0] += step_seconds(batch, cfg) + cfg.snapshot_copy_ms * 1e-3 * (copies - copies_charged)
         copies_charged = copies
@@ -273,6 +290,7 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
         "p99_ttft_s": round(ttfts[int(0.99 * (len(ttfts) - 1))], 2), "longest_pause_s": round(longest_pause, 2),
         "turns_that_lost_the_previous_prompt": lost_turns, "lost_tokens": lost_tokens,
         "evicted_tokens": cache.counters.evicted_tokens, "retractions": sched.stats.num_retractions, "steps": steps,
+        **({"capture_rounds": rounds} if cfg.snapshots else {}),
         **({k: v for k, v in cache.snapshot_stats().items() if k in SNAPSHOT_FIGURES} if cfg.snapshots else {}),
     }
 

@@ -33,19 +33,31 @@ Where snapshots are taken, so that later requests find them:
   resumed from (SEQUENCE_END_WINDOW): for an agent they never are, and each would cost another
   conversation its snapshot. A request that will be admitted again (retracted for memory) always
   takes it: it resumes there itself instead of computing what it generated again.
+- **On the way, where a later request may branch** (checkpoints, `radixserve.cache.snapshot_policy`):
+  a ladder 32, 64, 128, ... tokens past where the request resumed, where a long prefill's chunk
+  ends, and where the client hinted (`Req.branch_hints`: the end of a chat's system turn). So the
+  *second* request sharing a new prefix already finds more than half of it (the hint: all of it),
+  not only the third. No piece ends at them: `capture_states` hands the forward pass the positions
+  inside a piece and the slots it writes their states into (`ScheduledBatch.state_captures`).
 
-When a snapshot is copied: a restore into an admitted request's row at once (`resume`); the state
-at a chunk end once the step that computes it is launched: `take_state` is called while that step
+When a snapshot is copied: a restore into an admitted request's row at once (`resume`); a
+checkpoint inside a piece by that step's forward pass itself; the state at a chunk end (or a
+checkpoint at a piece's end) once the step that computes it is launched: `take_state` is called while that step
 is being scheduled, and the copy is issued at the next `poll` (the start of the next step's
 scheduling, before any later forward pass advances the row) or when the row is given back; the
 state at a sequence's end at once, when the request leaves (every step that advanced its row is
 already queued before). A step that failed part-way leaves its rows' states suspect:
-`discard_states` cancels what they had not copied yet and takes nothing more from them. A slot
-freed while its copy is still queued has the copy cancelled.
+`discard_states` cancels what they had not copied yet, frees the checkpoints their forward passes
+were to write, and takes nothing more from them. A slot freed while its copy is still queued has
+the copy cancelled.
 
-Eviction: snapshots have their own pool and budget. Taking one when the pool is full evicts one
-snapshot: never one a waiting request will resume from (it is sure to be used, the new one only
-may be), else the least recently used. A snapshot's recency is its own (taken, resumed from), not
+Eviction (`snapshot_policy.SnapshotEviction`): snapshots have their own pool and budget. Taking
+one when the pool is full evicts one snapshot: never one a waiting request will resume from (it is
+sure to be used, the new one only may be); checkpoints first, the least worth first (a checkpoint
+takes only a checkpoint's slot worth less, never a kept snapshot's), else the least recently used
+(a client's hint a pool's turnover later). A snapshot near a prompt's end is kept while such
+snapshots are resumed from, and taken as a checkpoint while they are not (single-question chats).
+A checkpoint resumed from is kept from then on. A snapshot's recency is its own (taken, resumed from), not
 its node's: a match through a node to a deeper snapshot does not use it, and a resume stops
 counting once the resuming request keeps a deeper snapshot on a path that does not branch in
 between (a conversation's earlier turns go before another conversation's latest). A snapshot on a
@@ -63,9 +75,6 @@ docs/tuning.md.
 
 from __future__ import annotations
 
-import heapq
-import random
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -74,29 +83,12 @@ import torch
 from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.prefix_cache import ALL, NAMESPACE, PARTIAL, MatchResult, TreeNode, no_snapshot_stats
 from radixserve.cache.radix_cache import _EMPTY_SLOTS, PROMPT_END_SLACK, RadixCache
-from radixserve.cache.snapshot_policy import Checkpoint, checkpoint_worth, plan_checkpoints, saves_below
+from radixserve.cache.snapshot_policy import Checkpoint, SnapshotEviction, plan_checkpoints, saves_below
 from radixserve.cache.state_snapshots import StateSnapshots
 
 # A branch point is worth a prompt piece of its own (one more step for the request that computes
 # it, and a snapshot slot) only when it saves each later sibling at least this many tokens.
 BRANCH_MIN_TOKENS = 16
-# A request that kept a snapshot near its prompt's end takes another where its sequence ends only
-# while they pay: while at least SEQUENCE_END_MIN_SHARE of the last SEQUENCE_END_WINDOW such
-# snapshots to be resumed from or to go were resumed from (a client that sends the replies back as
-# they were generated), else about one leaving request in SEQUENCE_END_PROBE, to notice when they do.
-# An agent whose history is rendered anew (tool calls, reasoning dropped) diverges before the
-# reply: there the second snapshot is a slot taken from another conversation.
-SEQUENCE_END_WINDOW = 16
-SEQUENCE_END_MIN_SHARE = 0.25
-SEQUENCE_END_PROBE = 8
-# A snapshot near a prompt's end is kept (evicted least recently used, with the branch points) while
-# at least PROMPT_END_MIN_SHARE of the last PROMPT_END_WINDOW of them to be resumed from or to go
-# were resumed from (a conversation's next turn: agents, chats that come back); else it is taken
-# as a checkpoint (a guess, evicted first: single-question chats, whose prompt ends nobody
-# resumes from, would otherwise push out the system prompts the next users share). A checkpoint
-# resumed from is kept from then on and counts as resumed, so the window notices when they pay again.
-PROMPT_END_WINDOW = 32
-PROMPT_END_MIN_SHARE = 0.25
 
 
 @dataclass
@@ -138,7 +130,7 @@ class SnapshotCounters:
     checkpoint_hits: int = 0  # of the hits, resumed from a checkpoint (it is kept from then on)
 
 
-class SnapshotRadixCache(RadixCache):
+class SnapshotRadixCache(SnapshotEviction, RadixCache):
     keeps_branch_states = True
     def __init__(self, allocator: PageAllocator, snapshots: StateSnapshots, *, page_size: int = 1,
                  eviction_policy: str = "lru", branch_min_tokens: int = BRANCH_MIN_TOKENS):
@@ -153,16 +145,7 @@ class SnapshotRadixCache(RadixCache):
         # (row, slot): states taken for the step being scheduled, copied once it is launched.
         self._unissued: list[tuple[int, int]] = []
         self.snapshot_counters = SnapshotCounters()
-        # Snapshot events so far (taken, hung on the tree, resumed from; never reset): the clock
-        # every snapshot's recency is read on (a pool's turnover is about num_slots of them).
-        self._state_clock = 0
-        # Whether each of the last sequence-end snapshots was resumed from (True) or went unused.
-        self._end_outcomes: deque[bool] = deque(maxlen=SEQUENCE_END_WINDOW)
-        # The same of the snapshots taken near prompts' ends (PROMPT_END_WINDOW).
-        self._prompt_end_outcomes: deque[bool] = deque(maxlen=PROMPT_END_WINDOW)
-        # Which leaving rows probe: drawn, so that no regular pattern of requests (a turn and its
-        # follow-up, leaving in turn) always puts the probe on the same kind; seeded: repeatable.
-        self._probe = random.Random(0)
+        self._init_eviction()
 
     def _reset(self) -> None:
         super()._reset()
@@ -350,16 +333,6 @@ class SnapshotRadixCache(RadixCache):
             self._take_row_state(row, end, worth=self._worth(saves))
         return captures
 
-    def _recency(self, node: TreeNode) -> int:
-        """A snapshot's recency now that it is taken or resumed from: the clock's next tick, one
-        pool's turnover later for a client's hint (the end of a chat's system turn serves every
-        conversation on that system prompt, a prompt's end one conversation)."""
-        self._state_clock += 1
-        return self._state_clock + (self.snapshots.num_slots if node.snapshot_hinted else 0)
-
-    def _worth(self, saves: int) -> float:
-        return checkpoint_worth(saves, self._state_clock, self.snapshots.num_slots)
-
     def _take_slot(self, states: RowStates, position: int, worth: Optional[float],
                    hinted: bool = False) -> Optional[int]:
         """A slot for the state at `position` of the row (a checkpoint's when worth is given; at a
@@ -424,7 +397,7 @@ class SnapshotRadixCache(RadixCache):
         states.taken = waiting
         if not leaving:
             return
-        if states.valid and state_len == n and n > 0 and (readmitted or self._keeps_sequence_end(states)):
+        if states.valid and state_len == n and n > 0 and (readmitted or self._keeps_sequence_end(states.kept_chunk_end)):
             node = self._node_ending_at(tokens, n, namespace)
             if node is not None and node.snapshot is None:
                 slot = self._alloc_snapshot()
@@ -462,27 +435,6 @@ class SnapshotRadixCache(RadixCache):
             if pos + n == position:
                 return node if n == len(node.key) else self._split(node, n)
         return None
-
-    def _keeps_sequence_end(self, states: RowStates) -> bool:
-        """Whether a leaving row takes a snapshot where its sequence ends (SEQUENCE_END_WINDOW)."""
-        if not states.kept_chunk_end or len(self._end_outcomes) < SEQUENCE_END_WINDOW \
-                or sum(self._end_outcomes) >= SEQUENCE_END_MIN_SHARE * SEQUENCE_END_WINDOW:
-            return True
-        return self._probe.random() < 1 / SEQUENCE_END_PROBE
-
-    def _end_outcome(self, node: TreeNode, *, resumed: bool) -> None:
-        if node.snapshot_at_end:
-            node.snapshot_at_end = False
-            self._end_outcomes.append(resumed)
-        if node.snapshot_at_prompt_end:
-            node.snapshot_at_prompt_end = False
-            self._prompt_end_outcomes.append(resumed)
-
-    def _prompt_ends_pay(self) -> bool:
-        """Whether a snapshot near a prompt's end is kept rather than taken as a checkpoint
-        (PROMPT_END_WINDOW)."""
-        window = self._prompt_end_outcomes
-        return len(window) < PROMPT_END_WINDOW or sum(window) >= PROMPT_END_MIN_SHARE * PROMPT_END_WINDOW
 
     def _superseded(self, states: RowStates) -> None:
         """The row hung a snapshot below the one it resumed from: where nothing branches off between
@@ -542,69 +494,6 @@ class SnapshotRadixCache(RadixCache):
         while node is not None:
             node.snapshots_below += delta
             node = node.parent
-
-    def _snapshot_priority(self, node: TreeNode) -> tuple:
-        # A snapshot some waiting request will resume from goes last; checkpoints (guesses) first,
-        # the least worth first. A kept one's recency is its own: the snapshots above a
-        # conversation's latest one are touched by every match through them, yet resume nobody
-        # once a deeper one exists.
-        if node.snapshot_worth is not None:
-            return (self._parked_at(node), False, node.snapshot_worth)
-        return (self._parked_at(node), True, node.snapshot_used)
-
-    @staticmethod
-    def _parked_at(node: TreeNode) -> bool:
-        """Whether a waiting request's usable match ends at node (each one counts on its whole path)."""
-        return node.waiters > sum(child.waiters for child in node.children.values())
-
-    def _push_snapshot(self, node: TreeNode) -> None:
-        heapq.heappush(self._snap_heap, (self._snapshot_priority(node), node))
-        if len(self._snap_heap) > 4 * self.snapshots_held + 1024:
-            holding = {n for _, n in self._snap_heap if not n.removed and n.snapshot is not None}
-            self._snap_heap = [(self._snapshot_priority(n), n) for n in holding]
-            heapq.heapify(self._snap_heap)
-
-    def _alloc_snapshot(self, *, evict_waited: bool = False, worth: Optional[float] = None) -> Optional[int]:
-        """A free snapshot slot, evicting one snapshot if there is none; None when none can go. A
-        snapshot a waiting request will resume from goes only for another that is sure to be used
-        (`evict_waited`: a load for a request being admitted): a snapshot taken in passing may
-        never be, and trading one for the other is how a pool smaller than its conversations
-        would thrash. worth: the slot is for a checkpoint of that worth, which may take only a
-        checkpoint's slot worth less."""
-        slot = self.snapshots.alloc()
-        if slot is not None:
-            return slot
-        held: list[tuple[tuple, TreeNode]] = []
-        while self._snap_heap:
-            prio, node = heapq.heappop(self._snap_heap)
-            if node.removed or node.snapshot is None:
-                continue
-            if self._snapshot_held(node):
-                held.append((prio, node))  # offered again once this search is over
-                continue
-            current = self._snapshot_priority(node)
-            if prio != current:
-                heapq.heappush(self._snap_heap, (current, node))
-                continue
-            if current[0] and not evict_waited:
-                held.append((prio, node))  # every snapshot left is waited for
-                break
-            if worth is not None and (current[1] or current[2] >= worth):
-                held.append((prio, node))  # every snapshot left is worth more than this checkpoint
-                break
-            self._evict_snapshot(node)
-            break
-        for entry in held:
-            heapq.heappush(self._snap_heap, entry)
-        return self.snapshots.alloc()
-
-    def _evict_snapshot(self, node: TreeNode) -> None:
-        """The pool needs room: node's snapshot goes (a host tier's cache keeps it there)."""
-        self._drop_snapshot(node, removing=False)
-
-    def _snapshot_held(self, node: TreeNode) -> bool:
-        """Whether node's snapshot must stay (a load holds it)."""
-        return False
 
     def _snapshots_at(self, node: TreeNode) -> int:
         """Snapshots node holds (a host tier's cache: on either tier), as `snapshots_below` counts them."""

@@ -104,6 +104,9 @@ class EngineReady(msgspec.Struct, kw_only=True):
     # Whether prompts can be found in the prefix cache (off with --disable-radix-cache, and for a
     # hybrid model, whose recurrent states the cache does not keep yet).
     prefix_caching: bool = True
+    # Whether the prefix cache keeps states where requests branch (a hybrid model's): then the API
+    # tells it where they are likely to (`GenerateRequest.branch_hints`).
+    keeps_branch_states: bool = False
 
 
 class EngineFailed(msgspec.Struct, kw_only=True):
