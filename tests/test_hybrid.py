@@ -606,7 +606,7 @@ def test_the_second_chat_on_a_2048_token_system_prompt_finds_it_cached(tmp_path_
     both replies are transformers' greedy tokens."""
     path = build(tmp_path_factory, "qwen3_5", seed=8)
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    system = {"role": "system", "content": " ".join(f"Rule {i}: answer in one short sentence." for i in range(400))}
+    system = {"role": "system", "content": " ".join(f"Rule {i}: answer in one short sentence." for i in range(110))}
 
     def ids(chat: list[dict], add_generation_prompt: bool) -> list[int]:
         text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)

@@ -39,6 +39,7 @@ code runs over every implementation.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Protocol, Sequence, runtime_checkable
 
@@ -67,7 +68,7 @@ class TreeNode:
 
     __slots__ = ("key", "value", "children", "parent", "lock_ref", "waiters", "last_access", "hit_count",
                  "created", "node_id", "removed", "ends_prompt", "block_hash", "namespace", "snapshot",
-                 "snapshots_below", "snapshot_used", "snapshot_at_end", "snapshot_at_prompt_end", "snapshot_worth", "snapshot_hinted")
+                 "snapshots_below", "snapshot_used", "snapshot_window", "snapshot_worth", "snapshot_hinted")
 
     def __init__(self, key: list[int], value: Optional[torch.Tensor], parent: Optional["TreeNode"], tick: int,
                  node_id: int):
@@ -99,13 +100,10 @@ class TreeNode:
         # When its snapshot was last taken or resumed from, on the cache's clock of snapshot events
         # (the snapshot's own recency: a match through the node to a deeper snapshot is no use of this one).
         self.snapshot_used = 0
-        # Its snapshot was taken where a sequence ended, below one its request kept near its prompt's
-        # end: whether a request resumes from it before it goes tells if such snapshots pay.
-        self.snapshot_at_end = False
-        # Its snapshot was taken a little before a prompt's end (for the next turn): whether a
-        # request resumes from it before it goes tells if such snapshots pay (chat traffic whose
-        # users do not come back never resumes from them).
-        self.snapshot_at_prompt_end = False
+        # Its snapshot is of a kind whose pay-off is measured (taken where a sequence ended, a
+        # little before a prompt's end, a checkpoint deep in a conversation: snapshot_policy.py):
+        # the window of outcomes that records whether a request resumes from it before it goes.
+        self.snapshot_window: Optional[deque] = None
         # A checkpoint's worth (a guess where a later request may branch, snapshot_policy.py): it
         # is evicted before any other snapshot, the least worth first. None: a snapshot kept for a
         # reason (a branch seen, a turn to come, a client's hint), evicted least recently used.

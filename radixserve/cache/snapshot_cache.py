@@ -113,6 +113,7 @@ class RowStates:
     kept_chunk_end: bool = False  # a snapshot lies at one of its chunk ends, kept by this row
     prompt_end: int = 0  # the chunk end a little before its prompt's end (0: none)
     prompt_end_slot: Optional[int] = None  # the slot taken there
+    deep_ladder: bool = False  # it keeps a ladder of checkpoints past the root (their pay-off is measured)
     # The node it resumed from and that snapshot's recency before: once the row hangs a deeper
     # snapshot on a path that does not branch there, the old one gets that recency back.
     resumed_from: Optional[TreeNode] = None
@@ -238,12 +239,14 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
                hints: Sequence[int] = ()) -> tuple[int, ...]:
         assert row not in self.rows, f"state row {row} was not given back"
         chunk_ends = self._with_branch(match, branch_at)
-        checkpoints = plan_checkpoints(match.length, match.target_len, chunk_ends, hints,
+        ladder = self._plans_ladder(match.length)
+        checkpoints = plan_checkpoints(match.length, match.target_len, chunk_ends, hints, ladder=ladder,
                                        min_gap=self.branch_min_tokens, page_size=self.page_size)
         prompt_end = self._page_floor(match.target_len + 1 - PROMPT_END_SLACK)
         states = self.rows[row] = RowStates(chunk_ends, checkpoints=checkpoints, target_len=match.target_len,
                                             points={match.length, *chunk_ends, *(c.position for c in checkpoints)},
-                                            prompt_end=prompt_end if prompt_end in chunk_ends else 0)
+                                            prompt_end=prompt_end if prompt_end in chunk_ends else 0,
+                                            deep_ladder=ladder and match.length > 0)
         if match.length:
             node = match.last_node
             slot = node.snapshot
@@ -387,7 +390,9 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
                 node = self._node_ending_at(tokens, position, namespace)
                 if self._attach(node, slot, tokens[:position], namespace, worth=worth, hinted=slot in states.hinted):
                     if node.snapshot == slot and slot == states.prompt_end_slot:
-                        node.snapshot_at_prompt_end = True  # whether it is resumed from tells if they pay
+                        node.snapshot_window = self._prompt_end_outcomes  # whether they pay
+                    elif node.snapshot == slot and worth is not None and states.deep_ladder:
+                        node.snapshot_window = self._deep_ladder_outcomes
                     if position in states.chunk_ends:
                         states.kept_chunk_end = True
                     if worth is None:
@@ -406,7 +411,8 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
                     self.snapshot_counters.taken += 1
                     if self._attach(node, slot, tokens, namespace):
                         # Whether such snapshots pay is learnt from clients' next turns alone.
-                        node.snapshot_at_end = states.kept_chunk_end and not readmitted
+                        if states.kept_chunk_end and not readmitted:
+                            node.snapshot_window = self._end_outcomes
         for _, slot in states.taken:
             self.snapshots.free(slot)
         del self.rows[row]

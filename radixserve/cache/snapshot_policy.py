@@ -66,6 +66,15 @@ SEQUENCE_END_PROBE = 8
 # resumed from is kept from then on and counts as resumed, so the window notices when they pay again.
 PROMPT_END_WINDOW = 32
 PROMPT_END_MIN_SHARE = 0.25
+# A request resuming past the root (a conversation's later turn, a request after a cached system
+# prompt) plans its ladder only while at least DEEP_LADDER_MIN_SHARE of the last DEEP_LADDER_WINDOW
+# such checkpoints to be resumed from or to go were resumed from, else about one request in
+# DEEP_LADDER_PROBE does, to notice when they pay. Nobody branches inside an agent's tool results or
+# a chat's question, and each checkpoint inside a piece costs a round of the linear layers' mixing.
+# A request computing a prefix from the root always plans it: that is a new shared prompt's first user.
+DEEP_LADDER_WINDOW = 64
+DEEP_LADDER_MIN_SHARE = 1 / 16
+DEEP_LADDER_PROBE = 8
 # The first checkpoint lies this many tokens past where a request resumed; each next one twice as
 # far. A second request sharing a new prefix of at least this many tokens finds more than half of it.
 CHECKPOINT_FIRST = 32
@@ -79,15 +88,15 @@ class Checkpoint:
 
 
 def plan_checkpoints(resume_at: int, target_len: int, keep_points: Iterable[int], hints: Iterable[int], *,
-                     min_gap: int, page_size: int) -> tuple[Checkpoint, ...]:
+                     ladder: bool = True, min_gap: int, page_size: int) -> tuple[Checkpoint, ...]:
     """Where a request resuming at `resume_at`, whose prompt pieces end at `keep_points`, keeps
-    states on its way through its first `target_len` positions: its hints, then its ladder, each
-    whole pages and at least `min_gap` tokens from every other point kept (a state that close to
-    another saves a later request too little to pay for its slot; a hint only from resume_at)."""
+    states on its way through its first `target_len` positions: its hints, then (with `ladder`) its
+    ladder, each whole pages and at least `min_gap` tokens from every other point kept (a state that
+    close to another saves a later request too little to pay for its slot; a hint only from resume_at)."""
     keep = set(keep_points)
     points = {resume_at, *keep}
     hinted: set[int] = set()
-    ladder: set[int] = set()
+    rungs: set[int] = set()
 
     def fits(position: int) -> bool:
         return resume_at < position <= target_len and all(abs(position - p) >= min_gap for p in points)
@@ -100,15 +109,15 @@ def plan_checkpoints(resume_at: int, target_len: int, keep_points: Iterable[int]
             hinted.add(position)
             points.add(position)
     step = CHECKPOINT_FIRST
-    while resume_at + step <= target_len:
+    while ladder and resume_at + step <= target_len:
         position = resume_at + step - (resume_at + step) % page_size
         if fits(position):
-            ladder.add(position)
+            rungs.add(position)
             points.add(position)
         step *= 2
     ordered = sorted(points)
     return tuple(Checkpoint(position, position - below, position in hinted)
-                 for below, position in zip(ordered, ordered[1:]) if position in hinted or position in ladder)
+                 for below, position in zip(ordered, ordered[1:]) if position in hinted or position in rungs)
 
 
 def checkpoint_worth(saves: int, clock: int, slots: int) -> float:
@@ -142,8 +151,10 @@ class SnapshotEviction:
         self._state_clock = 0
         # Whether each of the last sequence-end snapshots was resumed from (True) or went unused.
         self._end_outcomes: deque[bool] = deque(maxlen=SEQUENCE_END_WINDOW)
-        # The same of the snapshots taken near prompts' ends (PROMPT_END_WINDOW).
+        # The same of the snapshots taken near prompts' ends (PROMPT_END_WINDOW), and of the
+        # checkpoints of ladders planned past the root (DEEP_LADDER_WINDOW).
         self._prompt_end_outcomes: deque[bool] = deque(maxlen=PROMPT_END_WINDOW)
+        self._deep_ladder_outcomes: deque[bool] = deque(maxlen=DEEP_LADDER_WINDOW)
         # Which leaving rows probe: drawn, so that no regular pattern of requests (a turn and its
         # follow-up, leaving in turn) always puts the probe on the same kind; seeded: repeatable.
         self._probe = random.Random(0)
@@ -167,12 +178,17 @@ class SnapshotEviction:
         return self._probe.random() < 1 / SEQUENCE_END_PROBE
 
     def _end_outcome(self, node: TreeNode, *, resumed: bool) -> None:
-        if node.snapshot_at_end:
-            node.snapshot_at_end = False
-            self._end_outcomes.append(resumed)
-        if node.snapshot_at_prompt_end:
-            node.snapshot_at_prompt_end = False
-            self._prompt_end_outcomes.append(resumed)
+        """node's snapshot is resumed from, or goes: its window (if any) records which, once."""
+        if node.snapshot_window is not None:
+            node.snapshot_window.append(resumed)
+            node.snapshot_window = None
+
+    def _plans_ladder(self, resume_at: int) -> bool:
+        """Whether a request resuming at `resume_at` keeps a ladder of checkpoints (DEEP_LADDER_WINDOW)."""
+        window = self._deep_ladder_outcomes
+        if resume_at == 0 or len(window) < DEEP_LADDER_WINDOW or sum(window) >= DEEP_LADDER_MIN_SHARE * DEEP_LADDER_WINDOW:
+            return True
+        return self._probe.random() < 1 / DEEP_LADDER_PROBE
 
     def _prompt_ends_pay(self) -> bool:
         """Whether a snapshot near a prompt's end is kept rather than taken as a checkpoint
