@@ -339,3 +339,17 @@ def test_the_memory_plan_splits_the_pool_between_kv_and_snapshots():
     off = dataclasses.replace(settings, disable_radix_cache=True)
     assert snapshot_split(off, spec, cuda, budget, per_token, planned=True) == (0, budget)
     assert snapshot_split(settings, spec, torch.device("cpu"), 65536, per_token, planned=False) == (64, 65536)
+
+
+def test_checkpoints_that_save_more_get_the_slots_and_fresh_ones_replace_stale_ones():
+    """Five slots, a new 2,100-token prompt: its prompt's and its sequence's ends are kept, and of
+    its checkpoints (32 ... 2,048 tokens in) the three that save most (2,048, 1,024, 512: each saves
+    the tokens since the one below) take the other slots. A second such prompt later keeps its own
+    in their place: a checkpoint's worth halves with every turnover of the pool."""
+    h = Harness(slots=5)
+    a, b = ids(2100, 0), ids(2100, 10000)
+    h.run(a, output=1)
+    assert [h.cache.peek(a[:n])[0] for n in (300, 600, 1100, 2060)] == [0, 512, 1024, 2048]
+    h.run(b, output=1)
+    assert [h.cache.peek(b[:n])[0] for n in (1100, 2060)] == [1024, 2048]
+    assert h.cache.peek(a[:2060])[0] == 0

@@ -256,6 +256,7 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
             self.snapshots.restore([slot], [row])
             self.snapshot_counters.hits += 1
             self._end_outcome(node, resumed=True)
+            self._conversation_came_back(node)
             states.resumed_from, states.used_before = node, node.snapshot_used
             states.worth_before = node.snapshot_worth
             if node.snapshot_worth is not None:  # a checkpoint resumed from has proven itself
@@ -317,7 +318,8 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
         if not states.valid:
             return []
         captures = []
-        for checkpoint in states.checkpoints:
+        # The ones that save most first: where the pool has room for only some, they get it.
+        for checkpoint in sorted(states.checkpoints, key=lambda c: (c.hinted, c.saves, c.position), reverse=True):
             if not start < checkpoint.position <= end:
                 continue
             worth = None if checkpoint.hinted else self._worth(checkpoint.saves)
@@ -329,6 +331,7 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
                 states.captured.add(slot)
                 captures.append((checkpoint.position, slot))
                 self.snapshot_counters.taken += 1
+        captures.sort()
         saves = saves_below(end, states.points)
         if end < states.target_len and saves is not None and end % self.page_size == 0 \
                 and all(abs(end - p) >= self.branch_min_tokens for p in states.points):
@@ -395,7 +398,7 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
                         node.snapshot_window = self._deep_ladder_outcomes
                     if position in states.chunk_ends:
                         states.kept_chunk_end = True
-                    if worth is None:
+                    if position in states.chunk_ends or worth is None:  # not a guess on the way
                         self._superseded(states)
             else:
                 waiting.append((position, slot))
@@ -413,6 +416,7 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
                         # Whether such snapshots pay is learnt from clients' next turns alone.
                         if states.kept_chunk_end and not readmitted:
                             node.snapshot_window = self._end_outcomes
+                        self._superseded(states)  # where no snapshot near its prompt's end did already
         for _, slot in states.taken:
             self.snapshots.free(slot)
         del self.rows[row]
@@ -441,6 +445,15 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
             if pos + n == position:
                 return node if n == len(node.key) else self._split(node, n)
         return None
+
+    def _conversation_came_back(self, node: TreeNode) -> None:
+        """A request resumed at node: a snapshot near a prompt's end above it on its path paid too
+        (its conversation came back, to a deeper state: the reply sent back as generated)."""
+        node = node.parent
+        while node is not None and node.parent is not None:
+            if node.snapshot_window is self._prompt_end_outcomes:
+                self._end_outcome(node, resumed=True)
+            node = node.parent
 
     def _superseded(self, states: RowStates) -> None:
         """The row hung a snapshot below the one it resumed from: where nothing branches off between
