@@ -68,7 +68,7 @@ class TreeNode:
 
     __slots__ = ("key", "value", "children", "parent", "lock_ref", "waiters", "last_access", "hit_count",
                  "created", "node_id", "removed", "ends_prompt", "block_hash", "namespace", "snapshot",
-                 "snapshots_below", "snapshot_used", "snapshot_window", "snapshot_worth", "snapshot_hinted")
+                 "snapshots_below", "snapshot_used", "snapshot_window", "snapshot_worth", "snapshot_hinted", "snapshot_saves")
 
     def __init__(self, key: list[int], value: Optional[torch.Tensor], parent: Optional["TreeNode"], tick: int,
                  node_id: int):
@@ -110,6 +110,9 @@ class TreeNode:
         self.snapshot_worth: Optional[float] = None
         # Its snapshot lies where a client said requests branch (the end of a chat's system turn).
         self.snapshot_hinted = False
+        # The tokens a request resuming at its snapshot does not compute again, past the point kept
+        # below it by the request that took it: what the snapshot is worth (snapshot_policy.py).
+        self.snapshot_saves = 1
 
     @property
     def is_leaf(self) -> bool:

@@ -391,7 +391,8 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
                 worth = states.worth.pop(slot, None)
                 states.captured.discard(slot)
                 node = self._node_ending_at(tokens, position, namespace)
-                if self._attach(node, slot, tokens[:position], namespace, worth=worth, hinted=slot in states.hinted):
+                if self._attach(node, slot, tokens[:position], namespace, worth=worth, hinted=slot in states.hinted,
+                                saves=saves_below(position, states.points) or position):
                     if node.snapshot == slot and slot == states.prompt_end_slot:
                         node.snapshot_window = self._prompt_end_outcomes  # whether they pay
                     elif node.snapshot == slot and worth is not None and states.deep_ladder:
@@ -412,7 +413,7 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
                 if slot is not None:
                     self.snapshots.save([row], [slot])
                     self.snapshot_counters.taken += 1
-                    if self._attach(node, slot, tokens, namespace):
+                    if self._attach(node, slot, tokens, namespace, saves=saves_below(n, states.points) or n):
                         # Whether such snapshots pay is learnt from clients' next turns alone.
                         if states.kept_chunk_end and not readmitted:
                             node.snapshot_window = self._end_outcomes
@@ -465,16 +466,17 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
             self._push_snapshot(node)
 
     def _attach(self, node: Optional[TreeNode], slot: int, path: Sequence[int], namespace: Optional[str], *,
-                worth: Optional[float] = None, hinted: bool = False) -> bool:
+                worth: Optional[float] = None, hinted: bool = False, saves: int = 1) -> bool:
         """Hang a taken snapshot (a checkpoint's when worth is given; where a client hinted a branch,
-        when hinted) on the node its position ends (freed if that node has one); whether the node
-        holds a snapshot now."""
+        when hinted; saving `saves` tokens) on the node its position ends (freed if that node has
+        one); whether the node holds a snapshot now."""
         if node is None or node.removed or node.snapshot is not None or not self._on_device(node):
             self._free_slot(slot)
             return node is not None and not node.removed and node.snapshot is not None
         node.snapshot = slot
         node.snapshot_worth = worth
         node.snapshot_hinted = hinted
+        node.snapshot_saves = saves
         node.snapshot_used = self._recency(node)
         self.snapshots_held += 1
         self._count_below(node, +1)

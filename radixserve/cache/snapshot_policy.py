@@ -197,13 +197,16 @@ class SnapshotEviction:
         return len(window) < PROMPT_END_WINDOW or sum(window) >= PROMPT_END_MIN_SHARE * PROMPT_END_WINDOW
 
     def _snapshot_priority(self, node: TreeNode) -> tuple:
-        # A snapshot some waiting request will resume from goes last; checkpoints (guesses) first,
-        # the least worth first. A kept one's recency is its own: the snapshots above a
-        # conversation's latest one are touched by every match through them, yet resume nobody
-        # once a deeper one exists.
+        # A snapshot some waiting request will resume from goes last; checkpoints (guesses) first;
+        # in each class the least worth first: log2 of the tokens it saves, plus its recency in
+        # turnovers of the pool (`checkpoint_worth`, of when it was taken for a checkpoint, of when
+        # it was last taken or resumed from for a kept one). A kept one's recency is its own: the
+        # snapshots above a conversation's latest one are touched by every match through them, yet
+        # resume nobody once a deeper one exists.
         if node.snapshot_worth is not None:
             return (self._parked_at(node), False, node.snapshot_worth)
-        return (self._parked_at(node), True, node.snapshot_used)
+        return (self._parked_at(node), True, checkpoint_worth(node.snapshot_saves, node.snapshot_used,
+                                                               self.snapshots.num_slots))
 
     @staticmethod
     def _parked_at(node: TreeNode) -> bool:

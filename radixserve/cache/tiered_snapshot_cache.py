@@ -198,7 +198,8 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
         return True
 
     def _attach(self, node: Optional[HostSnapshotNode], slot: int, path: Sequence[int],
-                namespace: Optional[str], *, worth: Optional[float] = None, hinted: bool = False) -> bool:
+                namespace: Optional[str], *, worth: Optional[float] = None, hinted: bool = False,
+                saves: int = 1) -> bool:
         """As the device cache's; a device snapshot taken where the host tier holds one replaces it
         (the same state, ready on the device)."""
         if node is not None and not node.removed and node.host_snapshot is not None and self._on_device(node):
@@ -206,7 +207,7 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
             node.host_snapshot = None
             self.host_snapshots_held -= 1
             self._count_below(node, -1)
-        return super()._attach(node, slot, path, namespace, worth=worth, hinted=hinted)
+        return super()._attach(node, slot, path, namespace, worth=worth, hinted=hinted, saves=saves)
 
     def _drop_snapshot(self, node: HostSnapshotNode, *, removing: bool) -> None:
         node.snapshot_from_host = False  # a snapshot hung here later was taken on the device
