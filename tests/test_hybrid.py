@@ -511,13 +511,14 @@ def test_a_conversations_next_turn_resumes_from_the_host_tier(qwen3_5):
 def test_a_snapshot_the_device_pool_evicts_for_room_waits_on_the_host_tier(qwen3_5):
     """Two device snapshot slots: the next conversations' snapshots push turn 1's to the host tier
     while its KV stays on the device, and turn 2 resumes from the snapshot copied back, after all
-    turn 1 computed, with transformers' tokens."""
+    turn 1 computed (its reply of 40 tokens: the snapshot there saves more than the one near its
+    prompt's end), with transformers' tokens."""
     path, prompts, _ = qwen3_5
     turn1 = prompts[3]
     with Engine(str(path), max_total_tokens=4096, hicache_ratio=1, chunked_prefill_size=16,
                 mamba_cache_size=2) as engine:
         cache = engine.core.cache
-        first = engine.generate(input_ids=[turn1], sampling_params={**GREEDY, "max_new_tokens": 8})[0]
+        first = engine.generate(input_ids=[turn1], sampling_params={**GREEDY, "max_new_tokens": 40})[0]
         computed = len(turn1) + len(first["output_ids"]) - 1
         engine.generate(input_ids=prompts[:2], sampling_params={**GREEDY, "max_new_tokens": 8})
         stats = engine.cache_stats()
