@@ -53,12 +53,12 @@ the copy cancelled.
 
 Eviction (`snapshot_policy.SnapshotEviction`): snapshots have their own pool and budget. Taking
 one when the pool is full evicts one snapshot: never one a waiting request will resume from (it is
-sure to be used, the new one only may be); checkpoints first, the least worth first (a checkpoint
-takes only a checkpoint's slot worth less, never a kept snapshot's), else the least recently used
-(a client's hint a pool's turnover later). A snapshot near a prompt's end is kept while such
-snapshots are resumed from, and taken as a checkpoint while they are not (single-question chats).
-A checkpoint resumed from is kept from then on. A snapshot's recency is its own (taken, resumed from), not
-its node's: a match through a node to a deeper snapshot does not use it, and a resume stops
+sure to be used, the new one only may be); checkpoints first (a checkpoint takes only a
+checkpoint's slot worth less, never a kept snapshot's), each class the least worth first: the
+tokens it saves (log2) plus its recency in turnovers of the pool (a client's hint one turnover
+more). A snapshot near a prompt's end is kept while such snapshots are resumed from, and taken as
+a checkpoint while they are not (single-question chats). A checkpoint resumed from is kept from
+then on. A snapshot's recency is its own (taken, resumed from), not its node's: a match through a node to a deeper snapshot does not use it, and a resume stops
 counting once the resuming request keeps a deeper snapshot on a path that does not branch in
 between (a conversation's earlier turns go before another conversation's latest). A snapshot on a
 path a running request holds may go too: that request's row already holds its state. When none

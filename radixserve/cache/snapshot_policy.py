@@ -10,7 +10,9 @@ a request computes its prompt, the cache also keeps **checkpoints** (`plan_check
 - **A ladder**: CHECKPOINT_FIRST tokens past where it resumed, then twice as far, four times, ...
   A later request sharing s >= CHECKPOINT_FIRST tokens of what it computed finds the deepest one
   inside its share, always more than half of it, at a cost of log2(s / 32) states per request
-  (seven for a 2,048-token prompt) where the pool has room for them.
+  (seven for a 2,048-token prompt) where the pool has room for them. Always for a request that
+  computes its prompt from the root (a new prompt's first user); for one that resumed past it (a
+  conversation's later turn) only while such ladders are resumed from (DEEP_LADDER_WINDOW).
 - **The client's hints** (`Req.branch_hints`): the end of a chat's system turn, which every chat
   on the same system prompt shares (the chat API sends it for a hybrid model). Kept as a branch
   point, exactly where the next conversation branches.
@@ -23,18 +25,20 @@ the Gated DeltaNet layer's rounds); one at a piece's end is copied from the row 
 
 Which go first (`SnapshotEviction`): checkpoints are guesses, so they are evicted before every
 other snapshot and never take a slot from one (a branch seen or a turn to come is worth more than
-a guess); a full pool gives a checkpoint only a checkpoint's slot worth less. Worth is the expected
-saving per byte with recency (`checkpoint_worth`): the tokens a request resuming there would not
-compute again (past the keep point below it: every snapshot costs the same bytes, and below
-~100,000 tokens of context a token's FLOPs barely depend on where it is, attention being a quarter
-of these models' layers), halved for every turnover of the pool since it was taken. A checkpoint a
-request resumes from has proven itself: it is kept from then on. Kept snapshots go least recently
-taken or resumed from; a client's hint counts a pool's turnover more recent (it serves every chat
-on its system prompt, a prompt's end one conversation). Whether the snapshots near prompts' ends
-and at sequences' ends pay is measured (the share of them resumed from before they went): a
-prompt's end is taken as a checkpoint while they do not (single-question chats, whose users do not
-come back, would otherwise push out the system prompts the next users share), a sequence's end
-only now and then.
+a guess); a full pool gives a checkpoint only a checkpoint's slot worth less. Within each class a
+snapshot's worth is its saving per byte with recency (`checkpoint_worth`): log2 of the tokens a
+request resuming there would not compute again (past the point its request kept below it: every
+snapshot costs the same bytes, and below ~100,000 tokens of context a token's FLOPs barely depend
+on where it is, attention being a quarter of these models' layers), plus its recency in turnovers
+of the pool (a pool's worth of snapshot events), of when it was taken (a checkpoint) or last taken
+or resumed from (a kept one): a snapshot saving twice the tokens lives one turnover longer. A
+checkpoint a request resumes from has proven itself: it is kept from then on. A client's hint
+counts a turnover more recent (it serves every chat on its system prompt, a prompt's end one
+conversation). Whether the snapshots near prompts' ends and at sequences' ends pay is measured
+(the share of them resumed from, by the request they were for or one resuming deeper on their
+path, before they went): a prompt's end is taken as a checkpoint while they do not (single-question
+chats, whose users do not come back, would otherwise push out the system prompts the next users
+share), a sequence's end only now and then.
 """
 
 from __future__ import annotations
@@ -136,10 +140,10 @@ def saves_below(position: int, points: Iterable[int]) -> Optional[int]:
 class SnapshotEviction:
     """Which snapshots pay and which go first: the part of `SnapshotRadixCache` that decides (a
     mixin: it reads the cache's pool, `snapshots`, its heap of snapshots, `_snap_heap`, and the
-    tree's nodes). Checkpoints first, the least worth first (`checkpoint_worth`); then the kept
-    snapshots, least recently taken or resumed from, a client's hint a pool's turnover later; a
-    snapshot a waiting request will resume from last. A full pool gives a checkpoint only the slot
-    of a checkpoint worth less."""
+    tree's nodes). Checkpoints first, then the kept snapshots, each the least worth first
+    (`checkpoint_worth`; a client's hint a pool's turnover more recent); a snapshot a waiting
+    request will resume from last. A full pool gives a checkpoint only the slot of a checkpoint
+    worth less."""
 
     snapshots: StateSnapshots
     snapshots_held: int
