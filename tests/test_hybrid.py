@@ -273,24 +273,62 @@ def test_a_conversations_next_turn_resumes_where_the_last_one_ended(qwen3_5, pag
 
 
 def test_requests_branching_off_a_shared_prompt_resume_at_the_branch_point(qwen3_5):
-    """a, b and c share a 40-token system prompt. a computes it all (nothing is cached); b finds its
-    KV but no state there, so its prompt pieces end at the branch point (inside a 16-token chunk)
-    and the state there is kept; c resumes at the branch point."""
+    """a, b and c share a 60-token system prompt. a computes it all (nothing is cached), keeping
+    checkpoints where its first two 16-token chunks end; b resumes at the deeper (32), finds KV past
+    it but no state, so its prompt pieces end at the branch point (inside a 16-token chunk) and the
+    state there is kept; c resumes at the branch point."""
     path = qwen3_5[0]
-    system = [(5 * i) % 90 + 3 for i in range(40)]
+    system = [(5 * i) % 90 + 3 for i in range(60)]
     a, b, c = (system + [(k * 7 + j) % 90 + 3 for j in range(9)] for k in range(3))
     with Engine(str(path), max_total_tokens=4096, chunked_prefill_size=16) as engine:
         cache = engine.core.cache
         got = []
-        for prompt in (a, b):
+        for prompt, cached in ((a, 0), (b, 32)):
             got.append(engine.generate(input_ids=[prompt], sampling_params=GREEDY)[0])
-            assert got[-1]["meta_info"]["cached_tokens"] == 0
+            assert got[-1]["meta_info"]["cached_tokens"] == cached
         assert cache.peek(c[:-1])[0] == len(system)  # the state at the branch point is there
         got.append(engine.generate(input_ids=[c], sampling_params=GREEDY)[0])
         assert got[-1]["meta_info"]["cached_tokens"] == len(system)
-        assert engine.cache_stats()["snapshot_hits"] == 1
+        assert engine.cache_stats()["snapshot_hits"] == 2
         check_idle(engine)
     assert [r["output_ids"] for r in got] == hf_greedy(path, [a, b, c])
+
+
+SECOND_USER_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+@pytest.fixture(scope="module", params=SECOND_USER_FAMILIES)
+def second_user(request, tmp_path_factory):
+    """A hybrid of each family and pairs of prompts sharing a new prefix of 48, 63, 100 and 300
+    tokens, with transformers' greedy tokens for each."""
+    path = build(tmp_path_factory, request.param, seed=7)
+    rng = random.Random(7)
+    pairs = []
+    for shared in (48, 63, 100, 300):
+        prefix = [rng.randrange(3, 100) for _ in range(shared)]
+        pairs.append((shared, [prefix + [rng.randrange(3, 100) for _ in range(n)] for n in (9, 14)]))
+    return path, pairs, hf_greedy(path, [p for _, pair in pairs for p in pair])
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(chunked_prefill_size=20, page_size=4)],
+                         ids=["one-piece", "chunk20-page4"])
+def test_the_second_request_sharing_a_new_prefix_finds_half_of_it(second_user, settings):
+    """Two requests in a row share a prefix nobody computed before (48 to 300 tokens): the second
+    finds at least half of it cached, resumed from a checkpoint the first kept on its way (captured
+    by the forward pass inside its prompt piece, or where a chunk ended), and every token is
+    transformers'."""
+    path, pairs, expected = second_user
+    got, cached = [], []
+    with Engine(str(path), max_total_tokens=4096, **settings) as engine:
+        for shared, pair in pairs:
+            engine.core.cache.flush()
+            for prompt in pair:
+                result = engine.generate(input_ids=[prompt], sampling_params=GREEDY)[0]
+                got.append(result["output_ids"])
+                cached.append(result["meta_info"]["cached_tokens"])
+            assert cached[-2] == 0 and shared / 2 <= cached[-1] <= shared, (shared, cached)
+        check_idle(engine)
+    assert got == expected
 
 
 def test_bfloat16_states_halve_the_pool_and_keep_the_tokens(qwen3_5):
@@ -308,21 +346,22 @@ def test_bfloat16_states_halve_the_pool_and_keep_the_tokens(qwen3_5):
 
 
 def test_a_step_that_cannot_allocate_restarts_the_requests_whose_states_it_moved(qwen3_5):
-    """The second big prefill step fails in the last layer's MLP, after the linear layers before it
-    advanced its chunked requests' states: those requests start over, and every output is
-    unchanged."""
+    """The second big prefill step (the first request's second 400-token chunk, with a checkpoint
+    512 tokens in captured inside it) fails in the last layer's MLP, after the linear layers before
+    it advanced its chunked request's state and wrote that checkpoint: the request starts over from
+    what was kept before that step, and every output is unchanged."""
     path = qwen3_5[0]
-    shared = [(5 * i) % 500 + 3 for i in range(300)]
+    shared = [(5 * i) % 500 + 3 for i in range(900)]
     prompts = [shared + [(7 * i + j) % 500 + 3 for j in range(20 + i)] for i in range(6)]
     params = {**GREEDY, "max_new_tokens": 4}
-    with Engine(str(path), max_total_tokens=8192, chunked_prefill_size=1024) as engine:
+    with Engine(str(path), max_total_tokens=8192, chunked_prefill_size=400) as engine:
         expected = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
-    with Engine(str(path), max_total_tokens=8192, chunked_prefill_size=1024) as engine:
+    with Engine(str(path), max_total_tokens=8192, chunked_prefill_size=400) as engine:
         mlp = engine.core.model.model.layers[-1].mlp
         seen = []
 
         def second_big_step(args):
-            seen.append(args[0].shape[0] > 300)
+            seen.append(args[0].shape[0] > 256)
             return seen.count(True) == 2
 
         mlp.forward = FailWhen(mlp.forward, second_big_step, 1)
@@ -472,13 +511,14 @@ def test_a_conversations_next_turn_resumes_from_the_host_tier(qwen3_5):
 def test_a_snapshot_the_device_pool_evicts_for_room_waits_on_the_host_tier(qwen3_5):
     """Two device snapshot slots: the next conversations' snapshots push turn 1's to the host tier
     while its KV stays on the device, and turn 2 resumes from the snapshot copied back, after all
-    turn 1 computed, with transformers' tokens."""
+    turn 1 computed (its reply of 40 tokens: the snapshot there saves more than the one near its
+    prompt's end), with transformers' tokens."""
     path, prompts, _ = qwen3_5
     turn1 = prompts[3]
     with Engine(str(path), max_total_tokens=4096, hicache_ratio=1, chunked_prefill_size=16,
                 mamba_cache_size=2) as engine:
         cache = engine.core.cache
-        first = engine.generate(input_ids=[turn1], sampling_params={**GREEDY, "max_new_tokens": 8})[0]
+        first = engine.generate(input_ids=[turn1], sampling_params={**GREEDY, "max_new_tokens": 40})[0]
         computed = len(turn1) + len(first["output_ids"]) - 1
         engine.generate(input_ids=prompts[:2], sampling_params={**GREEDY, "max_new_tokens": 8})
         stats = engine.cache_stats()
@@ -556,6 +596,41 @@ def test_server_serves_the_multimodal_checkpoint_as_text_and_resumes_from_state_
         assert "radixserve:state_snapshot_hits_total 2.0" in metrics
         assert re.search(r"^radixserve:state_snapshots [1-8]\.0$", metrics, re.M)
         assert "prefix cache: 8 recurrent-state snapshots" in proc.output()
+    finally:
+        proc.stop()
+
+
+def test_the_second_chat_on_a_2048_token_system_prompt_finds_it_cached(tmp_path_factory, server_workdir):
+    """Through the chat API: two users ask different questions under the same system prompt of
+    over 2,048 tokens. The API marks where the system turn ends; the first request keeps the state
+    there, and the second finds the whole system turn cached (an attention model finds the same);
+    both replies are transformers' greedy tokens."""
+    path = build(tmp_path_factory, "qwen3_5", seed=8)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    system = {"role": "system", "content": " ".join(f"Rule {i}: answer in one short sentence." for i in range(110))}
+
+    def ids(chat: list[dict], add_generation_prompt: bool) -> list[int]:
+        text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tok.encode(text, add_special_tokens=False)
+
+    system_turn = ids([system], False)
+    assert len(system_turn) >= 2048
+    chats = [[system, {"role": "user", "content": question}]
+             for question in ("Where should I go in spring?", "What is good to see in winter?")]
+    prompts = [ids(chat, True) for chat in chats]
+    assert all(prompt[:len(system_turn)] == system_turn for prompt in prompts)
+    expected = hf_greedy(path, prompts, max_new=6)
+    proc = ServerProcess(["--model-path", str(path), "--device", "cpu", "--max-total-tokens", "16384"],
+                         server_workdir).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused")
+        cached = []
+        for chat, want in zip(chats, expected):
+            reply = client.chat.completions.create(model=path.name, messages=chat, temperature=0, max_tokens=6,
+                                                   extra_body={"ignore_eos": True, "skip_special_tokens": False})
+            assert reply.choices[0].message.content == tok.decode(want)
+            cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+        assert cached == [0, len(system_turn)]
     finally:
         proc.stop()
 

@@ -123,15 +123,19 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.mirror = set(self.hash_events.snapshot()["blocks"])  # recording starts with a snapshot
 
     # ------------------------------------------------------------------ helpers
-    def _write_kv(self, req: Req, start: int, end: int) -> None:
+    def _write_kv(self, req: Req, start: int, end: int, captures: list[tuple[int, int]] = ()) -> None:
         """"Compute" positions [start, end) of req into its own slots (and its row's state, which a
-        piece after the first continues: it must hold the state of exactly what came before)."""
+        piece after the first continues: it must hold the state of exactly what came before; and
+        the states the cache captures on the way, into their snapshot slots)."""
         tokens = req.fill_ids
         if self.pool.state is not None:
             ssm = self.pool.state.ssm[0]
             if start > 0:
                 assert ssm[req.req_pool_idx].item() == state_of(tuple(tokens[:start])), \
                     f"row {req.req_pool_idx} does not hold the state of its first {start} positions"
+            for position, slot in captures:
+                assert start < position < end, f"a capture at {position} outside the piece [{start}, {end})"
+                self.pool.snapshots.ssm[0][slot] = state_of(tuple(tokens[:position]))
             ssm[req.req_pool_idx] = state_of(tuple(tokens[:end]))
         for pos in range(start, end):
             slot = req.slots[pos]
@@ -309,7 +313,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         upto = min([upto] + [end for end in req.chunk_ends if end > before])  # as PrefillAdder._add_piece
         if upto == before or not self.kv.grow(req, upto):
             return
-        self._write_kv(req, before, upto)
+        self._write_kv(req, before, upto, self.kv.capture_states(req, before, upto))
         locked_before = req.locked_len
         self.kv.cache_req(req, finished=False)
         taken = self.cache.insertable_len(upto)
@@ -359,6 +363,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         before = req.kv_len
         upto = min([before + n, len(req.origin_input_ids)] + [end for end in req.chunk_ends if end > before])
         if upto > before and self.kv.grow(req, upto):
+            for _, slot in self.kv.capture_states(req, before, upto):  # half written too
+                self.pool.snapshots.ssm[0][slot] = GARBAGE
             self.pool.state.ssm[0][req.req_pool_idx] = GARBAGE
             self.cache.discard_states([req.req_pool_idx])
             self.kv.shrink(req, before)

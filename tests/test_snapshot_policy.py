@@ -16,11 +16,11 @@ import random
 import pytest
 import torch
 
-from radixserve.bench.scheduler_sim import HYBRID_27B, SimConfig, agent_sessions, simulate
+from radixserve.bench.scheduler_sim import HYBRID_27B, SimConfig, agent_sessions, make_sessions, simulate
 from radixserve.cache.kv_pool import PageAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import PROMPT_END_SLACK
-from radixserve.cache.snapshot_cache import (SEQUENCE_END_MIN_SHARE, SEQUENCE_END_PROBE, SEQUENCE_END_WINDOW,
-                                             SnapshotRadixCache)
+from radixserve.cache.snapshot_cache import SnapshotRadixCache
+from radixserve.cache.snapshot_policy import SEQUENCE_END_MIN_SHARE, SEQUENCE_END_PROBE, SEQUENCE_END_WINDOW
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
 from radixserve.cache.state_snapshots import StateSnapshots
 from radixserve.cache.factory import SNAPSHOT_SPAN_TOKENS, snapshot_split
@@ -48,10 +48,10 @@ class Harness:
         self.rng = random.Random(0)
         self.count = 0
 
-    def add(self, prompt: list[int], output: int = 4) -> Req:
+    def add(self, prompt: list[int], output: int = 4, hints: tuple[int, ...] = ()) -> Req:
         self.count += 1
         req = Req(rid=str(self.count), origin_input_ids=list(prompt), arrival_time=0.0, arrival_seq=-1,
-                  sampling_params=SamplingParams(max_new_tokens=output, ignore_eos=True))
+                  sampling_params=SamplingParams(max_new_tokens=output, ignore_eos=True), branch_hints=hints)
         self.sched.add_request(req)
         return req
 
@@ -59,9 +59,9 @@ class Harness:
         batch = self.sched.schedule()
         self.sched.process_results(batch, [self.rng.randrange(1000, 2000) for s in batch.sample if s])
 
-    def run(self, *prompts: list[int], output: int = 4) -> list[Req]:
+    def run(self, *prompts: list[int], output: int = 4, hints: tuple[int, ...] = ()) -> list[Req]:
         """Serve prompts together, each generating `output` random tokens, to their end."""
-        reqs = [self.add(prompt, output) for prompt in prompts]
+        reqs = [self.add(prompt, output, hints) for prompt in prompts]
         while any(r.finish_reason is None for r in reqs):
             self.step()
         self.sched.check_invariants()
@@ -90,13 +90,57 @@ def test_a_next_turn_resumes_a_few_tokens_before_the_previous_prompts_end():
 
 
 def test_requests_branching_off_a_shared_prompt_resume_at_the_branch_point():
+    """The first request leaves checkpoints on its way (128 is the deepest below 200); the second
+    resumes there, finds KV past it and keeps the state where it branches off; the third resumes there."""
     h = Harness(slots=16)
     system = ids(200, 0)
     h.run(system + ids(40, 1000))
-    (second,) = h.run(system + ids(40, 2000))  # finds the system prompt's KV, no state there: keeps one
-    assert second.cached_tokens == 0
+    (second,) = h.run(system + ids(40, 2000))
+    assert second.cached_tokens == 128
     (third,) = h.run(system + ids(40, 3000))
     assert third.cached_tokens == len(system)
+
+
+@pytest.mark.parametrize("shared", [48, 63, 100, 300, 1000, 3000])
+def test_the_second_request_on_a_new_shared_prefix_finds_at_least_half_of_it(shared):
+    """Two requests in a row share a prefix nobody computed before: the first cannot know where the
+    second will branch, so it keeps states at checkpoints 32, 64, 128, ... tokens past where it
+    resumed (captured inside its prompt pieces: no piece ends there). The deepest one inside the
+    shared prefix is more than half of it."""
+    h = Harness(slots=16)
+    prefix = ids(shared, 0)
+    (first,) = h.run(prefix + ids(40, 10000))
+    (second,) = h.run(prefix + ids(40, 20000))
+    assert first.cached_tokens == 0 and shared / 2 <= second.cached_tokens <= shared
+    (third,) = h.run(prefix + ids(40, 30000))
+    assert third.cached_tokens == shared  # the second kept the state where it branched off
+
+
+def test_checkpoints_are_captured_inside_prompt_pieces():
+    """A checkpoint inside a piece is written by the forward pass into a snapshot slot (the batch's
+    state_captures: batch row, offset into the piece, slot); it adds no piece, so the prompt is
+    computed in as many steps as without it."""
+    h = Harness(slots=16)
+    prompt = ids(300, 0)
+    req = h.add(prompt)
+    batch = h.sched.schedule()
+    assert batch.extend_lens == [len(prompt) - PROMPT_END_SLACK]  # the prompt-end piece, as before
+    assert [(row, offset) for row, offset, _ in batch.state_captures] == [(0, 32), (0, 64), (0, 128), (0, 256)]
+    h.sched.process_results(batch, [])
+    while req.finish_reason is None:
+        h.step()
+    assert h.cache.peek(prompt[:100])[0] == 64
+
+
+def test_a_system_turn_marked_by_the_chat_api_is_where_the_second_request_resumes():
+    """The chat API marks where a conversation's system turn ends (Req.branch_hints): the first
+    request keeps the state exactly there, and the next conversation on that system prompt resumes
+    there, its whole system prompt cached."""
+    h = Harness(slots=16)
+    system = ids(700, 0)
+    (first,) = h.run(system + ids(40, 10000), hints=(len(system),))
+    (second,) = h.run(system + ids(40, 20000), hints=(len(system),))
+    assert (first.cached_tokens, second.cached_tokens) == (0, len(system))
 
 
 def next_turn(prompt: list[int], start: int) -> list[int]:
@@ -113,6 +157,18 @@ def test_a_burst_on_a_new_shared_prompt_keeps_the_state_where_its_requests_branc
     system = ids(300, 0)
     reqs = h.run(*(system + ids(40, 1000 * (i + 1)) for i in range(4)))
     assert sorted(r.cached_tokens for r in reqs) == [0] + [len(system)] * 3
+
+
+def test_checkpoints_never_take_a_slot_from_a_snapshot_kept_for_a_later_turn():
+    """Checkpoints are the cheapest guesses: taken into free slots, or in place of a checkpoint
+    worth less (fewer tokens saved, with recency), never in place of a snapshot kept for a turn to
+    come or a branch seen. Three conversations' snapshots and a long new prompt in four slots: its
+    checkpoints take only the one slot a checkpoint held, and its prompt's end takes that one."""
+    h = Harness(slots=4, agent=True)
+    firsts = [h.run(ids(100, 1000 * c), output=1)[0] for c in range(3)]
+    h.run(ids(3000, 50000), output=1)
+    for c, first in enumerate(firsts):
+        assert h.cache.peek(next_turn(first.origin_input_ids, 5000 + 100 * c)[:-1])[0] == 100 - PROMPT_END_SLACK
 
 
 def test_the_hybrid_reaches_the_unlimited_hit_rate_on_shared_prompts():
@@ -239,6 +295,20 @@ def test_the_hybrid_keeps_what_an_attention_model_keeps_on_the_agent_workload(ec
     assert hybrid["snapshot_hits"] > 0.8 * 96 * 3  # most later turns resumed from a snapshot
 
 
+def test_the_hybrid_keeps_what_an_attention_model_keeps_on_chat_traffic():
+    """The scheduler simulator on chat traffic through the chat API (32 system prompts each seen by
+    4 requests in a row, all at once, the system turns' ends marked) under KV and snapshot pressure
+    (48 snapshots, 16 rows): the hybrid keeps at least 0.95 of an attention-only model's hit rate
+    with the same pool and rows."""
+    cfg = SimConfig(**{**HYBRID_27B, "workload": "chat", "systems": 32, "visits": 4, "system_len": 1024,
+                       "user_len": 128, "output_len": 32, "pool": 40000, "max_running": 16, "snapshots": 48})
+    sessions = make_sessions(cfg)
+    hybrid = simulate(cfg, sessions)
+    attention = simulate(dataclasses.replace(cfg, snapshots=0), sessions)
+    assert hybrid["hit_rate"] >= 0.95 * attention["hit_rate"], (hybrid, attention)
+    assert hybrid["snapshot_hits"] >= 0.9 * 32 * 3  # nearly every later visit resumed after its system prompt
+
+
 def test_the_memory_plan_splits_the_pool_between_kv_and_snapshots():
     settings = ServerSettings(device="cpu")
     spec = RecurrentStateSpec(1, (1, 1), (1, 1, 38_475_000), torch.float32)  # ~147 MiB, as Qwen3.5-27B's
@@ -269,3 +339,17 @@ def test_the_memory_plan_splits_the_pool_between_kv_and_snapshots():
     off = dataclasses.replace(settings, disable_radix_cache=True)
     assert snapshot_split(off, spec, cuda, budget, per_token, planned=True) == (0, budget)
     assert snapshot_split(settings, spec, torch.device("cpu"), 65536, per_token, planned=False) == (64, 65536)
+
+
+def test_checkpoints_that_save_more_get_the_slots_and_fresh_ones_replace_stale_ones():
+    """Five slots, a new 2,100-token prompt: its prompt's and its sequence's ends are kept, and of
+    its checkpoints (32 ... 2,048 tokens in) the three that save most (2,048, 1,024, 512: each saves
+    the tokens since the one below) take the other slots. A second such prompt later keeps its own
+    in their place: a checkpoint's worth halves with every turnover of the pool."""
+    h = Harness(slots=5)
+    a, b = ids(2100, 0), ids(2100, 10000)
+    h.run(a, output=1)
+    assert [h.cache.peek(a[:n])[0] for n in (300, 600, 1100, 2060)] == [0, 512, 1024, 2048]
+    h.run(b, output=1)
+    assert [h.cache.peek(b[:n])[0] for n in (1100, 2060)] == [1024, 2048]
+    assert h.cache.peek(a[:2060])[0] == 0

@@ -46,6 +46,10 @@ class ForwardBatch:
     logits_out: Optional[torch.Tensor] = None
     # Backend-private metadata, filled by AttentionBackend.init_forward.
     attn_meta: Optional[object] = field(default=None)
+    # A hybrid model's states to keep on the way (extend batches only): (sequence, tokens of its new
+    # ones, snapshot slot) triples laid end to end; the linear layers write the recurrent state after
+    # that many of the sequence's new tokens into that snapshot slot (ScheduledBatch.state_captures).
+    state_captures: list[int] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:

@@ -16,6 +16,13 @@ tok/s simulated, 0.691 and 94.0k measured); absolute times are only as good as t
     python -m radixserve.bench.scheduler_sim --policies lpm fcfs --pool 150000
     python -m radixserve.bench.scheduler_sim --policies lpm --host-ratio 4   # with a host tier
     python -m radixserve.bench.scheduler_sim --policies lpm --hybrid-27b --host-ratio 4 --host-snapshots 844
+    python -m radixserve.bench.scheduler_sim --policies lpm --hybrid-27b --workload chat --systems 128
+
+`--workload chat` replays chat traffic instead: many system prompts (of `--system-len` tokens on
+average, half to one and a half times it), each seen by `--visits` single-question requests one
+after another (each sent after the one before finished plus a think time), every system prompt's
+first request at t=0; the end of each system turn marked as the chat API marks it for a hybrid
+model (`--no-system-marks`: as a client of /v1/completions, nothing marked).
 
 A hybrid model (`--snapshots N`): its prefix cache is the engine's snapshot cache, N recurrent-state
 snapshot slots beside `--max-running` request rows, so a prefix resumes only where a snapshot lies.
@@ -82,7 +89,13 @@ class SimConfig:
     snapshots: int = 0  # a hybrid model's state snapshot slots (0: an attention-only model)
     host_snapshots: int = 0  # a hybrid's snapshot slots in the host tier (with --host-ratio; --mamba-host-cache-size)
     snapshot_copy_ms: float = 0.0  # one snapshot copied between the tiers (on the compute stream)
+    # Each extra round of the linear layers' sequence mixing in a step that captures states inside
+    # prompt pieces (one per capture point of the row with the most): launches and a state copy.
+    capture_round_ms: float = 0.0
     seed: int = 1
+    workload: str = "agent"  # or "chat" (`chat_sessions`)
+    visits: int = 4  # chat: requests on each system prompt, one after another
+    system_marks: bool = True  # chat: the request marks where its system turn ends (Req.branch_hints)
 
 
 # The Qwen3.5-27B on an H200 (docs/runs/2026-12-03-hybrid-27b.md): 16 full-attention layers' KV per
@@ -90,19 +103,26 @@ class SimConfig:
 # default split beside a 216,825-token pool (70 running rows: 15% of the memory after the weights;
 # one snapshot per 1,024 pool tokens). Its first agent run had 236 rows and 58 snapshots: hit 0.641
 # measured, 0.633 simulated (seed 1; 0.629 over seeds 1-4) with the snapshot policy it ran.
+# A capture round: ~10 launches in each of its 48 Gated DeltaNet layers at ~5 us (host-bound) and a
+# 151 MiB device copy per state: estimated 2.5 ms, not measured.
 HYBRID_27B = dict(kv_bytes_per_token=65536, prefill_us=97.0, step_ms=15.5, decode_row_us=173.0,
-                  max_running=70, snapshots=211, snapshot_copy_ms=3.2)  # 151 MiB at ~50 GB/s
+                  max_running=70, snapshots=211, snapshot_copy_ms=3.2,  # 151 MiB at ~50 GB/s
+                  capture_round_ms=2.5)
 
 
 # The snapshot cache's counters a hybrid run reports beside the rest.
 SNAPSHOT_FIGURES = ("snapshot_slots", "snapshot_hits", "snapshots_taken", "snapshot_evictions", "host_snapshot_hits",
-                    "snapshots_written_back", "snapshots_loaded")
+                    "snapshots_written_back", "snapshots_loaded", "checkpoints_taken", "checkpoint_hits")
 
 
 @dataclass
 class Turn:
     prompt: list[int]
     think_s: float
+    # Tokens of the session's previous request that this one could find cached (its prompt less the
+    # re-tokenized last token, or the system prompt both carry); 0 for a session's first.
+    shared: int = 0
+    branch_hints: tuple[int, ...] = ()  # Req.branch_hints
 
 
 def agent_sessions(cfg: SimConfig) -> list[list[Turn]]:
@@ -118,8 +138,9 @@ def agent_sessions(cfg: SimConfig) -> list[list[Turn]]:
         history = list(systems[rng.randrange(cfg.systems)])
         turns = []
         for t in range(cfg.turns):
+            shared = len(turns[-1].prompt) - 1 if turns else 0  # the previous prompt less its re-tokenized end
             history += ids(cfg.user_len)
-            turns.append(Turn(list(history), 0.0 if t == 0 else rng.expovariate(1.0 / cfg.think_s)))
+            turns.append(Turn(list(history), 0.0 if t == 0 else rng.expovariate(1.0 / cfg.think_s), shared))
             if cfg.retokenized_boundary:
                 history[-1] = rng.randrange(VOCAB)
             history += ids(cfg.assistant_len)  # a fixed reply, not the model's output
@@ -127,12 +148,50 @@ def agent_sessions(cfg: SimConfig) -> list[list[Turn]]:
     return sessions
 
 
+def chat_sessions(cfg: SimConfig) -> list[list[Turn]]:
+    """Chat traffic on `cfg.systems` system prompts (lengths drawn from half to one and a half times
+    `system_len`): a session per system prompt whose `visits` requests are different users' single
+    questions, each sent once the one before finished (plus a think time); all sessions start at
+    t=0. With `system_marks` each request marks its system turn's end, as the chat API does."""
+    rng = random.Random(cfg.seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(VOCAB) for _ in range(n)]
+
+    sessions = []
+    for _ in range(cfg.systems):
+        system = ids(rng.randint(cfg.system_len // 2, cfg.system_len * 3 // 2))
+        hints = (len(system),) if cfg.system_marks else ()
+        sessions.append([Turn(system + ids(cfg.user_len), 0.0 if v == 0 else rng.expovariate(1.0 / cfg.think_s),
+                              len(system) if v else 0, hints) for v in range(cfg.visits)])
+    return sessions
+
+
+def make_sessions(cfg: SimConfig) -> list[list[Turn]]:
+    """The sessions of cfg.workload."""
+    if cfg.workload == "chat":
+        return chat_sessions(cfg)
+    if cfg.workload != "agent":
+        raise ValueError(f"unknown workload {cfg.workload!r}: agent or chat")
+    return agent_sessions(cfg)
+
+
+def capture_rounds(batch: ScheduledBatch) -> int:
+    """The extra rounds of the linear layers' mixing a step's state captures take (the most of one row)."""
+    per_row: dict[int, int] = {}
+    for row, _, _ in batch.state_captures:
+        per_row[row] = per_row.get(row, 0) + 1
+    return max(per_row.values(), default=0)
+
+
 def step_seconds(batch: ScheduledBatch, cfg: SimConfig) -> float:
     """A coarse H200 step (the 7B architecture by default): launch floor, decode rows, KV read,
-    prompt tokens."""
+    prompt tokens, the rounds of a hybrid's state captures."""
     decode = sum(1 for n in batch.extend_lens if n == 1)
     context = sum(batch.kv_lens_before)
-    return cfg.step_ms * 1e-3 + cfg.decode_row_us * 1e-6 * decode + context * cfg.kv_bytes_per_token / 4.0e12 + batch.num_new_tokens * cfg.prefill_us * 1e-6
+    rounds = capture_rounds(batch)
+    return cfg.step_ms * 1e-3 + cfg.decode_row_us * 1e-6 * decode + context * cfg.kv_bytes_per_token / 4.0e12 + \
+        batch.num_new_tokens * cfg.prefill_us * 1e-6 + rounds * cfg.capture_round_ms * 1e-3
 
 
 class UnreadSlotTable(ReqToTokenPool):
@@ -172,7 +231,7 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
     arrivals = [(0.0, sid, 0) for sid in range(len(sessions))]
     heapq.heapify(arrivals)
     total = sum(len(s) for s in sessions)
-    tokens_served, latencies, lost_turns, lost_tokens, steps = 0, [], 0, 0, 0
+    tokens_served, latencies, lost_turns, lost_tokens, steps, rounds = 0, [], 0, 0, 0, 0
     sent_at: dict[str, float] = {}
     ttfts: list[float] = []
     last_token_at: dict[str, float] = {}
@@ -188,13 +247,14 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
             rid = f"{sid}-{turn}"
             params = SamplingParams(max_new_tokens=cfg.output_len, temperature=0.0, ignore_eos=True)
             sched.add_request(Req(rid=rid, origin_input_ids=sessions[sid][turn].prompt, sampling_params=params,
-                                  arrival_time=t, arrival_seq=-1))
+                                  arrival_time=t, arrival_seq=-1, branch_hints=sessions[sid][turn].branch_hints))
             sent_at[rid] = t
         batch = sched.schedule()
         if batch is None:
             now[0] = arrivals[0][0]
             continue
         steps += 1
+        rounds += capture_rounds(batch)
         copies = tier_copies()
         now[0] += step_seconds(batch, cfg) + cfg.snapshot_copy_ms * 1e-3 * (copies - copies_charged)
         copies_charged = copies
@@ -209,14 +269,15 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
             latencies.append(now[0] - sent_at[req.rid])
             tokens_served += len(req.origin_input_ids) + len(req.output_ids)
             sid, turn = map(int, req.rid.split("-"))
-            if turn > 0:  # the previous turn's prompt could have been found cached
-                lost = len(sessions[sid][turn - 1].prompt) - 1 - req.cached_tokens
+            if turn > 0:  # what it shares with the previous request could have been found cached
+                lost = sessions[sid][turn].shared - req.cached_tokens
                 lost_turns += lost > LOST_SLACK_TOKENS
                 lost_tokens += max(lost, 0)
             if turn + 1 < len(sessions[sid]):
                 if cfg.echo_replies:
                     following = sessions[sid][turn + 1]
                     following.prompt = req.origin_input_ids + req.output_ids + following.prompt[-cfg.user_len:]
+                    following.shared = len(req.origin_input_ids) - 1
                 heapq.heappush(arrivals, (now[0] + sessions[sid][turn + 1].think_s, sid, turn + 1))
     sched.check_invariants()
     latencies.sort()
@@ -229,6 +290,7 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
         "p99_ttft_s": round(ttfts[int(0.99 * (len(ttfts) - 1))], 2), "longest_pause_s": round(longest_pause, 2),
         "turns_that_lost_the_previous_prompt": lost_turns, "lost_tokens": lost_tokens,
         "evicted_tokens": cache.counters.evicted_tokens, "retractions": sched.stats.num_retractions, "steps": steps,
+        **({"capture_rounds": rounds} if cfg.snapshots else {}),
         **({k: v for k, v in cache.snapshot_stats().items() if k in SNAPSHOT_FIGURES} if cfg.snapshots else {}),
     }
 
@@ -247,7 +309,7 @@ def main() -> None:
     policies = args.pop("policies")
     base = HYBRID_27B if args.pop("hybrid_27b") else {}
     cfg = SimConfig(**{**base, **{k: v for k, v in args.items() if v is not None}})
-    sessions = agent_sessions(cfg)
+    sessions = make_sessions(cfg)
     for policy in policies:
         print(simulate(dataclasses.replace(cfg, policy=policy), sessions), flush=True)
 

@@ -59,7 +59,8 @@ class NoPrefixCache:
         return MatchResult(0, _EMPTY_SLOTS, self.root)
 
     # A request's state row starts from nothing and nothing of it is kept.
-    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0) -> tuple[int, ...]:
+    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0,
+               hints: Sequence[int] = ()) -> tuple[int, ...]:
         return ()
 
     def resumed_from_host(self, row: int) -> bool:
@@ -70,6 +71,9 @@ class NoPrefixCache:
 
     def take_state(self, row: int, position: int) -> None:
         return None
+
+    def capture_states(self, row: int, start: int, end: int) -> list[tuple[int, int]]:
+        return []
 
     def keep_states(self, row: int, tokens: Sequence[int], *, namespace: Optional[str] = None,
                     state_len: Optional[int] = None, readmitted: bool = False) -> None:

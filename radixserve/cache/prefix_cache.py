@@ -39,6 +39,7 @@ code runs over every implementation.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Protocol, Sequence, runtime_checkable
 
@@ -67,7 +68,7 @@ class TreeNode:
 
     __slots__ = ("key", "value", "children", "parent", "lock_ref", "waiters", "last_access", "hit_count",
                  "created", "node_id", "removed", "ends_prompt", "block_hash", "namespace", "snapshot",
-                 "snapshots_below", "snapshot_used", "snapshot_at_end")
+                 "snapshots_below", "snapshot_used", "snapshot_window", "snapshot_worth", "snapshot_hinted", "snapshot_saves")
 
     def __init__(self, key: list[int], value: Optional[torch.Tensor], parent: Optional["TreeNode"], tick: int,
                  node_id: int):
@@ -96,12 +97,22 @@ class TreeNode:
         # A split keeps the snapshot on the lower part, which still ends there.
         self.snapshot: Optional[int] = None
         self.snapshots_below = 0
-        # When its snapshot was last taken or resumed from (the snapshot's own recency: a match
-        # through the node to a deeper snapshot is no use of this one).
+        # When its snapshot was last taken or resumed from, on the cache's clock of snapshot events
+        # (the snapshot's own recency: a match through the node to a deeper snapshot is no use of this one).
         self.snapshot_used = 0
-        # Its snapshot was taken where a sequence ended, below one its request kept near its prompt's
-        # end: whether a request resumes from it before it goes tells if such snapshots pay.
-        self.snapshot_at_end = False
+        # Its snapshot is of a kind whose pay-off is measured (taken where a sequence ended, a
+        # little before a prompt's end, a checkpoint deep in a conversation: snapshot_policy.py):
+        # the window of outcomes that records whether a request resumes from it before it goes.
+        self.snapshot_window: Optional[deque] = None
+        # A checkpoint's worth (a guess where a later request may branch, snapshot_policy.py): it
+        # is evicted before any other snapshot, the least worth first. None: a snapshot kept for a
+        # reason (a branch seen, a turn to come, a client's hint), evicted least recently used.
+        self.snapshot_worth: Optional[float] = None
+        # Its snapshot lies where a client said requests branch (the end of a chat's system turn).
+        self.snapshot_hinted = False
+        # The tokens a request resuming at its snapshot does not compute again, past the point kept
+        # below it by the request that took it: what the snapshot is worth (snapshot_policy.py).
+        self.snapshot_saves = 1
 
     @property
     def is_leaf(self) -> bool:
@@ -122,6 +133,8 @@ class MatchResult:
     # Positions past `length` where the request's prompt pieces must end, so that the state there
     # can be kept (`PrefixCache.take_state`): a hybrid model's branch point. () for a cache of KV alone.
     chunk_ends: tuple[int, ...] = ()
+    # The length of the tokens looked up (a request's match target): how far its prompt runs.
+    target_len: int = 0
 
 
 @dataclass
@@ -202,11 +215,14 @@ class PrefixCache(Protocol):
         of the positions it just inserted while it goes on reading them (equal to match for a cache
         of KV alone)."""
 
-    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0) -> tuple[int, ...]:
+    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0,
+               hints: Sequence[int] = ()) -> tuple[int, ...]:
         """A request admitted on `match` (locked) runs in state row `row`: put into the row the state
         the match ends at beyond its KV (a recurrent-state snapshot; nothing for a cache of KV alone),
         and return the positions its prompt pieces must end at (`match.chunk_ends`, and `branch_at`
-        where the cache keeps states there: a waiting request shares the prompt up to it)."""
+        where the cache keeps states there: a waiting request shares the prompt up to it). hints:
+        positions where the client says later requests are likely to branch (`Req.branch_hints`),
+        which a cache keeping states may keep them at (`capture_states`)."""
 
     def resumed_from_host(self, row: int) -> bool:
         """Whether the state the request in `row` resumed from came back from the host tier (then
@@ -219,6 +235,13 @@ class PrefixCache(Protocol):
     def take_state(self, row: int, position: int) -> None:
         """The step being scheduled takes row's request to `position`, one of its chunk ends: keep
         the state there once that step is launched."""
+
+    def capture_states(self, row: int, start: int, end: int) -> list[tuple[int, int]]:
+        """The step being scheduled computes positions [start, end) of row's request: the states it
+        keeps on the way, as (position, snapshot slot) with start < position < end, which the forward
+        pass writes into those slots as it passes them (`ScheduledBatch.state_captures`); the state
+        at `end` itself, where it keeps one, is copied from the row once the step is launched
+        (take_state). [] for a cache of KV alone."""
 
     def keep_states(self, row: int, tokens: Sequence[int], *, namespace: Optional[str] = None,
                     state_len: Optional[int] = None, readmitted: bool = False) -> None:
@@ -313,7 +336,8 @@ def no_host_tier_stats() -> dict[str, float]:
 def no_snapshot_stats() -> dict[str, float]:
     """`snapshot_stats()` of a cache that keeps no recurrent-state snapshots."""
     return {"snapshot_slots": 0, "snapshots_held": 0, "snapshot_bytes": 0, "snapshot_hits": 0,
-            "snapshots_taken": 0, "snapshot_evictions": 0, "host_snapshot_slots": 0, "host_snapshots_held": 0,
+            "snapshots_taken": 0, "snapshot_evictions": 0, "checkpoints_taken": 0, "checkpoint_hits": 0,
+            "host_snapshot_slots": 0, "host_snapshots_held": 0,
             "host_snapshot_bytes": 0, "host_snapshot_hits": 0, "snapshots_written_back": 0, "snapshots_loaded": 0,
             "host_snapshot_evictions": 0}
 

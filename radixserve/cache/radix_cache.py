@@ -196,7 +196,8 @@ class RadixCache:
     # ------------------------------------------------------------------ recurrent states (none here)
     # A tree of KV alone keeps no other state: a match needs nothing put into the request's row and
     # asks for no chunk end; SnapshotRadixCache (snapshot_cache.py) fills these in.
-    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0) -> tuple[int, ...]:
+    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0,
+               hints: Sequence[int] = ()) -> tuple[int, ...]:
         return match.chunk_ends
 
     def resumed_from_host(self, row: int) -> bool:
@@ -207,6 +208,9 @@ class RadixCache:
 
     def take_state(self, row: int, position: int) -> None:
         return None
+
+    def capture_states(self, row: int, start: int, end: int) -> list[tuple[int, int]]:
+        return []
 
     def keep_states(self, row: int, tokens: Sequence[int], *, namespace: Optional[str] = None,
                     state_len: Optional[int] = None, readmitted: bool = False) -> None:

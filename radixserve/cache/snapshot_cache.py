@@ -33,20 +33,32 @@ Where snapshots are taken, so that later requests find them:
   resumed from (SEQUENCE_END_WINDOW): for an agent they never are, and each would cost another
   conversation its snapshot. A request that will be admitted again (retracted for memory) always
   takes it: it resumes there itself instead of computing what it generated again.
+- **On the way, where a later request may branch** (checkpoints, `radixserve.cache.snapshot_policy`):
+  a ladder 32, 64, 128, ... tokens past where the request resumed, where a long prefill's chunk
+  ends, and where the client hinted (`Req.branch_hints`: the end of a chat's system turn). So the
+  *second* request sharing a new prefix already finds more than half of it (the hint: all of it),
+  not only the third. No piece ends at them: `capture_states` hands the forward pass the positions
+  inside a piece and the slots it writes their states into (`ScheduledBatch.state_captures`).
 
-When a snapshot is copied: a restore into an admitted request's row at once (`resume`); the state
-at a chunk end once the step that computes it is launched: `take_state` is called while that step
+When a snapshot is copied: a restore into an admitted request's row at once (`resume`); a
+checkpoint inside a piece by that step's forward pass itself; the state at a chunk end (or a
+checkpoint at a piece's end) once the step that computes it is launched: `take_state` is called while that step
 is being scheduled, and the copy is issued at the next `poll` (the start of the next step's
 scheduling, before any later forward pass advances the row) or when the row is given back; the
 state at a sequence's end at once, when the request leaves (every step that advanced its row is
 already queued before). A step that failed part-way leaves its rows' states suspect:
-`discard_states` cancels what they had not copied yet and takes nothing more from them. A slot
-freed while its copy is still queued has the copy cancelled.
+`discard_states` cancels what they had not copied yet, frees the checkpoints their forward passes
+were to write, and takes nothing more from them. A slot freed while its copy is still queued has
+the copy cancelled.
 
-Eviction: snapshots have their own pool and budget. Taking one when the pool is full evicts one
-snapshot: never one a waiting request will resume from (it is sure to be used, the new one only
-may be), else the least recently used. A snapshot's recency is its own (taken, resumed from), not
-its node's: a match through a node to a deeper snapshot does not use it, and a resume stops
+Eviction (`snapshot_policy.SnapshotEviction`): snapshots have their own pool and budget. Taking
+one when the pool is full evicts one snapshot: never one a waiting request will resume from (it is
+sure to be used, the new one only may be); checkpoints first (a checkpoint takes only a
+checkpoint's slot worth less, never a kept snapshot's), each class the least worth first: the
+tokens it saves (log2) plus its recency in turnovers of the pool (a client's hint one turnover
+more). A snapshot near a prompt's end is kept while such snapshots are resumed from, and taken as
+a checkpoint while they are not (single-question chats). A checkpoint resumed from is kept from
+then on. A snapshot's recency is its own (taken, resumed from), not its node's: a match through a node to a deeper snapshot does not use it, and a resume stops
 counting once the resuming request keeps a deeper snapshot on a path that does not branch in
 between (a conversation's earlier turns go before another conversation's latest). A snapshot on a
 path a running request holds may go too: that request's row already holds its state. When none
@@ -63,9 +75,6 @@ docs/tuning.md.
 
 from __future__ import annotations
 
-import heapq
-import random
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -74,20 +83,12 @@ import torch
 from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.prefix_cache import ALL, NAMESPACE, PARTIAL, MatchResult, TreeNode, no_snapshot_stats
 from radixserve.cache.radix_cache import _EMPTY_SLOTS, PROMPT_END_SLACK, RadixCache
+from radixserve.cache.snapshot_policy import Checkpoint, SnapshotEviction, plan_checkpoints, saves_below
 from radixserve.cache.state_snapshots import StateSnapshots
 
 # A branch point is worth a prompt piece of its own (one more step for the request that computes
 # it, and a snapshot slot) only when it saves each later sibling at least this many tokens.
 BRANCH_MIN_TOKENS = 16
-# A request that kept a snapshot near its prompt's end takes another where its sequence ends only
-# while they pay: while at least SEQUENCE_END_MIN_SHARE of the last SEQUENCE_END_WINDOW such
-# snapshots to be resumed from or to go were resumed from (a client that sends the replies back as
-# they were generated), else about one leaving request in SEQUENCE_END_PROBE, to notice when they do.
-# An agent whose history is rendered anew (tool calls, reasoning dropped) diverges before the
-# reply: there the second snapshot is a slot taken from another conversation.
-SEQUENCE_END_WINDOW = 16
-SEQUENCE_END_MIN_SHARE = 0.25
-SEQUENCE_END_PROBE = 8
 
 
 @dataclass
@@ -96,23 +97,41 @@ class RowStates:
     chunk_ends: tuple[int, ...]
     # (position, snapshot slot) taken of the row and not hung on the tree yet.
     taken: list[tuple[int, int]] = field(default_factory=list)
+    # Where it keeps states on its way without ending a piece there (snapshot_policy.py), and how
+    # far its prompt runs (no checkpoint past it).
+    checkpoints: tuple[Checkpoint, ...] = ()
+    target_len: int = 0
+    # Positions kept or planned so far (its resume point, chunk ends, checkpoints, chunk boundaries):
+    # what a new checkpoint saves is measured from the deepest one below it.
+    points: set[int] = field(default_factory=set)
+    # Of the taken slots: the checkpoints' worth (absent: a kept snapshot), and those the forward
+    # pass writes (captured inside a piece: not copied from the row).
+    worth: dict[int, float] = field(default_factory=dict)
+    captured: set[int] = field(default_factory=set)
+    hinted: set[int] = field(default_factory=set)  # of the kept ones, those at a client's hint
     valid: bool = True  # False after discard_states: its state may be wrong
     kept_chunk_end: bool = False  # a snapshot lies at one of its chunk ends, kept by this row
+    prompt_end: int = 0  # the chunk end a little before its prompt's end (0: none)
+    prompt_end_slot: Optional[int] = None  # the slot taken there
+    deep_ladder: bool = False  # it keeps a ladder of checkpoints past the root (their pay-off is measured)
     # The node it resumed from and that snapshot's recency before: once the row hangs a deeper
     # snapshot on a path that does not branch there, the old one gets that recency back.
     resumed_from: Optional[TreeNode] = None
     used_before: int = 0
+    worth_before: Optional[float] = None  # that snapshot's worth, a checkpoint's (None: a kept one)
     from_host: bool = False  # the snapshot it resumed from was loaded back from the host tier
 
 
 @dataclass
 class SnapshotCounters:
     hits: int = 0  # admissions resumed from a snapshot
-    taken: int = 0  # snapshots copied out of a request row
+    taken: int = 0  # snapshots copied out of a request row (or written there by the forward pass)
     evictions: int = 0  # snapshots freed to make room or with their node
+    checkpoints_taken: int = 0  # of those taken, checkpoints (snapshot_policy.py)
+    checkpoint_hits: int = 0  # of the hits, resumed from a checkpoint (it is kept from then on)
 
 
-class SnapshotRadixCache(RadixCache):
+class SnapshotRadixCache(SnapshotEviction, RadixCache):
     keeps_branch_states = True
     def __init__(self, allocator: PageAllocator, snapshots: StateSnapshots, *, page_size: int = 1,
                  eviction_policy: str = "lru", branch_min_tokens: int = BRANCH_MIN_TOKENS):
@@ -127,11 +146,7 @@ class SnapshotRadixCache(RadixCache):
         # (row, slot): states taken for the step being scheduled, copied once it is launched.
         self._unissued: list[tuple[int, int]] = []
         self.snapshot_counters = SnapshotCounters()
-        # Whether each of the last sequence-end snapshots was resumed from (True) or went unused.
-        self._end_outcomes: deque[bool] = deque(maxlen=SEQUENCE_END_WINDOW)
-        # Which leaving rows probe: drawn, so that no regular pattern of requests (a turn and its
-        # follow-up, leaving in turn) always puts the probe on the same kind; seeded: repeatable.
-        self._probe = random.Random(0)
+        self._init_eviction()
 
     def _reset(self) -> None:
         super()._reset()
@@ -188,7 +203,7 @@ class SnapshotRadixCache(RadixCache):
         if last.lock_ref == 0 and self._evictable_leaf(last):
             self._push(last)  # its access time changed
         slots = torch.cat(pieces[::-1]) if pieces else _EMPTY_SLOTS
-        return MatchResult(usable, slots, last, self._chunk_ends(len(tokens), usable, kv))
+        return MatchResult(usable, slots, last, self._chunk_ends(len(tokens), usable, kv), len(tokens))
 
     def _chunk_ends(self, target_len: int, usable: int, kv: int) -> tuple[int, ...]:
         """Where a request admitted on this match keeps its state: the end of its KV match (a
@@ -220,9 +235,18 @@ class SnapshotRadixCache(RadixCache):
         return length
 
     # ------------------------------------------------------------------ a request's state row
-    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0) -> tuple[int, ...]:
+    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0,
+               hints: Sequence[int] = ()) -> tuple[int, ...]:
         assert row not in self.rows, f"state row {row} was not given back"
-        states = self.rows[row] = RowStates(self._with_branch(match, branch_at))
+        chunk_ends = self._with_branch(match, branch_at)
+        ladder = self._plans_ladder(match.length)
+        checkpoints = plan_checkpoints(match.length, match.target_len, chunk_ends, hints, ladder=ladder,
+                                       min_gap=self.branch_min_tokens, page_size=self.page_size)
+        prompt_end = self._page_floor(match.target_len + 1 - PROMPT_END_SLACK)
+        states = self.rows[row] = RowStates(chunk_ends, checkpoints=checkpoints, target_len=match.target_len,
+                                            points={match.length, *chunk_ends, *(c.position for c in checkpoints)},
+                                            prompt_end=prompt_end if prompt_end in chunk_ends else 0,
+                                            deep_ladder=ladder and match.length > 0)
         if match.length:
             node = match.last_node
             slot = node.snapshot
@@ -232,8 +256,13 @@ class SnapshotRadixCache(RadixCache):
             self.snapshots.restore([slot], [row])
             self.snapshot_counters.hits += 1
             self._end_outcome(node, resumed=True)
+            self._conversation_came_back(node)
             states.resumed_from, states.used_before = node, node.snapshot_used
-            node.snapshot_used = self._next_tick()
+            states.worth_before = node.snapshot_worth
+            if node.snapshot_worth is not None:  # a checkpoint resumed from has proven itself
+                self.snapshot_counters.checkpoint_hits += 1
+                node.snapshot_worth = None
+            node.snapshot_used = self._recency(node)
             self._push_snapshot(node)
         return states.chunk_ends
 
@@ -247,8 +276,9 @@ class SnapshotRadixCache(RadixCache):
         node = states.resumed_from
         if node is not None:
             self.snapshot_counters.hits -= 1
+            self.snapshot_counters.checkpoint_hits -= states.worth_before is not None
             if node.snapshot is not None:
-                node.snapshot_used = states.used_before
+                node.snapshot_used, node.snapshot_worth = states.used_before, states.worth_before
                 self._push_snapshot(node)
 
     def _with_branch(self, match: MatchResult, branch_at: int) -> tuple[int, ...]:
@@ -263,13 +293,67 @@ class SnapshotRadixCache(RadixCache):
         return ends
 
     def take_state(self, row: int, position: int) -> None:
+        self._take_row_state(row, position)
+
+    def _take_row_state(self, row: int, position: int, *, worth: Optional[float] = None,
+                        hinted: bool = False) -> None:
+        """take_state; worth: a checkpoint's (None: a kept snapshot's); hinted: at a client's hint."""
         states = self.rows[row]
         if not states.valid or any(p == position for p, _ in states.taken):
             return
-        slot = self._alloc_snapshot()
+        at_prompt_end = position == states.prompt_end
+        if at_prompt_end and not self._prompt_ends_pay():
+            worth = self._worth(saves_below(position, states.points) or position)
+        slot = self._take_slot(states, position, worth, hinted)
         if slot is not None:  # no room: the next request branching there computes it again
-            states.taken.append((position, slot))
             self._unissued.append((row, slot))
+            if at_prompt_end:
+                states.prompt_end_slot = slot
+
+    def capture_states(self, row: int, start: int, end: int) -> list[tuple[int, int]]:
+        """The checkpoints in (start, end) the pool has room for, each captured by the forward pass;
+        one at `end`, or `end` itself where a long prefill's chunk ends inside the prompt, copied
+        from the row as a chunk end's state is."""
+        states = self.rows[row]
+        if not states.valid:
+            return []
+        captures = []
+        # The ones that save most first: where the pool has room for only some, they get it.
+        for checkpoint in sorted(states.checkpoints, key=lambda c: (c.hinted, c.saves, c.position), reverse=True):
+            if not start < checkpoint.position <= end:
+                continue
+            worth = None if checkpoint.hinted else self._worth(checkpoint.saves)
+            if checkpoint.position == end:
+                self._take_row_state(row, end, worth=worth, hinted=checkpoint.hinted)
+                continue
+            slot = self._take_slot(states, checkpoint.position, worth, checkpoint.hinted)
+            if slot is not None:
+                states.captured.add(slot)
+                captures.append((checkpoint.position, slot))
+                self.snapshot_counters.taken += 1
+        captures.sort()
+        saves = saves_below(end, states.points)
+        if end < states.target_len and saves is not None and end % self.page_size == 0 \
+                and all(abs(end - p) >= self.branch_min_tokens for p in states.points):
+            states.points.add(end)  # a chunk boundary: the row holds the state there anyway
+            self._take_row_state(row, end, worth=self._worth(saves))
+        return captures
+
+    def _take_slot(self, states: RowStates, position: int, worth: Optional[float],
+                   hinted: bool = False) -> Optional[int]:
+        """A slot for the state at `position` of the row (a checkpoint's when worth is given; at a
+        client's hint when hinted), owned by the row until it is hung on the tree; None when the
+        pool has none to give it."""
+        slot = self._alloc_snapshot(worth=worth)
+        if slot is None:
+            return None
+        states.taken.append((position, slot))
+        if hinted:
+            states.hinted.add(slot)
+        if worth is not None:
+            states.worth[slot] = worth
+            self.snapshot_counters.checkpoints_taken += 1
+        return slot
 
     @property
     def queued_saves(self) -> set[int]:
@@ -304,24 +388,36 @@ class SnapshotRadixCache(RadixCache):
         waiting = []
         for position, slot in states.taken:
             if 0 < position <= n:
-                if self._attach(self._node_ending_at(tokens, position, namespace), slot, tokens[:position], namespace):
-                    states.kept_chunk_end = True
-                    self._superseded(states)
+                worth = states.worth.pop(slot, None)
+                states.captured.discard(slot)
+                node = self._node_ending_at(tokens, position, namespace)
+                if self._attach(node, slot, tokens[:position], namespace, worth=worth, hinted=slot in states.hinted,
+                                saves=saves_below(position, states.points) or position):
+                    if node.snapshot == slot and slot == states.prompt_end_slot:
+                        node.snapshot_window = self._prompt_end_outcomes  # whether they pay
+                    elif node.snapshot == slot and worth is not None and states.deep_ladder:
+                        node.snapshot_window = self._deep_ladder_outcomes
+                    if position in states.chunk_ends:
+                        states.kept_chunk_end = True
+                    if position in states.chunk_ends or worth is None:  # not a guess on the way
+                        self._superseded(states)
             else:
                 waiting.append((position, slot))
         states.taken = waiting
         if not leaving:
             return
-        if states.valid and state_len == n and n > 0 and (readmitted or self._keeps_sequence_end(states)):
+        if states.valid and state_len == n and n > 0 and (readmitted or self._keeps_sequence_end(states.kept_chunk_end)):
             node = self._node_ending_at(tokens, n, namespace)
             if node is not None and node.snapshot is None:
                 slot = self._alloc_snapshot()
                 if slot is not None:
                     self.snapshots.save([row], [slot])
                     self.snapshot_counters.taken += 1
-                    if self._attach(node, slot, tokens, namespace):
+                    if self._attach(node, slot, tokens, namespace, saves=saves_below(n, states.points) or n):
                         # Whether such snapshots pay is learnt from clients' next turns alone.
-                        node.snapshot_at_end = states.kept_chunk_end and not readmitted
+                        if states.kept_chunk_end and not readmitted:
+                            node.snapshot_window = self._end_outcomes
+                        self._superseded(states)  # where no snapshot near its prompt's end did already
         for _, slot in states.taken:
             self.snapshots.free(slot)
         del self.rows[row]
@@ -335,8 +431,11 @@ class SnapshotRadixCache(RadixCache):
             if states is None:
                 continue
             states.valid = False
-            for entry in [(p, s) for p, s in states.taken if (row, s) in cancelled]:
+            # Queued copies are cancelled; the states its steps' forward passes were to write are suspect.
+            for entry in [(p, s) for p, s in states.taken if (row, s) in cancelled or s in states.captured]:
                 states.taken.remove(entry)
+                states.captured.discard(entry[1])
+                states.worth.pop(entry[1], None)
                 self.snapshots.free(entry[1])
 
     # ------------------------------------------------------------------ the tree's snapshots
@@ -348,17 +447,14 @@ class SnapshotRadixCache(RadixCache):
                 return node if n == len(node.key) else self._split(node, n)
         return None
 
-    def _keeps_sequence_end(self, states: RowStates) -> bool:
-        """Whether a leaving row takes a snapshot where its sequence ends (SEQUENCE_END_WINDOW)."""
-        if not states.kept_chunk_end or len(self._end_outcomes) < SEQUENCE_END_WINDOW \
-                or sum(self._end_outcomes) >= SEQUENCE_END_MIN_SHARE * SEQUENCE_END_WINDOW:
-            return True
-        return self._probe.random() < 1 / SEQUENCE_END_PROBE
-
-    def _end_outcome(self, node: TreeNode, *, resumed: bool) -> None:
-        if node.snapshot_at_end:
-            node.snapshot_at_end = False
-            self._end_outcomes.append(resumed)
+    def _conversation_came_back(self, node: TreeNode) -> None:
+        """A request resumed at node: a snapshot near a prompt's end above it on its path paid too
+        (its conversation came back, to a deeper state: the reply sent back as generated)."""
+        node = node.parent
+        while node is not None and node.parent is not None:
+            if node.snapshot_window is self._prompt_end_outcomes:
+                self._end_outcome(node, resumed=True)
+            node = node.parent
 
     def _superseded(self, states: RowStates) -> None:
         """The row hung a snapshot below the one it resumed from: where nothing branches off between
@@ -369,14 +465,19 @@ class SnapshotRadixCache(RadixCache):
             node.snapshot_used = states.used_before
             self._push_snapshot(node)
 
-    def _attach(self, node: Optional[TreeNode], slot: int, path: Sequence[int], namespace: Optional[str]) -> bool:
-        """Hang a taken snapshot on the node its position ends (freed if that node has one); whether
-        the node holds a snapshot now."""
+    def _attach(self, node: Optional[TreeNode], slot: int, path: Sequence[int], namespace: Optional[str], *,
+                worth: Optional[float] = None, hinted: bool = False, saves: int = 1) -> bool:
+        """Hang a taken snapshot (a checkpoint's when worth is given; where a client hinted a branch,
+        when hinted; saving `saves` tokens) on the node its position ends (freed if that node has
+        one); whether the node holds a snapshot now."""
         if node is None or node.removed or node.snapshot is not None or not self._on_device(node):
             self._free_slot(slot)
             return node is not None and not node.removed and node.snapshot is not None
         node.snapshot = slot
-        node.snapshot_used = self._next_tick()
+        node.snapshot_worth = worth
+        node.snapshot_hinted = hinted
+        node.snapshot_saves = saves
+        node.snapshot_used = self._recency(node)
         self.snapshots_held += 1
         self._count_below(node, +1)
         self._push_snapshot(node)
@@ -395,6 +496,8 @@ class SnapshotRadixCache(RadixCache):
         """Free a node's snapshot (evicted: the pool needs room, or the node leaves the tree)."""
         self._free_slot(node.snapshot)
         node.snapshot = None
+        node.snapshot_worth = None
+        node.snapshot_hinted = False
         self._end_outcome(node, resumed=False)
         self.snapshots_held -= 1
         self.snapshot_counters.evictions += 1
@@ -412,62 +515,6 @@ class SnapshotRadixCache(RadixCache):
         while node is not None:
             node.snapshots_below += delta
             node = node.parent
-
-    def _snapshot_priority(self, node: TreeNode) -> tuple:
-        # A snapshot some waiting request will resume from goes last. Its recency is its own: the
-        # snapshots above a conversation's latest one are touched by every match through them, yet
-        # resume nobody once a deeper one exists.
-        return (self._parked_at(node), node.snapshot_used)
-
-    @staticmethod
-    def _parked_at(node: TreeNode) -> bool:
-        """Whether a waiting request's usable match ends at node (each one counts on its whole path)."""
-        return node.waiters > sum(child.waiters for child in node.children.values())
-
-    def _push_snapshot(self, node: TreeNode) -> None:
-        heapq.heappush(self._snap_heap, (self._snapshot_priority(node), node))
-        if len(self._snap_heap) > 4 * self.snapshots_held + 1024:
-            holding = {n for _, n in self._snap_heap if not n.removed and n.snapshot is not None}
-            self._snap_heap = [(self._snapshot_priority(n), n) for n in holding]
-            heapq.heapify(self._snap_heap)
-
-    def _alloc_snapshot(self, *, evict_waited: bool = False) -> Optional[int]:
-        """A free snapshot slot, evicting one snapshot if there is none; None when none can go. A
-        snapshot a waiting request will resume from goes only for another that is sure to be used
-        (`evict_waited`: a load for a request being admitted): a snapshot taken in passing may
-        never be, and trading one for the other is how a pool smaller than its conversations
-        would thrash."""
-        slot = self.snapshots.alloc()
-        if slot is not None:
-            return slot
-        held: list[tuple[tuple, TreeNode]] = []
-        while self._snap_heap:
-            prio, node = heapq.heappop(self._snap_heap)
-            if node.removed or node.snapshot is None:
-                continue
-            if self._snapshot_held(node):
-                held.append((prio, node))  # offered again once this search is over
-                continue
-            current = self._snapshot_priority(node)
-            if prio != current:
-                heapq.heappush(self._snap_heap, (current, node))
-                continue
-            if current[0] and not evict_waited:
-                held.append((prio, node))  # every snapshot left is waited for
-                break
-            self._evict_snapshot(node)
-            break
-        for entry in held:
-            heapq.heappush(self._snap_heap, entry)
-        return self.snapshots.alloc()
-
-    def _evict_snapshot(self, node: TreeNode) -> None:
-        """The pool needs room: node's snapshot goes (a host tier's cache keeps it there)."""
-        self._drop_snapshot(node, removing=False)
-
-    def _snapshot_held(self, node: TreeNode) -> bool:
-        """Whether node's snapshot must stay (a load holds it)."""
-        return False
 
     def _snapshots_at(self, node: TreeNode) -> int:
         """Snapshots node holds (a host tier's cache: on either tier), as `snapshots_below` counts them."""
@@ -506,7 +553,8 @@ class SnapshotRadixCache(RadixCache):
         return {**no_snapshot_stats(), "snapshot_slots": self.snapshots.num_slots,
                 "snapshots_held": self.snapshots_held,
                 "snapshot_bytes": self.snapshots_held * self.snapshots.bytes_per_slot, "snapshot_hits": c.hits,
-                "snapshots_taken": c.taken, "snapshot_evictions": c.evictions}
+                "snapshots_taken": c.taken, "snapshot_evictions": c.evictions,
+                "checkpoints_taken": c.checkpoints_taken, "checkpoint_hits": c.checkpoint_hits}
 
     def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = (),
                          running_rows: Sequence[int] = ()) -> None:

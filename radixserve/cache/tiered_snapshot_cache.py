@@ -103,13 +103,14 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
             return 0
         return super().load(tokens[:usable], spare_only=spare_only, namespace=namespace)
 
-    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0) -> tuple[int, ...]:
+    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0,
+               hints: Sequence[int] = ()) -> tuple[int, ...]:
         node = match.last_node
         from_host = bool(match.length) and node.snapshot_from_host
         if from_host:
             node.snapshot_from_host = False
             self.host_snapshot_counters.hits += 1
-        chunk_ends = super().resume(row, match, branch_at=branch_at)
+        chunk_ends = super().resume(row, match, branch_at=branch_at, hints=hints)
         self.rows[row].from_host = from_host
         return chunk_ends
 
@@ -156,7 +157,8 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
         self.host_snapshots.free(host_slot)  # reused only by copies queued after this one
         self.host_snapshot_counters.loaded += 1
         node.snapshot = slot
-        node.snapshot_used = self._next_tick()
+        node.snapshot_worth = None  # only kept snapshots go to the host
+        node.snapshot_used = self._recency(node)
         node.snapshot_from_host = True
         self.snapshots_held += 1
         self._push_snapshot(node)
@@ -175,7 +177,10 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
 
     def _snapshot_to_host(self, node: HostSnapshotNode) -> bool:
         """Copy node's device snapshot to a host slot and free the device one; False when no host
-        slot can be had (the device snapshot stays)."""
+        slot can be had, or when it is a checkpoint (a guess nobody resumed from is not worth the
+        copy, nor a host slot: the device snapshot stays, for the caller to drop)."""
+        if node.snapshot_worth is not None:
+            return False
         host_slot = self._alloc_host_snapshot()
         if host_slot is None:
             return False
@@ -193,7 +198,8 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
         return True
 
     def _attach(self, node: Optional[HostSnapshotNode], slot: int, path: Sequence[int],
-                namespace: Optional[str]) -> bool:
+                namespace: Optional[str], *, worth: Optional[float] = None, hinted: bool = False,
+                saves: int = 1) -> bool:
         """As the device cache's; a device snapshot taken where the host tier holds one replaces it
         (the same state, ready on the device)."""
         if node is not None and not node.removed and node.host_snapshot is not None and self._on_device(node):
@@ -201,7 +207,7 @@ class TieredSnapshotRadixCache(SnapshotRadixCache, TieredRadixCache):
             node.host_snapshot = None
             self.host_snapshots_held -= 1
             self._count_below(node, -1)
-        return super()._attach(node, slot, path, namespace)
+        return super()._attach(node, slot, path, namespace, worth=worth, hinted=hinted, saves=saves)
 
     def _drop_snapshot(self, node: HostSnapshotNode, *, removing: bool) -> None:
         node.snapshot_from_host = False  # a snapshot hung here later was taken on the device

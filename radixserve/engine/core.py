@@ -203,7 +203,8 @@ class EngineCore:
             raise ValueError(f"cache_namespace {request.cache_namespace!r} is not a namespace digest")
         return Req(rid=request.rid, origin_input_ids=list(ids), sampling_params=params,
                    arrival_time=request.arrival_time or time.monotonic(), arrival_seq=-1, log=request.log,
-                   stream=request.stream, cache_namespace=request.cache_namespace)
+                   stream=request.stream, cache_namespace=request.cache_namespace,
+                   branch_hints=tuple(p for p in request.branch_hints if 0 < p < len(ids)))
 
     def add_request(self, request: GenerateRequest) -> None:
         self.submit(self.make_req(request))

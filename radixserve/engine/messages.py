@@ -29,6 +29,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     # The request's cache namespace (`radixserve.cache.namespace.cache_namespace` of its cache_salt
     # and API key): it shares cached prefixes only with requests of the same one. None: the shared one.
     cache_namespace: Optional[str] = None
+    # Prompt positions where later requests are likely to branch off this one (the end of a chat's
+    # system turn, found by the API for a hybrid model; `Req.branch_hints`).
+    branch_hints: tuple[int, ...] = ()
 
 
 class AbortRequest(msgspec.Struct, kw_only=True):
@@ -101,6 +104,9 @@ class EngineReady(msgspec.Struct, kw_only=True):
     # Whether prompts can be found in the prefix cache (off with --disable-radix-cache, and for a
     # hybrid model, whose recurrent states the cache does not keep yet).
     prefix_caching: bool = True
+    # Whether the prefix cache keeps states where requests branch (a hybrid model's): then the API
+    # tells it where they are likely to (`GenerateRequest.branch_hints`).
+    keeps_branch_states: bool = False
 
 
 class EngineFailed(msgspec.Struct, kw_only=True):

@@ -214,8 +214,9 @@ class ModelRunner:
             req_pool_indices = [r.req_pool_idx for r in sb.reqs]
             if extra_logit_rows:
                 logits_indices = logits_indices + extra_logit_rows
+        captures = [value for capture in sb.state_captures for value in capture]
         parts = (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, list(sb.extend_lens),
-                 list(sb.kv_lens_before), logits_indices)
+                 list(sb.kv_lens_before), logits_indices, captures)
         return decode, parts, any(r.pending for r in sb.reqs)
 
     def batch_from_parts(self, decode: bool, parts: tuple[list[int], ...], resolve: bool) -> ForwardBatch:
@@ -232,7 +233,7 @@ class ModelRunner:
                 flat.append(0)
         packed = self._to_device(flat)
         views = [packed[start:start + len(part)] for start, part in zip(starts, parts)]
-        ids_t, pos_t, loc_t, rows_t, seq_t, ext_t, pre_t, logit_t = views
+        ids_t, pos_t, loc_t, rows_t, seq_t, ext_t, pre_t, logit_t = views[:8]
         if resolve:
             ids_t = self.sampled.resolve(ids_t)
         seq_lens, extend_lens, prefix_lens = parts[4], parts[5], parts[6]
@@ -240,7 +241,8 @@ class ModelRunner:
             mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND, input_ids=ids_t, positions=pos_t,
             out_cache_loc=loc_t, req_pool_indices=rows_t, seq_lens=seq_t, extend_lens=ext_t, prefix_lens=pre_t,
             seq_lens_cpu=seq_lens, extend_lens_cpu=extend_lens, prefix_lens_cpu=prefix_lens,
-            req_to_token=self.req_to_token.table, kv_pool=self.kv_pool, logits_indices=logit_t)
+            req_to_token=self.req_to_token.table, kv_pool=self.kv_pool, logits_indices=logit_t,
+            state_captures=list(parts[8]) if len(parts) > 8 else [])
 
     # ------------------------------------------------------------------ the step
     def run_model(self, sb: ScheduledBatch, prompt: Optional[PromptLogprobPlan] = None) -> torch.Tensor:

@@ -53,7 +53,7 @@ class KVManager:
         branch_at: how far a waiting request shares its prompt (PrefixCache.resume)."""
         match = self.cache.match(req.match_target(), namespace=req.cache_namespace)
         self.cache.inc_lock(match.last_node)
-        req.chunk_ends = self.cache.resume(req.req_pool_idx, match, branch_at=branch_at)
+        req.chunk_ends = self.cache.resume(req.req_pool_idx, match, branch_at=branch_at, hints=req.branch_hints)
         req.last_node = match.last_node
         req.locked_len = match.length
         req.slots = match.slots.tolist()
@@ -82,6 +82,11 @@ class KVManager:
         if upto in req.chunk_ends:
             self.cache.take_state(req.req_pool_idx, upto)
         return True
+
+    def capture_states(self, req: Req, start: int, end: int) -> list[tuple[int, int]]:
+        """After `grow(req, end)` for a piece [start, end) that will run: the (position, snapshot
+        slot) pairs whose states its forward pass writes on the way (PrefixCache.capture_states)."""
+        return self.cache.capture_states(req.req_pool_idx, start, end)
 
     def grow_decoding(self, reqs: list[Req]) -> list[int]:
         """One more position for each request; the memory must have been ensured. Returns each

@@ -142,6 +142,9 @@ class PrefillAdder:
             self.batch.num_new_seqs += 1
             self.batch.num_cached_tokens += req.locked_len
         self.batch.add(req, before, n, before + n == req.seq_len)
+        index = len(self.batch.reqs) - 1
+        self.batch.state_captures.extend((index, position - before, slot)
+                                         for position, slot in self.kv.capture_states(req, before, before + n))
         if first_scored is not None:
             self.prompt_logprob_rows -= len(req.prompt_logprob_positions(before, before + n))
         self.batch.num_new_tokens += n

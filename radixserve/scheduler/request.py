@@ -50,6 +50,10 @@ class Req:
     # Its cache namespace (radixserve.cache.namespace; None: the shared one): it shares cached
     # prefixes only with requests of the same one.
     cache_namespace: Optional[str] = None
+    # Positions of its prompt where later requests are likely to branch off it, as the client's
+    # request says (the end of a chat's system turn): a hybrid model's cache keeps the state there
+    # (PrefixCache.resume). () for most requests.
+    branch_hints: tuple[int, ...] = ()
 
     state: ReqState = ReqState.WAITING
     output_ids: list[int] = field(default_factory=list)

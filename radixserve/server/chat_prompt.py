@@ -12,6 +12,10 @@ what the client wrote kept as text.
 - **A tool result answers a call.** A tool message's `tool_call_id` must be the id of a call an
   earlier assistant message made; an assistant message's reasoning (`reasoning_content`) goes to
   the template, which decides whether the model sees it.
+- **Where chats branch.** For a model whose prefix cache keeps states where requests branch (a
+  hybrid's recurrent state), the end of a chat's system turn is sent with the request
+  (`system_turn_end`): every chat on the same system prompt shares the prompt up to there, so the
+  first one keeps its state there and the second resumes there.
 - **Control tokens in message text are text.** The template's control tokens (the special
   tokens, and added tokens its source spells, as `transformers` decides them) are tokens only
   where the template writes them: every string the client sent (message content, tool results,
@@ -27,6 +31,7 @@ import re
 from functools import lru_cache, partial
 from typing import Any, Optional
 
+from radixserve.cache.prefix import common_prefix_len
 from radixserve.chat_formats import KEEP_REASONING
 from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
 from radixserve.server.protocol import ROLES
@@ -42,6 +47,8 @@ MARK_END = "\U000f0001"
 # tokenizer's special tokens), or that transformers provides as globals.
 SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
                                        "raise_exception", "strftime_now"})
+# The roles of the turns a chat's system prompt is made of (the leading ones).
+SYSTEM_ROLES = ("system", "developer")
 # Jinja's own globals and those transformers adds: a template reads them as undeclared names, and a
 # request that set one would replace the function (`namespace`, `range`) the template calls.
 JINJA_GLOBALS = frozenset({"range", "dict", "lipsum", "cycler", "joiner", "namespace"})
@@ -276,6 +283,32 @@ async def chat_prompt_ids(ctx: ServingContext, body, policy: Optional[ToolPolicy
     """The conversation rendered by the tokenizer's chat template (with the tools the policy
     shows) as token ids; add_special_tokens: with the tokenizer's own additions around it (a BOS,
     for tokenizers with one; /v1/tokenize's option)."""
+    return await _rendered_ids(ctx, body, template_messages(body), body.add_generation_prompt, policy,
+                               add_special_tokens)
+
+
+async def system_turn_end(ctx: ServingContext, body, ids: list[int], policy: Optional[ToolPolicy] = None
+                          ) -> Optional[int]:
+    """How many of a chat's prompt `ids` its system turn takes (its leading system and developer
+    messages, rendered alone with the same tools and variables): what every chat on the same system
+    prompt shares. None when it has none, or the template does not render it alone."""
+    messages = template_messages(body)
+    head = 0
+    while head < len(messages) and messages[head]["role"] in SYSTEM_ROLES:
+        head += 1
+    if head == 0 or head == len(messages):
+        return None
+    try:
+        system = await _rendered_ids(ctx, body, messages[:head], False, policy)
+    except APIError:  # a template that wants a user turn: no hint, the chat is served as it is
+        return None
+    shared = common_prefix_len(system, ids)
+    return shared if 0 < shared < len(ids) else None
+
+
+async def _rendered_ids(ctx: ServingContext, body, template_msgs: list[dict[str, Any]], add_generation_prompt: bool,
+                        policy: Optional[ToolPolicy], add_special_tokens: bool = False) -> list[int]:
+    """`template_msgs` rendered by the chat template with body's variables (see chat_prompt_ids)."""
     tok = ctx.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise bad_request("the served model has no chat template; use /v1/completions", "messages")
@@ -285,12 +318,12 @@ async def chat_prompt_ids(ctx: ServingContext, body, policy: Optional[ToolPolicy
     if policy is not None and policy.parses:  # with tool_choice none the model is not shown the tools
         kwargs["tools"] = policy.tools
     controls = control_tokens(ctx)
-    messages, marked = controls.mark(template_messages(body))
+    messages, marked = controls.mark(template_msgs)
     kwargs, marked_kwargs = controls.mark(kwargs)
     tools = kwargs.pop("tools", None)
     try:
         text = await ctx.run_blocking(partial(
-            render_chat_template, tok, messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
+            render_chat_template, tok, messages, tools=tools, add_generation_prompt=add_generation_prompt,
             variables=kwargs, max_chars=ctx.max_token_chars * ctx.prompt_token_limit,
             timeout_s=ctx.settings.chat_template_timeout_s))
     except TemplateLimitError as e:

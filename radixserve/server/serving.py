@@ -74,6 +74,7 @@ class Tracker:
     finished: bool = False
     label: Optional[str] = None  # the client's `rid`: shown back to it and logged, never routed on
     cache_namespace: Optional[str] = None  # of its cache_salt and API key (radixserve.cache.namespace)
+    branch_hints: tuple[int, ...] = ()  # GenerateRequest.branch_hints
 
     @property
     def text(self) -> str:
@@ -260,7 +261,7 @@ class ServingContext:
     def new_trackers(self, prompts: list[list[int]], params_per_prompt: list[list[SamplingParams]],
                      base_id: str, arrival: float, label: Optional[str] = None, *,
                      logprob_fields: str = "logprobs, n, max_tokens",
-                     cache_namespace: Optional[str] = None) -> list[Tracker]:
+                     cache_namespace: Optional[str] = None, branch_hints: tuple[int, ...] = ()) -> list[Tracker]:
         self.check_logprob_volume(prompts, params_per_prompt, logprob_fields)
         trackers = []
         for p_idx, (ids, choice_params) in enumerate(zip(prompts, params_per_prompt)):
@@ -269,7 +270,7 @@ class ServingContext:
                 rid = base_id if len(prompts) * len(choice_params) == 1 else f"{base_id}-{index}"
                 trackers.append(Tracker(rid=rid, index=index, prompt_index=p_idx, input_ids=ids, params=params,
                                         detok=IncrementalDetokenizer(self.tokenizer, params), arrival=arrival,
-                                        label=label, cache_namespace=cache_namespace))
+                                        label=label, cache_namespace=cache_namespace, branch_hints=branch_hints))
         return trackers
 
     def submit(self, trackers: list[Tracker], stream: bool = True) -> RequestGroup:
@@ -277,7 +278,8 @@ class ServingContext:
         so the engine sends each request's first token and end only."""
         now = time.monotonic()
         reqs = [GenerateRequest(rid=t.rid, input_ids=t.input_ids, sampling_params=t.params, arrival_time=now,
-                                log=self.settings.log_requests, stream=stream, cache_namespace=t.cache_namespace)
+                                log=self.settings.log_requests, stream=stream, cache_namespace=t.cache_namespace,
+                                branch_hints=t.branch_hints)
                 for t in trackers]
         if self.settings.log_requests:
             for t in trackers:

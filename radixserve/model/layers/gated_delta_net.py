@@ -17,6 +17,16 @@ groups split evenly; the checkpoint is read in slices):
 The state lives in the pool of the batch (`batch.kv_pool.state`, one conv window and one
 recurrent state per request row and linear layer); `LinearAttentionBatch` says, once per
 forward pass, which rows the batch's sequences use and whether each continues its state.
+
+States kept on the way (`ForwardBatch.state_captures`: the prefix cache keeps a sequence's state
+after some of its new tokens, a checkpoint inside its prompt piece): the sequence mixing runs in
+rounds, each sequence cut at its capture points, round r taking every sequence's r-th part on the
+state the round before left in its row; after each round the states of the sequences cut there
+are copied into their snapshot slots (`batch.kv_pool.snapshots`). The projections, the norm and
+the output projection still run once over every token. Only the rounds' extra launches cost (a
+few per layer and round, on the GPU), and each round's parts are shorter, so fla's chunked kernel
+sees sequences that end inside a 64-token chunk (exact on the CPU's torch path; on the GPU the
+same question as any resume point inside a chunk).
 Kernels: Triton on CUDA in bf16/fp16 (radixserve.kernels.gated_delta; chunked prefill through
 flash-linear-attention when it is installed), torch elsewhere; the torch path's decode step
 reads no host values either, so a decode CUDA graph can hold it.
@@ -94,6 +104,8 @@ class LinearAttentionBatch:
     has_state_cpu: Optional[list[bool]] = None
     lens_cpu: Optional[list[int]] = None
     conv_tiles: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    # Sequence index -> ascending (tokens of its new ones, snapshot slot): states to keep on the way.
+    captures: Optional[dict[int, list[tuple[int, int]]]] = None
 
     @classmethod
     def of(cls, batch: ForwardBatch, scratch_row: int, *, triton: bool) -> "LinearAttentionBatch":
@@ -112,14 +124,43 @@ class LinearAttentionBatch:
         meta = cls(False, batch.req_pool_indices, has_state, cu, rows_cpu=None,
                    has_state_cpu=[p > 0 for p in batch.prefix_lens_cpu], lens_cpu=lens)
         if triton:
-            from radixserve.kernels.gated_delta import conv_tiles
-
-            seqs, starts = conv_tiles(lens)
-            tiles = torch.tensor([seqs, starts], dtype=torch.int64).to(device, non_blocking=True)
-            meta.conv_tiles = (tiles[0], tiles[1])
+            meta.conv_tiles = _device_conv_tiles(lens, device)
         else:
             meta.rows_cpu = batch.req_pool_indices.tolist()
+        flat = batch.state_captures
+        if flat:
+            meta.captures = {}
+            for i in range(0, len(flat), 3):
+                meta.captures.setdefault(flat[i], []).append((flat[i + 1], flat[i + 2]))
+            for points in meta.captures.values():
+                points.sort()
+            if meta.rows_cpu is None:
+                meta.rows_cpu = batch.req_pool_indices.tolist()
         return meta
+
+    @classmethod
+    def of_parts(cls, rows: list[int], has_state: list[bool], lens: list[int], device: torch.device, *,
+                 triton: bool) -> "LinearAttentionBatch":
+        """A prefill batch of these sequences (pool rows, whether each continues its row's state,
+        new tokens): one round of a batch cut at its capture points."""
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        rows_t, has_t = torch.tensor([rows, [int(h) for h in has_state]], dtype=torch.int64).to(device)
+        meta = cls(False, rows_t, has_t, torch.tensor(cu, dtype=torch.int64).to(device), rows_cpu=list(rows),
+                   has_state_cpu=list(has_state), lens_cpu=list(lens))
+        if triton:
+            meta.conv_tiles = _device_conv_tiles(lens, device)
+        return meta
+
+
+def _device_conv_tiles(lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device copy of the conv kernel's tiles of a ragged batch (`gated_delta.conv_tiles`)."""
+    from radixserve.kernels.gated_delta import conv_tiles
+
+    seqs, starts = conv_tiles(lens)
+    tiles = torch.tensor([seqs, starts], dtype=torch.int64).to(device, non_blocking=True)
+    return tiles[0], tiles[1]
 
 
 class GdnInProjection(MergedLinear):
@@ -232,15 +273,57 @@ class GatedDeltaNet(nn.Module):
         b, a = proj[:, c + vd:c + vd + h.num_v], proj[:, c + vd + h.num_v:]
         pool = batch.kv_pool.state
         conv_states, states = pool.conv[self.linear_id], pool.ssm[self.linear_id]
-        if self.triton:
-            core = self._triton_forward(mixed, a, b, conv_states, states, meta)
-        elif meta.decode:
-            core = self._torch_decode(mixed, a, b, conv_states, states, meta)
+        if meta.captures:
+            core = self._mix_in_rounds(mixed, a, b, conv_states, states, meta, batch.kv_pool.snapshots)
         else:
-            core = self._torch_extend(mixed, a, b, conv_states, states, meta)
+            core = self._mix(mixed, a, b, conv_states, states, meta)
         normed = gated_rms_norm(core.reshape(t * h.num_v, h.v_head_dim), z.reshape(t * h.num_v, h.v_head_dim),
                                 self.norm.weight, self.eps)
         return self.out_proj.forward(normed.view(t, vd))
+
+    def _mix(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_states: torch.Tensor,
+             states: torch.Tensor, meta: LinearAttentionBatch) -> torch.Tensor:
+        """The conv and the gated delta rule of the batch's tokens, on and into their rows' states."""
+        if self.triton:
+            return self._triton_forward(mixed, a, b, conv_states, states, meta)
+        if meta.decode:
+            return self._torch_decode(mixed, a, b, conv_states, states, meta)
+        return self._torch_extend(mixed, a, b, conv_states, states, meta)
+
+    def _mix_in_rounds(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_states: torch.Tensor,
+                       states: torch.Tensor, meta: LinearAttentionBatch, snapshots) -> torch.Tensor:
+        """`_mix`, each sequence cut at its capture points (see the module docstring): round r runs
+        every sequence's r-th part, then copies the states of the sequences cut there into their
+        snapshot slots."""
+        assert not meta.decode and snapshots is not None, "states are captured in prefill batches only"
+        # Per sequence: its token offset in the batch, its parts' bounds, the slot after each part.
+        starts, parts = [], []
+        offset = 0
+        for i, n in enumerate(meta.lens_cpu):
+            points = [(at, slot) for at, slot in (meta.captures.get(i) or ()) if 0 < at < n]
+            starts.append(offset)
+            parts.append(([0] + [at for at, _ in points] + [n], [slot for _, slot in points]))
+            offset += n
+        out = torch.empty(mixed.shape[0], self.heads.num_v, self.heads.v_head_dim, dtype=mixed.dtype,
+                          device=mixed.device)
+        snap_conv, snap_ssm = snapshots.conv[self.linear_id], snapshots.ssm[self.linear_id]
+        for r in range(max(len(bounds) - 1 for bounds, _ in parts)):
+            members = [i for i, (bounds, _) in enumerate(parts) if len(bounds) - 1 > r]
+            index = torch.cat([torch.arange(starts[i] + parts[i][0][r], starts[i] + parts[i][0][r + 1])
+                               for i in members]).to(mixed.device)
+            rows = [meta.rows_cpu[i] for i in members]
+            sub = LinearAttentionBatch.of_parts(
+                rows, [meta.has_state_cpu[i] or r > 0 for i in members],
+                [parts[i][0][r + 1] - parts[i][0][r] for i in members], mixed.device, triton=self.triton)
+            out[index] = self._mix(mixed.index_select(0, index), a.index_select(0, index), b.index_select(0, index),
+                                   conv_states, states, sub)
+            cut = [(meta.rows_cpu[i], parts[i][1][r]) for i in members if r < len(parts[i][1])]
+            if cut:
+                rows_t = torch.tensor([row for row, _ in cut], dtype=torch.int64, device=mixed.device)
+                slots_t = torch.tensor([slot for _, slot in cut], dtype=torch.int64, device=mixed.device)
+                snap_conv.index_copy_(0, slots_t, conv_states.index_select(0, rows_t))
+                snap_ssm.index_copy_(0, slots_t, states.index_select(0, rows_t))
+        return out
 
     def _split(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         h, t = self.heads, y.shape[0]

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 from fastapi import APIRouter, Request
 
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.chat_prompt import chat_prompt_ids, template_reads
+from radixserve.server.chat_prompt import chat_prompt_ids, system_turn_end, template_reads
 from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
 from radixserve.server.intake import MsgspecJSONRoute
 from radixserve.server.logprob_format import chat_logprobs, completion_logprobs, completion_prompt_logprobs
@@ -328,6 +328,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     grammar = await ctx.run_blocking(chat_grammar, body, policy) if policy.forced else chat_grammar(body, policy)
     await checked_grammar(ctx, grammar, grammar_field or "response_format")
     ids = await chat_prompt_ids(ctx, body, policy)
+    hints: tuple[int, ...] = ()
+    if ctx.engine.ready is not None and ctx.engine.ready.keeps_branch_states:
+        end = await system_turn_end(ctx, body, ids, policy)
+        hints = (end,) if end is not None else ()
     in_reasoning = ctx.reasoning is not None and ctx.reasoning.starts_in_reasoning(ids)
     reply = ReplyFormat(policy, ctx.reasoning if body.separate_reasoning else None, in_reasoning)
     top_logprobs = chat_top_logprobs(body)
@@ -339,7 +343,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
                             top_logprobs, grammar, grammar_after_reasoning=after_reasoning)
     cid = new_id("chatcmpl-")
     trackers = ctx.new_trackers([ids], choices, cid, arrival, logprob_fields="top_logprobs, n, max_tokens",
-                                cache_namespace=ctx.cache_namespace(body.cache_salt, request))
+                                cache_namespace=ctx.cache_namespace(body.cache_salt, request), branch_hints=hints)
     model = ctx.served_model_name
 
     def logprobs_of(token_ids: list[int], logprobs: list) -> Optional[dict]:
