@@ -306,7 +306,7 @@ def second_user(request, tmp_path_factory):
     pairs = []
     for shared in (48, 63, 100, 300):
         prefix = [rng.randrange(3, 100) for _ in range(shared)]
-        pairs.append((shared, [prefix + [rng.randrange(3, 100) for _ in range(n)] for n in (9, 14)]))
+        pairs.append((shared, [prefix + [rng.randrange(3, 100) for _ in range(n)] for n in (17, 14)]))
     return path, pairs, hf_greedy(path, [p for _, pair in pairs for p in pair])
 
 
