@@ -520,7 +520,8 @@ def test_a_snapshot_the_device_pool_evicts_for_room_waits_on_the_host_tier(qwen3
         cache = engine.core.cache
         first = engine.generate(input_ids=[turn1], sampling_params={**GREEDY, "max_new_tokens": 40})[0]
         computed = len(turn1) + len(first["output_ids"]) - 1
-        engine.generate(input_ids=prompts[:2], sampling_params={**GREEDY, "max_new_tokens": 8})
+        # Two later conversations as long: their snapshots, as valuable and newer, push turn 1's out.
+        engine.generate(input_ids=prompts[:2], sampling_params={**GREEDY, "max_new_tokens": 40})
         stats = engine.cache_stats()
         assert stats["snapshots_written_back"] > 0 and stats["evicted_tokens"] == 0 and snapshot_nodes(cache)[1] > 0
         turn2 = turn1 + first["output_ids"] + [11, 12, 13, 14, 15, 16, 17]
