@@ -26,8 +26,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from radixserve.cache.host_pool import CopyEngine, CopyStats, HostKVPool, make_copy_engine
-from radixserve.cache.kv_pool import KVPool, PageAllocator
+from radixserve.cache.host_pool import CopyEngine, CopyStats, HostKVPool
+from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.prefix_cache import CPU, GPU, PARTIAL, TreeNode, check_slot_ownership
 from radixserve.cache.radix_cache import RadixCache, slots_tensor
 

@@ -40,8 +40,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from radixserve.cache.host_pool import CopyEngine, HostKVPool, make_copy_engine
-from radixserve.cache.kv_pool import KVPool, PageAllocator
+from radixserve.cache.host_pool import CopyEngine, HostKVPool
+from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.prefix_cache import ALL, MatchResult, TreeNode
 from radixserve.cache.snapshot_cache import BRANCH_MIN_TOKENS, SnapshotRadixCache
 from radixserve.cache.state_snapshots import HostStateSnapshots, StateSnapshots
