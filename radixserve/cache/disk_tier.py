@@ -161,16 +161,17 @@ class StorageTier:
             return False
         hashes = page_hashes(ids, ps, namespace_page_parent(namespace))
         n = 0
-        # Reads land in the host tier: those in flight take at most half of it, so one read's pages
-        # are not pushed out by the next before their request copies them to the device.
-        limit = self.read_cap // ps
+        # Reads land in the host tier: one at most all of it; more than one in flight at most half
+        # of it, so one read's pages are not pushed out by the next before their request copies
+        # them to the device.
+        limit = self.host_pool.total_tokens // ps
         while first + n < len(hashes) and n < limit and hashes[first + n] in self.store:
             n += 1
         if n == 0:
             self._remember(key, _Decision(len(ids), None))
             return False
         start, count = first * ps, n * ps
-        if self.reading_tokens + count > self.read_cap:
+        if self.reading_tokens and self.reading_tokens + count > self.read_cap:
             return True  # waits, undecided, for the reads in flight to be taken in
         self._remember(key, _Decision(len(ids), None))
         read_s, compute_s = self.cost.read_seconds(count), self.cost.recompute_seconds(start, count)
