@@ -102,10 +102,17 @@ def measure_prefill_flops(device: torch.device, dtype: torch.dtype, hidden: int,
             return reps * flops / max(elapsed, 1e-9)
 
 
+# Reads for one request: a prefix read back and pushed out of the host tier again before its
+# request got in is read again, this many times at most.
+MAX_READS_PER_REQUEST = 3
+
+
 @dataclass
 class _Decision:
     tokens: int  # the request's token count when decided (a longer prompt is decided again)
-    job: Optional[ReadJob]  # the read in flight (None: decided, nothing in flight)
+    matched: int  # its cached prefix then (one that shrank since, evicted while it waited, is decided again)
+    job: Optional[ReadJob] = None  # the read in flight (None: decided, nothing in flight)
+    reads: int = 0
 
 
 class StorageTier:
@@ -152,12 +159,15 @@ class StorageTier:
         if decided is not None and decided.job is not None:
             return True
         ids = tokens()
-        if decided is not None and decided.tokens >= len(ids):
-            return False
+        reads = 0
+        if decided is not None:
+            if decided.tokens >= len(ids) and (decided.matched <= matched or decided.reads >= MAX_READS_PER_REQUEST):
+                return False
+            reads = decided.reads
         ps = self.page_size
         first = matched // ps
         if (len(ids) // ps) <= first or not self.store.num_pages:
-            self._remember(key, _Decision(len(ids), None))
+            self._remember(key, _Decision(len(ids), matched, reads=reads))
             return False
         hashes = page_hashes(ids, ps, namespace_page_parent(namespace))
         n = 0
@@ -168,12 +178,12 @@ class StorageTier:
         while first + n < len(hashes) and n < limit and hashes[first + n] in self.store:
             n += 1
         if n == 0:
-            self._remember(key, _Decision(len(ids), None))
+            self._remember(key, _Decision(len(ids), matched, reads=reads))
             return False
         start, count = first * ps, n * ps
         if self.reading_tokens and self.reading_tokens + count > self.read_cap:
             return True  # waits, undecided, for the reads in flight to be taken in
-        self._remember(key, _Decision(len(ids), None))
+        self._remember(key, _Decision(len(ids), matched, reads=reads))
         read_s, compute_s = self.cost.read_seconds(count), self.cost.recompute_seconds(start, count)
         if read_s >= compute_s:
             self.skipped_loads += 1
@@ -187,6 +197,7 @@ class StorageTier:
                       payload=dict(key=key, tokens=list(ids[:start + count]), start=start, namespace=namespace,
                                    attach=attach))
         self._decided[key].job = job
+        self._decided[key].reads += 1
         self.loads += 1
         self.reading_tokens += count
         logger.info("storage tier: request %s reads %d tokens after %d cached: %.2f ms expected, computing them "
