@@ -18,7 +18,7 @@ SCHEDULE_POLICIES = ("lpm", "fcfs", "lof", "random", "dfs-weight")
 EVICTION_POLICIES = ("lru", "lfu", "fifo")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 HICACHE_WRITE_POLICIES = ("write_back", "write_through")
-STORAGE_BACKENDS = ("file",)
+STORAGE_BACKENDS = ("file", "redis")
 # The storage tier's records are pages: smaller ones make a disk read (and an index entry) per few tokens.
 STORAGE_MIN_PAGE_SIZE = 16
 # Defaults that depend on the device the engine runs on.
@@ -166,8 +166,11 @@ class ServerSettings:
         16.0, "The storage tier's size on disk in GB (--storage-dir); the least recently used pages go "
         "first when it is full.")
     storage_backend: str = _opt(
-        "file", "Where the storage tier keeps its pages: file (--storage-dir on a local disk).",
+        "file", "Where the storage tier keeps its pages: file (--storage-dir on a local disk) or redis "
+        "(--storage-url: a Redis server several workers share; run it with maxmemory-policy allkeys-lru).",
         choices=STORAGE_BACKENDS)
+    storage_url: Optional[str] = _opt(
+        None, "The Redis server of --storage-backend redis, e.g. redis://127.0.0.1:6379/0.", metavar="URL")
     storage_read_latency_ms: float = _opt(
         0.0, "Fault injection: extra latency of every storage-tier page read, in ms (a slow disk); "
         "the start-up bandwidth measurement sees it too.")
@@ -435,11 +438,19 @@ class ServerSettings:
         return dataclasses.replace(self, api_key=(), api_key_file=None, admin_api_key=None,
                                    admin_api_key_file=None)
 
+    @property
+    def storage_enabled(self) -> bool:
+        return self.storage_dir is not None or self.storage_url is not None
+
     def _validate_storage(self) -> None:
-        if self.storage_dir is None:
+        if not self.storage_enabled:
             return
-        if not self.storage_dir:
-            raise ValueError("storage_dir is empty: give a directory")
+        if self.storage_backend == "file" and not self.storage_dir:
+            raise ValueError("storage_backend file needs storage_dir (a directory)")
+        if self.storage_backend == "redis" and not self.storage_url:
+            raise ValueError("storage_backend redis needs storage_url (redis://host:port/db)")
+        if self.storage_backend == "redis" and self.storage_dir:
+            raise ValueError("storage_backend redis keeps its pages in Redis: give storage_url, not storage_dir")
         if not self.hicache_enabled:
             raise ValueError("the storage tier (storage_dir) sits under the host tier: give hicache_size or "
                              "hicache_ratio too")

@@ -120,7 +120,9 @@ def test_storage_settings_are_checked(tiny_dir, tmp_path):
         Engine(str(tiny_dir), page_size=PAGE, storage_dir=str(tmp_path))
     with pytest.raises(ValueError, match="page_size must be >= 16"):
         Engine(str(tiny_dir), hicache_ratio=1, storage_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="storage_backend='redis' is not one of file"):
+    with pytest.raises(ValueError, match="storage_backend='lmcache' is not one of file, redis"):
+        Engine(str(tiny_dir), hicache_ratio=1, page_size=PAGE, storage_dir=str(tmp_path), storage_backend="lmcache")
+    with pytest.raises(ValueError, match="storage_backend redis needs storage_url"):
         Engine(str(tiny_dir), hicache_ratio=1, page_size=PAGE, storage_dir=str(tmp_path), storage_backend="redis")
     with pytest.raises(ValueError, match="storage_size must be > 0"):
         Engine(str(tiny_dir), hicache_ratio=1, page_size=PAGE, storage_dir=str(tmp_path), storage_size=0)
@@ -272,3 +274,60 @@ def test_simulated_agent_workload_with_a_small_host_tier_and_the_storage_tier():
     assert with_disk["storage_loaded_tokens"] > 0
     assert with_disk["hit_rate"] > host_only["hit_rate"]
     assert with_disk["hit_rate"] >= unlimited_oracle(sessions) - 0.02, with_disk
+
+
+# ------------------------------------------------------------------------ a store workers share
+@pytest.fixture
+def redis_url(tmp_path):
+    """A real redis-server on a free loopback port (skipped where the server or the client is not
+    installed: `apt-get install redis-server`, `pip install redis`)."""
+    import shutil
+    import subprocess
+
+    from conftest import free_port
+
+    pytest.importorskip("redis")
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.05)
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_two_workers_share_prefixes_through_redis(oracle, tmp_path, redis_url):
+    path, prompts, expected = oracle
+    args = ["--model-path", str(path), "--device", "cpu", "--max-total-tokens", "256", "--page-size", str(PAGE),
+            "--hicache-ratio", "1", "--storage-backend", "redis", "--storage-url", redis_url]
+    first = ServerProcess(args, tmp_path).wait_ready()
+    second = ServerProcess(args, tmp_path).wait_ready()
+    try:
+        push_to_disk(first, prompts)  # the first worker's host tier drops them into Redis
+        answer = generate(second, prompts[0])  # the second worker never saw this prompt
+        assert answer["output_ids"] == expected[0]
+        assert answer["meta_info"]["cached_tokens"] > 0
+        values = metric_values(second.base_url)
+        assert values["radixserve:storage_loads_total"] == 1
+        assert values["radixserve:storage_pages_written_total"] == 0
+    finally:
+        first.stop()
+        second.stop()

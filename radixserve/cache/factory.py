@@ -26,7 +26,8 @@ from radixserve.cache.state_pool import RecurrentStateSpec
 from radixserve.cache.state_snapshots import HostStateSnapshots
 from radixserve.cache.tiered_cache import TieredRadixCache
 from radixserve.cache.stores.disk import DiskStore
-from radixserve.cache.stores.page_files import LocalFileBackend, StoreStamp, probe_read_bandwidth
+from radixserve.cache.stores.page_files import LocalFileBackend, PageBackend, StoreStamp
+from radixserve.cache.stores.redis_pages import RedisBackend
 from radixserve.cache.tiered_snapshot_cache import TieredSnapshotRadixCache
 from radixserve.settings import CPU_MAMBA_CACHE_SIZE, ServerSettings
 
@@ -192,22 +193,26 @@ def make_storage_tier(settings: ServerSettings, cache: PrefixCache, kv_pool: KVP
     """The storage tier --storage-dir asks for, attached under cache's host tier (None: not asked
     for, or nothing cached). The read bandwidth and prefill rate are measured here unless given
     (the simulator gives its model's); `model` names the weights in the directory's version stamp."""
-    if settings.storage_dir is None or not cache.keeps_prefixes:
+    if not settings.storage_enabled or not cache.keeps_prefixes:
         return None
     if not isinstance(cache, TieredRadixCache) or kv_pool.snapshots is not None:
         raise ValueError("the storage tier (storage_dir) is not implemented for hybrid models (their state "
                          "snapshots) yet: leave storage_dir out")
-    directory = settings.storage_dir
-    if settings.dp_size > 1:  # each worker its own store: one server per directory
-        directory = os.path.join(directory, f"worker-{settings.dp_rank}")
     k0 = kv_pool.k_buffers[0]
     stamp = StoreStamp(model=model, page_size=kv_pool.page_size, kv_dtype=str(k0.dtype).replace("torch.", ""),
                        bytes_per_token=cache.host_pool.bytes_per_token, num_layers=len(kv_pool.k_buffers))
-    latency = settings.storage_read_latency_ms / 1e3
-    backend = LocalFileBackend(directory, int(settings.storage_size * 1e9), read_latency_s=latency)
+    latency, capacity = settings.storage_read_latency_ms / 1e3, int(settings.storage_size * 1e9)
+    if settings.storage_backend == "redis":
+        where = settings.storage_url
+        backend: PageBackend = RedisBackend(settings.storage_url, capacity, read_latency_s=latency)
+    else:
+        where = settings.storage_dir
+        if settings.dp_size > 1:  # each worker its own store: one server per directory
+            where = os.path.join(where, f"worker-{settings.dp_rank}")
+        backend = LocalFileBackend(where, capacity, read_latency_s=latency)
     store = DiskStore(backend, stamp, synchronous=synchronous)
     if read_bytes_per_s is None:
-        read_bytes_per_s = probe_read_bandwidth(directory, stamp.page_bytes, read_latency_s=latency)
+        read_bytes_per_s = backend.probe_read_bandwidth(stamp.page_bytes)
     if prefill_flops_per_s is None:
         prefill_flops_per_s = measure_prefill_flops(k0.device, k0.dtype, hidden)
     cost = LoadCost(read_bytes_per_s, cache.host_pool.bytes_per_token, flops_per_token, attention_flops_per_pair,
@@ -215,7 +220,7 @@ def make_storage_tier(settings: ServerSettings, cache: PrefixCache, kv_pool: KVP
     tier = StorageTier(store, cache.host_pool, cost)
     cache.storage = tier
     logger.info("storage tier: %s, %.1f GB, %d pages found (%.1f GB); reads %.2f GB/s, prefill %.2f TFLOP/s "
-                "(measured): a load pays from %.0f tokens of context", directory, settings.storage_size,
+                "(measured): a load pays from %.0f tokens of context", where, settings.storage_size,
                 store.num_pages, store.used_bytes / 1e9, read_bytes_per_s / 1e9, prefill_flops_per_s / 1e12,
                 _break_even(cost))
     return tier

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Optional
@@ -31,6 +32,8 @@ logger = logging.getLogger("radixserve")
 
 # Pages written between two saves of the backend's LRU index.
 INDEX_SAVE_EVERY = 1024
+# How often the keys of a backend other servers write to too are listed again (their new pages).
+SHARED_REFRESH_S = 1.0
 
 
 @dataclass
@@ -138,10 +141,17 @@ class DiskStore:
 
     # ------------------------------------------------------------------ the I/O thread
     def _run(self) -> None:
+        refreshed = time.monotonic()
         while True:
+            if self.backend.shared and time.monotonic() - refreshed >= SHARED_REFRESH_S:
+                refreshed = time.monotonic()
+                self._refresh_keys()
             with self._lock:
                 while not self._reads and not self._writes and not self._closed:
-                    self._lock.wait()
+                    if not self._lock.wait(SHARED_REFRESH_S if self.backend.shared else None):
+                        break  # time to list the shared backend's keys again
+                if not self._reads and not self._writes and not self._closed:
+                    continue
                 if self._reads:
                     job = self._reads[0]
                 elif self._writes:
@@ -152,6 +162,15 @@ class DiskStore:
                 self._do_read(job)
             else:
                 self._write_one()
+
+    def _refresh_keys(self) -> None:
+        try:
+            keys = self.backend.list_keys()
+        except Exception as e:  # noqa: BLE001: the pages already known stay usable
+            logger.warning("storage tier: could not list the shared store's pages (%s)", e)
+            return
+        with self._lock:
+            self._keys.update(keys)
 
     def _drain_writes(self) -> None:
         while self._writes:

@@ -15,8 +15,8 @@ version stamp: a directory written by another model, page size, KV dtype, hash s
 tensor-parallel layout is not read (one warning line; its pages are removed), and one server at a
 time holds the directory (an exclusive `flock` on `LOCK`).
 
-A shared store across workers (LMCache's server, Mooncake's store, Redis) is another
-`PageBackend`; none is installed here (see docs/serving.md).
+`RedisBackend` (stores/redis_pages.py) keeps the same records in a Redis server that several
+workers share.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ class PageMissing(Exception):
 class PageBackend(Protocol):
     """Where pages live. Called from the storage tier's I/O thread only (never from the step)."""
     capacity_bytes: int
+    shared: bool  # other servers write to it too: its keys are listed again from time to time
 
     def open(self, stamp: StoreStamp) -> list[int]:
         """Take the store for this stamp; the keys it holds, least recently used first."""
@@ -99,6 +100,12 @@ class PageBackend(Protocol):
     def make_room(self, nbytes: int) -> list[int]:
         """Drop least recently used pages until nbytes more fit; the keys dropped."""
 
+    def list_keys(self) -> list[int]:
+        """The keys it holds now (a shared backend: others' pages too)."""
+
+    def probe_read_bandwidth(self, page_bytes: int) -> float:
+        """Bytes per second of page-sized reads, latency included."""
+
     def close(self) -> None: ...
 
 
@@ -106,8 +113,40 @@ def _encode_parent(parent: Optional[int]) -> int:
     return 0 if parent is None else (parent + 1) % (1 << 64) or 1  # 0 is the root; a hash of 2**64-1 folds to 1
 
 
+def encode_page(record: PageRecord, payload: memoryview) -> tuple[bytes, bytes]:
+    """A page's header and token ids (its payload follows them)."""
+    header = _HEADER.pack(_MAGIC, FORMAT_VERSION, record.key, _encode_parent(record.parent), len(record.tokens),
+                          payload.nbytes, zlib.crc32(payload))
+    return header, array("q", record.tokens).tobytes()
+
+
+def check_header(record: PageRecord, header: bytes, nbytes: int) -> int:
+    """The payload's CRC-32 from a header that names record (PageMissing "corrupt" otherwise)."""
+    if len(header) < _HEADER.size:
+        raise PageMissing("corrupt", "a truncated header")
+    magic, version, key, parent, ntokens, size, crc = _HEADER.unpack(header)
+    if magic != _MAGIC or version != FORMAT_VERSION or key != record.key:
+        raise PageMissing("corrupt", "not this page's header")
+    if parent != _encode_parent(record.parent) or ntokens != len(record.tokens) or size != nbytes:
+        raise PageMissing("corrupt", "another prefix's page under this hash")
+    return crc
+
+
+def check_page(record: PageRecord, data: bytes, out: memoryview) -> None:
+    """Copy a whole page's bytes (header, tokens, payload) into out after checking them all."""
+    crc = check_header(record, data[:_HEADER.size], out.nbytes)
+    start = _HEADER.size + 8 * len(record.tokens)
+    if data[_HEADER.size:start] != array("q", record.tokens).tobytes():
+        raise PageMissing("corrupt", "other tokens under this hash")
+    payload = memoryview(data)[start:]
+    if payload.nbytes != out.nbytes or zlib.crc32(payload) != crc:
+        raise PageMissing("corrupt", "its bytes fail their checksum")
+    out[:] = payload
+
+
 class LocalFileBackend:
     """One file per page under `directory`, at most `capacity_bytes` of them (LRU)."""
+    shared = False
 
     def __init__(self, directory: str, capacity_bytes: int, *, read_latency_s: float = 0.0):
         self.root = Path(directory)
@@ -215,10 +254,11 @@ class LocalFileBackend:
             dropped.append(key)
         return dropped
 
+    def probe_read_bandwidth(self, page_bytes: int) -> float:
+        return probe_read_bandwidth(str(self.root), page_bytes, read_latency_s=self.read_latency_s)
+
     def put(self, record: PageRecord, payload: memoryview) -> None:
-        tokens = array("q", record.tokens).tobytes()
-        header = _HEADER.pack(_MAGIC, FORMAT_VERSION, record.key, _encode_parent(record.parent), len(record.tokens),
-                              payload.nbytes, zlib.crc32(payload))
+        header, tokens = encode_page(record, payload)
         size = len(header) + len(tokens) + payload.nbytes
         if size > self.capacity_bytes:
             raise OSError(errno.ENOSPC, f"a page of {size} bytes is larger than storage_size")
@@ -246,25 +286,20 @@ class LocalFileBackend:
             time.sleep(self.read_latency_s)
         try:
             with open(self._path(record.key), "rb", buffering=0) as f:
-                header = f.read(_HEADER.size)
-                if len(header) < _HEADER.size:
-                    raise PageMissing("corrupt", "a truncated header")
-                magic, version, key, parent, ntokens, nbytes, crc = _HEADER.unpack(header)
-                if magic != _MAGIC or version != FORMAT_VERSION or key != record.key:
-                    raise PageMissing("corrupt", "not this page's header")
-                if parent != _encode_parent(record.parent) or ntokens != len(record.tokens) or nbytes != out.nbytes:
-                    raise PageMissing("corrupt", "another prefix's page under this hash")
-                tokens = f.read(8 * ntokens)
-                if tokens != array("q", record.tokens).tobytes():
+                crc = check_header(record, f.read(_HEADER.size), out.nbytes)
+                if f.read(8 * len(record.tokens)) != array("q", record.tokens).tobytes():
                     raise PageMissing("corrupt", "other tokens under this hash")
                 got = f.readinto(out)
-                if got != nbytes or zlib.crc32(out) != crc:
+                if got != out.nbytes or zlib.crc32(out) != crc:
                     raise PageMissing("corrupt", "its bytes fail their checksum")
         except FileNotFoundError:
             raise PageMissing("missing", "its file is gone") from None
         except OSError as e:
             raise PageMissing("error", f"unreadable: {e}") from None
         self._sizes.move_to_end(record.key, last=True)
+
+    def list_keys(self) -> list[int]:
+        return list(self._sizes)
 
     def remove(self, key: int) -> None:
         size = self._sizes.pop(key, None)
