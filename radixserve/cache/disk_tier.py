@@ -143,12 +143,12 @@ class StorageTier:
             self._write(node, parent, hashes, todo, self.host_pool.buffer[host_slots])
 
     def _write(self, node: TreeNode, parent: Optional[int], hashes: list[int], todo: list[int],
-               rows: torch.Tensor) -> None:
+               rows: torch.Tensor, *, wait: bool = False) -> None:
         ps = self.page_size
         rows = rows.reshape(len(hashes), self.page_bytes)
         for i in todo:
             prev = parent if i == 0 else hashes[i - 1]
-            self.store.write(PageRecord(hashes[i], prev, node.key[i * ps:(i + 1) * ps]), rows[i])
+            self.store.write(PageRecord(hashes[i], prev, node.key[i * ps:(i + 1) * ps]), rows[i], wait=wait)
 
     # ------------------------------------------------------------------ fetch (a waiting request)
     def fetch(self, key: str, tokens: Callable[[], Sequence[int]], matched: int, namespace: Optional[str],
@@ -275,7 +275,7 @@ class StorageTier:
                 rows = device_rows(kv_pool, node.value)
             else:
                 continue
-            self._write(node, parent, hashes, todo, rows)
+            self._write(node, parent, hashes, todo, rows, wait=True)
             queued += len(todo)
         return queued
 

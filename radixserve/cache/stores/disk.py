@@ -98,11 +98,14 @@ class DiskStore:
     def used_bytes(self) -> int:
         return getattr(self.backend, "used_bytes", 0)
 
-    def write(self, record: PageRecord, payload: torch.Tensor) -> bool:
-        """Queue a page (uint8, page_bytes, owned by the store from now); False: not kept."""
+    def write(self, record: PageRecord, payload: torch.Tensor, *, wait: bool = False) -> bool:
+        """Queue a page (uint8, page_bytes, owned by the store from now); False: not kept. wait:
+        for room in a full queue (at shutdown) instead of dropping the page."""
         with self._lock:
             if record.key in self._keys:
                 return True
+            while wait and self._thread is not None and self.pending_bytes + self.page_bytes > self.max_pending_bytes:
+                self._lock.wait(0.1)
             if self.pending_bytes + self.page_bytes > self.max_pending_bytes:
                 self.stats.write_drops_queue += 1
                 return False
@@ -197,6 +200,7 @@ class DiskStore:
             self.pending_bytes -= self.page_bytes
             if not kept:
                 self._keys.discard(key)
+            self._lock.notify_all()  # a writer waiting for room
         self._since_index += 1
         if self._since_index >= INDEX_SAVE_EVERY and hasattr(self.backend, "save_index"):
             self._since_index = 0
