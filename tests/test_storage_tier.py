@@ -128,6 +128,38 @@ def test_storage_settings_are_checked(tiny_dir, tmp_path):
         Engine(str(tiny_dir), hicache_ratio=1, page_size=PAGE, storage_dir=str(tmp_path), storage_size=0)
 
 
+# ------------------------------------------------------------------------ the page files alone
+def test_page_files_survive_a_torn_index_and_an_unfinished_write(tmp_path):
+    from radixserve.cache.stores.page_files import LocalFileBackend, PageMissing, PageRecord, StoreStamp
+
+    stamp = StoreStamp(model="m", page_size=2, kv_dtype="float32", bytes_per_token=8, num_layers=1)
+    records = [PageRecord(key, key - 1 if key > 1 else None, [key, key + 1]) for key in range(1, 6)]
+    backend = LocalFileBackend(str(tmp_path), 10_000)
+    assert backend.open(stamp) == []
+    for r in records:
+        backend.put(r, memoryview(bytes([r.key]) * 16))
+    out = bytearray(16)
+    backend.get_into(records[0], memoryview(out))  # page 1 becomes the most recently used
+    backend.close()
+    reopened = LocalFileBackend(str(tmp_path), 10_000)
+    assert reopened.open(stamp)[-1] == 1  # the LRU order survives
+    reopened.close()
+    (tmp_path / "index.bin").write_bytes(b"RXKVIDX1 torn")  # a crash mid-save
+    (tmp_path / "pages" / "00000000000000ff.tmp").write_bytes(b"half a page")  # and mid-write
+    again = LocalFileBackend(str(tmp_path), 10_000)
+    assert sorted(again.open(stamp)) == [1, 2, 3, 4, 5]  # the directory is the truth
+    assert not (tmp_path / "pages" / "00000000000000ff.tmp").exists()
+    again.get_into(records[2], memoryview(out))
+    assert out == bytes([3]) * 16
+    with pytest.raises(PageMissing, match="other tokens"):  # the same hash, other tokens: never served
+        again.get_into(PageRecord(3, 2, [9, 9]), memoryview(out))
+    again.close()
+    smaller = LocalFileBackend(str(tmp_path), 3 * (tmp_path / "pages" / f"{3:016x}.page").stat().st_size)
+    kept = smaller.open(stamp)  # a smaller --storage-size than last time: the least recently used go
+    assert len(kept) == 3 and smaller.used_bytes <= smaller.capacity_bytes
+    smaller.close()
+
+
 # ------------------------------------------------------------------------ a real server
 def start(model_dir: Path, workdir: Path, store: Path, *extra: str) -> ServerProcess:
     return ServerProcess(["--model-path", str(model_dir), "--device", "cpu", "--max-total-tokens", "256",
