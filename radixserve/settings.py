@@ -18,6 +18,9 @@ SCHEDULE_POLICIES = ("lpm", "fcfs", "lof", "random", "dfs-weight")
 EVICTION_POLICIES = ("lru", "lfu", "fifo")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 HICACHE_WRITE_POLICIES = ("write_back", "write_through")
+STORAGE_BACKENDS = ("file", "redis")
+# The storage tier's records are pages: smaller ones make a disk read (and an index entry) per few tokens.
+STORAGE_MIN_PAGE_SIZE = 16
 # Defaults that depend on the device the engine runs on.
 DEFAULT_MAX_RUNNING_REQUESTS = {"cuda": 1024, "cpu": 256}
 # A chunk's step costs its tokens times the context they attend to: on the CPU an 8,192-token chunk
@@ -153,6 +156,24 @@ class ServerSettings:
         "holds of the device KV pool (--hicache-ratio 4: 4x the snapshots), in no more bytes than the "
         "host tier's KV (at least --mamba-cache-size of them). 0: none (prefixes on the "
         "host then resume nobody). With --tp-size, per rank.")
+    storage_dir: Optional[str] = _opt(
+        None, "A storage tier on local disk under the host tier (needs --hicache-size or --hicache-ratio "
+        "and --page-size 16 or more): pages the host tier evicts are written here, off the step, keyed by "
+        "their KV-event page hashes, and read back for a request when that is faster than computing them "
+        "again. A server restarted on the same directory with the same model and settings finds them. "
+        "Default: off.", metavar="DIR")
+    storage_size: float = _opt(
+        16.0, "The storage tier's size on disk in GB (--storage-dir); the least recently used pages go "
+        "first when it is full.")
+    storage_backend: str = _opt(
+        "file", "Where the storage tier keeps its pages: file (--storage-dir on a local disk) or redis "
+        "(--storage-url: a Redis server several workers share; run it with maxmemory-policy allkeys-lru).",
+        choices=STORAGE_BACKENDS)
+    storage_url: Optional[str] = _opt(
+        None, "The Redis server of --storage-backend redis, e.g. redis://127.0.0.1:6379/0.", metavar="URL")
+    storage_read_latency_ms: float = _opt(
+        0.0, "Fault injection: extra latency of every storage-tier page read, in ms (a slow disk); "
+        "the start-up bandwidth measurement sees it too.")
 
     # --- scheduling --------------------------------------------------------
     schedule_policy: str = _opt(
@@ -382,6 +403,7 @@ class ServerSettings:
         if self.hicache_enabled and self.disable_radix_cache:
             raise ValueError("the host tier (hicache_size/hicache_ratio) needs the radix cache; "
                              "drop disable_radix_cache")
+        self._validate_storage()
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
         if self.dp_rank < 0:
@@ -415,6 +437,32 @@ class ServerSettings:
         no key) and what a multi-node engine's store (unauthenticated) holds."""
         return dataclasses.replace(self, api_key=(), api_key_file=None, admin_api_key=None,
                                    admin_api_key_file=None)
+
+    @property
+    def storage_enabled(self) -> bool:
+        return self.storage_dir is not None or self.storage_url is not None
+
+    def _validate_storage(self) -> None:
+        if not self.storage_enabled:
+            return
+        if self.storage_backend == "file" and not self.storage_dir:
+            raise ValueError("storage_backend file needs storage_dir (a directory)")
+        if self.storage_backend == "redis" and not self.storage_url:
+            raise ValueError("storage_backend redis needs storage_url (redis://host:port/db)")
+        if self.storage_backend == "redis" and self.storage_dir:
+            raise ValueError("storage_backend redis keeps its pages in Redis: give storage_url, not storage_dir")
+        if not self.hicache_enabled:
+            raise ValueError("the storage tier (storage_dir) sits under the host tier: give hicache_size or "
+                             "hicache_ratio too")
+        if self.page_size < STORAGE_MIN_PAGE_SIZE:
+            raise ValueError(f"the storage tier (storage_dir) keeps whole pages: page_size must be >= "
+                             f"{STORAGE_MIN_PAGE_SIZE}, got {self.page_size}")
+        if not self.storage_size > 0:
+            raise ValueError(f"storage_size must be > 0 GB, got {self.storage_size}")
+        if self.storage_read_latency_ms < 0:
+            raise ValueError(f"storage_read_latency_ms must be >= 0, got {self.storage_read_latency_ms}")
+        if self.tp_size > 1 or self.nnodes > 1:
+            raise ValueError("the storage tier (storage_dir) is not implemented with tensor parallelism (tp_size > 1)")
 
     def _validate_nodes(self) -> None:
         if self.nnodes < 1:

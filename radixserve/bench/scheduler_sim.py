@@ -15,6 +15,7 @@ tok/s simulated, 0.691 and 94.0k measured); absolute times are only as good as t
     python -m radixserve.bench.scheduler_sim                    # the 7B agent workload, 216,825-token pool
     python -m radixserve.bench.scheduler_sim --policies lpm fcfs --pool 150000
     python -m radixserve.bench.scheduler_sim --policies lpm --host-ratio 4   # with a host tier
+    python -m radixserve.bench.scheduler_sim --policies lpm --host-ratio 1 --storage --page-size 16  # and a disk
     python -m radixserve.bench.scheduler_sim --policies lpm --hybrid-27b --host-ratio 4 --host-snapshots 844
     python -m radixserve.bench.scheduler_sim --policies lpm --hybrid-27b --workload chat --systems 128
 
@@ -38,12 +39,14 @@ import argparse
 import dataclasses
 import heapq
 import random
+import tempfile
 from dataclasses import dataclass
 
 import torch
 
 from radixserve.bench.metrics import LOST_SLACK_TOKENS
-from radixserve.cache.factory import build_prefix_cache, make_host_tier, snapshot_split
+from radixserve.bench.oracle import OracleRequest, oracle_hit_rate
+from radixserve.cache.factory import build_prefix_cache, make_host_tier, make_storage_tier, snapshot_split
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
@@ -66,6 +69,12 @@ class SimConfig:
     max_wait_s: float = ServerSettings.lpm_max_wait_s
     prefix_hold_s: float = ServerSettings.prefix_hold_s
     host_ratio: float = 0.0  # a host tier of this many times the pool (--hicache-ratio); its loads finish in a step
+    page_size: int = 1  # --page-size (the storage tier needs 16 or more)
+    # A storage tier under the host tier (--storage-dir, on a temporary directory of real files);
+    # its reads finish in a step, and are taken when reading disk_gbps beats prefill_us a token.
+    storage: bool = False
+    disk_gbps: float = 5.0  # an NVMe drive's page-sized reads
+    storage_oracle: bool = False  # also print the unlimited oracle's hit rate of the same sessions
     max_running: int = 1024
     sessions: int = 256
     turns: int = 5
@@ -203,7 +212,8 @@ class UnreadSlotTable(ReqToTokenPool):
 
 def build_cache(settings: ServerSettings, cfg: SimConfig) -> PrefixCache:
     """The server's cache, built by the server's factory, over pools of one float per token and per
-    state row and snapshot: only the bookkeeping is simulated."""
+    state row and snapshot: only the bookkeeping is simulated (a storage tier's pages are real
+    files of those floats; its load decisions use the modelled KV bytes and prefill time)."""
     spec = RecurrentStateSpec(1, (1, 1), (1, 1, 1), torch.float32)
     state = RecurrentStatePool(cfg.max_running, spec, "cpu") if cfg.snapshots > 0 else None
     snapshots = None
@@ -211,19 +221,38 @@ def build_cache(settings: ServerSettings, cfg: SimConfig) -> PrefixCache:
         slots, _ = snapshot_split(settings, spec, torch.device("cpu"), cfg.pool, 4, planned=False)
         snapshots = StateSnapshots(slots, state)
     kv_pool = KVPool(cfg.pool, 1, 1, 1, 1, torch.float32, "cpu", state=state, snapshots=snapshots)
-    return build_prefix_cache(settings, kv_pool, make_host_tier(settings, kv_pool), recurrent=state is not None)
+    cache = build_prefix_cache(settings, kv_pool, make_host_tier(settings, kv_pool), recurrent=state is not None)
+    if settings.storage_dir is not None:
+        # The decision compares bytes / bandwidth: the sim's 4-byte tokens read at the bandwidth
+        # that the modelled KV bytes per token would see.
+        make_storage_tier(settings, cache, kv_pool, model="scheduler-sim", flops_per_token=1.0,
+                          attention_flops_per_pair=0.0, prefill_flops_per_s=1.0 / (cfg.prefill_us * 1e-6),
+                          read_bytes_per_s=cfg.disk_gbps * 1e9 * 4 / cfg.kv_bytes_per_token, synchronous=True)
+    return cache
 
 
 def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
     """Run every session to its end; the figures a benchmark client would report, plus lost hits."""
     if cfg.echo_replies:  # the replies are written into the sessions as they come
         sessions = [[dataclasses.replace(turn) for turn in session] for session in sessions]
-    settings = ServerSettings(schedule_policy=cfg.policy, radix_eviction_policy=cfg.eviction,
-                              max_total_tokens=cfg.pool, chunked_prefill_size=cfg.chunk,
-                              lpm_max_wait_s=cfg.max_wait_s, prefix_hold_s=cfg.prefix_hold_s, device="cpu",
-                              hicache_ratio=cfg.host_ratio, mamba_cache_size=cfg.snapshots,
-                              mamba_host_cache_size=cfg.host_snapshots)
-    cache = build_cache(settings, cfg)
+    with tempfile.TemporaryDirectory(prefix="sim-storage-") as directory:
+        settings = ServerSettings(schedule_policy=cfg.policy, radix_eviction_policy=cfg.eviction,
+                                  max_total_tokens=cfg.pool, chunked_prefill_size=cfg.chunk,
+                                  lpm_max_wait_s=cfg.max_wait_s, prefix_hold_s=cfg.prefix_hold_s, device="cpu",
+                                  hicache_ratio=cfg.host_ratio, mamba_cache_size=cfg.snapshots,
+                                  mamba_host_cache_size=cfg.host_snapshots, page_size=cfg.page_size,
+                                  storage_dir=directory if cfg.storage else None, storage_size=1000.0)
+        settings.validate()
+        cache = build_cache(settings, cfg)
+        try:
+            return _run(cfg, sessions, settings, cache)
+        finally:
+            storage = getattr(cache, "storage", None)
+            if storage is not None:
+                storage.close()
+
+
+def _run(cfg: SimConfig, sessions: list[list[Turn]], settings: ServerSettings, cache: PrefixCache) -> dict:
     rows = UnreadSlotTable(cfg.max_running, 1, "cpu")
     now = [0.0]
     sched = Scheduler(settings, cache, rows, context_len=32768, eos_token_ids=[], clock=lambda: now[0])
@@ -291,9 +320,18 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
         "turns_that_lost_the_previous_prompt": lost_turns, "lost_tokens": lost_tokens,
         "evicted_tokens": cache.counters.evicted_tokens, "retractions": sched.stats.num_retractions, "steps": steps,
         **({"capture_rounds": rounds} if cfg.snapshots else {}),
+        **({"storage_loaded_tokens": cache.tier_stats()["storage_loaded_tokens"],
+            "storage_skipped_loads": cache.tier_stats()["storage_skipped_loads"]} if cfg.storage else {}),
         **({k: v for k, v in cache.snapshot_stats().items() if k in SNAPSHOT_FIGURES} if cfg.snapshots else {}),
     }
 
+
+
+def unlimited_oracle(sessions: list[list[Turn]]) -> float:
+    """The unlimited cache's hit rate over the sessions' prompts, sent in first-turn-first order
+    (bench/oracle.py; the sim's replies are fixed, not the model's, so outputs add nothing)."""
+    order = sorted(((t, sid) for sid, s in enumerate(sessions) for t in range(len(s))))
+    return oracle_hit_rate([OracleRequest(sessions[sid][t].prompt) for t, sid in order]).hit_rate
 
 
 def main() -> None:
@@ -310,6 +348,8 @@ def main() -> None:
     base = HYBRID_27B if args.pop("hybrid_27b") else {}
     cfg = SimConfig(**{**base, **{k: v for k, v in args.items() if v is not None}})
     sessions = make_sessions(cfg)
+    if cfg.storage_oracle:
+        print({"unlimited_oracle_hit_rate": round(unlimited_oracle(sessions), 4)}, flush=True)
     for policy in policies:
         print(simulate(dataclasses.replace(cfg, policy=policy), sessions), flush=True)
 

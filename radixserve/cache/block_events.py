@@ -67,16 +67,22 @@ class BlockEventRecorder:
 
     def hash_of(self, node: Optional[TreeNode]) -> Optional[int]:
         """The hash of the last page on the path to node (None for the root), memoising it on the way."""
-        unhashed = []
-        while node is not None and node.parent is not None and node.block_hash is None:
-            unhashed.append(node)
-            node = node.parent
-        h = None if node is None or node.parent is None else node.block_hash
-        for n in reversed(unhashed):
-            h = page_hashes(n.key, self.page_size, h)[-1]
-            n.block_hash = h
-        return h
+        return path_page_hash(node, self.page_size)
 
     def take(self) -> list[tuple]:
         events, self.events = self.events, []
         return events
+
+
+def path_page_hash(node: Optional[TreeNode], page_size: int) -> Optional[int]:
+    """The hash of the last page on the path to node (None for the root; a namespace root's is its
+    parent hash), memoising it on the way: the KV events' hash, which the storage tier keys pages by too."""
+    unhashed = []
+    while node is not None and node.parent is not None and node.block_hash is None:
+        unhashed.append(node)
+        node = node.parent
+    h = None if node is None or node.parent is None else node.block_hash
+    for n in reversed(unhashed):
+        h = page_hashes(n.key, page_size, h)[-1]
+        n.block_hash = h
+    return h

@@ -9,11 +9,13 @@ ranks (the identity for one rank), rather than the distributed layer itself."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
+from radixserve.cache.disk_tier import LoadCost, StorageTier, measure_prefill_flops
 from radixserve.cache.host_pool import CopyEngine, HostKVPool, make_copy_engine
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.no_cache import NoPrefixCache
@@ -23,6 +25,9 @@ from radixserve.cache.snapshot_cache import BRANCH_MIN_TOKENS, SnapshotRadixCach
 from radixserve.cache.state_pool import RecurrentStateSpec
 from radixserve.cache.state_snapshots import HostStateSnapshots
 from radixserve.cache.tiered_cache import TieredRadixCache
+from radixserve.cache.stores.disk import DiskStore
+from radixserve.cache.stores.page_files import LocalFileBackend, PageBackend, StoreStamp
+from radixserve.cache.stores.redis_pages import RedisBackend
 from radixserve.cache.tiered_snapshot_cache import TieredSnapshotRadixCache
 from radixserve.settings import CPU_MAMBA_CACHE_SIZE, ServerSettings
 
@@ -177,3 +182,56 @@ def tree_cache(kv_pool: KVPool, host: Optional[HostTier] = None, *, eviction_pol
         return TieredRadixCache(kv_pool.allocator, host.pool, host.copier, write_through=write_through, **common)
     return TieredSnapshotRadixCache(kv_pool.allocator, snapshots, host.pool, host.copier, host.snapshots,
                                     write_through=write_through, branch_min_tokens=branch_min_tokens, **common)
+
+
+# ----------------------------------------------------------------------------------- the storage tier
+def make_storage_tier(settings: ServerSettings, cache: PrefixCache, kv_pool: KVPool, *, model: str,
+                      flops_per_token: float, attention_flops_per_pair: float,
+                      prefill_flops_per_s: Optional[float] = None,
+                      read_bytes_per_s: Optional[float] = None, synchronous: bool = False,
+                      hidden: int = 4096) -> Optional[StorageTier]:
+    """The storage tier --storage-dir asks for, attached under cache's host tier (None: not asked
+    for, or nothing cached). The read bandwidth and prefill rate are measured here unless given
+    (the simulator gives its model's); `model` names the weights in the directory's version stamp."""
+    if not settings.storage_enabled or not cache.keeps_prefixes:
+        return None
+    if not isinstance(cache, TieredRadixCache) or kv_pool.snapshots is not None:
+        raise ValueError("the storage tier (storage_dir) is not implemented for hybrid models (their state "
+                         "snapshots) yet: leave storage_dir out")
+    k0 = kv_pool.k_buffers[0]
+    stamp = StoreStamp(model=model, page_size=kv_pool.page_size, kv_dtype=str(k0.dtype).replace("torch.", ""),
+                       bytes_per_token=cache.host_pool.bytes_per_token, num_layers=len(kv_pool.k_buffers))
+    latency, capacity = settings.storage_read_latency_ms / 1e3, int(settings.storage_size * 1e9)
+    if settings.storage_backend == "redis":
+        where = settings.storage_url
+        backend: PageBackend = RedisBackend(settings.storage_url, capacity, read_latency_s=latency)
+    else:
+        where = settings.storage_dir
+        if settings.dp_size > 1:  # each worker its own store: one server per directory
+            where = os.path.join(where, f"worker-{settings.dp_rank}")
+        backend = LocalFileBackend(where, capacity, read_latency_s=latency)
+    store = DiskStore(backend, stamp, synchronous=synchronous)
+    if read_bytes_per_s is None:
+        read_bytes_per_s = backend.probe_read_bandwidth(stamp.page_bytes)
+    if prefill_flops_per_s is None:
+        prefill_flops_per_s = measure_prefill_flops(k0.device, k0.dtype, hidden)
+    cost = LoadCost(read_bytes_per_s, cache.host_pool.bytes_per_token, flops_per_token, attention_flops_per_pair,
+                    prefill_flops_per_s)
+    tier = StorageTier(store, cache.host_pool, cost)
+    cache.storage = tier
+    logger.info("storage tier: %s, %.1f GB, %d pages found (%.1f GB); reads %.2f GB/s, prefill %.2f TFLOP/s "
+                "(measured): a load pays from %.0f tokens of context", where, settings.storage_size,
+                store.num_pages, store.used_bytes / 1e9, read_bytes_per_s / 1e9, prefill_flops_per_s / 1e12,
+                _break_even(cost))
+    return tier
+
+
+def _break_even(cost: LoadCost) -> float:
+    """The cached context after which reading a page beats computing it (0: always; inf: never)."""
+    per_token_read = cost.read_seconds(1)
+    base = cost.flops_per_token / cost.prefill_flops_per_s
+    if base >= per_token_read:
+        return 0.0
+    if cost.attention_flops_per_pair <= 0:
+        return float("inf")
+    return (per_token_read - base) * cost.prefill_flops_per_s / cost.attention_flops_per_pair

@@ -5,7 +5,7 @@ request parks there and the KV events are a flush at most."""
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -119,6 +119,10 @@ class NoPrefixCache:
         return 0
 
     def poll(self) -> bool:
+        return False
+
+    def fetch(self, key: str, tokens: Callable[[], Sequence[int]], matched: int, *,
+              namespace: Optional[str] = None) -> bool:
         return False
 
     def flush(self) -> bool:

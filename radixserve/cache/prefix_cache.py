@@ -294,6 +294,11 @@ class PrefixCache(Protocol):
     def poll(self) -> bool:
         """Take in finished host-tier copies; True when a load finished."""
 
+    def fetch(self, key: str, tokens: Callable[[], Sequence[int]], matched: int, *,
+              namespace: Optional[str] = None) -> bool:
+        """Whether the waiting request `key` waits for a storage tier to read more of its prefix
+        (tokens(): what it looks up) than the `matched` tokens cached here (False without one)."""
+
     def flush(self) -> bool:
         """Drop everything cached; refused (False) while any request holds a prefix."""
 

@@ -240,6 +240,10 @@ class RadixCache:
     def poll(self) -> bool:
         return False
 
+    def fetch(self, key: str, tokens: Callable[[], Sequence[int]], matched: int, *,
+              namespace: Optional[str] = None) -> bool:
+        return False
+
     def tier_stats(self) -> dict[str, float]:
         return no_host_tier_stats()
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
@@ -30,6 +30,9 @@ from radixserve.cache.host_pool import CopyEngine, CopyStats, HostKVPool
 from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.prefix_cache import CPU, GPU, PARTIAL, TreeNode, check_slot_ownership
 from radixserve.cache.radix_cache import RadixCache, slots_tensor
+
+if TYPE_CHECKING:
+    from radixserve.cache.disk_tier import StorageTier
 
 # host_seq of host copies a copy being prepared will use: busy until the copy is issued.
 _RESERVED = 1 << 62
@@ -63,6 +66,9 @@ class TieredRadixCache(RadixCache):
         self.loading_tokens = 0
         # Host copies in use by a copy: (copy seq, nodes), offered to host eviction once it is done.
         self._busy: deque[tuple[int, list[HostTierNode]]] = deque()
+        # The storage tier under the host tier (disk_tier.py; None: none): gets the host copies this
+        # tier drops, and its reads come back as host-only leaves (attach_host).
+        self.storage: Optional[StorageTier] = None
 
     def _reset(self) -> None:
         super()._reset()
@@ -133,7 +139,8 @@ class TieredRadixCache(RadixCache):
 
     def tier_stats(self) -> dict[str, float]:
         copies = self.copier.stats
-        return {"host_pool_tokens": self.host_allocator.total_tokens,
+        storage = self.storage.stats() if self.storage is not None else {}
+        return {**storage, "host_pool_tokens": self.host_allocator.total_tokens,
                 "host_free_tokens": self.host_allocator.free_tokens, "host_cached_tokens": self.host_size,
                 "loading_tokens": self.loading_tokens,
                 "loaded_tokens": copies.loaded_tokens, "loaded_bytes": copies.loaded_bytes,
@@ -193,8 +200,45 @@ class TieredRadixCache(RadixCache):
         return self.allocator.free_tokens >= tokens
 
     def poll(self) -> bool:
-        """Take in the copies done since the last poll; True when a load finished."""
-        return self._take_in_copies()
+        """Take in the copies done since the last poll (and the storage tier's finished reads); True
+        when a load finished."""
+        read = self.storage is not None and self.storage.poll()
+        return self._take_in_copies() or read
+
+    def fetch(self, key: str, tokens: Callable[[], Sequence[int]], matched: int, *,
+              namespace: Optional[str] = None) -> bool:
+        """Whether the waiting request `key` waits for the storage tier to read more of its prefix
+        than the `matched` tokens the tree has (disk_tier.StorageTier.fetch)."""
+        if self.storage is None:
+            return False
+        return self.storage.fetch(key, tokens, matched, namespace, self.attach_host)
+
+    def attach_host(self, tokens: Sequence[int], start: int, rows: torch.Tensor, namespace: Optional[str]) -> int:
+        """Put tokens[start:] (whole pages; rows: their KV in the host pool's layout, read from the
+        storage tier) into the tree as a host-only leaf under the cached path of tokens[:start];
+        the tokens added (0: that path is no longer cached, or the host tier has no room)."""
+        top = self._namespace_root(namespace, create=True)
+        node, pos = top, 0
+        for child, n, child_pos in self._walk(tokens, namespace):
+            node, pos = (child if n == len(child.key) else self._split(child, n)), child_pos + n
+        need = len(tokens) - pos
+        host = self._host_slots(need) if start <= pos < len(tokens) else None
+        if host is None or node.removed:  # node, a host-only leaf, may have gone for room
+            if host is not None:
+                self.host_allocator.free_slots(host)
+            self._drop_namespace_if_empty(top)
+            return 0
+        self.host_pool.buffer[host] = rows.view(-1, *self.host_pool.buffer.shape[1:])[pos - start:]
+        leaf = self.node_type(list(tokens[pos:]), None, node, self._next_tick(), next(self._ids))
+        leaf.host_value = host
+        node.children[self._child_key(tokens, pos)] = leaf
+        self.num_nodes += 1
+        self.host_size += need
+        self._stored_on_host(leaf)
+        self._push_host(leaf)
+        self.touched.add((node, self._child_key(tokens, pos)))
+        self._publish_insert(tokens, namespace)
+        return need
 
     def _take_in_copies(self) -> bool:
         """poll's work: only this, where a lookup waits for a load (a cache keeping more state does
@@ -385,6 +429,8 @@ class TieredRadixCache(RadixCache):
                 self._push_host(node)
                 continue
             short -= len(node.key)
+            if self.storage is not None:
+                self.storage.save(node, node.host_value)
             if node.value is not None:
                 if self.block_listener is not None:
                     self.block_listener("removed", CPU, node)

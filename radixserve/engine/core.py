@@ -20,7 +20,9 @@ from typing import Any, Optional
 
 import torch
 
-from radixserve.cache.factory import build_prefix_cache, make_host_tier
+from radixserve.cache.disk_tier import StorageTier
+from radixserve.cache.factory import build_prefix_cache, make_host_tier, make_storage_tier
+from radixserve.cache.stores.page_files import model_identity
 from radixserve.cache.namespace import is_cache_namespace
 from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.chat_formats import reasoning_format
@@ -92,6 +94,7 @@ class EngineCore:
             settings, self.model, self.device, self.dtype, self.context_len, tp, table_cls=self.ranks.table_cls)
         max_running = self.req_to_token.max_requests
         self.cache = self._make_cache(tp)
+        self.storage = self._make_storage()
         eos = list(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
@@ -156,8 +159,19 @@ class EngineCore:
                                "prefixes evicted to it resume no request of %s", arch)
         return cache
 
+    def _make_storage(self) -> Optional[StorageTier]:
+        """The storage tier (--storage-dir), told what computing a token costs on this model."""
+        cfg = self.model_config
+        params = sum(p.numel() for name, p in self.model.named_parameters() if "embed_tokens" not in name)
+        return make_storage_tier(self.settings, self.cache, self.kv_pool, model=model_identity(self.model_path),
+                                 flops_per_token=2.0 * params, hidden=cfg.hidden_size,
+                                 attention_flops_per_pair=4.0 * cfg.num_kv_layers * cfg.q_size)
+
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks, if any (a tp_size 1 engine holds nothing to stop)."""
+        """Stop the other tensor-parallel ranks, if any (a tp_size 1 engine holds nothing to stop),
+        and finish the storage tier's writes."""
+        if getattr(self, "storage", None) is not None:
+            self.storage.close(self.cache, self.kv_pool)
         self.ranks.close()
 
     @property

@@ -245,6 +245,8 @@ class Scheduler:
         """Whether req may be admitted with the device part of its cached prefix (True), waits for
         the rest to be copied back from the host (False; the copy is started here if it was not
         running), or cannot have it copied back now for lack of device room (None)."""
+        if self.cache.fetch(req.rid, req.match_target, req.peek_len, namespace=req.cache_namespace):
+            return False  # more of its prefix is being read from the storage tier into the host tier
         host, loading = self.cache.host_part(req.peek_len, req.peek_node)
         if not host:
             return True

@@ -46,6 +46,9 @@ ENGINE_TERMINATE_GRACE_S = 3.0
 # Engine outputs handed to their requests per event-loop iteration: each wakes a stream that then
 # renders and writes an event (~0.1 ms), so the first tokens of a thousand requests, which arrive
 # in one message, are handed out over several short iterations instead of one long one.
+# More time to exit with a storage tier: the engine writes the cache's pages not on disk yet
+# (gigabytes for a large device pool) so that a restart finds them.
+STORAGE_SHUTDOWN_S = 60.0
 OUTPUTS_PER_ITERATION = 64
 # Engine messages (each one step's outputs) read together when they are already waiting: when this
 # process falls behind a thousand streams, each request then gets the tokens of several steps as
@@ -277,6 +280,8 @@ class EngineClient:
                 self._push.send_multipart(m.encode(m.Shutdown()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+        if self.settings.storage_enabled:
+            timeout_s += STORAGE_SHUTDOWN_S  # the storage tier writes the cache's pages before the engine exits
         await self._reap(timeout_s)
         for task in self._tasks:
             task.cancel()

@@ -1,0 +1,298 @@
+"""The storage tier's policy: what goes to disk, what comes back, and only when it pays.
+
+The tier is content-addressed, beside the tree rather than in it: a page on disk is named by its
+chained page hash (the KV events' hash, `block_events.path_page_hash`; a salted request's pages
+chain from its namespace, so they never answer another namespace's lookup), and no tree node
+records what is on disk. So the tier survives restarts as it is, and needs three things of the
+tree (`TieredRadixCache`): a host copy it is about to drop (`save`), a lookup of what it could add
+beyond a request's cached prefix (`fetch`), and a place to put what it read (`attach_host`, the
+pages becoming a host-only leaf, from where the host tier's own load copies them to the device).
+
+- **Save**: when the host tier drops a host copy for room, its pages not on disk yet are copied out
+  of the host pool (its slots are reused at once) and queued for the I/O thread.
+- **Fetch** (a waiting request, on arrival and at each admission attempt, until it is decided):
+  hash the request's pages, count the consecutive ones past its cached prefix that the store holds,
+  and read them only when that pays: expected read time (bytes / the read bandwidth measured at
+  start-up) below the time computing them takes (their FLOPs / the prefill rate measured at
+  start-up). The decision is logged per request and counted. While the read runs, the request
+  waits (admission passes over it, as for a host-tier load); every waiting request's read starts
+  on arrival, so the LPM queue's next requests find theirs done.
+- **Poll** (each step's start): finished reads become host-only leaves; the waiting queue sees the
+  longer match and the host tier copies them back as any host hit.
+
+A hybrid model's state snapshots are not stored yet: its tree (`TieredSnapshotRadixCache`) resumes
+a request only where a snapshot lies, so its pages on disk would need their snapshot beside them (a
+second payload kind keyed by the hash of the page it ends, written when the host tier drops a node
+with a snapshot and read with the pages before it); the factory refuses the tier for hybrids.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from radixserve.cache.block_events import path_page_hash
+from radixserve.cache.block_hash import page_hashes
+from radixserve.cache.host_pool import HostKVPool
+from radixserve.cache.namespace import namespace_page_parent
+from radixserve.cache.prefix_cache import TreeNode
+from radixserve.cache.stores.disk import DiskStore, ReadJob
+from radixserve.cache.stores.page_files import PageRecord
+
+logger = logging.getLogger("radixserve")
+
+# Requests whose storage decision is remembered (a request is decided once, until its prompt grows).
+REMEMBERED_REQUESTS = 4096
+
+STORAGE_STAT_KEYS = ("storage_pages", "storage_used_bytes", "storage_capacity_bytes", "storage_restored_pages",
+                     "storage_pending_write_bytes", "storage_pages_written", "storage_bytes_written",
+                     "storage_pages_read", "storage_bytes_read", "storage_loads", "storage_skipped_loads",
+                     "storage_loaded_tokens", "storage_attach_failures", "storage_write_drops",
+                     "storage_evicted_pages", "storage_missing_pages", "storage_corrupt_pages",
+                     "storage_read_errors", "storage_read_bandwidth_gbps", "storage_prefill_tflops")
+
+
+def no_storage_stats() -> dict[str, float]:
+    return {k: 0 for k in STORAGE_STAT_KEYS}
+
+
+@dataclass(frozen=True)
+class LoadCost:
+    """What a read and a recompute of n tokens after `start` cached ones cost, in seconds."""
+    read_bytes_per_s: float  # measured at start-up (page-sized reads, latency included)
+    bytes_per_token: int  # KV bytes one token's page share takes on disk
+    flops_per_token: float  # the model's matmuls: 2 x its parameters
+    attention_flops_per_pair: float  # per (token, earlier token) pair: 4 x layers x query heads x head dim
+    prefill_flops_per_s: float  # measured at start-up
+
+    def read_seconds(self, tokens: int) -> float:
+        return tokens * self.bytes_per_token / self.read_bytes_per_s
+
+    def recompute_seconds(self, start: int, tokens: int) -> float:
+        pairs = tokens * start + tokens * (tokens + 1) / 2  # each token attends to everything before it
+        return (tokens * self.flops_per_token + pairs * self.attention_flops_per_pair) / self.prefill_flops_per_s
+
+
+def measure_prefill_flops(device: torch.device, dtype: torch.dtype, hidden: int, *, rows: int = 1024,
+                          seconds: float = 0.2) -> float:
+    """FLOP/s of the prefill's dominant work (a [rows, hidden] x [hidden, 4 hidden] matmul) on the
+    device: an upper bound of the real prefill rate, so recompute is never estimated too slow and
+    a load is never taken that computing would have beaten."""
+    a = torch.randn(rows, hidden, device=device).to(dtype)
+    b = torch.randn(hidden, 4 * hidden, device=device).to(dtype)
+    flops = 2.0 * rows * hidden * 4 * hidden
+    torch.matmul(a, b)  # the first call pays for the kernel choice
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    reps, start = 0, time.perf_counter()
+    while True:
+        torch.matmul(a, b)
+        reps += 1
+        if device.type == "cuda" and reps % 8:
+            continue
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds or reps >= 4096:
+            return reps * flops / max(elapsed, 1e-9)
+
+
+# Reads for one request: a prefix read back and pushed out of the host tier again before its
+# request got in is read again, this many times at most.
+MAX_READS_PER_REQUEST = 3
+
+
+@dataclass
+class _Decision:
+    tokens: int  # the request's token count when decided (a longer prompt is decided again)
+    matched: int  # its cached prefix then (one that shrank since, evicted while it waited, is decided again)
+    job: Optional[ReadJob] = None  # the read in flight (None: decided, nothing in flight)
+    reads: int = 0
+
+
+class StorageTier:
+    def __init__(self, store: DiskStore, host_pool: HostKVPool, cost: LoadCost):
+        self.store = store
+        self.host_pool = host_pool
+        self.page_size = host_pool.page_size
+        self.page_bytes = store.page_bytes
+        assert self.page_bytes == self.page_size * host_pool.bytes_per_token
+        self.cost = cost
+        self._decided: OrderedDict[str, _Decision] = OrderedDict()
+        self._jobs = 0
+        self.loads = 0
+        self.skipped_loads = 0
+        self.loaded_tokens = 0
+        self.attach_failures = 0
+        self.reading_tokens = 0
+        self.read_cap = max(self.page_size, host_pool.total_tokens // 2 // self.page_size * self.page_size)
+
+    # ------------------------------------------------------------------ save (host eviction)
+    def save(self, node: TreeNode, host_slots: torch.Tensor) -> None:
+        """The host tier is about to drop node's host copy (host_slots): queue its pages not on disk yet."""
+        parent = path_page_hash(node.parent, self.page_size)
+        hashes = page_hashes(node.key, self.page_size, parent)
+        node.block_hash = hashes[-1]
+        todo = [i for i, h in enumerate(hashes) if h not in self.store]
+        if todo:  # a copy: the slots go now
+            self._write(node, parent, hashes, todo, self.host_pool.buffer[host_slots])
+
+    def _write(self, node: TreeNode, parent: Optional[int], hashes: list[int], todo: list[int],
+               rows: torch.Tensor, *, wait: bool = False) -> None:
+        ps = self.page_size
+        rows = rows.reshape(len(hashes), self.page_bytes)
+        for i in todo:
+            prev = parent if i == 0 else hashes[i - 1]
+            self.store.write(PageRecord(hashes[i], prev, node.key[i * ps:(i + 1) * ps]), rows[i], wait=wait)
+
+    # ------------------------------------------------------------------ fetch (a waiting request)
+    def fetch(self, key: str, tokens: Callable[[], Sequence[int]], matched: int, namespace: Optional[str],
+              attach: Callable[..., int]) -> bool:
+        """Whether the request `key` waits for a read of the pages after its `matched` cached
+        tokens (started here when they are on disk and reading them pays)."""
+        decided = self._decided.get(key)
+        if decided is not None and decided.job is not None:
+            return True
+        ids = tokens()
+        reads = 0
+        if decided is not None:
+            if decided.tokens >= len(ids) and (decided.matched <= matched or decided.reads >= MAX_READS_PER_REQUEST):
+                return False
+            reads = decided.reads
+        ps = self.page_size
+        first = matched // ps
+        if (len(ids) // ps) <= first or not self.store.num_pages:
+            self._remember(key, _Decision(len(ids), matched, reads=reads))
+            return False
+        hashes = page_hashes(ids, ps, namespace_page_parent(namespace))
+        n = 0
+        # Reads land in the host tier: one at most all of it; more than one in flight at most half
+        # of it, so one read's pages are not pushed out by the next before their request copies
+        # them to the device.
+        limit = self.host_pool.total_tokens // ps
+        while first + n < len(hashes) and n < limit and hashes[first + n] in self.store:
+            n += 1
+        if n == 0:
+            self._remember(key, _Decision(len(ids), matched, reads=reads))
+            return False
+        start, count = first * ps, n * ps
+        if self.reading_tokens and self.reading_tokens + count > self.read_cap:
+            return True  # waits, undecided, for the reads in flight to be taken in
+        self._remember(key, _Decision(len(ids), matched, reads=reads))
+        read_s, compute_s = self.cost.read_seconds(count), self.cost.recompute_seconds(start, count)
+        if read_s >= compute_s:
+            self.skipped_loads += 1
+            logger.info("storage tier: request %s computes %d tokens after %d cached: reading them would take "
+                        "%.2f ms, computing %.2f ms", key, count, start, read_s * 1e3, compute_s * 1e3)
+            return False
+        records = [PageRecord(hashes[i], hashes[i - 1] if i else namespace_page_parent(namespace),
+                              ids[i * ps:(i + 1) * ps]) for i in range(first, first + n)]
+        self._jobs += 1
+        job = ReadJob(self._jobs, records, torch.empty(n * self.page_bytes, dtype=torch.uint8),
+                      payload=dict(key=key, tokens=list(ids[:start + count]), start=start, namespace=namespace,
+                                   attach=attach))
+        self._decided[key].job = job
+        self._decided[key].reads += 1
+        self.loads += 1
+        self.reading_tokens += count
+        logger.info("storage tier: request %s reads %d tokens after %d cached: %.2f ms expected, computing them "
+                    "%.2f ms", key, count, start, read_s * 1e3, compute_s * 1e3)
+        self.store.read(job)
+        return True
+
+    def _remember(self, key: str, decision: _Decision) -> None:
+        self._decided[key] = decision
+        self._decided.move_to_end(key)
+        while len(self._decided) > REMEMBERED_REQUESTS:
+            old_key, old = next(iter(self._decided.items()))
+            if old.job is not None:
+                break  # still reading: forgotten after it is taken in
+            del self._decided[old_key]
+
+    # ------------------------------------------------------------------ poll (each step's start)
+    def poll(self) -> bool:
+        """Put the finished reads into the host tier; whether any added tokens."""
+        added = False
+        for job in self.store.finished():
+            p = job.payload
+            decided = self._decided.get(p["key"])
+            if decided is not None and decided.job is job:
+                decided.job = None
+            self.reading_tokens -= len(job.records) * self.page_size
+            if not job.pages_read:
+                continue
+            end = p["start"] + job.pages_read * self.page_size
+            rows = job.out[:job.pages_read * self.page_bytes]
+            got = p["attach"](p["tokens"][:end], p["start"], rows, p["namespace"])
+            if got:
+                self.loaded_tokens += got
+                added = True
+            else:
+                self.attach_failures += 1
+        return added
+
+    def stats(self) -> dict[str, float]:
+        s = self.store.stats
+        return {"storage_pages": self.store.num_pages, "storage_used_bytes": self.store.used_bytes,
+                "storage_capacity_bytes": self.store.backend.capacity_bytes,
+                "storage_restored_pages": self.store.restored_pages,
+                "storage_pending_write_bytes": self.store.pending_bytes,
+                "storage_pages_written": s.pages_written, "storage_bytes_written": s.bytes_written,
+                "storage_pages_read": s.pages_read, "storage_bytes_read": s.bytes_read,
+                "storage_loads": self.loads, "storage_skipped_loads": self.skipped_loads,
+                "storage_loaded_tokens": self.loaded_tokens, "storage_attach_failures": self.attach_failures,
+                "storage_write_drops": s.write_drops_queue + s.write_drops_full + s.write_errors,
+                "storage_evicted_pages": s.evicted_pages, "storage_missing_pages": s.missing_pages,
+                "storage_corrupt_pages": s.corrupt_pages, "storage_read_errors": s.read_errors,
+                "storage_read_bandwidth_gbps": self.cost.read_bytes_per_s / 1e9,
+                "storage_prefill_tflops": self.cost.prefill_flops_per_s / 1e12}
+
+    def save_tree(self, cache, kv_pool) -> int:
+        """Queue every page of cache's tree not on disk yet (at shutdown: what a restart should
+        find), from its host copy or else from the device pool; the pages queued."""
+        cache.copier.wait_all()  # host copies being written are complete
+        queued = 0
+        stack = list(cache.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if not node.key:  # a namespace root
+                continue
+            parent = path_page_hash(node.parent, self.page_size)
+            hashes = page_hashes(node.key, self.page_size, parent)
+            node.block_hash = hashes[-1]
+            todo = [i for i, h in enumerate(hashes) if h not in self.store]
+            if not todo:
+                continue
+            if node.host_value is not None:
+                rows = self.host_pool.buffer[node.host_value]
+            elif node.value is not None:
+                rows = device_rows(kv_pool, node.value)
+            else:
+                continue
+            self._write(node, parent, hashes, todo, rows, wait=True)
+            queued += len(todo)
+        return queued
+
+    def close(self, cache=None, kv_pool=None) -> None:
+        """Keep the tree's pages (when given it), finish the writes and let go of the directory."""
+        if cache is not None and not self.store._closed:
+            try:
+                queued = self.save_tree(cache, kv_pool)
+                logger.info("storage tier: %d pages of the cache written at shutdown", queued)
+            except Exception as e:  # noqa: BLE001: what is already on disk stays usable
+                logger.warning("storage tier: the cache's pages were not all written at shutdown (%s)", e)
+        self.store.close()
+
+
+def device_rows(kv_pool, slots: torch.Tensor) -> torch.Tensor:
+    """The KV of device slots as host-pool rows ([slot, layer, k|v, bytes], on the CPU)."""
+    idx = slots.to(kv_pool.k_buffers[0].device)
+    layers = [torch.stack([k[idx].view(len(slots), -1).view(torch.uint8), v[idx].view(len(slots), -1).view(torch.uint8)],
+                          dim=1) for k, v in zip(kv_pool.k_buffers, kv_pool.v_buffers)]
+    return torch.stack(layers, dim=1).cpu()

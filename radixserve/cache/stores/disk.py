@@ -1,0 +1,258 @@
+"""The storage tier's store: a set of pages on a backend, written and read off the step.
+
+The engine thread only queues: `write` hands a page (its bytes already copied out of the host
+tier, whose slots are reused at once) to the I/O thread, `read` asks for a run of pages into a
+buffer, `finished` takes the reads that are done. One I/O thread does both, reads first: a read
+is what a waiting request waits for, a write only keeps a page for later. A page still queued for
+writing is read from the queue, so a prefix evicted a moment ago is found at once.
+
+Nothing here blocks the step on the disk: a write queue holding more than `max_pending_bytes` drops
+the new page (counted), a full disk drops the page that did not fit (counted), a read that fails
+ends its run there (the pages after a gap are no prefix of anything: the request computes them).
+
+`synchronous=True` does the I/O at the call instead (the scheduler simulator, whose steps take no
+real time); completion is still observed through `finished`, so the caller's path is the same.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from radixserve.cache.stores.page_files import PageBackend, PageMissing, PageRecord, StoreStamp
+
+logger = logging.getLogger("radixserve")
+
+# Pages written between two saves of the backend's LRU index.
+INDEX_SAVE_EVERY = 1024
+# How often the keys of a backend other servers write to too are listed again (their new pages).
+SHARED_REFRESH_S = 1.0
+
+
+@dataclass
+class StoreStats:
+    pages_written: int = 0
+    bytes_written: int = 0
+    pages_read: int = 0
+    bytes_read: int = 0
+    write_drops_queue: int = 0  # the write queue was full: the page was not kept
+    write_drops_full: int = 0  # the disk had no room (ENOSPC), or one page is larger than storage_size
+    write_errors: int = 0  # any other OSError on write
+    evicted_pages: int = 0  # dropped for room (storage_size reached)
+    missing_pages: int = 0  # a read found its file gone
+    corrupt_pages: int = 0  # a read found another page, other tokens or a bad checksum (the file is removed)
+    read_errors: int = 0
+
+
+@dataclass
+class ReadJob:
+    """A run of consecutive pages to read into `out` (page i at i * page_bytes)."""
+    job_id: int
+    records: list[PageRecord]
+    out: torch.Tensor  # uint8, len(records) * page_bytes
+    pages_read: int = 0  # set when done: the leading pages that were read and checked
+    done: bool = False
+    payload: dict = field(default_factory=dict)  # the caller's (what to do with the pages)
+
+
+class DiskStore:
+    def __init__(self, backend: PageBackend, stamp: StoreStamp, *, synchronous: bool = False,
+                 max_pending_bytes: int = 1 << 30):
+        self.backend = backend
+        self.stamp = stamp
+        self.page_bytes = stamp.page_bytes
+        self.synchronous = synchronous
+        self.max_pending_bytes = max(max_pending_bytes, self.page_bytes)
+        self.stats = StoreStats()
+        # Every key on the backend or queued for it; the I/O thread removes what it drops.
+        self._keys: set[int] = set(backend.open(stamp))
+        self.restored_pages = len(self._keys)
+        self._lock = threading.Condition()
+        self._writes: OrderedDict[int, tuple[PageRecord, torch.Tensor]] = OrderedDict()
+        self.pending_bytes = 0
+        self._reads: deque[ReadJob] = deque()
+        self._done: deque[ReadJob] = deque()
+        self._since_index = 0
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+        if not synchronous:
+            self._thread = threading.Thread(target=self._run, name="storage-io", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ the engine thread's side
+    def __contains__(self, key: int) -> bool:
+        return key in self._keys
+
+    @property
+    def num_pages(self) -> int:
+        return len(self._keys)
+
+    @property
+    def used_bytes(self) -> int:
+        return getattr(self.backend, "used_bytes", 0)
+
+    def write(self, record: PageRecord, payload: torch.Tensor, *, wait: bool = False) -> bool:
+        """Queue a page (uint8, page_bytes, owned by the store from now); False: not kept. wait:
+        for room in a full queue (at shutdown) instead of dropping the page."""
+        with self._lock:
+            if record.key in self._keys:
+                return True
+            while wait and self._thread is not None and self.pending_bytes + self.page_bytes > self.max_pending_bytes:
+                self._lock.wait(0.1)
+            if self.pending_bytes + self.page_bytes > self.max_pending_bytes:
+                self.stats.write_drops_queue += 1
+                return False
+            self._keys.add(record.key)
+            self._writes[record.key] = (record, payload)
+            self.pending_bytes += self.page_bytes
+            self._lock.notify()
+        if self.synchronous:
+            self._drain_writes()
+        return True
+
+    def read(self, job: ReadJob) -> None:
+        with self._lock:
+            self._reads.append(job)
+            self._lock.notify()
+        if self.synchronous:
+            self._do_read(job)
+
+    def finished(self) -> list[ReadJob]:
+        with self._lock:
+            done, self._done = list(self._done), deque()
+        return done
+
+    def close(self) -> None:
+        """Finish the queued writes, save the index and let go of the directory (once)."""
+        if self._closed:
+            return
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+        else:
+            self._drain_writes()
+        self.backend.close()
+
+    # ------------------------------------------------------------------ the I/O thread
+    def _run(self) -> None:
+        refreshed = time.monotonic()
+        while True:
+            if self.backend.shared and time.monotonic() - refreshed >= SHARED_REFRESH_S:
+                refreshed = time.monotonic()
+                self._refresh_keys()
+            with self._lock:
+                while not self._reads and not self._writes and not self._closed:
+                    if not self._lock.wait(SHARED_REFRESH_S if self.backend.shared else None):
+                        break  # time to list the shared backend's keys again
+                if not self._reads and not self._writes and not self._closed:
+                    continue
+                if self._reads:
+                    job = self._reads[0]
+                elif self._writes:
+                    job = None
+                else:
+                    return  # closed, nothing left
+            if job is not None:
+                self._do_read(job)
+            else:
+                self._write_one()
+
+    def _refresh_keys(self) -> None:
+        try:
+            keys = self.backend.list_keys()
+        except Exception as e:  # noqa: BLE001: the pages already known stay usable
+            logger.warning("storage tier: could not list the shared store's pages (%s)", e)
+            return
+        with self._lock:
+            self._keys.update(keys)
+
+    def _drain_writes(self) -> None:
+        while self._writes:
+            self._write_one()
+
+    def _write_one(self) -> None:
+        with self._lock:
+            key, (record, payload) = next(iter(self._writes.items()))
+        kept = False
+        try:
+            self._forget(self.backend.make_room(self.page_bytes), evicted=True)
+            self.backend.put(record, memoryview(payload.numpy()))
+            kept = True
+            self.stats.pages_written += 1
+            self.stats.bytes_written += self.page_bytes
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                self.stats.write_drops_full += 1
+            else:
+                self.stats.write_errors += 1
+                logger.warning("storage tier: a page write failed (%s); the page is not kept", e)
+        with self._lock:
+            self._writes.pop(key, None)
+            self.pending_bytes -= self.page_bytes
+            if not kept:
+                self._keys.discard(key)
+            self._lock.notify_all()  # a writer waiting for room
+        self._since_index += 1
+        if self._since_index >= INDEX_SAVE_EVERY and hasattr(self.backend, "save_index"):
+            self._since_index = 0
+            try:
+                self.backend.save_index()
+            except OSError:
+                pass  # the next start scans the directory instead
+
+    def _forget(self, keys: list[int], *, evicted: bool) -> None:
+        if not keys:
+            return
+        with self._lock:
+            for key in keys:
+                self._keys.discard(key)
+        if evicted:
+            self.stats.evicted_pages += len(keys)
+
+    def _do_read(self, job: ReadJob) -> None:
+        out = job.out.numpy()
+        n = 0
+        for i, record in enumerate(job.records):
+            view = memoryview(out[i * self.page_bytes:(i + 1) * self.page_bytes])
+            with self._lock:
+                queued = self._writes.get(record.key)
+            if queued is not None and list(queued[0].tokens) == list(record.tokens) \
+                    and queued[0].parent == record.parent:
+                view[:] = memoryview(queued[1].numpy())
+            else:
+                try:
+                    self.backend.get_into(record, view)
+                except PageMissing as e:
+                    self._count_missing(record, e)
+                    break
+            n += 1
+        self.stats.pages_read += n
+        self.stats.bytes_read += n * self.page_bytes
+        job.pages_read = n
+        with self._lock:
+            if self._reads and self._reads[0] is job:
+                self._reads.popleft()
+            else:
+                self._reads.remove(job)
+            job.done = True
+            self._done.append(job)
+
+    def _count_missing(self, record: PageRecord, e: PageMissing) -> None:
+        if e.reason == "missing":
+            self.stats.missing_pages += 1
+        elif e.reason == "corrupt":
+            self.stats.corrupt_pages += 1
+        else:
+            self.stats.read_errors += 1
+        logger.warning("storage tier: page %016x dropped: %s; its tokens are computed", record.key, e)
+        self.backend.remove(record.key)
+        self._forget([record.key], evicted=False)
