@@ -85,7 +85,9 @@ def main() -> None:
     p.add_argument("--out", default="storage.json")
     args = p.parse_args()
     rng = random.Random(1)
-    ids = lambda n: [rng.randrange(1000, 100000) for _ in range(n)]  # noqa: E731
+    with open(os.path.join(args.model, "config.json")) as f:
+        vocab = json.load(f).get("vocab_size", 100000)
+    ids = lambda n: [rng.randrange(vocab // 100, min(vocab, 100000)) for _ in range(n)]  # noqa: E731
     warm, prompt, fresh = ids(args.tokens), ids(args.tokens), ids(args.tokens)
     log_dir = os.path.dirname(os.path.abspath(args.out))
     result: dict = {"tokens": args.tokens, "page_size": args.page_size}

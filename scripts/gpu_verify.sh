@@ -15,6 +15,9 @@
 #               fraction leaves beside that pool) and serves gsp 8x8 with hits; its memory line
 #   peers27b    SGLang and vLLM on the same agent workload (their bundles unpacked under /tmp)
 #   qwen3       Qwen3-8B and Qwen3-30B-A3B beside the peers: random, rate 5, gsp
+#   storage     the storage tier on the 7B: a 16k-token prefix's TTFT from disk against computing it
+#               (scripts/gpu_storage_bench.py), then the agent workload with a host tier of 1x the pool,
+#               alone and with the storage tier below it, alternated
 #
 # Writes under $OUT (else runs/verify): verify.jsonl, one line per finished row
 # ({"stage", "label", "commit", "device", ...the row}), suite.log, and logs-STAGE.tar.gz with each
@@ -189,11 +192,27 @@ stage_qwen3() {
   pack_logs qwen3
 }
 
+stage_storage() {
+  [ "$(left)" -lt 150 ] && { log "storage: skipped, $(left)s left"; return; }
+  log "storage: a 16k prefix from disk against recompute, then the agent workload over a small host tier"
+  mkdir -p "$WORK/storage"
+  timeout -k 5 $(( $(left) / 2 )) python3 scripts/gpu_storage_bench.py --out "$WORK/storage/ttft.json" \
+    > "$WORK/storage/ttft.log" 2>&1
+  tail -5 "$WORK/storage/ttft.log"
+  [ -s "$WORK/storage/ttft.json" ] && row storage ttft-16k "$(cat "$WORK/storage/ttft.json")"
+  rm -rf /tmp/verify-storage-dir
+  OUT=$WORK/storage/agent DEADLINE_S=$(( $(left) - 20 )) \
+    CONFIGS="host1x:--hicache-ratio,1,--page-size,16 host1x-disk:--hicache-ratio,1,--page-size,16,--storage-dir,/tmp/verify-storage-dir" \
+    bash scripts/gpu_agent_bench.sh
+  bench_rows storage "$WORK/storage/agent/results.jsonl"
+  pack_logs storage
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,power.limit --format=csv,noheader
 row start machine "$(python3 -c 'import json,torch,triton; print(json.dumps({"torch": torch.__version__, "triton": triton.__version__}))')"
 for stage in "${STAGES[@]}"; do
   case $stage in
-    suite|memory|hybrid27b|smoke27b|peers27b|qwen3) "stage_$stage" ;;
+    suite|memory|hybrid27b|smoke27b|peers27b|qwen3|storage) "stage_$stage" ;;
     *) log "unknown stage $stage" ;;
   esac
   log "$stage done, $(left)s left"
