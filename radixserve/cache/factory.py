@@ -19,11 +19,11 @@ from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.no_cache import NoPrefixCache
 from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.cache.snapshot_cache import BRANCH_MIN_TOKENS, SnapshotRadixCache
 from radixserve.cache.state_pool import RecurrentStateSpec
 from radixserve.cache.state_snapshots import HostStateSnapshots
-from radixserve.cache.tiered_cache import TieredRadixCache
-from radixserve.cache.tiered_snapshot_cache import TieredSnapshotRadixCache
+from radixserve.cache.stores.host_kv import HostKV
+from radixserve.cache.stores.host_snapshots import HostSnapshots
+from radixserve.cache.stores.snapshots import BRANCH_MIN_TOKENS, SnapshotStore
 from radixserve.settings import CPU_MAMBA_CACHE_SIZE, ServerSettings
 
 logger = logging.getLogger("radixserve")
@@ -164,16 +164,17 @@ def build_prefix_cache(settings: ServerSettings, kv_pool: KVPool, host: Optional
 
 
 def tree_cache(kv_pool: KVPool, host: Optional[HostTier] = None, *, eviction_policy: str = "lru",
-               write_through: bool = False, branch_min_tokens: int = BRANCH_MIN_TOKENS) -> PrefixCache:
-    """The radix tree over kv_pool, keeping a hybrid model's state snapshots (kv_pool.snapshots)
-    where there are some, and with the host tier `host` where there is one."""
-    common = dict(page_size=kv_pool.page_size, eviction_policy=eviction_policy)
-    snapshots = kv_pool.snapshots
-    if host is None:
-        if snapshots is None:
-            return RadixCache(kv_pool.allocator, **common)
-        return SnapshotRadixCache(kv_pool.allocator, snapshots, branch_min_tokens=branch_min_tokens, **common)
-    if snapshots is None:
-        return TieredRadixCache(kv_pool.allocator, host.pool, host.copier, write_through=write_through, **common)
-    return TieredSnapshotRadixCache(kv_pool.allocator, snapshots, host.pool, host.copier, host.snapshots,
-                                    write_through=write_through, branch_min_tokens=branch_min_tokens, **common)
+               write_through: bool = False, branch_min_tokens: int = BRANCH_MIN_TOKENS) -> RadixCache:
+    """The radix tree over kv_pool with the stores there are: a hybrid model's state snapshots
+    (kv_pool.snapshots) where there are some, the host tier `host` where there is one (its
+    snapshot slots, host.snapshots, under the snapshot store)."""
+    page_size = kv_pool.page_size
+    host_kv = states = None
+    if host is not None:
+        host_kv = HostKV(host.pool, host.copier, page_size=page_size, write_through=write_through)
+    if kv_pool.snapshots is not None:
+        host_states = HostSnapshots(host.snapshots) if host is not None and host.snapshots is not None else None
+        states = SnapshotStore(kv_pool.snapshots, host_states, page_size=page_size,
+                               branch_min_tokens=branch_min_tokens)
+    return RadixCache(kv_pool.allocator, page_size=page_size, eviction_policy=eviction_policy,
+                      host=host_kv, states=states)
