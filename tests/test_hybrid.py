@@ -39,9 +39,7 @@ from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.no_cache import NoPrefixCache
 from radixserve.cache.radix_cache import PROMPT_END_SLACK
-from radixserve.cache.snapshot_cache import SnapshotRadixCache
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
-from radixserve.cache.tiered_snapshot_cache import TieredSnapshotRadixCache
 from radixserve.engine.messages import EngineStats
 from radixserve.engine.model_stack import state_spec
 from radixserve.model.config import ModelConfig
@@ -222,7 +220,7 @@ def test_greedy_equals_transformers_cold_and_resumed_from_state_snapshots(qwen3_
     token; the small pool retracts, and a retracted request resumes from its own snapshot."""
     path, prompts, expected = qwen3_5
     with Engine(str(path), **{"max_total_tokens": 4096, **settings}) as engine:
-        assert isinstance(engine.core.cache, SnapshotRadixCache) and engine.core.kv_pool.state is not None
+        assert engine.core.cache.states is not None and engine.core.cache.host is None and engine.core.kv_pool.state is not None
         cached = []
         for _ in range(2):
             results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
@@ -423,7 +421,8 @@ def test_tp2_shards_both_layer_kinds_and_the_experts_and_resumes_with_transforme
 def snapshot_nodes(cache) -> tuple[int, int]:
     """(nodes holding a device snapshot, nodes holding a host snapshot)."""
     nodes = list(cache.iter_nodes())
-    return sum(n.snapshot is not None for n in nodes), sum(n.host_snapshot is not None for n in nodes)
+    return (sum(n.state is not None and n.state.slot is not None for n in nodes),
+            sum(n.state is not None and n.state.host_slot is not None for n in nodes))
 
 
 @pytest.mark.parametrize("settings", [dict(), dict(chunked_prefill_size=7, page_size=4, hicache_write_policy="write_through"),
@@ -437,7 +436,7 @@ def test_greedy_equals_transformers_resumed_from_snapshots_that_went_to_the_host
     with Engine(str(path), **{"max_total_tokens": 160, "hicache_ratio": 8, "chunked_prefill_size": 16,
                               **settings}) as engine:
         cache = engine.core.cache
-        assert isinstance(cache, TieredSnapshotRadixCache) and not engine.core.kv_pool.snapshots.host.pinned
+        assert cache.states is not None and cache.host is not None and not engine.core.kv_pool.snapshots.host.pinned
         cached = []
         for _ in range(2):
             results = engine.generate(input_ids=prompts, sampling_params=GREEDY)

@@ -453,11 +453,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                     continue
                 path = prefix + tuple(child.key)
                 assert (namespace, path[:self.page]) in self.computed and (namespace, path) in self.computed
-                if child.snapshot is not None and child.snapshot not in getattr(self.cache, "queued_saves", ()):
-                    got = self.pool.snapshots.ssm[0][child.snapshot].item()
+                snapshot = child.state
+                if snapshot is not None and snapshot.slot is not None \
+                        and snapshot.slot not in getattr(self.cache, "queued_saves", ()):
+                    got = self.pool.snapshots.ssm[0][snapshot.slot].item()
                     assert got == state_of(path), "a node's snapshot is not its path's state"
-                if getattr(child, "host_snapshot", None) is not None:
-                    got = self.pool.snapshots.host.ssm[0][child.host_snapshot].item()
+                if snapshot is not None and snapshot.host_slot is not None:
+                    got = self.pool.snapshots.host.ssm[0][snapshot.host_slot].item()
                     assert got == state_of(path), "a node's host snapshot is not its path's state"
                 if child.value is not None:  # on the device: its slots hold its tokens' KV
                     for i, slot in enumerate(child.value.tolist()):
@@ -503,7 +505,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                     "a salted block published with its token ids, or a shared one without"
                 if child.value is not None:
                     held["GPU"] |= set(hashes)
-                if getattr(child, "host_value", None) is not None:
+                if child.host is not None:
                     held["CPU"] |= set(hashes)
                 stack.append((child, hashes[-1], salted))
         assert self.published == held

@@ -155,7 +155,7 @@ def test_a_finished_prompt_end_is_marked_and_found_by_the_next_turn_only():
     _insert(cache, prompt + [1, 2, 3])  # a finished request: its prompt and its output
     cache.mark_prompt_end(prompt, beyond=0)
     _, node = cache.peek(prompt)
-    assert node.ends_prompt and len(cache._path_tokens(node)) == len(prompt)  # split at the prompt's end
+    assert node.ends_prompt and len(cache.tree.path_tokens(node)) == len(prompt)  # split at the prompt's end
     next_turn = prompt + [9, 9] + list(range(300, 310))  # the conversation so far (another reply), more
     assert cache.extends_a_prompt(cache.match(next_turn).last_node)
     other = system + list(range(400, 420))  # another question under the same system prompt

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from radixserve.bench.scheduler_sim import HYBRID_27B, SimConfig, agent_sessions, make_sessions, simulate
-from radixserve.cache.kv_pool import PageAllocator, ReqToTokenPool
+from radixserve.cache.factory import tree_cache
+from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.cache.radix_cache import PROMPT_END_SLACK
-from radixserve.cache.snapshot_cache import SnapshotRadixCache
 from radixserve.cache.snapshot_policy import SEQUENCE_END_MIN_SHARE, SEQUENCE_END_PROBE, SEQUENCE_END_WINDOW
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
 from radixserve.cache.state_snapshots import StateSnapshots
@@ -37,10 +37,11 @@ class Harness:
     """A scheduler over a snapshot cache of `slots` snapshots, driven step by step."""
 
     def __init__(self, slots: int, pool: int = 4096, *, agent: bool = False, rows: int = ROWS, chunk: int = 8192):
-        snapshots = StateSnapshots(slots, RecurrentStatePool(rows, SPEC, "cpu"))
-        self.cache = SnapshotRadixCache(PageAllocator(pool, 1), snapshots)
+        state = RecurrentStatePool(rows, SPEC, "cpu")
+        snapshots = StateSnapshots(slots, state)
+        self.cache = tree_cache(KVPool(pool, 1, 1, 1, 1, torch.float32, "cpu", state=state, snapshots=snapshots))
         if agent:  # as after a window of sequence-end snapshots nobody resumed from: few are taken
-            self.cache._end_outcomes.extend([False] * SEQUENCE_END_WINDOW)
+            self.cache.states._end_outcomes.extend([False] * SEQUENCE_END_WINDOW)
         table = ReqToTokenPool(rows, 1, "cpu")
         table.write = lambda *a: None  # no model reads the slot table
         settings = ServerSettings(max_total_tokens=pool, device="cpu", prefix_hold_s=0.0, chunked_prefill_size=chunk)
@@ -221,7 +222,7 @@ def test_a_full_pool_takes_the_snapshot_on_a_running_requests_path():
     a = h.add(ids(100, 0), output=40)
     while not a.output_ids:
         h.step()
-    assert h.cache.snapshots_held == 1  # a's prompt end, on its locked path while it decodes
+    assert h.cache.states.snapshots_held == 1  # a's prompt end, on its locked path while it decodes
     (b,) = h.run(ids(100, 20000), output=1)
     assert a.finish_reason is None
     while a.finish_reason is None:
@@ -250,13 +251,13 @@ def test_a_retracted_request_keeps_the_state_where_it_stopped_even_when_sequence
 def _leave_sequence_ends(h: Harness, conversations: int, *, echo: bool) -> int:
     """Run `conversations` two-turn conversations one after another; the second turn sends the
     reply back as generated (echo) or as the agent renders it. Returns the snapshots taken."""
-    before = h.cache.snapshot_counters.taken
+    before = h.cache.states.counters.taken
     for c in range(conversations):
         prompt = ids(60, 100 * c + 100000)
         (first,) = h.run(prompt, output=12)
         history = prompt + first.output_ids if echo else prompt[:-1] + [9999] + ids(12, 9000)
         h.run(history + ids(30, 200000 + 100 * c), output=1)
-    return h.cache.snapshot_counters.taken - before
+    return h.cache.states.counters.taken - before
 
 
 def test_sequence_end_snapshots_are_kept_while_the_next_turns_resume_from_them():
@@ -266,7 +267,7 @@ def test_sequence_end_snapshots_are_kept_while_the_next_turns_resume_from_them()
     h = Harness(slots=8)
     # The window fills with sequence-end snapshots nobody resumed from (an agent's history).
     _leave_sequence_ends(h, SEQUENCE_END_WINDOW + 4, echo=False)
-    assert sum(h.cache._end_outcomes) < SEQUENCE_END_MIN_SHARE * SEQUENCE_END_WINDOW
+    assert sum(h.cache.states._end_outcomes) < SEQUENCE_END_MIN_SHARE * SEQUENCE_END_WINDOW
     # Each turn now keeps its prompt's end; one leaving request in SEQUENCE_END_PROBE its sequence end.
     taken = _leave_sequence_ends(h, 2 * SEQUENCE_END_PROBE, echo=False)
     assert taken <= 2 * (2 * SEQUENCE_END_PROBE) + 2 * 2
@@ -277,7 +278,7 @@ def test_sequence_end_snapshots_are_kept_while_the_next_turns_resume_from_them()
         (turn,) = h.run(prompt, output=12)
         (follow,) = h.run(prompt + turn.output_ids + ids(30, 600000 + 100 * c), output=1)
         resumed.append(follow.cached_tokens == len(prompt) + len(turn.output_ids) - 1)
-    assert sum(h.cache._end_outcomes) >= SEQUENCE_END_MIN_SHARE * SEQUENCE_END_WINDOW
+    assert sum(h.cache.states._end_outcomes) >= SEQUENCE_END_MIN_SHARE * SEQUENCE_END_WINDOW
     assert all(resumed[-SEQUENCE_END_WINDOW:])  # once the probes paid, every one is kept
 
 

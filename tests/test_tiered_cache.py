@@ -193,7 +193,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
             self.cache.remove_waiter(node)
         self.ref, self.waiting = set(), []
         assert self.alloc.free_tokens == self.alloc.total_tokens
-        assert self.cache.host_allocator.free_tokens == self.cache.host_allocator.total_tokens
+        assert self.cache.host.host_allocator.free_tokens == self.cache.host.host_allocator.total_tokens
 
     @invariant()
     def sizes_add_up(self) -> None:
@@ -226,7 +226,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
                 hashes = page_hashes(child.key, self.page, parent_hash)
                 if child.value is not None:
                     held["GPU"] |= set(hashes)
-                if child.host_value is not None:
+                if child.host is not None:
                     held["CPU"] |= set(hashes)
                 stack.append((child, hashes[-1]))
         assert self.published == held

@@ -4,9 +4,10 @@ The tier is content-addressed, beside the tree rather than in it: a page on disk
 chained page hash (the KV events' hash, `block_events.path_page_hash`; a salted request's pages
 chain from its namespace, so they never answer another namespace's lookup), and no tree node
 records what is on disk. So the tier survives restarts as it is, and needs three things of the
-tree (`TieredRadixCache`): a host copy it is about to drop (`save`), a lookup of what it could add
-beyond a request's cached prefix (`fetch`), and a place to put what it read (`attach_host`, the
-pages becoming a host-only leaf, from where the host tier's own load copies them to the device).
+tree's host store (`stores/host_kv.HostKV`): a host copy it is about to drop (`save`), a lookup of
+what it could add beyond a request's cached prefix (`fetch`), and a place to put what it read
+(`HostKV.attach`, the pages becoming a host-only leaf, from where the host store's own load copies
+them to the device).
 
 - **Save**: when the host tier drops a host copy for room, its pages not on disk yet are copied out
   of the host pool (its slots are reused at once) and queued for the I/O thread.
@@ -20,7 +21,7 @@ pages becoming a host-only leaf, from where the host tier's own load copies them
 - **Poll** (each step's start): finished reads become host-only leaves; the waiting queue sees the
   longer match and the host tier copies them back as any host hit.
 
-A hybrid model's state snapshots are not stored yet: its tree (`TieredSnapshotRadixCache`) resumes
+A hybrid model's state snapshots are not stored yet: its tree (with the snapshot store) resumes
 a request only where a snapshot lies, so its pages on disk would need their snapshot beside them (a
 second payload kind keyed by the hash of the page it ends, written when the host tier drops a node
 with a snapshot and read with the pages before it); the factory refuses the tier for hybrids.
@@ -255,7 +256,7 @@ class StorageTier:
     def save_tree(self, cache, kv_pool) -> int:
         """Queue every page of cache's tree not on disk yet (at shutdown: what a restart should
         find), from its host copy or else from the device pool; the pages queued."""
-        cache.copier.wait_all()  # host copies being written are complete
+        cache.host.copier.wait_all()  # host copies being written are complete
         queued = 0
         stack = list(cache.root.children.values())
         while stack:
@@ -269,8 +270,8 @@ class StorageTier:
             todo = [i for i, h in enumerate(hashes) if h not in self.store]
             if not todo:
                 continue
-            if node.host_value is not None:
-                rows = self.host_pool.buffer[node.host_value]
+            if node.host is not None:
+                rows = self.host_pool.buffer[node.host.slots]
             elif node.value is not None:
                 rows = device_rows(kv_pool, node.value)
             else:

@@ -21,14 +21,14 @@ from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.no_cache import NoPrefixCache
 from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.cache.snapshot_cache import BRANCH_MIN_TOKENS, SnapshotRadixCache
 from radixserve.cache.state_pool import RecurrentStateSpec
 from radixserve.cache.state_snapshots import HostStateSnapshots
-from radixserve.cache.tiered_cache import TieredRadixCache
 from radixserve.cache.stores.disk import DiskStore
+from radixserve.cache.stores.host_kv import HostKV
+from radixserve.cache.stores.host_snapshots import HostSnapshots
 from radixserve.cache.stores.page_files import LocalFileBackend, PageBackend, StoreStamp
 from radixserve.cache.stores.redis_pages import RedisBackend
-from radixserve.cache.tiered_snapshot_cache import TieredSnapshotRadixCache
+from radixserve.cache.stores.snapshots import BRANCH_MIN_TOKENS, SnapshotStore
 from radixserve.settings import CPU_MAMBA_CACHE_SIZE, ServerSettings
 
 logger = logging.getLogger("radixserve")
@@ -169,19 +169,20 @@ def build_prefix_cache(settings: ServerSettings, kv_pool: KVPool, host: Optional
 
 
 def tree_cache(kv_pool: KVPool, host: Optional[HostTier] = None, *, eviction_policy: str = "lru",
-               write_through: bool = False, branch_min_tokens: int = BRANCH_MIN_TOKENS) -> PrefixCache:
-    """The radix tree over kv_pool, keeping a hybrid model's state snapshots (kv_pool.snapshots)
-    where there are some, and with the host tier `host` where there is one."""
-    common = dict(page_size=kv_pool.page_size, eviction_policy=eviction_policy)
-    snapshots = kv_pool.snapshots
-    if host is None:
-        if snapshots is None:
-            return RadixCache(kv_pool.allocator, **common)
-        return SnapshotRadixCache(kv_pool.allocator, snapshots, branch_min_tokens=branch_min_tokens, **common)
-    if snapshots is None:
-        return TieredRadixCache(kv_pool.allocator, host.pool, host.copier, write_through=write_through, **common)
-    return TieredSnapshotRadixCache(kv_pool.allocator, snapshots, host.pool, host.copier, host.snapshots,
-                                    write_through=write_through, branch_min_tokens=branch_min_tokens, **common)
+               write_through: bool = False, branch_min_tokens: int = BRANCH_MIN_TOKENS) -> RadixCache:
+    """The radix tree over kv_pool with the stores there are: a hybrid model's state snapshots
+    (kv_pool.snapshots) where there are some, the host tier `host` where there is one (its
+    snapshot slots, host.snapshots, under the snapshot store)."""
+    page_size = kv_pool.page_size
+    host_kv = states = None
+    if host is not None:
+        host_kv = HostKV(host.pool, host.copier, page_size=page_size, write_through=write_through)
+    if kv_pool.snapshots is not None:
+        host_states = HostSnapshots(host.snapshots) if host is not None and host.snapshots is not None else None
+        states = SnapshotStore(kv_pool.snapshots, host_states, page_size=page_size,
+                               branch_min_tokens=branch_min_tokens)
+    return RadixCache(kv_pool.allocator, page_size=page_size, eviction_policy=eviction_policy,
+                      host=host_kv, states=states)
 
 
 # ----------------------------------------------------------------------------------- the storage tier
@@ -195,12 +196,15 @@ def make_storage_tier(settings: ServerSettings, cache: PrefixCache, kv_pool: KVP
     (the simulator gives its model's); `model` names the weights in the directory's version stamp."""
     if not settings.storage_enabled or not cache.keeps_prefixes:
         return None
-    if not isinstance(cache, TieredRadixCache) or kv_pool.snapshots is not None:
+    host = cache.host if isinstance(cache, RadixCache) else None
+    if host is None:
+        raise ValueError("the storage tier (storage_dir) sits under the host tier: give hicache_ratio or hicache_size")
+    if kv_pool.snapshots is not None:
         raise ValueError("the storage tier (storage_dir) is not implemented for hybrid models (their state "
                          "snapshots) yet: leave storage_dir out")
     k0 = kv_pool.k_buffers[0]
     stamp = StoreStamp(model=model, page_size=kv_pool.page_size, kv_dtype=str(k0.dtype).replace("torch.", ""),
-                       bytes_per_token=cache.host_pool.bytes_per_token, num_layers=len(kv_pool.k_buffers))
+                       bytes_per_token=host.host_pool.bytes_per_token, num_layers=len(kv_pool.k_buffers))
     latency, capacity = settings.storage_read_latency_ms / 1e3, int(settings.storage_size * 1e9)
     if settings.storage_backend == "redis":
         where = settings.storage_url
@@ -215,10 +219,10 @@ def make_storage_tier(settings: ServerSettings, cache: PrefixCache, kv_pool: KVP
         read_bytes_per_s = backend.probe_read_bandwidth(stamp.page_bytes)
     if prefill_flops_per_s is None:
         prefill_flops_per_s = measure_prefill_flops(k0.device, k0.dtype, hidden)
-    cost = LoadCost(read_bytes_per_s, cache.host_pool.bytes_per_token, flops_per_token, attention_flops_per_pair,
+    cost = LoadCost(read_bytes_per_s, host.host_pool.bytes_per_token, flops_per_token, attention_flops_per_pair,
                     prefill_flops_per_s)
-    tier = StorageTier(store, cache.host_pool, cost)
-    cache.storage = tier
+    tier = StorageTier(store, host.host_pool, cost)
+    host.storage = tier
     logger.info("storage tier: %s, %.1f GB, %d pages found (%.1f GB); reads %.2f GB/s, prefill %.2f TFLOP/s "
                 "(measured): a load pays from %.0f tokens of context", where, settings.storage_size,
                 store.num_pages, store.used_bytes / 1e9, read_bytes_per_s / 1e9, prefill_flops_per_s / 1e12,

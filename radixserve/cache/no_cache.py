@@ -10,8 +10,9 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from radixserve.cache.kv_pool import PageAllocator, int64_tensor
-from radixserve.cache.prefix_cache import (ALL, PARTIAL, BlockListener, CacheCounters, EventListener, MatchResult,
-                                           TreeNode, check_slot_ownership, no_host_tier_stats, no_snapshot_stats)
+from radixserve.cache.prefix_cache import (CacheCounters, MatchResult, check_slot_ownership, no_host_tier_stats,
+                                           no_snapshot_stats)
+from radixserve.cache.tree import ALL, PARTIAL, BlockListener, EventListener, TreeNode
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 

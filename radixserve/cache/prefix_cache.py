@@ -1,15 +1,12 @@
 """The prefix cache as the scheduler, the engine and the event publishers see it: one protocol,
 the tree node it hands out as a handle, and the result and counter types they share.
 
-Five implementations:
+Two implementations:
 
-- `RadixCache` (radix_cache.py): the radix tree of device KV slots.
-- `TieredRadixCache` (tiered_cache.py): the same tree over two tiers, device slots and a host
-  pool under them; a prefix evicted from the device is copied to the host and loaded back.
-- `SnapshotRadixCache` (snapshot_cache.py): the device tree of a hybrid model, which keeps
-  recurrent-state snapshots beside the KV (state_snapshots.py).
-- `TieredSnapshotRadixCache` (tiered_snapshot_cache.py): both, a hybrid model's tree over two
-  tiers; a node's snapshot goes to the host and back with its KV.
+- `RadixCache` (radix_cache.py): the radix tree (tree.py) and the stores beside it (stores/): the
+  device KV always; a host tier under it (a prefix evicted from the device is copied to the host
+  and loaded back); a hybrid model's recurrent-state snapshots (state_snapshots.py), on the
+  device and with a host tier on the host too. `factory.tree_cache` picks the stores.
 - `NoPrefixCache` (no_cache.py): `--disable-radix-cache`. Nothing is kept or found; a request
   computes its whole prompt and frees its KV when it leaves.
 
@@ -30,7 +27,7 @@ What a cache holds is per position: a match is usable only up to the deepest pos
 kind of state it keeps is there for, and `peek`/`match` report that usable length. For a model of
 attention layers alone the one kind is per-token KV (on the device or the host). A hybrid model's
 recurrent-state snapshots (one fixed-size state that can only be resumed where it was taken) are
-a third kind: `SnapshotRadixCache` keeps them at node boundaries, its matches stop at the deepest
+a third kind: the snapshot store keeps them at node boundaries, its matches stop at the deepest
 boundary holding both KV and a snapshot, and it tells the scheduler where a request's prompt
 pieces must end (`MatchResult.chunk_ends`: a branch point, where the state is taken with
 `take_state`). A cache of KV alone asks for no chunk end and keeps no state, so the same scheduler
@@ -39,91 +36,20 @@ code runs over every implementation.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Iterator, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
+
+from radixserve.cache.tree import ALL, BlockListener, EventListener, TreeNode
+
+# The tree's node is the handle the scheduler holds, and ALL the park key of a removed node.
+__all__ = ["ALL", "CacheCounters", "MatchResult", "PrefixCache", "TreeNode", "check_slot_ownership",
+           "no_host_tier_stats", "no_snapshot_stats"]
 
 if TYPE_CHECKING:
     from radixserve.cache.host_pool import CopyEngine
     from radixserve.cache.kv_pool import PageAllocator
-
-# Park keys: a lookup that ends inside a node waits on PARTIAL (a split can lengthen it); one that
-# ends at a node's end waits on the child key of its next token; ALL marks a removed node.
-PARTIAL = "partial"
-ALL = "all"
-# A namespace's root is the tree root's child under (NAMESPACE, namespace): a key no token or page
-# of tokens is equal to. A lookup in a namespace that has no root yet parks on that key.
-NAMESPACE = "namespace"
-# The tiers a node's KV can be on, as KV-event consumers name them (vLLM's `medium`).
-GPU = "GPU"
-CPU = "CPU"
-
-
-class TreeNode:
-    """A run of cached tokens (a whole number of pages) and the device KV slot of each: a node of
-    the radix tree, and the handle a match, a lock and a waiting request hold. The host tier's
-    nodes carry more (`tiered_cache.HostTierNode`)."""
-
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "waiters", "last_access", "hit_count",
-                 "created", "node_id", "removed", "ends_prompt", "block_hash", "namespace", "snapshot",
-                 "snapshots_below", "snapshot_used", "snapshot_window", "snapshot_worth", "snapshot_hinted", "snapshot_saves")
-
-    def __init__(self, key: list[int], value: Optional[torch.Tensor], parent: Optional["TreeNode"], tick: int,
-                 node_id: int):
-        self.key = key
-        self.value = value  # int64 device slots, len(value) == len(key); None: not on the device (host tier)
-        self.children: dict = {}
-        self.parent = parent
-        self.lock_ref = 0
-        self.waiters = 0  # waiting requests whose cached match runs through this node
-        self.last_access = tick
-        self.hit_count = 0
-        self.created = tick
-        self.node_id = node_id
-        self.removed = False
-        # A finished request's prompt ended exactly here (`mark_prompt_end`); a split keeps it on the
-        # lower part, which still ends there.
-        self.ends_prompt = False
-        # The chained hash of the node's last page, memoised by `block_events` while the cache's
-        # blocks are published (None: not computed). A split keeps the lower part's end, so it
-        # stays true for the node's whole life.
-        self.block_hash: Optional[int] = None
-        # Set on a namespace's root only (no tokens, never evicted): the namespace it holds.
-        self.namespace: Optional[str] = None
-        # A hybrid model's cache (snapshot_cache.py): the snapshot slot of the recurrent state after
-        # the node's last token (None: none), and how many snapshots the node and its subtree hold.
-        # A split keeps the snapshot on the lower part, which still ends there.
-        self.snapshot: Optional[int] = None
-        self.snapshots_below = 0
-        # When its snapshot was last taken or resumed from, on the cache's clock of snapshot events
-        # (the snapshot's own recency: a match through the node to a deeper snapshot is no use of this one).
-        self.snapshot_used = 0
-        # Its snapshot is of a kind whose pay-off is measured (taken where a sequence ended, a
-        # little before a prompt's end, a checkpoint deep in a conversation: snapshot_policy.py):
-        # the window of outcomes that records whether a request resumes from it before it goes.
-        self.snapshot_window: Optional[deque] = None
-        # A checkpoint's worth (a guess where a later request may branch, snapshot_policy.py): it
-        # is evicted before any other snapshot, the least worth first. None: a snapshot kept for a
-        # reason (a branch seen, a turn to come, a client's hint), evicted least recently used.
-        self.snapshot_worth: Optional[float] = None
-        # Its snapshot lies where a client said requests branch (the end of a chat's system turn).
-        self.snapshot_hinted = False
-        # The tokens a request resuming at its snapshot does not compute again, past the point kept
-        # below it by the request that took it: what the snapshot is worth (snapshot_policy.py).
-        self.snapshot_saves = 1
-
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
-    def __lt__(self, other: "TreeNode") -> bool:  # heap ties
-        return self.node_id < other.node_id
-
-    def __repr__(self) -> str:
-        return f"TreeNode(id={self.node_id}, len={len(self.key)}, lock={self.lock_ref})"
-
 
 @dataclass
 class MatchResult:
@@ -156,14 +82,6 @@ class CacheCounters:
     @property
     def device_hit_rate(self) -> float:
         return self.hit_rate - self.host_hit_rate
-
-
-# Listeners: ("insert" | "evict", tokens from the namespace's root to the end of the node, the
-# namespace) or ("flush", [], None), so a router can mirror what the cache holds (`/kv_events`);
-# and ("stored" | "removed", medium, node) whenever a node's pages gain or lose their KV on a
-# tier, ("cleared", "", root) on a flush: the per-tier view of vLLM-format KV events (`block_events`).
-EventListener = Callable[[str, list[int], Optional[str]], None]
-BlockListener = Callable[[str, str, TreeNode], None]
 
 
 @runtime_checkable

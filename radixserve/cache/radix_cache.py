@@ -1,251 +1,211 @@
-"""The radix tree of cached token prefixes and their KV slots: the device-only `PrefixCache`.
+"""The prefix cache: one radix tree (`tree.py`) and the stores beside it (`stores/`).
 
-Each node holds a run of tokens (a whole number of pages) and the KV slot of each token.
-Running requests lock the path to the node their prefix ends in; unlocked leaves are
-evictable, in the order of the eviction policy, from a heap that is never rebuilt by a full
-tree scan per eviction. Sizes are kept as counters so `free + evictable + protected + held ==
-total` can be checked at any time. `TieredRadixCache` (tiered_cache.py) puts a host-memory tier
-under this tree through the few hooks marked below; without it nothing here changes, and the
-protocol's host-tier operations (`host_part`, `load`, `poll`) find nothing to do.
+Every cache the server builds is this class; what differs is which stores it has
+(`factory.tree_cache` chooses): always the device KV (`stores.device_kv`); a host tier under it
+(`stores.host_kv`: a prefix evicted from the device is copied to the host and loaded back); a
+hybrid model's recurrent-state snapshots (`stores.snapshots`, with their own host tier,
+`stores.host_snapshots`). Without a store, what it would do is not done: with no host tier the
+protocol's host operations (`host_part`, `load`, `poll`) find nothing to do; with no snapshot
+store every position of the KV is usable and a request keeps no state.
 
-Cache namespaces (requests' cache salts): each has its own root, a child of the tree's root with
-no tokens that is never evicted (it goes when nothing in it is left, held or waited for), so a
-walk in one namespace never reaches another's nodes.
+What a cache holds is usable per position: a match is usable only up to the deepest position
+every store there is holds what a resume needs (`peek`/`match` report that length). For KV alone
+that is any whole page whose KV is on the device and not still being loaded; with snapshots, the
+deepest node end holding one (stores/snapshots.py).
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from typing import Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from radixserve.cache.kv_pool import PageAllocator, int64_tensor
-from radixserve.cache.prefix import common_prefix_len
-from radixserve.cache.namespace import namespace_page_parent
-from radixserve.cache.prefix_cache import (ALL, CPU, GPU, NAMESPACE, PARTIAL, BlockListener,  # noqa: F401
-                                           CacheCounters, EventListener, MatchResult, TreeNode,
-                                           check_slot_ownership, no_host_tier_stats, no_snapshot_stats)
-
-_EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
-# How far short of a finished prompt's end a match may stop and still count as its continuation
-# (see RadixCache.extends_a_prompt).
-PROMPT_END_SLACK = 8
-
-
-EVICTION_KEYS: dict[str, Callable[[TreeNode], tuple]] = {
-    "lru": lambda n: (n.last_access,),
-    "lfu": lambda n: (n.hit_count, n.last_access),
-    "fifo": lambda n: (n.created,),
-}
-
-
-def slots_tensor(slots: Sequence[int] | torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """slots[start:end] as a tensor the tree owns (a copy of a tensor's slice; a list converted)."""
-    return slots[start:end].clone() if isinstance(slots, torch.Tensor) else int64_tensor(slots[start:end])
+from radixserve.cache.kv_pool import PageAllocator
+from radixserve.cache.prefix_cache import (CacheCounters, MatchResult, no_host_tier_stats,  # noqa: F401
+                                           no_snapshot_stats)
+from radixserve.cache.stores.device_kv import DeviceKV
+from radixserve.cache.stores.host_kv import HostKV
+from radixserve.cache.stores.snapshots import SnapshotStore
+if TYPE_CHECKING:
+    from radixserve.cache.disk_tier import StorageTier
+from radixserve.cache.tree import (ALL, EMPTY_SLOTS, NAMESPACE, PARTIAL, PROMPT_END_SLACK,  # noqa: F401
+                                   BlockListener, EventListener, RadixTree, TreeNode, slots_tensor)
 
 
 class RadixCache:
-    node_type: type[TreeNode] = TreeNode  # the host tier's nodes carry its fields too
-    keeps_branch_states = False  # KV alone: a branch point needs nothing kept
-
-    def __init__(self, allocator: PageAllocator, *, page_size: int = 1, eviction_policy: str = "lru"):
-        if eviction_policy not in EVICTION_KEYS:
-            raise ValueError(f"unknown eviction policy {eviction_policy!r}; use one of {sorted(EVICTION_KEYS)}")
+    def __init__(self, allocator: PageAllocator, *, page_size: int = 1, eviction_policy: str = "lru",
+                 host: Optional[HostKV] = None, states: Optional[SnapshotStore] = None):
         self.allocator = allocator
         self.page_size = page_size
-        self.copier = None  # no host tier: nothing is copied
-        self.loading_tokens = 0
+        self.device = DeviceKV(allocator, page_size)
+        self.host = host
+        self.states = states
+        # In the order each gives up what it holds of a node leaving the tree: the device last.
+        stores = [s for s in (states, host) if s is not None] + [self.device]
+        self.tree = RadixTree(page_size, eviction_policy, stores)
+        self.device.tree = self.tree
+        if host is not None:
+            host.bind(self.tree, self.device, self.evict)
+        if states is not None:
+            states.bind(self.tree, host)
+        self.copier = host.copier if host is not None else None
         self.keeps_prefixes = True
-        self._policy_key = EVICTION_KEYS[eviction_policy]
-        self._ids = itertools.count()
-        self._tick = 0
+        self.keeps_branch_states = states is not None  # a state is kept where a waiting request branches
         self.counters = CacheCounters()
-        # (node, park key) pairs whose lookups may have changed; drained by the scheduler's queue.
-        self.touched: set[tuple[TreeNode, object]] = set()
-        # Called with ("insert" | "evict", tokens from the namespace's root to the end of the node, the
-        # namespace) or ("flush", [], None), so a router can mirror what this cache really holds.
-        self.event_listener: Optional[EventListener] = None
-        # Called with ("stored" | "removed", medium, node) whenever a node's pages gain or lose their
-        # KV on a tier (medium "GPU": the device pool, "CPU": the host tier), and ("cleared", "", root)
-        # on a flush: the per-tier view a cluster's KV-event consumers follow (`block_events`).
-        self.block_listener: Optional[BlockListener] = None
-        self._reset()
 
-    # ------------------------------------------------------------------ basics
-    def _reset(self) -> None:
-        self.root = self.node_type([], _EMPTY_SLOTS, None, 0, next(self._ids))
-        self.root.lock_ref = 1  # the root is never evicted
-        self.evictable_size = 0
-        self.protected_size = 0
-        self.waited_evictable_size = 0  # of evictable_size, tokens some waiting request will reuse
-        self.num_nodes = 1
-        self._heap: list[tuple[tuple, TreeNode]] = []
-
-    def _next_tick(self) -> int:
-        self._tick += 1
-        return self._tick
-
-    def _child_key(self, tokens: Sequence[int], pos: int):
-        return tokens[pos] if self.page_size == 1 else tuple(tokens[pos:pos + self.page_size])
-
-    def _page_floor(self, n: int) -> int:
-        return n - n % self.page_size
+    # ------------------------------------------------------------------ the tree's figures
+    @property
+    def root(self) -> TreeNode:
+        return self.tree.root
 
     @property
-    def total_cached(self) -> int:
-        return self.evictable_size + self.protected_size
+    def evictable_size(self) -> int:
+        return self.tree.evictable_size
 
-    # ------------------------------------------------------------------ namespaces
-    def _namespace_root(self, namespace: Optional[str], *, create: bool = False) -> Optional[TreeNode]:
-        """Where a namespace's prefixes hang (the root for the shared one); None when it has none yet
-        and create is False."""
-        if namespace is None:
-            return self.root
-        node = self.root.children.get((NAMESPACE, namespace))
-        if node is None and create:
-            node = self.node_type([], _EMPTY_SLOTS, self.root, self._tick, next(self._ids))
-            node.lock_ref = 1  # like the root: never evicted (it goes with its last node, see below)
-            node.namespace = namespace
-            node.block_hash = namespace_page_parent(namespace)  # its pages' KV-event hashes chain from it
-            self.root.children[(NAMESPACE, namespace)] = node
-            self.num_nodes += 1
-            self.touched.add((self.root, (NAMESPACE, namespace)))  # lookups parked before it existed
-        return node
+    @property
+    def protected_size(self) -> int:
+        return self.tree.protected_size
 
-    def _drop_namespace_if_empty(self, node: TreeNode) -> None:
-        """A namespace root nothing is cached in, held under or waited on leaves the tree (else
-        every salt ever seen would keep a node)."""
-        if node.namespace is not None and not node.children and node.lock_ref == 1 and not node.waiters \
-                and not node.removed:
-            del self.root.children[(NAMESPACE, node.namespace)]
-            node.removed = True
-            self.num_nodes -= 1
-            self.touched.add((node, ALL))
+    @property
+    def waited_evictable_size(self) -> int:
+        return self.tree.waited_evictable_size
 
-    def _namespace_of(self, node: TreeNode) -> Optional[str]:
-        while node.parent is not None and node.parent is not self.root:
-            node = node.parent
-        return node.namespace
+    @property
+    def num_nodes(self) -> int:
+        return self.tree.num_nodes
+
+    @property
+    def loading_tokens(self) -> int:
+        return self.host.loading_tokens if self.host is not None else 0
+
+    @property
+    def host_size(self) -> int:
+        return self.host.host_size if self.host is not None else 0
+
+    @property
+    def event_listener(self) -> Optional[EventListener]:
+        return self.tree.event_listener
+
+    @event_listener.setter
+    def event_listener(self, listener: Optional[EventListener]) -> None:
+        self.tree.event_listener = listener
+
+    @property
+    def block_listener(self) -> Optional[BlockListener]:
+        return self.tree.block_listener
+
+    @block_listener.setter
+    def block_listener(self, listener: Optional[BlockListener]) -> None:
+        self.tree.block_listener = listener
+
+    @property
+    def reclaimable_size(self) -> int:
+        """Evictable tokens no waiting request will reuse: what admission may take without cost."""
+        return self.tree.reclaimable_size
+
+    def ready(self, node: TreeNode) -> bool:
+        """Whether a node's KV can be read now: on the device, not waiting for a load."""
+        return node.value is not None and (self.host is None or not self.host.loading(node))
 
     # ------------------------------------------------------------------ lookup
-    def _walk(self, tokens: Sequence[int], namespace: Optional[str] = None) -> Iterator[tuple[TreeNode, int, int]]:
-        """Yield (node, matched tokens within node, position before node) along the match path."""
-        node, pos = self._namespace_root(namespace), 0
-        if node is None:
-            return
-        end = self._page_floor(len(tokens))
-        while pos < end:
-            child = node.children.get(self._child_key(tokens, pos))
-            if child is None:
-                return
-            n = self._page_floor(common_prefix_len(child.key, tokens[pos:pos + len(child.key)]))
-            n = min(n, end - pos)
-            if n == 0:
-                return
-            partial = n < len(child.key)  # decided before the caller may split child
-            yield child, n, pos
-            if partial:
-                return
-            node, pos = child, pos + n
-
     def peek(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode]:
-        """Matched length (page-aligned) and the deepest node touched; never changes the tree."""
+        """Usable length (page-aligned, on any tier) and the node it ends in; never changes the tree."""
         length, last, _ = self.peek_park(tokens, namespace=namespace)
         return length, last
 
     def peek_park(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode, object]:
         """Like peek, plus the park key: which change under that node could lengthen this match."""
-        top = self._namespace_root(namespace)
+        if self.states is not None:
+            return self.states.peek_park(tokens, namespace)
+        tree = self.tree
+        top = tree.namespace_root(namespace)
         if top is None:  # nothing cached in it yet: its first insert adds its root
-            return 0, self.root, (NAMESPACE, namespace)
+            return 0, tree.root, (NAMESPACE, namespace)
         length, last, end = 0, top, 0
-        for node, n, pos in self._walk(tokens, namespace):
+        for node, n, pos in tree.walk(tokens, namespace):
             length, last, end = pos + n, node, pos + len(node.key)
         if length < end:
             return length, last, PARTIAL
         if length + self.page_size > len(tokens):
             return length, last, PARTIAL  # nothing left to match: no insert can lengthen it
-        return length, last, self._child_key(tokens, length)
+        return length, last, tree.child_key(tokens, length)
+
+    def host_part(self, length: int, node: TreeNode) -> tuple[int, bool]:
+        """Of a peeked match: how many tokens are not on the device ready to read, and whether a
+        load of some of them is in flight."""
+        return self.host.host_part(length, node) if self.host is not None else (0, False)
 
     def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
-        """Longest cached prefix whose KV is usable now (`_ready`); splits the last node so the match
-        ends at a node boundary."""
-        tick = self._next_tick()
+        """The longest usable cached prefix ready on the device; counts as an access for eviction."""
+        if self.states is not None:
+            return self.states.match(tokens, namespace)
+        return self.match_kv(tokens, namespace=namespace)
+
+    def match_kv(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
+        """Longest cached prefix whose KV is ready now, by the KV alone; splits the last node so the
+        match ends at a node boundary."""
+        tree = self.tree
+        tick = tree.next_tick()
         pieces: list[torch.Tensor] = []
-        last, length = self._namespace_root(namespace) or self.root, 0
-        for node, n, pos in self._walk(tokens, namespace):
-            if not self._ready(node):
+        last, length = tree.namespace_root(namespace) or tree.root, 0
+        for node, n, pos in tree.walk(tokens, namespace):
+            if not self.ready(node):
                 break
             if n < len(node.key):
-                node = self._split(node, n)
+                node = tree.split(node, n)
             node.last_access = tick
             node.hit_count += 1
             pieces.append(node.value)
             last, length = node, pos + n
-        if last.lock_ref == 0 and self._evictable_leaf(last):
-            self._push(last)  # its access time changed
-        slots = torch.cat(pieces) if pieces else _EMPTY_SLOTS
+        if last.lock_ref == 0 and tree.evictable_leaf(last):
+            tree.push(last)  # its access time changed
+        slots = torch.cat(pieces) if pieces else EMPTY_SLOTS
         return MatchResult(length, slots, last)
 
-    def match_kv(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
-        """KV is the only state this tree keeps: its match."""
-        return RadixCache.match(self, tokens, namespace=namespace)
-
-    # ------------------------------------------------------------------ recurrent states (none here)
-    # A tree of KV alone keeps no other state: a match needs nothing put into the request's row and
-    # asks for no chunk end; SnapshotRadixCache (snapshot_cache.py) fills these in.
+    # ------------------------------------------------------------------ recurrent states
+    # Without a snapshot store a match needs nothing put into the request's row and asks for no
+    # chunk end (stores/snapshots.py says what these do with one).
     def resume(self, row: int, match: MatchResult, *, branch_at: int = 0,
                hints: Sequence[int] = ()) -> tuple[int, ...]:
-        return match.chunk_ends
+        if self.states is None:
+            return match.chunk_ends
+        return self.states.resume(row, match, branch_at=branch_at, hints=hints)
 
     def resumed_from_host(self, row: int) -> bool:
-        return False
+        return self.states is not None and self.states.resumed_from_host(row)
 
     def cancel_resume(self, row: int) -> None:
-        return None
+        if self.states is not None:
+            self.states.cancel_resume(row)
 
     def take_state(self, row: int, position: int) -> None:
-        return None
+        if self.states is not None:
+            self.states.take_state(row, position)
 
     def capture_states(self, row: int, start: int, end: int) -> list[tuple[int, int]]:
-        return []
+        return self.states.capture_states(row, start, end) if self.states is not None else []
 
     def keep_states(self, row: int, tokens: Sequence[int], *, namespace: Optional[str] = None,
                     state_len: Optional[int] = None, readmitted: bool = False) -> None:
-        return None
+        if self.states is not None:
+            self.states.keep_states(row, tokens, namespace=namespace, state_len=state_len, readmitted=readmitted)
 
     def discard_states(self, rows: Sequence[int]) -> None:
-        return None
+        if self.states is not None:
+            self.states.discard_states(rows)
 
-    def snapshot_stats(self) -> dict[str, float]:
-        return no_snapshot_stats()
+    @property
+    def queued_saves(self) -> set[int]:
+        return self.states.queued_saves if self.states is not None else set()
 
     def on_reusable_path(self, node: TreeNode) -> bool:
-        return True
+        return self.states is None or self.states.on_reusable_path(node)
 
     def reusable_len(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> int:
-        """Every cached token can be matched: the peek."""
+        """How many leading tokens a match could still reach (every cached one, without snapshots)."""
+        if self.states is not None:
+            return self.states.reusable_len(tokens, namespace)
         return self.peek(tokens, namespace=namespace)[0]
-
-    # ------------------------------------------------------------------ the host tier (none here)
-    def host_part(self, length: int, node: TreeNode) -> tuple[int, bool]:
-        """Every cached token is on the device, ready."""
-        return 0, False
-
-    def load(self, tokens: Sequence[int], *, spare_only: bool, namespace: Optional[str] = None) -> int:
-        return 0
-
-    def poll(self) -> bool:
-        return False
-
-    def fetch(self, key: str, tokens: Callable[[], Sequence[int]], matched: int, *,
-              namespace: Optional[str] = None) -> bool:
-        return False
-
-    def tier_stats(self) -> dict[str, float]:
-        return no_host_tier_stats()
 
     # ------------------------------------------------------------------ conversations
     def extends_a_prompt(self, node: TreeNode, uncached: Optional[int] = None) -> bool:
@@ -256,7 +216,8 @@ class RadixCache:
         re-tokenizes the previous prompt's last token together with the reply after it, so the
         next turn's match usually ends a token before the mark; the same prompt sent again (a
         retry, a health probe) ends there too, and continues nothing."""
-        if node is self.root or node.namespace is not None:  # nothing matched
+        root = self.tree.root
+        if node is root or node.namespace is not None:  # nothing matched
             return False
         # Such a match split the prompt's last node where it stopped: the marked rest is a child
         # (usually the only one). A node with many children is where prompts branch; not scanned.
@@ -266,13 +227,12 @@ class RadixCache:
                 slack = min(slack, uncached - 1)
             if any(child.ends_prompt and len(child.key) <= slack for child in node.children.values()):
                 return True
-        while node is not self.root:
+        while node is not root:
             if node.ends_prompt:
                 return True
             node = node.parent
         return False
 
-    # ------------------------------------------------------------------ mutation
     def mark_prompt_end(self, prompt: Sequence[int], beyond: int, locked: Optional[tuple[TreeNode, int]] = None, *,
                         namespace: Optional[str] = None) -> None:
         """Mark the node boundary at the end of a finished request's prompt (whole pages; split
@@ -280,282 +240,179 @@ class RadixCache:
         cached: a prompt that only repeats a shared prefix marks nothing) and is still cached.
         locked: the node the request held and its path's length; when that is the prompt's end
         (its prompt went into the tree when computed), the node is marked without a walk."""
-        end = self._page_floor(len(prompt))
+        end = self.tree.page_floor(len(prompt))
         if end <= beyond:
             return
-        if locked is not None and locked[1] == end and locked[0] is not self.root:
+        if locked is not None and locked[1] == end and locked[0] is not self.tree.root:
             locked[0].ends_prompt = True
             return
-        for node, n, pos in self._walk(prompt[:end], namespace):
+        for node, n, pos in self.tree.walk(prompt[:end], namespace):
             if pos + n == end:
-                (node if n == len(node.key) else self._split(node, n)).ends_prompt = True
+                (node if n == len(node.key) else self.tree.split(node, n)).ends_prompt = True
 
-    def _ready(self, node: TreeNode) -> bool:
-        """Whether a node's KV can be read now: always, with one tier."""
-        return True
-
-    def _split(self, node: TreeNode, n: int) -> TreeNode:
-        """Cut node after n tokens; returns the new upper part. Keys and values are copied, not viewed."""
-        parent = node.parent
-        assert parent is not None
-        upper = self.node_type(node.key[:n], node.value[:n].clone(), parent, node.created, next(self._ids))
-        upper.lock_ref, upper.last_access, upper.hit_count = node.lock_ref, node.last_access, node.hit_count
-        upper.waiters, upper.snapshots_below = node.waiters, node.snapshots_below
-        parent.children[self._child_key(node.key, 0)] = upper
-        node.key = node.key[n:]
-        node.value = node.value[n:].clone()
-        node.parent = upper
-        upper.children[self._child_key(node.key, 0)] = node
-        self.num_nodes += 1
-        self.touched.add((node, PARTIAL))
-        return upper
-
+    # ------------------------------------------------------------------ insert
     def insertable_len(self, computed: int) -> int:
         """A request's computed positions the tree takes: its whole pages."""
-        return self._page_floor(computed)
+        return self.tree.page_floor(computed)
 
     def insert(self, tokens: Sequence[int], slots: Sequence[int] | torch.Tensor, *,
                namespace: Optional[str] = None) -> int:
-        """Add tokens (whole pages) with their slots; returns how many leading tokens were already cached.
-        Slots may be a list: only the part the tree takes is converted (a finished request's
-        prompt is mostly its cached prefix).
+        """Add tokens (whole pages) with their slots; returns how many leading tokens were already
+        cached on the device. Slots may be a list: only the part the tree takes is converted (a
+        finished request's prompt is mostly its cached prefix).
 
         The caller owns slots[:returned length] only where it did not get them from the tree: those
-        are duplicates it must free. The tree takes ownership of slots[returned length:].
-        """
+        are duplicates it must free. The tree takes ownership of slots[returned length:]; a node on
+        the path held only by a lower tier takes the caller's slots (the caller computed those
+        tokens itself), so the returned length is where the device copies end."""
         assert len(tokens) % self.page_size == 0 and len(tokens) == len(slots)
-        top = self._namespace_root(namespace, create=bool(tokens))
+        tree = self.tree
+        top = tree.namespace_root(namespace, create=bool(tokens))
         if top is None:
             return 0
-        tick = self._next_tick()
-        node, pos = top, 0
-        for child, n, child_pos in self._walk(tokens, namespace):
+        if self.host is not None:
+            self.host.finish_loads_on(tokens, namespace)  # their slots must hold their KV before they count
+        tick = tree.next_tick()
+        node, pos, device_end = top, 0, 0
+        for child, n, child_pos in tree.walk(tokens, namespace):
             if n < len(child.key):
-                child = self._split(child, n)
+                child = tree.split(child, n)
             child.last_access = tick
+            if child.value is None:
+                child.value = slots_tensor(slots, child_pos, child_pos + n)
+                tree.gained_device(child)
+                self.host.adopted(child)
+                tree.push_if_evictable(child)
+            else:
+                device_end = child_pos + n
             node, pos = child, child_pos + n
         if pos < len(tokens):
-            self._add_leaf(node, tokens, pos, slots, tick, namespace)
-        elif node is not self.root and self._evictable_leaf(node) and node.lock_ref == 0:
-            self._push(node)  # its access time changed
-        return pos
+            leaf = tree.add_leaf(node, list(tokens[pos:]), slots_tensor(slots, pos, len(tokens)), tick)
+            self.counters.inserted_tokens += len(leaf.key)
+            tree.touched.add((node, tree.child_key(tokens, pos)))
+            # With snapshots, KV alone resumes nobody: /kv_events hears of a path when a snapshot is hung on it.
+            if self.states is None and tree.event_listener is not None:
+                tree.event_listener("insert", list(tokens), namespace)
+            if self.host is not None:
+                self.host.inserted(leaf)
+        elif node is not tree.root and tree.evictable_leaf(node) and node.lock_ref == 0:
+            tree.push(node)  # its access time changed
+        return device_end
 
-    def _add_leaf(self, parent: TreeNode, tokens: Sequence[int], pos: int, slots: Sequence[int] | torch.Tensor,
-                  tick: int, namespace: Optional[str]) -> TreeNode:
-        """tokens[pos:] as a new evictable leaf under parent, owning slots[pos:]."""
-        leaf = self.node_type(list(tokens[pos:]), slots_tensor(slots, pos, len(tokens)), parent, tick, next(self._ids))
-        parent.children[self._child_key(tokens, pos)] = leaf
-        self.num_nodes += 1
-        self.evictable_size += len(leaf.key)
-        self.counters.inserted_tokens += len(leaf.key)
-        self._push(leaf)
-        self.touched.add((parent, self._child_key(tokens, pos)))
-        self._publish_insert(tokens, namespace)
-        if self.block_listener is not None:
-            self.block_listener("stored", GPU, leaf)
-        return leaf
-
-    def _publish_insert(self, tokens: Sequence[int], namespace: Optional[str]) -> None:
-        """Tell /kv_events that tokens can now be matched (SnapshotRadixCache says so only where a
-        snapshot makes them usable)."""
-        if self.event_listener is not None:
-            self.event_listener("insert", list(tokens), namespace)
-
-    # ------------------------------------------------------------------ locking
+    # ------------------------------------------------------------------ locking and waiting
     def inc_lock(self, node: TreeNode) -> None:
-        while node is not self.root:
-            if node.lock_ref == 0:
-                self.evictable_size -= len(node.key)
-                self.protected_size += len(node.key)
-                if node.waiters:
-                    self.waited_evictable_size -= len(node.key)
-            node.lock_ref += 1
-            node = node.parent
+        """Hold the path to node: a running request reads it."""
+        self.tree.inc_lock(node)
 
     def dec_lock(self, node: TreeNode) -> None:
-        top = node
-        while node is not self.root:
-            assert node.lock_ref > 0, f"unlock of unlocked {node}"
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self.evictable_size += len(node.key)
-                self.protected_size -= len(node.key)
-                if node.waiters:
-                    self.waited_evictable_size += len(node.key)
-                if self._evictable_leaf(node):
-                    self._push(node)
-            top, node = node, node.parent
-        if top.namespace is not None:
-            self._drop_namespace_if_empty(top)
+        self.tree.dec_lock(node)
 
-    # ------------------------------------------------------------------ waiting requests
     def add_waiter(self, node: TreeNode) -> None:
         """A waiting request will reuse the path to node: evict it only when nothing else is left."""
-        self._count_waiter(node, +1)
+        self.tree.count_waiter(node, +1)
 
     def remove_waiter(self, node: TreeNode) -> None:
-        self._count_waiter(node, -1)
+        self.tree.count_waiter(node, -1)
 
-    def _count_waiter(self, node: TreeNode, delta: int) -> None:
-        # Walk by parent links, not up to self.root: a node evicted or flushed since the request
-        # was parked still leads up its old path, whose counts this undoes.
-        top = node
-        while node.parent is not None:
-            node.waiters += delta
-            assert node.waiters >= 0, f"waiter count of {node} went negative"
-            if node.waiters == max(delta, 0) and node.lock_ref == 0 and not node.removed and self._on_device(node):
-                self.waited_evictable_size += delta * len(node.key)
-                if self._evictable_leaf(node):
-                    self._push(node)  # it just changed eviction class
-            top, node = node, node.parent
-        if delta < 0 and top.namespace is not None:
-            self._drop_namespace_if_empty(top)
-
-    @property
-    def reclaimable_size(self) -> int:
-        """Evictable tokens no waiting request will reuse: what admission may take without cost."""
-        return self.evictable_size - self.waited_evictable_size
-
-    # ------------------------------------------------------------------ eviction
-    # Tier hooks: every node of this tree is on the device; TieredRadixCache says otherwise.
-    def _evictable_leaf(self, node: TreeNode) -> bool:
-        """No child holds device slots, so evicting node keeps the device part of the tree a tree."""
-        return not node.children
-
-    def _on_device(self, node: TreeNode) -> bool:
-        return True
-
-    def _priority(self, node: TreeNode) -> tuple:
-        # Queue-aware: a prefix some waiting request will match goes after every prefix nobody waits for.
-        return (node.waiters > 0,) + self._policy_key(node)
-
-    def _push(self, node: TreeNode) -> None:
-        heapq.heappush(self._heap, (self._priority(node), node))
-        if len(self._heap) > 4 * self.num_nodes + 1024:
-            self._compact_heap()
-
-    def _compact_heap(self) -> None:
-        self._heap = [e for e in self._heap if self._is_current(e)]
-        heapq.heapify(self._heap)
-
-    def _is_current(self, entry: tuple[tuple, TreeNode]) -> bool:
-        prio, node = entry
-        return (not node.removed and self._evictable_leaf(node) and node.lock_ref == 0 and node is not self.root
-                and prio == self._priority(node))
-
+    # ------------------------------------------------------------------ memory
     def evict(self, num_tokens: int) -> int:
-        """Evict unlocked leaves in policy order until num_tokens are freed (or nothing is left)."""
-        freed = 0
-        while freed < num_tokens and self._heap:
-            entry = heapq.heappop(self._heap)
-            if not self._is_current(entry):
-                continue
-            freed += self._remove_leaf(entry[1])
+        """Free device slots of unlocked leaves in policy order until num_tokens are freed (or nothing
+        is left): with a host tier each keeps a host copy, else it leaves the tree."""
+        if self.host is not None:
+            freed = self.host.evict_device(num_tokens)
+        else:
+            freed = 0
+            while freed < num_tokens:
+                entry = self.tree.pop_evictable()
+                if entry is None:
+                    break
+                freed += self.tree.remove_leaf(entry[1])
         self.counters.evicted_tokens += freed
         return freed
 
-    def _remove_leaf(self, node: TreeNode) -> int:
-        """Take a childless, unlocked node out of the tree, freeing its device slots (if it has
-        them); its parent is offered for eviction once it is a leaf. Returns the node's tokens."""
-        if self.event_listener is not None:
-            self.event_listener("evict", self._path_tokens(node), self._namespace_of(node))
-        if node.value is not None:
-            if self.block_listener is not None:
-                self.block_listener("removed", GPU, node)
-            self.evictable_size -= len(node.key)
-            if node.waiters:
-                self.waited_evictable_size -= len(node.key)
-            self.allocator.free_slots(node.value)
-        parent = node.parent
-        del parent.children[self._child_key(node.key, 0)]
-        node.removed = True
-        self.num_nodes -= 1
-        self.touched.add((node, ALL))
-        if parent is not self.root and parent.value is not None and parent.lock_ref == 0 \
-                and self._evictable_leaf(parent):
-            self._push(parent)
-        elif parent.namespace is not None:
-            self._drop_namespace_if_empty(parent)
-        return len(node.key)
+    def load(self, tokens: Sequence[int], *, spare_only: bool, namespace: Optional[str] = None) -> int:
+        """Start copying the host part of tokens' cached prefix back to the device (with snapshots,
+        only up to the deepest one); the tokens now loading (0: none, or no room)."""
+        if self.host is None:
+            return 0
+        if self.states is not None:
+            usable = self.states.loadable_len(tokens, namespace)
+            if not usable:
+                return 0
+            tokens = tokens[:usable]
+        return self.host.load(tokens, spare_only=spare_only, namespace=namespace)
+
+    def poll(self) -> bool:
+        """The start of a step's scheduling: states taken by the launched steps are copied out, and
+        finished host-tier copies (and the storage tier's reads) taken in; True when a load finished."""
+        if self.states is not None:
+            self.states.issue()
+        if self.host is None:
+            return False
+        read = self.host.storage is not None and self.host.storage.poll()
+        return self.host.take_in_copies() or read
+
+    @property
+    def storage(self) -> Optional[StorageTier]:
+        """The storage tier under the host tier (disk_tier.StorageTier), or None."""
+        return self.host.storage if self.host is not None else None
+
+    def fetch(self, key: str, tokens: Callable[[], Sequence[int]], matched: int, *,
+              namespace: Optional[str] = None) -> bool:
+        """Whether the waiting request `key` waits for the storage tier to read more of its prefix
+        than the `matched` tokens the tree has (disk_tier.StorageTier.fetch)."""
+        storage = self.storage
+        if storage is None:
+            return False
+        return storage.fetch(key, tokens, matched, namespace, self.host.attach)
 
     def flush(self) -> bool:
-        """Drop the whole tree and free its slots; refused (False) while any request holds a lock."""
-        if self.protected_size:
+        """Drop the whole tree and free what it holds; refused (False) while any request holds a lock."""
+        if self.host is not None:
+            self.host.copier.wait_all()
+            self.poll()  # finished loads unlock their nodes
+        tree = self.tree
+        if tree.protected_size:
             return False
-        for node in self.iter_nodes():
-            if node is not self.root:
-                self._free_node_slots(node)
+        for node in tree.iter_nodes():
+            if node is not tree.root:
+                for store in tree.stores:
+                    store.on_flush(node)
                 node.removed = True
-                self.touched.add((node, ALL))
-        self.touched.add((self.root, ALL))
-        self._reset()
-        if self.event_listener is not None:
-            self.event_listener("flush", [], None)
-        if self.block_listener is not None:
-            self.block_listener("cleared", "", self.root)
+                tree.touched.add((node, ALL))
+        tree.touched.add((tree.root, ALL))
+        tree.reset()
+        for store in tree.stores:
+            store.reset()
+        if tree.event_listener is not None:
+            tree.event_listener("flush", [], None)
+        if tree.block_listener is not None:
+            tree.block_listener("cleared", "", tree.root)
         return True
 
-    def _free_node_slots(self, node: TreeNode) -> None:
-        """Give back what a node being dropped with the whole tree owns."""
-        self.allocator.free_slots(node.value)
-
+    # ------------------------------------------------------------------ bookkeeping
     def reset_counters(self) -> None:
         self.counters = CacheCounters()
+        for store in self.tree.stores:
+            store.reset_counters()
 
     def drain_touched(self) -> set[tuple[TreeNode, object]]:
-        touched, self.touched = self.touched, set()
+        tree = self.tree
+        touched, tree.touched = tree.touched, set()
         return touched
 
-    def _path_tokens(self, node: TreeNode) -> list[int]:
-        keys = []
-        while node is not self.root:
-            keys.append(node.key)
-            node = node.parent
-        return [t for key in reversed(keys) for t in key]
-
-    # ------------------------------------------------------------------ checks
     def iter_nodes(self) -> Iterator[TreeNode]:
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+        return self.tree.iter_nodes()
 
-    def all_slots(self) -> list[torch.Tensor]:
-        return [n.value for n in self.iter_nodes() if n is not self.root and self._on_device(n)]
+    def tier_stats(self) -> dict[str, float]:
+        return self.host.stats() if self.host is not None else no_host_tier_stats()
+
+    def snapshot_stats(self) -> dict[str, float]:
+        return self.states.stats() if self.states is not None else no_snapshot_stats()
 
     def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = (),
                          running_rows: Sequence[int] = ()) -> None:
-        """Sizes add up to the pool, no slot is owned twice, locks and pages are consistent."""
-        evictable = protected = waited = 0
-        for node in self.iter_nodes():
-            if node is self.root:
-                continue
-            assert not node.removed, f"{node} is in the tree but marked removed"
-            if node.namespace is not None:
-                assert node.parent is self.root and self.root.children.get((NAMESPACE, node.namespace)) is node
-                assert not node.key and node.lock_ref >= 1, f"{node}: a namespace root holds tokens or is unlocked"
-                assert node.children or node.lock_ref > 1 or node.waiters, f"{node}: an empty namespace root is kept"
-                continue
-            assert len(node.key) % self.page_size == 0 and node.key, f"{node}: not whole pages"
-            assert node.parent.children.get(self._child_key(node.key, 0)) is node, f"{node}: bad parent link"
-            if node.parent is not self.root:
-                assert node.parent.lock_ref >= node.lock_ref, f"{node}: locked more than its parent"
-            if not self._on_device(node):
-                continue  # a host-tier node: the tiered cache checks it
-            assert len(node.key) == len(node.value), f"{node}: key/value length mismatch"
-            if node.waiters and not node.lock_ref:
-                waited += len(node.key)
-            if node.lock_ref:
-                protected += len(node.key)
-            else:
-                evictable += len(node.key)
-        assert evictable == self.evictable_size, f"evictable counter {self.evictable_size} != {evictable}"
-        assert protected == self.protected_size, f"protected counter {self.protected_size} != {protected}"
-        assert waited == self.waited_evictable_size, f"waited counter {self.waited_evictable_size} != {waited}"
-        total = self.allocator.total_tokens
-        free = self.allocator.free_tokens
-        assert free + evictable + protected + held_by_running == total, (
-            f"free {free} + evictable {evictable} + protected {protected} + held {held_by_running} != {total}")
-        owned = self.all_slots() + [self.allocator.free_slot_tensor()] + list(running_slots)
-        check_slot_ownership(owned, total, self.page_size)
+        """Every store's invariants: the device pool's sizes add up, no slot of any pool is owned twice."""
+        for store in (self.device, self.host, self.states):
+            if store is not None:
+                store.check(held_by_running, running_slots, running_rows)

@@ -1,6 +1,6 @@
 """Which states a hybrid model's prefix cache keeps, where, and which go first.
 
-A snapshot cache (snapshot_cache.py) resumes a request only where it holds the recurrent state,
+A snapshot cache (stores/snapshots.py) resumes a request only where it holds the recurrent state,
 and a request's prompt pieces end only where a state is known to be needed: a branch seen (a KV
 match past the deepest snapshot), a little before the prompt's end (the next turn). The first
 request on a new prefix cannot know where the next one will leave it, so without more the second
@@ -138,9 +138,9 @@ def saves_below(position: int, points: Iterable[int]) -> Optional[int]:
 
 
 class SnapshotEviction:
-    """Which snapshots pay and which go first: the part of `SnapshotRadixCache` that decides (a
-    mixin: it reads the cache's pool, `snapshots`, its heap of snapshots, `_snap_heap`, and the
-    tree's nodes). Checkpoints first, then the kept snapshots, each the least worth first
+    """Which snapshots pay and which go first: the part of the snapshot store
+    (`stores/snapshots.py`) that decides (its base: it reads the store's pool, `snapshots`, its
+    heap of snapshots, `_snap_heap`, and each node's snapshot, `TreeNode.state`). Checkpoints first, then the kept snapshots, each the least worth first
     (`checkpoint_worth`; a client's hint a pool's turnover more recent); a snapshot a waiting
     request will resume from last. A full pool gives a checkpoint only the slot of a checkpoint
     worth less."""
@@ -168,7 +168,7 @@ class SnapshotEviction:
         pool's turnover later for a client's hint (the end of a chat's system turn serves every
         conversation on that system prompt, a prompt's end one conversation)."""
         self._state_clock += 1
-        return self._state_clock + (self.snapshots.num_slots if node.snapshot_hinted else 0)
+        return self._state_clock + (self.snapshots.num_slots if node.state.hinted else 0)
 
     def _worth(self, saves: int) -> float:
         return checkpoint_worth(saves, self._state_clock, self.snapshots.num_slots)
@@ -183,9 +183,10 @@ class SnapshotEviction:
 
     def _end_outcome(self, node: TreeNode, *, resumed: bool) -> None:
         """node's snapshot is resumed from, or goes: its window (if any) records which, once."""
-        if node.snapshot_window is not None:
-            node.snapshot_window.append(resumed)
-            node.snapshot_window = None
+        state = node.state
+        if state is not None and state.window is not None:
+            state.window.append(resumed)
+            state.window = None
 
     def _plans_ladder(self, resume_at: int) -> bool:
         """Whether a request resuming at `resume_at` keeps a ladder of checkpoints (DEEP_LADDER_WINDOW)."""
@@ -207,10 +208,10 @@ class SnapshotEviction:
         # it was last taken or resumed from for a kept one). A kept one's recency is its own: the
         # snapshots above a conversation's latest one are touched by every match through them, yet
         # resume nobody once a deeper one exists.
-        if node.snapshot_worth is not None:
-            return (self._parked_at(node), False, node.snapshot_worth)
-        return (self._parked_at(node), True, checkpoint_worth(node.snapshot_saves, node.snapshot_used,
-                                                               self.snapshots.num_slots))
+        state = node.state
+        if state.worth is not None:
+            return (self._parked_at(node), False, state.worth)
+        return (self._parked_at(node), True, checkpoint_worth(state.saves, state.used, self.snapshots.num_slots))
 
     @staticmethod
     def _parked_at(node: TreeNode) -> bool:
@@ -220,7 +221,7 @@ class SnapshotEviction:
     def _push_snapshot(self, node: TreeNode) -> None:
         heapq.heappush(self._snap_heap, (self._snapshot_priority(node), node))
         if len(self._snap_heap) > 4 * self.snapshots_held + 1024:
-            holding = {n for _, n in self._snap_heap if not n.removed and n.snapshot is not None}
+            holding = {n for _, n in self._snap_heap if not n.removed and n.state is not None and n.state.slot is not None}
             self._snap_heap = [(self._snapshot_priority(n), n) for n in holding]
             heapq.heapify(self._snap_heap)
 
@@ -237,7 +238,7 @@ class SnapshotEviction:
         held: list[tuple[tuple, TreeNode]] = []
         while self._snap_heap:
             prio, node = heapq.heappop(self._snap_heap)
-            if node.removed or node.snapshot is None:
+            if node.removed or node.state is None or node.state.slot is None:
                 continue
             if self._snapshot_held(node):
                 held.append((prio, node))  # offered again once this search is over

@@ -10,13 +10,13 @@ such states in this pool: its own slots, separate from the running requests' row
 a request's chunk ended at a branch point, or where its sequence ended), `restore` a snapshot into
 the row of a request admitted on it. Both are queued on the device's compute stream, so they take
 their place between the forward passes that read and write the rows (the cache issues them at the
-right moments: `radixserve.cache.snapshot_cache`). The slots' bookkeeping (who owns each) is the
+right moments: `radixserve.cache.stores.snapshots`). The slots' bookkeeping (who owns each) is the
 cache's; this module only hands out free slots and copies.
 
 With a host tier, `HostStateSnapshots` holds more snapshots in host memory (pinned on CUDA, its
 own budget, `--mamba-host-cache-size`): a snapshot goes there with its node's KV when the device
 evicts the node and comes back with it when the KV is loaded back (the bookkeeping is
-`radixserve.cache.tiered_snapshot_cache`'s). Its copies are queued on the compute stream too, so
+`radixserve.cache.stores.host_snapshots`). Its copies are queued on the compute stream too, so
 they are ordered with every save and restore without events: a device slot freed after its
 write-back is reused only by copies queued after it, and a host slot is read back only by a load
 queued after the write-back that filled it. The host side never reads the buffer itself.

@@ -25,7 +25,7 @@ vision tower (images and videos), multi-token-prediction heads (their `mtp.*` te
 read). Qwen3.5's multimodal RoPE is plain RoPE for text (the same position on all three axes).
 
 Prefix reuse: a request's recurrent state cannot be rebuilt from KV, so the prefix cache keeps
-snapshots of it (radixserve.cache.snapshot_cache) and copies the one a cached prefix ends at into
+snapshots of it (radixserve.cache.stores.snapshots) and copies the one a cached prefix ends at into
 the request's row; the layers then continue that row's state as they continue a chunk's.
 """
 

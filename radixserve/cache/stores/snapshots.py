@@ -1,9 +1,10 @@
-"""The prefix cache of a hybrid model: the device radix tree of KV plus recurrent-state snapshots.
+"""The snapshot store: a hybrid model's recurrent-state snapshots beside the tree's KV
+(`TreeNode.state`, a `Snapshot`), on the device and, with a host tier, on the host.
 
 A hybrid model's linear-attention layers keep no KV: a request resumed after p cached tokens
 needs their state after position p, which only a snapshot taken there can give
 (`radixserve.cache.state_snapshots`). So the tree keeps, besides each node's KV, at most one
-snapshot per node: the state after the node's last token (`TreeNode.snapshot`). A match is usable
+snapshot per node: the state after the node's last token (`TreeNode.state`). A match is usable
 only up to the deepest node end holding one: `peek`, `match`, the LPM order, the prefix hold,
 `cached_tokens` and `/kv_events` all see that usable length, never the KV beyond it.
 
@@ -71,91 +72,70 @@ hung it on the tree yet, or by the free list (`check_invariants`).
 How these rules were chosen, and the memory split between running rows, snapshots and KV that
 they need: the scheduler simulator's hybrid runs (`radixserve.bench.scheduler_sim --hybrid-27b`),
 docs/tuning.md.
+The host tier's part (a node's snapshot written back to the host and loaded again) is
+`host_snapshots.HostSnapshots`; a node's snapshot is on one tier at a time, one payload either way.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
-from radixserve.cache.kv_pool import PageAllocator
-from radixserve.cache.prefix_cache import ALL, NAMESPACE, PARTIAL, MatchResult, TreeNode, no_snapshot_stats
-from radixserve.cache.radix_cache import _EMPTY_SLOTS, PROMPT_END_SLACK, RadixCache
-from radixserve.cache.snapshot_policy import Checkpoint, SnapshotEviction, plan_checkpoints, saves_below
+from radixserve.cache.prefix_cache import MatchResult, no_snapshot_stats
+from radixserve.cache.snapshot_policy import SnapshotEviction, plan_checkpoints, saves_below
 from radixserve.cache.state_snapshots import StateSnapshots
+from radixserve.cache.stores.host_kv import HostKV
+from radixserve.cache.stores.host_snapshots import HostSnapshots
+from radixserve.cache.stores.snapshot_state import RowStates, Snapshot, SnapshotCounters, device_slot
+from radixserve.cache.tree import ALL, EMPTY_SLOTS, NAMESPACE, PARTIAL, PROMPT_END_SLACK, RadixTree, TreeNode
 
 # A branch point is worth a prompt piece of its own (one more step for the request that computes
 # it, and a snapshot slot) only when it saves each later sibling at least this many tokens.
 BRANCH_MIN_TOKENS = 16
 
 
-@dataclass
-class RowStates:
-    """What the cache knows of a running request's state row."""
-    chunk_ends: tuple[int, ...]
-    # (position, snapshot slot) taken of the row and not hung on the tree yet.
-    taken: list[tuple[int, int]] = field(default_factory=list)
-    # Where it keeps states on its way without ending a piece there (snapshot_policy.py), and how
-    # far its prompt runs (no checkpoint past it).
-    checkpoints: tuple[Checkpoint, ...] = ()
-    target_len: int = 0
-    # Positions kept or planned so far (its resume point, chunk ends, checkpoints, chunk boundaries):
-    # what a new checkpoint saves is measured from the deepest one below it.
-    points: set[int] = field(default_factory=set)
-    # Of the taken slots: the checkpoints' worth (absent: a kept snapshot), and those the forward
-    # pass writes (captured inside a piece: not copied from the row).
-    worth: dict[int, float] = field(default_factory=dict)
-    captured: set[int] = field(default_factory=set)
-    hinted: set[int] = field(default_factory=set)  # of the kept ones, those at a client's hint
-    valid: bool = True  # False after discard_states: its state may be wrong
-    kept_chunk_end: bool = False  # a snapshot lies at one of its chunk ends, kept by this row
-    prompt_end: int = 0  # the chunk end a little before its prompt's end (0: none)
-    prompt_end_slot: Optional[int] = None  # the slot taken there
-    deep_ladder: bool = False  # it keeps a ladder of checkpoints past the root (their pay-off is measured)
-    # The node it resumed from and that snapshot's recency before: once the row hangs a deeper
-    # snapshot on a path that does not branch there, the old one gets that recency back.
-    resumed_from: Optional[TreeNode] = None
-    used_before: int = 0
-    worth_before: Optional[float] = None  # that snapshot's worth, a checkpoint's (None: a kept one)
-    from_host: bool = False  # the snapshot it resumed from was loaded back from the host tier
+class SnapshotStore(SnapshotEviction):
+    ranks_eviction = True
 
-
-@dataclass
-class SnapshotCounters:
-    hits: int = 0  # admissions resumed from a snapshot
-    taken: int = 0  # snapshots copied out of a request row (or written there by the forward pass)
-    evictions: int = 0  # snapshots freed to make room or with their node
-    checkpoints_taken: int = 0  # of those taken, checkpoints (snapshot_policy.py)
-    checkpoint_hits: int = 0  # of the hits, resumed from a checkpoint (it is kept from then on)
-
-
-class SnapshotRadixCache(SnapshotEviction, RadixCache):
-    keeps_branch_states = True
-    def __init__(self, allocator: PageAllocator, snapshots: StateSnapshots, *, page_size: int = 1,
-                 eviction_policy: str = "lru", branch_min_tokens: int = BRANCH_MIN_TOKENS):
-        self._init_snapshots(snapshots, page_size, branch_min_tokens)
-        super().__init__(allocator, page_size=page_size, eviction_policy=eviction_policy)
-
-    def _init_snapshots(self, snapshots: StateSnapshots, page_size: int, branch_min_tokens: int) -> None:
-        """What this class keeps beside the tree (before the tree is built: its reset reads none of it)."""
+    def __init__(self, snapshots: StateSnapshots, host: Optional[HostSnapshots] = None, *, page_size: int = 1,
+                 branch_min_tokens: int = BRANCH_MIN_TOKENS):
         self.snapshots = snapshots
+        self.host = host  # the host tier's snapshot slots (None: no host tier)
+        self.page_size = page_size
         self.branch_min_tokens = max(branch_min_tokens, page_size)
         self.rows: dict[int, RowStates] = {}
         # (row, slot): states taken for the step being scheduled, copied once it is launched.
         self._unissued: list[tuple[int, int]] = []
-        self.snapshot_counters = SnapshotCounters()
+        self.counters = SnapshotCounters()
         self._init_eviction()
+        self.tree: RadixTree
+        self.kv_host: Optional[HostKV] = None  # the KV's host tier, whose loads hold snapshots
+        self.reset()
 
-    def _reset(self) -> None:
-        super()._reset()
+    def bind(self, tree: RadixTree, kv_host: Optional[HostKV]) -> None:
+        self.tree, self.kv_host = tree, kv_host
+        if self.host is not None:
+            self.host.bind(self)
+
+    def reset(self) -> None:
         self.snapshots_held = 0
         self._snap_heap: list[tuple[tuple, TreeNode]] = []
+        # Snapshots (on either tier) each node and its subtree hold; absent: none.
+        self._below: dict[TreeNode, int] = {}
+        if self.host is not None:
+            self.host.reset()
 
     def reset_counters(self) -> None:
-        super().reset_counters()
-        self.snapshot_counters = SnapshotCounters()
+        self.counters = SnapshotCounters()
+        if self.host is not None:
+            self.host.reset_counters()
+
+    def page_floor(self, n: int) -> int:
+        return n - n % self.page_size
+
+    def below(self, node: TreeNode) -> int:
+        return self._below.get(node, 0)
 
     # ------------------------------------------------------------------ lookups
     def _usable_walk(self, tokens: Sequence[int], namespace: Optional[str], *,
@@ -163,9 +143,10 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
         """(usable length, the node it ends at, KV match length): the deepest node end on the KV
         match with a snapshot there, ready on the device (else on any tier: what a lookup for a
         waiting request counts)."""
-        usable, last, kv = 0, self._namespace_root(namespace) or self.root, 0
+        tree = self.tree
+        usable, last, kv = 0, tree.namespace_root(namespace) or tree.root, 0
         on_device = True
-        for node, n, pos in self._walk(tokens, namespace):
+        for node, n, pos in tree.walk(tokens, namespace):
             kv = pos + n
             # A ready match has its whole path ready (a host tier's device part is a tree from the root).
             on_device = on_device and self._ready(node)
@@ -173,25 +154,51 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
                 usable, last = kv, node
         return usable, last, kv
 
-    def _resumable(self, node: TreeNode, ready: bool) -> bool:
-        """A request can resume at node's end: it holds a snapshot (on the device, ready; the host
-        tier's cache counts its host snapshots too when `ready` is False)."""
-        return node.snapshot is not None and self._ready(node)
+    def _ready(self, node: TreeNode) -> bool:
+        """Whether node's KV can be read now: on the device, not waiting for a load."""
+        return node.value is not None and (self.kv_host is None or not self.kv_host.loading(node))
 
-    def peek_park(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode, object]:
+    def _resumable(self, node: TreeNode, ready: bool) -> bool:
+        """A request can resume at node's end: it holds a snapshot (on the device, ready; on either
+        tier when `ready` is False)."""
+        state = node.state
+        if state is None:
+            return False
+        if not ready:
+            return state.held
+        return state.slot is not None and self._ready(node)
+
+    def peek_park(self, tokens: Sequence[int], namespace: Optional[str]) -> tuple[int, TreeNode, object]:
         """The usable length, parked at its node under the child key of the next page: a snapshot
         hung below that child (or a removed one at the node) touches it."""
-        if self._namespace_root(namespace) is None:
-            return 0, self.root, (NAMESPACE, namespace)
+        if self.tree.namespace_root(namespace) is None:
+            return 0, self.tree.root, (NAMESPACE, namespace)
         usable, last, _ = self._usable_walk(tokens, namespace, ready=False)
         if usable + self.page_size > len(tokens):
             return usable, last, PARTIAL  # nothing left to match
-        return usable, last, self._child_key(tokens, usable)
+        return usable, last, self.tree.child_key(tokens, usable)
 
-    def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
+    def loadable_len(self, tokens: Sequence[int], namespace: Optional[str]) -> int:
+        """How far a load back from the host is worth it: to the deepest snapshot on either tier
+        (KV beyond it resumes nobody)."""
+        return self._usable_walk(tokens, namespace, ready=False)[0]
+
+    def match(self, tokens: Sequence[int], namespace: Optional[str]) -> MatchResult:
         """The usable prefix (its nodes accessed, none split: a snapshot sits at a node's end) and,
-        where the KV match runs far enough past it, the end of the KV match as a chunk end."""
-        tick = self._next_tick()
+        where the KV match runs far enough past it, the end of the KV match as a chunk end. A host
+        snapshot past the deepest device one on the device part of the match (the device pool had
+        evicted it to the host) is brought back first."""
+        tree = self.tree
+        if self.host is not None:
+            deepest: Optional[TreeNode] = None
+            for node, n, _ in tree.walk(tokens, namespace):
+                if not self._ready(node):
+                    break
+                if n == len(node.key) and node.state is not None and node.state.held:
+                    deepest = node
+            if deepest is not None and deepest.state.slot is None:
+                self.host.to_device(deepest)
+        tick = tree.next_tick()
         usable, last, kv = self._usable_walk(tokens, namespace)
         pieces: list[torch.Tensor] = []
         node = last
@@ -200,9 +207,9 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
             node.hit_count += 1
             pieces.append(node.value)
             node = node.parent
-        if last.lock_ref == 0 and self._evictable_leaf(last):
-            self._push(last)  # its access time changed
-        slots = torch.cat(pieces[::-1]) if pieces else _EMPTY_SLOTS
+        if last.lock_ref == 0 and tree.evictable_leaf(last):
+            tree.push(last)  # its access time changed
+        slots = torch.cat(pieces[::-1]) if pieces else EMPTY_SLOTS
         return MatchResult(usable, slots, last, self._chunk_ends(len(tokens), usable, kv), len(tokens))
 
     def _chunk_ends(self, target_len: int, usable: int, kv: int) -> tuple[int, ...]:
@@ -217,19 +224,19 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
             ends.append(kv)
             resume_at = kv
         # target_len is the prompt less its last token: the next turn re-tokenizes the prompt's end.
-        prompt_end = self._page_floor(target_len + 1 - PROMPT_END_SLACK)
+        prompt_end = self.page_floor(target_len + 1 - PROMPT_END_SLACK)
         if prompt_end - resume_at >= self.branch_min_tokens:
             ends.append(prompt_end)
         return tuple(ends)
 
     def on_reusable_path(self, node: TreeNode) -> bool:
-        return node.snapshots_below > 0
+        return self.below(node) > 0
 
-    def reusable_len(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> int:
+    def reusable_len(self, tokens: Sequence[int], namespace: Optional[str]) -> int:
         """Along the KV match as long as a snapshot lies at or below the node reached."""
         length = 0
-        for node, n, pos in self._walk(tokens, namespace):
-            if node.snapshots_below == 0:
+        for node, n, pos in self.tree.walk(tokens, namespace):
+            if self.below(node) == 0:
                 break
             length = pos + n
         return length
@@ -238,32 +245,38 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
     def resume(self, row: int, match: MatchResult, *, branch_at: int = 0,
                hints: Sequence[int] = ()) -> tuple[int, ...]:
         assert row not in self.rows, f"state row {row} was not given back"
+        node = match.last_node
+        from_host = bool(match.length) and node.state.from_host
+        if from_host:
+            node.state.from_host = False
+            self.host.counters.hits += 1
         chunk_ends = self._with_branch(match, branch_at)
         ladder = self._plans_ladder(match.length)
         checkpoints = plan_checkpoints(match.length, match.target_len, chunk_ends, hints, ladder=ladder,
                                        min_gap=self.branch_min_tokens, page_size=self.page_size)
-        prompt_end = self._page_floor(match.target_len + 1 - PROMPT_END_SLACK)
+        prompt_end = self.page_floor(match.target_len + 1 - PROMPT_END_SLACK)
         states = self.rows[row] = RowStates(chunk_ends, checkpoints=checkpoints, target_len=match.target_len,
                                             points={match.length, *chunk_ends, *(c.position for c in checkpoints)},
                                             prompt_end=prompt_end if prompt_end in chunk_ends else 0,
                                             deep_ladder=ladder and match.length > 0)
         if match.length:
-            node = match.last_node
-            slot = node.snapshot
+            state = node.state
+            slot = state.slot if state is not None else None
             assert slot is not None, f"a usable match ends at {match.last_node}, which holds no snapshot"
             if any(s == slot for _, s in self._unissued):
-                self._issue()  # hung on the tree by a launched step whose copy is still queued here
+                self.issue()  # hung on the tree by a launched step whose copy is still queued here
             self.snapshots.restore([slot], [row])
-            self.snapshot_counters.hits += 1
+            self.counters.hits += 1
             self._end_outcome(node, resumed=True)
             self._conversation_came_back(node)
-            states.resumed_from, states.used_before = node, node.snapshot_used
-            states.worth_before = node.snapshot_worth
-            if node.snapshot_worth is not None:  # a checkpoint resumed from has proven itself
-                self.snapshot_counters.checkpoint_hits += 1
-                node.snapshot_worth = None
-            node.snapshot_used = self._recency(node)
+            states.resumed_from, states.used_before = node, state.used
+            states.worth_before = state.worth
+            if state.worth is not None:  # a checkpoint resumed from has proven itself
+                self.counters.checkpoint_hits += 1
+                state.worth = None
+            state.used = self._recency(node)
             self._push_snapshot(node)
+        states.from_host = from_host
         return states.chunk_ends
 
     def resumed_from_host(self, row: int) -> bool:
@@ -271,14 +284,19 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
         return states is not None and states.from_host
 
     def cancel_resume(self, row: int) -> None:
-        states = self.rows.pop(row)
+        states = self.rows[row]
+        if states.from_host:
+            self.host.counters.hits -= 1
+            if states.resumed_from.state is not None:
+                states.resumed_from.state.from_host = True
+        del self.rows[row]
         assert not states.taken, f"state row {row} was scheduled before its admission was undone"
         node = states.resumed_from
         if node is not None:
-            self.snapshot_counters.hits -= 1
-            self.snapshot_counters.checkpoint_hits -= states.worth_before is not None
-            if node.snapshot is not None:
-                node.snapshot_used, node.snapshot_worth = states.used_before, states.worth_before
+            self.counters.hits -= 1
+            self.counters.checkpoint_hits -= states.worth_before is not None
+            if device_slot(node) is not None:
+                node.state.used, node.state.worth = states.used_before, states.worth_before
                 self._push_snapshot(node)
 
     def _with_branch(self, match: MatchResult, branch_at: int) -> tuple[int, ...]:
@@ -286,7 +304,7 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
         wait to be computed: a burst of prompts on a new shared prefix), the branch point too, so
         that the second one resumes there instead of computing the shared part again; only where it
         lies at least branch_min_tokens from the match and every other chunk end."""
-        at = self._page_floor(branch_at)
+        at = self.page_floor(branch_at)
         ends = match.chunk_ends
         if all(abs(at - end) >= self.branch_min_tokens for end in (match.length, *ends)) and at > match.length:
             return tuple(sorted((*ends, at)))
@@ -330,7 +348,7 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
             if slot is not None:
                 states.captured.add(slot)
                 captures.append((checkpoint.position, slot))
-                self.snapshot_counters.taken += 1
+                self.counters.taken += 1
         captures.sort()
         saves = saves_below(end, states.points)
         if end < states.target_len and saves is not None and end % self.page_size == 0 \
@@ -352,7 +370,7 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
             states.hinted.add(slot)
         if worth is not None:
             states.worth[slot] = worth
-            self.snapshot_counters.checkpoints_taken += 1
+            self.counters.checkpoints_taken += 1
         return slot
 
     @property
@@ -361,14 +379,10 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
         the state they will hold)."""
         return {slot for _, slot in self._unissued}
 
-    def poll(self) -> bool:
-        """The start of a step's scheduling: the steps that reached a chunk end are launched, so
-        their states are copied out now, before a later forward pass moves their rows on."""
-        self._issue()
-        return super().poll()
-
-    def _issue(self, row: Optional[int] = None) -> None:
-        """Copy the taken states not copied yet (of `row` only, when given)."""
+    def issue(self, row: Optional[int] = None) -> None:
+        """Copy the taken states not copied yet (of `row` only, when given). At the start of a
+        step's scheduling (`poll`), the steps that reached a chunk end are launched, so their
+        states are copied out now, before a later forward pass moves their rows on."""
         if row is None:
             batch, self._unissued = self._unissued, []
         else:
@@ -376,27 +390,27 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
             self._unissued = [e for e in self._unissued if e[0] != row]
         if batch:
             self.snapshots.save([r for r, _ in batch], [s for _, s in batch])
-            self.snapshot_counters.taken += len(batch)
+            self.counters.taken += len(batch)
 
     def keep_states(self, row: int, tokens: Sequence[int], *, namespace: Optional[str] = None,
                     state_len: Optional[int] = None, readmitted: bool = False) -> None:
         states = self.rows[row]
         leaving = state_len is not None
         if leaving:
-            self._issue(row)  # the row goes to another request next: its state is read now
+            self.issue(row)  # the row goes to another request next: its state is read now
         n = len(tokens)
         waiting = []
         for position, slot in states.taken:
             if 0 < position <= n:
                 worth = states.worth.pop(slot, None)
                 states.captured.discard(slot)
-                node = self._node_ending_at(tokens, position, namespace)
+                node = self.tree.node_ending_at(tokens, position, namespace)
                 if self._attach(node, slot, tokens[:position], namespace, worth=worth, hinted=slot in states.hinted,
                                 saves=saves_below(position, states.points) or position):
-                    if node.snapshot == slot and slot == states.prompt_end_slot:
-                        node.snapshot_window = self._prompt_end_outcomes  # whether they pay
-                    elif node.snapshot == slot and worth is not None and states.deep_ladder:
-                        node.snapshot_window = self._deep_ladder_outcomes
+                    if device_slot(node) == slot and slot == states.prompt_end_slot:
+                        node.state.window = self._prompt_end_outcomes  # whether they pay
+                    elif device_slot(node) == slot and worth is not None and states.deep_ladder:
+                        node.state.window = self._deep_ladder_outcomes
                     if position in states.chunk_ends:
                         states.kept_chunk_end = True
                     if position in states.chunk_ends or worth is None:  # not a guess on the way
@@ -407,16 +421,16 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
         if not leaving:
             return
         if states.valid and state_len == n and n > 0 and (readmitted or self._keeps_sequence_end(states.kept_chunk_end)):
-            node = self._node_ending_at(tokens, n, namespace)
-            if node is not None and node.snapshot is None:
+            node = self.tree.node_ending_at(tokens, n, namespace)
+            if node is not None and device_slot(node) is None:
                 slot = self._alloc_snapshot()
                 if slot is not None:
                     self.snapshots.save([row], [slot])
-                    self.snapshot_counters.taken += 1
+                    self.counters.taken += 1
                     if self._attach(node, slot, tokens, namespace, saves=saves_below(n, states.points) or n):
                         # Whether such snapshots pay is learnt from clients' next turns alone.
                         if states.kept_chunk_end and not readmitted:
-                            node.snapshot_window = self._end_outcomes
+                            node.state.window = self._end_outcomes
                         self._superseded(states)  # where no snapshot near its prompt's end did already
         for _, slot in states.taken:
             self.snapshots.free(slot)
@@ -439,20 +453,12 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
                 self.snapshots.free(entry[1])
 
     # ------------------------------------------------------------------ the tree's snapshots
-    def _node_ending_at(self, tokens: Sequence[int], position: int, namespace: Optional[str]) -> Optional[TreeNode]:
-        """The node whose path is tokens[:position] (split there if it ends inside one); None when
-        the tree does not hold them."""
-        for node, n, pos in self._walk(tokens[:position], namespace):
-            if pos + n == position:
-                return node if n == len(node.key) else self._split(node, n)
-        return None
-
     def _conversation_came_back(self, node: TreeNode) -> None:
         """A request resumed at node: a snapshot near a prompt's end above it on its path paid too
         (its conversation came back, to a deeper state: the reply sent back as generated)."""
         node = node.parent
         while node is not None and node.parent is not None:
-            if node.snapshot_window is self._prompt_end_outcomes:
+            if node.state is not None and node.state.window is self._prompt_end_outcomes:
                 self._end_outcome(node, resumed=True)
             node = node.parent
 
@@ -460,84 +466,75 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
         """The row hung a snapshot below the one it resumed from: where nothing branches off between
         them, the old one resumes nobody the new one would not, and loses its resume's recency."""
         node, states.resumed_from = states.resumed_from, None
-        if node is not None and node.snapshot is not None and len(node.children) == 1 \
-                and node.snapshot_used > states.used_before:
-            node.snapshot_used = states.used_before
+        if node is not None and device_slot(node) is not None and len(node.children) == 1 \
+                and node.state.used > states.used_before:
+            node.state.used = states.used_before
             self._push_snapshot(node)
 
     def _attach(self, node: Optional[TreeNode], slot: int, path: Sequence[int], namespace: Optional[str], *,
                 worth: Optional[float] = None, hinted: bool = False, saves: int = 1) -> bool:
         """Hang a taken snapshot (a checkpoint's when worth is given; where a client hinted a branch,
         when hinted; saving `saves` tokens) on the node its position ends (freed if that node has
-        one); whether the node holds a snapshot now."""
-        if node is None or node.removed or node.snapshot is not None or not self._on_device(node):
+        one); whether the node holds a snapshot now. A device snapshot taken where the host tier
+        holds one replaces it (the same state, ready on the device)."""
+        if node is not None and not node.removed and node.value is not None and node.state is not None \
+                and node.state.host_slot is not None:
+            self.host.replaced(node)
+        if node is None or node.removed or device_slot(node) is not None or node.value is None:
             self._free_slot(slot)
-            return node is not None and not node.removed and node.snapshot is not None
-        node.snapshot = slot
-        node.snapshot_worth = worth
-        node.snapshot_hinted = hinted
-        node.snapshot_saves = saves
-        node.snapshot_used = self._recency(node)
+            return node is not None and not node.removed and device_slot(node) is not None
+        state = node.state
+        if state is None:
+            state = node.state = Snapshot(slot)
+        else:  # the host snapshot it replaces: what it measured (its window) goes on
+            state.slot = slot
+        state.worth, state.hinted, state.saves = worth, hinted, saves
+        state.used = self._recency(node)
         self.snapshots_held += 1
-        self._count_below(node, +1)
+        self.count_below(node, +1)
         self._push_snapshot(node)
-        if node.lock_ref == 0 and self._evictable_leaf(node):
-            self._push(node)  # its eviction class changed
+        tree = self.tree
+        tree.push_if_evictable(node)  # its eviction class changed
         # Lookups parked above it whose next page leads here may now resume deeper.
         child, above = node, node.parent
         while above is not None and child.namespace is None:
-            self.touched.add((above, self._child_key(child.key, 0)))
+            tree.touched.add((above, tree.child_key(child.key, 0)))
             child, above = above, above.parent
-        if self.event_listener is not None:
-            self.event_listener("insert", list(path), namespace)
+        if tree.event_listener is not None:
+            tree.event_listener("insert", list(path), namespace)
         return True
 
     def _drop_snapshot(self, node: TreeNode, *, removing: bool) -> None:
-        """Free a node's snapshot (evicted: the pool needs room, or the node leaves the tree)."""
-        self._free_slot(node.snapshot)
-        node.snapshot = None
-        node.snapshot_worth = None
-        node.snapshot_hinted = False
+        """Free a node's device snapshot (evicted: the pool needs room, or the node leaves the tree)."""
+        self._free_slot(node.state.slot)
         self._end_outcome(node, resumed=False)
+        node.state = None
         self.snapshots_held -= 1
-        self.snapshot_counters.evictions += 1
-        self._count_below(node, -1)
-        self.touched.add((node, ALL))  # lookups that resumed here
+        self.counters.evictions += 1
+        self.count_below(node, -1)
+        self.tree.touched.add((node, ALL))  # lookups that resumed here
         if removing:
             return  # the tree's own removal re-offers the parent and publishes the eviction
-        if node.lock_ref == 0 and self._evictable_leaf(node):
-            self._push(node)  # its eviction class changed
-        if node.snapshots_below == 0 and self.event_listener is not None:
-            self.event_listener("evict", self._path_tokens(node), self._namespace_of(node))
+        self.lost(node)
 
-    @staticmethod
-    def _count_below(node: Optional[TreeNode], delta: int) -> None:
+    def lost(self, node: TreeNode) -> None:
+        """node's only snapshot was freed (it stays in the tree): it goes for KV sooner, and
+        /kv_events hears of its path when no snapshot is left at or below it."""
+        tree = self.tree
+        if node.value is not None:
+            tree.push_if_evictable(node)  # its eviction class changed
+        if self.below(node) == 0 and tree.event_listener is not None:
+            tree.event_listener("evict", tree.path_tokens(node), tree.namespace_of(node))
+
+    def count_below(self, node: Optional[TreeNode], delta: int) -> None:
+        below = self._below
         while node is not None:
-            node.snapshots_below += delta
+            count = below.get(node, 0) + delta
+            if count:
+                below[node] = count
+            else:
+                del below[node]
             node = node.parent
-
-    def _snapshots_at(self, node: TreeNode) -> int:
-        """Snapshots node holds (a host tier's cache: on either tier), as `snapshots_below` counts them."""
-        return node.snapshot is not None
-
-    # ------------------------------------------------------------------ the tree's hooks
-    def _priority(self, node: TreeNode) -> tuple:
-        # Leaves without a snapshot go first: their KV past the last snapshot resumes nobody.
-        return (node.waiters > 0, self._snapshots_at(node) > 0) + self._policy_key(node)
-
-    def _publish_insert(self, tokens: Sequence[int], namespace: Optional[str]) -> None:
-        """KV alone resumes nobody: /kv_events hears of a path when a snapshot is hung on it."""
-
-    def _remove_leaf(self, node: TreeNode) -> int:
-        if node.snapshot is not None:
-            self._drop_snapshot(node, removing=True)
-        return super()._remove_leaf(node)
-
-    def _free_node_slots(self, node: TreeNode) -> None:
-        super()._free_node_slots(node)
-        if node.snapshot is not None:
-            self._free_slot(node.snapshot)
-            node.snapshot = None
 
     def _free_slot(self, slot: int) -> None:
         """Free a snapshot slot a node held or a row took. Its copy out of a row may still be queued
@@ -547,45 +544,99 @@ class SnapshotRadixCache(SnapshotEviction, RadixCache):
             self._unissued = [e for e in self._unissued if e[1] != slot]
         self.snapshots.free(slot)
 
-    # ------------------------------------------------------------------ stats and checks
-    def snapshot_stats(self) -> dict[str, float]:
-        c = self.snapshot_counters
-        return {**no_snapshot_stats(), "snapshot_slots": self.snapshots.num_slots,
-                "snapshots_held": self.snapshots_held,
-                "snapshot_bytes": self.snapshots_held * self.snapshots.bytes_per_slot, "snapshot_hits": c.hits,
-                "snapshots_taken": c.taken, "snapshot_evictions": c.evictions,
-                "checkpoints_taken": c.checkpoints_taken, "checkpoint_hits": c.checkpoint_hits}
+    def _evict_snapshot(self, node: TreeNode) -> None:
+        """The device pool needs room: node's snapshot moves to the host tier (its KV stays on the
+        device), or is dropped when no host slot can be had."""
+        if self.host is None or not self.host.to_host(node):
+            self._drop_snapshot(node, removing=False)
 
-    def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = (),
-                         running_rows: Sequence[int] = ()) -> None:
-        """The KV tree's invariants, and every snapshot slot owned once (a node, a running request's
-        row, the free list), the subtree counts right, every snapshot offered for eviction, and
-        rows known exactly for the running requests."""
-        super().check_invariants(held_by_running, running_slots, running_rows)
+    def _snapshot_held(self, node: TreeNode) -> bool:
+        """A load holds node's snapshot: its KV is being copied back from the host."""
+        return self.kv_host is not None and self.kv_host.loading(node)
+
+    # ------------------------------------------------------------------ the tree's hooks
+    def eviction_rank(self, node: TreeNode) -> tuple:
+        # Leaves without a snapshot go first: their KV past the last snapshot resumes nobody.
+        state = node.state
+        return (state is not None and state.held,)
+
+    def on_split(self, upper: TreeNode, lower: TreeNode, n: int) -> None:
+        count = self._below.get(lower)
+        if count:
+            self._below[upper] = count  # the snapshot at the node's end stays with the lower part
+
+    def on_remove(self, node: TreeNode) -> None:
+        state = node.state
+        if state is None:
+            return
+        if state.host_slot is not None:
+            self.host.free(node)
+            self.count_below(node, -1)
+        elif state.slot is not None:
+            self._drop_snapshot(node, removing=True)
+
+    def after_remove(self, node: TreeNode, parent: TreeNode) -> None:
+        return None
+
+    def leaves_device(self, node: TreeNode) -> None:
+        """The device evicts node (its KV on the host now): its snapshot goes to the host too."""
+        if device_slot(node) is not None and (self.host is None or not self.host.to_host(node)):
+            self._drop_snapshot(node, removing=False)
+
+    def on_flush(self, node: TreeNode) -> None:
+        state = node.state
+        if state is None:
+            return
+        if state.host_slot is not None:
+            self.host.snapshots.free(state.host_slot)
+        if state.slot is not None:
+            self._free_slot(state.slot)
+        node.state = None
+
+    # ------------------------------------------------------------------ stats and checks
+    def stats(self) -> dict[str, float]:
+        c = self.counters
+        stats = {**no_snapshot_stats(), "snapshot_slots": self.snapshots.num_slots,
+                 "snapshots_held": self.snapshots_held,
+                 "snapshot_bytes": self.snapshots_held * self.snapshots.bytes_per_slot, "snapshot_hits": c.hits,
+                 "snapshots_taken": c.taken, "snapshot_evictions": c.evictions,
+                 "checkpoints_taken": c.checkpoints_taken, "checkpoint_hits": c.checkpoint_hits}
+        if self.host is not None:
+            stats.update(self.host.stats())
+        return stats
+
+    def check(self, held_by_running: int, running_slots: Sequence[torch.Tensor], running_rows: Sequence[int]) -> None:
+        """Every snapshot slot owned once (a node, a running request's row, the free list), the
+        subtree counts right, every snapshot offered for eviction, and rows known exactly for the
+        running requests; the host tier's snapshots likewise."""
+        tree = self.tree
         owned: list[int] = []
         below: dict[int, int] = {}
-        nodes = list(self.iter_nodes())
+        nodes = list(tree.iter_nodes())
         for node in nodes:
-            count = self._snapshots_at(node)
-            if not count:
+            state = node.state
+            if state is None or not state.held:
                 continue
-            assert node is not self.root and node.namespace is None, f"{node}: a root holds a snapshot"
-            if node.snapshot is not None:
-                assert self._on_device(node), f"{node} holds a device snapshot but no device KV"
-                owned.append(node.snapshot)
+            assert node is not tree.root and node.namespace is None, f"{node}: a root holds a snapshot"
+            assert state.slot is None or state.host_slot is None, f"{node} holds a snapshot on both tiers"
+            if state.slot is not None:
+                assert node.value is not None, f"{node} holds a device snapshot but no device KV"
+                owned.append(state.slot)
             up: Optional[TreeNode] = node
             while up is not None:
-                below[id(up)] = below.get(id(up), 0) + count
+                below[id(up)] = below.get(id(up), 0) + 1
                 up = up.parent
         for node in nodes:
-            assert node.snapshots_below == below.get(id(node), 0), \
-                f"{node}: {node.snapshots_below} snapshots below, counted {below.get(id(node), 0)}"
+            assert self.below(node) == below.get(id(node), 0), \
+                f"{node}: {self.below(node)} snapshots below, counted {below.get(id(node), 0)}"
         assert len(owned) == self.snapshots_held, f"held counter {self.snapshots_held} != {len(owned)}"
         offered = {id(n) for _, n in self._snap_heap}
-        assert all(id(n) in offered for n in nodes if n.snapshot is not None), "a snapshot can never be evicted"
+        assert all(id(n) in offered for n in nodes if device_slot(n) is not None), "a snapshot can never be evicted"
         for states in self.rows.values():
             owned.extend(slot for _, slot in states.taken)
         owned.extend(self.snapshots.free_slot_list())
         assert sorted(owned) == list(range(self.snapshots.num_slots)), "a snapshot slot is owned twice or by no one"
         assert set(self.rows) == set(running_rows), f"state rows {sorted(self.rows)} != running {sorted(running_rows)}"
         assert {row for row, _ in self._unissued} <= set(self.rows), "a copy is queued for a row given back"
+        if self.host is not None:
+            self.host.check(nodes)

@@ -1,0 +1,219 @@
+"""The snapshot store's host tier: a node's recurrent-state snapshot written back to a host slot
+(`HostStateSnapshots`, its own budget: `--mamba-host-cache-size`) and loaded again.
+
+A node's snapshot (`Snapshot`, stores/snapshots.py) lives on one tier at a time:
+
+- **Write-back** (`to_host`): a device snapshot is copied to a host snapshot slot and its device
+  slot freed when the device evicts its node (the node's KV keeps or gets a host copy), and when
+  the device snapshot pool needs room for a newer snapshot (the node's KV stays on the device).
+  With no host slot to be had, the snapshot is dropped (a longer prefix may hold one); a
+  checkpoint (a guess nobody resumed from) is never worth the copy. Most snapshots never leave
+  the device: one is written back only when it is evicted there, under either write policy.
+- **Load** (`to_device`): a load of KV back from the host goes only up to the deepest snapshot on
+  either tier (KV beyond it resumes nobody); the snapshots on it stay on the host. The one a
+  request resumes from is copied to a device slot when the request is admitted on it (the slot is
+  taken as `take_state` takes one, evicting a device snapshot nobody holds if the pool is full):
+  the copy is queued ahead of the restore that reads it. The snapshots a load passes over on the
+  way are not copied (each is a running request's whole state: 151 MiB for the 27B).
+- **Host eviction**: host snapshots are evicted by the same worth as device ones, waited-for ones
+  last; a node leaving the tree frees its host snapshot. A device snapshot taken where the host
+  holds one replaces it (`replaced`).
+
+So a device snapshot sits only at a node on the device, a host snapshot at a node with KV on
+either tier, never both at one node (`check`); a match reported to a waiting request (`peek`)
+runs to the deepest node end holding a snapshot on either tier; the device match stops at the
+deepest one on the device once it has brought back the host one at the end of the KV's device
+part. The host part of a peeked match is its KV's host part: the snapshot at its end comes back
+at admission, wherever its KV was.
+
+Every copy of a snapshot between the tiers is queued on the compute stream (state_snapshots.py
+says why that orders them with everything else); under tensor parallelism they go to the other
+ranks in the one copy log (copy_log.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
+
+from radixserve.cache.state_snapshots import HostStateSnapshots, StateSnapshots
+from radixserve.cache.tree import ALL, RadixTree, TreeNode
+
+
+class SnapshotOwner(Protocol):
+    """What of the snapshot store (stores/snapshots.py) its host tier uses: the device pool and
+    its eviction, the worth and recency of a snapshot, and the tree's bookkeeping of snapshots."""
+    snapshots: StateSnapshots
+    snapshots_held: int
+    tree: RadixTree
+    kv_host: object  # stores.host_kv.HostKV: whether a load being prepared reads a node's host KV
+    _unissued: list[tuple[int, int]]
+
+    def issue(self, row: Optional[int] = None) -> None: ...
+
+    def count_below(self, node: TreeNode, delta: int) -> None: ...
+
+    def lost(self, node: TreeNode) -> None: ...
+
+    def _alloc_snapshot(self, *, evict_waited: bool = False, worth: Optional[float] = None) -> Optional[int]: ...
+
+    def _recency(self, node: TreeNode) -> int: ...
+
+    def _push_snapshot(self, node: TreeNode) -> None: ...
+
+    def _snapshot_priority(self, node: TreeNode) -> tuple: ...
+
+    def _end_outcome(self, node: TreeNode, *, resumed: bool) -> None: ...
+
+
+@dataclass
+class HostSnapshotCounters:
+    hits: int = 0  # admissions resumed from a snapshot loaded back from the host
+    written_back: int = 0  # snapshots copied to the host with their node's KV
+    loaded: int = 0  # snapshots copied back to the device
+    evictions: int = 0  # host snapshots freed for room or with their node
+
+
+class HostSnapshots:
+    def __init__(self, snapshots: HostStateSnapshots):
+        self.snapshots = snapshots
+        self.counters = HostSnapshotCounters()
+        self.store: SnapshotOwner
+        self.reset()
+
+    def bind(self, store: SnapshotOwner) -> None:
+        self.store = store
+
+    def reset(self) -> None:
+        self.held = 0
+        self._heap: list[tuple[tuple, TreeNode]] = []
+
+    def reset_counters(self) -> None:
+        self.counters = HostSnapshotCounters()
+
+    # ------------------------------------------------------------------ between the tiers
+    def to_device(self, node: TreeNode) -> None:
+        """Copy node's host snapshot to a device slot (taken as `take_state` takes one, evicting a
+        device snapshot nobody holds if the pool is full); it stays on the host when every device
+        snapshot is held."""
+        store, state = self.store, node.state
+        host_slot = state.host_slot
+        state.host_slot = None  # out of host eviction's reach while the device pool makes room
+        slot = store._alloc_snapshot(evict_waited=True)
+        if slot is None:
+            state.host_slot = host_slot
+            self._push(node)
+            return
+        self.held -= 1
+        self.snapshots.load([host_slot], [slot])
+        self.snapshots.free(host_slot)  # reused only by copies queued after this one
+        self.counters.loaded += 1
+        state.slot = slot
+        state.worth = None  # only kept snapshots go to the host
+        state.used = store._recency(node)
+        state.from_host = True
+        store.snapshots_held += 1
+        store._push_snapshot(node)
+
+    def to_host(self, node: TreeNode) -> bool:
+        """Copy node's device snapshot to a host slot and free the device one; False when no host
+        slot can be had, or when it is a checkpoint (a guess nobody resumed from is not worth the
+        copy, nor a host slot: the device snapshot stays, for the caller to drop)."""
+        store, state = self.store, node.state
+        if state.worth is not None:
+            return False
+        host_slot = self._alloc()
+        if host_slot is None:
+            return False
+        if any(s == state.slot for _, s in store._unissued):
+            store.issue()  # hung on the tree by a launched step whose copy is still queued there
+        self.snapshots.write_back([state.slot], [host_slot])
+        store.snapshots.free(state.slot)  # reused only by copies queued after this one
+        state.slot = None
+        state.from_host = False
+        store.snapshots_held -= 1
+        state.host_slot = host_slot
+        self.held += 1
+        self.counters.written_back += 1
+        self._push(node)
+        return True
+
+    def replaced(self, node: TreeNode) -> None:
+        """A device snapshot is hung where node's host snapshot lies: the host one goes."""
+        self.snapshots.free(node.state.host_slot)
+        node.state.host_slot = None
+        self.held -= 1
+        self.store.count_below(node, -1)
+
+    def free(self, node: TreeNode) -> None:
+        """Free node's host snapshot (evicted for room, or with its node)."""
+        self.snapshots.free(node.state.host_slot)
+        node.state.host_slot = None
+        self.store._end_outcome(node, resumed=False)
+        node.state = None
+        self.held -= 1
+        self.counters.evictions += 1
+
+    # ------------------------------------------------------------------ the host slots
+    def _push(self, node: TreeNode) -> None:
+        priority = self.store._snapshot_priority
+        heapq.heappush(self._heap, (priority(node), node))
+        if len(self._heap) > 4 * self.held + 1024:
+            holding = {n for _, n in self._heap if not n.removed and n.state is not None and n.state.host_slot is not None}
+            self._heap = [(priority(n), n) for n in holding]
+            heapq.heapify(self._heap)
+
+    def _alloc(self) -> Optional[int]:
+        """A free host snapshot slot, evicting the least worth host snapshot if there is none
+        (not one a load being prepared will read); None when none can go."""
+        slot = self.snapshots.alloc()
+        if slot is not None:
+            return slot
+        store = self.store
+        host_kv = store.kv_host
+        reserved: list[tuple[tuple, TreeNode]] = []
+        while self._heap:
+            prio, node = heapq.heappop(self._heap)
+            if node.removed or node.state is None or node.state.host_slot is None:
+                continue
+            if host_kv.reserved(node):
+                reserved.append((prio, node))  # offered again once this search is over
+                continue
+            current = store._snapshot_priority(node)
+            if prio != current:
+                heapq.heappush(self._heap, (current, node))
+                continue
+            self.free(node)
+            store.count_below(node, -1)
+            store.tree.touched.add((node, ALL))  # lookups resumed there look again
+            store.lost(node)
+            break
+        for entry in reserved:
+            heapq.heappush(self._heap, entry)
+        return self.snapshots.alloc()
+
+    # ------------------------------------------------------------------ stats and checks
+    def stats(self) -> dict[str, float]:
+        c, host = self.counters, self.snapshots
+        return {"host_snapshot_slots": host.num_slots, "host_snapshots_held": self.held,
+                "host_snapshot_bytes": self.held * host.bytes_per_slot,
+                "host_snapshot_hits": c.hits, "snapshots_written_back": c.written_back,
+                "snapshots_loaded": c.loaded, "host_snapshot_evictions": c.evictions}
+
+    def check(self, nodes: Sequence[TreeNode]) -> None:
+        """Every host snapshot slot owned once (a node with KV on either tier, or the free list),
+        each offered for host eviction."""
+        owned: list[int] = []
+        offered = {id(n) for _, n in self._heap}
+        for node in nodes:
+            state = node.state
+            if state is None or state.host_slot is None:
+                continue
+            assert node.value is not None or node.host is not None, f"{node} holds a host snapshot but no KV"
+            assert id(node) in offered, f"{node}'s host snapshot can never be evicted"
+            owned.append(state.host_slot)
+        assert len(owned) == self.held, f"host snapshot counter {self.held} != {len(owned)}"
+        owned.extend(self.snapshots.free_slot_list())
+        assert sorted(owned) == list(range(self.snapshots.num_slots)), \
+            "a host snapshot slot is owned twice or by no one"
