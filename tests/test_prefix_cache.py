@@ -521,7 +521,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 self.mirror = set()
         assert self.mirror == set(self.hash_events.snapshot()["blocks"])
         mirror = BlockHashMirror()
-        mirror.load(HASH_BLOCK, list(self.mirror), self.page)
+        mirror.load(HASH_BLOCK, list(self.mirror))
         self.waiting.refresh()
         for req in self.waiting:
             salt = self.salts[req.cache_namespace]

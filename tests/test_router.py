@@ -88,7 +88,7 @@ def test_kv_aware_follows_the_real_cache():
     assert ws[1].mirror.match_len(prompt) == 80  # whole blocks of 16
     w, d = policy.choose(ws, RoutingKeys(None, prompt))
     assert (w, d) == (ws[1], "matched")
-    ws[1].mirror.discard(block_hashes(list(range(100)), 1, 16, None))  # the worker evicted it
+    ws[1].mirror.discard(block_hashes(list(range(100))))  # the worker evicted it
     assert len(ws[1].mirror) == 0
     ws[0].start_request(1, list(range(80)))  # ... and a similar prompt is in flight on w0
     w, d = policy.choose(ws, RoutingKeys(None, list(range(90))))

@@ -77,7 +77,7 @@ class FakeWorker:
     def answer(method: str, path: str) -> tuple[int, str, bytes]:
         as_json = "application/json"
         if path == "/kv_events":  # a snapshot of an empty cache; the stream then ends (the router reconnects)
-            snapshot = json.dumps({"block_size": 16, "page_size": 1, "blocks": [], "seq": 0})
+            snapshot = json.dumps({"block_size": 16, "blocks": [], "seq": 0})
             return 200, "text/event-stream", f"event: snapshot\ndata: {snapshot}\n\n".encode()
         bodies = {
             ("GET", "/health"): {"status": "ok"},

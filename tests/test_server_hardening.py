@@ -263,17 +263,16 @@ def test_admin_key_guards_flush_and_kv_events_which_carry_no_token_ids(server_mo
 
 
 def test_router_mirror_matches_what_the_worker_publishes():
-    """The router hashes a prompt as the worker hashes its cache: whole pages, chained, one hash
-    per block."""
+    """The router hashes a prompt as the worker hashes its cache: whole blocks, chained."""
     from radixserve.cache.block_hash import block_hashes
     from radixserve.router.prefix_tree import BlockHashMirror
 
     mirror = BlockHashMirror()
     shared = list(range(1000, 1100))
-    mirror.add(block_hashes(shared + [1, 2, 3], 1, 16, None))
+    mirror.add(block_hashes(shared + [1, 2, 3]))
     assert mirror.match_len(shared + [9] * 50) == 96  # 6 whole blocks of the 100 shared tokens
     assert mirror.match_len([5] + shared) == 0  # the same tokens at another position: no match
-    mirror.discard(block_hashes(shared, 1, 16, None)[4:])  # the worker evicted the tail
+    mirror.discard(block_hashes(shared)[4:])  # the worker evicted the tail
     assert mirror.match_len(shared) == 64 and len(mirror) == 64
 
 
@@ -295,7 +294,7 @@ def test_kv_hash_events_keep_a_mirror_equal_to_the_tree():
     events = PageEvents(cache)
     snap = events.snapshot()
     mirror = BlockHashMirror()
-    mirror.load(snap["block_size"], snap["blocks"], snap["page_size"])
+    mirror.load(snap["block_size"], snap["blocks"])
     stems = [[rng.randrange(50) for _ in range(rng.randrange(5, 60))] for _ in range(4)]
     seen = {"insert": 0, "evict": 0}
     for step in range(300):

@@ -10,7 +10,8 @@ counting how many leading hashes the set holds.
 
 The hashes are unkeyed (anyone can compute them), so they hide tokens only as far as the tokens
 between two published hashes cannot be guessed: `/kv_events` publishes one hash per block of at
-least KV_HASH_BLOCK_TOKENS tokens (`block_hashes`), and it is an admin endpoint.
+least KV_HASH_BLOCK_TOKENS tokens (`block_hashes`: the same chain with the block as its unit), and
+it is an admin endpoint.
 """
 
 from __future__ import annotations
@@ -45,12 +46,15 @@ def hex_hash(h: int) -> str:
     return f"{h:016x}"
 
 
-def block_hashes(tokens: Sequence[int], page_size: int, block_size: int, parent: Optional[int]) -> list[str]:
-    """The `/kv_events` hashes of the whole blocks of `tokens` (block_size a multiple of page_size):
-    each block's last page hash, in hex."""
-    k = block_size // page_size
+def block_hashes(tokens: Sequence[int], block_size: int = KV_HASH_BLOCK_TOKENS,
+                 parent: Optional[int] = None) -> list[str]:
+    """The `/kv_events` hashes of the whole blocks of `tokens`, in hex: the same chained hash with
+    the block as its unit (`page_hashes(tokens, block_size, parent)`). A block is whole pages, so
+    where a page holds the block's tokens or more the two coincide; with smaller pages a router
+    hashes a prompt once per block, not once per page (a 10,000-token prompt at page size 1:
+    625 hashes, not 10,000)."""
     whole = len(tokens) - len(tokens) % block_size
-    return [hex_hash(h) for h in page_hashes(tokens[:whole], page_size, parent)[k - 1::k]]
+    return [hex_hash(h) for h in page_hashes(tokens[:whole], block_size, parent)]
 
 
 # What the first page of a path chains from: unlike any 8-byte hash a page can get in practice.

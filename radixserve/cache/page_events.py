@@ -21,9 +21,11 @@ of every change, each once:
 One hash names every page: `block_hash.page_hashes`, chained along the path and, in a cache
 namespace (a `cache_salt`, a per-key cache), from the namespace's own parent
 (`namespace.namespace_page_parent`), so two tenants' pages of the same tokens never share a hash.
-A `/kv_events` block is a run of whole pages and carries the hash of its last page, which names
-the whole prefix up to the block's end; blocks are kept at KV_HASH_BLOCK_TOKENS tokens or more
-(rounded up to pages) because a short block's tokens are easy to guess from its hash. The storage
+A `/kv_events` block is a run of whole pages, hashed by the same chain with the block as its unit
+(`block_hash.block_hashes`: where a page holds a block or more, the block's hash is its page's;
+with smaller pages the engine and a router hash once per block, not once per page); blocks are
+kept at KV_HASH_BLOCK_TOKENS tokens or more (rounded up to pages) because a short block's tokens
+are easy to guess from its hash. The storage
 tier keys its page files by the same hash (`disk_tier`).
 
 Hashes are computed when the event happens (a later split would change which pages a node holds)
@@ -36,7 +38,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol
 
-from radixserve.cache.block_hash import KV_HASH_BLOCK_TOKENS, hex_hash, page_hashes
+from radixserve.cache.block_hash import KV_HASH_BLOCK_TOKENS, block_hashes, hex_hash, page_hashes
+from radixserve.cache.namespace import namespace_page_parent
 from radixserve.cache.prefix_cache import PrefixCache, TreeNode
 
 # The two readers. A reader's events are recorded only while it follows the cache.
@@ -105,13 +108,13 @@ class PageEvents:
 
     def usable(self, node: TreeNode) -> None:
         if HASHES in self.following:
-            self.hashes.append(("insert", self._path_block_hashes(node), [], None))
+            self.hashes.append(("insert", self._block_hashes(*path_of(node)), [], None))
 
     def unusable(self, node: TreeNode) -> None:
         # Which of the path's blocks go is resolved at take(): the tree may still hold them.
         if HASHES in self.following:
             tokens, namespace = path_of(node)
-            self.hashes.append(("evict", self._path_block_hashes(node), tokens, namespace))
+            self.hashes.append(("evict", self._block_hashes(tokens, namespace), tokens, namespace))
 
     def cleared(self) -> None:
         if BLOCKS in self.following:
@@ -148,20 +151,22 @@ class PageEvents:
         assert not self.hashes
         self.following.add(HASHES)
         blocks: list[str] = []
-        k = self.block_pages
-        # (node, the hash of the last page above its children, pages above its children)
-        stack: list[tuple[TreeNode, Optional[int], int]] = [(self.cache.root, None, 0)]
+        bs = self.block_size
+        # (node, the hash of the last whole block above its children, the tokens after that block)
+        stack: list[tuple[TreeNode, Optional[int], list[int]]] = [(self.cache.root, None, [])]
         while stack:
-            node, parent, depth = stack.pop()
+            node, parent, pending = stack.pop()
             for child in node.children.values():
-                if child.namespace is not None:  # a namespace's root: its pages chain from its hash
-                    stack.append((child, child.block_hash, 0))
+                if child.namespace is not None:  # a namespace's root: its blocks chain from its hash
+                    stack.append((child, child.block_hash, []))
                     continue
                 if not self.cache.on_reusable_path(child):
                     continue
-                hashes = self._node_hashes(child, parent)
-                blocks.extend(hex_hash(h) for i, h in enumerate(hashes, depth + 1) if i % k == 0)
-                stack.append((child, hashes[-1], depth + len(hashes)))
+                tokens = pending + list(child.key)
+                hashes = block_hashes(tokens, bs, parent)
+                blocks.extend(hashes)
+                rest = tokens[len(hashes) * bs:]
+                stack.append((child, int(hashes[-1], 16) if hashes else parent, rest))
         return {"seq": self.seq, "block_size": self.block_size, "page_size": self.page_size, "blocks": blocks}
 
     # ------------------------------------------------------------------ hashing
@@ -171,19 +176,9 @@ class PageEvents:
         node.block_hash = hashes[-1]
         return hashes
 
-    def _path_block_hashes(self, node: TreeNode) -> list[str]:
-        """The /kv_events blocks of the path from node's namespace root to node's end."""
-        path = []
-        while node.parent is not None and node.namespace is None:
-            path.append(node)
-            node = node.parent
-        parent = node.block_hash if node.namespace is not None else None
-        pages: list[int] = []
-        for n in reversed(path):
-            pages.extend(self._node_hashes(n, parent))
-            parent = pages[-1]
-        return [hex_hash(h) for h in pages[self.block_pages - 1::self.block_pages]]
-
+    def _block_hashes(self, tokens: list[int], namespace: Optional[str]) -> list[str]:
+        """The /kv_events blocks of a path's tokens in its namespace."""
+        return block_hashes(tokens, self.block_size, namespace_page_parent(namespace))
 
 def path_of(node: TreeNode) -> tuple[list[int], Optional[str]]:
     """The tokens from node's namespace root to node's end, and that namespace."""

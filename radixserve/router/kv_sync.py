@@ -80,7 +80,7 @@ async def _follow(router: KvSyncOwner, worker: Worker, headers: dict[str, str]) 
             elif line.startswith("data:"):
                 data = json.loads(line[5:])
                 if event == "snapshot":
-                    worker.mirror.load(int(data["block_size"]), data["blocks"], int(data["page_size"]))
+                    worker.mirror.load(int(data["block_size"]), data["blocks"])
                     worker.kv_seq = int(data["seq"])
                     worker.kv_synced = True
                     router.metrics.kv_resyncs.labels(worker=worker.id).inc()

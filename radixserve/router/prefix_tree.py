@@ -174,16 +174,14 @@ class BlockHashMirror:
     """The `kv_aware` mirror of a worker's radix cache: the set of chained block hashes the worker
     publishes (`radixserve.cache.block_hash`), kept in step by its insert/evict/flush events.
 
-    A prompt is matched by hashing its whole pages the way the worker does (its snapshot says its
-    page size and block size), taking each block's last page hash, and counting how many leading
+    A prompt is matched by hashing its whole blocks the same way and counting how many leading
     hashes the set holds; a chained hash stands for its whole prefix, so that count is the cached
     prefix in blocks. A key whose first symbol is a cache namespace (`router.keys`) is hashed from
     that namespace, as the worker hashes its blocks. The hashes of the last prompt asked about are
     kept, so routing one request over many workers hashes it once."""
 
-    def __init__(self, block_size: int = KV_HASH_BLOCK_TOKENS, page_size: int = 1):
+    def __init__(self, block_size: int = KV_HASH_BLOCK_TOKENS):
         self.block_size = block_size
-        self.page_size = page_size
         self.blocks: set[str] = set()
         self._last_key: Optional[Key] = None
         self._last_hashes: list[str] = []
@@ -195,7 +193,7 @@ class BlockHashMirror:
     def hashes_of(self, key: Key) -> list[str]:
         if key is not self._last_key:
             self._last_key = key
-            self._last_hashes = _key_hashes(key, self.page_size, self.block_size) if not isinstance(key, str) else []
+            self._last_hashes = _key_hashes(key, self.block_size) if not isinstance(key, str) else []
         return self._last_hashes
 
     def match_len(self, key: Key, touch: bool = False) -> int:
@@ -216,20 +214,19 @@ class BlockHashMirror:
     def clear(self) -> None:
         self.blocks.clear()
 
-    def load(self, block_size: int, hashes: list[str], page_size: int) -> None:
+    def load(self, block_size: int, hashes: list[str]) -> None:
         """Replace the mirror by a worker's snapshot."""
         self.block_size = block_size
-        self.page_size = page_size
         self.blocks = set(hashes)
         self._last_key, self._last_hashes = None, []
 
     def insert_tokens(self, tokens: Key) -> None:
         """Hold `tokens` as the worker would after caching them (for tests and warm starts)."""
-        self.add(_key_hashes(tokens, self.page_size, self.block_size))
+        self.add(_key_hashes(tokens, self.block_size))
 
 
-def _key_hashes(key: Key, page_size: int, block_size: int) -> list[str]:
+def _key_hashes(key: Key, block_size: int) -> list[str]:
     """The block hashes of a token key, from its namespace when it starts with one."""
     if len(key) and isinstance(key[0], str):
-        return block_hashes(key[1:], page_size, block_size, namespace_page_parent(key[0]))
-    return block_hashes(key, page_size, block_size, None)
+        return block_hashes(key[1:], block_size, namespace_page_parent(key[0]))
+    return block_hashes(key, block_size)

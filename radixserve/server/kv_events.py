@@ -2,8 +2,8 @@
 
 A router mirrors what each worker's cache really holds from this stream. It carries chained
 hashes of whole blocks (`radixserve.cache.page_events`: a block is the fewest whole pages that
-reach KV_HASH_BLOCK_TOKENS tokens, named by its last page's hash, the same page hash the
-vLLM-format events carry), never token ids. Every connection
+reach KV_HASH_BLOCK_TOKENS tokens, hashed by the chain the vLLM-format events' pages use, with the
+block as its unit), never token ids. Every connection
 starts with a snapshot of the whole tree (so a router that connects late, or reconnects after
 missing events, is exact again), then carries event batches in engine order:
 
