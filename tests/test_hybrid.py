@@ -292,6 +292,34 @@ def test_requests_branching_off_a_shared_prompt_resume_at_the_branch_point(qwen3
     assert [r["output_ids"] for r in got] == hf_greedy(path, [a, b, c])
 
 
+# Resume points past a 64-token base at these offsets: inside the Gated DeltaNet's 64-token chunks,
+# on their boundaries (64, 128) and either side of them.
+INSIDE_CHUNK_OFFSETS = (1, 31, 63, 64, 65, 129)
+
+
+def check_resumes_inside_chunks_equal_transformers(path: Path, offsets, device: str = "cpu") -> None:
+    """For each offset, three requests share 64 + offset tokens and then differ: the second keeps the
+    state at the branch point, the third resumes exactly there, and its tokens are transformers'.
+    The prefill computes 64-token chunks from where it resumes, so a resume point inside a chunk
+    must be as exact as one on its boundary."""
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 100) for _ in range(64 + max(offsets))]
+    cases = [[shared[:64 + k] + [(i * 7 + j) % 90 + 3 for j in range(9)] for i in range(3)] for k in offsets]
+    got = []
+    with Engine(str(path), device=device, dtype="float32", max_total_tokens=4096) as engine:
+        for k, prompts in zip(offsets, cases):
+            engine.core.cache.flush()
+            results = [engine.generate(input_ids=[p], sampling_params=GREEDY)[0] for p in prompts]
+            assert results[2]["meta_info"]["cached_tokens"] == 64 + k, (k, [r["meta_info"] for r in results])
+            got.append(results[2]["output_ids"])
+        check_idle(engine)
+    assert got == hf_greedy(path, [prompts[2] for prompts in cases])
+
+
+def test_a_resume_point_inside_a_chunk_is_as_exact_as_one_on_its_boundary(qwen3_5):
+    check_resumes_inside_chunks_equal_transformers(qwen3_5[0], INSIDE_CHUNK_OFFSETS)
+
+
 SECOND_USER_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 

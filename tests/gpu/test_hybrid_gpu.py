@@ -225,3 +225,13 @@ def test_bench_one_batch_times_a_hybrid_against_its_floors(shape, tmp_path, gpu_
     assert prefill["floor_ms"] == pytest.approx(cost.prefill_flops(1, 2048) / meta["matmul_flops"] * 1e3)
     assert prefill["ratio"] > 0.8, prefill
     assert any(r["kind"] == "decode-attn" for r in rows)  # the full layer's kernels alone
+
+
+def test_a_resume_point_inside_a_chunk_is_as_exact_as_one_on_its_boundary(tmp_path_factory):
+    """Every offset 1..130 past a 64-token base, float32 on the card (the CPU suite runs a few):
+    the request resumed at the branch point gives transformers' tokens wherever it falls in a
+    Gated DeltaNet chunk."""
+    from test_hybrid import build, check_resumes_inside_chunks_equal_transformers
+
+    check_resumes_inside_chunks_equal_transformers(build(tmp_path_factory, "qwen3_5", seed=4), range(1, 131),
+                                                   device="cuda")
