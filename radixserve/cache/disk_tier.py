@@ -33,7 +33,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -44,9 +44,6 @@ from radixserve.cache.namespace import namespace_page_parent
 from radixserve.cache.prefix_cache import TreeNode
 from radixserve.cache.stores.disk import DiskStore, ReadJob
 from radixserve.cache.stores.page_files import PageRecord, snapshot_record
-
-if TYPE_CHECKING:
-    from radixserve.cache.disk_snapshots import DiskSnapshots
 
 logger = logging.getLogger("radixserve")
 
@@ -120,9 +117,23 @@ class _Decision:
     reads: int = 0
 
 
+class TierSnapshots(Protocol):
+    """A hybrid model's snapshots in the tier (disk_snapshots.DiskSnapshots), as the tier uses them."""
+    state_bytes: int  # one snapshot's bytes on disk
+    written: int
+    loaded: int
+
+    def save(self, node: TreeNode, page_hash: Optional[int], *, wait: bool = False) -> None: ...
+
+    def usable_pages(self, hashes: Sequence[int], first: int, n: int) -> int: ...
+
+    def attach(self, kv_attach: Callable[..., int], tokens: Sequence[int], start: int, rows: torch.Tensor,
+               namespace: Optional[str], data: torch.Tensor) -> int: ...
+
+
 class StorageTier:
     def __init__(self, store: DiskStore, host_pool: HostKVPool, cost: LoadCost,
-                 states: Optional[DiskSnapshots] = None):
+                 states: Optional[TierSnapshots] = None):
         self.store = store
         self.states = states  # a hybrid model's snapshots (None: an attention model)
         self.host_pool = host_pool
