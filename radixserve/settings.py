@@ -161,7 +161,8 @@ class ServerSettings:
         "and --page-size 16 or more): pages the host tier evicts are written here, off the step, keyed by "
         "their KV-event page hashes, and read back for a request when that is faster than computing them "
         "again. A server restarted on the same directory with the same model and settings finds them. "
-        "Default: off.", metavar="DIR")
+        "A hybrid model's recurrent-state snapshots go with their pages (through the host tier's snapshot "
+        "slots: --mamba-host-cache-size not 0). Default: off.", metavar="DIR")
     storage_size: float = _opt(
         16.0, "The storage tier's size on disk in GB (--storage-dir); the least recently used pages go "
         "first when it is full.")

@@ -275,6 +275,6 @@ class DiskStore:
             self.stats.corrupt_pages += 1
         else:
             self.stats.read_errors += 1
-        logger.warning("storage tier: page %016x dropped: %s; its tokens are computed", record.key, e)
+        logger.warning("storage tier: %s %016x dropped: %s; its tokens are computed", record.kind, record.key, e)
         self.backend.remove(record.key)
         self._forget([record.key], evicted=False)
