@@ -352,9 +352,9 @@ def test_salted_blocks_reach_a_late_subscriber_as_hashes_without_token_ids(serve
 
 def test_unsalted_token_ids_false_publishes_no_token_ids_at_all():
     """The config's own field: the shared cache's blocks lose their token ids too, hashes kept."""
-    from radixserve.cache.block_events import BlockEventRecorder
     from radixserve.cache.kv_pool import PageAllocator
     from radixserve.cache.namespace import cache_namespace
+    from radixserve.cache.page_events import PageEvents
     from radixserve.cache.radix_cache import RadixCache
     from radixserve.kv_events_config import parse_kv_events_config
 
@@ -362,10 +362,11 @@ def test_unsalted_token_ids_false_publishes_no_token_ids_at_all():
     for keep in (True, False):
         alloc = PageAllocator(16, PAGE)
         cache = RadixCache(alloc, page_size=PAGE)
-        recorder = BlockEventRecorder(cache, unsalted_token_ids=keep)
+        recorder = PageEvents(cache)
+        recorder.follow_blocks(unsalted_token_ids=keep)
         for namespace in (None, cache_namespace("salt")):
             cache.insert(list(range(8)), alloc.pages_to_slots(alloc.alloc_pages(2)), namespace=namespace)
-        shared, salted = [e for e in recorder.take() if e[0] == "BlockStored"]
+        shared, salted = [e for e in recorder.take_blocks() if e[0] == "BlockStored"]
         assert len(shared[1]) == len(salted[1]) == 2 and not set(shared[1]) & set(salted[1])
         assert shared[3] == (list(range(8)) if keep else []) and salted[3] == []
 

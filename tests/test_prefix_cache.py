@@ -41,7 +41,7 @@ import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radixserve.cache.block_events import BlockEventRecorder
+from radixserve.cache.page_events import page_events
 from radixserve.cache.block_hash import page_hashes
 from radixserve.cache.factory import host_tier, tree_cache
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
@@ -57,7 +57,6 @@ from radixserve.scheduler.request import Req, ReqState
 from radixserve.scheduler.waiting_queue import WaitingQueue
 from radixserve.router.keys import routing_keys
 from radixserve.router.prefix_tree import BlockHashMirror
-from radixserve.engine.engine_intake import KvHashEvents
 
 KINDS = ("device", "tiered", "snapshot", "tiered-snapshot", "none")
 TIERED = ("tiered", "tiered-snapshot")
@@ -116,10 +115,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.computed: set[tuple] = set()
         self.arrivals = 0
         self.salts = {cache_namespace(salt): salt for salt in SALTS}
-        self.block_events = BlockEventRecorder(self.cache)
+        # One recorder feeds both: per-tier blocks (the vLLM-format publisher) and /kv_events.
+        self.block_events = page_events(self.cache, block_tokens=HASH_BLOCK)
+        self.block_events.follow_blocks()
         self.published: dict[str, set[int]] = {"GPU": set(), "CPU": set()}
         self.token_less: dict[int, bool] = {}  # block hash -> whether it was stored without its token ids
-        self.hash_events = KvHashEvents(self.cache, block_size=HASH_BLOCK)
+        self.hash_events = self.block_events
         self.mirror = set(self.hash_events.snapshot()["blocks"])  # recording starts with a snapshot
 
     # ------------------------------------------------------------------ helpers
@@ -479,7 +480,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         # vLLM-format block events: replayed per tier, exactly the pages there, a namespace's
         # pages chained from the namespace (so equal tokens of two salts are different blocks) and
         # stored without their token ids (the shared cache's with them).
-        for event in self.block_events.take():
+        for event in self.block_events.take_blocks():
             if event[0] == "AllBlocksCleared":
                 self.published = {"GPU": set(), "CPU": set()}
             elif event[0] == "BlockStored":
@@ -511,7 +512,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert self.published == held
         # /kv_events: the hashes replay to the tree's blocks, and a router's mirror of them finds
         # for each waiting request, keyed by its salt, the whole blocks the cache finds.
-        for _, kind, hashes in self.hash_events.take():
+        for _, kind, hashes in self.hash_events.take_hashes():
             if kind == "insert":
                 self.mirror |= set(hashes)
             elif kind == "evict":
@@ -519,7 +520,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             else:
                 self.mirror = set()
         assert self.mirror == set(self.hash_events.snapshot()["blocks"])
-        mirror = BlockHashMirror(HASH_BLOCK)
+        mirror = BlockHashMirror()
         mirror.load(HASH_BLOCK, list(self.mirror))
         self.waiting.refresh()
         for req in self.waiting:

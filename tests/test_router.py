@@ -253,7 +253,7 @@ def test_kv_events_stream_snapshot_then_events(workers):
             assert next(lines) == "event: snapshot"
             snap = json.loads(next(lines)[5:])
             # Chained block hashes, never token ids: the cached prompt spans several blocks.
-            assert snap["block_size"] == 16 and len(snap["blocks"]) >= 2
+            assert snap["block_size"] == 16 and snap["page_size"] == 1 and len(snap["blocks"]) >= 2
             assert all(isinstance(h, str) and len(h) == 16 for h in snap["blocks"])
             # The request runs in a thread while this one reads the stream; its failure is raised here.
             with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -286,12 +286,12 @@ def test_kv_hash_events_keep_a_mirror_equal_to_the_tree():
     from radixserve.cache.kv_pool import PageAllocator
     from radixserve.cache.radix_cache import RadixCache
     from radixserve.router.prefix_tree import BlockHashMirror
-    from radixserve.engine.engine_intake import KvHashEvents
+    from radixserve.cache.page_events import PageEvents
 
     rng = random.Random(0)
     alloc = PageAllocator(600, 1)
     cache = RadixCache(alloc)
-    events = KvHashEvents(cache)
+    events = PageEvents(cache)
     snap = events.snapshot()
     mirror = BlockHashMirror()
     mirror.load(snap["block_size"], snap["blocks"])
@@ -309,7 +309,7 @@ def test_kv_hash_events_keep_a_mirror_equal_to_the_tree():
         else:
             cache.evict(rng.randrange(1, 80))
         if step % 3 == 0:
-            for seq, kind, hashes in events.take():
+            for seq, kind, hashes in events.take_hashes():
                 seen[kind] += bool(hashes)
                 if kind == "insert":
                     mirror.add(hashes)

@@ -15,7 +15,7 @@ import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radixserve.cache.block_events import BlockEventRecorder
+from radixserve.cache.page_events import page_events
 from radixserve.cache.block_hash import page_hashes
 from radixserve.cache.host_pool import copy_runs
 from radixserve.cache.kv_pool import KVPool
@@ -44,7 +44,8 @@ class TieredCacheMachine(RuleBasedStateMachine):
         self.locked: list = []
         self.waiting: list = []  # nodes waiting requests are parked on (queue-aware eviction)
         # The KV events a cluster's router follows: per tier, the pages they say are there.
-        self.events = BlockEventRecorder(self.cache)
+        self.events = page_events(self.cache)
+        self.events.follow_blocks()
         self.published: dict[str, set[int]] = {"GPU": set(), "CPU": set()}
 
     def _aligned(self, tokens: list[int]) -> list[int]:
@@ -206,7 +207,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
         nothing removed that was not stored, every page's hash chained from its path."""
         if not hasattr(self, "cache"):
             return
-        for event in self.events.take():
+        for event in self.events.take_blocks():
             if event[0] == "AllBlocksCleared":
                 self.published = {"GPU": set(), "CPU": set()}
             elif event[0] == "BlockStored":

@@ -1,13 +1,17 @@
-"""Chained hashes of fixed-size token blocks: how a cache's contents are published without tokens.
+"""The one hash of cached tokens: chained hashes of whole pages, how a cache's contents are named
+without tokens (KV events, `/kv_events`, the storage tier's page files).
 
-Block i of a sequence hashes (hash of block i-1, the block's tokens), so one hash stands for the
-whole prefix up to the end of its block: two sequences share block i's hash exactly when they
-share their first (i + 1) * block_size tokens. Only whole blocks are hashed. A router that mirrors
-a worker's cache as a set of these hashes finds a prompt's cached prefix by hashing the prompt
-the same way and counting how many leading hashes the set holds.
+Page i of a sequence hashes (hash of page i-1, the page's token ids), so one hash stands for the
+whole prefix up to the end of its page: two sequences share page i's hash exactly when they share
+their first (i + 1) * page_size tokens (and their namespace: a salted namespace's chain starts
+from its own parent, `namespace.namespace_page_parent`). A router that mirrors a worker's cache
+as a set of these hashes finds a prompt's cached prefix by hashing the prompt the same way and
+counting how many leading hashes the set holds.
 
-The hashes are unkeyed (anyone can compute them), so they hide tokens only as far as a block of
-`block_size` tokens cannot be guessed; the stream that carries them is an admin endpoint.
+The hashes are unkeyed (anyone can compute them), so they hide tokens only as far as the tokens
+between two published hashes cannot be guessed: `/kv_events` publishes one hash per block of at
+least KV_HASH_BLOCK_TOKENS tokens (`block_hashes`: the same chain with the block as its unit), and
+it is an admin endpoint.
 """
 
 from __future__ import annotations
@@ -16,32 +20,16 @@ import hashlib
 from array import array
 from typing import Optional, Sequence
 
-# Tokens per hashed block. Larger blocks are harder to guess and cost a router at most
-# block_size - 1 tokens of match precision per prompt.
+# The fewest tokens per `/kv_events` block (rounded up to whole pages). Larger blocks are harder to
+# guess and cost a router at most block_size - 1 tokens of match precision per prompt.
 KV_HASH_BLOCK_TOKENS = 16
-ROOT_HASH = "0" * 16
-
-
-def block_hashes(tokens: Sequence[int], block_size: int = KV_HASH_BLOCK_TOKENS,
-                 parent: str = ROOT_HASH) -> list[str]:
-    """Hex hashes of the whole blocks of `tokens`, chained from `parent` (the hash before them)."""
-    n = len(tokens) // block_size
-    if n == 0:
-        return []
-    data = array("q", tokens[:n * block_size]).tobytes()
-    step = 8 * block_size
-    out = []
-    for i in range(n):
-        parent = hashlib.blake2b(bytes.fromhex(parent) + data[i * step:(i + 1) * step], digest_size=8).hexdigest()
-        out.append(parent)
-    return out
 
 
 def page_hashes(tokens: Sequence[int], page_size: int, parent: Optional[int]) -> list[int]:
     """64-bit chained hashes of the whole pages of `tokens`, each over the hash before it (`parent`,
-    None at the root) and the page's token ids: the block hashes of the KV events a cluster's
-    router follows (`radixserve.cache.block_events`). Consumers re-hash the token ids the events
-    carry with their own function; these only have to name each page of a path uniquely."""
+    None at the shared root, a namespace's parent in a salted one) and the page's token ids. They
+    are the block hashes of the vLLM-format KV events (whose consumers may re-hash the token ids
+    with their own function: these have to name each page of a path uniquely) and of `/kv_events`."""
     n = len(tokens) // page_size
     data = array("q", tokens[:n * page_size]).tobytes()
     step = 8 * page_size
@@ -51,6 +39,22 @@ def page_hashes(tokens: Sequence[int], page_size: int, parent: Optional[int]) ->
         prev = hashlib.blake2b(prev + data[i * step:(i + 1) * step], digest_size=8).digest()
         out.append(int.from_bytes(prev, "big"))
     return out
+
+
+def hex_hash(h: int) -> str:
+    """A page hash as `/kv_events` writes it: 16 hex digits."""
+    return f"{h:016x}"
+
+
+def block_hashes(tokens: Sequence[int], block_size: int = KV_HASH_BLOCK_TOKENS,
+                 parent: Optional[int] = None) -> list[str]:
+    """The `/kv_events` hashes of the whole blocks of `tokens`, in hex: the same chained hash with
+    the block as its unit (`page_hashes(tokens, block_size, parent)`). A block is whole pages, so
+    where a page holds the block's tokens or more the two coincide; with smaller pages a router
+    hashes a prompt once per block, not once per page (a 10,000-token prompt at page size 1:
+    625 hashes, not 10,000)."""
+    whole = len(tokens) - len(tokens) % block_size
+    return [hex_hash(h) for h in page_hashes(tokens[:whole], block_size, parent)]
 
 
 # What the first page of a path chains from: unlike any 8-byte hash a page can get in practice.

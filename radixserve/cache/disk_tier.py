@@ -1,7 +1,7 @@
 """The storage tier's policy: what goes to disk, what comes back, and only when it pays.
 
 The tier is content-addressed, beside the tree rather than in it: a page on disk is named by its
-chained page hash (the KV events' hash, `block_events.path_page_hash`; a salted request's pages
+chained page hash (the KV events' hash, `page_events.path_page_hash`; a salted request's pages
 chain from its namespace, so they never answer another namespace's lookup), and no tree node
 records what is on disk. So the tier survives restarts as it is, and needs three things of the
 tree's host store (`stores/host_kv.HostKV`): a host copy it is about to drop (`save`), a lookup of
@@ -37,10 +37,10 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
-from radixserve.cache.block_events import path_page_hash
 from radixserve.cache.block_hash import page_hashes
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.namespace import namespace_page_parent
+from radixserve.cache.page_events import path_page_hash
 from radixserve.cache.prefix_cache import TreeNode
 from radixserve.cache.stores.disk import DiskStore, ReadJob
 from radixserve.cache.stores.page_files import PageRecord, snapshot_record

@@ -6,7 +6,7 @@ requests with neither. The prefix cache keeps each namespace under its own child
 root (`RadixCache`), so lookups, inserts, eviction, the host tier and LPM order work in it as in
 the shared one, and a match never crosses into another namespace.
 
-Published block hashes chain from the namespace (`namespace_parent`, `namespace_page_parent`), so a
+Published page hashes chain from the namespace (`namespace_page_parent`), so a
 router or gateway that routes by them never sees another tenant's prefix as shared. A router
 derives the same namespace from the request body and headers it forwards (`radixserve.router.keys`).
 
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import hashlib
 from typing import Optional
-
-from radixserve.cache.block_hash import ROOT_HASH
 
 # The longest cache_salt accepted (characters). vLLM suggests 43 characters of base64 (256 bits).
 MAX_CACHE_SALT_CHARS = 1024
@@ -39,17 +37,9 @@ def cache_namespace(salt: Optional[str], api_key: Optional[str] = None) -> Optio
     return h.hexdigest()
 
 
-def namespace_parent(namespace: Optional[str]) -> str:
-    """What the `block_hash.block_hashes` chain of a prompt in this namespace starts from (the
-    `/kv_events` hashes and the router's)."""
-    if namespace is None:
-        return ROOT_HASH
-    return hashlib.blake2b(_DOMAIN + b"blocks" + bytes.fromhex(namespace), digest_size=8).hexdigest()
-
-
 def namespace_page_parent(namespace: Optional[str]) -> Optional[int]:
-    """What the `block_hash.page_hashes` chain (vLLM-format KV events) of a namespace starts from
-    (None: the shared namespace's root)."""
+    """What the `block_hash.page_hashes` chain of a namespace's pages starts from (None: the shared
+    namespace's root): every published hash of a salted prompt differs from another namespace's."""
     if namespace is None:
         return None
     digest = hashlib.blake2b(_DOMAIN + b"pages" + bytes.fromhex(namespace), digest_size=8).digest()

@@ -12,7 +12,7 @@ import torch
 from radixserve.cache.kv_pool import PageAllocator, int64_tensor
 from radixserve.cache.prefix_cache import (CacheCounters, MatchResult, check_slot_ownership, no_host_tier_stats,
                                            no_snapshot_stats)
-from radixserve.cache.tree import ALL, PARTIAL, BlockListener, EventListener, TreeNode
+from radixserve.cache.tree import ALL, PARTIAL, PageEventListener, TreeNode
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 
@@ -32,8 +32,7 @@ class NoPrefixCache:
         self.loading_tokens = 0
         self.copier = None
         self.keeps_prefixes = False
-        self.event_listener: Optional[EventListener] = None
-        self.block_listener: Optional[BlockListener] = None
+        self.events: Optional[PageEventListener] = None
         self.touched: set[tuple[TreeNode, object]] = set()
 
     @property
@@ -127,12 +126,10 @@ class NoPrefixCache:
         return False
 
     def flush(self) -> bool:
-        """Nothing to drop; listeners hear the flush all the same, as from a tree."""
+        """Nothing to drop; the event listener hears the flush all the same, as from a tree."""
         self.touched.add((self.root, ALL))
-        if self.event_listener is not None:
-            self.event_listener("flush", [], None)
-        if self.block_listener is not None:
-            self.block_listener("cleared", "", self.root)
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     # ------------------------------------------------------------------ bookkeeping

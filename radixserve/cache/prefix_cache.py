@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Iterator, Optional, Protocol, Sequence, runtim
 
 import torch
 
-from radixserve.cache.tree import ALL, BlockListener, EventListener, TreeNode
+from radixserve.cache.tree import ALL, PageEventListener, TreeNode
 
 # The tree's node is the handle the scheduler holds, and ALL the park key of a removed node.
 __all__ = ["ALL", "CacheCounters", "MatchResult", "PrefixCache", "TreeNode", "check_slot_ownership",
@@ -102,8 +102,7 @@ class PrefixCache(Protocol):
     copier: Optional["CopyEngine"]  # the host tier's copy engine (None: no host tier)
     keeps_prefixes: bool  # False: it finds and keeps nothing (reported as /metrics' enable_prefix_caching)
     keeps_branch_states: bool  # it keeps a state where a waiting request branches off (resume's branch_at)
-    event_listener: Optional[EventListener]
-    block_listener: Optional[BlockListener]
+    events: Optional[PageEventListener]  # told of what the cache gains and loses (page_events.py)
 
     @property
     def reclaimable_size(self) -> int:

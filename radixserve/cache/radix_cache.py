@@ -29,7 +29,7 @@ from radixserve.cache.stores.snapshots import SnapshotStore
 if TYPE_CHECKING:
     from radixserve.cache.disk_tier import StorageTier
 from radixserve.cache.tree import (ALL, EMPTY_SLOTS, NAMESPACE, PARTIAL, PROMPT_END_SLACK,  # noqa: F401
-                                   BlockListener, EventListener, RadixTree, TreeNode, slots_tensor)
+                                   PageEventListener, RadixTree, TreeNode, slots_tensor)
 
 
 class RadixCache:
@@ -83,20 +83,12 @@ class RadixCache:
         return self.host.host_size if self.host is not None else 0
 
     @property
-    def event_listener(self) -> Optional[EventListener]:
-        return self.tree.event_listener
+    def events(self) -> Optional[PageEventListener]:
+        return self.tree.events
 
-    @event_listener.setter
-    def event_listener(self, listener: Optional[EventListener]) -> None:
-        self.tree.event_listener = listener
-
-    @property
-    def block_listener(self) -> Optional[BlockListener]:
-        return self.tree.block_listener
-
-    @block_listener.setter
-    def block_listener(self, listener: Optional[BlockListener]) -> None:
-        self.tree.block_listener = listener
+    @events.setter
+    def events(self, listener: Optional[PageEventListener]) -> None:
+        self.tree.events = listener
 
     @property
     def reclaimable_size(self) -> int:
@@ -290,9 +282,9 @@ class RadixCache:
             leaf = tree.add_leaf(node, list(tokens[pos:]), slots_tensor(slots, pos, len(tokens)), tick)
             self.counters.inserted_tokens += len(leaf.key)
             tree.touched.add((node, tree.child_key(tokens, pos)))
-            # With snapshots, KV alone resumes nobody: /kv_events hears of a path when a snapshot is hung on it.
-            if self.states is None and tree.event_listener is not None:
-                tree.event_listener("insert", list(tokens), namespace)
+            # With snapshots, KV alone resumes nobody: a path becomes usable when a snapshot is hung on it.
+            if self.states is None and tree.events is not None:
+                tree.events.usable(leaf)
             if self.host is not None:
                 self.host.inserted(leaf)
         elif node is not tree.root and tree.evictable_leaf(node) and node.lock_ref == 0:
@@ -384,10 +376,8 @@ class RadixCache:
         tree.reset()
         for store in tree.stores:
             store.reset()
-        if tree.event_listener is not None:
-            tree.event_listener("flush", [], None)
-        if tree.block_listener is not None:
-            tree.block_listener("cleared", "", tree.root)
+        if tree.events is not None:
+            tree.events.cleared()
         return True
 
     # ------------------------------------------------------------------ bookkeeping

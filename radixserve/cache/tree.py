@@ -15,8 +15,9 @@ Cache namespaces (requests' cache salts): each has its own root, a child of the 
 no tokens that is never evicted (it goes when nothing in it is left, held or waited for), so a
 walk in one namespace never reaches another's nodes.
 
-The tree also records what changed for the two things that follow it: `touched` (the waiting
-queue's parked lookups) and the KV-event listeners (`/kv_events` and the vLLM-format publisher).
+The tree also says what changed to the two things that follow it: `touched` (the waiting
+queue's parked lookups) and `events`, the one page-event listener (`page_events.PageEvents`, which
+feeds both `/kv_events` and the vLLM-format publisher).
 """
 
 from __future__ import annotations
@@ -47,12 +48,6 @@ EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 # (RadixCache.extends_a_prompt); a snapshot store's prompt-end snapshot lies this far before it too.
 PROMPT_END_SLACK = 8
 
-# Listeners: ("insert" | "evict", tokens from the namespace's root to the end of the node, the
-# namespace) or ("flush", [], None), so a router can mirror what the cache holds (`/kv_events`);
-# and ("stored" | "removed", medium, node) whenever a node's pages gain or lose their KV on a
-# tier, ("cleared", "", root) on a flush: the per-tier view of vLLM-format KV events (`block_events`).
-EventListener = Callable[[str, list[int], Optional[str]], None]
-BlockListener = Callable[[str, str, "TreeNode"], None]
 
 
 class TreeNode:
@@ -81,9 +76,9 @@ class TreeNode:
         # A finished request's prompt ended exactly here (`mark_prompt_end`); a split keeps it on the
         # lower part, which still ends there.
         self.ends_prompt = False
-        # The chained hash of the node's last page, memoised by `block_events` while the cache's
-        # blocks are published (None: not computed). A split keeps the lower part's end, so it
-        # stays true for the node's whole life.
+        # The chained hash of the node's last page (`block_hash.page_hashes`), memoised by the page
+        # events and the storage tier (None: not computed). A split keeps the lower part's end, so
+        # it stays true for the node's whole life.
         self.block_hash: Optional[int] = None
         # Set on a namespace's root only (no tokens, never evicted): the namespace it holds.
         self.namespace: Optional[str] = None
@@ -99,6 +94,27 @@ class TreeNode:
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.node_id}, len={len(self.key)}, lock={self.lock_ref})"
+
+
+class PageEventListener(Protocol):
+    """What the tree and its stores tell of every change to what the cache holds, each once
+    (`page_events.PageEvents` records them for `/kv_events` and the vLLM-format publisher)."""
+
+    def stored(self, medium: str, node: TreeNode) -> None:
+        """node's pages got their KV on the tier `medium` (GPU, CPU)."""
+
+    def removed(self, medium: str, node: TreeNode) -> None:
+        """node's pages are losing their KV on that tier (node is still in its place)."""
+
+    def usable(self, node: TreeNode) -> None:
+        """A match can end at node now: its path became reusable."""
+
+    def unusable(self, node: TreeNode) -> None:
+        """node's path may have stopped being reusable (node leaves the tree, or its last
+        snapshot went); node is still in its place."""
+
+    def cleared(self) -> None:
+        """The whole cache was dropped."""
 
 
 class Store(Protocol):
@@ -154,8 +170,7 @@ class RadixTree:
         self._tick = 0
         # (node, park key) pairs whose lookups may have changed; drained by the scheduler's queue.
         self.touched: set[tuple[TreeNode, object]] = set()
-        self.event_listener: Optional[EventListener] = None
-        self.block_listener: Optional[BlockListener] = None
+        self.events: Optional[PageEventListener] = None
         self.reset()
 
     def reset(self) -> None:
@@ -282,16 +297,16 @@ class RadixTree:
         self.num_nodes += 1
         self.evictable_size += len(leaf.key)
         self.push(leaf)
-        if self.block_listener is not None:
-            self.block_listener("stored", GPU, leaf)
+        if self.events is not None:
+            self.events.stored(GPU, leaf)
         return leaf
 
     def remove_leaf(self, node: TreeNode) -> int:
         """Take a childless, unlocked node out of the tree: every store gives up what it holds of it
         (in list order, the device store last), and its parent is offered for eviction once it is a
         device leaf. Returns the node's tokens."""
-        if self.event_listener is not None:
-            self.event_listener("evict", self.path_tokens(node), self.namespace_of(node))
+        if self.events is not None:
+            self.events.unusable(node)
         for store in self.stores:
             store.on_remove(node)
         parent = node.parent
@@ -311,16 +326,16 @@ class RadixTree:
     # ------------------------------------------------------------------ the device part
     def gained_device(self, node: TreeNode) -> None:
         """node (unlocked) just got device slots: count them as evictable."""
-        if self.block_listener is not None:
-            self.block_listener("stored", GPU, node)
+        if self.events is not None:
+            self.events.stored(GPU, node)
         self.evictable_size += len(node.key)
         if node.waiters:
             self.waited_evictable_size += len(node.key)
 
     def lost_device(self, node: TreeNode) -> None:
         """An unlocked node's device slots are about to be freed: they count no more."""
-        if self.block_listener is not None:
-            self.block_listener("removed", GPU, node)
+        if self.events is not None:
+            self.events.removed(GPU, node)
         self.evictable_size -= len(node.key)
         if node.waiters:
             self.waited_evictable_size -= len(node.key)

@@ -21,8 +21,8 @@ from typing import Any, Optional
 
 import zmq
 
+from radixserve.cache.page_events import page_events
 from radixserve.engine import messages as m
-from radixserve.engine.engine_intake import KvHashEvents
 from radixserve.engine.heartbeat import Heartbeat, LoopPulse
 from radixserve.engine.messages import AbortRequest, GenerateRequest, RequestOutput
 from radixserve.engine.kv_publisher import ZmqKvEventPublisher, make_kv_publisher
@@ -176,8 +176,9 @@ class EngineLoop:
         self.steps = 0
         # Read by the heartbeat thread, which the API process's /health listens to.
         self.pulse = LoopPulse()
-        # KV events are recorded only once someone asked for a snapshot (a router subscribed).
-        self.kv_events = KvHashEvents(core.cache)
+        # The cache's page events (the recorder the vLLM-format publisher reads too); /kv_events'
+        # are recorded only once someone asked for a snapshot (a router subscribed).
+        self.kv_events = page_events(core.cache)
         self.pending_kv_events: list[list] = []
         # Room the running batch has for the requests of one drain (None: not measured yet).
         self.queue_room: Optional[QueueRoom] = None
@@ -230,7 +231,7 @@ class EngineLoop:
             self.stats_due = True
         elif isinstance(msg, m.GetKvSnapshot):
             # Events recorded before the snapshot go out numbered (earlier subscribers need them).
-            self.pending_kv_events.extend(self.kv_events.take())
+            self.pending_kv_events.extend(self.kv_events.take_hashes())
             self.send(m.ControlReply(reply_id=msg.reply_id, ok=True, data=self.kv_events.snapshot()))
         elif isinstance(msg, m.GetStats):
             self.send(m.ControlReply(reply_id=msg.reply_id, ok=True, data=self.stats()))
@@ -258,7 +259,7 @@ class EngineLoop:
         now = time.monotonic()
         if self.kv_publisher is not None:
             self.kv_publisher.step()
-        self.pending_kv_events.extend(self.kv_events.take())
+        self.pending_kv_events.extend(self.kv_events.take_hashes())
         if self.core.has_work and now - self.last_stats >= STATS_INTERVAL_S:
             self.stats_due = True
         if not (self.pending_outputs or self.pending_errors or self.stats_due or self.pending_kv_events):

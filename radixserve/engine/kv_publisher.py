@@ -10,14 +10,14 @@ dropped something sends one message on the PUB socket, three frames as vLLM's
 
 The payload is vLLM's `KVEventBatch`, an array `[ts, events, data_parallel_rank]` (ts: seconds
 since the epoch; the rank: `--dp-rank`, 0 without data parallelism), its events
-`BlockStored` / `BlockRemoved` / `AllBlocksCleared` as `radixserve.cache.block_events` records
-them, encoded in the config's `event_layout` (`radixserve.kv_events_config`). `lora_id` is
+`BlockStored` / `BlockRemoved` / `AllBlocksCleared` as the cache's page events record them
+(`radixserve.cache.page_events`, which `/kv_events` reads too), encoded in the config's `event_layout` (`radixserve.kv_events_config`). `lora_id` is
 always nil (no adapters here).
 
 A salted namespace's blocks (`cache_salt`, per-key caches) are published with an empty token id
 list, as vLLM's BlockStored allows: their hashes, which chain from the namespace, are what a
 gateway routes such requests by; `unsalted_token_ids` false empties the shared cache's too
-(`radixserve.cache.block_events`).
+(`radixserve.cache.page_events`).
 
 Replay, vLLM's protocol: a client (DEALER, or REQ for the first reply only) sends
 `b"" | start_seq` (8 bytes, big-endian) to the ROUTER at `replay_endpoint`; it gets back every
@@ -67,12 +67,13 @@ def event_record(event: tuple, page_size: int, layout: str) -> list | dict:
 
 class ZmqKvEventPublisher:
     def __init__(self, config: KvEventsConfig, cache: "PrefixCache", dp_rank: int = 0):
-        from radixserve.cache.block_events import BlockEventRecorder
+        from radixserve.cache.page_events import page_events
 
         self.config = config
         self.dp_rank = dp_rank
         self.page_size = cache.page_size
-        self.recorder = BlockEventRecorder(cache, unsalted_token_ids=config.unsalted_token_ids)
+        self.recorder = page_events(cache)
+        self.recorder.follow_blocks(unsalted_token_ids=config.unsalted_token_ids)
         self.topic = config.topic.encode("utf-8")
         self.encoder = msgspec.msgpack.Encoder()
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
@@ -115,7 +116,7 @@ class ZmqKvEventPublisher:
         # send by those it has taken in: without this, a subscriber that connected while the server
         # was idle would miss the next batch (it can replay it, but need not).
         self.pub.getsockopt(zmq.EVENTS)
-        events = self.recorder.take()
+        events = self.recorder.take_blocks()
         if events:
             layout = self.config.event_layout
             batch = [time.time(), [event_record(e, self.page_size, layout) for e in events], self.dp_rank]

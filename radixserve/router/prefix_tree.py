@@ -18,7 +18,7 @@ import itertools
 from typing import Optional, Union
 
 from radixserve.cache.block_hash import KV_HASH_BLOCK_TOKENS, block_hashes
-from radixserve.cache.namespace import namespace_parent
+from radixserve.cache.namespace import namespace_page_parent
 from radixserve.cache.prefix import common_prefix_len
 
 Key = Union[str, list[int], tuple[int, ...]]
@@ -228,5 +228,5 @@ class BlockHashMirror:
 def _key_hashes(key: Key, block_size: int) -> list[str]:
     """The block hashes of a token key, from its namespace when it starts with one."""
     if len(key) and isinstance(key[0], str):
-        return block_hashes(key[1:], block_size, namespace_parent(key[0]))
+        return block_hashes(key[1:], block_size, namespace_page_parent(key[0]))
     return block_hashes(key, block_size)

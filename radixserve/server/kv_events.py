@@ -1,12 +1,14 @@
 """`GET /kv_events`: the radix cache's insert/evict/flush events as a server-sent event stream.
 
 A router mirrors what each worker's cache really holds from this stream. It carries chained
-hashes of whole token blocks (`radixserve.cache.block_hash`), never token ids. Every connection
+hashes of whole blocks (`radixserve.cache.page_events`: a block is the fewest whole pages that
+reach KV_HASH_BLOCK_TOKENS tokens, hashed by the chain the vLLM-format events' pages use, with the
+block as its unit), never token ids. Every connection
 starts with a snapshot of the whole tree (so a router that connects late, or reconnects after
 missing events, is exact again), then carries event batches in engine order:
 
     event: snapshot
-    data: {"seq": S, "block_size": B, "blocks": [hash, ...]}
+    data: {"seq": S, "block_size": B, "page_size": P, "blocks": [hash, ...]}
 
     event: kv
     data: {"events": [[seq, "insert" | "evict" | "flush", [hash, ...]], ...]}

@@ -106,8 +106,8 @@ class HostKV:
     def on_remove(self, node: TreeNode) -> None:
         if node.host is not None:
             tree = self.tree
-            if tree.block_listener is not None:
-                tree.block_listener("removed", CPU, node)
+            if tree.events is not None:
+                tree.events.removed(CPU, node)
             self.host_allocator.free_slots(node.host.slots)
             self.host_size -= len(node.key)
 
@@ -316,14 +316,14 @@ class HostKV:
         self._stored_on_host(leaf)
         self._push_host(leaf)
         tree.touched.add((node, tree.child_key(tokens, pos)))
-        if tree.event_listener is not None:
-            tree.event_listener("insert", list(tokens), namespace)
+        if tree.events is not None:
+            tree.events.usable(leaf)
         return need
 
     def _stored_on_host(self, node: TreeNode) -> None:
         tree = self.tree
-        if tree.block_listener is not None:
-            tree.block_listener("stored", CPU, node)
+        if tree.events is not None:
+            tree.events.stored(CPU, node)
 
     def _remove_subtree(self, node: TreeNode) -> bool:
         """Take an unlocked device leaf and its host-only descendants out of the tree, unless a
@@ -374,8 +374,8 @@ class HostKV:
             if self.storage is not None:
                 self.storage.save(node, node.host.slots)
             if node.value is not None:
-                if tree.block_listener is not None:
-                    tree.block_listener("removed", CPU, node)
+                if tree.events is not None:
+                    tree.events.removed(CPU, node)
                 self.host_allocator.free_slots(node.host.slots)
                 node.host = None
                 self.host_size -= len(node.key)

@@ -405,7 +405,7 @@ class SnapshotStore(SnapshotEviction):
                 worth = states.worth.pop(slot, None)
                 states.captured.discard(slot)
                 node = self.tree.node_ending_at(tokens, position, namespace)
-                if self._attach(node, slot, tokens[:position], namespace, worth=worth, hinted=slot in states.hinted,
+                if self._attach(node, slot, worth=worth, hinted=slot in states.hinted,
                                 saves=saves_below(position, states.points) or position):
                     if device_slot(node) == slot and slot == states.prompt_end_slot:
                         node.state.window = self._prompt_end_outcomes  # whether they pay
@@ -427,7 +427,7 @@ class SnapshotStore(SnapshotEviction):
                 if slot is not None:
                     self.snapshots.save([row], [slot])
                     self.counters.taken += 1
-                    if self._attach(node, slot, tokens, namespace, saves=saves_below(n, states.points) or n):
+                    if self._attach(node, slot, saves=saves_below(n, states.points) or n):
                         # Whether such snapshots pay is learnt from clients' next turns alone.
                         if states.kept_chunk_end and not readmitted:
                             node.state.window = self._end_outcomes
@@ -471,7 +471,7 @@ class SnapshotStore(SnapshotEviction):
             node.state.used = states.used_before
             self._push_snapshot(node)
 
-    def _attach(self, node: Optional[TreeNode], slot: int, path: Sequence[int], namespace: Optional[str], *,
+    def _attach(self, node: Optional[TreeNode], slot: int, *,
                 worth: Optional[float] = None, hinted: bool = False, saves: int = 1) -> bool:
         """Hang a taken snapshot (a checkpoint's when worth is given; where a client hinted a branch,
         when hinted; saving `saves` tokens) on the node its position ends (freed if that node has
@@ -500,8 +500,8 @@ class SnapshotStore(SnapshotEviction):
         while above is not None and child.namespace is None:
             tree.touched.add((above, tree.child_key(child.key, 0)))
             child, above = above, above.parent
-        if tree.event_listener is not None:
-            tree.event_listener("insert", list(path), namespace)
+        if tree.events is not None:
+            tree.events.usable(node)
         return True
 
     def _drop_snapshot(self, node: TreeNode, *, removing: bool) -> None:
@@ -523,8 +523,8 @@ class SnapshotStore(SnapshotEviction):
         tree = self.tree
         if node.value is not None:
             tree.push_if_evictable(node)  # its eviction class changed
-        if self.below(node) == 0 and tree.event_listener is not None:
-            tree.event_listener("evict", tree.path_tokens(node), tree.namespace_of(node))
+        if self.below(node) == 0 and tree.events is not None:
+            tree.events.unusable(node)
 
     def count_below(self, node: Optional[TreeNode], delta: int) -> None:
         below = self._below
