@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from radixserve.cache.block_events import path_page_hash
+from radixserve.cache.page_events import path_page_hash
 from radixserve.cache.state_pool import RecurrentStateSpec
 from radixserve.cache.stores.disk import DiskStore
 from radixserve.cache.stores.page_files import snapshot_key, snapshot_record

@@ -172,8 +172,8 @@ class HostSnapshots:
         while above is not None and child.namespace is None:
             tree.touched.add((above, tree.child_key(child.key, 0)))
             child, above = above, above.parent
-        if tree.event_listener is not None:  # its path is a usable prefix now
-            tree.event_listener("insert", tree.path_tokens(node), tree.namespace_of(node))
+        if tree.events is not None:  # its path is a usable prefix now
+            tree.events.usable(node)
         return True
 
     def replaced(self, node: TreeNode) -> None:
