@@ -15,6 +15,7 @@ import torch
 from radixserve import Engine
 from radixserve.testing.tiny_model import build_tiny_model
 from test_engine import check_idle, hf_greedy
+from test_storage_tier import READS_PAY
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -52,7 +53,7 @@ def storage_engine(path, directory, **extra) -> Engine:
     # 256 device tokens and a host tier as large (its snapshot slots few): ten ~120-token prompts
     # go through both to disk, their snapshots with them.
     return Engine(str(path), **{"max_total_tokens": 256, "page_size": PAGE, "hicache_ratio": 1,
-                                "chunked_prefill_size": 32, "storage_dir": str(directory), **extra})
+                                "chunked_prefill_size": 32, "storage_dir": str(directory), **READS_PAY, **extra})
 
 
 def test_greedy_equals_transformers_after_device_host_disk_and_back(oracle, tmp_path):

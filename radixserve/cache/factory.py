@@ -219,9 +219,9 @@ def make_storage_tier(settings: ServerSettings, cache: PrefixCache, kv_pool: KVP
         backend = LocalFileBackend(where, capacity, read_latency_s=latency)
     store = DiskStore(backend, stamp, synchronous=synchronous)
     if read_bytes_per_s is None:
-        read_bytes_per_s = backend.probe_read_bandwidth(stamp.page_bytes)
+        read_bytes_per_s = settings.storage_read_gbps * 1e9 or backend.probe_read_bandwidth(stamp.page_bytes)
     if prefill_flops_per_s is None:
-        prefill_flops_per_s = measure_prefill_flops(k0.device, k0.dtype, hidden)
+        prefill_flops_per_s = settings.storage_prefill_tflops * 1e12 or measure_prefill_flops(k0.device, k0.dtype, hidden)
     cost = LoadCost(read_bytes_per_s, host.host_pool.bytes_per_token, flops_per_token, attention_flops_per_pair,
                     prefill_flops_per_s)
     disk_states = DiskSnapshots(states, store, kv_pool.page_size) if states is not None else None
