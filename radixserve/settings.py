@@ -161,7 +161,8 @@ class ServerSettings:
         "and --page-size 16 or more): pages the host tier evicts are written here, off the step, keyed by "
         "their KV-event page hashes, and read back for a request when that is faster than computing them "
         "again. A server restarted on the same directory with the same model and settings finds them. "
-        "Default: off.", metavar="DIR")
+        "A hybrid model's recurrent-state snapshots go with their pages (through the host tier's snapshot "
+        "slots: --mamba-host-cache-size not 0). Default: off.", metavar="DIR")
     storage_size: float = _opt(
         16.0, "The storage tier's size on disk in GB (--storage-dir); the least recently used pages go "
         "first when it is full.")
@@ -171,6 +172,13 @@ class ServerSettings:
         choices=STORAGE_BACKENDS)
     storage_url: Optional[str] = _opt(
         None, "The Redis server of --storage-backend redis, e.g. redis://127.0.0.1:6379/0.", metavar="URL")
+    storage_read_gbps: float = _opt(
+        0.0, "The storage tier's read bandwidth in GB/s its load decisions use. Default 0: measured at "
+        "start-up with page-sized reads (latency included); give it where the disk is shared and the "
+        "measurement would be noisy.")
+    storage_prefill_tflops: float = _opt(
+        0.0, "The prefill rate in TFLOP/s the storage tier weighs a read against. Default 0: measured at "
+        "start-up with a matmul of the model's width.")
     storage_read_latency_ms: float = _opt(
         0.0, "Fault injection: extra latency of every storage-tier page read, in ms (a slow disk); "
         "the start-up bandwidth measurement sees it too.")
@@ -459,6 +467,8 @@ class ServerSettings:
                              f"{STORAGE_MIN_PAGE_SIZE}, got {self.page_size}")
         if not self.storage_size > 0:
             raise ValueError(f"storage_size must be > 0 GB, got {self.storage_size}")
+        if self.storage_read_gbps < 0 or self.storage_prefill_tflops < 0:
+            raise ValueError("storage_read_gbps and storage_prefill_tflops must be >= 0 (0: measured at start-up)")
         if self.storage_read_latency_ms < 0:
             raise ValueError(f"storage_read_latency_ms must be >= 0, got {self.storage_read_latency_ms}")
         if self.tp_size > 1 or self.nnodes > 1:

@@ -55,10 +55,15 @@ def oracle(tiny_dir):
     return tiny_dir, prompts, hf_greedy(tiny_dir, prompts, max_new=NEW)
 
 
+# The load decision's inputs pinned (a fast disk, a slow prefill), so whether a read pays does not
+# depend on how busy the machine is; a slow disk's test pins the prefill rate only.
+READS_PAY = {"storage_read_gbps": 10.0, "storage_prefill_tflops": 0.001}
+
+
 def storage_engine(path, directory, **extra) -> Engine:
     # 256 device tokens and a host tier as large: a dozen 150-token prompts go through both to disk.
-    return Engine(str(path), max_total_tokens=256, page_size=PAGE, hicache_ratio=1, storage_dir=str(directory),
-                  **extra)
+    return Engine(str(path), **{"max_total_tokens": 256, "page_size": PAGE, "hicache_ratio": 1,
+                                "storage_dir": str(directory), **READS_PAY, **extra})
 
 
 # ------------------------------------------------------------------------ the offline engine
@@ -126,6 +131,8 @@ def test_storage_settings_are_checked(tiny_dir, tmp_path):
         Engine(str(tiny_dir), hicache_ratio=1, page_size=PAGE, storage_dir=str(tmp_path), storage_backend="redis")
     with pytest.raises(ValueError, match="storage_size must be > 0"):
         Engine(str(tiny_dir), hicache_ratio=1, page_size=PAGE, storage_dir=str(tmp_path), storage_size=0)
+    with pytest.raises(ValueError, match="storage_read_gbps"):
+        Engine(str(tiny_dir), hicache_ratio=1, page_size=PAGE, storage_dir=str(tmp_path), storage_read_gbps=-1)
 
 
 # ------------------------------------------------------------------------ the page files alone
@@ -163,7 +170,8 @@ def test_page_files_survive_a_torn_index_and_an_unfinished_write(tmp_path):
 # ------------------------------------------------------------------------ a real server
 def start(model_dir: Path, workdir: Path, store: Path, *extra: str) -> ServerProcess:
     return ServerProcess(["--model-path", str(model_dir), "--device", "cpu", "--max-total-tokens", "256",
-                          "--page-size", str(PAGE), "--hicache-ratio", "1", "--storage-dir", str(store), *extra],
+                          "--page-size", str(PAGE), "--hicache-ratio", "1", "--storage-dir", str(store),
+                          "--storage-read-gbps", "10", "--storage-prefill-tflops", "0.001", *extra],  # reads pay
                          workdir).wait_ready()
 
 
@@ -279,7 +287,9 @@ def test_a_page_larger_than_the_store_is_not_kept(oracle, tmp_path):
 def test_a_slow_disk_is_not_read(oracle, tmp_path):
     path, prompts, expected = oracle
     # 200 ms a page read (the start-up measurement sees it too): computing 16 tokens is far faster.
-    server = start(path, tmp_path, tmp_path / "store", "--storage-read-latency-ms", "200")
+    # The read bandwidth measured (it sees the latency), the prefill rate pinned at 50 GFLOP/s.
+    server = start(path, tmp_path, tmp_path / "store", "--storage-read-latency-ms", "200",
+                   "--storage-read-gbps", "0", "--storage-prefill-tflops", "0.05")
     try:
         push_to_disk(server, prompts)
         assert generate(server, prompts[0])["output_ids"] == expected[0]
@@ -349,7 +359,8 @@ def redis_url(tmp_path):
 def test_two_workers_share_prefixes_through_redis(oracle, tmp_path, redis_url):
     path, prompts, expected = oracle
     args = ["--model-path", str(path), "--device", "cpu", "--max-total-tokens", "256", "--page-size", str(PAGE),
-            "--hicache-ratio", "1", "--storage-backend", "redis", "--storage-url", redis_url]
+            "--hicache-ratio", "1", "--storage-backend", "redis", "--storage-url", redis_url,
+            "--storage-read-gbps", "10", "--storage-prefill-tflops", "0.001"]
     first = ServerProcess(args, tmp_path).wait_ready()
     second = ServerProcess(args, tmp_path).wait_ready()
     try:

@@ -21,10 +21,10 @@ them to the device).
 - **Poll** (each step's start): finished reads become host-only leaves; the waiting queue sees the
   longer match and the host tier copies them back as any host hit.
 
-A hybrid model's state snapshots are not stored yet: its tree (with the snapshot store) resumes
-a request only where a snapshot lies, so its pages on disk would need their snapshot beside them (a
-second payload kind keyed by the hash of the page it ends, written when the host tier drops a node
-with a snapshot and read with the pages before it); the factory refuses the tier for hybrids.
+A hybrid model's tree resumes a request only where a recurrent-state snapshot lies, so its pages
+on disk need their snapshot beside them: a second record kind keyed by the hash of the page it
+ends, saved when the host tier drops a node's host snapshot, fetched with the pages before it
+(only as far as the deepest one on disk) and attached as a host snapshot (`disk_snapshots.py`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -43,7 +43,7 @@ from radixserve.cache.namespace import namespace_page_parent
 from radixserve.cache.page_events import path_page_hash
 from radixserve.cache.prefix_cache import TreeNode
 from radixserve.cache.stores.disk import DiskStore, ReadJob
-from radixserve.cache.stores.page_files import PageRecord
+from radixserve.cache.stores.page_files import PageRecord, snapshot_record
 
 logger = logging.getLogger("radixserve")
 
@@ -55,7 +55,8 @@ STORAGE_STAT_KEYS = ("storage_pages", "storage_used_bytes", "storage_capacity_by
                      "storage_pages_read", "storage_bytes_read", "storage_loads", "storage_skipped_loads",
                      "storage_loaded_tokens", "storage_attach_failures", "storage_write_drops",
                      "storage_evicted_pages", "storage_missing_pages", "storage_corrupt_pages",
-                     "storage_read_errors", "storage_read_bandwidth_gbps", "storage_prefill_tflops")
+                     "storage_read_errors", "storage_read_bandwidth_gbps", "storage_prefill_tflops",
+                     "storage_snapshots_written", "storage_snapshots_loaded")
 
 
 def no_storage_stats() -> dict[str, float]:
@@ -116,9 +117,25 @@ class _Decision:
     reads: int = 0
 
 
+class TierSnapshots(Protocol):
+    """A hybrid model's snapshots in the tier (disk_snapshots.DiskSnapshots), as the tier uses them."""
+    state_bytes: int  # one snapshot's bytes on disk
+    written: int
+    loaded: int
+
+    def save(self, node: TreeNode, page_hash: Optional[int], *, wait: bool = False) -> None: ...
+
+    def usable_pages(self, hashes: Sequence[int], first: int, n: int) -> int: ...
+
+    def attach(self, kv_attach: Callable[..., int], tokens: Sequence[int], start: int, rows: torch.Tensor,
+               namespace: Optional[str], data: torch.Tensor) -> int: ...
+
+
 class StorageTier:
-    def __init__(self, store: DiskStore, host_pool: HostKVPool, cost: LoadCost):
+    def __init__(self, store: DiskStore, host_pool: HostKVPool, cost: LoadCost,
+                 states: Optional[TierSnapshots] = None):
         self.store = store
+        self.states = states  # a hybrid model's snapshots (None: an attention model)
         self.host_pool = host_pool
         self.page_size = host_pool.page_size
         self.page_bytes = store.page_bytes
@@ -142,6 +159,8 @@ class StorageTier:
         todo = [i for i, h in enumerate(hashes) if h not in self.store]
         if todo:  # a copy: the slots go now
             self._write(node, parent, hashes, todo, self.host_pool.buffer[host_slots])
+        if self.states is not None and hashes:
+            self.states.save(node, hashes[-1])
 
     def _write(self, node: TreeNode, parent: Optional[int], hashes: list[int], todo: list[int],
                rows: torch.Tensor, *, wait: bool = False) -> None:
@@ -178,6 +197,8 @@ class StorageTier:
         limit = self.host_pool.total_tokens // ps
         while first + n < len(hashes) and n < limit and hashes[first + n] in self.store:
             n += 1
+        if self.states is not None:  # a hybrid resumes only where a snapshot lies: pages past the last are no use
+            n = self.states.usable_pages(hashes, first, n)
         if n == 0:
             self._remember(key, _Decision(len(ids), matched, reads=reads))
             return False
@@ -186,6 +207,8 @@ class StorageTier:
             return True  # waits, undecided, for the reads in flight to be taken in
         self._remember(key, _Decision(len(ids), matched, reads=reads))
         read_s, compute_s = self.cost.read_seconds(count), self.cost.recompute_seconds(start, count)
+        if self.states is not None:
+            read_s += self.states.state_bytes / self.cost.read_bytes_per_s
         if read_s >= compute_s:
             self.skipped_loads += 1
             logger.info("storage tier: request %s computes %d tokens after %d cached: reading them would take "
@@ -197,6 +220,9 @@ class StorageTier:
         job = ReadJob(self._jobs, records, torch.empty(n * self.page_bytes, dtype=torch.uint8),
                       payload=dict(key=key, tokens=list(ids[:start + count]), start=start, namespace=namespace,
                                    attach=attach))
+        if self.states is not None:
+            job.snapshot = snapshot_record(hashes[first + n - 1])
+            job.snapshot_out = torch.empty(self.states.state_bytes, dtype=torch.uint8)
         self._decided[key].job = job
         self._decided[key].reads += 1
         self.loads += 1
@@ -229,7 +255,13 @@ class StorageTier:
                 continue
             end = p["start"] + job.pages_read * self.page_size
             rows = job.out[:job.pages_read * self.page_bytes]
-            got = p["attach"](p["tokens"][:end], p["start"], rows, p["namespace"])
+            if self.states is None:
+                got = p["attach"](p["tokens"][:end], p["start"], rows, p["namespace"])
+            elif job.snapshot_read and job.pages_read == len(job.records):
+                got = self.states.attach(p["attach"], p["tokens"][:end], p["start"], rows, p["namespace"],
+                                         job.snapshot_out)
+            else:  # a page gone: the snapshot after it resumes nobody (the store counted the page)
+                continue
             if got:
                 self.loaded_tokens += got
                 added = True
@@ -251,7 +283,9 @@ class StorageTier:
                 "storage_evicted_pages": s.evicted_pages, "storage_missing_pages": s.missing_pages,
                 "storage_corrupt_pages": s.corrupt_pages, "storage_read_errors": s.read_errors,
                 "storage_read_bandwidth_gbps": self.cost.read_bytes_per_s / 1e9,
-                "storage_prefill_tflops": self.cost.prefill_flops_per_s / 1e12}
+                "storage_prefill_tflops": self.cost.prefill_flops_per_s / 1e12,
+                "storage_snapshots_written": self.states.written if self.states is not None else 0,
+                "storage_snapshots_loaded": self.states.loaded if self.states is not None else 0}
 
     def save_tree(self, cache, kv_pool) -> int:
         """Queue every page of cache's tree not on disk yet (at shutdown: what a restart should
@@ -267,6 +301,8 @@ class StorageTier:
             parent = path_page_hash(node.parent, self.page_size)
             hashes = page_hashes(node.key, self.page_size, parent)
             node.block_hash = hashes[-1]
+            if self.states is not None and hashes and (node.host is not None or node.value is not None):
+                self.states.save(node, hashes[-1], wait=True)
             todo = [i for i, h in enumerate(hashes) if h not in self.store]
             if not todo:
                 continue

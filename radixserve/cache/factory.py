@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
+from radixserve.cache.disk_snapshots import DiskSnapshots, state_stamp
 from radixserve.cache.disk_tier import LoadCost, StorageTier, measure_prefill_flops
 from radixserve.cache.host_pool import CopyEngine, HostKVPool, make_copy_engine
 from radixserve.cache.kv_pool import KVPool
@@ -199,12 +200,14 @@ def make_storage_tier(settings: ServerSettings, cache: PrefixCache, kv_pool: KVP
     host = cache.host if isinstance(cache, RadixCache) else None
     if host is None:
         raise ValueError("the storage tier (storage_dir) sits under the host tier: give hicache_ratio or hicache_size")
-    if kv_pool.snapshots is not None:
-        raise ValueError("the storage tier (storage_dir) is not implemented for hybrid models (their state "
-                         "snapshots) yet: leave storage_dir out")
+    states = cache.states if isinstance(cache, RadixCache) else None
+    if states is not None and states.host is None:
+        raise ValueError("the storage tier (storage_dir) keeps a hybrid model's state snapshots through the host "
+                         "tier's snapshot slots: give mamba_host_cache_size > 0 (or leave it to its default)")
     k0 = kv_pool.k_buffers[0]
     stamp = StoreStamp(model=model, page_size=kv_pool.page_size, kv_dtype=str(k0.dtype).replace("torch.", ""),
-                       bytes_per_token=host.host_pool.bytes_per_token, num_layers=len(kv_pool.k_buffers))
+                       bytes_per_token=host.host_pool.bytes_per_token, num_layers=len(kv_pool.k_buffers),
+                       states=state_stamp(states.snapshots.spec) if states is not None else "")
     latency, capacity = settings.storage_read_latency_ms / 1e3, int(settings.storage_size * 1e9)
     if settings.storage_backend == "redis":
         where = settings.storage_url
@@ -216,12 +219,13 @@ def make_storage_tier(settings: ServerSettings, cache: PrefixCache, kv_pool: KVP
         backend = LocalFileBackend(where, capacity, read_latency_s=latency)
     store = DiskStore(backend, stamp, synchronous=synchronous)
     if read_bytes_per_s is None:
-        read_bytes_per_s = backend.probe_read_bandwidth(stamp.page_bytes)
+        read_bytes_per_s = settings.storage_read_gbps * 1e9 or backend.probe_read_bandwidth(stamp.page_bytes)
     if prefill_flops_per_s is None:
-        prefill_flops_per_s = measure_prefill_flops(k0.device, k0.dtype, hidden)
+        prefill_flops_per_s = settings.storage_prefill_tflops * 1e12 or measure_prefill_flops(k0.device, k0.dtype, hidden)
     cost = LoadCost(read_bytes_per_s, host.host_pool.bytes_per_token, flops_per_token, attention_flops_per_pair,
                     prefill_flops_per_s)
-    tier = StorageTier(store, host.host_pool, cost)
+    disk_states = DiskSnapshots(states, store, kv_pool.page_size) if states is not None else None
+    tier = StorageTier(store, host.host_pool, cost, disk_states)
     host.storage = tier
     logger.info("storage tier: %s, %.1f GB, %d pages found (%.1f GB); reads %.2f GB/s, prefill %.2f TFLOP/s "
                 "(measured): a load pays from %.0f tokens of context", where, settings.storage_size,

@@ -10,6 +10,10 @@ Nothing here blocks the step on the disk: a write queue holding more than `max_p
 the new page (counted), a full disk drops the page that did not fit (counted), a read that fails
 ends its run there (the pages after a gap are no prefix of anything: the request computes them).
 
+A hybrid model's state snapshots are records of a second kind (page_files.py) and of another size:
+a read of pages may carry the snapshot at their end (`ReadJob.snapshot`), read first (without it
+the pages resume nobody, and are not read).
+
 `synchronous=True` does the I/O at the call instead (the scheduler simulator, whose steps take no
 real time); completion is still observed through `finished`, so the caller's path is the same.
 """
@@ -60,6 +64,10 @@ class ReadJob:
     pages_read: int = 0  # set when done: the leading pages that were read and checked
     done: bool = False
     payload: dict = field(default_factory=dict)  # the caller's (what to do with the pages)
+    # A hybrid's: the state snapshot at the last page's end, read into snapshot_out before the pages.
+    snapshot: Optional[PageRecord] = None
+    snapshot_out: Optional[torch.Tensor] = None
+    snapshot_read: bool = False  # set when done: it was read and checked
 
 
 class DiskStore:
@@ -99,19 +107,22 @@ class DiskStore:
         return getattr(self.backend, "used_bytes", 0)
 
     def write(self, record: PageRecord, payload: torch.Tensor, *, wait: bool = False) -> bool:
-        """Queue a page (uint8, page_bytes, owned by the store from now); False: not kept. wait:
-        for room in a full queue (at shutdown) instead of dropping the page."""
+        """Queue a page (uint8, page_bytes; a snapshot record: its state's bytes; owned by the store
+        from now); False: not kept. wait: for room in a full queue (at shutdown) instead of
+        dropping the page."""
+        size = payload.numel()
         with self._lock:
             if record.key in self._keys:
                 return True
-            while wait and self._thread is not None and self.pending_bytes + self.page_bytes > self.max_pending_bytes:
+            while wait and self._thread is not None and self.pending_bytes + size > self.max_pending_bytes \
+                    and self.pending_bytes:
                 self._lock.wait(0.1)
-            if self.pending_bytes + self.page_bytes > self.max_pending_bytes:
+            if self.pending_bytes + size > self.max_pending_bytes and self.pending_bytes:
                 self.stats.write_drops_queue += 1
                 return False
             self._keys.add(record.key)
             self._writes[record.key] = (record, payload)
-            self.pending_bytes += self.page_bytes
+            self.pending_bytes += size
             self._lock.notify()
         if self.synchronous:
             self._drain_writes()
@@ -183,12 +194,13 @@ class DiskStore:
         with self._lock:
             key, (record, payload) = next(iter(self._writes.items()))
         kept = False
+        size = payload.numel()
         try:
-            self._forget(self.backend.make_room(self.page_bytes), evicted=True)
+            self._forget(self.backend.make_room(size), evicted=True)
             self.backend.put(record, memoryview(payload.numpy()))
             kept = True
             self.stats.pages_written += 1
-            self.stats.bytes_written += self.page_bytes
+            self.stats.bytes_written += size
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 self.stats.write_drops_full += 1
@@ -197,7 +209,7 @@ class DiskStore:
                 logger.warning("storage tier: a page write failed (%s); the page is not kept", e)
         with self._lock:
             self._writes.pop(key, None)
-            self.pending_bytes -= self.page_bytes
+            self.pending_bytes -= size
             if not kept:
                 self._keys.discard(key)
             self._lock.notify_all()  # a writer waiting for room
@@ -221,19 +233,13 @@ class DiskStore:
     def _do_read(self, job: ReadJob) -> None:
         out = job.out.numpy()
         n = 0
-        for i, record in enumerate(job.records):
-            view = memoryview(out[i * self.page_bytes:(i + 1) * self.page_bytes])
-            with self._lock:
-                queued = self._writes.get(record.key)
-            if queued is not None and list(queued[0].tokens) == list(record.tokens) \
-                    and queued[0].parent == record.parent:
-                view[:] = memoryview(queued[1].numpy())
-            else:
-                try:
-                    self.backend.get_into(record, view)
-                except PageMissing as e:
-                    self._count_missing(record, e)
-                    break
+        if job.snapshot is not None:
+            job.snapshot_read = self._read_one(job.snapshot, memoryview(job.snapshot_out.numpy()))
+            if job.snapshot_read:
+                self.stats.bytes_read += job.snapshot_out.numel()
+        for i, record in enumerate(job.records if job.snapshot is None or job.snapshot_read else ()):
+            if not self._read_one(record, memoryview(out[i * self.page_bytes:(i + 1) * self.page_bytes])):
+                break
             n += 1
         self.stats.pages_read += n
         self.stats.bytes_read += n * self.page_bytes
@@ -246,6 +252,22 @@ class DiskStore:
             job.done = True
             self._done.append(job)
 
+    def _read_one(self, record: PageRecord, view: memoryview) -> bool:
+        """Read one record into view (from the write queue when it is still there); False: it
+        could not be had (dropped and counted)."""
+        with self._lock:
+            queued = self._writes.get(record.key)
+        if queued is not None and list(queued[0].tokens) == list(record.tokens) and queued[0].parent == record.parent \
+                and queued[0].kind == record.kind and queued[1].numel() == view.nbytes:
+            view[:] = memoryview(queued[1].numpy())
+            return True
+        try:
+            self.backend.get_into(record, view)
+        except PageMissing as e:
+            self._count_missing(record, e)
+            return False
+        return True
+
     def _count_missing(self, record: PageRecord, e: PageMissing) -> None:
         if e.reason == "missing":
             self.stats.missing_pages += 1
@@ -253,6 +275,6 @@ class DiskStore:
             self.stats.corrupt_pages += 1
         else:
             self.stats.read_errors += 1
-        logger.warning("storage tier: page %016x dropped: %s; its tokens are computed", record.key, e)
+        logger.warning("storage tier: %s %016x dropped: %s; its tokens are computed", record.kind, record.key, e)
         self.backend.remove(record.key)
         self._forget([record.key], evicted=False)

@@ -17,7 +17,8 @@ A node's snapshot (`Snapshot`, stores/snapshots.py) lives on one tier at a time:
   way are not copied (each is a running request's whole state: 151 MiB for the 27B).
 - **Host eviction**: host snapshots are evicted by the same worth as device ones, waited-for ones
   last; a node leaving the tree frees its host snapshot. A device snapshot taken where the host
-  holds one replaces it (`replaced`).
+  holds one replaces it (`replaced`). With a storage tier, one evicted for room is handed to it
+  first (`on_evict`), and one it reads back is hung on its node as a host snapshot (`adopt`).
 
 So a device snapshot sits only at a node on the device, a host snapshot at a node with KV on
 either tier, never both at one node (`check`); a match reported to a waiting request (`peek`)
@@ -35,9 +36,10 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 from radixserve.cache.state_snapshots import HostStateSnapshots, StateSnapshots
+from radixserve.cache.stores.snapshot_state import Snapshot
 from radixserve.cache.tree import ALL, RadixTree, TreeNode
 
 
@@ -80,6 +82,8 @@ class HostSnapshots:
         self.snapshots = snapshots
         self.counters = HostSnapshotCounters()
         self.store: SnapshotOwner
+        # The storage tier's save of a host snapshot evicted for room (disk_snapshots.py; None: none).
+        self.on_evict: Optional[Callable[[TreeNode], None]] = None
         self.reset()
 
     def bind(self, store: SnapshotOwner) -> None:
@@ -139,6 +143,39 @@ class HostSnapshots:
         self._push(node)
         return True
 
+    def adopt(self, node: TreeNode, fill: Callable[[int], None], *, saves: int = 1) -> bool:
+        """Hang a snapshot from outside the tree (the storage tier's, read from disk) on node, which
+        holds KV on either tier and no snapshot: a host slot (evicting as a write-back does), filled
+        by fill(slot); False when no host slot can be had. From here it is a host snapshot like any:
+        a load brings it back with the KV, and a resume from it counts as a host hit."""
+        store = self.store
+        host_slot = self._alloc()
+        if host_slot is None:
+            return False
+        if node.removed or (node.state is not None and node.state.held):
+            self.snapshots.free(host_slot)
+            return not node.removed
+        fill(host_slot)
+        state = node.state
+        if state is None:
+            state = node.state = Snapshot(None)
+        state.host_slot, state.worth, state.saves, state.from_host = host_slot, None, saves, False
+        state.used = store._recency(node)
+        self.held += 1
+        store.count_below(node, +1)
+        self._push(node)
+        tree = store.tree
+        if node.value is not None:
+            tree.push_if_evictable(node)  # its eviction class changed
+        # Lookups parked above it whose next page leads here may now resume deeper.
+        child, above = node, node.parent
+        while above is not None and child.namespace is None:
+            tree.touched.add((above, tree.child_key(child.key, 0)))
+            child, above = above, above.parent
+        if tree.events is not None:  # its path is a usable prefix now
+            tree.events.usable(node)
+        return True
+
     def replaced(self, node: TreeNode) -> None:
         """A device snapshot is hung where node's host snapshot lies: the host one goes."""
         self.snapshots.free(node.state.host_slot)
@@ -184,6 +221,8 @@ class HostSnapshots:
             if prio != current:
                 heapq.heappush(self._heap, (current, node))
                 continue
+            if self.on_evict is not None:
+                self.on_evict(node)
             self.free(node)
             store.count_below(node, -1)
             store.tree.touched.add((node, ALL))  # lookups resumed there look again

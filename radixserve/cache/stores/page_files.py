@@ -15,6 +15,12 @@ version stamp: a directory written by another model, page size, KV dtype, hash s
 tensor-parallel layout is not read (one warning line; its pages are removed), and one server at a
 time holds the directory (an exclusive `flock` on `LOCK`).
 
+A hybrid model's store holds a second record kind beside its pages: a recurrent-state snapshot
+(every linear-attention layer's conv window and recurrent state at a page's end), named by
+`snapshot_key` of the hash of the page it ends, and chaining from that page's hash (so a snapshot
+is checked to be the one of that prefix as a page is). It has its own magic and its own CRC-32;
+the stamp's `states` (the state shapes and dtypes) refuses another model's states.
+
 `RedisBackend` (stores/redis_pages.py) keeps the same records in a Redis server that several
 workers share.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -40,6 +47,8 @@ logger = logging.getLogger("radixserve")
 FORMAT_VERSION = 1
 HASH_SCHEME = "blake2b-64 chained pages (block_hash.page_hashes), namespace parents (namespace_page_parent)"
 _MAGIC = b"RXKVPAGE"
+_SNAPSHOT_MAGIC = b"RXSTSNAP"  # a recurrent-state snapshot's record (a hybrid model's)
+PAGE, SNAPSHOT = "page", "snapshot"  # PageRecord.kind
 # magic, format, key, parent (+1: 0 means the root), tokens, payload bytes, payload crc32
 _HEADER = struct.Struct("<8sHQQIQI")
 _INDEX_MAGIC = b"RXKVIDX1"
@@ -57,9 +66,14 @@ class StoreStamp:
     tp_rank: int = 0
     format_version: int = FORMAT_VERSION
     hash_scheme: str = HASH_SCHEME
+    # A hybrid model's snapshot records: the state shapes and dtypes they hold ("": no snapshots).
+    states: str = ""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        fields = asdict(self)
+        if not fields["states"]:  # an attention model's stamp reads as before snapshots were stored
+            del fields["states"]
+        return json.dumps(fields, sort_keys=True)
 
     @property
     def page_bytes(self) -> int:
@@ -69,8 +83,24 @@ class StoreStamp:
 @dataclass
 class PageRecord:
     key: int
-    parent: Optional[int]  # the page hash it chains from; None at the root
-    tokens: Sequence[int]
+    parent: Optional[int]  # the page hash it chains from; None at the root (a snapshot: the page it ends)
+    tokens: Sequence[int]  # a snapshot's: none (its page's hash names its prefix)
+    kind: str = PAGE  # PAGE | SNAPSHOT
+
+
+def snapshot_key(page_hash: int) -> int:
+    """The key of the state snapshot at the end of the page named page_hash (a hash of it, so it
+    never names a page)."""
+    digest = hashlib.blake2b(b"state snapshot" + page_hash.to_bytes(8, "big"), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def snapshot_record(page_hash: int) -> PageRecord:
+    return PageRecord(snapshot_key(page_hash), page_hash, (), SNAPSHOT)
+
+
+def _magic(record: PageRecord) -> bytes:
+    return _SNAPSHOT_MAGIC if record.kind == SNAPSHOT else _MAGIC
 
 
 class PageMissing(Exception):
@@ -115,7 +145,7 @@ def _encode_parent(parent: Optional[int]) -> int:
 
 def encode_page(record: PageRecord, payload: memoryview) -> tuple[bytes, bytes]:
     """A page's header and token ids (its payload follows them)."""
-    header = _HEADER.pack(_MAGIC, FORMAT_VERSION, record.key, _encode_parent(record.parent), len(record.tokens),
+    header = _HEADER.pack(_magic(record), FORMAT_VERSION, record.key, _encode_parent(record.parent), len(record.tokens),
                           payload.nbytes, zlib.crc32(payload))
     return header, array("q", record.tokens).tobytes()
 
@@ -125,7 +155,7 @@ def check_header(record: PageRecord, header: bytes, nbytes: int) -> int:
     if len(header) < _HEADER.size:
         raise PageMissing("corrupt", "a truncated header")
     magic, version, key, parent, ntokens, size, crc = _HEADER.unpack(header)
-    if magic != _MAGIC or version != FORMAT_VERSION or key != record.key:
+    if magic != _magic(record) or version != FORMAT_VERSION or key != record.key:
         raise PageMissing("corrupt", "not this page's header")
     if parent != _encode_parent(record.parent) or ntokens != len(record.tokens) or size != nbytes:
         raise PageMissing("corrupt", "another prefix's page under this hash")
@@ -342,6 +372,7 @@ def _differences(found: str, stamp: StoreStamp) -> str:
     except ValueError:
         return "an unreadable stamp"
     new = asdict(stamp)
+    old.setdefault("states", "")  # a stamp written without snapshot records
     diff = [f"{k} {old.get(k)!r}" for k in new if old.get(k) != new[k]]
     return "written with " + ", ".join(diff) if diff else "another stamp"
 
