@@ -296,8 +296,9 @@ class EngineCore:
         allocator's cached blocks back so the next step starts unfragmented. The engine goes on;
         under tensor parallelism every rank gives the step up with it (`abandon_step`)."""
         # The failed step may have moved some layers' recurrent states on: positions can be taken
-        # back, those states cannot, so nothing more is kept of them (a cache of KV alone ignores it).
-        self.cache.discard_states([r.req_pool_idx for r in batch.reqs])
+        # back, those states cannot, so nothing more is kept of them (a cache of KV alone keeps none).
+        if self.cache.states is not None:
+            self.cache.states.discard_states([r.req_pool_idx for r in batch.reqs])
         self.scheduler.take_back(batch)  # before `previous` is collected: nothing half computed is cached
         outputs = self._collect(previous)
         change, failed = self.scheduler.shrink_steps(batch)
