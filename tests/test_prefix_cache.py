@@ -47,7 +47,7 @@ from radixserve.cache.factory import host_tier, tree_cache
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.cache.namespace import cache_namespace, namespace_page_parent
 from radixserve.cache.no_cache import NoPrefixCache
-from radixserve.cache.prefix_cache import PrefixCache
+from radixserve.cache.prefix_cache import OwnedPrefixCache, PrefixCache
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
 from radixserve.cache.state_snapshots import StateSnapshots
@@ -535,12 +535,14 @@ test_prefix_caches_driven_as_the_scheduler_drives_them = PrefixCacheMachine.Test
 
 
 def _protocol_members() -> dict[str, object]:
+    """The scheduler's protocol and what the engine asks besides (OwnedPrefixCache extends it)."""
     members = {}
-    for cls in reversed(PrefixCache.__mro__):
+    for cls in reversed(OwnedPrefixCache.__mro__):
         for name, value in vars(cls).items():
             if not name.startswith("_") and cls is not object and cls.__module__ == PrefixCache.__module__:
                 members[name] = value
-    members.update({name: None for name in PrefixCache.__annotations__})
+        if cls.__module__ == PrefixCache.__module__:
+            members.update({name: None for name in vars(cls).get("__annotations__", {})})
     return members
 
 
@@ -548,7 +550,7 @@ def _protocol_members() -> dict[str, object]:
 def test_every_cache_implements_the_whole_protocol_with_its_signatures(kind: str) -> None:
     pool = KVPool(16, 1, 1, 1, 2, torch.float32, "cpu")
     cache = make_cache(kind, pool, host_tokens=16)
-    assert isinstance(cache, PrefixCache)
+    assert isinstance(cache, OwnedPrefixCache)
     for name, declared in _protocol_members().items():
         assert hasattr(cache, name), f"{type(cache).__name__} lacks {name}"
         if inspect.isfunction(declared):
@@ -566,7 +568,7 @@ def test_the_cache_that_keeps_nothing_frees_a_leaving_requests_slots_and_reports
         req = Req(rid=str(i), origin_input_ids=list(range(9)), sampling_params=params, arrival_time=0.0,
                   arrival_seq=i)
         req.req_pool_idx = kv.req_to_token.alloc()
-        kv.lock_prefix(req)
+        kv.lock_prefix(req, cache.admit(req, room=0, spare_only=False))
         assert req.locked_len == 0
         assert kv.grow(req, 5) and len(req.slots) == 6
         kv.cache_req(req, finished=False)  # a finished chunk: the request keeps its slots

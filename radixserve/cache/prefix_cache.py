@@ -46,7 +46,7 @@ import torch
 from radixserve.cache.tree import ALL, BlockListener, EventListener, TreeNode
 
 # The tree's node is the handle the scheduler holds, and ALL the park key of a removed node.
-__all__ = ["ALL", "CacheCounters", "MatchResult", "PrefixCache", "RequestStates", "TreeNode", "check_slot_ownership",
+__all__ = ["ALL", "CacheCounters", "MatchResult", "OwnedPrefixCache", "PrefixCache", "RequestStates", "TreeNode", "check_slot_ownership",
            "no_host_tier_stats", "no_snapshot_stats"]
 
 if TYPE_CHECKING:
@@ -128,13 +128,8 @@ class PrefixCache(Protocol):
     allocator: "PageAllocator"  # the device pool's pages
     page_size: int
     root: TreeNode  # never matched, locked or evicted; every handle hangs below it
-    counters: CacheCounters
     evictable_size: int  # cached device tokens nobody holds: evict() may free them
     protected_size: int  # cached device tokens some running request holds (inc_lock)
-    waited_evictable_size: int  # of evictable_size, tokens a waiting request will reuse
-    num_nodes: int
-    copier: Optional["CopyEngine"]  # the host tier's copy engine (None: no host tier)
-    keeps_prefixes: bool  # False: it finds and keeps nothing (reported as /metrics' enable_prefix_caching)
     # The per-request state it keeps beyond KV (a hybrid model's recurrent-state snapshots), for
     # the few places that hand it a request's state row; None for a cache of KV alone.
     states: Optional["RequestStates"]
@@ -146,9 +141,6 @@ class PrefixCache(Protocol):
         """Evictable tokens no waiting request will reuse: what admission may take without cost."""
 
     # -- lookups: never change what is cached
-    def peek(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode]:
-        """The usable cached length of tokens (whole pages, on any tier) and the node it ends in."""
-
     def peek_park(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode, object]:
         """As peek, plus the park key: which change under that node could lengthen the match."""
 
@@ -209,15 +201,8 @@ class PrefixCache(Protocol):
     def poll(self) -> bool:
         """Take in finished host-tier copies; True when a load finished."""
 
-    def flush(self) -> bool:
-        """Drop everything cached; refused (False) while any request holds a prefix."""
-
-    # -- bookkeeping
     def drain_touched(self) -> set[tuple[TreeNode, object]]:
         """(node, park key) pairs whose lookups may have changed since the last call."""
-
-    def reset_counters(self) -> None:
-        ...
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         ...
@@ -229,17 +214,37 @@ class PrefixCache(Protocol):
     def reusable_len(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> int:
         """How many leading tokens run along such paths (what /kv_events still publishes of them)."""
 
+    def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = (),
+                         running_rows: Sequence[int] = ()) -> None:
+        """Sizes add up to the pool and no KV slot (or snapshot slot) is owned twice (running
+        requests own `running_slots`, `held_by_running` tokens, and run in state rows
+        `running_rows`); AssertionError otherwise."""
+
+
+@runtime_checkable
+class OwnedPrefixCache(PrefixCache, Protocol):
+    """The cache as the engine that builds it sees it (and the scheduler simulator standing in for
+    the engine): the scheduler's protocol plus what the engine wires at start-up, flushes between
+    runs and reports on /metrics. The scheduler never asks for these."""
+
+    copier: Optional["CopyEngine"]  # the host tier's copy engine (None: no host tier)
+    keeps_prefixes: bool  # False: it finds and keeps nothing (reported as /metrics' enable_prefix_caching)
+    counters: CacheCounters  # written by the cache (its admissions, inserts and evictions)
+    num_nodes: int
+
+    def flush(self) -> bool:
+        """Drop everything cached; refused (False) while any request holds a prefix."""
+
+    # -- bookkeeping
+    def reset_counters(self) -> None:
+        ...
+
     def tier_stats(self) -> dict[str, float]:
         """The host tier's pool and traffic for /metrics (zeros without one: the same keys always)."""
 
     def snapshot_stats(self) -> dict[str, float]:
         """The recurrent-state snapshots' pool and traffic for /metrics (zeros without one)."""
 
-    def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = (),
-                         running_rows: Sequence[int] = ()) -> None:
-        """Sizes add up to the pool and no KV slot (or snapshot slot) is owned twice (running
-        requests own `running_slots`, `held_by_running` tokens, and run in state rows
-        `running_rows`); AssertionError otherwise."""
 
 
 def no_host_tier_stats() -> dict[str, float]:

@@ -13,8 +13,6 @@ it took on the tree with the KV (`keep_states`). A cache of KV alone has no `sta
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from radixserve.cache.admission import Admission
@@ -51,11 +49,10 @@ class KVManager:
         return self.allocator.free_tokens >= tokens
 
     # ------------------------------------------------------------------ taking memory
-    def lock_prefix(self, req: Req, admission: Optional[Admission] = None, *, branch_at: int = 0) -> None:
+    def lock_prefix(self, req: Req, admission: Admission, *, branch_at: int = 0) -> None:
         """Lock the cached prefix of req (whose row is set) through the cache's admission of it
-        (None: one made on the spot, waiting for nothing) and point its row at the prefix's slots.
-        branch_at: how far a waiting request shares its prompt (Admission.lock)."""
-        admission = admission or Admission(self.cache, req)
+        (PrefixCache.admit) and point its row at the prefix's slots. branch_at: how far a waiting
+        request shares its prompt (Admission.lock)."""
         match = admission.lock(req.req_pool_idx, branch_at=branch_at)
         req.admission, req.chunk_ends = admission, admission.chunk_ends
         req.last_node = match.last_node

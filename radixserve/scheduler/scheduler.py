@@ -178,7 +178,7 @@ class Scheduler:
             return
         if not (req.continues_conversation or self._continued_count >= CONVERSATION_SHARE * CONVERSATION_WINDOW):
             return
-        found, node = self.cache.peek(req.fill_ids, namespace=req.cache_namespace)
+        found, node, _ = self.cache.peek_park(req.fill_ids, namespace=req.cache_namespace)
         if found:  # a cache that keeps nothing has nothing to hold
             self.cache.add_waiter(node)
             self._held.append((self.clock() + self.settings.prefix_hold_s, node))
