@@ -2,8 +2,8 @@
 recurrent-state snapshots, that tree over a host tier which keeps snapshots too, the cache that
 keeps nothing) driven through the `PrefixCache` protocol
 exactly as the scheduler drives it: the real
-`WaitingQueue` parks requests on their peeked matches, host parts are loaded back as
-`Scheduler._load_prefix` does, and the real `KVManager` locks a match, grows a request, caches its
+`WaitingQueue` parks requests on their peeked matches, host parts are loaded back through
+`PrefixCache.admit` as the scheduler asks for them, and the real `KVManager` locks a match, grows a request, caches its
 finished chunks and gives everything back when it leaves, with evictions, polls and flushes in
 between.
 
@@ -47,7 +47,7 @@ from radixserve.cache.factory import host_tier, tree_cache
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.cache.namespace import cache_namespace, namespace_page_parent
 from radixserve.cache.no_cache import NoPrefixCache
-from radixserve.cache.prefix_cache import PrefixCache
+from radixserve.cache.prefix_cache import OwnedPrefixCache, PrefixCache
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
 from radixserve.cache.state_snapshots import StateSnapshots
@@ -217,17 +217,17 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.kind in TIERED and len(self.waiting))
     @rule(index=st.integers(0, 100), spare_only=st.booleans())
     def load(self, index: int, spare_only: bool) -> None:
-        """As Scheduler._load_prefix: a waiting request's host part is copied back."""
+        """As when admission reaches a waiting request: its host part is copied back (PrefixCache.admit)."""
         req = list(self.waiting)[index % len(self.waiting)]
-        host, loading = self.cache.host_part(req.peek_len, req.peek_node)
-        if not host or loading:
-            return
-        loaded = self.cache.load(req.match_target(), spare_only=spare_only, namespace=req.cache_namespace)
-        if loaded:
+        admission = self.cache.admit(req, room=DEVICE_TOKENS, spare_only=spare_only)
+        if admission.loading:
+            assert admission.waits, "a load started for a request admission does not wait for"
+            peeked = self.cache.peek(req.match_target(), namespace=req.cache_namespace)
+            assert self.cache.host_part(*peeked)[1], "a load started but is not in flight"
             peeked = self.cache.peek(req.match_target(), namespace=req.cache_namespace)
             assert self.cache.host_part(*peeked)[1], "a load started but is not in flight"
 
-    @precondition(lambda self: self.cache.loading_tokens)
+    @precondition(lambda self: self.kind in TIERED and self.cache.loading_tokens)
     @rule()
     def poll(self) -> None:
         self.cache.poll()
@@ -263,18 +263,18 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         is loaded back first, as the scheduler does when admission reaches a request (it admits
         the request once the copy is done)."""
         self._schedule()
-        host, loading = self.cache.host_part(req.peek_len, req.peek_node)
-        if host and not loading and self.cache.load(req.match_target(), spare_only=False,
-                                                    namespace=req.cache_namespace):
+        admission = self.cache.admit(req, room=DEVICE_TOKENS, spare_only=False)
+        if admission.loading:
             self.cache.poll()
             self.waiting.refresh()
             assert self.cache.host_part(req.peek_len, req.peek_node) == (0, False), "a finished load left a host part"
+            admission = self.cache.admit(req, room=DEVICE_TOKENS, spare_only=False)
         peeked = req.peek_len
         if self.kind not in TIERED:
-            assert self.cache.host_part(req.peek_len, req.peek_node) == (0, False), "a host part without a host tier"
+            assert admission.ready and not admission.loading, "a wait without a host tier"
         self.waiting.remove(req)
         req.req_pool_idx = self.kv.req_to_token.alloc()
-        self.kv.lock_prefix(req)
+        self.kv.lock_prefix(req, admission)
         assert req.locked_len <= peeked and req.locked_len % self.page == 0
         if not self._keeps():
             assert req.locked_len == 0 and req.last_node is self.cache.root
@@ -367,10 +367,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             for _, slot in self.kv.capture_states(req, before, upto):  # half written too
                 self.pool.snapshots.ssm[0][slot] = GARBAGE
             self.pool.state.ssm[0][req.req_pool_idx] = GARBAGE
-            self.cache.discard_states([req.req_pool_idx])
+            self.cache.states.discard_states([req.req_pool_idx])
             self.kv.shrink(req, before)
         else:
-            self.cache.discard_states([req.req_pool_idx])
+            self.cache.states.discard_states([req.req_pool_idx])
             self.pool.state.ssm[0][req.req_pool_idx] = GARBAGE
         self.kv.cache_req(req, finished=True)
         req.state = ReqState.WAITING
@@ -536,12 +536,14 @@ test_prefix_caches_driven_as_the_scheduler_drives_them = PrefixCacheMachine.Test
 
 
 def _protocol_members() -> dict[str, object]:
+    """The scheduler's protocol and what the engine asks besides (OwnedPrefixCache extends it)."""
     members = {}
-    for cls in reversed(PrefixCache.__mro__):
+    for cls in reversed(OwnedPrefixCache.__mro__):
         for name, value in vars(cls).items():
             if not name.startswith("_") and cls is not object and cls.__module__ == PrefixCache.__module__:
                 members[name] = value
-    members.update({name: None for name in PrefixCache.__annotations__})
+        if cls.__module__ == PrefixCache.__module__:
+            members.update({name: None for name in vars(cls).get("__annotations__", {})})
     return members
 
 
@@ -549,7 +551,7 @@ def _protocol_members() -> dict[str, object]:
 def test_every_cache_implements_the_whole_protocol_with_its_signatures(kind: str) -> None:
     pool = KVPool(16, 1, 1, 1, 2, torch.float32, "cpu")
     cache = make_cache(kind, pool, host_tokens=16)
-    assert isinstance(cache, PrefixCache)
+    assert isinstance(cache, OwnedPrefixCache)
     for name, declared in _protocol_members().items():
         assert hasattr(cache, name), f"{type(cache).__name__} lacks {name}"
         if inspect.isfunction(declared):
@@ -567,7 +569,7 @@ def test_the_cache_that_keeps_nothing_frees_a_leaving_requests_slots_and_reports
         req = Req(rid=str(i), origin_input_ids=list(range(9)), sampling_params=params, arrival_time=0.0,
                   arrival_seq=i)
         req.req_pool_idx = kv.req_to_token.alloc()
-        kv.lock_prefix(req)
+        kv.lock_prefix(req, cache.admit(req, room=0, spare_only=False))
         assert req.locked_len == 0
         assert kv.grow(req, 5) and len(req.slots) == 6
         kv.cache_req(req, finished=False)  # a finished chunk: the request keeps its slots

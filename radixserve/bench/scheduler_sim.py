@@ -48,7 +48,7 @@ from radixserve.bench.metrics import LOST_SLACK_TOKENS
 from radixserve.bench.oracle import OracleRequest, oracle_hit_rate
 from radixserve.cache.factory import build_prefix_cache, make_host_tier, make_storage_tier, snapshot_split
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
-from radixserve.cache.prefix_cache import PrefixCache
+from radixserve.cache.prefix_cache import OwnedPrefixCache
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
 from radixserve.cache.state_snapshots import StateSnapshots
 from radixserve.sampling_params import SamplingParams
@@ -210,7 +210,7 @@ class UnreadSlotTable(ReqToTokenPool):
         return None
 
 
-def build_cache(settings: ServerSettings, cfg: SimConfig) -> PrefixCache:
+def build_cache(settings: ServerSettings, cfg: SimConfig) -> OwnedPrefixCache:
     """The server's cache, built by the server's factory, over pools of one float per token and per
     state row and snapshot: only the bookkeeping is simulated (a storage tier's pages are real
     files of those floats; its load decisions use the modelled KV bytes and prefill time)."""
@@ -252,7 +252,7 @@ def simulate(cfg: SimConfig, sessions: list[list[Turn]]) -> dict:
                 storage.close()
 
 
-def _run(cfg: SimConfig, sessions: list[list[Turn]], settings: ServerSettings, cache: PrefixCache) -> dict:
+def _run(cfg: SimConfig, sessions: list[list[Turn]], settings: ServerSettings, cache: OwnedPrefixCache) -> dict:
     rows = UnreadSlotTable(cfg.max_running, 1, "cpu")
     now = [0.0]
     sched = Scheduler(settings, cache, rows, context_len=32768, eos_token_ids=[], clock=lambda: now[0])

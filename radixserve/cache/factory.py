@@ -20,7 +20,7 @@ from radixserve.cache.disk_tier import LoadCost, StorageTier, measure_prefill_fl
 from radixserve.cache.host_pool import CopyEngine, HostKVPool, make_copy_engine
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.no_cache import NoPrefixCache
-from radixserve.cache.prefix_cache import PrefixCache
+from radixserve.cache.prefix_cache import OwnedPrefixCache
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.state_pool import RecurrentStateSpec
 from radixserve.cache.state_snapshots import HostStateSnapshots
@@ -160,7 +160,7 @@ def make_host_tier(settings: ServerSettings, kv_pool: KVPool, agree: Agree = _al
 
 # ----------------------------------------------------------------------------------- the cache
 def build_prefix_cache(settings: ServerSettings, kv_pool: KVPool, host: Optional[HostTier], *,
-                       recurrent: bool) -> PrefixCache:
+                       recurrent: bool) -> OwnedPrefixCache:
     """The prefix cache the settings ask for: none (--disable-radix-cache, or a hybrid model without
     a snapshot pool: its requests cannot resume from KV alone), else the tree over what there is."""
     if settings.disable_radix_cache or (recurrent and kv_pool.snapshots is None):
@@ -187,7 +187,7 @@ def tree_cache(kv_pool: KVPool, host: Optional[HostTier] = None, *, eviction_pol
 
 
 # ----------------------------------------------------------------------------------- the storage tier
-def make_storage_tier(settings: ServerSettings, cache: PrefixCache, kv_pool: KVPool, *, model: str,
+def make_storage_tier(settings: ServerSettings, cache: OwnedPrefixCache, kv_pool: KVPool, *, model: str,
                       flops_per_token: float, attention_flops_per_pair: float,
                       prefill_flops_per_s: Optional[float] = None,
                       read_bytes_per_s: Optional[float] = None, synchronous: bool = False,

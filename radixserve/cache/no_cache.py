@@ -5,10 +5,12 @@ request parks there and the KV events are a flush at most."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional, Sequence
+from collections import deque
+from typing import Iterator, Optional, Sequence
 
 import torch
 
+from radixserve.cache.admission import Admission, Waiter
 from radixserve.cache.kv_pool import PageAllocator, int64_tensor
 from radixserve.cache.prefix_cache import (CacheCounters, MatchResult, check_slot_ownership, no_host_tier_stats,
                                            no_snapshot_stats)
@@ -18,7 +20,6 @@ _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 class NoPrefixCache:
-    keeps_branch_states = False
     def __init__(self, allocator: PageAllocator, *, page_size: int = 1):
         self.allocator = allocator
         self.page_size = page_size
@@ -29,8 +30,8 @@ class NoPrefixCache:
         self.protected_size = 0
         self.waited_evictable_size = 0
         self.num_nodes = 1
-        self.loading_tokens = 0
         self.copier = None
+        self.states = None  # no request keeps a state beyond its KV here
         self.keeps_prefixes = False
         self.events: Optional[PageEventListener] = None
         self.touched: set[tuple[TreeNode, object]] = set()
@@ -46,11 +47,15 @@ class NoPrefixCache:
     def peek_park(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode, object]:
         return 0, self.root, PARTIAL  # no change ever lengthens it
 
-    def host_part(self, length: int, node: TreeNode) -> tuple[int, bool]:
-        return 0, False
-
     def extends_a_prompt(self, node: TreeNode, uncached: Optional[int] = None) -> bool:
         return False
+
+    def admit(self, waiter: Waiter, *, room: int, spare_only: bool) -> Admission:
+        return Admission(self, waiter)  # nothing cached: nothing to wait for
+
+    def admit_ahead(self, arrivals: deque[Waiter], room: int) -> int:
+        arrivals.clear()
+        return 0
 
     def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
         return MatchResult(0, _EMPTY_SLOTS, self.root)
@@ -58,31 +63,6 @@ class NoPrefixCache:
     def match_kv(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
         return MatchResult(0, _EMPTY_SLOTS, self.root)
 
-    # A request's state row starts from nothing and nothing of it is kept.
-    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0,
-               hints: Sequence[int] = ()) -> tuple[int, ...]:
-        return ()
-
-    def resumed_from_host(self, row: int) -> bool:
-        return False
-
-    def cancel_resume(self, row: int) -> None:
-        return None
-
-    def take_state(self, row: int, position: int) -> None:
-        return None
-
-    def capture_states(self, row: int, start: int, end: int) -> list[tuple[int, int]]:
-        return []
-
-    def keep_states(self, row: int, tokens: Sequence[int], *, namespace: Optional[str] = None,
-                    state_len: Optional[int] = None, readmitted: bool = False) -> None:
-        return None
-
-    def discard_states(self, rows: Sequence[int]) -> None:
-        return None
-
-    # The root is the only handle there is, and holding it or waiting on it changes nothing.
     def inc_lock(self, node: TreeNode) -> None:
         assert node is self.root, f"{node} is not a handle of this cache"
 
@@ -115,14 +95,7 @@ class NoPrefixCache:
     def evict(self, num_tokens: int) -> int:
         return 0
 
-    def load(self, tokens: Sequence[int], *, spare_only: bool, namespace: Optional[str] = None) -> int:
-        return 0
-
     def poll(self) -> bool:
-        return False
-
-    def fetch(self, key: str, tokens: Callable[[], Sequence[int]], matched: int, *,
-              namespace: Optional[str] = None) -> bool:
         return False
 
     def flush(self) -> bool:

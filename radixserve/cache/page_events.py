@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol
 
-from radixserve.cache.block_hash import KV_HASH_BLOCK_TOKENS, block_hashes, hex_hash, page_hashes
+from radixserve.cache.block_hash import KV_HASH_BLOCK_TOKENS, block_hashes, page_hashes
 from radixserve.cache.namespace import namespace_page_parent
 from radixserve.cache.prefix_cache import PrefixCache, TreeNode
 

@@ -12,11 +12,13 @@ Two implementations:
 
 How a request uses it (scheduler/kv_manager.py and waiting_queue.py): while it waits, `peek_park`
 says how much of its prompt is cached (on any tier) and where to park it, `add_waiter` marks that
-path as wanted (queue-aware eviction) and `host_part` / `load` / `poll` bring a host part back to
-the device. When it is admitted, `match` returns the device part ready to read, `inc_lock` holds
-it and `resume` puts into the request's state row whatever else the match needs; what it computes
-goes back with `insert` (as much as `insertable_len` says the cache takes) and `keep_states`, and
-`dec_lock` lets go. `evict` makes room on demand.
+path as wanted (queue-aware eviction) and `admit_ahead` starts the copies of lower-tier parts it
+will wait for (`poll` takes them in). When admission reaches it, `admit` says whether it starts
+now or waits for such a copy; the `Admission` it returns (cache/admission.py) locks the device
+part ready to read (`match`, `inc_lock`) and puts into the request's state row whatever else the
+match needs. What it computes goes back with `insert` (as much as `insertable_len` says the cache
+takes) and, where the cache keeps states (`states`), `keep_states`, and `dec_lock` lets go.
+`evict` makes room on demand.
 
 Every lookup and insert names the request's cache namespace (`cache/namespace.py`: its
 `cache_salt`, and its API key with `--cache-salt-per-api-key`; None: the shared one). Prefixes
@@ -44,10 +46,13 @@ import torch
 from radixserve.cache.tree import ALL, PageEventListener, TreeNode
 
 # The tree's node is the handle the scheduler holds, and ALL the park key of a removed node.
-__all__ = ["ALL", "CacheCounters", "MatchResult", "PrefixCache", "TreeNode", "check_slot_ownership",
+__all__ = ["ALL", "CacheCounters", "MatchResult", "OwnedPrefixCache", "PrefixCache", "RequestStates", "TreeNode", "check_slot_ownership",
            "no_host_tier_stats", "no_snapshot_stats"]
 
 if TYPE_CHECKING:
+    from collections import deque
+
+    from radixserve.cache.admission import Admission, Waiter
     from radixserve.cache.host_pool import CopyEngine
     from radixserve.cache.kv_pool import PageAllocator
 
@@ -57,7 +62,7 @@ class MatchResult:
     slots: torch.Tensor  # int64, the cached KV slots of tokens[:length]
     last_node: TreeNode  # the node the match ends in (exactly at its end)
     # Positions past `length` where the request's prompt pieces must end, so that the state there
-    # can be kept (`PrefixCache.take_state`): a hybrid model's branch point. () for a cache of KV alone.
+    # can be kept (`RequestStates.take_state`): a hybrid model's branch point. () for a cache of KV alone.
     chunk_ends: tuple[int, ...] = ()
     # The length of the tokens looked up (a request's match target): how far its prompt runs.
     target_len: int = 0
@@ -84,70 +89,11 @@ class CacheCounters:
         return self.hit_rate - self.host_hit_rate
 
 
-@runtime_checkable
-class PrefixCache(Protocol):
-    """Everything outside cache/ may ask of a prefix cache. Sizes are in tokens of the device pool
-    unless they say otherwise; `free + evictable_size + protected_size + held by running requests
-    == total` holds at every step (`check_invariants`)."""
-
-    allocator: "PageAllocator"  # the device pool's pages
-    page_size: int
-    root: TreeNode  # never matched, locked or evicted; every handle hangs below it
-    counters: CacheCounters
-    evictable_size: int  # cached device tokens nobody holds: evict() may free them
-    protected_size: int  # cached device tokens some running request holds (inc_lock)
-    waited_evictable_size: int  # of evictable_size, tokens a waiting request will reuse
-    num_nodes: int
-    loading_tokens: int  # device tokens being copied back from the host now
-    copier: Optional["CopyEngine"]  # the host tier's copy engine (None: no host tier)
-    keeps_prefixes: bool  # False: it finds and keeps nothing (reported as /metrics' enable_prefix_caching)
-    keeps_branch_states: bool  # it keeps a state where a waiting request branches off (resume's branch_at)
-    events: Optional[PageEventListener]  # told of what the cache gains and loses (page_events.py)
-
-    @property
-    def reclaimable_size(self) -> int:
-        """Evictable tokens no waiting request will reuse: what admission may take without cost."""
-
-    # -- lookups: never change what is cached
-    def peek(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode]:
-        """The usable cached length of tokens (whole pages, on any tier) and the node it ends in."""
-
-    def peek_park(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode, object]:
-        """As peek, plus the park key: which change under that node could lengthen the match."""
-
-    def host_part(self, length: int, node: TreeNode) -> tuple[int, bool]:
-        """Of a peeked match: how many tokens are not on the device ready to read, and whether a
-        load of some of them is in flight."""
-
-    def extends_a_prompt(self, node: TreeNode, uncached: Optional[int] = None) -> bool:
-        """Whether a match ending at node continues a finished request's prompt (a conversation)."""
-
-    # -- taking a prefix
-    def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
-        """The longest usable cached prefix ready on the device, split to end at a node's end;
-        counts as an access for eviction."""
-
-    def match_kv(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
-        """As match, by the KV alone (whatever other state is kept): what a running request holds
-        of the positions it just inserted while it goes on reading them (equal to match for a cache
-        of KV alone)."""
-
-    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0,
-               hints: Sequence[int] = ()) -> tuple[int, ...]:
-        """A request admitted on `match` (locked) runs in state row `row`: put into the row the state
-        the match ends at beyond its KV (a recurrent-state snapshot; nothing for a cache of KV alone),
-        and return the positions its prompt pieces must end at (`match.chunk_ends`, and `branch_at`
-        where the cache keeps states there: a waiting request shares the prompt up to it). hints:
-        positions where the client says later requests are likely to branch (`Req.branch_hints`),
-        which a cache keeping states may keep them at (`capture_states`)."""
-
-    def resumed_from_host(self, row: int) -> bool:
-        """Whether the state the request in `row` resumed from came back from the host tier (then
-        its whole cached prefix was served by that tier, whatever of its KV was on the device)."""
-
-    def cancel_resume(self, row: int) -> None:
-        """The request `resume` put in `row` is not run after all (its memory did not fit): its
-        resume counts as no hit, and the row is given back with nothing kept."""
+class RequestStates(Protocol):
+    """A request's state beyond its KV that the cache keeps at chosen positions (a hybrid model's
+    recurrent state, stores/snapshots.py), as the scheduler and the model runner drive it: the
+    request runs in a state row; its prompt pieces end where the cache keeps a state
+    (`Admission.chunk_ends`)."""
 
     def take_state(self, row: int, position: int) -> None:
         """The step being scheduled takes row's request to `position`, one of its chunk ends: keep
@@ -158,7 +104,7 @@ class PrefixCache(Protocol):
         keeps on the way, as (position, snapshot slot) with start < position < end, which the forward
         pass writes into those slots as it passes them (`ScheduledBatch.state_captures`); the state
         at `end` itself, where it keeps one, is copied from the row once the step is launched
-        (take_state). [] for a cache of KV alone."""
+        (take_state)."""
 
     def keep_states(self, row: int, tokens: Sequence[int], *, namespace: Optional[str] = None,
                     state_len: Optional[int] = None, readmitted: bool = False) -> None:
@@ -171,6 +117,54 @@ class PrefixCache(Protocol):
     def discard_states(self, rows: Sequence[int]) -> None:
         """These rows' states may be wrong (a step that failed part-way may have advanced some of
         their layers): take no state of them from now until they are given back."""
+
+
+@runtime_checkable
+class PrefixCache(Protocol):
+    """Everything outside cache/ may ask of a prefix cache. Sizes are in tokens of the device pool
+    unless they say otherwise; `free + evictable_size + protected_size + held by running requests
+    == total` holds at every step (`check_invariants`)."""
+
+    allocator: "PageAllocator"  # the device pool's pages
+    page_size: int
+    root: TreeNode  # never matched, locked or evicted; every handle hangs below it
+    evictable_size: int  # cached device tokens nobody holds: evict() may free them
+    protected_size: int  # cached device tokens some running request holds (inc_lock)
+    # The per-request state it keeps beyond KV (a hybrid model's recurrent-state snapshots), for
+    # the few places that hand it a request's state row; None for a cache of KV alone.
+    states: Optional["RequestStates"]
+    events: Optional[PageEventListener]  # told of what the cache gains and loses (page_events.py)
+
+    @property
+    def reclaimable_size(self) -> int:
+        """Evictable tokens no waiting request will reuse: what admission may take without cost."""
+
+    # -- lookups: never change what is cached
+    def peek_park(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode, object]:
+        """As peek, plus the park key: which change under that node could lengthen the match."""
+
+    def extends_a_prompt(self, node: TreeNode, uncached: Optional[int] = None) -> bool:
+        """Whether a match ending at node continues a finished request's prompt (a conversation)."""
+
+    # -- taking a prefix
+    def admit(self, waiter: "Waiter", *, room: int, spare_only: bool) -> "Admission":
+        """Admission reaches a waiting request: whether it may start now on the part of its prefix
+        ready on the device, or waits for a copy of more of it from a lower tier (started here when
+        `room` device tokens hold it; spare_only: taking only memory no waiting request needs). The
+        Admission locks its prefix (`lock`), and counts (`commit`) or undoes (`cancel`) the start."""
+
+    def admit_ahead(self, arrivals: "deque[Waiter]", room: int) -> int:
+        """Start the copies newly arrived requests will wait for, within `room` device tokens;
+        drops from `arrivals` those looked at. Returns the device tokens those copies take."""
+
+    def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
+        """The longest usable cached prefix ready on the device, split to end at a node's end;
+        counts as an access for eviction."""
+
+    def match_kv(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
+        """As match, by the KV alone (whatever other state is kept): what a running request holds
+        of the positions it just inserted while it goes on reading them (equal to match for a cache
+        of KV alone)."""
 
     def inc_lock(self, node: TreeNode) -> None:
         """Hold the path to node: a running request reads it."""
@@ -203,28 +197,11 @@ class PrefixCache(Protocol):
     def evict(self, num_tokens: int) -> int:
         """Free up to num_tokens device slots nobody holds, in eviction order; returns those freed."""
 
-    def load(self, tokens: Sequence[int], *, spare_only: bool, namespace: Optional[str] = None) -> int:
-        """Start copying the host part of tokens' cached prefix back to the device; the tokens now
-        loading (0: nothing on the host, or no room). spare_only: take only memory no waiting
-        request needs."""
-
     def poll(self) -> bool:
         """Take in finished host-tier copies; True when a load finished."""
 
-    def fetch(self, key: str, tokens: Callable[[], Sequence[int]], matched: int, *,
-              namespace: Optional[str] = None) -> bool:
-        """Whether the waiting request `key` waits for a storage tier to read more of its prefix
-        (tokens(): what it looks up) than the `matched` tokens cached here (False without one)."""
-
-    def flush(self) -> bool:
-        """Drop everything cached; refused (False) while any request holds a prefix."""
-
-    # -- bookkeeping
     def drain_touched(self) -> set[tuple[TreeNode, object]]:
         """(node, park key) pairs whose lookups may have changed since the last call."""
-
-    def reset_counters(self) -> None:
-        ...
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         ...
@@ -236,17 +213,37 @@ class PrefixCache(Protocol):
     def reusable_len(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> int:
         """How many leading tokens run along such paths (what /kv_events still publishes of them)."""
 
+    def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = (),
+                         running_rows: Sequence[int] = ()) -> None:
+        """Sizes add up to the pool and no KV slot (or snapshot slot) is owned twice (running
+        requests own `running_slots`, `held_by_running` tokens, and run in state rows
+        `running_rows`); AssertionError otherwise."""
+
+
+@runtime_checkable
+class OwnedPrefixCache(PrefixCache, Protocol):
+    """The cache as the engine that builds it sees it (and the scheduler simulator standing in for
+    the engine): the scheduler's protocol plus what the engine wires at start-up, flushes between
+    runs and reports on /metrics. The scheduler never asks for these."""
+
+    copier: Optional["CopyEngine"]  # the host tier's copy engine (None: no host tier)
+    keeps_prefixes: bool  # False: it finds and keeps nothing (reported as /metrics' enable_prefix_caching)
+    counters: CacheCounters  # written by the cache (its admissions, inserts and evictions)
+    num_nodes: int
+
+    def flush(self) -> bool:
+        """Drop everything cached; refused (False) while any request holds a prefix."""
+
+    # -- bookkeeping
+    def reset_counters(self) -> None:
+        ...
+
     def tier_stats(self) -> dict[str, float]:
         """The host tier's pool and traffic for /metrics (zeros without one: the same keys always)."""
 
     def snapshot_stats(self) -> dict[str, float]:
         """The recurrent-state snapshots' pool and traffic for /metrics (zeros without one)."""
 
-    def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = (),
-                         running_rows: Sequence[int] = ()) -> None:
-        """Sizes add up to the pool and no KV slot (or snapshot slot) is owned twice (running
-        requests own `running_slots`, `held_by_running` tokens, and run in state rows
-        `running_rows`); AssertionError otherwise."""
 
 
 def no_host_tier_stats() -> dict[str, float]:

@@ -16,10 +16,12 @@ deepest node end holding one (stores/snapshots.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
+from collections import deque
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import torch
 
+from radixserve.cache.admission import Admission, Verdict, Waiter
 from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.prefix_cache import (CacheCounters, MatchResult, no_host_tier_stats,  # noqa: F401
                                            no_snapshot_stats)
@@ -50,7 +52,6 @@ class RadixCache:
             states.bind(self.tree, host)
         self.copier = host.copier if host is not None else None
         self.keeps_prefixes = True
-        self.keeps_branch_states = states is not None  # a state is kept where a waiting request branches
         self.counters = CacheCounters()
 
     # ------------------------------------------------------------------ the tree's figures
@@ -154,37 +155,35 @@ class RadixCache:
         slots = torch.cat(pieces) if pieces else EMPTY_SLOTS
         return MatchResult(length, slots, last)
 
-    # ------------------------------------------------------------------ recurrent states
-    # Without a snapshot store a match needs nothing put into the request's row and asks for no
-    # chunk end (stores/snapshots.py says what these do with one).
-    def resume(self, row: int, match: MatchResult, *, branch_at: int = 0,
-               hints: Sequence[int] = ()) -> tuple[int, ...]:
-        if self.states is None:
-            return match.chunk_ends
-        return self.states.resume(row, match, branch_at=branch_at, hints=hints)
+    # ------------------------------------------------------------------ admission
+    def admit(self, waiter: Waiter, *, room: int, spare_only: bool) -> Admission:
+        """Whether a waiting request may start now, or waits for a copy of its prefix from the host
+        or storage tier (started here within `room` device tokens: the host store's policy,
+        HostKV.admit); the Admission locks its prefix when it starts."""
+        if self.host is None:
+            return Admission(self, waiter)
+        verdict, loading = self.host.admit(waiter, room, spare_only=spare_only, load=self.load)
+        return Admission(self, waiter, verdict, loading)
 
-    def resumed_from_host(self, row: int) -> bool:
-        return self.states is not None and self.states.resumed_from_host(row)
-
-    def cancel_resume(self, row: int) -> None:
-        if self.states is not None:
-            self.states.cancel_resume(row)
-
-    def take_state(self, row: int, position: int) -> None:
-        if self.states is not None:
-            self.states.take_state(row, position)
-
-    def capture_states(self, row: int, start: int, end: int) -> list[tuple[int, int]]:
-        return self.states.capture_states(row, start, end) if self.states is not None else []
-
-    def keep_states(self, row: int, tokens: Sequence[int], *, namespace: Optional[str] = None,
-                    state_len: Optional[int] = None, readmitted: bool = False) -> None:
-        if self.states is not None:
-            self.states.keep_states(row, tokens, namespace=namespace, state_len=state_len, readmitted=readmitted)
-
-    def discard_states(self, rows: Sequence[int]) -> None:
-        if self.states is not None:
-            self.states.discard_states(rows)
+    def admit_ahead(self, arrivals: deque[Waiter], room: int) -> int:
+        """Start the copies newly arrived requests will wait for (`admit`, taking only memory no
+        waiting request needs), oldest first, up to a quarter of the device pool in flight; a
+        request is dropped from `arrivals` once looked at, unless its copy found no room (the next
+        step tries again). Returns the device tokens the copies started here take of `room`."""
+        if self.host is None:
+            arrivals.clear()  # nothing is ever copied in: none has anything to wait for
+            return 0
+        cap = max(self.allocator.total_tokens // 4, self.page_size)
+        taken = 0
+        while arrivals and self.host.loading_tokens < cap:
+            waiter = arrivals[0]
+            if waiter.peek_node is not None:  # still waiting (parked in the queue)
+                admission = self.admit(waiter, room=room - taken, spare_only=True)
+                if admission.verdict is Verdict.NO_ROOM:
+                    return taken
+                taken += admission.loading
+            arrivals.popleft()
+        return taken
 
     @property
     def queued_saves(self) -> set[int]:
@@ -348,15 +347,6 @@ class RadixCache:
     def storage(self) -> Optional[StorageTier]:
         """The storage tier under the host tier (disk_tier.StorageTier), or None."""
         return self.host.storage if self.host is not None else None
-
-    def fetch(self, key: str, tokens: Callable[[], Sequence[int]], matched: int, *,
-              namespace: Optional[str] = None) -> bool:
-        """Whether the waiting request `key` waits for the storage tier to read more of its prefix
-        than the `matched` tokens the tree has (disk_tier.StorageTier.fetch)."""
-        storage = self.storage
-        if storage is None:
-            return False
-        return storage.fetch(key, tokens, matched, namespace, self.host.attach)
 
     def flush(self) -> bool:
         """Drop the whole tree and free what it holds; refused (False) while any request holds a lock."""

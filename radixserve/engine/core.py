@@ -24,7 +24,7 @@ from radixserve.cache.disk_tier import StorageTier
 from radixserve.cache.factory import build_prefix_cache, make_host_tier, make_storage_tier
 from radixserve.cache.stores.page_files import model_identity
 from radixserve.cache.namespace import is_cache_namespace
-from radixserve.cache.prefix_cache import PrefixCache
+from radixserve.cache.prefix_cache import OwnedPrefixCache
 from radixserve.chat_formats import reasoning_format
 from radixserve.distributed import TensorParallel
 from radixserve.engine.cpu_affinity import bind_near_gpu
@@ -134,7 +134,7 @@ class EngineCore:
                     "fp8" if self.model.fp8 is not None else "unquantized", self.kv_pool.k_buffers[0].dtype,
                     self.pool_size, settings.page_size, max_running, tp.size)
 
-    def _make_cache(self, tp: TensorParallel) -> PrefixCache:
+    def _make_cache(self, tp: TensorParallel) -> OwnedPrefixCache:
         """The prefix cache (cache/factory.py picks it) and what it says about itself at start-up."""
         s, arch = self.settings, self.model_config.architecture
         recurrent = self.model_config.has_recurrent_state
@@ -296,8 +296,9 @@ class EngineCore:
         allocator's cached blocks back so the next step starts unfragmented. The engine goes on;
         under tensor parallelism every rank gives the step up with it (`abandon_step`)."""
         # The failed step may have moved some layers' recurrent states on: positions can be taken
-        # back, those states cannot, so nothing more is kept of them (a cache of KV alone ignores it).
-        self.cache.discard_states([r.req_pool_idx for r in batch.reqs])
+        # back, those states cannot, so nothing more is kept of them (a cache of KV alone keeps none).
+        if self.cache.states is not None:
+            self.cache.states.discard_states([r.req_pool_idx for r in batch.reqs])
         self.scheduler.take_back(batch)  # before `previous` is collected: nothing half computed is cached
         outputs = self._collect(previous)
         change, failed = self.scheduler.shrink_steps(batch)

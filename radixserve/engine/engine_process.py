@@ -384,7 +384,7 @@ def engine_main(settings: ServerSettings, in_addr: str, out_addr: str, parent_pi
             vocab_size=core.model_config.vocab_size, max_running_requests=core.scheduler.max_running,
             device=str(core.device), dtype=str(core.dtype).replace("torch.", ""),
             memory=core.memory_plan.as_dict() if core.memory_plan is not None else None,
-            prefix_caching=core.cache.keeps_prefixes, keeps_branch_states=core.cache.keeps_branch_states)))
+            prefix_caching=core.cache.keeps_prefixes, keeps_branch_states=core.cache.states is not None)))
         one_host_thread(core.device)  # after loading, which may convert weights on the CPU
         governor = govern_collections("engine")
         loop = EngineLoop(core, settings, pull, push, parent_pid, gc_governor=governor, kv_publisher=kv_publisher)

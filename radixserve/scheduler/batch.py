@@ -30,7 +30,7 @@ class ScheduledBatch:
     # The requests this step admitted from the queue (they wait again if the step is taken back).
     admitted: list[Req] = field(default_factory=list)
     # (batch row, offset into its piece, snapshot slot): a hybrid model's recurrent state after that
-    # many of the row's new tokens goes into that snapshot slot (PrefixCache.capture_states).
+    # many of the row's new tokens goes into that snapshot slot (RequestStates.capture_states).
     state_captures: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property

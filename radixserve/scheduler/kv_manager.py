@@ -5,16 +5,17 @@ A running request owns a row of req_to_token, holds the tree path of its cached 
 returns computed KV to the tree: for a finished chunk (the request keeps running on the tree's
 copy) and for a request that leaves (finished, aborted, retracted, or un-admitted).
 
-The row is also the request's row of a hybrid model's recurrent-state pool: the cache puts the
-state its match needs there at admission (`PrefixCache.resume`), is told when a scheduled piece
-reaches one of the request's chunk ends (`take_state`), and hangs what it took on the tree with the
-KV (`keep_states`). For a cache of KV alone these do nothing.
+The row is also the request's row of whatever state the cache keeps beyond KV (`cache.states`):
+the cache puts the state its match needs there when it locks the prefix (`Admission.lock`), is
+told when a scheduled piece reaches one of the request's chunk ends (`take_state`), and hangs what
+it took on the tree with the KV (`keep_states`). A cache of KV alone has no `states`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from radixserve.cache.admission import Admission
 from radixserve.cache.kv_pool import PageAllocator, ReqToTokenPool, TableWrites, int64_tensor
 from radixserve.cache.prefix_cache import PrefixCache
 from radixserve.scheduler.request import Req
@@ -48,12 +49,12 @@ class KVManager:
         return self.allocator.free_tokens >= tokens
 
     # ------------------------------------------------------------------ taking memory
-    def lock_prefix(self, req: Req, *, branch_at: int = 0) -> None:
-        """Lock the cached prefix of req (whose row is set) and point its row at the prefix's slots.
-        branch_at: how far a waiting request shares its prompt (PrefixCache.resume)."""
-        match = self.cache.match(req.match_target(), namespace=req.cache_namespace)
-        self.cache.inc_lock(match.last_node)
-        req.chunk_ends = self.cache.resume(req.req_pool_idx, match, branch_at=branch_at, hints=req.branch_hints)
+    def lock_prefix(self, req: Req, admission: Admission, *, branch_at: int = 0) -> None:
+        """Lock the cached prefix of req (whose row is set) through the cache's admission of it
+        (PrefixCache.admit) and point its row at the prefix's slots. branch_at: how far a waiting
+        request shares its prompt (Admission.lock)."""
+        match = admission.lock(req.req_pool_idx, branch_at=branch_at)
+        req.admission, req.chunk_ends = admission, admission.chunk_ends
         req.last_node = match.last_node
         req.locked_len = match.length
         req.slots = match.slots.tolist()
@@ -62,8 +63,7 @@ class KVManager:
 
     def unlock_prefix(self, req: Req) -> None:
         """Undo `lock_prefix` for a request that is not run after all: it holds nothing again."""
-        self.cache.cancel_resume(req.req_pool_idx)
-        self.cache.dec_lock(req.last_node)
+        req.admission.cancel()
         self._drop(req)
 
     def grow(self, req: Req, upto: int) -> bool:
@@ -80,13 +80,14 @@ class KVManager:
             self._writes.add_run(req.req_pool_idx, have, slots)
         req.kv_len = upto
         if upto in req.chunk_ends:
-            self.cache.take_state(req.req_pool_idx, upto)
+            self.cache.states.take_state(req.req_pool_idx, upto)  # only a cache keeping states asks for chunk ends
         return True
 
     def capture_states(self, req: Req, start: int, end: int) -> list[tuple[int, int]]:
         """After `grow(req, end)` for a piece [start, end) that will run: the (position, snapshot
-        slot) pairs whose states its forward pass writes on the way (PrefixCache.capture_states)."""
-        return self.cache.capture_states(req.req_pool_idx, start, end)
+        slot) pairs whose states its forward pass writes on the way (RequestStates.capture_states)."""
+        states = self.cache.states
+        return states.capture_states(req.req_pool_idx, start, end) if states is not None else []
 
     def grow_decoding(self, reqs: list[Req]) -> list[int]:
         """One more position for each request; the memory must have been ensured. Returns each
@@ -142,8 +143,9 @@ class KVManager:
         tokens = req.fill_ids[:n]
         already = self.cache.insert(tokens, req.slots[:n], namespace=req.cache_namespace)
         # A leaving request's row holds the state after all its kv_len positions.
-        self.cache.keep_states(req.req_pool_idx, tokens, namespace=req.cache_namespace,
-                               state_len=req.kv_len if finished else None, readmitted=readmitted)
+        if self.cache.states is not None:
+            self.cache.states.keep_states(req.req_pool_idx, tokens, namespace=req.cache_namespace,
+                                          state_len=req.kv_len if finished else None, readmitted=readmitted)
         self._free_slots(req.slots[req.locked_len:already])  # duplicates of tokens cached meanwhile
         if finished:
             self._free_slots(req.slots[n:])  # the partly filled last page
@@ -162,6 +164,7 @@ class KVManager:
 
     def _drop(self, req: Req) -> None:
         req.slots, req.last_node, req.locked_len, req.kv_len, req.chunk_ends = [], None, 0, 0, ()
+        req.admission = None
         self.req_to_token.free(req.req_pool_idx)
         req.req_pool_idx = None
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Iterable, Optional
 
+from radixserve.cache.admission import Admission
 from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.request import Req
@@ -102,13 +103,14 @@ class PrefillAdder:
             self.batch.shared_prefix_keys.add(key)
         return False
 
-    def try_add_one(self, req: Req, *, alone: bool, branch_at: int = 0) -> bool:
-        """Give a waiting request a row, lock its cached prefix and add its first prompt piece if
-        its memory fits (alone: nothing else runs, so its prompt alone must fit; branch_at: how far
-        a waiting request shares its prompt). On False it holds nothing."""
+    def try_add_one(self, req: Req, admission: Admission, *, alone: bool, branch_at: int = 0) -> bool:
+        """Give a waiting request a row, lock its cached prefix (through the cache's admission of
+        it) and add its first prompt piece if its memory fits (alone: nothing else runs, so its
+        prompt alone must fit; branch_at: how far a waiting request shares its prompt). On False
+        it holds nothing."""
         req.req_pool_idx = self.kv.req_to_token.alloc()
         spare_before = self._spare()
-        self.kv.lock_prefix(req, branch_at=branch_at)
+        self.kv.lock_prefix(req, admission, branch_at=branch_at)
         locked_away = spare_before - self._spare()  # cached tokens now protected
         prompt_left = self.kv.page_ceil(req.seq_len - req.kv_len)
         need = prompt_left + reserved_decode_tokens(req, self.new_token_ratio)

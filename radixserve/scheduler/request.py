@@ -9,6 +9,7 @@ from typing import Optional, Protocol
 
 import torch
 
+from radixserve.cache.admission import Admission, AdmissionRecord
 from radixserve.cache.prefix_cache import TreeNode
 from radixserve.sampling_params import FinishReason, SamplingParams, TokenLogprob
 
@@ -52,7 +53,7 @@ class Req:
     cache_namespace: Optional[str] = None
     # Positions of its prompt where later requests are likely to branch off it, as the client's
     # request says (the end of a chat's system turn): a hybrid model's cache keeps the state there
-    # (PrefixCache.resume). () for most requests.
+    # (Admission.lock). () for most requests.
     branch_hints: tuple[int, ...] = ()
 
     state: ReqState = ReqState.WAITING
@@ -66,7 +67,7 @@ class Req:
     req_pool_idx: Optional[int] = None
     # KV slot of each position with a slot (whole pages: len(slots) == page_ceil(kv_len)).
     slots: list[int] = field(default_factory=list)
-    # Positions its prompt pieces must end at, ascending (PrefixCache.resume): there the cache
+    # Positions its prompt pieces must end at, ascending (Admission.lock): there the cache
     # keeps the state it needs beyond KV (a hybrid model's branch point); () for most requests.
     chunk_ends: tuple[int, ...] = ()
     # Cached prompt tokens found when first admitted (reported to the user).
@@ -74,12 +75,12 @@ class Req:
     # Whether its cached prefix, when first admitted, ran through a finished request's whole prompt
     # (PrefixCache.extends_a_prompt): a later turn of a conversation.
     continues_conversation: bool = False
-    # Host tier: the prompt positions [host_hit_start, host_hit_end) this request waited to have
-    # copied back from the host (the widest such span); at admission, the part of its locked prefix
-    # inside it counts as host hits (a hybrid may resume before the span's end, at a snapshot).
-    host_hit_start: int = 0
-    host_hit_end: int = 0
-    host_loads: int = 0  # loads started for it (a prefix evicted again before admission is reloaded)
+    # What the cache keeps of it between its admissions (the copies of its prefix it started for
+    # it); only the cache reads it (cache.admission).
+    admission_record: AdmissionRecord = field(default_factory=AdmissionRecord)
+    # The cache's answer when it was admitted, holding its locked prefix while it runs (None while
+    # it waits).
+    admission: Optional[Admission] = None
     # The scheduler's view while waiting: length of the cached prefix and the node it reaches.
     peek_len: int = 0
     peek_node: Optional[TreeNode] = None
@@ -154,8 +155,3 @@ class Req:
 
     def remaining_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens - self.num_generated
-
-    def note_host_span(self, start: int, end: int) -> None:
-        """It waits for positions [start, end) of its prompt to be copied back from the host tier."""
-        if end - start > self.host_hit_end - self.host_hit_start:
-            self.host_hit_start, self.host_hit_end = start, end

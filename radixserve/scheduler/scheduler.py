@@ -11,9 +11,10 @@ request with the same prefix finds them. The scheduler knows the cache only as a
 (cache/prefix_cache.py): the device tree, the tree with a host tier and the cache that keeps
 nothing run the same code here.
 
-A waiting request whose prefix is partly on a host tier has that part copied back while it waits
-(`_start_loads`, and at the latest when admission reaches it); admission passes over it until the
-copy is done, so it holds up nobody. Without a host tier no prefix has a host part.
+Admission asks the cache about each waiting request it reaches (`PrefixCache.admit`): a request
+whose prefix is partly on a lower tier has that part copied back while it waits (started as it
+arrives, `admit_ahead`, and at the latest when admission reaches it), and admission passes over it
+until the copy is done, so it holds up nobody. Which copies to start is the cache's policy.
 
 Overlap: the step before may still be in flight when a step is scheduled (`StepInFlight`).
 Everything here then works on positions, not token values; the decisions that need the values
@@ -29,6 +30,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from radixserve.cache.admission import Admission
 from radixserve.cache.kv_pool import ReqToTokenPool
 from radixserve.cache.prefix_cache import PrefixCache, TreeNode
 from radixserve.scheduler.batch import ScheduledBatch, StepInFlight
@@ -44,7 +46,6 @@ from radixserve.settings import ServerSettings
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
-MAX_LOADS_PER_REQUEST = 3
 # --prefix-hold-s holds every finished prefix while at least CONVERSATION_SHARE of the last
 # CONVERSATION_WINDOW admitted requests continued a conversation (traffic that comes back for its
 # prefixes); otherwise only the prefixes of the turns that did.
@@ -101,8 +102,8 @@ class Scheduler:
         # and how many did.
         self._continued: deque[bool] = deque(maxlen=CONVERSATION_WINDOW)
         self._continued_count = 0
-        # Requests not looked at for a host-tier load yet (loads start while they wait).
-        self._load_candidates: deque[Req] = deque()
+        # Requests the cache has not looked at yet for copies to start while they wait (admit_ahead).
+        self._arrivals_to_admit: deque[Req] = deque()
         # Lowered after an allocation failure: the prompt tokens one step may compute (None: the settings').
         self.prefill_cap: Optional[int] = None
 
@@ -122,7 +123,7 @@ class Scheduler:
 
     def _enqueue(self, req: Req) -> None:
         self.waiting.add(req)
-        self._load_candidates.append(req)
+        self._arrivals_to_admit.append(req)
 
     def abort(self, rid: str) -> Optional[Req]:
         """Stop a request wherever it is; its computed KV stays in the tree. Returns it, if known."""
@@ -177,7 +178,7 @@ class Scheduler:
             return
         if not (req.continues_conversation or self._continued_count >= CONVERSATION_SHARE * CONVERSATION_WINDOW):
             return
-        found, node = self.cache.peek(req.fill_ids, namespace=req.cache_namespace)
+        found, node, _ = self.cache.peek_park(req.fill_ids, namespace=req.cache_namespace)
         if found:  # a cache that keeps nothing has nothing to hold
             self.cache.add_waiter(node)
             self._held.append((self.clock() + self.settings.prefix_hold_s, node))
@@ -222,48 +223,11 @@ class Scheduler:
         return batch
 
     def _catch_up(self) -> None:
-        """Drop expired prefix holds, take in finished host-tier copies and redo the waiting
+        """Drop expired prefix holds, take in the cache's finished copies and redo the waiting
         lookups the tree's changes affect."""
         self.release_expired_holds()
         self.cache.poll()
         self.waiting.refresh()
-
-    # ------------------------------------------------------------------ host tier
-    def _start_loads(self, adder: PrefillAdder) -> None:
-        """Copy back the host part of newly arrived requests' prefixes while they wait: up to a
-        quarter of the device pool in flight, within the memory admission could give them
-        (adder.available), taking only memory no waiting request needs."""
-        cap = max(self.kv.allocator.total_tokens // 4, self.kv.page_size)
-        while self._load_candidates and self.cache.loading_tokens < cap:
-            req = self._load_candidates[0]
-            if req.state is ReqState.WAITING and req.peek_node is not None \
-                    and self._load_prefix(req, adder, spare_only=True) is None:
-                return  # no room now: the next step tries again
-            self._load_candidates.popleft()
-
-    def _load_prefix(self, req: Req, adder: PrefillAdder, *, spare_only: bool) -> Optional[bool]:
-        """Whether req may be admitted with the device part of its cached prefix (True), waits for
-        the rest to be copied back from the host (False; the copy is started here if it was not
-        running), or cannot have it copied back now for lack of device room (None)."""
-        if self.cache.fetch(req.rid, req.match_target, req.peek_len, namespace=req.cache_namespace):
-            return False  # more of its prefix is being read from the storage tier into the host tier
-        host, loading = self.cache.host_part(req.peek_len, req.peek_node)
-        if not host:
-            return True
-        if loading:
-            req.note_host_span(req.peek_len - host, req.peek_len)
-            return False
-        if req.host_loads >= MAX_LOADS_PER_REQUEST:
-            return True  # evicted again each time before it got in: it computes the rest itself
-        if host > adder.available:
-            return None
-        loaded = self.cache.load(req.match_target(), spare_only=spare_only, namespace=req.cache_namespace)
-        if not loaded:
-            return None
-        adder.available -= loaded
-        req.host_loads += 1
-        req.note_host_span(req.peek_len - host, req.peek_len)
-        return False
 
     # ------------------------------------------------------------------ decode
     def _split_running(self) -> tuple[list[Req], list[Req]]:
@@ -332,9 +296,9 @@ class Scheduler:
                              chunking=self.chunk_size > 0, new_token_ratio=self.new_token_ratio,
                              min_shared_prefix=self.settings.in_batch_prefix_min_len)
         # Admission's memory arithmetic starts once, before any prompt piece of this step.
-        busy = self._reserve(adder) if self._load_candidates or len(self.waiting) else False
-        if self._load_candidates:  # loads start even in steps that admit nobody
-            self._start_loads(adder)
+        busy = self._reserve(adder) if self._arrivals_to_admit or len(self.waiting) else False
+        if self._arrivals_to_admit:  # copies start even in steps that admit nobody
+            adder.available -= self.cache.admit_ahead(self._arrivals_to_admit, adder.available)
         defer_keys = in_flight.shared_prefix_keys if in_flight is not None else set()
         if chunked:
             # A waiting request whose next tokens a chunked prompt is computing waits for its chunks.
@@ -373,8 +337,8 @@ class Scheduler:
         # it starts next step with the whole budget. Starting it every time cost the simulated
         # agent workload with a host tier 0.02 of hit rate (more prompts mid-way, more eviction).
         if starter is not None and not others and adder.budget > 0 and self._has_row() \
-                and longest.seq_len - longest.kv_len > budget and not adder.defers(starter, defer_keys):
-            self._admit_one(batch, adder, starter)
+                and longest.seq_len - longest.kv_len > budget and not adder.defers(starter[0], defer_keys):
+            self._admit_one(batch, adder, *starter)
         others_took = share - adder.budget
         given = min(share, decode_rows + others_took)
         adder.budget = budget - given
@@ -382,28 +346,29 @@ class Scheduler:
         adder.budget += given - others_took  # past the long prompt's chunk, decode rows cost no budget
 
     def _admit_waiting(self, batch: ScheduledBatch, adder: PrefillAdder, defer_keys: set[tuple], busy: bool,
-                       *, whole_only: bool = False) -> Optional[Req]:
+                       *, whole_only: bool = False) -> Optional[tuple[Req, Admission]]:
         """Admit waiting requests in policy order while the budget, the request rows and memory
         last; the first one admitted in part (a chunked prompt) is the last. whole_only: only those
         whose prompt fits whole in the budget; returns the first passed over for not fitting that
-        could start instead (neither copied back from the host nor deferred), or None."""
+        could start instead (ready in the cache's view, not deferred) with its admission, or None."""
         starter = None
         for req in self.waiting.ordered():
             if adder.budget <= 0 or not self._has_row():
                 break
             if whole_only and starter is not None and not adder.completes(req):
-                continue  # neither admitted nor the starter: no host copy is started for it
-            loadable = self._load_prefix(req, adder, spare_only=busy)
-            if loadable is False:
-                continue  # its prefix is being copied back from the host: others go first
+                continue  # neither admitted nor the starter: the cache is not asked about it
+            admission = self.cache.admit(req, room=adder.available, spare_only=busy)
+            adder.available -= admission.loading
+            if admission.waits:
+                continue  # more of its prefix is being copied in: others go first
             if whole_only and not adder.completes(req):
-                if starter is None and loadable and not adder.defers(req, defer_keys, record=False):
-                    starter = req  # its key is recorded if it is admitted after all
+                if starter is None and admission.ready and not adder.defers(req, defer_keys, record=False):
+                    starter = (req, admission)  # its key is recorded if it is admitted after all
                 continue
             if adder.defers(req, defer_keys):
                 self.stats.in_batch_deferrals += 1
                 continue
-            if not self._admit_one(batch, adder, req):
+            if not self._admit_one(batch, adder, req, admission):
                 break
             if not batch.sample[-1]:
                 break  # it became the chunked request: one at a time
@@ -413,12 +378,12 @@ class Scheduler:
         """Whether one more request may run (--max-running-requests, and a free req_to_token row)."""
         return len(self.running) < self.max_running and self.req_to_token.free_rows > 0
 
-    def _admit_one(self, batch: ScheduledBatch, adder: PrefillAdder, req: Req) -> bool:
-        """Admit one waiting request with its first prompt piece; False (it waits on) when its
-        memory does not fit."""
+    def _admit_one(self, batch: ScheduledBatch, adder: PrefillAdder, req: Req, admission: Admission) -> bool:
+        """Admit one waiting request with its first prompt piece (on the cache's admission of it);
+        False (it waits on) when its memory does not fit."""
         branch_at = self.waiting.shared_with_sibling(req)
         self.waiting.remove(req)
-        if not adder.try_add_one(req, alone=not self.running and not batch.reqs, branch_at=branch_at):
+        if not adder.try_add_one(req, admission, alone=not self.running and not batch.reqs, branch_at=branch_at):
             self.waiting.add(req)
             return False
         self._admit(req)
@@ -443,12 +408,7 @@ class Scheduler:
             self._continued.append(req.continues_conversation)
             self._continued_count += req.continues_conversation
             self.stats.continued_turns += req.continues_conversation
-            self.cache.counters.prompt_tokens += len(req.origin_input_ids)
-            self.cache.counters.cached_prompt_tokens += min(req.locked_len, len(req.origin_input_ids))
-            cached = min(req.locked_len, len(req.origin_input_ids))
-            from_host = cached if self.cache.resumed_from_host(req.req_pool_idx) \
-                else max(0, min(cached, req.host_hit_end) - req.host_hit_start)
-            self.cache.counters.host_cached_prompt_tokens += from_host
+            req.admission.commit(len(req.origin_input_ids))  # the cache counts its hits
         req.state = ReqState.RUNNING
         req.admitted_time = req.admitted_time or self.clock()
         self.running.append(req)
@@ -474,7 +434,7 @@ class Scheduler:
         """Send the running ones of these requests back to wait, to be computed again from the
         deepest state the cache kept of them (a model whose per-request state cannot be rewound:
         its failed step may have advanced it; the cache was told to keep nothing more of it, see
-        PrefixCache.discard_states). Every token must be on the host."""
+        RequestStates.discard_states). Every token must be on the host."""
         for req in reqs:
             if req.state is ReqState.RUNNING and req in self.running:
                 self._retract_one([req])

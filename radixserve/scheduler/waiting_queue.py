@@ -54,7 +54,7 @@ class WaitingQueue:
         """How far req's lookup target agrees with that of the earliest request parked beside it (its
         match ends at the same node and its next page is the same): where the two will branch. 0
         for a cache that keeps nothing there (not worked out on every admission for nothing)."""
-        if not self.cache.keeps_branch_states:
+        if self.cache.states is None:
             return 0
         group = self._parked.get(req.peek_node, {}).get(req.peek_key, ())
         sibling = min((r for r in group if r is not req), key=lambda r: r.arrival_seq, default=None)

@@ -28,16 +28,21 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
+from radixserve.cache.admission import Verdict
 from radixserve.cache.host_pool import CopyEngine, CopyStats, HostKVPool
 from radixserve.cache.prefix_cache import check_slot_ownership
 from radixserve.cache.stores.device_kv import DeviceKV
 from radixserve.cache.tree import CPU, RadixTree, TreeNode
 
 if TYPE_CHECKING:
+    from radixserve.cache.admission import Waiter
     from radixserve.cache.disk_tier import StorageTier
 
 # HostCopy.seq of host copies a copy being prepared will use: busy until the copy is issued.
 RESERVED = 1 << 62
+# Loads started for one request at most: a prefix evicted again each time before its request got
+# in is computed by that request instead of being copied back a fourth time.
+MAX_LOADS_PER_REQUEST = 3
 
 
 @dataclass(slots=True)
@@ -141,6 +146,36 @@ class HostKV:
             elif self.loading(node):
                 loading = True
         return max(0, length - device_end), loading
+
+    def admit(self, waiter: "Waiter", room: int, *, spare_only: bool,
+              load: Callable[..., int]) -> tuple[Verdict, int]:
+        """The host-load policy for a waiting request (admission.Admission): whether it may start on
+        the device part of its cached prefix (READY), waits for more of it to be copied back from
+        the storage tier or from this one (WAITS; the copy is started here, within `room` device
+        tokens, when none is running), or could use a copy that finds no device room now
+        (NO_ROOM). Returns the verdict and the device tokens a copy started here takes. load: the
+        cache's `load` (it stops at the deepest position a resume can use)."""
+        record = waiter.admission_record
+        if self.storage is not None and self.storage.fetch(waiter.rid, waiter.match_target, waiter.peek_len,
+                                                           waiter.cache_namespace, self.attach):
+            return Verdict.WAITS, 0  # more of its prefix is being read from the storage tier into this one
+        peek_len = waiter.peek_len
+        host, in_flight = self.host_part(peek_len, waiter.peek_node)
+        if not host:
+            return Verdict.READY, 0
+        if in_flight:
+            record.note_span(peek_len - host, peek_len)
+            return Verdict.WAITS, 0
+        if record.loads >= MAX_LOADS_PER_REQUEST:
+            return Verdict.READY, 0
+        if host > room:
+            return Verdict.NO_ROOM, 0
+        loaded = load(waiter.match_target(), spare_only=spare_only, namespace=waiter.cache_namespace)
+        if not loaded:
+            return Verdict.NO_ROOM, 0
+        record.loads += 1
+        record.note_span(peek_len - host, peek_len)
+        return Verdict.WAITS, loaded
 
     def stats(self) -> dict[str, float]:
         copies = self.copier.stats
