@@ -12,7 +12,6 @@ import random
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from radixserve import Engine
@@ -30,13 +29,13 @@ NEW = 6
 GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 
 
-def long_prompts(n: int, seed: int = 3) -> list[list[int]]:
-    """n prompts of 100-200 tokens, half of them under one shared 48-token system prompt."""
+def long_prompts(n: int, seed: int = 3, lengths: tuple[int, int] = (100, 200)) -> list[list[int]]:
+    """n prompts of `lengths` tokens, half of them under one shared 48-token system prompt."""
     rng = random.Random(seed)
     system = [rng.randrange(3, 500) for _ in range(48)]
     out = []
     for i in range(n):
-        body = [rng.randrange(3, 500) for _ in range(rng.randrange(100, 200))]
+        body = [rng.randrange(3, 500) for _ in range(rng.randrange(*lengths))]
         out.append(system + body[48:] if i % 2 else body)
     return out
 
@@ -44,7 +43,7 @@ def long_prompts(n: int, seed: int = 3) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     # Wider than the default tiny model: 4 MFLOP a token against 2 KiB of KV, so reading a page
-    # beats computing it by a wide margin on any disk (the decision is measured, not forced).
+    # beats computing it by a wide margin on any disk; the tests still pin both rates (READS_PAY).
     return build_tiny_model(tmp_path_factory.mktemp("tiny-storage"), hidden=256, intermediate=1024, num_heads=4,
                             num_kv_heads=2)
 

@@ -7,7 +7,6 @@ refused by the hybrid's stamp."""
 from __future__ import annotations
 
 import logging
-import random
 
 import pytest
 import torch
@@ -15,29 +14,14 @@ import torch
 from radixserve import Engine
 from radixserve.testing.tiny_model import build_tiny_model
 from test_engine import check_idle, hf_greedy
-from test_storage_tier import READS_PAY
+from test_storage_tier import GREEDY, NEW, PAGE, READS_PAY, long_prompts
 
 pytestmark = pytest.mark.timeout(600)
 
-PAGE = 16
-NEW = 6
-GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
-
-
-def long_prompts(n: int, seed: int = 5) -> list[list[int]]:
-    """n prompts of 80-150 tokens, half of them under one shared 48-token system prompt."""
-    rng = random.Random(seed)
-    system = [rng.randrange(3, 500) for _ in range(48)]
-    out = []
-    for i in range(n):
-        body = [rng.randrange(3, 500) for _ in range(rng.randrange(80, 150))]
-        out.append(system + body[48:] if i % 2 else body)
-    return out
-
 
 def build_hybrid(tmp_path_factory, family: str):
-    # Wide enough that reading a page (and a snapshot) beats computing it on any disk: the decision
-    # is measured, not forced.
+    # Wide enough that reading a page (and a snapshot) beats computing it on any disk; the tests pin
+    # the two rates all the same (READS_PAY), so the decision does not depend on the machine's load.
     return build_tiny_model(tmp_path_factory.mktemp(f"tiny-storage-{family}"), family=family, layers=4, head_dim=32,
                             hidden=256, intermediate=1024, num_heads=4, num_kv_heads=2, seed=4)
 
@@ -45,7 +29,7 @@ def build_hybrid(tmp_path_factory, family: str):
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
 def oracle(request, tmp_path_factory):
     path = build_hybrid(tmp_path_factory, request.param)
-    prompts = long_prompts(10)
+    prompts = long_prompts(10, seed=5, lengths=(80, 150))
     return path, prompts, hf_greedy(path, prompts, max_new=NEW)
 
 
