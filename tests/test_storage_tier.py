@@ -12,6 +12,7 @@ import random
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from radixserve import Engine
@@ -364,6 +365,16 @@ def test_two_workers_share_prefixes_through_redis(oracle, tmp_path, redis_url):
     second = ServerProcess(args, tmp_path).wait_ready()
     try:
         push_to_disk(first, prompts)  # the first worker's host tier drops them into Redis
+        # The second worker lists the shared store's pages once a second: wait until it has seen them
+        # (/server_info asks the engine for its stats now; /metrics' gauges move only with its steps).
+        def listed(server: ServerProcess) -> float:
+            return httpx.get(f"{server.base_url}/server_info", timeout=10).json()["stats"]["storage_pages"]
+
+        held = listed(first)
+        deadline = time.monotonic() + 60
+        while listed(second) < held:
+            assert time.monotonic() < deadline, "the second worker never listed the shared pages"
+            time.sleep(0.2)
         answer = generate(second, prompts[0])  # the second worker never saw this prompt
         assert answer["output_ids"] == expected[0]
         assert answer["meta_info"]["cached_tokens"] > 0
