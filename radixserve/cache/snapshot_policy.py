@@ -50,6 +50,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from radixserve.cache.lazy_heap import current_entries
 from radixserve.cache.prefix_cache import TreeNode
 from radixserve.cache.state_snapshots import StateSnapshots
 
@@ -235,23 +236,15 @@ class SnapshotEviction:
         slot = self.snapshots.alloc()
         if slot is not None:
             return slot
-        held: list[tuple[tuple, TreeNode]] = []
-        while self._snap_heap:
-            prio, node = heapq.heappop(self._snap_heap)
-            if node.removed or node.state is None or node.state.slot is None:
-                continue
-            if self._snapshot_held(node):
-                held.append((prio, node))  # offered again once this search is over
-                continue
-            current = self._snapshot_priority(node)
-            if prio != current:
-                heapq.heappush(self._snap_heap, (current, node))
-                continue
+        held: list[tuple[tuple, TreeNode]] = []  # offered again once this search is over
+        for current, node in current_entries(
+                self._snap_heap, self._snapshot_priority, held=self._snapshot_held, kept=held,
+                gone=lambda n: n.removed or n.state is None or n.state.slot is None):
             if current[0] and not evict_waited:
-                held.append((prio, node))  # every snapshot left is waited for
+                held.append((current, node))  # every snapshot left is waited for
                 break
             if worth is not None and (current[1] or current[2] >= worth):
-                held.append((prio, node))  # every snapshot left is worth more than this checkpoint
+                held.append((current, node))  # every snapshot left is worth more than this checkpoint
                 break
             self._evict_snapshot(node)
             break

@@ -38,6 +38,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
 
+from radixserve.cache.lazy_heap import current_entries
 from radixserve.cache.state_snapshots import HostStateSnapshots, StateSnapshots
 from radixserve.cache.stores.snapshot_state import Snapshot
 from radixserve.cache.tree import ALL, RadixTree, TreeNode
@@ -209,18 +210,10 @@ class HostSnapshots:
             return slot
         store = self.store
         host_kv = store.kv_host
-        reserved: list[tuple[tuple, TreeNode]] = []
-        while self._heap:
-            prio, node = heapq.heappop(self._heap)
-            if node.removed or node.state is None or node.state.host_slot is None:
-                continue
-            if host_kv.reserved(node):
-                reserved.append((prio, node))  # offered again once this search is over
-                continue
-            current = store._snapshot_priority(node)
-            if prio != current:
-                heapq.heappush(self._heap, (current, node))
-                continue
+        reserved: list[tuple[tuple, TreeNode]] = []  # offered again once this search is over
+        for _, node in current_entries(
+                self._heap, store._snapshot_priority, held=host_kv.reserved, kept=reserved,
+                gone=lambda n: n.removed or n.state is None or n.state.host_slot is None):
             if self.on_evict is not None:
                 self.on_evict(node)
             self.free(node)
