@@ -189,8 +189,9 @@ class LocalFileBackend:
 
     # ------------------------------------------------------------------ opening
     def open(self, stamp: StoreStamp) -> list[int]:
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.pages.mkdir(exist_ok=True)
+        # Page records hold every tenant's token ids, salted ones too: the server's user alone reads them.
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.pages.mkdir(mode=0o700, exist_ok=True)
         self._take_lock()
         stamp_path = self.root / "STAMP.json"
         wanted = stamp.to_json()
