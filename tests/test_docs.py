@@ -89,3 +89,46 @@ def test_architecture_names_files_that_exist():
             assert (package / path).exists() or (ROOT / path).exists(), path
         else:
             assert path in names, path
+
+
+def heading_anchors(doc: Path) -> set[str]:
+    """GitHub's anchors for a markdown file's headings (code blocks left out)."""
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_anchor_links_resolve(doc):
+    for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+        if re.match(r"[a-z]+:", target) or "#" not in target:
+            continue
+        path, anchor = target.split("#", 1)
+        linked = (doc.parent / path).resolve() if path else doc
+        if linked.suffix == ".md" and linked.exists():
+            assert anchor in heading_anchors(linked), f"{doc.relative_to(ROOT)} links to {target}: no such heading"
+
+
+def test_tuning_guide_names_real_flags_with_their_defaults():
+    """Every flag the guide names is the server's (or the scheduler simulator's, for its one
+    command), and every `--flag ...` (default V) it writes matches the parser's default."""
+    import dataclasses
+
+    from radixserve.bench.scheduler_sim import SimConfig
+
+    actions = {opt: a for a in build_parser()._actions for opt in a.option_strings}
+    simulator = {"--hybrid-27b", "--policies", *("--" + f.name.replace("_", "-") for f in dataclasses.fields(SimConfig))}
+    text = (ROOT / "docs" / "tuning.md").read_text()
+    for flag in set(re.findall(r"(--[a-z0-9][a-z0-9-]+)", text)):
+        assert flag in actions or flag in simulator, f"docs/tuning.md names {flag}, which is no flag"
+    checked = 0
+    for flag, default in re.findall(r"`(--[a-z0-9-]+)(?: [^`]*)?` \(default ([^;)]+?)(?:[;)]|, |:)", text):
+        value = actions[flag].default
+        if value is None or value is False:
+            continue  # described in words
+        written = default.replace("`", "").replace(",", "").strip()
+        spelled = f"{value:g}" if isinstance(value, float) else str(value)
+        assert re.match(rf"{re.escape(spelled)}\b", written), \
+            f"docs/tuning.md says {flag} defaults to {default}; the parser says {value!r}"
+        checked += 1
+    assert checked >= 15

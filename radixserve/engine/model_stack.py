@@ -28,7 +28,7 @@ KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
 # device memory left after the weights holds recurrent states for. Each row costs as much as a
 # snapshot (151 MiB on Qwen3.5-27B), and a prefix-heavy workload gains more from snapshots than
 # from rows: on the agent workload 236 rows beside 58 snapshots kept 0.53 of the prompt tokens in
-# the scheduler simulator, 64 rows beside 236 snapshots 0.80 (docs/tuning.md).
+# the scheduler simulator, 64 rows beside 236 snapshots 0.80 (docs/runs/2026-12-05-hybrid-snapshot-policy.md).
 STATE_POOL_SHARE = 0.15
 
 

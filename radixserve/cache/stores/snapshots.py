@@ -71,7 +71,7 @@ hung it on the tree yet, or by the free list (`check_invariants`).
 
 How these rules were chosen, and the memory split between running rows, snapshots and KV that
 they need: the scheduler simulator's hybrid runs (`radixserve.bench.scheduler_sim --hybrid-27b`),
-docs/tuning.md.
+docs/runs/2026-12-05-hybrid-snapshot-policy.md; the rules in words: docs/internals.md.
 The host tier's part (a node's snapshot written back to the host and loaded again) is
 `host_snapshots.HostSnapshots`; a node's snapshot is on one tier at a time, one payload either way.
 """

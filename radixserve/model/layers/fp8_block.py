@@ -10,7 +10,7 @@ The fused q|k|v and gate|up weights stack their checkpoint tensors by rows: each
 on a bn-row block, else one block's scale would have to cover two tensors. Such checkpoints are
 refused when the model is built (radixserve.model.quantization.check_block_alignment), as is a
 tensor-parallel size that would cut a rank's rows or input columns off the block grid (the
-Qwen2 7B and 72B shapes keep every tp 1 cut on 128; at tp > 1 see docs/tuning.md).
+Qwen2 7B and 72B shapes keep every tp 1 cut on 128; at tp > 1 see docs/tensor_parallel.md, "FP8 weights").
 
 Paths:
 - CPU (the reference): activations quantized and dequantized per token per bk group, the weight
