@@ -210,8 +210,7 @@ def make_storage_tier(settings: ServerSettings, cache: OwnedPrefixCache, kv_pool
     k0 = kv_pool.k_buffers[0]
     stamp = _stamp(settings, kv_pool, host.host_pool, model, states.snapshots if states is not None else None, 0)
     where, backend = _backend(settings, 0)
-    if settings.tp_size > 1:
-        assert inbox is not None and not synchronous
+    if inbox is not None:  # rank 0 of a tensor-parallel engine
         store: DiskStore = ShardedStore(backend, stamp, tp_size=settings.tp_size, inbox=inbox, log=None)
     else:
         store = DiskStore(backend, stamp, synchronous=synchronous)
@@ -224,8 +223,7 @@ def make_storage_tier(settings: ServerSettings, cache: OwnedPrefixCache, kv_pool
     disk_states = DiskSnapshots(states, store, kv_pool.page_size) if states is not None else None
     tier = StorageTier(store, host.host_pool, cost, disk_states)
     host.storage = tier
-    shards = f" (rank 0's of {settings.tp_size}: each rank its own shard, in {settings.storage_dir}/tp" \
-        f"{settings.tp_size}-rank<r>)" if settings.tp_size > 1 else ""
+    shards = f" (rank 0's shard; rank r's in tp{settings.tp_size}-rank<r> beside it)" if inbox is not None else ""
     logger.info("storage tier: %s%s, %.1f GB, %d pages found (%.1f GB); reads %.2f GB/s, prefill %.2f TFLOP/s "
                 "(measured): a load pays from %.0f tokens of context", where, shards, settings.storage_size,
                 store.num_pages, store.used_bytes / 1e9, read_bytes_per_s / 1e9, prefill_flops_per_s / 1e12,
