@@ -264,3 +264,43 @@ def wait_until(condition, seconds: float = 5.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def test_a_rank_replays_rank_0s_storage_orders_on_its_own_shard_and_reports_them(tmp_path):
+    from radixserve.cache.copy_log import CopyOrder, replay, slot_array
+    from radixserve.cache.host_pool import HostKVPool, make_copy_engine
+    from radixserve.cache.kv_pool import KVPool
+    from radixserve.cache.storage_shards import StorageReplica
+    from radixserve.cache.stores.disk import DiskStore
+
+    pool = KVPool(64, 2, 1, 1, 4, torch.float32, "cpu")
+    host = HostKVPool(32, pool, pin=False)
+    copier = make_copy_engine(pool, host)
+    stamp = StoreStamp(model="m", page_size=2, kv_dtype="float32", bytes_per_token=host.bytes_per_token,
+                       num_layers=1, tp_size=2, tp_rank=1)
+    reports = []
+    replica = StorageReplica(DiskStore(LocalFileBackend(str(tmp_path), 10_000), stamp), 1, reports.append, pool,
+                             host, copier)
+    try:
+        assert reports == [("keys", 1, [])]
+        host.buffer[4:6] = torch.arange(2 * host.bytes_per_token, dtype=torch.uint8).view(2, 1, 2, -1)
+        record = PageRecord(11, None, [5, 6])
+        store = CopyOrder(CopyKind.STORE_HOST_PAGE, slot_array([4, 5]), slot_array(()), 3, (record, False))
+        replay([store], copier, None, replica)
+        wait_until(lambda: len(reports) == 2)
+        assert reports[1] == ("written", 1, 11, 3, True)
+        replay([CopyOrder(CopyKind.STORE_HOST_PAGE, slot_array([4, 5]), slot_array(()), 8, (record, False))],
+               copier, None, replica)
+        assert reports[2] == ("written", 1, 11, 8, True)  # already here: said at once, for the new round
+        # Rank 0 reads the page, then puts it into host slots 8, 9.
+        replay([CopyOrder(CopyKind.STORAGE_READ, slot_array(()), slot_array(()), 4, ([record], None))],
+               copier, None, replica)
+        wait_until(lambda: len(reports) == 4)
+        assert reports[3] == ("read", 1, 4, 1, False)
+        replay([CopyOrder(CopyKind.STORAGE_ATTACH, slot_array([0]), slot_array([8, 9]), 4),
+                CopyOrder(CopyKind.STORAGE_RELEASE, slot_array(()), slot_array(()), 4)], copier, None, replica)
+        assert torch.equal(host.buffer[8:10], host.buffer[4:6])
+        replica.store._forget([11], evicted=True)  # evicted for room on this rank
+        assert reports[4] == ("lost", 1, 11, 8)
+    finally:
+        replica.close()
