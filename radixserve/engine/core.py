@@ -161,12 +161,14 @@ class EngineCore:
         return cache
 
     def _make_storage(self) -> Optional[StorageTier]:
-        """The storage tier (--storage-dir), told what computing a token costs on this model."""
+        """The storage tier (--storage-dir), told what computing a token costs on this model: on this
+        rank's shard under tensor parallelism (its parameters, its query heads), as a read costs this
+        rank's shard of the KV (the ranks compute, and read, side by side)."""
         cfg = self.model_config
         params = sum(p.numel() for name, p in self.model.named_parameters() if "embed_tokens" not in name)
         return make_storage_tier(self.settings, self.cache, self.kv_pool, model=model_identity(self.model_path),
                                  flops_per_token=2.0 * params, hidden=cfg.hidden_size,
-                                 attention_flops_per_pair=4.0 * cfg.num_kv_layers * cfg.q_size,
+                                 attention_flops_per_pair=4.0 * cfg.num_kv_layers * cfg.q_size / self.ranks.size,
                                  inbox=self.ranks.storage_inbox)
 
     def shutdown(self) -> None:
