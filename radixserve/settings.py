@@ -162,13 +162,15 @@ class ServerSettings:
         "their KV-event page hashes, and read back for a request when that is faster than computing them "
         "again. A server restarted on the same directory with the same model and settings finds them. "
         "A hybrid model's recurrent-state snapshots go with their pages (through the host tier's snapshot "
-        "slots: --mamba-host-cache-size not 0). Default: off.", metavar="DIR")
+        "slots: --mamba-host-cache-size not 0). With --tp-size N each rank keeps its shard of every page "
+        "in DIR/tp<N>-rank<r>. Default: off.", metavar="DIR")
     storage_size: float = _opt(
-        16.0, "The storage tier's size on disk in GB (--storage-dir); the least recently used pages go "
-        "first when it is full.")
+        16.0, "The storage tier's size on disk in GB (--storage-dir), per tensor-parallel rank; the least "
+        "recently used pages go first when it is full.")
     storage_backend: str = _opt(
         "file", "Where the storage tier keeps its pages: file (--storage-dir on a local disk) or redis "
-        "(--storage-url: a Redis server several workers share; run it with maxmemory-policy allkeys-lru).",
+        "(--storage-url: a Redis server several workers share; run it with maxmemory-policy allkeys-lru; "
+        "not with --tp-size > 1).",
         choices=STORAGE_BACKENDS)
     storage_url: Optional[str] = _opt(
         None, "The Redis server of --storage-backend redis, e.g. redis://127.0.0.1:6379/0.", metavar="URL")
@@ -471,8 +473,9 @@ class ServerSettings:
             raise ValueError("storage_read_gbps and storage_prefill_tflops must be >= 0 (0: measured at start-up)")
         if self.storage_read_latency_ms < 0:
             raise ValueError(f"storage_read_latency_ms must be >= 0, got {self.storage_read_latency_ms}")
-        if self.tp_size > 1 or self.nnodes > 1:
-            raise ValueError("the storage tier (storage_dir) is not implemented with tensor parallelism (tp_size > 1)")
+        if self.tp_size > 1 and self.storage_backend == "redis":
+            raise ValueError("storage_backend redis is not implemented with tensor parallelism (tp_size > 1): use "
+                             "storage_backend file (each rank keeps its shard of every page in storage_dir)")
 
     def _validate_nodes(self) -> None:
         if self.nnodes < 1:

@@ -85,13 +85,13 @@ class DiskSnapshots:
         if state.host_slot is not None:
             self._sync()  # its write-back is queued on the compute stream
             host = self.host.snapshots
-            data = state_bytes(host.conv, host.ssm, state.host_slot)
+            data, source = state_bytes(host.conv, host.ssm, state.host_slot), ("host_state", state.host_slot)
         elif wait and state.slot is not None:
             device = self.states.snapshots
-            data = state_bytes(device.conv, device.ssm, state.slot)
+            data, source = state_bytes(device.conv, device.ssm, state.slot), ("device_state", state.slot)
         else:
             return
-        if self.store.write(snapshot_record(page_hash), data, wait=wait):
+        if self.store.write(snapshot_record(page_hash), data, wait=wait, source=source):
             self.written += 1
 
     def _sync(self) -> None:
@@ -110,7 +110,7 @@ class DiskSnapshots:
         """Of the n pages on disk from page `first`, how many a request can resume after: up to the
         deepest one whose snapshot is on disk (0: none)."""
         for k in range(n, 0, -1):
-            if snapshot_key(hashes[first + k - 1]) in self.store:
+            if self.store.has(snapshot_key(hashes[first + k - 1])):
                 return k
         return 0
 
@@ -132,7 +132,11 @@ class DiskSnapshots:
             return end - start  # a snapshot came back there meanwhile
         host = self.host.snapshots
         self._sync()  # a freed host slot may still be read by a queued load
-        if not self.host.adopt(node, lambda slot: fill_state(host.conv, host.ssm, slot, data), saves=end):
+        def fill(slot: int) -> None:
+            fill_state(host.conv, host.ssm, slot, data)
+            self.store.placed_state(slot)  # the other tensor-parallel ranks fill theirs
+
+        if not self.host.adopt(node, fill, saves=end):
             return 0
         self.loaded += 1
         return end - start

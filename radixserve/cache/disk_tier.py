@@ -25,6 +25,10 @@ A hybrid model's tree resumes a request only where a recurrent-state snapshot li
 on disk need their snapshot beside them: a second record kind keyed by the hash of the page it
 ends, saved when the host tier drops a node's host snapshot, fetched with the pages before it
 (only as far as the deepest one on disk) and attached as a host snapshot (`disk_snapshots.py`).
+
+Under tensor parallelism this policy runs on rank 0 alone, over a store that counts a page as on
+disk only once every rank wrote its shard (storage_shards.ShardedStore); every save, read and
+attach is told to the other ranks through the copy log, which they replay on their own shards.
 """
 
 from __future__ import annotations
@@ -158,17 +162,20 @@ class StorageTier:
         node.block_hash = hashes[-1]
         todo = [i for i, h in enumerate(hashes) if h not in self.store]
         if todo:  # a copy: the slots go now
-            self._write(node, parent, hashes, todo, self.host_pool.buffer[host_slots])
+            self._write(node, parent, hashes, todo, self.host_pool.buffer[host_slots], ("host", host_slots))
         if self.states is not None and hashes:
             self.states.save(node, hashes[-1])
 
     def _write(self, node: TreeNode, parent: Optional[int], hashes: list[int], todo: list[int],
-               rows: torch.Tensor, *, wait: bool = False) -> None:
+               rows: torch.Tensor, source: tuple[str, torch.Tensor], *, wait: bool = False) -> None:
+        """Queue pages `todo` of node (rows: all its pages' KV, from `source`'s slots)."""
         ps = self.page_size
         rows = rows.reshape(len(hashes), self.page_bytes)
+        where, slots = source
         for i in todo:
             prev = parent if i == 0 else hashes[i - 1]
-            self.store.write(PageRecord(hashes[i], prev, node.key[i * ps:(i + 1) * ps]), rows[i], wait=wait)
+            self.store.write(PageRecord(hashes[i], prev, node.key[i * ps:(i + 1) * ps]), rows[i], wait=wait,
+                             source=(where, slots[i * ps:(i + 1) * ps]))
 
     # ------------------------------------------------------------------ fetch (a waiting request)
     def fetch(self, key: str, tokens: Callable[[], Sequence[int]], matched: int, namespace: Optional[str],
@@ -195,7 +202,7 @@ class StorageTier:
         # of it, so one read's pages are not pushed out by the next before their request copies
         # them to the device.
         limit = self.host_pool.total_tokens // ps
-        while first + n < len(hashes) and n < limit and hashes[first + n] in self.store:
+        while first + n < len(hashes) and n < limit and self.store.has(hashes[first + n]):
             n += 1
         if self.states is not None:  # a hybrid resumes only where a snapshot lies: pages past the last are no use
             n = self.states.usable_pages(hashes, first, n)
@@ -251,23 +258,37 @@ class StorageTier:
             if decided is not None and decided.job is job:
                 decided.job = None
             self.reading_tokens -= len(job.records) * self.page_size
-            if not job.pages_read:
-                continue
-            end = p["start"] + job.pages_read * self.page_size
-            rows = job.out[:job.pages_read * self.page_bytes]
-            if self.states is None:
-                got = p["attach"](p["tokens"][:end], p["start"], rows, p["namespace"])
-            elif job.snapshot_read and job.pages_read == len(job.records):
-                got = self.states.attach(p["attach"], p["tokens"][:end], p["start"], rows, p["namespace"],
-                                         job.snapshot_out)
-            else:  # a page gone: the snapshot after it resumes nobody (the store counted the page)
-                continue
+            self.store.attaching = job.job_id
+            try:
+                got = self._attach(job)
+            finally:
+                self.store.attaching = None
+                self.store.release(job)
             if got:
                 self.loaded_tokens += got
                 added = True
-            else:
+            elif got is not None:
                 self.attach_failures += 1
         return added
+
+    def _attach(self, job: ReadJob) -> Optional[int]:
+        """Put a finished read's pages (and snapshot) into the host tier: the tokens added, None when
+        there was nothing to put."""
+        p = job.payload
+        if not job.pages_read:
+            return None
+        end = p["start"] + job.pages_read * self.page_size
+        rows = job.out[:job.pages_read * self.page_bytes]
+        if self.states is None:
+            return p["attach"](p["tokens"][:end], p["start"], rows, p["namespace"])
+        if job.snapshot_read and job.pages_read == len(job.records):
+            return self.states.attach(p["attach"], p["tokens"][:end], p["start"], rows, p["namespace"],
+                                      job.snapshot_out)
+        return None  # a page gone: the snapshot after it resumes nobody (the store counted the page)
+
+    def placed(self, host_slots: torch.Tensor, row_offset: int) -> None:
+        """HostKV.attach put the rows of the read being attached from row_offset on into host_slots."""
+        self.store.placed_pages(host_slots, row_offset)
 
     def stats(self) -> dict[str, float]:
         s = self.store.stats
@@ -307,12 +328,12 @@ class StorageTier:
             if not todo:
                 continue
             if node.host is not None:
-                rows = self.host_pool.buffer[node.host.slots]
+                rows, source = self.host_pool.buffer[node.host.slots], ("host", node.host.slots)
             elif node.value is not None:
-                rows = device_rows(kv_pool, node.value)
+                rows, source = device_rows(kv_pool, node.value), ("device", node.value)
             else:
                 continue
-            self._write(node, parent, hashes, todo, rows, wait=True)
+            self._write(node, parent, hashes, todo, rows, source, wait=True)
             queued += len(todo)
         return queued
 

@@ -24,10 +24,11 @@ from radixserve.cache.prefix_cache import OwnedPrefixCache
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.state_pool import RecurrentStateSpec
 from radixserve.cache.state_snapshots import HostStateSnapshots
+from radixserve.cache.storage_shards import Report, ReportInbox, ShardedStore, StorageReplica
 from radixserve.cache.stores.disk import DiskStore
 from radixserve.cache.stores.host_kv import HostKV
 from radixserve.cache.stores.host_snapshots import HostSnapshots
-from radixserve.cache.stores.page_files import LocalFileBackend, PageBackend, StoreStamp
+from radixserve.cache.stores.page_files import LocalFileBackend, PageBackend, StoreStamp, other_tp_layouts
 from radixserve.cache.stores.redis_pages import RedisBackend
 from radixserve.cache.stores.snapshots import BRANCH_MIN_TOKENS, SnapshotStore
 from radixserve.settings import CPU_MAMBA_CACHE_SIZE, ServerSettings
@@ -191,10 +192,12 @@ def make_storage_tier(settings: ServerSettings, cache: OwnedPrefixCache, kv_pool
                       flops_per_token: float, attention_flops_per_pair: float,
                       prefill_flops_per_s: Optional[float] = None,
                       read_bytes_per_s: Optional[float] = None, synchronous: bool = False,
-                      hidden: int = 4096) -> Optional[StorageTier]:
+                      hidden: int = 4096, inbox: Optional[ReportInbox] = None) -> Optional[StorageTier]:
     """The storage tier --storage-dir asks for, attached under cache's host tier (None: not asked
     for, or nothing cached). The read bandwidth and prefill rate are measured here unless given
-    (the simulator gives its model's); `model` names the weights in the directory's version stamp."""
+    (the simulator gives its model's); `model` names the weights in the directory's version stamp.
+    Under tensor parallelism this is rank 0's (its shard's store, `inbox`: the other ranks'
+    reports); the other ranks build theirs with `make_storage_replica`, at the same point."""
     if not settings.storage_enabled or not cache.keeps_prefixes:
         return None
     host = cache.host if isinstance(cache, RadixCache) else None
@@ -205,19 +208,12 @@ def make_storage_tier(settings: ServerSettings, cache: OwnedPrefixCache, kv_pool
         raise ValueError("the storage tier (storage_dir) keeps a hybrid model's state snapshots through the host "
                          "tier's snapshot slots: give mamba_host_cache_size > 0 (or leave it to its default)")
     k0 = kv_pool.k_buffers[0]
-    stamp = StoreStamp(model=model, page_size=kv_pool.page_size, kv_dtype=str(k0.dtype).replace("torch.", ""),
-                       bytes_per_token=host.host_pool.bytes_per_token, num_layers=len(kv_pool.k_buffers),
-                       states=state_stamp(states.snapshots.spec) if states is not None else "")
-    latency, capacity = settings.storage_read_latency_ms / 1e3, int(settings.storage_size * 1e9)
-    if settings.storage_backend == "redis":
-        where = settings.storage_url
-        backend: PageBackend = RedisBackend(settings.storage_url, capacity, read_latency_s=latency)
+    stamp = _stamp(settings, kv_pool, host.host_pool, model, states.snapshots if states is not None else None, 0)
+    where, backend = _backend(settings, 0)
+    if inbox is not None:  # rank 0 of a tensor-parallel engine
+        store: DiskStore = ShardedStore(backend, stamp, tp_size=settings.tp_size, inbox=inbox, log=None)
     else:
-        where = settings.storage_dir
-        if settings.dp_size > 1:  # each worker its own store: one server per directory
-            where = os.path.join(where, f"worker-{settings.dp_rank}")
-        backend = LocalFileBackend(where, capacity, read_latency_s=latency)
-    store = DiskStore(backend, stamp, synchronous=synchronous)
+        store = DiskStore(backend, stamp, synchronous=synchronous)
     if read_bytes_per_s is None:
         read_bytes_per_s = settings.storage_read_gbps * 1e9 or backend.probe_read_bandwidth(stamp.page_bytes)
     if prefill_flops_per_s is None:
@@ -227,11 +223,58 @@ def make_storage_tier(settings: ServerSettings, cache: OwnedPrefixCache, kv_pool
     disk_states = DiskSnapshots(states, store, kv_pool.page_size) if states is not None else None
     tier = StorageTier(store, host.host_pool, cost, disk_states)
     host.storage = tier
-    logger.info("storage tier: %s, %.1f GB, %d pages found (%.1f GB); reads %.2f GB/s, prefill %.2f TFLOP/s "
-                "(measured): a load pays from %.0f tokens of context", where, settings.storage_size,
+    shards = f" (rank 0's shard; rank r's in tp{settings.tp_size}-rank<r> beside it)" if inbox is not None else ""
+    logger.info("storage tier: %s%s, %.1f GB, %d pages found (%.1f GB); reads %.2f GB/s, prefill %.2f TFLOP/s "
+                "(measured): a load pays from %.0f tokens of context", where, shards, settings.storage_size,
                 store.num_pages, store.used_bytes / 1e9, read_bytes_per_s / 1e9, prefill_flops_per_s / 1e12,
                 _break_even(cost))
     return tier
+
+
+def make_storage_replica(settings: ServerSettings, kv_pool: KVPool, host: Optional[HostTier], rank: int,
+                         report: Callable[[Report], None], *, model: str) -> Optional[StorageReplica]:
+    """A tensor-parallel rank other than 0: its shard of the storage tier, which replays rank 0's
+    storage orders and reports to rank 0 through `report` (None: no storage tier, or no cache)."""
+    if not settings.storage_enabled or settings.disable_radix_cache or host is None:
+        return None
+    if kv_pool.state is not None and kv_pool.snapshots is None:
+        return None  # a hybrid without snapshots caches nothing (rank 0 builds no tier either)
+    stamp = _stamp(settings, kv_pool, host.pool, model, kv_pool.snapshots, rank)
+    _, backend = _backend(settings, rank)
+    store = DiskStore(backend, stamp)
+    return StorageReplica(store, rank, report, kv_pool, host.pool, host.copier, kv_pool.snapshots)
+
+
+def _stamp(settings: ServerSettings, kv_pool: KVPool, host_pool: HostKVPool, model: str, snapshots, rank: int
+           ) -> StoreStamp:
+    """What this rank's pages depend on: the model, the page size, this rank's shard of the KV (its
+    bytes per token; the tp size and rank) and of a hybrid's states."""
+    k0 = kv_pool.k_buffers[0]
+    return StoreStamp(model=model, page_size=kv_pool.page_size, kv_dtype=str(k0.dtype).replace("torch.", ""),
+                      bytes_per_token=host_pool.bytes_per_token, num_layers=len(kv_pool.k_buffers),
+                      tp_size=settings.tp_size, tp_rank=rank,
+                      states=state_stamp(snapshots.spec) if snapshots is not None else "")
+
+
+def _backend(settings: ServerSettings, rank: int) -> tuple[str, PageBackend]:
+    """Where rank `rank`'s pages live: --storage-dir (under tp N, its tp<N>-rank<r> directory), or
+    the Redis server."""
+    latency, capacity = settings.storage_read_latency_ms / 1e3, int(settings.storage_size * 1e9)
+    if settings.storage_backend == "redis":
+        return settings.storage_url, RedisBackend(settings.storage_url, capacity, read_latency_s=latency)
+    where = settings.storage_dir
+    if settings.dp_size > 1:  # each worker its own store: one server per directory
+        where = os.path.join(where, f"worker-{settings.dp_rank}")
+    if rank == 0:
+        os.makedirs(where, mode=0o700, exist_ok=True)  # page records hold every tenant's token ids
+        for other in other_tp_layouts(where, settings.tp_size):
+            logger.warning("storage tier: %s; this server (tp_size %d) does not read them: it keeps its pages in "
+                           "%s. Remove them to free their space (storage_size does not count them)", other,
+                           settings.tp_size, f"{where}/tp{settings.tp_size}-rank<r>" if settings.tp_size > 1
+                           else where)
+    if settings.tp_size > 1:
+        where = os.path.join(where, f"tp{settings.tp_size}-rank{rank}")
+    return where, LocalFileBackend(where, capacity, read_latency_s=latency)
 
 
 def _break_even(cost: LoadCost) -> float:

@@ -193,6 +193,11 @@ class CopyEngine:
     def wait_all(self) -> None:
         self.wait(self.issued_seq)
 
+    def drain(self) -> None:
+        """Block until every copy issued here has completed, seen or not (a tensor-parallel rank
+        other than 0 reads or writes its host pool itself at rank 0's storage orders)."""
+        self._drain()
+
     def _retire(self, entry: tuple[int, int, object, object]) -> None:
         seq, tokens, end, start = entry
         if tokens:
@@ -216,6 +221,9 @@ class CopyEngine:
 
     def _stream_waits(self, event: object) -> None:
         pass  # a synchronous copy is complete at issue
+
+    def _drain(self) -> None:
+        pass
 
     def _elapsed(self, start: object, end: object) -> float:
         return float(end) - float(start)  # type: ignore[arg-type]
@@ -300,6 +308,9 @@ class CudaCopyEngine(CopyEngine):
 
     def _stream_waits(self, event: object) -> None:
         torch.cuda.current_stream(self.device).wait_event(event)  # type: ignore[arg-type]
+
+    def _drain(self) -> None:
+        self.stream.synchronize()
 
     def _elapsed(self, start: object, end: object) -> float:
         return start.elapsed_time(end) / 1000.0  # type: ignore[attr-defined]  (loads' events are timed)

@@ -104,6 +104,7 @@ class EngineCore:
         self.runner = self.ranks.make_runner(
             self.model, self.kv_pool, self.req_to_token, settings.random_seed, copier=self.cache.copier,
             state_copier=self.kv_pool.snapshots if self.cache.keeps_prefixes else None,
+            storage=self.storage.store if self.storage is not None else None,
             cuda_graph_max_bs=min(settings.cuda_graph_max_bs, max_running),
             disable_cuda_graph=settings.disable_cuda_graph)
         self.runner.eos_token_ids = sorted(set(eos))
@@ -160,18 +161,24 @@ class EngineCore:
         return cache
 
     def _make_storage(self) -> Optional[StorageTier]:
-        """The storage tier (--storage-dir), told what computing a token costs on this model."""
+        """The storage tier (--storage-dir), told what computing a token costs on this model: on this
+        rank's shard under tensor parallelism (its parameters, its query heads), as a read costs this
+        rank's shard of the KV (the ranks compute, and read, side by side)."""
         cfg = self.model_config
         params = sum(p.numel() for name, p in self.model.named_parameters() if "embed_tokens" not in name)
         return make_storage_tier(self.settings, self.cache, self.kv_pool, model=model_identity(self.model_path),
                                  flops_per_token=2.0 * params, hidden=cfg.hidden_size,
-                                 attention_flops_per_pair=4.0 * cfg.num_kv_layers * cfg.q_size)
+                                 attention_flops_per_pair=4.0 * cfg.num_kv_layers * cfg.q_size / self.ranks.size,
+                                 inbox=self.ranks.storage_inbox)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any (a tp_size 1 engine holds nothing to stop),
         and finish the storage tier's writes."""
         if getattr(self, "storage", None) is not None:
             self.storage.close(self.cache, self.kv_pool)
+            runner = getattr(self, "runner", None)
+            if runner is not None and hasattr(runner, "send_copies"):
+                runner.send_copies()  # the other ranks write their shards of those pages before they stop
         self.ranks.close()
 
     @property

@@ -68,6 +68,7 @@ from radixserve.distributed import SingleRank, TensorParallel, check_divisible, 
 from radixserve.distributed.group import open_store
 from radixserve.engine.model_runner import LaunchedForward, ModelRunner
 from radixserve.engine.sampled_tokens import LastSampledTokens
+from radixserve.engine.storage_reports import ReportInbox
 from radixserve.model.config import ModelConfig
 from radixserve.model.moe_config import check_moe_layout
 from radixserve.model.quantization import check_block_alignment
@@ -84,6 +85,8 @@ RANK_DEATH_EXIT_CODE = 1
 # A rank stopped this long (SIGSTOP) counts as dead: the engine ends, and its requests are answered.
 RANK_STOPPED_LIMIT_S = 3.0
 SHUTDOWN_WAIT_S = 5.0
+# With a storage tier the ranks write the pages of rank 0's tree at shutdown before they exit.
+STORAGE_SHUTDOWN_WAIT_S = 60.0
 # A rank that did not exit on its shutdown message: SIGTERM, and SIGKILL after this.
 RANK_TERMINATE_GRACE_S = 2.0
 
@@ -172,12 +175,13 @@ class TensorParallelRunner(ModelRunner):
     snapshots; both record their copies into one log, which goes to the other ranks with the steps."""
 
     def __init__(self, *args, send: Callable[[StepMessage | CopyBatch | RejoinGroup], None], tp: TensorParallel,
-                 copier: Optional[CopyEngine] = None, state_copier: Optional[StateSnapshots] = None, **kwargs):
+                 copier: Optional[CopyEngine] = None, state_copier: Optional[StateSnapshots] = None,
+                 storage=None, **kwargs):
         self.send = send
         self.tp = tp
         self.copier = copier
         self.copy_log = CopyLog()
-        for store in (copier, state_copier):
+        for store in (copier, state_copier, storage):
             if store is not None:
                 store.log = self.copy_log
         self.sent_done_seq = 0
@@ -243,6 +247,7 @@ class LoneRank:
     runs through it as through `TensorParallelLeader`, so it never asks the tp size."""
 
     table_cls = ReqToTokenPool
+    storage_inbox = None
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -250,7 +255,7 @@ class LoneRank:
         self.tp: TensorParallel = SingleRank(device)
 
     def make_runner(self, model, kv_pool, table: ReqToTokenPool, seed: int, copier: Optional[CopyEngine],
-                    state_copier: Optional[StateSnapshots] = None, **kwargs) -> ModelRunner:
+                    state_copier: Optional[StateSnapshots] = None, storage=None, **kwargs) -> ModelRunner:
         return ModelRunner(model, kv_pool, table, self.device, seed, **kwargs)
 
     def dead_rank(self, wait_s: float = 2.0) -> Optional[str]:
@@ -336,7 +341,13 @@ class TensorParallelLeader:
         host, port = settings.dist_init_host_port() if settings.nnodes > 1 else ("127.0.0.1", 0)
         self.store = open_store(port, world_size=self.size, is_master=True, host=host)
         atexit.register(self.close)
+        # The storage tier's ranks report their shards' writes and reads to rank 0 (storage_reports.py).
+        self.storage_inbox: Optional[ReportInbox] = None
+        self.shutdown_wait_s = STORAGE_SHUTDOWN_WAIT_S if settings.storage_enabled else SHUTDOWN_WAIT_S
         try:
+            if settings.storage_enabled:
+                self.storage_inbox = ReportInbox(self.ctx, self.store, self.ipc_dir,
+                                                 host if settings.nnodes > 1 else None)
             for rank in range(1, self.local_size):
                 self._spawn(rank, settings, self.store.port)
             if self.local_size < self.size:
@@ -375,11 +386,11 @@ class TensorParallelLeader:
         logger.info("tensor-parallel rank %d: on another node, step messages on port %d", rank, port)
 
     def make_runner(self, model, kv_pool, table: ReqToTokenPool, seed: int, copier: Optional[CopyEngine],
-                    state_copier: Optional[StateSnapshots] = None, **kwargs) -> ModelRunner:
+                    state_copier: Optional[StateSnapshots] = None, storage=None, **kwargs) -> ModelRunner:
         """Rank 0's runner: sends each step (and `copier`'s host-tier copies, `state_copier`'s snapshot
-        copies) to the other ranks."""
+        copies, `storage`'s storage-tier orders: storage_shards.ShardedStore) to the other ranks."""
         return TensorParallelRunner(model, kv_pool, table, self.device, seed, **kwargs, send=self.send, tp=self.tp,
-                                    copier=copier, state_copier=state_copier,
+                                    copier=copier, state_copier=state_copier, storage=storage,
                                     sampled=SharedSampledTokens(table.max_requests, self.device, self.tp))
 
     def send(self, msg: StepMessage | CopyBatch | RejoinGroup) -> None:
@@ -444,7 +455,7 @@ class TensorParallelLeader:
             except zmq.ZMQError:
                 pass
         # Asked by the shutdown message; what does not exit gets SIGTERM, then SIGKILL.
-        left = wait_all(self.local_ranks.procs, SHUTDOWN_WAIT_S)
+        left = wait_all(self.local_ranks.procs, self.shutdown_wait_s)
         stop_all(left, RANK_TERMINATE_GRACE_S)
         clean = not left and all(proc.returncode == 0 for proc in self.local_ranks.procs)
         if self.watcher is not None:
@@ -455,6 +466,8 @@ class TensorParallelLeader:
             # A remote rank's shutdown message must leave before the socket closes: no process of
             # ours to wait for there.
             sock.close(0 if i < self.local_size else int(SHUTDOWN_WAIT_S * 1000))
+        if self.storage_inbox is not None:
+            self.storage_inbox.close()
         self.ctx.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
         # Leaving an NCCL group whose peers were killed could wait on their collectives; gloo's is safe.

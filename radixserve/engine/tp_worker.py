@@ -17,20 +17,23 @@ import pickle
 import signal
 import sys
 import traceback
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import zmq
 
 from radixserve.cache.copy_log import replay
-from radixserve.cache.factory import make_host_tier
+from radixserve.cache.factory import make_host_tier, make_storage_replica
 from radixserve.cache.host_pool import CopyEngine
+from radixserve.cache.storage_shards import Report, StorageReplica
+from radixserve.cache.stores.page_files import model_identity
 from radixserve.distributed import TensorParallel, destroy, init_tensor_parallel
 from radixserve.distributed.group import open_store
 from radixserve.engine.core import DTYPES
 from radixserve.engine.cpu_affinity import bind_near_gpu, one_host_thread
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.model_stack import load_rank_model, make_kv_memory
+from radixserve.engine.storage_reports import ReportOutbox
 from radixserve.engine.tensor_parallel import (CopyBatch, RejoinGroup, SharedSampledTokens, StepMessage, control_key,
                                                rank0_settings)
 from radixserve.model.config import ModelConfig
@@ -50,14 +53,14 @@ REJOIN_WAIT_MS = 10_000
 class WorkerRank:
     """Rank `tp.rank`'s model, KV shard and runner; `run_step` mirrors rank 0's launch."""
 
-    def __init__(self, settings: ServerSettings, tp: TensorParallel):
+    def __init__(self, settings: ServerSettings, tp: TensorParallel, report: Optional[Callable[[Report], None]] = None):
         device = tp.device
         dtype = DTYPES.get(settings.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         config = ModelConfig.from_dir(settings.model_path)
         context_len = settings.context_length or config.max_position_embeddings
         self.model, _ = load_rank_model(settings, device, dtype, context_len, tp)
         self.kv_pool, self.req_to_token, _ = make_kv_memory(settings, self.model, device, dtype, context_len, tp)
-        self.copier = self._make_copier(settings, tp)
+        self.copier, self.storage = self._make_tiers(settings, tp, report)
         sampled = SharedSampledTokens(self.req_to_token.max_requests, device, tp)
         self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, device, settings.random_seed,
                                   cuda_graph_max_bs=min(settings.cuda_graph_max_bs, self.req_to_token.max_requests),
@@ -68,18 +71,24 @@ class WorkerRank:
         # Recorded before each step is queued (CUDA): what a rejoin waits for when that step is abandoned.
         self.before_last_step: Optional[torch.cuda.Event] = None
 
-    def _make_copier(self, settings: ServerSettings, tp: TensorParallel) -> Optional[CopyEngine]:
+    def _make_tiers(self, settings: ServerSettings, tp: TensorParallel, report: Optional[Callable[[Report], None]]
+                    ) -> tuple[Optional[CopyEngine], Optional[StorageReplica]]:
         """This rank's host tier (its KV shard's bytes and a hybrid's snapshots, rank 0's slot
         numbering; sized as rank 0's by the same factory) and copy engine, which rank 0's copies
-        replay into."""
+        replay into; and its shard of the storage tier (`report`: to rank 0), which rank 0's
+        storage orders replay into."""
         host = make_host_tier(settings, self.kv_pool, tp.min_int)
-        return host.copier if host is not None else None
+        storage = None
+        if report is not None:
+            storage = make_storage_replica(settings, self.kv_pool, host, tp.rank, report,
+                                           model=model_identity(settings.model_path))
+        return (host.copier if host is not None else None), storage
 
     @torch.inference_mode()
     def run_copies(self, copies: CopyBatch) -> None:
         """Issue rank 0's copies on this rank's shards, then hold this rank's compute stream until
         its own KV loads up to the last one rank 0 has seen complete are complete."""
-        replay(copies.orders, self.copier, self.kv_pool.snapshots)
+        replay(copies.orders, self.copier, self.kv_pool.snapshots, self.storage)
         if self.copier is not None:
             self.copier.compute_waits_for(copies.done_seq)
 
@@ -107,6 +116,11 @@ class WorkerRank:
                 torch.cuda.synchronize(self.device)
         self.tp.rejoin()
         self.runner.recapture_graphs()
+
+    def close(self) -> None:
+        """Finish this rank's storage writes (rank 0's tree, sent at shutdown, among them)."""
+        if self.storage is not None:
+            self.storage.close()
 
 
 def serve(rank: WorkerRank, sock: zmq.Socket, parent_pid: int, disconnects: Optional[zmq.Socket] = None,
@@ -169,6 +183,7 @@ def worker_main(settings: ServerSettings, rank: int, store_port: int, control_ad
     tp = None
     disconnects: Optional[zmq.Socket] = None
     governor: Optional[FullCollectionGovernor] = None
+    outbox: Optional[ReportOutbox] = None
     try:
         store = open_store(store_port, world_size=settings.tp_size, is_master=False, host=store_host)
         if remote:  # rank 0's settings rule every rank; its store says where its step messages come from
@@ -178,12 +193,17 @@ def worker_main(settings: ServerSettings, rank: int, store_port: int, control_ad
                                "for: %s", rank, ", ".join(differ))
         disconnects = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) if remote else None
         sock.connect(control_addr or store.get(control_key(rank)).decode())
+        if settings.storage_enabled:
+            outbox = ReportOutbox(ctx, store)
         tp = init_tensor_parallel(rank, settings.tp_size, device, store)
-        worker = WorkerRank(settings, tp)
+        worker = WorkerRank(settings, tp, outbox)
         one_host_thread(device)  # after loading, which may convert weights on the CPU
         # A full collection inside a step would hold every rank at the step's next collective.
         governor = govern_collections(f"tp-rank {rank}")
-        return 0 if serve(worker, sock, parent_pid, disconnects, governor) else 1
+        served = serve(worker, sock, parent_pid, disconnects, governor)
+        if served:
+            worker.close()
+        return 0 if served else 1
     except Exception:
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
         return 1
@@ -194,6 +214,8 @@ def worker_main(settings: ServerSettings, rank: int, store_port: int, control_ad
             sock.disable_monitor()
             disconnects.close(0)
         sock.close(0)
+        if outbox is not None:
+            outbox.close()
         ctx.term()
         destroy(tp)
 

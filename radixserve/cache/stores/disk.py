@@ -14,6 +14,10 @@ A hybrid model's state snapshots are records of a second kind (page_files.py) an
 a read of pages may carry the snapshot at their end (`ReadJob.snapshot`), read first (without it
 the pages resume nobody, and are not read).
 
+Under tensor parallelism each rank has a store of its own shard of every page, and rank 0's store
+(storage_shards.ShardedStore) counts a page as stored only once every rank reported it written:
+the stores tell what became of each page and read through `on_event`, from the I/O thread.
+
 `synchronous=True` does the I/O at the call instead (the scheduler simulator, whose steps take no
 real time); completion is still observed through `finished`, so the caller's path is the same.
 """
@@ -26,7 +30,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -70,10 +74,20 @@ class ReadJob:
     snapshot_read: bool = False  # set when done: it was read and checked
 
 
+# What a store tells its owner, from the I/O thread (never while it holds its lock): ("written",
+# key, kept) after a write was tried, ("lost", key, False) once a key is dropped (evicted for room,
+# found missing or corrupt), ("read", job, True) once a read is done.
+StoreEvent = Callable[[str, Any, bool], None]
+
+
 class DiskStore:
     def __init__(self, backend: PageBackend, stamp: StoreStamp, *, synchronous: bool = False,
-                 max_pending_bytes: int = 1 << 30):
+                 max_pending_bytes: int = 1 << 30, on_event: Optional[StoreEvent] = None):
         self.backend = backend
+        self.on_event = on_event
+        # The read job whose pages the tier is putting into the host tier (tensor parallelism: the
+        # other ranks put theirs into the same slots).
+        self.attaching: Optional[int] = None
         self.stamp = stamp
         self.page_bytes = stamp.page_bytes
         self.synchronous = synchronous
@@ -96,7 +110,29 @@ class DiskStore:
 
     # ------------------------------------------------------------------ the engine thread's side
     def __contains__(self, key: int) -> bool:
+        """Whether the key is stored or queued here (a save need not queue it again)."""
         return key in self._keys
+
+    def has(self, key: int) -> bool:
+        """Whether a read of the key may be asked for (under tensor parallelism: every rank holds it)."""
+        return key in self._keys
+
+    def status(self, key: int) -> str:
+        """"queued" (for writing), "stored" or "absent"."""
+        with self._lock:
+            if key in self._writes:
+                return "queued"
+            return "stored" if key in self._keys else "absent"
+
+    # Tensor parallelism's hooks (storage_shards.ShardedStore records them for the other ranks).
+    def placed_pages(self, host_slots: torch.Tensor, row_offset: int) -> None:
+        """The tier put the pages of read job `attaching` from row row_offset on into host_slots."""
+
+    def placed_state(self, host_slot: int) -> None:
+        """The tier put read job `attaching`'s snapshot into host snapshot slot host_slot."""
+
+    def release(self, job: ReadJob) -> None:
+        """The tier is done with a finished read."""
 
     @property
     def num_pages(self) -> int:
@@ -106,10 +142,12 @@ class DiskStore:
     def used_bytes(self) -> int:
         return getattr(self.backend, "used_bytes", 0)
 
-    def write(self, record: PageRecord, payload: torch.Tensor, *, wait: bool = False) -> bool:
+    def write(self, record: PageRecord, payload: torch.Tensor, *, wait: bool = False,
+              source: Optional[tuple[str, Any]] = None) -> bool:
         """Queue a page (uint8, page_bytes; a snapshot record: its state's bytes; owned by the store
         from now); False: not kept. wait: for room in a full queue (at shutdown) instead of
-        dropping the page."""
+        dropping the page. source: where the bytes came from ("host" or "device" KV slots, "host_state"
+        or "device_state" a snapshot slot), for the other tensor-parallel ranks to copy theirs."""
         size = payload.numel()
         with self._lock:
             if record.key in self._keys:
@@ -213,6 +251,8 @@ class DiskStore:
             if not kept:
                 self._keys.discard(key)
             self._lock.notify_all()  # a writer waiting for room
+        if self.on_event is not None:
+            self.on_event("written", key, kept)
         self._since_index += 1
         if self._since_index >= INDEX_SAVE_EVERY and hasattr(self.backend, "save_index"):
             self._since_index = 0
@@ -227,6 +267,9 @@ class DiskStore:
         with self._lock:
             for key in keys:
                 self._keys.discard(key)
+        if self.on_event is not None:
+            for key in keys:
+                self.on_event("lost", key, False)
         if evicted:
             self.stats.evicted_pages += len(keys)
 
@@ -251,6 +294,8 @@ class DiskStore:
                 self._reads.remove(job)
             job.done = True
             self._done.append(job)
+        if self.on_event is not None:
+            self.on_event("read", job, True)
 
     def _read_one(self, record: PageRecord, view: memoryview) -> bool:
         """Read one record into view (from the write queue when it is still there); False: it

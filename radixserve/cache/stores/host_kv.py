@@ -343,6 +343,8 @@ class HostKV:
             tree.drop_namespace_if_empty(top)
             return 0
         self.host_pool.buffer[host] = rows.view(-1, *self.host_pool.buffer.shape[1:])[pos - start:]
+        if self.storage is not None:
+            self.storage.placed(host, pos - start)  # the other tensor-parallel ranks put theirs there too
         leaf = tree.new_node(list(tokens[pos:]), None, node, tree.next_tick())
         leaf.host = HostCopy(host)
         node.children[tree.child_key(tokens, pos)] = leaf

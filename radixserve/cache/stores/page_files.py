@@ -12,7 +12,10 @@ temporary name and renamed, so a crash never leaves half a page under a page's n
 listing is the truth at start-up (pages written after the last index save are found by the scan),
 `index.bin` only remembers the least-recently-used order across restarts. `STAMP.json` is the
 version stamp: a directory written by another model, page size, KV dtype, hash scheme or
-tensor-parallel layout is not read (one warning line; its pages are removed), and one server at a
+tensor-parallel layout is not read (one warning line; its pages are removed). Under tp N each rank
+has a directory of its own, `tp<N>-rank<r>` under --storage-dir, stamped with the tp size and its
+rank; the pages another tp size wrote (tp 1's at the top, tp M's in their own rank directories)
+are left alone and not read (`other_tp_layouts`: one warning line each), and one server at a
 time holds the directory (an exclusive `flock` on `LOCK`).
 
 A hybrid model's store holds a second record kind beside its pages: a recurrent-state snapshot
@@ -33,6 +36,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import struct
 import time
 import zlib
@@ -365,6 +369,26 @@ def model_identity(model_path: str) -> str:
         pass
     h = zlib.crc32(repr(files).encode(), h)
     return f"{root} config+weights crc32 {h:08x}"
+
+
+def other_tp_layouts(root: str, tp_size: int) -> list[str]:
+    """What directory `root` holds that another tensor-parallel layout wrote, a line each: tp 1's
+    pages (its STAMP.json and pages/ at the top) or tp M's rank directories (tp<M>-rank<r>), M !=
+    tp_size. A server reads only its own layout's."""
+    path = Path(root)
+    if not path.is_dir():
+        return []
+    found = []
+    if tp_size > 1 and (path / "STAMP.json").exists():
+        found.append(f"{root} holds pages written with tp_size 1 (its pages/ directory)")
+    ranks: dict[int, int] = {}
+    for entry in path.iterdir():
+        match = re.fullmatch(r"tp(\d+)-rank(\d+)", entry.name)
+        if match and entry.is_dir() and int(match.group(1)) != tp_size:
+            ranks[int(match.group(1))] = ranks.get(int(match.group(1)), 0) + 1
+    for size, count in sorted(ranks.items()):
+        found.append(f"{root} holds pages written with tp_size {size} ({count} rank directories tp{size}-rank<r>)")
+    return found
 
 
 def _differences(found: str, stamp: StoreStamp) -> str:

@@ -1,0 +1,306 @@
+"""The storage tier under tensor parallelism on the CPU: 2 rank processes over gloo, each storing
+and reading its own shard (one of the model's two KV heads; a hybrid's share of the recurrent
+states) in its own directory, rank 0 deciding and the copy log carrying its orders.
+
+Greedy tokens at tp 2 after prefixes went device -> host -> disk -> back equal tp 1's without a
+cache and Hugging Face's; a prefix that left the device and the host tier is served from disk
+(the storage counters); a restart re-finds the pages of both ranks; a page whose shard one rank
+lacks is not read; a directory tp 1 wrote is not read at tp 2 (one warning line); a hybrid's
+snapshots go to disk per rank and come back. Without processes: rank 0's store counts a page only
+once every rank reported it written in the same round, and a read counts the pages every rank read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from radixserve import Engine
+from radixserve.cache.copy_log import CopyKind, CopyLog
+from radixserve.cache.storage_shards import ShardedStore
+from radixserve.cache.stores.disk import ReadJob
+from radixserve.cache.stores.page_files import LocalFileBackend, PageRecord, StoreStamp
+from test_engine import check_idle, hf_greedy
+from test_storage_tier import GREEDY, NEW, PAGE, READS_PAY, long_prompts
+from test_storage_tier_hybrid import build_hybrid
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    from radixserve.testing.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny-storage-tp"), hidden=256, intermediate=1024, num_heads=4,
+                            num_kv_heads=2)
+    prompts = long_prompts(12)
+    return path, prompts, hf_greedy(path, prompts, max_new=NEW)
+
+
+def tp_engine(path, directory, **extra) -> Engine:
+    # 256 device tokens and a host tier as large on each rank: a dozen 150-token prompts go to disk.
+    return Engine(str(path), **{"tp_size": 2, "max_total_tokens": 256, "page_size": PAGE, "hicache_ratio": 1,
+                                "storage_dir": str(directory), **READS_PAY, **extra})
+
+
+def page_names(directory) -> set[str]:
+    return {p.name for p in (directory / "pages").iterdir() if p.suffix == ".page"}
+
+
+def aligned(prompt: list[int]) -> int:
+    return (len(prompt) - 1) // PAGE * PAGE
+
+
+def test_tp2_greedy_equals_tp1_and_hf_after_device_host_disk_and_back(oracle, tmp_path):
+    path, prompts, expected = oracle
+    with Engine(str(path), max_total_tokens=4096, page_size=PAGE, disable_radix_cache=True) as single:
+        assert [r["output_ids"] for r in single.generate(input_ids=prompts, sampling_params=GREEDY)] == expected
+    engine = tp_engine(path, tmp_path / "store")
+    try:
+        assert engine.core.kv_pool.k_buffers[0].shape[1] == 1  # this rank's KV head
+        for _ in range(2):
+            results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+            assert [r["output_ids"] for r in results] == expected
+            check_idle(engine)
+        stats = engine.cache_stats()
+        assert stats["storage_pages_written"] > 0 and stats["storage_pages"] > 0
+        assert stats["storage_loads"] > 0 and stats["storage_loaded_tokens"] > 0
+        assert stats["storage_corrupt_pages"] == stats["storage_missing_pages"] == 0
+    finally:
+        engine.shutdown()
+    ranks = [tmp_path / "store" / f"tp2-rank{r}" for r in range(2)]
+    assert page_names(ranks[0]) == page_names(ranks[1]) != set()  # every page's two shards
+    assert not (tmp_path / "store" / "pages").exists()
+
+
+def serve_one(engine: Engine, prompt: list[int]) -> dict:
+    return engine.generate(input_ids=[prompt], sampling_params=GREEDY)[0]
+
+
+def test_tp2_serves_a_prefix_from_disk_after_it_left_the_device_and_the_host(oracle, tmp_path):
+    path, prompts, expected = oracle
+    engine = tp_engine(path, tmp_path / "store")
+    try:
+        first = serve_one(engine, prompts[0])
+        assert first["output_ids"] == expected[0]
+        for prompt in prompts[2:]:  # ten other prompts through 256 device and 256 host tokens
+            serve_one(engine, prompt)
+        before = engine.cache_stats()
+        assert engine.core.cache.peek(prompts[0])[0] == 0  # on neither the device nor the host now
+        again = serve_one(engine, prompts[0])
+        after = engine.cache_stats()
+        assert again["output_ids"] == expected[0]
+        assert again["meta_info"]["cached_tokens"] == aligned(prompts[0])
+        assert after["storage_loads"] == before["storage_loads"] + 1
+        assert after["storage_loaded_tokens"] - before["storage_loaded_tokens"] == aligned(prompts[0])
+        check_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_tp2_restart_refinds_the_pages_of_every_rank(oracle, tmp_path):
+    path, prompts, expected = oracle
+    engine = tp_engine(path, tmp_path / "store")
+    engine.generate(input_ids=prompts[:3], sampling_params=GREEDY)
+    engine.shutdown()  # what is on the device or the host is written now, on both ranks
+    engine = tp_engine(path, tmp_path / "store")
+    try:
+        assert engine.cache_stats()["storage_restored_pages"] > 0
+        results = engine.generate(input_ids=prompts[:3], sampling_params=GREEDY)
+        assert [r["output_ids"] for r in results] == expected[:3]
+        assert [r["meta_info"]["cached_tokens"] for r in results] == [aligned(p) for p in prompts[:3]]
+        check_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_a_page_one_rank_lacks_is_not_read(oracle, tmp_path, caplog):
+    from radixserve.cache.block_hash import page_hashes
+
+    path, prompts, expected = oracle
+    engine = tp_engine(path, tmp_path / "store")
+    engine.generate(input_ids=prompts[:2], sampling_params=GREEDY)
+    engine.shutdown()
+    # Prompt 0's third page: rank 1's shard gone (a crash before it landed, an eviction there).
+    gone = tmp_path / "store" / "tp2-rank1" / "pages" / f"{page_hashes(prompts[0], PAGE, None)[2]:016x}.page"
+    gone.unlink()
+    with caplog.at_level(logging.WARNING, logger="radixserve"):
+        engine = tp_engine(path, tmp_path / "store")
+    try:
+        assert any("on some tensor-parallel ranks but not on all 2" in r.getMessage() for r in caplog.records)
+        results = engine.generate(input_ids=prompts[:2], sampling_params=GREEDY)
+        assert [r["output_ids"] for r in results] == expected[:2]
+        # Prompt 0 is read up to the page rank 1 lacks; prompt 1 whole.
+        assert [r["meta_info"]["cached_tokens"] for r in results] == [2 * PAGE, aligned(prompts[1])]
+        assert engine.cache_stats()["storage_missing_pages"] == 0  # never asked for
+    finally:
+        engine.shutdown()
+
+
+def test_a_directory_tp1_wrote_is_not_read_at_tp2(oracle, tmp_path, caplog):
+    path, prompts, _ = oracle
+    store = tmp_path / "store"
+    single = Engine(str(path), max_total_tokens=256, page_size=PAGE, hicache_ratio=1, storage_dir=str(store))
+    single.generate(input_ids=prompts[:2], sampling_params=GREEDY)
+    single.shutdown()
+    tp1_pages = page_names(store)
+    assert tp1_pages
+    with caplog.at_level(logging.WARNING, logger="radixserve"):
+        engine = tp_engine(path, store)
+    try:
+        lines = [r.getMessage() for r in caplog.records if "written with tp_size 1" in r.getMessage()]
+        assert len(lines) == 1 and "does not read them" in lines[0], lines
+        assert engine.cache_stats()["storage_restored_pages"] == 0
+        results = engine.generate(input_ids=prompts[:2], sampling_params=GREEDY)
+        assert [r["meta_info"]["cached_tokens"] for r in results] == [0, 0]
+    finally:
+        engine.shutdown()
+    assert page_names(store) == tp1_pages  # left alone
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="radixserve"):  # and the other way round
+        single = Engine(str(path), max_total_tokens=256, page_size=PAGE, hicache_ratio=1, storage_dir=str(store))
+    single.shutdown()
+    assert any("written with tp_size 2 (2 rank directories" in r.getMessage() for r in caplog.records)
+
+
+def test_redis_is_refused_under_tensor_parallelism(oracle):
+    with pytest.raises(ValueError, match="redis is not implemented with tensor parallelism"):
+        Engine(str(oracle[0]), tp_size=2, page_size=PAGE, hicache_ratio=1, storage_backend="redis",
+               storage_url="redis://127.0.0.1:1/0")
+
+
+# ------------------------------------------------------------------------ a hybrid model
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    path = build_hybrid(tmp_path_factory, "qwen3_5")
+    prompts = long_prompts(10, seed=5, lengths=(80, 150))
+    return path, prompts, hf_greedy(path, prompts, max_new=NEW)
+
+
+def test_tp2_hybrid_snapshots_go_to_disk_per_rank_and_come_back(hybrid, tmp_path):
+    path, prompts, expected = hybrid
+    engine = tp_engine(path, tmp_path / "store", chunked_prefill_size=32)
+    try:
+        for _ in range(2):
+            results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+            assert [r["output_ids"] for r in results] == expected
+            check_idle(engine)
+        stats = engine.cache_stats()
+        shown = {k: v for k, v in stats.items() if k.startswith(("storage", "host", "snapshot"))}
+        assert stats["storage_snapshots_written"] > 0 and stats["storage_snapshots_loaded"] > 0, shown
+        assert stats["storage_loaded_tokens"] > 0 and stats["host_snapshot_hits"] > 0, shown
+    finally:
+        engine.shutdown()
+    ranks = [tmp_path / "store" / f"tp2-rank{r}" for r in range(2)]
+    assert page_names(ranks[0]) == page_names(ranks[1])
+
+
+# ------------------------------------------------------------------------ rank 0's store alone
+class FakeInbox:
+    def __init__(self, found: list[int]):
+        self.queue = [("keys", 1, found)]
+
+    def poll(self):
+        taken, self.queue = self.queue, []
+        return taken
+
+    def wait(self, timeout_s):
+        return self.queue.pop(0) if self.queue else None
+
+
+def test_rank_0_counts_a_page_once_every_rank_wrote_it_in_the_same_round(tmp_path):
+    stamp = StoreStamp(model="m", page_size=2, kv_dtype="float32", bytes_per_token=8, num_layers=1, tp_size=2)
+    backend = LocalFileBackend(str(tmp_path / "r0"), 10_000)
+    backend.open(stamp)
+    backend.put(PageRecord(5, None, [1, 2]), memoryview(bytes(16)))  # found at start-up: rank 1 has it too
+    backend.put(PageRecord(6, 5, [3, 4]), memoryview(bytes(16)))  # rank 1 lacks it
+    backend.close()
+    inbox = FakeInbox([5, 9])
+    store = ShardedStore(LocalFileBackend(str(tmp_path / "r0"), 10_000), stamp, tp_size=2, inbox=inbox,
+                         log=CopyLog())
+    try:
+        assert store.has(5) and not store.has(6) and not store.has(9) and store.restored_pages == 1
+        records = [PageRecord(k, None, [k, k]) for k in (1, 2, 6)]
+        for r in records:
+            assert store.write(r, torch.full((16,), r.key, dtype=torch.uint8), source=("host", torch.arange(2)))
+        orders = store.log.take()
+        assert [(o.kind, o.payload[0].key) for o in orders] == [(CopyKind.STORE_HOST_PAGE, k) for k in (1, 2, 6)]
+        rounds = {o.payload[0].key: o.seq for o in orders}
+        wait_until(lambda: not store.pending_bytes)  # rank 0's own writes land
+        assert not any(store.has(k) for k in (1, 2, 6))  # rank 1 has said nothing yet
+        inbox.queue += [("written", 1, 1, rounds[1], True), ("written", 1, 2, rounds[2], False),
+                        ("written", 1, 6, rounds[6] - 1, True)]  # 6: a report of an earlier round
+        assert store.finished() == []
+        assert store.has(1) and not store.has(2) and not store.has(6)
+        assert 2 not in store  # dropped: a later save writes it again
+        assert store.write(records[1], torch.zeros(16, dtype=torch.uint8), source=("host", torch.arange(2)))
+        again = store.log.take()[0]
+        assert again.seq > rounds[2]
+        inbox.queue += [("written", 1, 2, again.seq, True), ("lost", 1, 1, rounds[1])]
+        store.finished()
+        assert store.has(2) and not store.has(1)  # rank 1 lost page 1 (evicted there)
+        # A read: done when both ranks are, counting the pages both read.
+        job = ReadJob(7, [records[1], PageRecord(1, 2, [1, 1])], torch.empty(32, dtype=torch.uint8))
+        store.read(job)
+        assert store.log.take()[0].kind is CopyKind.STORAGE_READ
+        wait_until(lambda: job.done)
+        assert store.finished() == []  # rank 1's read not reported yet
+        inbox.queue.append(("read", 1, 7, 1, False))
+        assert store.finished() == [job] and job.pages_read == 1
+        store.attaching = 7
+        store.placed_pages(torch.arange(4, 6), 0)
+        store.release(job)
+        kinds = [o.kind for o in store.log.take()]
+        assert kinds == [CopyKind.STORAGE_ATTACH, CopyKind.STORAGE_RELEASE]
+    finally:
+        store.close()
+
+
+def wait_until(condition, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_rank_replays_rank_0s_storage_orders_on_its_own_shard_and_reports_them(tmp_path):
+    from radixserve.cache.copy_log import CopyOrder, replay, slot_array
+    from radixserve.cache.host_pool import HostKVPool, make_copy_engine
+    from radixserve.cache.kv_pool import KVPool
+    from radixserve.cache.storage_shards import StorageReplica
+    from radixserve.cache.stores.disk import DiskStore
+
+    pool = KVPool(64, 2, 1, 1, 4, torch.float32, "cpu")
+    host = HostKVPool(32, pool, pin=False)
+    copier = make_copy_engine(pool, host)
+    stamp = StoreStamp(model="m", page_size=2, kv_dtype="float32", bytes_per_token=host.bytes_per_token,
+                       num_layers=1, tp_size=2, tp_rank=1)
+    reports = []
+    replica = StorageReplica(DiskStore(LocalFileBackend(str(tmp_path), 10_000), stamp), 1, reports.append, pool,
+                             host, copier)
+    try:
+        assert reports == [("keys", 1, [])]
+        host.buffer[4:6] = torch.arange(2 * host.bytes_per_token, dtype=torch.uint8).view(2, 1, 2, -1)
+        record = PageRecord(11, None, [5, 6])
+        store = CopyOrder(CopyKind.STORE_HOST_PAGE, slot_array([4, 5]), slot_array(()), 3, (record, False))
+        replay([store], copier, None, replica)
+        wait_until(lambda: len(reports) == 2)
+        assert reports[1] == ("written", 1, 11, 3, True)
+        replay([CopyOrder(CopyKind.STORE_HOST_PAGE, slot_array([4, 5]), slot_array(()), 8, (record, False))],
+               copier, None, replica)
+        assert reports[2] == ("written", 1, 11, 8, True)  # already here: said at once, for the new round
+        # Rank 0 reads the page, then puts it into host slots 8, 9.
+        replay([CopyOrder(CopyKind.STORAGE_READ, slot_array(()), slot_array(()), 4, ([record], None))],
+               copier, None, replica)
+        wait_until(lambda: len(reports) == 4)
+        assert reports[3] == ("read", 1, 4, 1, False)
+        replay([CopyOrder(CopyKind.STORAGE_ATTACH, slot_array([0]), slot_array([8, 9]), 4),
+                CopyOrder(CopyKind.STORAGE_RELEASE, slot_array(()), slot_array(()), 4)], copier, None, replica)
+        assert torch.equal(host.buffer[8:10], host.buffer[4:6])
+        replica.store._forget([11], evicted=True)  # evicted for room on this rank
+        assert reports[4] == ("lost", 1, 11, 8)
+    finally:
+        replica.close()
