@@ -21,8 +21,10 @@ taken on the way), admissions resumed from a checkpoint, and the extra rounds of
 mixing per step that capturing states inside prompt pieces takes (charged at the 27B's estimated
 2.5 ms each in the throughput).
 
-With the host tier each snapshot copied between the tiers costs the 27B's 3.2 ms (151 MiB at ~50
-GB/s, on the compute stream); its KV loads finish within a step.
+With the host tier each snapshot copied between the tiers takes the 27B's 3.2 ms (151 MiB at ~50
+GB/s) of the host tier's copy stream, beside the steps (`scheduler_sim.TimedCopies`): a request
+resuming from one waits until it is done; its KV loads finish within a step, after the snapshot
+copies queued before them.
 """
 
 from __future__ import annotations

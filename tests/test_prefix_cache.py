@@ -261,13 +261,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def _admit(self, req: Req) -> None:
         """As PrefillAdder.try_add_one: a row, the cached prefix locked and pointed at; a host part
         is loaded back first, as the scheduler does when admission reaches a request (it admits
-        the request once the copy is done)."""
+        the request once the copy is done), and so is a host snapshot it would resume from."""
         self._schedule()
         admission = self.cache.admit(req, room=DEVICE_TOKENS, spare_only=False)
-        if admission.loading:
+        if admission.waits:
             self.cache.poll()
             self.waiting.refresh()
-            assert self.cache.host_part(req.peek_len, req.peek_node) == (0, False), "a finished load left a host part"
+            if admission.loading:
+                assert self.cache.host_part(req.peek_len, req.peek_node) == (0, False), "a finished load left a host part"
             admission = self.cache.admit(req, room=DEVICE_TOKENS, spare_only=False)
         peeked = req.peek_len
         if self.kind not in TIERED:

@@ -41,12 +41,14 @@ import heapq
 import random
 import tempfile
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from radixserve.bench.metrics import LOST_SLACK_TOKENS
 from radixserve.bench.oracle import OracleRequest, oracle_hit_rate
 from radixserve.cache.factory import build_prefix_cache, make_host_tier, make_storage_tier, snapshot_split
+from radixserve.cache.host_pool import SyncCopyEngine
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.cache.prefix_cache import OwnedPrefixCache
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
@@ -97,7 +99,9 @@ class SimConfig:
     decode_row_us: float = 15.0  # per decoding row
     snapshots: int = 0  # a hybrid model's state snapshot slots (0: an attention-only model)
     host_snapshots: int = 0  # a hybrid's snapshot slots in the host tier (with --host-ratio; --mamba-host-cache-size)
-    snapshot_copy_ms: float = 0.0  # one snapshot copied between the tiers (on the compute stream)
+    # One snapshot copied between the tiers, on the host tier's copy stream (`TimedCopies`): it
+    # overlaps the steps, and completes (as `poll` sees it) after the copies queued before it.
+    snapshot_copy_ms: float = 0.0
     # Each extra round of the linear layers' sequence mixing in a step that captures states inside
     # prompt pieces (one per capture point of the row with the most): launches and a state copy.
     capture_round_ms: float = 0.0
@@ -210,6 +214,46 @@ class UnreadSlotTable(ReqToTokenPool):
         return None
 
 
+class TimedCopies(SyncCopyEngine):
+    """The host tier's copy engine in a run without a model: the copies run at issue (on the
+    simulated pools), but `poll` sees each done only once the modelled copy stream is through with
+    it. The stream takes the copies in issue order: a snapshot copy (a hybrid's, between the tiers)
+    occupies it for `snapshot_s`; a KV copy takes no time of its own (it finishes within a step)
+    but completes after the snapshot copies queued before it. `clock` is the simulated time."""
+
+    def __init__(self, *args, snapshot_s: float):
+        super().__init__(*args)
+        self.snapshot_s = snapshot_s
+        self.clock = lambda: 0.0
+        self.free_at = 0.0  # when the copy stream is through with the copies issued so far
+        self.busy_s = 0.0  # its time spent copying snapshots
+
+    def _through(self, seconds: float) -> tuple[float, float]:
+        start = max(self.free_at, self.clock())
+        self.free_at = start + seconds
+        self.busy_s += seconds
+        return self.free_at, start
+
+    def _write_back(self, dev_slots, host_slots) -> tuple[object, object]:
+        super()._write_back(dev_slots, host_slots)
+        return self._through(0.0)
+
+    def _load(self, host_slots, dev_slots) -> tuple[object, object]:
+        super()._load(host_slots, dev_slots)
+        return self._through(0.0)
+
+    def _issue(self, copy, uses) -> tuple[object, object]:
+        copy()
+        return self._through(self.snapshot_s)
+
+    def _is_done(self, event: object) -> bool:
+        return event <= self.clock()  # type: ignore[operator]
+
+    def next_done(self) -> Optional[float]:
+        """When the oldest copy not yet seen done completes (None: none is pending)."""
+        return self._pending[0][2] if self._pending else None
+
+
 def build_cache(settings: ServerSettings, cfg: SimConfig) -> OwnedPrefixCache:
     """The server's cache, built by the server's factory, over pools of one float per token and per
     state row and snapshot: only the bookkeeping is simulated (a storage tier's pages are real
@@ -221,7 +265,12 @@ def build_cache(settings: ServerSettings, cfg: SimConfig) -> OwnedPrefixCache:
         slots, _ = snapshot_split(settings, spec, torch.device("cpu"), cfg.pool, 4, planned=False)
         snapshots = StateSnapshots(slots, state)
     kv_pool = KVPool(cfg.pool, 1, 1, 1, 1, torch.float32, "cpu", state=state, snapshots=snapshots)
-    cache = build_prefix_cache(settings, kv_pool, make_host_tier(settings, kv_pool), recurrent=state is not None)
+    host = make_host_tier(settings, kv_pool)
+    if host is not None:  # its copies complete on the modelled copy stream's time
+        host.copier = TimedCopies(kv_pool, host.pool, snapshot_s=cfg.snapshot_copy_ms * 1e-3)
+        if host.snapshots is not None:
+            host.snapshots.copier = host.copier
+    cache = build_prefix_cache(settings, kv_pool, host, recurrent=state is not None)
     if settings.storage_dir is not None:
         # The decision compares bytes / bandwidth: the sim's 4-byte tokens read at the bandwidth
         # that the modelled KV bytes per token would see.
@@ -265,11 +314,9 @@ def _run(cfg: SimConfig, sessions: list[list[Turn]], settings: ServerSettings, c
     ttfts: list[float] = []
     last_token_at: dict[str, float] = {}
     longest_pause = 0.0  # between two tokens of one request (a retraction shows here)
-
-    def tier_copies() -> int:
-        stats = cache.snapshot_stats()
-        return stats["snapshots_written_back"] + stats["snapshots_loaded"]
-    copies_charged = 0
+    copies = cache.copier if isinstance(cache.copier, TimedCopies) else None
+    if copies is not None:
+        copies.clock = lambda: now[0]
     while len(latencies) < total:
         while arrivals and arrivals[0][0] <= now[0]:
             t, sid, turn = heapq.heappop(arrivals)
@@ -279,14 +326,15 @@ def _run(cfg: SimConfig, sessions: list[list[Turn]], settings: ServerSettings, c
                                   arrival_time=t, arrival_seq=-1, branch_hints=sessions[sid][turn].branch_hints))
             sent_at[rid] = t
         batch = sched.schedule()
-        if batch is None:
-            now[0] = arrivals[0][0]
+        if batch is None:  # idle until the next arrival, or the next copy a waiting request needs
+            upcoming = [arrivals[0][0]] if arrivals else []
+            if copies is not None and copies.next_done() is not None:
+                upcoming.append(copies.next_done())  # later than now: poll took in every copy done
+            now[0] = min(upcoming)
             continue
         steps += 1
         rounds += capture_rounds(batch)
-        copies = tier_copies()
-        now[0] += step_seconds(batch, cfg) + cfg.snapshot_copy_ms * 1e-3 * (copies - copies_charged)
-        copies_charged = copies
+        now[0] += step_seconds(batch, cfg)
         for req in sched.process_results(batch, [rng.randrange(VOCAB) for s in batch.sample if s]):
             if req.rid in last_token_at:
                 longest_pause = max(longest_pause, now[0] - last_token_at[req.rid])
@@ -320,6 +368,7 @@ def _run(cfg: SimConfig, sessions: list[list[Turn]], settings: ServerSettings, c
         "turns_that_lost_the_previous_prompt": lost_turns, "lost_tokens": lost_tokens,
         "evicted_tokens": cache.counters.evicted_tokens, "retractions": sched.stats.num_retractions, "steps": steps,
         **({"capture_rounds": rounds} if cfg.snapshots else {}),
+        **({"copy_stream_busy_s": round(copies.busy_s, 2)} if copies is not None and cfg.snapshots else {}),
         **({"storage_loaded_tokens": cache.tier_stats()["storage_loaded_tokens"],
             "storage_skipped_loads": cache.tier_stats()["storage_skipped_loads"]} if cfg.storage else {}),
         **({k: v for k, v in cache.snapshot_stats().items() if k in SNAPSHOT_FIGURES} if cfg.snapshots else {}),

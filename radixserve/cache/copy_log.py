@@ -1,7 +1,8 @@
 """The copies rank 0 of a tensor-parallel engine makes for its prefix cache, recorded in issue order
 for the other ranks to make on their own shards: host-tier KV loads and write-backs (on the copy
 stream, numbered) and a hybrid model's recurrent-state snapshot copies (rows to snapshot slots and
-back, device snapshots to the host tier and back). One log for every kind, so the ranks replay
+back, device snapshots to the host tier and back, those on the copy stream and numbered with the
+KV copies). One log for every kind, so the ranks replay
 them in the order rank 0 issued them, whatever the kind; each store that copies writes into the
 same log (`CopyLog`), and `replay` hands each order back to the store of its kind.
 
@@ -46,9 +47,10 @@ class CopyKind(enum.Enum):
 @dataclass
 class CopyOrder:
     """One copy (or batch of copies) as rank 0 issued it: src[i] -> dst[i] in the slots or rows
-    `kind` names; `seq`: a KV copy's sequence number on rank 0's copy stream (the ranks check they
-    number it alike), a storage read's job number, 0 for the others; `payload`: a storage order's
-    records."""
+    `kind` names; `seq`: a host-tier copy's sequence number on rank 0's copy stream (KV, or a
+    snapshot between the tiers: the ranks check they number it alike), a storage read's job
+    number, 0 for the others; `payload`: a storage order's records, whether a snapshot write-back
+    was staged."""
     kind: CopyKind
     src: array
     dst: array

@@ -83,23 +83,17 @@ class DiskSnapshots:
         if state is None or page_hash is None or snapshot_key(page_hash) in self.store:
             return
         if state.host_slot is not None:
-            self._sync()  # its write-back is queued on the compute stream
+            self.states.snapshots.sync()  # its write-back may still be on the copy stream
             host = self.host.snapshots
             data, source = state_bytes(host.conv, host.ssm, state.host_slot), ("host_state", state.host_slot)
         elif wait and state.slot is not None:
+            self.states.snapshots.sync()  # its load may still be on the copy stream
             device = self.states.snapshots
             data, source = state_bytes(device.conv, device.ssm, state.slot), ("device_state", state.slot)
         else:
             return
         if self.store.write(snapshot_record(page_hash), data, wait=wait, source=source):
             self.written += 1
-
-    def _sync(self) -> None:
-        """Wait for the snapshot copies queued on the compute stream (on CUDA): the host side reads or
-        writes a host snapshot slot itself only here."""
-        conv = self.states.snapshots.conv[0]
-        if conv.is_cuda:
-            torch.cuda.current_stream(conv.device).synchronize()
 
     def _host_evicts(self, node: TreeNode) -> None:
         if node.key and len(node.key) % self.page_size == 0:
@@ -131,7 +125,7 @@ class DiskSnapshots:
         if state is not None and state.held:
             return end - start  # a snapshot came back there meanwhile
         host = self.host.snapshots
-        self._sync()  # a freed host slot may still be read by a queued load
+        self.states.snapshots.sync()  # a freed host slot may still be read by a queued load
         def fill(slot: int) -> None:
             fill_state(host.conv, host.ssm, slot, data)
             self.store.placed_state(slot)  # the other tensor-parallel ranks fill theirs

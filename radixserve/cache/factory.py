@@ -142,10 +142,11 @@ def host_tier(kv_pool: KVPool, tokens: int, snapshot_slots: int = 0) -> HostTier
     when the device pool is on CUDA."""
     pinned = kv_pool.k_buffers[0].device.type == "cuda"
     pool = HostKVPool(tokens, kv_pool, pin=pinned)
+    copier = make_copy_engine(kv_pool, pool)
     snapshots = None
-    if kv_pool.snapshots is not None and snapshot_slots:
-        snapshots = HostStateSnapshots(snapshot_slots, kv_pool.snapshots, pin=pinned)
-    return HostTier(pool, make_copy_engine(kv_pool, pool), snapshots)
+    if kv_pool.snapshots is not None and snapshot_slots:  # its copies go on the KV's copy stream
+        snapshots = HostStateSnapshots(snapshot_slots, kv_pool.snapshots, pin=pinned, copier=copier)
+    return HostTier(pool, copier, snapshots)
 
 
 def make_host_tier(settings: ServerSettings, kv_pool: KVPool, agree: Agree = _alone) -> Optional[HostTier]:

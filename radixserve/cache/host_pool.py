@@ -15,10 +15,19 @@ slots can be reused by the very next step), and the copy stream moves it to the 
 (the test suite's "device") the copies run synchronously, but their completion is still observed
 only by `poll`, so the scheduler's issued -> done path is the same.
 
+A hybrid model's recurrent-state snapshots between the tiers (state_snapshots.HostStateSnapshots)
+go on the same stream, numbered in the same sequence (`issue`): the copy stream first waits for
+the work queued on the compute stream so far (a save or a forward pass wrote the device slot or
+the staging buffer a write-back reads; a restore may still read the slot a load overwrites), then
+copies between device and pinned host memory. So one "done" counter covers a request's KV load
+and the snapshot load beside it, and a snapshot slot's copy is done when `done_seq` passes its
+number.
+
 Under tensor parallelism each rank holds a host pool for its own KV shard, with the same slot
 numbering. Rank 0's engine records every copy it issues (into `log`, cache/copy_log.py, when it has
 one); the other ranks replay them in the same order on their own shard (`replay`) and make their compute
-stream wait for them when rank 0 has seen its own copies done (`compute_waits_for`); see
+stream wait for them (the loads, and the snapshot copies, which read or write device slots on the
+copy stream) when rank 0 has seen its own copies done (`compute_waits_for`); see
 docs/tensor_parallel.md for why that ordering is enough.
 """
 
@@ -28,7 +37,7 @@ import time
 from array import array
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -128,8 +137,9 @@ class CopyEngine:
         self.issued_seq = 0
         self.done_seq = 0
         self.stats = CopyStats()
-        # (seq, tokens loaded or 0, end event, start event) of copies not yet seen done.
-        self._pending: deque[tuple[int, int, object, object]] = deque()
+        # (seq, tokens loaded or 0, end event, start event, whether the other ranks' compute stream
+        # waits for it) of copies not yet seen done.
+        self._pending: deque[tuple[int, int, object, object, bool]] = deque()
         # Every copy issued, kept for the other tensor-parallel ranks (None: not kept).
         self.log: Optional[CopyLog] = None
 
@@ -147,13 +157,26 @@ class CopyEngine:
         seq = self._next(False, dev_slots, host_slots)
         self.stats.written_back_tokens += dev_slots.numel()
         self.stats.written_back_bytes += dev_slots.numel() * self.host.bytes_per_token
-        self._pending.append((seq, 0, *self._write_back(dev_slots, host_slots)))
+        self._pending.append((seq, 0, *self._write_back(dev_slots, host_slots), False))
         return seq
 
     def load(self, host_slots: torch.Tensor, dev_slots: torch.Tensor) -> int:
         seq = self._next(True, dev_slots, host_slots)
-        self._pending.append((seq, dev_slots.numel(), *self._load(host_slots, dev_slots)))
+        self._pending.append((seq, dev_slots.numel(), *self._load(host_slots, dev_slots), True))
         return seq
+
+    def issue(self, copy: Callable[[], None], *, waits: bool = True, uses: Sequence[torch.Tensor] = ()) -> int:
+        """Another store's copy between device and pinned host memory (a hybrid's snapshots between
+        the tiers), numbered and completed in order with the KV copies: on the copy stream, after
+        the work queued on the compute stream so far; copy() queues it on the current stream (the
+        copy stream on CUDA). The caller logs it for the other ranks with the number returned.
+        waits: it reads or writes device memory the compute stream may use once the copy is seen
+        done, so the other ranks' compute stream waits for it as for a load (False: a write-back
+        from a staging buffer). uses: device tensors the copy reads that the caller drops at once
+        (a staging buffer), kept from reuse until the copy stream is through with them."""
+        self.issued_seq += 1
+        self._pending.append((self.issued_seq, 0, *self._issue(copy, uses), waits))
+        return self.issued_seq
 
     def replay(self, order: CopyOrder) -> None:
         """Issue rank 0's copy on this rank's shard; it gets the same sequence number."""
@@ -165,13 +188,14 @@ class CopyEngine:
                                "have diverged")
 
     def compute_waits_for(self, seq: int) -> None:
-        """Make the work queued from now on the compute stream wait for the loads up to copy seq
-        (the host does not block), and forget the copies up to it (their completion is rank 0's to
-        observe). Write-backs need no wait: their device reads are queued on the compute stream."""
+        """Make the work queued from now on the compute stream wait for the loads and snapshot
+        copies up to copy seq (the host does not block), and forget the copies up to it (their
+        completion is rank 0's to observe). KV write-backs need no wait: their device reads are
+        queued on the compute stream."""
         last_load = None
         while self._pending and self._pending[0][0] <= seq:
             entry = self._pending.popleft()
-            if entry[1]:
+            if entry[4]:
                 last_load = entry[2]
         if last_load is not None:
             self._stream_waits(last_load)  # copies complete in issue order: the last covers the rest
@@ -198,8 +222,8 @@ class CopyEngine:
         other than 0 reads or writes its host pool itself at rank 0's storage orders)."""
         self._drain()
 
-    def _retire(self, entry: tuple[int, int, object, object]) -> None:
-        seq, tokens, end, start = entry
+    def _retire(self, entry: tuple[int, int, object, object, bool]) -> None:
+        seq, tokens, end, start, _ = entry
         if tokens:
             self.stats.loaded_tokens += tokens
             self.stats.loaded_bytes += tokens * self.host.bytes_per_token
@@ -212,6 +236,11 @@ class CopyEngine:
 
     def _load(self, host_slots: torch.Tensor, dev_slots: torch.Tensor) -> tuple[object, object]:
         raise NotImplementedError
+
+    def _issue(self, copy: Callable[[], None], uses: Sequence[torch.Tensor]) -> tuple[object, object]:
+        start = time.perf_counter()
+        copy()  # synchronous: complete at issue
+        return time.perf_counter(), start
 
     def _is_done(self, event: object) -> bool:
         return True
@@ -299,6 +328,18 @@ class CudaCopyEngine(CopyEngine):
                     v[chunk] = staging[:count, layer, 1]
             end.record(self.stream)
         return end, start
+
+    def _issue(self, copy: Callable[[], None], uses: Sequence[torch.Tensor]) -> tuple[object, object]:
+        queued = torch.cuda.Event()
+        queued.record()  # what the compute stream wrote (or still reads) is done once it passes this
+        end = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(queued)
+            copy()
+            end.record(self.stream)
+        for tensor in uses:
+            tensor.record_stream(self.stream)
+        return end, end  # not timed: only the KV loads' bandwidth is measured
 
     def _is_done(self, event: object) -> bool:
         return event.query()  # type: ignore[attr-defined]

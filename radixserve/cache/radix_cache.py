@@ -159,10 +159,13 @@ class RadixCache:
     def admit(self, waiter: Waiter, *, room: int, spare_only: bool) -> Admission:
         """Whether a waiting request may start now, or waits for a copy of its prefix from the host
         or storage tier (started here within `room` device tokens: the host store's policy,
-        HostKV.admit); the Admission locks its prefix when it starts."""
+        HostKV.admit; with host snapshots, of the snapshot it would resume from too,
+        HostSnapshots.fetch); the Admission locks its prefix when it starts."""
         if self.host is None:
             return Admission(self, waiter)
         verdict, loading = self.host.admit(waiter, room, spare_only=spare_only, load=self.load)
+        if self.states is not None and self.states.host is not None and self.states.host.fetch(waiter.peek_node):
+            verdict = Verdict.WAITS
         return Admission(self, waiter, verdict, loading)
 
     def admit_ahead(self, arrivals: deque[Waiter], room: int) -> int:

@@ -333,6 +333,7 @@ class StorageReplica:
             data = state_bytes(host.conv, host.ssm, order.src[0])
         else:
             assert self.snapshots is not None
+            _sync(self.snapshots)  # a load into the slot may still be on the copy stream
             data = state_bytes(self.snapshots.conv, self.snapshots.ssm, order.src[0])
         key = record.key
         self._latest[key] = wseq
@@ -348,6 +349,6 @@ class StorageReplica:
 
 
 def _sync(snapshots: Optional[StateSnapshots]) -> None:
-    """Wait for the snapshot copies queued on the compute stream (CUDA)."""
-    if snapshots is not None and snapshots.conv[0].is_cuda:
-        torch.cuda.current_stream(snapshots.conv[0].device).synchronize()
+    """Wait for the snapshot copies queued so far, on the compute and the copy stream (CUDA)."""
+    if snapshots is not None:
+        snapshots.sync()

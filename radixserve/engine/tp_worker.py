@@ -87,7 +87,11 @@ class WorkerRank:
     @torch.inference_mode()
     def run_copies(self, copies: CopyBatch) -> None:
         """Issue rank 0's copies on this rank's shards, then hold this rank's compute stream until
-        its own KV loads up to the last one rank 0 has seen complete are complete."""
+        its own KV loads and host snapshot copies up to the last one rank 0 has seen complete are
+        complete. Also before the replay: a snapshot restore among the orders (on the compute
+        stream) may read a slot that an earlier message's snapshot load fills."""
+        if self.copier is not None:
+            self.copier.compute_waits_for(copies.done_seq)
         replay(copies.orders, self.copier, self.kv_pool.snapshots, self.storage)
         if self.copier is not None:
             self.copier.compute_waits_for(copies.done_seq)

@@ -11,10 +11,14 @@ A node's snapshot (`Snapshot`, stores/snapshots.py) lives on one tier at a time:
   the device: one is written back only when it is evicted there, under either write policy.
 - **Load** (`to_device`): a load of KV back from the host goes only up to the deepest snapshot on
   either tier (KV beyond it resumes nobody); the snapshots on it stay on the host. The one a
-  request resumes from is copied to a device slot when the request is admitted on it (the slot is
-  taken as `take_state` takes one, evicting a device snapshot nobody holds if the pool is full):
-  the copy is queued ahead of the restore that reads it. The snapshots a load passes over on the
-  way are not copied (each is a running request's whole state: 151 MiB for the 27B).
+  request would resume from is copied to a device slot while the request waits in admission
+  (`fetch`, asked by every admission of it: started with its KV load, right after it in the copy
+  sequence, or alone when its KV is on the device); the request is admitted only once `poll` has
+  seen the copy done, and a match uses the snapshot only then. The device slot is taken as
+  `take_state` takes one (evicting a device snapshot nobody holds if the pool is full; one being
+  written back may be taken at once: the load is queued after that copy). At most a quarter of the
+  device pool loads at once (each evicts another snapshot). The snapshots a load passes over on
+  the way are not copied (each is a running request's whole state: 151 MiB for the 27B).
 - **Host eviction**: host snapshots are evicted by the same worth as device ones, waited-for ones
   last; a node leaving the tree frees its host snapshot. A device snapshot taken where the host
   holds one replaces it (`replaced`). With a storage tier, one evicted for room is handed to it
@@ -22,14 +26,15 @@ A node's snapshot (`Snapshot`, stores/snapshots.py) lives on one tier at a time:
 
 So a device snapshot sits only at a node on the device, a host snapshot at a node with KV on
 either tier, never both at one node (`check`); a match reported to a waiting request (`peek`)
-runs to the deepest node end holding a snapshot on either tier; the device match stops at the
-deepest one on the device once it has brought back the host one at the end of the KV's device
-part. The host part of a peeked match is its KV's host part: the snapshot at its end comes back
-at admission, wherever its KV was.
+runs to the deepest node end holding a snapshot on either tier; the device match (at admission)
+stops at the deepest one on the device whose load, if any, is done: the request waited for the
+one at the end of its KV's device part. The host part of a peeked match is its KV's host part:
+the snapshot at its end comes back while the request waits, wherever its KV was.
 
-Every copy of a snapshot between the tiers is queued on the compute stream (state_snapshots.py
-says why that orders them with everything else); under tensor parallelism they go to the other
-ranks in the one copy log (copy_log.py).
+Every copy of a snapshot between the tiers goes on the host tier's copy stream, numbered with the
+KV copies (state_snapshots.py says how each hazard is covered: a written-back device slot is not
+reused, nor a loaded one read, before its copy is done); under tensor parallelism they go to the
+other ranks in the one copy log (copy_log.py) with their numbers.
 """
 
 from __future__ import annotations
@@ -93,26 +98,64 @@ class HostSnapshots:
     def reset(self) -> None:
         self.held = 0
         self._heap: list[tuple[tuple, TreeNode]] = []
+        self._loading: list[tuple[int, TreeNode]] = []  # (copy number, node) of loads maybe in flight
 
     def reset_counters(self) -> None:
         self.counters = HostSnapshotCounters()
 
     # ------------------------------------------------------------------ between the tiers
+    def loading(self, node: TreeNode) -> bool:
+        """node's device snapshot is still being copied back from the host."""
+        state = node.state
+        return state is not None and state.slot is not None and state.loading_seq > self.snapshots.copier.done_seq
+
+    def fetch(self, node: Optional[TreeNode]) -> bool:
+        """Admission asks of a waiting request whose peeked match ends at node: the snapshot it would
+        resume from now (the deepest on its path's device part) is copied back to the device if it
+        lies on the host. True while the request must wait for such a copy (started here or before;
+        or every copy the pool allows is in flight); False when it may start (its snapshot is on
+        the device, or no device slot can be had: it resumes above)."""
+        if node is None or node.removed:
+            return False
+        path = []
+        while node.parent is not None and node.namespace is None:
+            path.append(node)
+            node = node.parent
+        target = None
+        for n in reversed(path):
+            if n.value is None:  # on the host only (a load of its KV may start later)
+                break
+            if n.state is not None and n.state.held:
+                target = n
+        if target is None:
+            return False
+        if target.state.slot is not None:
+            return self.loading(target)
+        done = self.snapshots.copier.done_seq
+        self._loading = [(seq, n) for seq, n in self._loading if seq > done and not n.removed]
+        if len(self._loading) >= max(1, self.store.snapshots.num_slots // 4):
+            return True  # others' loads first: each takes a device slot, evicting another snapshot
+        self.to_device(target)
+        return target.state is not None and self.loading(target)
+
     def to_device(self, node: TreeNode) -> None:
         """Copy node's host snapshot to a device slot (taken as `take_state` takes one, evicting a
-        device snapshot nobody holds if the pool is full); it stays on the host when every device
-        snapshot is held."""
+        device snapshot nobody holds if the pool is full), on the copy stream: usable once the copy
+        is seen done (`loading`); it stays on the host when every device snapshot is held."""
         store, state = self.store, node.state
         host_slot = state.host_slot
         state.host_slot = None  # out of host eviction's reach while the device pool makes room
         slot = store._alloc_snapshot(evict_waited=True)
+        if slot is None:  # the one evicted for room (or another) may still be written back
+            slot = store.snapshots.alloc(behind_copies=True)
         if slot is None:
             state.host_slot = host_slot
             self._push(node)
             return
         self.held -= 1
-        self.snapshots.load([host_slot], [slot])
-        self.snapshots.free(host_slot)  # reused only by copies queued after this one
+        state.loading_seq = self.snapshots.load([host_slot], [slot])
+        self._loading.append((state.loading_seq, node))
+        self.snapshots.free(host_slot)  # reused only by copies queued after this one, on the same stream
         self.counters.loaded += 1
         state.slot = slot
         state.worth = None  # only kept snapshots go to the host
@@ -134,7 +177,7 @@ class HostSnapshots:
         if any(s == state.slot for _, s in store._unissued):
             store.issue()  # hung on the tree by a launched step whose copy is still queued there
         self.snapshots.write_back([state.slot], [host_slot])
-        store.snapshots.free(state.slot)  # reused only by copies queued after this one
+        store.snapshots.free(state.slot)  # reused once the copy is done (or by a load queued after it)
         state.slot = None
         state.from_host = False
         store.snapshots_held -= 1

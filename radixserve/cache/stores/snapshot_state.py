@@ -34,6 +34,7 @@ class Snapshot:
     # the request that took it: what the snapshot is worth (snapshot_policy.py).
     saves: int = 1
     from_host: bool = False  # loaded back from the host and no request resumed from it yet
+    loading_seq: int = 0  # the copy that loaded it back (usable once the copy engine saw it done)
 
     @property
     def held(self) -> bool:

@@ -166,7 +166,7 @@ class SnapshotStore(SnapshotEviction):
             return False
         if not ready:
             return state.held
-        return state.slot is not None and self._ready(node)
+        return state.slot is not None and self._ready(node) and not self._snapshot_held(node)
 
     def peek_park(self, tokens: Sequence[int], namespace: Optional[str]) -> tuple[int, TreeNode, object]:
         """The usable length, parked at its node under the child key of the next page: a snapshot
@@ -186,18 +186,9 @@ class SnapshotStore(SnapshotEviction):
     def match(self, tokens: Sequence[int], namespace: Optional[str]) -> MatchResult:
         """The usable prefix (its nodes accessed, none split: a snapshot sits at a node's end) and,
         where the KV match runs far enough past it, the end of the KV match as a chunk end. A host
-        snapshot past the deepest device one on the device part of the match (the device pool had
-        evicted it to the host) is brought back first."""
+        snapshot on the match's device part was brought back while the request waited (its
+        admission: `HostSnapshots.fetch`); one still loading is not used."""
         tree = self.tree
-        if self.host is not None:
-            deepest: Optional[TreeNode] = None
-            for node, n, _ in tree.walk(tokens, namespace):
-                if not self._ready(node):
-                    break
-                if n == len(node.key) and node.state is not None and node.state.held:
-                    deepest = node
-            if deepest is not None and deepest.state.slot is None:
-                self.host.to_device(deepest)
         tick = tree.next_tick()
         usable, last, kv = self._usable_walk(tokens, namespace)
         pieces: list[torch.Tensor] = []
@@ -551,8 +542,9 @@ class SnapshotStore(SnapshotEviction):
             self._drop_snapshot(node, removing=False)
 
     def _snapshot_held(self, node: TreeNode) -> bool:
-        """A load holds node's snapshot: its KV is being copied back from the host."""
-        return self.kv_host is not None and self.kv_host.loading(node)
+        """A load holds node's snapshot: its KV, or the snapshot itself, is being copied back from the host."""
+        return ((self.kv_host is not None and self.kv_host.loading(node))
+                or (self.host is not None and self.host.loading(node)))
 
     # ------------------------------------------------------------------ the tree's hooks
     def eviction_rank(self, node: TreeNode) -> tuple:
