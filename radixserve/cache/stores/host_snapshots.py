@@ -115,8 +115,8 @@ class HostSnapshots:
         lies on the host. True while the request must wait for such a copy (started here or before;
         or every copy the pool allows is in flight); False when it may start (its snapshot is on
         the device, or no device slot can be had: it resumes above)."""
-        if node is None or node.removed:
-            return False
+        if node is None or node.removed or not (self.held or self._loading):
+            return False  # nothing on the host, nothing loading
         path = []
         while node.parent is not None and node.namespace is None:
             path.append(node)
