@@ -242,7 +242,7 @@ def test_a_retracted_request_keeps_the_state_where_it_stopped_even_when_sequence
         computed = b.kv_len
         h.step()
     assert computed > 100 and a.finish_reason is None
-    assert h.cache.peek_park(b.match_target())[0] == computed == len(b.match_target())
+    assert h.cache.waiting.peek_park(b.match_target())[0] == computed == len(b.match_target())
     while b.finish_reason is None or a.finish_reason is None:
         h.step()
     h.sched.check_invariants()

@@ -67,7 +67,7 @@ can go, no snapshot is taken (never an error: a later request computes a little 
 evicted for KV frees its snapshot with it, and leaves without a snapshot are evicted for KV first
 (their KV beyond the last snapshot can only be computed again by whoever needs it). Every snapshot
 slot is owned exactly once: by a node, by the row of a running request that took it and has not
-hung it on the tree yet, or by the free list (`check_invariants`).
+hung it on the tree yet, or by the free list (`CacheMemory.check`).
 
 How these rules were chosen, and the memory split between running rows, snapshots and KV that
 they need: the scheduler simulator's hybrid runs (`radixserve.bench.scheduler_sim --hybrid-27b`),
