@@ -354,3 +354,20 @@ def test_checkpoints_that_save_more_get_the_slots_and_fresh_ones_replace_stale_o
     h.run(b, output=1)
     assert [h.cache.peek(b[:n])[0] for n in (1100, 2060)] == [1024, 2048]
     assert h.cache.peek(a[:2060])[0] == 0
+
+
+@pytest.mark.xfail(strict=True, reason="unmarked chat: the first users' prompt and sequence ends, kept while "
+                   "their windows are empty, push every checkpoint out before the second users come")
+def test_a_burst_of_new_prompts_keeps_their_checkpoints_for_the_second_users():
+    """Unmarked chat traffic: four new 300-token system prompts, each with its first user, all at
+    once, and eight snapshot slots. The second users should find the checkpoint at 256 tokens and
+    the third users the whole system prompt; today the first users' prompt ends and sequence ends
+    (kept while their windows are empty) take all eight slots and the second users find nothing."""
+    h = Harness(slots=8, rows=4)
+    systems = [ids(300, 100000 * s) for s in range(4)]
+    firsts = h.run(*[system + ids(40, 100000 * s + 50000) for s, system in enumerate(systems)])
+    assert [r.cached_tokens for r in firsts] == [0] * 4
+    seconds = h.run(*[system + ids(40, 100000 * s + 60000) for s, system in enumerate(systems)])
+    assert [r.cached_tokens for r in seconds] == [256] * 4
+    thirds = h.run(*[system + ids(40, 100000 * s + 70000) for s, system in enumerate(systems)])
+    assert [r.cached_tokens for r in thirds] == [300] * 4
