@@ -69,8 +69,8 @@ def evict_to_host(engine: Engine, prompt: list[int]) -> None:
     """Serve prompt, then push it out of the device pool into the host tier."""
     engine.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 1, "temperature": 0})
     cache = engine.core.cache
-    cache.evict(cache.evictable_size)
-    assert cache.evictable_size == 0 and cache.host_size > 0
+    cache.evict(cache.memory.evictable)
+    assert cache.memory.evictable == 0 and cache.host_size > 0
 
 
 def test_a_request_waiting_for_its_load_does_not_hold_up_others(tiny_dir):

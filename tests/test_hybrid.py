@@ -448,7 +448,7 @@ def test_tp2_shards_both_layer_kinds_and_the_experts_and_resumes_with_transforme
 
 def snapshot_nodes(cache) -> tuple[int, int]:
     """(nodes holding a device snapshot, nodes holding a host snapshot)."""
-    nodes = list(cache.iter_nodes())
+    nodes = list(cache.waiting.iter_nodes())
     return (sum(n.state is not None and n.state.slot is not None for n in nodes),
             sum(n.state is not None and n.state.host_slot is not None for n in nodes))
 
@@ -523,8 +523,8 @@ def test_a_conversations_next_turn_resumes_from_the_host_tier(qwen3_5):
         cache = engine.core.cache
         first = engine.generate(input_ids=[turn1], sampling_params={**GREEDY, "max_new_tokens": 8})[0]
         computed = len(turn1) + len(first["output_ids"]) - 1
-        cache.evict(cache.evictable_size)
-        assert cache.evictable_size == 0 and snapshot_nodes(cache)[0] == 0 and snapshot_nodes(cache)[1] > 0
+        cache.evict(cache.memory.evictable)
+        assert cache.memory.evictable == 0 and snapshot_nodes(cache)[0] == 0 and snapshot_nodes(cache)[1] > 0
         turn2 = turn1 + first["output_ids"] + [11, 12, 13, 14, 15, 16, 17]
         assert cache.peek(turn2[:-1])[0] == computed  # found on the host
         second = engine.generate(input_ids=[turn2], sampling_params=GREEDY)[0]
@@ -571,7 +571,7 @@ def test_without_host_snapshots_the_host_tier_resumes_nothing_it_holds(qwen3_5):
         cache = engine.core.cache
         assert engine.core.kv_pool.snapshots.host is None
         first = engine.generate(input_ids=[turn1], sampling_params={**GREEDY, "max_new_tokens": 8})[0]
-        cache.evict(cache.evictable_size)
+        cache.evict(cache.memory.evictable)
         assert snapshot_nodes(cache) == (0, 0) and cache.host_size > 0
         turn2 = turn1 + first["output_ids"] + [11, 12]
         second = engine.generate(input_ids=[turn2], sampling_params=GREEDY)[0]

@@ -1,6 +1,6 @@
 """Each prefix cache (the device tree, the tree with a host tier, a hybrid model's tree with
 recurrent-state snapshots, that tree over a host tier which keeps snapshots too, the cache that
-keeps nothing) driven through the `PrefixCache` protocol
+keeps nothing) driven through the `PrefixCache` protocol and its parts
 exactly as the scheduler drives it: the real
 `WaitingQueue` parks requests on their peeked matches, host parts are loaded back through
 `PrefixCache.admit` as the scheduler asks for them, and the real `KVManager` locks a match, grows a request, caches its
@@ -47,10 +47,12 @@ from radixserve.cache.factory import host_tier, tree_cache
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.cache.namespace import cache_namespace, namespace_page_parent
 from radixserve.cache.no_cache import NoPrefixCache
-from radixserve.cache.prefix_cache import OwnedPrefixCache, PrefixCache
+from radixserve.cache.conversations import Conversations
+from radixserve.cache.prefix_cache import CacheMemory, OwnedPrefixCache, PrefixCache
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
 from radixserve.cache.state_snapshots import StateSnapshots
+from radixserve.cache.waiting_view import WaitingView
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.request import Req, ReqState
@@ -157,7 +159,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     def _schedule(self) -> None:
         """The start of a step's scheduling: the cache takes in what the steps before did."""
-        self.cache.poll()
+        self.cache.waiting.poll()
         self.waiting.refresh()
 
     def _gave(self, req: Req, n: int) -> None:
@@ -204,7 +206,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         computed = first.kv_len
         self.kv.cache_req(first, finished=True)
         self._gave(first, self.cache.insertable_len(computed))
-        self.cache.evict(self.cache.evictable_size)
+        self.cache.evict(self.cache.memory.evictable)
         hits = self.cache.snapshot_stats()["host_snapshot_hits"]
         self.waiting.add(second)
         self._admit(second)  # checks that a resumed row holds the state of exactly its prefix
@@ -230,7 +232,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.kind in TIERED and self.cache.loading_tokens)
     @rule()
     def poll(self) -> None:
-        self.cache.poll()
+        self.cache.waiting.poll()
         self.waiting.refresh()
         assert self.cache.loading_tokens == 0  # CPU copies are done as they are issued
 
@@ -265,7 +267,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self._schedule()
         admission = self.cache.admit(req, room=DEVICE_TOKENS, spare_only=False)
         if admission.waits:
-            self.cache.poll()
+            self.cache.waiting.poll()
             self.waiting.refresh()
             if admission.loading:
                 assert self.cache.host_part(req.peek_len, req.peek_node) == (0, False), "a finished load left a host part"
@@ -378,20 +380,20 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.waiting.add(req)
 
     # ------------------------------------------------------------------ memory
-    @precondition(lambda self: self.cache.evictable_size)
+    @precondition(lambda self: self.cache.memory.evictable)
     @rule(n=st.integers(1, 40))
     def evict(self, n: int) -> None:
         self.cache.evict(n)
         for req in self.running:  # what running requests hold stays on the device
-            held = self.cache.match_kv(req.fill_ids[:req.locked_len], namespace=req.cache_namespace)
+            held = self.cache.match(req.fill_ids[:req.locked_len], namespace=req.cache_namespace, kv_only=True)
             assert held.length == req.locked_len
 
-    @precondition(lambda self: self.kind in TIERED and self.cache.evictable_size)
+    @precondition(lambda self: self.kind in TIERED and self.cache.memory.evictable)
     @rule()
     def evict_to_host(self) -> None:
         """Everything nobody holds leaves the device (to the host, where it has room), so that a
         later turn of a conversation finds its prefix, and its snapshot, only there."""
-        self.cache.evict(self.cache.evictable_size)  # (a node whose host copy a copy still uses stays)
+        self.cache.evict(self.cache.memory.evictable)  # (a node whose host copy a copy still uses stays)
 
     @precondition(lambda self: not self.running and self.cache.num_nodes > 1)
     @rule()
@@ -432,7 +434,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             while node is not None and node.parent is not None:
                 expected[node] += 1
                 node = node.parent
-        for node in self.cache.iter_nodes():
+        for node in self.cache.waiting.iter_nodes():
             assert node.waiters == expected[node], f"{node}: {node.waiters} waiters, expected {expected[node]}"
 
     @invariant()
@@ -471,7 +473,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 stack.append((path, child, namespace))
         if not self._keeps():
             assert self.cache.num_nodes == 1 and not self.cache.root.children
-            assert self.cache.evictable_size == self.cache.protected_size == 0
+            assert self.cache.memory.evictable == self.cache.memory.protected == 0
 
 
     @invariant()
@@ -548,17 +550,29 @@ def _protocol_members() -> dict[str, object]:
     return members
 
 
+# The protocol's parts (PrefixCache attributes) and the protocol each implements.
+PARTS = {"memory": CacheMemory, "waiting": WaitingView, "conversations": Conversations}
+
+
+def _check_members(obj: object, protocol: type, declared_members: dict[str, object]) -> None:
+    for name, declared in declared_members.items():
+        assert hasattr(obj, name), f"{type(obj).__name__} lacks {protocol.__name__}.{name}"
+        if inspect.isfunction(declared):
+            want = list(inspect.signature(declared).parameters)[1:]
+            got = list(inspect.signature(getattr(obj, name)).parameters)
+            assert got == want, f"{type(obj).__name__}.{name}{got} is not the protocol's {want}"
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_cache_implements_the_whole_protocol_with_its_signatures(kind: str) -> None:
     pool = KVPool(16, 1, 1, 1, 2, torch.float32, "cpu")
     cache = make_cache(kind, pool, host_tokens=16)
     assert isinstance(cache, OwnedPrefixCache)
-    for name, declared in _protocol_members().items():
-        assert hasattr(cache, name), f"{type(cache).__name__} lacks {name}"
-        if inspect.isfunction(declared):
-            want = list(inspect.signature(declared).parameters)[1:]
-            got = list(inspect.signature(getattr(cache, name)).parameters)
-            assert got == want, f"{type(cache).__name__}.{name}{got} is not the protocol's {want}"
+    _check_members(cache, OwnedPrefixCache, _protocol_members())
+    for part, protocol in PARTS.items():
+        members = {name: value for name, value in vars(protocol).items() if not name.startswith("_")}
+        members.update({name: None for name in vars(protocol).get("__annotations__", {})})
+        _check_members(getattr(cache, part), protocol, members)
 
 
 def test_the_cache_that_keeps_nothing_frees_a_leaving_requests_slots_and_reports_no_hit() -> None:

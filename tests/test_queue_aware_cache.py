@@ -33,33 +33,33 @@ def test_waited_prefix_is_evicted_last(policy):
     _insert(cache, old)  # older, and evicted first by every policy without waiters
     _insert(cache, new)
     _, old_node = cache.peek(old)
-    cache.add_waiter(old_node)
-    assert cache.waited_evictable_size == 10 and cache.reclaimable_size == 10
+    cache.waiting.add_waiter(old_node)
+    assert cache.memory.waited == 10 and cache.memory.reclaimable == 10
     assert cache.evict(10) == 10
     assert cache.peek(old)[0] == 10 and cache.peek(new)[0] == 0
-    cache.check_invariants()
+    cache.memory.check()
     cache.evict(10)  # nothing else is left: the waited prefix goes too
-    assert cache.peek(old)[0] == 0 and cache.waited_evictable_size == 0
-    cache.remove_waiter(old_node)  # the request re-parks after the eviction: counts stay consistent
-    cache.check_invariants()
+    assert cache.peek(old)[0] == 0 and cache.memory.waited == 0
+    cache.waiting.remove_waiter(old_node)  # the request re-parks after the eviction: counts stay consistent
+    cache.memory.check()
 
 
 def test_waiter_counts_follow_locks_splits_and_flush():
     cache = RadixCache(PageAllocator(64, 1))
     _insert(cache, list(range(20)))
     _, node = cache.peek(list(range(20)))
-    cache.add_waiter(node)
-    assert cache.waited_evictable_size == 20
+    cache.waiting.add_waiter(node)
+    assert cache.memory.waited == 20
     match = cache.match(list(range(8)) + [99])  # splits the node after 8 tokens and locks nothing yet
-    cache.inc_lock(match.last_node)
-    assert cache.waited_evictable_size == 12  # the locked upper part is protected, not evictable
-    cache.check_invariants()
-    cache.dec_lock(match.last_node)
-    assert cache.waited_evictable_size == 20
+    cache.lock(match.last_node)
+    assert cache.memory.waited == 12  # the locked upper part is protected, not evictable
+    cache.memory.check()
+    cache.unlock(match.last_node)
+    assert cache.memory.waited == 20
     assert cache.flush()
-    assert cache.waited_evictable_size == 0
-    cache.remove_waiter(node)  # a request parked before the flush leaves the old path
-    cache.check_invariants()
+    assert cache.memory.waited == 0
+    cache.waiting.remove_waiter(node)  # a request parked before the flush leaves the old path
+    cache.memory.check()
 
 
 def _scheduler(pool: int, clock, **overrides) -> Scheduler:
@@ -121,11 +121,11 @@ def test_waiting_prefix_is_no_room_for_a_new_request_while_busy():
     sched.process_results(batch, [7])
     sched.add_request(_req("hot-again", hot + [2], 2.0, max_new=2))
     sched.add_request(_req("cold", list(range(3000, 3090)), 2.0, max_new=2))
-    assert sched.cache.waited_evictable_size >= 200
+    assert sched.cache.memory.waited >= 200
     sched.waiting.remove(sched.reqs["hot-again"])  # as if it had not arrived yet: cold may use the room
-    room_without_waiter = sched.cache.reclaimable_size
+    room_without_waiter = sched.cache.memory.reclaimable
     sched.waiting.add(sched.reqs["hot-again"])
-    assert room_without_waiter - sched.cache.reclaimable_size >= 200
+    assert room_without_waiter - sched.cache.memory.reclaimable >= 200
     hot_again = sched.reqs["hot-again"]
     _run_to_end(sched)
     assert sched.reqs == {} and hot_again.cached_tokens == 200  # cold did not evict it
@@ -153,17 +153,17 @@ def test_a_finished_prompt_end_is_marked_and_found_by_the_next_turn_only():
     system, question = list(range(100, 120)), list(range(200, 220))
     prompt = system + question
     _insert(cache, prompt + [1, 2, 3])  # a finished request: its prompt and its output
-    cache.mark_prompt_end(prompt, beyond=0)
+    cache.conversations.mark_prompt_end(prompt, beyond=0)
     _, node = cache.peek(prompt)
     assert node.ends_prompt and len(cache.tree.path_tokens(node)) == len(prompt)  # split at the prompt's end
     next_turn = prompt + [9, 9] + list(range(300, 310))  # the conversation so far (another reply), more
-    assert cache.extends_a_prompt(cache.match(next_turn).last_node)
+    assert cache.conversations.extends_a_prompt(cache.match(next_turn).last_node)
     other = system + list(range(400, 420))  # another question under the same system prompt
-    assert not cache.extends_a_prompt(cache.match(other).last_node)  # split inside the marked node ...
-    assert cache.extends_a_prompt(cache.match(next_turn).last_node)  # ... whose lower part keeps the mark
-    cache.mark_prompt_end(other, beyond=len(other))  # found whole in the cache: marks nothing
-    assert not cache.extends_a_prompt(cache.match(other).last_node)
-    cache.check_invariants()
+    assert not cache.conversations.extends_a_prompt(cache.match(other).last_node)  # split inside the marked node ...
+    assert cache.conversations.extends_a_prompt(cache.match(next_turn).last_node)  # ... whose lower part keeps the mark
+    cache.conversations.mark_prompt_end(other, beyond=len(other))  # found whole in the cache: marks nothing
+    assert not cache.conversations.extends_a_prompt(cache.match(other).last_node)
+    cache.memory.check()
 
 
 def test_a_next_turn_that_retokenized_the_prompts_last_token_still_continues_it():
@@ -174,17 +174,18 @@ def test_a_next_turn_that_retokenized_the_prompts_last_token_still_continues_it(
     system, question = list(range(100, 120)), list(range(200, 220))
     prompt = system + question
     _insert(cache, prompt + [1, 2, 3])
-    cache.mark_prompt_end(prompt, beyond=0)
+    cache.conversations.mark_prompt_end(prompt, beyond=0)
     retokenized = prompt[:-1] + [219_000] + list(range(300, 310))
     match = cache.match(retokenized)
-    assert match.length == len(prompt) - 1 and cache.extends_a_prompt(match.last_node)
+    assert match.length == len(prompt) - 1 and cache.conversations.extends_a_prompt(match.last_node)
     far_short = prompt[:-PROMPT_END_SLACK - 1] + list(range(500, 520))
-    assert not cache.extends_a_prompt(cache.match(far_short).last_node)
+    assert not cache.conversations.extends_a_prompt(cache.match(far_short).last_node)
     # The same prompt sent again (its last token left to compute) continues nothing.
     again = cache.match(prompt[:-1])
-    assert not cache.extends_a_prompt(again.last_node, uncached=1)
-    assert cache.extends_a_prompt(cache.match(retokenized).last_node, uncached=len(retokenized) - match.length)
-    cache.check_invariants()
+    assert not cache.conversations.extends_a_prompt(again.last_node, uncached=1)
+    assert cache.conversations.extends_a_prompt(cache.match(retokenized).last_node,
+                                                uncached=len(retokenized) - match.length)
+    cache.memory.check()
 
 
 @pytest.mark.parametrize("sent_as", ["ids", "text"])
@@ -196,18 +197,18 @@ def test_prefix_hold_keeps_a_conversation_turns_prefix_for_its_duration(sent_as)
     first = list(range(400, 500))
     sched.add_request(_req("turn-1", first, 0.0, max_new=3))
     _run_to_end(sched)
-    assert sched.cache.waited_evictable_size == 0  # nothing says anyone comes back for it: not held
+    assert sched.cache.memory.waited == 0  # nothing says anyone comes back for it: not held
     second = first + [7, 7] + list(range(600, 620))  # the previous prompt, a reply, the next message
     if sent_as == "text":
         second[len(first) - 1] = 4999  # the boundary token re-read together with the reply
     sched.add_request(_req("turn-2", second, 0.0, max_new=3))
     _run_to_end(sched)
-    assert sched.cache.waited_evictable_size == len(second) + 2  # the prompt and the outputs with KV
+    assert sched.cache.memory.waited == len(second) + 2  # the prompt and the outputs with KV
     sched.check_invariants()
     now[0] = 0.9
-    assert not sched.release_expired_holds() and sched.cache.waited_evictable_size == len(second) + 2
+    assert not sched.release_expired_holds() and sched.cache.memory.waited == len(second) + 2
     now[0] = 1.1
-    assert sched.release_expired_holds() and sched.cache.waited_evictable_size == 0
+    assert sched.release_expired_holds() and sched.cache.memory.waited == 0
     sched.check_invariants()
 
 
@@ -233,16 +234,16 @@ def test_mostly_conversation_traffic_holds_every_finished_prefix():
     for i, prompt in enumerate(sessions):
         sched.add_request(_req(f"s{i}-1", prompt, 0.0, max_new=3))
     _run_to_end(sched)
-    assert sched.cache.waited_evictable_size == 0
+    assert sched.cache.memory.waited == 0
     for i, prompt in enumerate(sessions):
         sched.add_request(_req(f"s{i}-2", prompt + [7, 7, 5000 + i], 0.0, max_new=3))
     _run_to_end(sched)
-    held_turns = sched.cache.waited_evictable_size
+    held_turns = sched.cache.memory.waited
     assert held_turns == len(sessions) * (20 + 3 + 2)  # every second turn: its prompt and outputs with KV
     one_off = list(range(9000, 9030))
     sched.add_request(_req("one-off", one_off, 0.0, max_new=3))
     _run_to_end(sched)
-    assert sched.cache.waited_evictable_size == held_turns + len(one_off) + 2
+    assert sched.cache.memory.waited == held_turns + len(one_off) + 2
     sched.check_invariants()
 
 

@@ -156,7 +156,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         assert peek_len == result.length == n
         assert result.slots.tolist() == slots
         if lock and n:
-            self.cache.inc_lock(result.last_node)
+            self.cache.lock(result.last_node)
             self.locked.append((tokens[:n], result.last_node))
 
     # Looking up what was inserted: hits on whole leaves, so LRU, LFU and FIFO orders diverge.
@@ -168,14 +168,14 @@ class RadixCacheMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 100))
     def unlock(self, index: int) -> None:
         _, node = self.locked.pop(index % len(self.locked))
-        self.cache.dec_lock(node)
+        self.cache.unlock(node)
 
     # Small evictions most often: they show which leaf the policy picks first.
     @rule(n=st.one_of(st.integers(1, 4), st.integers(1, 40)))
     def evict(self, n: int) -> None:
-        before = self.cache.evictable_size
+        before = self.cache.memory.evictable
         freed = self._evict(n)
-        assert freed >= min(n, before) or self.cache.evictable_size == 0
+        assert freed >= min(n, before) or self.cache.memory.evictable == 0
         for tokens, _ in self.locked:  # locked prefixes survive any eviction
             assert self.cache.peek(tokens)[0] == len(tokens)
 
@@ -189,7 +189,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
     @invariant()
     def sizes_add_up(self) -> None:
         if hasattr(self, "cache"):
-            self.cache.check_invariants()
+            self.cache.memory.check()
 
 
 RadixCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
@@ -226,11 +226,11 @@ def test_flush_is_refused_while_locked() -> None:
     slots = alloc.pages_to_slots(alloc.alloc_pages(4))
     cache.insert([1, 2, 3, 4], slots)
     m = cache.match([1, 2, 3, 4])
-    cache.inc_lock(m.last_node)
+    cache.lock(m.last_node)
     assert not cache.flush()
-    cache.dec_lock(m.last_node)
+    cache.unlock(m.last_node)
     assert cache.flush()
-    cache.check_invariants()
+    cache.memory.check()
 
 
 def test_split_copies_and_does_not_share_views() -> None:

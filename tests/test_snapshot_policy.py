@@ -20,7 +20,7 @@ from radixserve.bench.scheduler_sim import HYBRID_27B, SimConfig, agent_sessions
 from radixserve.cache.factory import tree_cache
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.cache.radix_cache import PROMPT_END_SLACK
-from radixserve.cache.snapshot_policy import SEQUENCE_END_MIN_SHARE, SEQUENCE_END_PROBE, SEQUENCE_END_WINDOW
+from radixserve.cache.snapshot_policy import PROMPT_END_WINDOW, SEQUENCE_END_MIN_SHARE, SEQUENCE_END_PROBE, SEQUENCE_END_WINDOW
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
 from radixserve.cache.state_snapshots import StateSnapshots
 from radixserve.cache.factory import SNAPSHOT_SPAN_TOKENS, snapshot_split
@@ -40,8 +40,9 @@ class Harness:
         state = RecurrentStatePool(rows, SPEC, "cpu")
         snapshots = StateSnapshots(slots, state)
         self.cache = tree_cache(KVPool(pool, 1, 1, 1, 1, torch.float32, "cpu", state=state, snapshots=snapshots))
-        if agent:  # as after a window of sequence-end snapshots nobody resumed from: few are taken
+        if agent:  # as after an agent's windows: next turns resume at prompt ends, nobody at sequence ends
             self.cache.states._end_outcomes.extend([False] * SEQUENCE_END_WINDOW)
+            self.cache.states._prompt_end_outcomes.extend([True] * PROMPT_END_WINDOW)
         table = ReqToTokenPool(rows, 1, "cpu")
         table.write = lambda *a: None  # no model reads the slot table
         settings = ServerSettings(max_total_tokens=pool, device="cpu", prefix_hold_s=0.0, chunked_prefill_size=chunk)
@@ -242,7 +243,7 @@ def test_a_retracted_request_keeps_the_state_where_it_stopped_even_when_sequence
         computed = b.kv_len
         h.step()
     assert computed > 100 and a.finish_reason is None
-    assert h.cache.peek_park(b.match_target())[0] == computed == len(b.match_target())
+    assert h.cache.waiting.peek_park(b.match_target())[0] == computed == len(b.match_target())
     while b.finish_reason is None or a.finish_reason is None:
         h.step()
     h.sched.check_invariants()
@@ -250,14 +251,17 @@ def test_a_retracted_request_keeps_the_state_where_it_stopped_even_when_sequence
 
 def _leave_sequence_ends(h: Harness, conversations: int, *, echo: bool) -> int:
     """Run `conversations` two-turn conversations one after another; the second turn sends the
-    reply back as generated (echo) or as the agent renders it. Returns the snapshots taken."""
-    before = h.cache.states.counters.taken
+    reply back as generated (echo) or as the agent renders it. Returns the snapshots taken other
+    than checkpoints (prompt ends and sequence ends: a new prompt's ladder rung may take a slot from
+    an older guess, which says nothing of the sequence ends)."""
+    counters = h.cache.states.counters
+    before = counters.taken - counters.checkpoints_taken
     for c in range(conversations):
         prompt = ids(60, 100 * c + 100000)
         (first,) = h.run(prompt, output=12)
         history = prompt + first.output_ids if echo else prompt[:-1] + [9999] + ids(12, 9000)
         h.run(history + ids(30, 200000 + 100 * c), output=1)
-    return h.cache.states.counters.taken - before
+    return counters.taken - counters.checkpoints_taken - before
 
 
 def test_sequence_end_snapshots_are_kept_while_the_next_turns_resume_from_them():
@@ -346,11 +350,30 @@ def test_checkpoints_that_save_more_get_the_slots_and_fresh_ones_replace_stale_o
     """Five slots, a new 2,100-token prompt: its prompt's and its sequence's ends are kept, and of
     its checkpoints (32 ... 2,048 tokens in) the three that save most (2,048, 1,024, 512: each saves
     the tokens since the one below) take the other slots. A second such prompt later keeps its own
-    in their place: a checkpoint's worth halves with every turnover of the pool."""
+    in their place: a checkpoint's worth halves with every turnover of the pool. (Both windows
+    proven: a prompt's and a sequence's ends are kept, not guesses.)"""
     h = Harness(slots=5)
+    h.cache.states._prompt_end_outcomes.extend([True] * PROMPT_END_WINDOW)
+    h.cache.states._end_outcomes.extend([True] * SEQUENCE_END_WINDOW)
     a, b = ids(2100, 0), ids(2100, 10000)
     h.run(a, output=1)
     assert [h.cache.peek(a[:n])[0] for n in (300, 600, 1100, 2060)] == [0, 512, 1024, 2048]
     h.run(b, output=1)
     assert [h.cache.peek(b[:n])[0] for n in (1100, 2060)] == [1024, 2048]
-    assert h.cache.peek(a[:2060])[0] == 0
+    assert h.cache.peek(a[:2060])[0] < 2048  # a checkpoint ages by a tick per new prompt, not per checkpoint
+
+
+def test_a_burst_of_new_prompts_keeps_their_checkpoints_for_the_second_users():
+    """Unmarked chat traffic: four new 300-token system prompts, each with its first user, all at
+    once, and eight snapshot slots. The second users should find the checkpoint at 256 tokens and
+    the third users the whole system prompt: the first users' prompt ends and sequence ends are
+    guesses while their windows are empty (kept, they took all eight slots and the second users
+    found nothing)."""
+    h = Harness(slots=8, rows=4)
+    systems = [ids(300, 100000 * s) for s in range(4)]
+    firsts = h.run(*[system + ids(40, 100000 * s + 50000) for s, system in enumerate(systems)])
+    assert [r.cached_tokens for r in firsts] == [0] * 4
+    seconds = h.run(*[system + ids(40, 100000 * s + 60000) for s, system in enumerate(systems)])
+    assert [r.cached_tokens for r in seconds] == [256] * 4
+    thirds = h.run(*[system + ids(40, 100000 * s + 70000) for s, system in enumerate(systems)])
+    assert [r.cached_tokens for r in thirds] == [300] * 4

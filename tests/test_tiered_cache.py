@@ -113,7 +113,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
         assert result.length == peek_len - host, "the device part of a match"
         self._check_kv(tokens, result.slots)
         if lock and result.length:
-            self.cache.inc_lock(result.last_node)
+            self.cache.lock(result.last_node)
             self.locked.append((tokens[:result.length], result.last_node))
 
     @rule(tokens=inserted, lock=st.booleans())
@@ -133,25 +133,25 @@ class TieredCacheMachine(RuleBasedStateMachine):
 
     @rule()
     def poll(self) -> None:
-        self.cache.poll()
+        self.cache.waiting.poll()
         assert self.cache.loading_tokens == 0  # CPU copies finish at once; poll reports them all
 
     @rule(tokens=st.one_of(inserted, TOKENS))
     def wait(self, tokens: list[int]) -> None:
         _, node = self.cache.peek(tokens)
-        self.cache.add_waiter(node)
+        self.cache.waiting.add_waiter(node)
         self.waiting.append(node)
 
     @precondition(lambda self: self.waiting)
     @rule(index=st.integers(0, 100))
     def stop_waiting(self, index: int) -> None:
-        self.cache.remove_waiter(self.waiting.pop(index % len(self.waiting)))
+        self.cache.waiting.remove_waiter(self.waiting.pop(index % len(self.waiting)))
 
     @precondition(lambda self: self.locked)
     @rule(index=st.integers(0, 100))
     def unlock(self, index: int) -> None:
         _, node = self.locked.pop(index % len(self.locked))
-        self.cache.dec_lock(node)
+        self.cache.unlock(node)
 
     @precondition(lambda self: self.locked)
     @rule(index=st.integers(0, 100), extra=TOKENS)
@@ -162,7 +162,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
         extra = self._aligned(extra)
         own = self.alloc.alloc_pages(len(extra) // self.page)
         if own is None:
-            self.cache.dec_lock(node)
+            self.cache.unlock(node)
             return
         tokens = prefix + extra
         own_slots = self.alloc.pages_to_slots(own) if own else torch.empty(0, dtype=torch.int64)
@@ -174,7 +174,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
         already = self.cache.insert(tokens, slots)
         assert already >= len(prefix), "the locked prefix stayed on the device"
         self.alloc.free_slots(slots[len(prefix):already])
-        self.cache.dec_lock(node)
+        self.cache.unlock(node)
         self.ref.update(tuple(tokens[:i]) for i in range(self.page, len(tokens) + 1, self.page))
         self._check_kv(tokens, self.cache.match(tokens).slots)
         self._sync()
@@ -191,7 +191,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
     def flush(self) -> None:
         assert self.cache.flush()
         for node in self.waiting:
-            self.cache.remove_waiter(node)
+            self.cache.waiting.remove_waiter(node)
         self.ref, self.waiting = set(), []
         assert self.alloc.free_tokens == self.alloc.total_tokens
         assert self.cache.host.host_allocator.free_tokens == self.cache.host.host_allocator.total_tokens
@@ -199,7 +199,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
     @invariant()
     def sizes_add_up(self) -> None:
         if hasattr(self, "cache"):
-            self.cache.check_invariants()
+            self.cache.memory.check()
 
     @invariant()
     def kv_events_say_what_each_tier_holds(self) -> None:
@@ -250,10 +250,10 @@ def test_a_loading_prefix_is_locked_until_poll_reports_its_copy() -> None:
     assert cache.evict(8) == 8 and pool.allocator.free_tokens == 16
     assert cache.peek(list(range(8)))[0] == 8 and cache.match(list(range(8))).length == 0
     assert cache.load(list(range(8)), spare_only=True) == 8
-    assert cache.protected_size == 8 and cache.evict(16) == 0  # locked while loading
+    assert cache.memory.protected == 8 and cache.evict(16) == 0  # locked while loading
     assert cache.host_part(*cache.peek(list(range(8)))) == (8, True)
-    cache.poll()
-    assert cache.protected_size == 0 and cache.match(list(range(8))).length == 8
+    cache.waiting.poll()
+    assert cache.memory.protected == 0 and cache.match(list(range(8))).length == 8
     assert cache.host_part(*cache.peek(list(range(8)))) == (0, False)
-    cache.check_invariants()
+    cache.memory.check()
     assert cache.flush()

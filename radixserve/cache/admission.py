@@ -1,7 +1,7 @@
 """Admitting a waiting request: the cache's answer (`PrefixCache.admit`) and what follows from it.
 
 The scheduler asks when admission reaches a waiting request (and, ahead of that, as requests
-arrive: `PrefixCache.admit_ahead`). The cache decides whether the request may start now on what
+arrive: `WaitingView.admit_ahead`). The cache decides whether the request may start now on what
 is ready on the device, or must wait for a copy of its prefix from a lower tier (started by that
 call when there is room for it); the scheduler learns only the answer and the device room a copy
 took. A request that starts locks its prefix through the `Admission` (`lock`: the match, the lock,
@@ -88,10 +88,10 @@ class AdmittingCache(Protocol):
     def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> Match:
         ...
 
-    def inc_lock(self, node: Any) -> None:
+    def lock(self, node: Any) -> None:
         ...
 
-    def dec_lock(self, node: Any) -> None:
+    def unlock(self, node: Any) -> None:
         ...
 
 
@@ -123,7 +123,7 @@ class Admission:
         keeps one there). Sets `chunk_ends`: the positions its prompt pieces must end at."""
         waiter, cache = self.waiter, self.cache
         match = cache.match(waiter.match_target(), namespace=waiter.cache_namespace)
-        cache.inc_lock(match.last_node)
+        cache.lock(match.last_node)
         states = cache.states
         self.chunk_ends = match.chunk_ends if states is None else \
             states.resume(row, match, branch_at=branch_at, hints=waiter.branch_hints)
@@ -135,7 +135,7 @@ class Admission:
         the row is given back with nothing kept and the prefix unlocked."""
         if self.cache.states is not None:
             self.cache.states.cancel_resume(self.row)
-        self.cache.dec_lock(self.match.last_node)
+        self.cache.unlock(self.match.last_node)
 
     def commit(self, prompt_len: int) -> None:
         """The request runs, admitted for the first time: count its prompt and its hits (those

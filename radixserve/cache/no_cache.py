@@ -11,6 +11,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from radixserve.cache.admission import Admission, Waiter
+from radixserve.cache.conversations import NoConversations
 from radixserve.cache.kv_pool import PageAllocator, int64_tensor
 from radixserve.cache.prefix_cache import (CacheCounters, MatchResult, check_slot_ownership, no_host_tier_stats,
                                            no_snapshot_stats)
@@ -26,53 +27,29 @@ class NoPrefixCache:
         self.root = TreeNode([], _EMPTY_SLOTS, None, 0, 0)
         self.root.lock_ref = 1
         self.counters = CacheCounters()
-        self.evictable_size = 0
-        self.protected_size = 0
-        self.waited_evictable_size = 0
         self.num_nodes = 1
         self.copier = None
         self.states = None  # no request keeps a state beyond its KV here
         self.keeps_prefixes = False
         self.events: Optional[PageEventListener] = None
-        self.touched: set[tuple[TreeNode, object]] = set()
-
-    @property
-    def reclaimable_size(self) -> int:
-        return 0
+        self.memory = NoMemory(self)
+        self.waiting = NoWaiting(self)
+        self.conversations = NoConversations()
 
     # ------------------------------------------------------------------ lookups: nothing is cached
     def peek(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode]:
         return 0, self.root
 
-    def peek_park(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode, object]:
-        return 0, self.root, PARTIAL  # no change ever lengthens it
-
-    def extends_a_prompt(self, node: TreeNode, uncached: Optional[int] = None) -> bool:
-        return False
-
     def admit(self, waiter: Waiter, *, room: int, spare_only: bool) -> Admission:
         return Admission(self, waiter)  # nothing cached: nothing to wait for
 
-    def admit_ahead(self, arrivals: deque[Waiter], room: int) -> int:
-        arrivals.clear()
-        return 0
-
-    def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
+    def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None, kv_only: bool = False) -> MatchResult:
         return MatchResult(0, _EMPTY_SLOTS, self.root)
 
-    def match_kv(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
-        return MatchResult(0, _EMPTY_SLOTS, self.root)
-
-    def inc_lock(self, node: TreeNode) -> None:
+    def lock(self, node: TreeNode) -> None:
         assert node is self.root, f"{node} is not a handle of this cache"
 
-    def dec_lock(self, node: TreeNode) -> None:
-        assert node is self.root, f"{node} is not a handle of this cache"
-
-    def add_waiter(self, node: TreeNode) -> None:
-        assert node is self.root, f"{node} is not a handle of this cache"
-
-    def remove_waiter(self, node: TreeNode) -> None:
+    def unlock(self, node: TreeNode) -> None:
         assert node is self.root, f"{node} is not a handle of this cache"
 
     # ------------------------------------------------------------------ giving KV back: none is kept
@@ -87,34 +64,20 @@ class NoPrefixCache:
             self.allocator.free_slots(slots if isinstance(slots, torch.Tensor) else int64_tensor(slots))
         return 0
 
-    def mark_prompt_end(self, prompt: Sequence[int], beyond: int, locked: Optional[tuple[TreeNode, int]] = None, *,
-                        namespace: Optional[str] = None) -> None:
-        return None
-
     # ------------------------------------------------------------------ memory
     def evict(self, num_tokens: int) -> int:
         return 0
 
-    def poll(self) -> bool:
-        return False
-
     def flush(self) -> bool:
         """Nothing to drop; the event listener hears the flush all the same, as from a tree."""
-        self.touched.add((self.root, ALL))
+        self.waiting.touched.add((self.root, ALL))
         if self.events is not None:
             self.events.cleared()
         return True
 
     # ------------------------------------------------------------------ bookkeeping
-    def drain_touched(self) -> set[tuple[TreeNode, object]]:
-        touched, self.touched = self.touched, set()
-        return touched
-
     def reset_counters(self) -> None:
         self.counters = CacheCounters()
-
-    def iter_nodes(self) -> Iterator[TreeNode]:
-        yield self.root
 
     def on_reusable_path(self, node: TreeNode) -> bool:
         return node is self.root
@@ -128,10 +91,52 @@ class NoPrefixCache:
     def snapshot_stats(self) -> dict[str, float]:
         return no_snapshot_stats()
 
-    def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = (),
-                         running_rows: Sequence[int] = ()) -> None:
+
+class NoMemory:
+    """NoPrefixCache.memory: it holds no token; running requests own every slot that is not free."""
+
+    evictable = protected = reclaimable = waited = 0
+
+    def __init__(self, cache: NoPrefixCache):
+        self.cache = cache
+
+    def check(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = (),
+              running_rows: Sequence[int] = ()) -> None:
         """Running requests own every slot that is not free."""
-        assert not self.root.children and self.root.waiters == 0, "the cache that keeps nothing holds something"
-        total, free = self.allocator.total_tokens, self.allocator.free_tokens
+        cache = self.cache
+        assert not cache.root.children and cache.root.waiters == 0, "the cache that keeps nothing holds something"
+        total, free = cache.allocator.total_tokens, cache.allocator.free_tokens
         assert free + held_by_running == total, f"free {free} + held {held_by_running} != {total}"
-        check_slot_ownership([self.allocator.free_slot_tensor(), *running_slots], total, self.page_size)
+        check_slot_ownership([cache.allocator.free_slot_tensor(), *running_slots], total, cache.page_size)
+
+
+class NoWaiting:
+    """NoPrefixCache.waiting: every waiting request parks at the root, where no change ever
+    lengthens its match, and waits for no copy."""
+
+    def __init__(self, cache: NoPrefixCache):
+        self.root = cache.root
+        self.touched: set[tuple[TreeNode, object]] = set()
+
+    def peek_park(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode, object]:
+        return 0, self.root, PARTIAL  # no change ever lengthens it
+
+    def add_waiter(self, node: TreeNode) -> None:
+        assert node is self.root, f"{node} is not a handle of this cache"
+
+    def remove_waiter(self, node: TreeNode) -> None:
+        assert node is self.root, f"{node} is not a handle of this cache"
+
+    def admit_ahead(self, arrivals: deque[Waiter], room: int) -> int:
+        arrivals.clear()
+        return 0
+
+    def poll(self) -> bool:
+        return False
+
+    def drain_touched(self) -> set[tuple[TreeNode, object]]:
+        touched, self.touched = self.touched, set()
+        return touched
+
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        yield self.root

@@ -9,7 +9,7 @@ of every change, each once:
 - `usable(node)` / `unusable(node)`: a match can now end at node (its path is reusable), or node's
   path may have stopped being reusable (it leaves the tree; its last snapshot went). Without
   snapshots every cached path is reusable; with them KV alone resumes nobody, so a path becomes
-  usable when a snapshot is hung on it, not when its KV is stored (`PrefixCache.on_reusable_path`);
+  usable when a snapshot is hung on it, not when its KV is stored (`PublishedCache.on_reusable_path`);
 - `cleared()`: the cache was flushed.
 
 `PageEvents` records them and feeds two readers:
@@ -40,7 +40,7 @@ from typing import Any, Optional, Protocol
 
 from radixserve.cache.block_hash import KV_HASH_BLOCK_TOKENS, block_hashes, page_hashes
 from radixserve.cache.namespace import namespace_page_parent
-from radixserve.cache.prefix_cache import PrefixCache, TreeNode
+from radixserve.cache.prefix_cache import PublishedCache, TreeNode
 
 # The two readers. A reader's events are recorded only while it follows the cache.
 BLOCKS = "blocks"  # the vLLM-format publisher
@@ -61,7 +61,7 @@ class PageEventListener(Protocol):
     def cleared(self) -> None: ...
 
 
-def page_events(cache: PrefixCache, *, block_tokens: int = KV_HASH_BLOCK_TOKENS) -> "PageEvents":
+def page_events(cache: PublishedCache, *, block_tokens: int = KV_HASH_BLOCK_TOKENS) -> "PageEvents":
     """The cache's recorder, installed on first use: the publisher and /kv_events share it."""
     events = cache.events
     if not isinstance(events, PageEvents):
@@ -73,7 +73,7 @@ class PageEvents:
     """Records the cache's page events for the readers that follow it (`follow_blocks`, and
     /kv_events from its first `snapshot()`), each reading its own kinds with its own take."""
 
-    def __init__(self, cache: PrefixCache, *, block_tokens: int = KV_HASH_BLOCK_TOKENS):
+    def __init__(self, cache: PublishedCache, *, block_tokens: int = KV_HASH_BLOCK_TOKENS):
         self.cache = cache
         self.page_size = cache.page_size
         # A /kv_events block: whole pages, at least block_tokens tokens.

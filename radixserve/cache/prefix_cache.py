@@ -10,15 +10,30 @@ Two implementations:
 - `NoPrefixCache` (no_cache.py): `--disable-radix-cache`. Nothing is kept or found; a request
   computes its whole prompt and frees its KV when it leaves.
 
-How a request uses it (scheduler/kv_manager.py and waiting_queue.py): while it waits, `peek_park`
-says how much of its prompt is cached (on any tier) and where to park it, `add_waiter` marks that
-path as wanted (queue-aware eviction) and `admit_ahead` starts the copies of lower-tier parts it
-will wait for (`poll` takes them in). When admission reaches it, `admit` says whether it starts
-now or waits for such a copy; the `Admission` it returns (cache/admission.py) locks the device
-part ready to read (`match`, `inc_lock`) and puts into the request's state row whatever else the
-match needs. What it computes goes back with `insert` (as much as `insertable_len` says the cache
-takes) and, where the cache keeps states (`states`), `keep_states`, and `dec_lock` lets go.
-`evict` makes room on demand.
+`PrefixCache` is small: a running request's prefix is `match`ed, held with `lock` / `unlock`,
+given back with `insert` and freed on demand with `evict`; a waiting one is `admit`ted. What only
+one part of the scheduler asks for sits in a part of its own, each an attribute:
+
+- `waiting` (`WaitingView`, waiting_view.py): the waiting queue's side. Where a waiting request
+  parks and how much of its prompt is cached on any tier (`peek_park`), which paths waiting
+  requests will reuse (`add_waiter` / `remove_waiter`: queue-aware eviction), the copies from a
+  lower tier started as requests arrive (`admit_ahead`) and taken in at each step (`poll`), and
+  which parked lookups the tree's changes affect (`drain_touched`).
+- `memory` (`CacheMemory`): the device tokens the cache holds, split by who may free them, and
+  the check that they add up with the free list and the running requests.
+- `conversations` (`Conversations`, conversations.py): where finished requests' prompts ended,
+  and whether an admitted request's match continues one of them.
+- `states` (`RequestStates`): a request's state beyond its KV (a hybrid model's recurrent state);
+  None for a cache of KV alone.
+
+How a request uses it (scheduler/kv_manager.py and waiting_queue.py): while it waits,
+`waiting.peek_park` says how much of its prompt is cached and where to park it, `add_waiter` marks
+that path as wanted and `admit_ahead` starts the copies of lower-tier parts it will wait for.
+When admission reaches it, `admit` says whether it starts now or waits for such a copy; the
+`Admission` it returns (cache/admission.py) locks the device part ready to read (`match`, `lock`)
+and puts into the request's state row whatever else the match needs. What it computes goes back
+with `insert` (as much as `insertable_len` says the cache takes) and, where the cache keeps states,
+`states.keep_states`; `unlock` lets go.
 
 Every lookup and insert names the request's cache namespace (`cache/namespace.py`: its
 `cache_salt`, and its API key with `--cache-salt-per-api-key`; None: the shared one). Prefixes
@@ -26,7 +41,7 @@ of different namespaces are never shared: the tree keeps each namespace under it
 root, so everything else works in it as in the shared one.
 
 What a cache holds is per position: a match is usable only up to the deepest position every
-kind of state it keeps is there for, and `peek`/`match` report that usable length. For a model of
+kind of state it keeps is there for, and `peek_park`/`match` report that usable length. For a model of
 attention layers alone the one kind is per-token KV (on the device or the host). A hybrid model's
 recurrent-state snapshots (one fixed-size state that can only be resumed where it was taken) are
 a third kind: the snapshot store keeps them at node boundaries, its matches stop at the deepest
@@ -39,22 +54,23 @@ code runs over every implementation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from radixserve.cache.tree import ALL, PageEventListener, TreeNode
 
 # The tree's node is the handle the scheduler holds, and ALL the park key of a removed node.
-__all__ = ["ALL", "CacheCounters", "MatchResult", "OwnedPrefixCache", "PrefixCache", "RequestStates", "TreeNode", "check_slot_ownership",
-           "no_host_tier_stats", "no_snapshot_stats"]
+__all__ = ["ALL", "CacheCounters", "CacheMemory", "MatchResult", "OwnedPrefixCache", "PrefixCache", "PublishedCache",
+           "RequestStates", "TreeNode", "check_slot_ownership", "no_host_tier_stats", "no_snapshot_stats"]
 
 if TYPE_CHECKING:
-    from collections import deque
-
     from radixserve.cache.admission import Admission, Waiter
+    from radixserve.cache.conversations import Conversations
     from radixserve.cache.host_pool import CopyEngine
     from radixserve.cache.kv_pool import PageAllocator
+    from radixserve.cache.waiting_view import WaitingView
+
 
 @dataclass
 class MatchResult:
@@ -119,66 +135,61 @@ class RequestStates(Protocol):
         their layers): take no state of them from now until they are given back."""
 
 
+class CacheMemory(Protocol):
+    """The device tokens a prefix cache holds (`PrefixCache.memory`). `free + evictable + protected
+    + held by running requests == total` holds at every step (`check`)."""
+
+    @property
+    def evictable(self) -> int:
+        """Cached device tokens nobody holds: `evict` may free them."""
+
+    @property
+    def protected(self) -> int:
+        """Cached device tokens some running request holds (`lock`)."""
+
+    @property
+    def reclaimable(self) -> int:
+        """Evictable tokens no waiting request will reuse: what admission may take without cost."""
+
+    def check(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = (),
+              running_rows: Sequence[int] = ()) -> None:
+        """Sizes add up to the pool and no KV slot (or snapshot slot) is owned twice (running
+        requests own `running_slots`, `held_by_running` tokens, and run in state rows
+        `running_rows`); AssertionError otherwise."""
+
+
 @runtime_checkable
 class PrefixCache(Protocol):
-    """Everything outside cache/ may ask of a prefix cache. Sizes are in tokens of the device pool
-    unless they say otherwise; `free + evictable_size + protected_size + held by running requests
-    == total` holds at every step (`check_invariants`)."""
+    """Everything outside cache/ may ask of a prefix cache: the device pool it lives in, its parts
+    (`states`, `memory`, `waiting`, `conversations`: see the module docstring) and seven methods.
+    Sizes are in tokens of the device pool."""
 
-    allocator: "PageAllocator"  # the device pool's pages
-    page_size: int
-    root: TreeNode  # never matched, locked or evicted; every handle hangs below it
-    evictable_size: int  # cached device tokens nobody holds: evict() may free them
-    protected_size: int  # cached device tokens some running request holds (inc_lock)
+    allocator: "PageAllocator"  # the device pool's pages (its page_size is the cache's)
     # The per-request state it keeps beyond KV (a hybrid model's recurrent-state snapshots), for
     # the few places that hand it a request's state row; None for a cache of KV alone.
     states: Optional["RequestStates"]
-    events: Optional[PageEventListener]  # told of what the cache gains and loses (page_events.py)
+    memory: CacheMemory
+    waiting: "WaitingView"
+    conversations: "Conversations"
 
-    @property
-    def reclaimable_size(self) -> int:
-        """Evictable tokens no waiting request will reuse: what admission may take without cost."""
+    def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None, kv_only: bool = False) -> MatchResult:
+        """The longest usable cached prefix ready on the device, split to end at a node's end;
+        counts as an access for eviction. kv_only: by the KV alone, whatever other state is kept:
+        what a running request holds of the positions it just inserted while it goes on reading
+        them (the same match for a cache of KV alone)."""
 
-    # -- lookups: never change what is cached
-    def peek_park(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode, object]:
-        """As peek, plus the park key: which change under that node could lengthen the match."""
+    def lock(self, node: TreeNode) -> None:
+        """Hold the path to node: a running request reads it (nothing on it is evicted)."""
 
-    def extends_a_prompt(self, node: TreeNode, uncached: Optional[int] = None) -> bool:
-        """Whether a match ending at node continues a finished request's prompt (a conversation)."""
+    def unlock(self, node: TreeNode) -> None:
+        """Let go of one `lock` of the path to node."""
 
-    # -- taking a prefix
     def admit(self, waiter: "Waiter", *, room: int, spare_only: bool) -> "Admission":
         """Admission reaches a waiting request: whether it may start now on the part of its prefix
         ready on the device, or waits for a copy of more of it from a lower tier (started here when
         `room` device tokens hold it; spare_only: taking only memory no waiting request needs). The
         Admission locks its prefix (`lock`), and counts (`commit`) or undoes (`cancel`) the start."""
 
-    def admit_ahead(self, arrivals: "deque[Waiter]", room: int) -> int:
-        """Start the copies newly arrived requests will wait for, within `room` device tokens;
-        drops from `arrivals` those looked at. Returns the device tokens those copies take."""
-
-    def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
-        """The longest usable cached prefix ready on the device, split to end at a node's end;
-        counts as an access for eviction."""
-
-    def match_kv(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
-        """As match, by the KV alone (whatever other state is kept): what a running request holds
-        of the positions it just inserted while it goes on reading them (equal to match for a cache
-        of KV alone)."""
-
-    def inc_lock(self, node: TreeNode) -> None:
-        """Hold the path to node: a running request reads it."""
-
-    def dec_lock(self, node: TreeNode) -> None:
-        ...
-
-    def add_waiter(self, node: TreeNode) -> None:
-        """A waiting request will reuse the path to node: evict it only when nothing else is left."""
-
-    def remove_waiter(self, node: TreeNode) -> None:
-        ...
-
-    # -- giving computed KV to the cache
     def insertable_len(self, computed: int) -> int:
         """Of a request's first `computed` positions (their KV computed), how many the cache takes
         (0: it keeps nothing)."""
@@ -189,22 +200,17 @@ class PrefixCache(Protocol):
         tokens were cached already. The caller frees slots[:returned] it did not get from the cache
         (duplicates); the cache owns slots[returned:]."""
 
-    def mark_prompt_end(self, prompt: Sequence[int], beyond: int, locked: Optional[tuple[TreeNode, int]] = None, *,
-                        namespace: Optional[str] = None) -> None:
-        """Remember where a finished request's prompt ended (see extends_a_prompt)."""
-
-    # -- memory
     def evict(self, num_tokens: int) -> int:
         """Free up to num_tokens device slots nobody holds, in eviction order; returns those freed."""
 
-    def poll(self) -> bool:
-        """Take in finished host-tier copies; True when a load finished."""
 
-    def drain_touched(self) -> set[tuple[TreeNode, object]]:
-        """(node, park key) pairs whose lookups may have changed since the last call."""
+class PublishedCache(Protocol):
+    """What the page-event recorder (page_events.py) reads of the cache it listens to: the tree
+    from its root, which paths a match could still end on, and the one listener slot it fills."""
 
-    def iter_nodes(self) -> Iterator[TreeNode]:
-        ...
+    page_size: int
+    root: TreeNode  # never matched, locked or evicted; every handle hangs below it
+    events: Optional[PageEventListener]  # told of what the cache gains and loses
 
     def on_reusable_path(self, node: TreeNode) -> bool:
         """Whether a match could still end at or below node (the blocks /kv_events publishes): every
@@ -213,18 +219,13 @@ class PrefixCache(Protocol):
     def reusable_len(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> int:
         """How many leading tokens run along such paths (what /kv_events still publishes of them)."""
 
-    def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = (),
-                         running_rows: Sequence[int] = ()) -> None:
-        """Sizes add up to the pool and no KV slot (or snapshot slot) is owned twice (running
-        requests own `running_slots`, `held_by_running` tokens, and run in state rows
-        `running_rows`); AssertionError otherwise."""
-
 
 @runtime_checkable
-class OwnedPrefixCache(PrefixCache, Protocol):
+class OwnedPrefixCache(PrefixCache, PublishedCache, Protocol):
     """The cache as the engine that builds it sees it (and the scheduler simulator standing in for
-    the engine): the scheduler's protocol plus what the engine wires at start-up, flushes between
-    runs and reports on /metrics. The scheduler never asks for these."""
+    the engine): the scheduler's protocol plus what the engine wires at start-up (the host tier's
+    copier, the page-event publishers), flushes between runs and reports on /metrics. The
+    scheduler never asks for these."""
 
     copier: Optional["CopyEngine"]  # the host tier's copy engine (None: no host tier)
     keeps_prefixes: bool  # False: it finds and keeps nothing (reported as /metrics' enable_prefix_caching)
@@ -243,7 +244,6 @@ class OwnedPrefixCache(PrefixCache, Protocol):
 
     def snapshot_stats(self) -> dict[str, float]:
         """The recurrent-state snapshots' pool and traffic for /metrics (zeros without one)."""
-
 
 
 def no_host_tier_stats() -> dict[str, float]:

@@ -5,11 +5,15 @@ Every cache the server builds is this class; what differs is which stores it has
 (`stores.host_kv`: a prefix evicted from the device is copied to the host and loaded back); a
 hybrid model's recurrent-state snapshots (`stores.snapshots`, with their own host tier,
 `stores.host_snapshots`). Without a store, what it would do is not done: with no host tier the
-protocol's host operations (`host_part`, `load`, `poll`) find nothing to do; with no snapshot
+host operations (`host_part`, `load`, `waiting.poll`) find nothing to do; with no snapshot
 store every position of the KV is usable and a request keeps no state.
 
 What a cache holds is usable per position: a match is usable only up to the deepest position
-every store there is holds what a resume needs (`peek`/`match` report that length). For KV alone
+every store there is holds what a resume needs (`peek`/`match` report that length).
+
+The protocol's parts (prefix_cache.py) are small objects over the same tree and stores:
+`memory` (`TreeMemory`), `waiting` (`TreeWaiting`) and `conversations` (conversations.py
+`PromptMarks`). For KV alone
 that is any whole page whose KV is on the device and not still being loaded; with snapshots, the
 deepest node end holding one (stores/snapshots.py).
 """
@@ -22,6 +26,7 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 import torch
 
 from radixserve.cache.admission import Admission, Verdict, Waiter
+from radixserve.cache.conversations import PromptMarks
 from radixserve.cache.kv_pool import PageAllocator
 from radixserve.cache.prefix_cache import (CacheCounters, MatchResult, no_host_tier_stats,  # noqa: F401
                                            no_snapshot_stats)
@@ -53,23 +58,14 @@ class RadixCache:
         self.copier = host.copier if host is not None else None
         self.keeps_prefixes = True
         self.counters = CacheCounters()
+        self.memory = TreeMemory(self)
+        self.waiting = TreeWaiting(self)
+        self.conversations = PromptMarks(self.tree, page_size)
 
     # ------------------------------------------------------------------ the tree's figures
     @property
     def root(self) -> TreeNode:
         return self.tree.root
-
-    @property
-    def evictable_size(self) -> int:
-        return self.tree.evictable_size
-
-    @property
-    def protected_size(self) -> int:
-        return self.tree.protected_size
-
-    @property
-    def waited_evictable_size(self) -> int:
-        return self.tree.waited_evictable_size
 
     @property
     def num_nodes(self) -> int:
@@ -91,11 +87,6 @@ class RadixCache:
     def events(self, listener: Optional[PageEventListener]) -> None:
         self.tree.events = listener
 
-    @property
-    def reclaimable_size(self) -> int:
-        """Evictable tokens no waiting request will reuse: what admission may take without cost."""
-        return self.tree.reclaimable_size
-
     def ready(self, node: TreeNode) -> bool:
         """Whether a node's KV can be read now: on the device, not waiting for a load."""
         return node.value is not None and (self.host is None or not self.host.loading(node))
@@ -103,40 +94,20 @@ class RadixCache:
     # ------------------------------------------------------------------ lookup
     def peek(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode]:
         """Usable length (page-aligned, on any tier) and the node it ends in; never changes the tree."""
-        length, last, _ = self.peek_park(tokens, namespace=namespace)
+        length, last, _ = self.waiting.peek_park(tokens, namespace=namespace)
         return length, last
-
-    def peek_park(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode, object]:
-        """Like peek, plus the park key: which change under that node could lengthen this match."""
-        if self.states is not None:
-            return self.states.peek_park(tokens, namespace)
-        tree = self.tree
-        top = tree.namespace_root(namespace)
-        if top is None:  # nothing cached in it yet: its first insert adds its root
-            return 0, tree.root, (NAMESPACE, namespace)
-        length, last, end = 0, top, 0
-        for node, n, pos in tree.walk(tokens, namespace):
-            length, last, end = pos + n, node, pos + len(node.key)
-        if length < end:
-            return length, last, PARTIAL
-        if length + self.page_size > len(tokens):
-            return length, last, PARTIAL  # nothing left to match: no insert can lengthen it
-        return length, last, tree.child_key(tokens, length)
 
     def host_part(self, length: int, node: TreeNode) -> tuple[int, bool]:
         """Of a peeked match: how many tokens are not on the device ready to read, and whether a
         load of some of them is in flight."""
         return self.host.host_part(length, node) if self.host is not None else (0, False)
 
-    def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
-        """The longest usable cached prefix ready on the device; counts as an access for eviction."""
-        if self.states is not None:
+    def match(self, tokens: Sequence[int], *, namespace: Optional[str] = None, kv_only: bool = False) -> MatchResult:
+        """The longest usable cached prefix ready on the device; counts as an access for eviction.
+        kv_only (or without snapshots): the longest whose KV is ready now, by the KV alone; the last
+        node is split so the match ends at a node boundary."""
+        if self.states is not None and not kv_only:
             return self.states.match(tokens, namespace)
-        return self.match_kv(tokens, namespace=namespace)
-
-    def match_kv(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> MatchResult:
-        """Longest cached prefix whose KV is ready now, by the KV alone; splits the last node so the
-        match ends at a node boundary."""
         tree = self.tree
         tick = tree.next_tick()
         pieces: list[torch.Tensor] = []
@@ -168,30 +139,11 @@ class RadixCache:
             verdict = Verdict.WAITS
         return Admission(self, waiter, verdict, loading)
 
-    def admit_ahead(self, arrivals: deque[Waiter], room: int) -> int:
-        """Start the copies newly arrived requests will wait for (`admit`, taking only memory no
-        waiting request needs), oldest first, up to a quarter of the device pool in flight; a
-        request is dropped from `arrivals` once looked at, unless its copy found no room (the next
-        step tries again). Returns the device tokens the copies started here take of `room`."""
-        if self.host is None:
-            arrivals.clear()  # nothing is ever copied in: none has anything to wait for
-            return 0
-        cap = max(self.allocator.total_tokens // 4, self.page_size)
-        taken = 0
-        while arrivals and self.host.loading_tokens < cap:
-            waiter = arrivals[0]
-            if waiter.peek_node is not None:  # still waiting (parked in the queue)
-                admission = self.admit(waiter, room=room - taken, spare_only=True)
-                if admission.verdict is Verdict.NO_ROOM:
-                    return taken
-                taken += admission.loading
-            arrivals.popleft()
-        return taken
-
     @property
     def queued_saves(self) -> set[int]:
         return self.states.queued_saves if self.states is not None else set()
 
+    # ------------------------------------------------------------------ what the page events read
     def on_reusable_path(self, node: TreeNode) -> bool:
         return self.states is None or self.states.on_reusable_path(node)
 
@@ -200,49 +152,6 @@ class RadixCache:
         if self.states is not None:
             return self.states.reusable_len(tokens, namespace)
         return self.peek(tokens, namespace=namespace)[0]
-
-    # ------------------------------------------------------------------ conversations
-    def extends_a_prompt(self, node: TreeNode, uncached: Optional[int] = None) -> bool:
-        """Whether the path to node (a request's match, split to end there) runs through the end of
-        a finished request's prompt, or stops at most PROMPT_END_SLACK tokens (a page) short of
-        one that the request goes past (`uncached`: its prompt tokens after the match; None: it
-        does): the request continues that request's conversation. A client sending text
-        re-tokenizes the previous prompt's last token together with the reply after it, so the
-        next turn's match usually ends a token before the mark; the same prompt sent again (a
-        retry, a health probe) ends there too, and continues nothing."""
-        root = self.tree.root
-        if node is root or node.namespace is not None:  # nothing matched
-            return False
-        # Such a match split the prompt's last node where it stopped: the marked rest is a child
-        # (usually the only one). A node with many children is where prompts branch; not scanned.
-        if len(node.children) <= 4:
-            slack = max(PROMPT_END_SLACK, self.page_size)
-            if uncached is not None:
-                slack = min(slack, uncached - 1)
-            if any(child.ends_prompt and len(child.key) <= slack for child in node.children.values()):
-                return True
-        while node is not root:
-            if node.ends_prompt:
-                return True
-            node = node.parent
-        return False
-
-    def mark_prompt_end(self, prompt: Sequence[int], beyond: int, locked: Optional[tuple[TreeNode, int]] = None, *,
-                        namespace: Optional[str] = None) -> None:
-        """Mark the node boundary at the end of a finished request's prompt (whole pages; split
-        there if needed), when that end lies beyond `beyond` tokens (what the request found
-        cached: a prompt that only repeats a shared prefix marks nothing) and is still cached.
-        locked: the node the request held and its path's length; when that is the prompt's end
-        (its prompt went into the tree when computed), the node is marked without a walk."""
-        end = self.tree.page_floor(len(prompt))
-        if end <= beyond:
-            return
-        if locked is not None and locked[1] == end and locked[0] is not self.tree.root:
-            locked[0].ends_prompt = True
-            return
-        for node, n, pos in self.tree.walk(prompt[:end], namespace):
-            if pos + n == end:
-                (node if n == len(node.key) else self.tree.split(node, n)).ends_prompt = True
 
     # ------------------------------------------------------------------ insert
     def insertable_len(self, computed: int) -> int:
@@ -293,20 +202,13 @@ class RadixCache:
             tree.push(node)  # its access time changed
         return device_end
 
-    # ------------------------------------------------------------------ locking and waiting
-    def inc_lock(self, node: TreeNode) -> None:
+    # ------------------------------------------------------------------ locking
+    def lock(self, node: TreeNode) -> None:
         """Hold the path to node: a running request reads it."""
         self.tree.inc_lock(node)
 
-    def dec_lock(self, node: TreeNode) -> None:
+    def unlock(self, node: TreeNode) -> None:
         self.tree.dec_lock(node)
-
-    def add_waiter(self, node: TreeNode) -> None:
-        """A waiting request will reuse the path to node: evict it only when nothing else is left."""
-        self.tree.count_waiter(node, +1)
-
-    def remove_waiter(self, node: TreeNode) -> None:
-        self.tree.count_waiter(node, -1)
 
     # ------------------------------------------------------------------ memory
     def evict(self, num_tokens: int) -> int:
@@ -336,16 +238,6 @@ class RadixCache:
             tokens = tokens[:usable]
         return self.host.load(tokens, spare_only=spare_only, namespace=namespace)
 
-    def poll(self) -> bool:
-        """The start of a step's scheduling: states taken by the launched steps are copied out, and
-        finished host-tier copies (and the storage tier's reads) taken in; True when a load finished."""
-        if self.states is not None:
-            self.states.issue()
-        if self.host is None:
-            return False
-        read = self.host.storage is not None and self.host.storage.poll()
-        return self.host.take_in_copies() or read
-
     @property
     def storage(self) -> Optional[StorageTier]:
         """The storage tier under the host tier (disk_tier.StorageTier), or None."""
@@ -355,7 +247,7 @@ class RadixCache:
         """Drop the whole tree and free what it holds; refused (False) while any request holds a lock."""
         if self.host is not None:
             self.host.copier.wait_all()
-            self.poll()  # finished loads unlock their nodes
+            self.waiting.poll()  # finished loads unlock their nodes
         tree = self.tree
         if tree.protected_size:
             return False
@@ -379,6 +271,116 @@ class RadixCache:
         for store in self.tree.stores:
             store.reset_counters()
 
+    def tier_stats(self) -> dict[str, float]:
+        return self.host.stats() if self.host is not None else no_host_tier_stats()
+
+    def snapshot_stats(self) -> dict[str, float]:
+        return self.states.stats() if self.states is not None else no_snapshot_stats()
+
+
+class TreeMemory:
+    """RadixCache.memory: the tree's counters of the device tokens it holds, and every store's check."""
+
+    def __init__(self, cache: RadixCache):
+        self.cache = cache
+        self.tree = cache.tree
+
+    @property
+    def evictable(self) -> int:
+        return self.tree.evictable_size
+
+    @property
+    def protected(self) -> int:
+        return self.tree.protected_size
+
+    @property
+    def reclaimable(self) -> int:
+        return self.tree.reclaimable_size
+
+    @property
+    def waited(self) -> int:
+        """Of the evictable tokens, those some waiting request will reuse."""
+        return self.tree.waited_evictable_size
+
+    def check(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = (),
+              running_rows: Sequence[int] = ()) -> None:
+        """Every store's invariants: the device pool's sizes add up, no slot of any pool is owned twice."""
+        cache = self.cache
+        for store in (cache.device, cache.host, cache.states):
+            if store is not None:
+                store.check(held_by_running, running_slots, running_rows)
+
+
+class TreeWaiting:
+    """RadixCache.waiting: waiting requests park at the tree's nodes; their copies come from the
+    host store (and the storage tier under it)."""
+
+    def __init__(self, cache: RadixCache):
+        self.cache = cache
+        self.tree = cache.tree
+
+    @property
+    def root(self) -> TreeNode:
+        return self.tree.root
+
+    def peek_park(self, tokens: Sequence[int], *, namespace: Optional[str] = None) -> tuple[int, TreeNode, object]:
+        """Like RadixCache.peek, plus the park key: which change under that node could lengthen this match."""
+        cache = self.cache
+        if cache.states is not None:
+            return cache.states.peek_park(tokens, namespace)
+        tree = self.tree
+        top = tree.namespace_root(namespace)
+        if top is None:  # nothing cached in it yet: its first insert adds its root
+            return 0, tree.root, (NAMESPACE, namespace)
+        length, last, end = 0, top, 0
+        for node, n, pos in tree.walk(tokens, namespace):
+            length, last, end = pos + n, node, pos + len(node.key)
+        if length < end:
+            return length, last, PARTIAL
+        if length + cache.page_size > len(tokens):
+            return length, last, PARTIAL  # nothing left to match: no insert can lengthen it
+        return length, last, tree.child_key(tokens, length)
+
+    def add_waiter(self, node: TreeNode) -> None:
+        self.tree.count_waiter(node, +1)
+
+    def remove_waiter(self, node: TreeNode) -> None:
+        self.tree.count_waiter(node, -1)
+
+    def admit_ahead(self, arrivals: deque[Waiter], room: int) -> int:
+        """Start the copies newly arrived requests will wait for (`admit`, taking only memory no
+        waiting request needs), oldest first, up to a quarter of the device pool in flight; a
+        request is dropped from `arrivals` once looked at, unless its copy found no room (the next
+        step tries again). Returns the device tokens the copies started here take of `room`."""
+        cache = self.cache
+        host = cache.host
+        if host is None:
+            arrivals.clear()  # nothing is ever copied in: none has anything to wait for
+            return 0
+        cap = max(cache.allocator.total_tokens // 4, cache.page_size)
+        taken = 0
+        while arrivals and host.loading_tokens < cap:
+            waiter = arrivals[0]
+            if waiter.peek_node is not None:  # still waiting (parked in the queue)
+                admission = cache.admit(waiter, room=room - taken, spare_only=True)
+                if admission.verdict is Verdict.NO_ROOM:
+                    return taken
+                taken += admission.loading
+            arrivals.popleft()
+        return taken
+
+    def poll(self) -> bool:
+        """The start of a step's scheduling: states taken by the launched steps are copied out, and
+        finished host-tier copies (and the storage tier's reads) taken in; True when a load finished."""
+        cache = self.cache
+        if cache.states is not None:
+            cache.states.issue()
+        host = cache.host
+        if host is None:
+            return False
+        read = host.storage is not None and host.storage.poll()
+        return host.take_in_copies() or read
+
     def drain_touched(self) -> set[tuple[TreeNode, object]]:
         tree = self.tree
         touched, tree.touched = tree.touched, set()
@@ -386,16 +388,3 @@ class RadixCache:
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         return self.tree.iter_nodes()
-
-    def tier_stats(self) -> dict[str, float]:
-        return self.host.stats() if self.host is not None else no_host_tier_stats()
-
-    def snapshot_stats(self) -> dict[str, float]:
-        return self.states.stats() if self.states is not None else no_snapshot_stats()
-
-    def check_invariants(self, held_by_running: int = 0, running_slots: Sequence[torch.Tensor] = (),
-                         running_rows: Sequence[int] = ()) -> None:
-        """Every store's invariants: the device pool's sizes add up, no slot of any pool is owned twice."""
-        for store in (self.device, self.host, self.states):
-            if store is not None:
-                store.check(held_by_running, running_slots, running_rows)

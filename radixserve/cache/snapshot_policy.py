@@ -36,9 +36,15 @@ checkpoint a request resumes from has proven itself: it is kept from then on. A 
 counts a turnover more recent (it serves every chat on its system prompt, a prompt's end one
 conversation). Whether the snapshots near prompts' ends and at sequences' ends pay is measured
 (the share of them resumed from, by the request they were for or one resuming deeper on their
-path, before they went): a prompt's end is taken as a checkpoint while they do not (single-question
-chats, whose users do not come back, would otherwise push out the system prompts the next users
-share), a sequence's end only now and then.
+path, before they went): each is a guess (taken as a checkpoint) until its window is full and
+shows they pay (single-question chats, whose users do not come back, would otherwise push out the
+system prompts the next users share before their second users come), a sequence's end only now and
+then once they do not. One refused a slot while its window learns still records its outcome (a
+ghost: whether a later request's KV runs through its end), and one evicted from the device while
+on probation goes to the host tier as a kept snapshot, unlike a checkpoint. A checkpoint taken does
+not tick the recency clock (a request computing its prompt from the root ticks it once), and a
+checkpoint a second user resumed from is a guess again once that user keeps the state where it
+branched off below it.
 """
 
 from __future__ import annotations
@@ -59,14 +65,16 @@ from radixserve.cache.state_snapshots import StateSnapshots
 # snapshots to be resumed from or to go were resumed from (a client that sends the replies back as
 # they were generated), else about one leaving request in SEQUENCE_END_PROBE, to notice when they do.
 # An agent whose history is rendered anew (tool calls, reasoning dropped) diverges before the
-# reply: there the second snapshot is a slot taken from another conversation.
+# reply: there the second snapshot is a slot taken from another conversation. Until the window is
+# full each is a guess (a checkpoint) on probation; one refused a slot still records whether a
+# later request's KV ran through its end (`_ghost_end`), so the window learns as fast as when each was kept.
 SEQUENCE_END_WINDOW = 16
 SEQUENCE_END_MIN_SHARE = 0.25
 SEQUENCE_END_PROBE = 8
-# A snapshot near a prompt's end is kept (evicted least recently used, with the branch points) while
+# A snapshot near a prompt's end is kept (evicted least recently used, with the branch points) once
 # at least PROMPT_END_MIN_SHARE of the last PROMPT_END_WINDOW of them to be resumed from or to go
-# were resumed from (a conversation's next turn: agents, chats that come back); else it is taken
-# as a checkpoint (a guess, evicted first: single-question chats, whose prompt ends nobody
+# were resumed from (a conversation's next turn: agents, chats that come back); else, and until the
+# window is full, it is taken as a checkpoint (a guess, evicted first: single-question chats, whose prompt ends nobody
 # resumes from, would otherwise push out the system prompts the next users share). A checkpoint
 # resumed from is kept from then on and counts as resumed, so the window notices when they pay again.
 PROMPT_END_WINDOW = 32
@@ -160,6 +168,9 @@ class SnapshotEviction:
         # checkpoints of ladders planned past the root (DEEP_LADDER_WINDOW).
         self._prompt_end_outcomes: deque[bool] = deque(maxlen=PROMPT_END_WINDOW)
         self._deep_ladder_outcomes: deque[bool] = deque(maxlen=DEEP_LADDER_WINDOW)
+        # Sequence ends taken as guesses while their window learns that found no slot: the node each
+        # would have hung on -> the clock when it would have been taken (`_ghost_end`).
+        self._ghosts: dict[TreeNode, int] = {}
         # Which leaving rows probe: drawn, so that no regular pattern of requests (a turn and its
         # follow-up, leaving in turn) always puts the probe on the same kind; seeded: repeatable.
         self._probe = random.Random(0)
@@ -167,9 +178,19 @@ class SnapshotEviction:
     def _recency(self, node: TreeNode) -> int:
         """A snapshot's recency now that it is taken or resumed from: the clock's next tick, one
         pool's turnover later for a client's hint (the end of a chat's system turn serves every
-        conversation on that system prompt, a prompt's end one conversation)."""
-        self._state_clock += 1
+        conversation on that system prompt, a prompt's end one conversation). A checkpoint taken
+        does not tick the clock (its request ticked it once, `_admitted_new`): a burst of new
+        prompts (each with a ladder of seven or so) would otherwise age the checkpoints taken a few
+        steps before by turnovers, and push them out before the users they were for come."""
+        if node.state.worth is None:
+            self._state_clock += 1
         return self._state_clock + (self.snapshots.num_slots if node.state.hinted else 0)
+
+    def _admitted_new(self) -> None:
+        """A request computing its prompt from the root was admitted: one tick of the clock for the
+        checkpoints it will take (they tick it not each: `_recency`), so that a stream of new prompts
+        still ages the checkpoints of those before."""
+        self._state_clock += 1
 
     def _worth(self, saves: int) -> float:
         return checkpoint_worth(saves, self._state_clock, self.snapshots.num_slots)
@@ -189,6 +210,45 @@ class SnapshotEviction:
             state.window.append(resumed)
             state.window = None
 
+    def _ghost_end(self, node: TreeNode) -> None:
+        """A sequence end taken as a guess while its window learns found no slot: its outcome is
+        recorded all the same, so that the window learns at the rate it did when every one was kept
+        (`_ghost_reached` when a request's KV match runs through node's end: it would have resumed
+        there; unused once it is a pool's turnover old, as an unused snapshot would have gone, or
+        once its node left the tree)."""
+        self._expire_ghosts()
+        self._ghosts.pop(node, None)
+        self._ghosts[node] = self._state_clock
+        if len(self._ghosts) > self.snapshots.num_slots:  # never more than the pool would have held
+            self._end_outcomes.append(False)
+            del self._ghosts[next(iter(self._ghosts))]
+
+    def _ghost_reached(self, node: TreeNode) -> None:
+        """A request's KV match runs through node's end: a ghost there would have been resumed from."""
+        if self._ghosts.pop(node, None) is not None:
+            self._end_outcomes.append(True)
+
+    def _expire_ghosts(self) -> None:
+        turnover = self.snapshots.num_slots
+        while self._ghosts:
+            node, taken = next(iter(self._ghosts.items()))
+            if not node.removed and self._state_clock - taken < turnover:
+                break
+            del self._ghosts[node]
+            self._end_outcomes.append(False)
+
+    def _on_probation(self, node: TreeNode) -> bool:
+        """Whether node's snapshot, taken as a guess, is an end snapshot on probation rather than a
+        checkpoint on the way: a prompt's or a sequence's end taken while its window was learning
+        (not full yet) or since it showed that they pay. Written back to the host tier like a kept
+        snapshot (a conversation's next turn resumes there), where a checkpoint is not."""
+        window = node.state.window
+        if window is self._prompt_end_outcomes:
+            return len(window) < PROMPT_END_WINDOW or self._prompt_ends_pay()
+        if window is self._end_outcomes:
+            return len(window) < SEQUENCE_END_WINDOW or self._sequence_ends_pay()
+        return False
+
     def _plans_ladder(self, resume_at: int) -> bool:
         """Whether a request resuming at `resume_at` keeps a ladder of checkpoints (DEEP_LADDER_WINDOW)."""
         window = self._deep_ladder_outcomes
@@ -198,9 +258,19 @@ class SnapshotEviction:
 
     def _prompt_ends_pay(self) -> bool:
         """Whether a snapshot near a prompt's end is kept rather than taken as a checkpoint
-        (PROMPT_END_WINDOW)."""
+        (PROMPT_END_WINDOW): not until the window is full (unproven, a guess like the checkpoints:
+        taken as kept, a burst of single-question chats' prompt ends would push out every new system
+        prompt's checkpoints before its second user comes)."""
         window = self._prompt_end_outcomes
-        return len(window) < PROMPT_END_WINDOW or sum(window) >= PROMPT_END_MIN_SHARE * PROMPT_END_WINDOW
+        return len(window) == PROMPT_END_WINDOW and sum(window) >= PROMPT_END_MIN_SHARE * PROMPT_END_WINDOW
+
+    def _sequence_ends_proven(self) -> bool:
+        """Whether the sequence-end snapshots' window is full: until then one is a guess (a checkpoint)."""
+        return len(self._end_outcomes) == SEQUENCE_END_WINDOW
+
+    def _sequence_ends_pay(self) -> bool:
+        window = self._end_outcomes
+        return len(window) == SEQUENCE_END_WINDOW and sum(window) >= SEQUENCE_END_MIN_SHARE * SEQUENCE_END_WINDOW
 
     def _snapshot_priority(self, node: TreeNode) -> tuple:
         # A snapshot some waiting request will resume from goes last; checkpoints (guesses) first;

@@ -45,7 +45,7 @@ CPU = "CPU"
 
 EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 # How far short of a finished prompt's end a match may stop and still count as its continuation
-# (RadixCache.extends_a_prompt); a snapshot store's prompt-end snapshot lies this far before it too.
+# (Conversations.extends_a_prompt); a snapshot store's prompt-end snapshot lies this far before it too.
 PROMPT_END_SLACK = 8
 
 

@@ -372,7 +372,7 @@ class EngineCore:
             self.step()
         self.runner.warm_grammar_mask()
         self.cache.flush()
-        self.cache.drain_touched()
+        self.cache.waiting.drain_touched()
         self.cache.reset_counters()
         self.scheduler.reset_stats()
         if self.device.type == "cuda":
@@ -403,12 +403,12 @@ class EngineCore:
         return {
             "pool_tokens": self.pool_size,
             "free_tokens": free,
-            "evictable_tokens": self.cache.evictable_size,
-            "protected_tokens": self.cache.protected_size,
+            "evictable_tokens": self.cache.memory.evictable,
+            "protected_tokens": self.cache.memory.protected,
             "held_by_running_tokens": held,
             # Slots a running request reserved (whole pages) but holds no token in.
             "fragmentation": (held - used_by_tokens) / held if held else 0.0,
-            "token_usage": 1.0 - (free + self.cache.evictable_size) / self.pool_size,
+            "token_usage": 1.0 - (free + self.cache.memory.evictable) / self.pool_size,
             "tree_nodes": self.cache.num_nodes,
             "running_requests": len(self.scheduler.running),
             "queued_requests": len(self.scheduler.waiting),

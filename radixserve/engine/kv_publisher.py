@@ -39,7 +39,7 @@ import zmq
 from radixserve.kv_events_config import KvEventsConfig, exposed_endpoints, offset_endpoint
 
 if TYPE_CHECKING:  # the API process checks the addresses at start-up and imports no torch
-    from radixserve.cache.prefix_cache import PrefixCache
+    from radixserve.cache.prefix_cache import PublishedCache
 
 logger = logging.getLogger("radixserve")
 
@@ -66,7 +66,7 @@ def event_record(event: tuple, page_size: int, layout: str) -> list | dict:
 
 
 class ZmqKvEventPublisher:
-    def __init__(self, config: KvEventsConfig, cache: "PrefixCache", dp_rank: int = 0):
+    def __init__(self, config: KvEventsConfig, cache: "PublishedCache", dp_rank: int = 0):
         from radixserve.cache.page_events import page_events
 
         self.config = config
@@ -176,7 +176,7 @@ def check_kv_event_endpoints(settings) -> Optional[str]:
     return None
 
 
-def make_kv_publisher(settings, cache: "PrefixCache") -> Optional[ZmqKvEventPublisher]:
+def make_kv_publisher(settings, cache: "PublishedCache") -> Optional[ZmqKvEventPublisher]:
     """The publisher `--kv-events-config` asks for (None: off)."""
     config = settings.kv_events
     if config is None:

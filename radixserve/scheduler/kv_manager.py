@@ -25,7 +25,7 @@ class KVManager:
     def __init__(self, cache: PrefixCache, req_to_token: ReqToTokenPool):
         self.cache = cache
         self.allocator: PageAllocator = cache.allocator
-        self.page_size = cache.page_size
+        self.page_size = cache.allocator.page_size
         self.req_to_token = req_to_token
         # Device table writes collected during scheduling, applied in one operation per step.
         self._writes = TableWrites()
@@ -40,7 +40,7 @@ class KVManager:
     @property
     def available_tokens(self) -> int:
         """Slots free now or after evicting every unlocked tree node."""
-        return self.allocator.free_tokens + self.cache.evictable_size
+        return self.allocator.free_tokens + self.cache.memory.evictable
 
     def ensure_free(self, tokens: int) -> bool:
         short = tokens - self.allocator.free_tokens
@@ -149,13 +149,13 @@ class KVManager:
         self._free_slots(req.slots[req.locked_len:already])  # duplicates of tokens cached meanwhile
         if finished:
             self._free_slots(req.slots[n:])  # the partly filled last page
-            self.cache.dec_lock(req.last_node)
+            self.cache.unlock(req.last_node)
             self._drop(req)
             return
-        self.cache.dec_lock(req.last_node)
-        match = self.cache.match_kv(tokens, namespace=req.cache_namespace)
+        self.cache.unlock(req.last_node)
+        match = self.cache.match(tokens, namespace=req.cache_namespace, kv_only=True)
         assert match.length == n
-        self.cache.inc_lock(match.last_node)
+        self.cache.lock(match.last_node)
         if already > req.locked_len:  # take the tree's copies of the duplicated positions
             tree_slots = match.slots[req.locked_len:already].tolist()
             req.slots[req.locked_len:already] = tree_slots
@@ -186,4 +186,4 @@ class KVManager:
 
     def check_invariants(self, running: list[Req]) -> None:
         owned = [torch.tensor(r.slots[r.locked_len:], dtype=torch.int64) for r in running]
-        self.cache.check_invariants(self.owned_tokens(running), owned, [r.req_pool_idx for r in running])
+        self.cache.memory.check(self.owned_tokens(running), owned, [r.req_pool_idx for r in running])

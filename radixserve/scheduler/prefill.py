@@ -6,7 +6,7 @@ share (`new_token_ratio`) of its remaining output tokens; a new request is admit
 prompt and its own share fit in what is free or evictable after those reservations. Locking a
 request's cached prefix makes those tree tokens unevictable, so they leave the available memory
 too (`locked_away`). While the pool is busy, tree tokens that waiting requests will reuse do not
-count as evictable either (`PrefixCache.reclaimable_size`).
+count as evictable either (`CacheMemory.reclaimable`).
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class PrefillAdder:
 
     def _spare(self) -> int:
         """Tree tokens admission may evict."""
-        return self.kv.cache.evictable_size if self.spare_waited else self.kv.cache.reclaimable_size
+        memory = self.kv.cache.memory
+        return memory.evictable if self.spare_waited else memory.reclaimable
 
     def completes(self, req: Req) -> bool:
         """Whether a waiting request's uncached prompt fits whole in what is left of the budget."""

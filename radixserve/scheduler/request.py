@@ -73,7 +73,7 @@ class Req:
     # Cached prompt tokens found when first admitted (reported to the user).
     cached_tokens: int = -1
     # Whether its cached prefix, when first admitted, ran through a finished request's whole prompt
-    # (PrefixCache.extends_a_prompt): a later turn of a conversation.
+    # (Conversations.extends_a_prompt): a later turn of a conversation.
     continues_conversation: bool = False
     # What the cache keeps of it between its admissions (the copies of its prefix it started for
     # it); only the cache reads it (cache.admission).

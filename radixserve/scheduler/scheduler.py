@@ -13,8 +13,9 @@ nothing run the same code here.
 
 Admission asks the cache about each waiting request it reaches (`PrefixCache.admit`): a request
 whose prefix is partly on a lower tier has that part copied back while it waits (started as it
-arrives, `admit_ahead`, and at the latest when admission reaches it), and admission passes over it
-until the copy is done, so it holds up nobody. Which copies to start is the cache's policy.
+arrives, `WaitingView.admit_ahead`, and at the latest when admission reaches it), and admission
+passes over it until the copy is done, so it holds up nobody. Which copies to start is the
+cache's policy.
 
 Overlap: the step before may still be in flight when a step is scheduled (`StepInFlight`).
 Everything here then works on positions, not token values; the decisions that need the values
@@ -102,7 +103,7 @@ class Scheduler:
         # and how many did.
         self._continued: deque[bool] = deque(maxlen=CONVERSATION_WINDOW)
         self._continued_count = 0
-        # Requests the cache has not looked at yet for copies to start while they wait (admit_ahead).
+        # Requests the cache has not looked at yet for copies to start while they wait (cache.waiting.admit_ahead).
         self._arrivals_to_admit: deque[Req] = deque()
         # Lowered after an allocation failure: the prompt tokens one step may compute (None: the settings').
         self.prefill_cap: Optional[int] = None
@@ -163,7 +164,7 @@ class Scheduler:
             while node is not None and node.parent is not None:
                 expected[node] += 1
                 node = node.parent
-        for node in self.cache.iter_nodes():
+        for node in self.cache.waiting.iter_nodes():
             assert node.waiters == expected[node], f"{node}: {node.waiters} waiters, expected {expected[node]}"
 
     # ------------------------------------------------------------------ prefix hold
@@ -178,9 +179,9 @@ class Scheduler:
             return
         if not (req.continues_conversation or self._continued_count >= CONVERSATION_SHARE * CONVERSATION_WINDOW):
             return
-        found, node, _ = self.cache.peek_park(req.fill_ids, namespace=req.cache_namespace)
+        found, node, _ = self.cache.waiting.peek_park(req.fill_ids, namespace=req.cache_namespace)
         if found:  # a cache that keeps nothing has nothing to hold
-            self.cache.add_waiter(node)
+            self.cache.waiting.add_waiter(node)
             self._held.append((self.clock() + self.settings.prefix_hold_s, node))
             self.stats.prefix_holds += 1
 
@@ -190,7 +191,7 @@ class Scheduler:
         now = self.clock()
         released = bool(self._held) and self._held[0][0] <= now
         while self._held and self._held[0][0] <= now:
-            self.cache.remove_waiter(self._held.popleft()[1])
+            self.cache.waiting.remove_waiter(self._held.popleft()[1])
         return released
 
     # ------------------------------------------------------------------ the step
@@ -226,7 +227,7 @@ class Scheduler:
         """Drop expired prefix holds, take in the cache's finished copies and redo the waiting
         lookups the tree's changes affect."""
         self.release_expired_holds()
-        self.cache.poll()
+        self.cache.waiting.poll()
         self.waiting.refresh()
 
     # ------------------------------------------------------------------ decode
@@ -298,7 +299,7 @@ class Scheduler:
         # Admission's memory arithmetic starts once, before any prompt piece of this step.
         busy = self._reserve(adder) if self._arrivals_to_admit or len(self.waiting) else False
         if self._arrivals_to_admit:  # copies start even in steps that admit nobody
-            adder.available -= self.cache.admit_ahead(self._arrivals_to_admit, adder.available)
+            adder.available -= self.cache.waiting.admit_ahead(self._arrivals_to_admit, adder.available)
         defer_keys = in_flight.shared_prefix_keys if in_flight is not None else set()
         if chunked:
             # A waiting request whose next tokens a chunked prompt is computing waits for its chunks.
@@ -394,14 +395,14 @@ class Scheduler:
         """Start admission's memory arithmetic; returns whether running requests fill half the pool.
         Queue-aware admission: while they do, prefixes that waiting requests (or a held, just-finished
         conversation) will reuse are no room for a new request; below that, a full batch comes first."""
-        busy = self.cache.protected_size + self.held_by_running() >= self.kv.allocator.total_tokens // 2
+        busy = self.cache.memory.protected + self.held_by_running() >= self.kv.allocator.total_tokens // 2
         adder.reserve_for(self.running, spare_waited=not busy)
         return busy
 
     def _admit(self, req: Req) -> None:
         if req.cached_tokens < 0:  # first admission (not a retracted request coming back)
             req.cached_tokens = req.locked_len
-            req.continues_conversation = self.cache.extends_a_prompt(
+            req.continues_conversation = self.cache.conversations.extends_a_prompt(
                 req.last_node, uncached=len(req.origin_input_ids) - req.locked_len)
             if len(self._continued) == CONVERSATION_WINDOW:
                 self._continued_count -= self._continued[0]  # about to drop out of the window
@@ -514,8 +515,8 @@ class Scheduler:
                 self.running.remove(req)
                 locked = (req.last_node, req.locked_len)  # cache_req lets go of them
                 self.kv.cache_req(req, finished=True)
-                self.cache.mark_prompt_end(req.origin_input_ids, beyond=req.cached_tokens, locked=locked,
-                                           namespace=req.cache_namespace)
+                self.cache.conversations.mark_prompt_end(req.origin_input_ids, beyond=req.cached_tokens,
+                                                         locked=locked, namespace=req.cache_namespace)
                 self._hold_prefix(req)
                 req.state = ReqState.FINISHED
                 del self.reqs[req.rid]

@@ -67,7 +67,7 @@ class WaitingQueue:
         by_key = self._parked[node]
         parked = by_key[req.peek_key]
         parked.discard(req)
-        self.cache.remove_waiter(node)
+        self.cache.waiting.remove_waiter(node)
         if not parked:
             del by_key[req.peek_key]
             if not by_key:
@@ -76,14 +76,14 @@ class WaitingQueue:
 
     def _peek(self, req: Req) -> None:
         self._unpark(req)
-        req.peek_len, req.peek_node, req.peek_key = self.cache.peek_park(req.match_target(),
-                                                                         namespace=req.cache_namespace)
+        req.peek_len, req.peek_node, req.peek_key = self.cache.waiting.peek_park(req.match_target(),
+                                                                                 namespace=req.cache_namespace)
         self._parked.setdefault(req.peek_node, {}).setdefault(req.peek_key, set()).add(req)
-        self.cache.add_waiter(req.peek_node)
+        self.cache.waiting.add_waiter(req.peek_node)
 
     def refresh(self) -> None:
         """Redo the lookups of requests waiting on what the tree changed since the last refresh."""
-        for node, key in self.cache.drain_touched():
+        for node, key in self.cache.waiting.drain_touched():
             by_key = self._parked.get(node)
             if not by_key:
                 continue
@@ -149,7 +149,7 @@ class WaitingQueue:
                 weight[n] += count
                 n = n.parent
         out: list[Req] = []
-        stack = [self.cache.root]
+        stack = [self.cache.waiting.root]
         while stack:
             node = stack.pop()
             parked = [r for group in self._parked.get(node, {}).values() for r in group]

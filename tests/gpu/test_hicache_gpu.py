@@ -63,7 +63,7 @@ def test_a_load_runs_beside_the_compute_stream():
     cache.insert(tokens, slots)
     assert cache.evict(len(tokens)) == len(tokens)
     cache.copier.wait_all()
-    cache.poll()
+    cache.waiting.poll()
     x = torch.randn(64, 64, device="cuda")
     (x @ x).sum()
     torch.cuda.synchronize()  # cuBLAS set up before the load, so the step below is microseconds
@@ -76,9 +76,9 @@ def test_a_load_runs_beside_the_compute_stream():
     assert not load_end.query(), "the compute stream waited for the load"
     assert cache.match(tokens + [1]).length == 0  # not usable before poll sees it done
     cache.copier.wait_all()
-    cache.poll()
+    cache.waiting.poll()
     assert cache.loading_tokens == 0 and cache.match(tokens + [1]).length == len(tokens)
-    cache.check_invariants()
+    cache.memory.check()
 
 
 def test_greedy_tokens_with_a_host_tier_equal_a_pool_that_holds_everything(tmp_path):

@@ -143,7 +143,7 @@ def test_fp32_resumed_from_the_host_tier_equals_a_pool_that_holds_everything_and
                     chunked_prefill_size=16, cuda_graph_max_bs=16, disable_overlap_schedule=not overlap)
     cache = engine.core.cache
     assert [r["output_ids"] for r in engine.generate(input_ids=batch[:1], sampling_params=GREEDY)] == cold[:1]
-    cache.evict(cache.evictable_size)
+    cache.evict(cache.memory.evictable)
     turn2 = batch[0] + cold[0] + [7, 8, 9, 10]
     hits = engine.cache_stats()["host_snapshot_hits"]
     second = engine.generate(input_ids=[turn2], sampling_params=GREEDY)[0]

@@ -7,7 +7,9 @@ A node's snapshot (`Snapshot`, stores/snapshots.py) lives on one tier at a time:
   slot freed when the device evicts its node (the node's KV keeps or gets a host copy), and when
   the device snapshot pool needs room for a newer snapshot (the node's KV stays on the device).
   With no host slot to be had, the snapshot is dropped (a longer prefix may hold one); a
-  checkpoint (a guess nobody resumed from) is never worth the copy. Most snapshots never leave
+  checkpoint (a guess nobody resumed from) is never worth the copy, but a prompt's or a sequence's
+  end taken as a guess while its window learns whether they pay is on probation, not a checkpoint:
+  it goes to the host as a kept snapshot (a conversation's next turn resumes there). Most snapshots never leave
   the device: one is written back only when it is evicted there, under either write policy.
 - **Load** (`to_device`): a load of KV back from the host goes only up to the deepest snapshot on
   either tier (KV beyond it resumes nobody); the snapshots on it stay on the host. The one a
@@ -73,6 +75,8 @@ class SnapshotOwner(Protocol):
     def _snapshot_priority(self, node: TreeNode) -> tuple: ...
 
     def _end_outcome(self, node: TreeNode, *, resumed: bool) -> None: ...
+
+    def _on_probation(self, node: TreeNode) -> bool: ...
 
 
 @dataclass
@@ -167,13 +171,16 @@ class HostSnapshots:
     def to_host(self, node: TreeNode) -> bool:
         """Copy node's device snapshot to a host slot and free the device one; False when no host
         slot can be had, or when it is a checkpoint (a guess nobody resumed from is not worth the
-        copy, nor a host slot: the device snapshot stays, for the caller to drop)."""
+        copy, nor a host slot: the device snapshot stays, for the caller to drop). A prompt's or a
+        sequence's end taken as a guess while its window learns is not a checkpoint: it goes to
+        the host as a kept snapshot (`_on_probation`: a conversation's next turn resumes there)."""
         store, state = self.store, node.state
-        if state.worth is not None:
+        if state.worth is not None and not store._on_probation(node):
             return False
         host_slot = self._alloc()
         if host_slot is None:
             return False
+        state.worth = None  # kept on the host, as it is once loaded back
         if any(s == state.slot for _, s in store._unissued):
             store.issue()  # hung on the tree by a launched step whose copy is still queued there
         self.snapshots.write_back([state.slot], [host_slot])

@@ -57,8 +57,9 @@ one when the pool is full evicts one snapshot: never one a waiting request will 
 sure to be used, the new one only may be); checkpoints first (a checkpoint takes only a
 checkpoint's slot worth less, never a kept snapshot's), each class the least worth first: the
 tokens it saves (log2) plus its recency in turnovers of the pool (a client's hint one turnover
-more). A snapshot near a prompt's end is kept while such snapshots are resumed from, and taken as
-a checkpoint while they are not (single-question chats). A checkpoint resumed from is kept from
+more). A snapshot near a prompt's end or at a sequence's end is a checkpoint until its window shows that
+such snapshots are resumed from (single-question chats: they are not); on probation meanwhile (a
+host tier keeps it when the device evicts it, and one refused a slot still records its outcome). A checkpoint resumed from is kept from
 then on. A snapshot's recency is its own (taken, resumed from), not its node's: a match through a node to a deeper snapshot does not use it, and a resume stops
 counting once the resuming request keeps a deeper snapshot on a path that does not branch in
 between (a conversation's earlier turns go before another conversation's latest). A snapshot on a
@@ -67,7 +68,7 @@ can go, no snapshot is taken (never an error: a later request computes a little 
 evicted for KV frees its snapshot with it, and leaves without a snapshot are evicted for KV first
 (their KV beyond the last snapshot can only be computed again by whoever needs it). Every snapshot
 slot is owned exactly once: by a node, by the row of a running request that took it and has not
-hung it on the tree yet, or by the free list (`check_invariants`).
+hung it on the tree yet, or by the free list (`CacheMemory.check`).
 
 How these rules were chosen, and the memory split between running rows, snapshots and KV that
 they need: the scheduler simulator's hybrid runs (`radixserve.bench.scheduler_sim --hybrid-27b`),
@@ -189,6 +190,11 @@ class SnapshotStore(SnapshotEviction):
         snapshot on the match's device part was brought back while the request waited (its
         admission: `HostSnapshots.fetch`); one still loading is not used."""
         tree = self.tree
+        if self._ghosts:  # sequence ends that found no slot: this request would have resumed there
+            self._expire_ghosts()
+            for node, n, _ in tree.walk(tokens, namespace):
+                if n == len(node.key):
+                    self._ghost_reached(node)
         tick = tree.next_tick()
         usable, last, kv = self._usable_walk(tokens, namespace)
         pieces: list[torch.Tensor] = []
@@ -241,6 +247,8 @@ class SnapshotStore(SnapshotEviction):
         if from_host:
             node.state.from_host = False
             self.host.counters.hits += 1
+        if not match.length:
+            self._admitted_new()
         chunk_ends = self._with_branch(match, branch_at)
         ladder = self._plans_ladder(match.length)
         checkpoints = plan_checkpoints(match.length, match.target_len, chunk_ends, hints, ladder=ladder,
@@ -414,15 +422,21 @@ class SnapshotStore(SnapshotEviction):
         if states.valid and state_len == n and n > 0 and (readmitted or self._keeps_sequence_end(states.kept_chunk_end)):
             node = self.tree.node_ending_at(tokens, n, namespace)
             if node is not None and device_slot(node) is None:
-                slot = self._alloc_snapshot()
+                saves = saves_below(n, states.points) or n
+                # A guess until such snapshots are known to pay (the window full), as a prompt's end.
+                guess = states.kept_chunk_end and not readmitted and not self._sequence_ends_proven()
+                worth = self._worth(saves) if guess else None
+                slot = self._alloc_snapshot(worth=worth)
                 if slot is not None:
                     self.snapshots.save([row], [slot])
                     self.counters.taken += 1
-                    if self._attach(node, slot, saves=saves_below(n, states.points) or n):
+                    if self._attach(node, slot, saves=saves, worth=worth):
                         # Whether such snapshots pay is learnt from clients' next turns alone.
                         if states.kept_chunk_end and not readmitted:
                             node.state.window = self._end_outcomes
                         self._superseded(states)  # where no snapshot near its prompt's end did already
+                elif guess:  # no slot for the guess: whether its next turn would have resumed there is learnt all the same
+                    self._ghost_end(node)
         for _, slot in states.taken:
             self.snapshots.free(slot)
         del self.rows[row]
@@ -455,11 +469,15 @@ class SnapshotStore(SnapshotEviction):
 
     def _superseded(self, states: RowStates) -> None:
         """The row hung a snapshot below the one it resumed from: where nothing branches off between
-        them, the old one resumes nobody the new one would not, and loses its resume's recency."""
+        them, the old one resumes nobody the new one would not, and loses its resume's recency; a
+        checkpoint it was (a second user's resume on a new prefix: the state where it branched is
+        kept now) is a checkpoint again, evicted before the kept snapshots."""
         node, states.resumed_from = states.resumed_from, None
         if node is not None and device_slot(node) is not None and len(node.children) == 1 \
                 and node.state.used > states.used_before:
             node.state.used = states.used_before
+            if states.worth_before is not None:  # a checkpoint it proved: a guess again, the deeper one serves
+                node.state.worth = states.worth_before
             self._push_snapshot(node)
 
     def _attach(self, node: Optional[TreeNode], slot: int, *,
