@@ -157,7 +157,7 @@ def test_a_request_resuming_from_a_host_snapshot_waits_until_its_copy_is_seen_do
         first = engine.generate(input_ids=[turn1], sampling_params={**GREEDY, "max_new_tokens": new})[0]
         computed = len(turn1) + len(first["output_ids"]) - 1
         if with_kv:
-            cache.evict(cache.evictable_size)
+            cache.evict(cache.memory.evictable)
         else:
             engine.generate(input_ids=prompts[:2], sampling_params={**GREEDY, "max_new_tokens": 40})
             assert cache.snapshot_stats()["snapshots_written_back"] > 0
