@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from array import array
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 
 class CopyKind(enum.Enum):
@@ -74,6 +74,17 @@ class CopyLog:
     def take(self) -> list[CopyOrder]:
         taken, self.orders = self.orders, []
         return taken
+
+
+class CopyIssuer(Protocol):
+    """The copy stream another store's copies ride (host_pool.CopyEngine): numbered and completed
+    in order with the host tier's KV copies, so one counter says which are done."""
+
+    done_seq: int
+
+    def issue(self, copy: Callable[[], None], *, waits: bool = True, uses: Sequence[Any] = ()) -> int: ...
+
+    def drain(self) -> None: ...
 
 
 class Replays(Protocol):

@@ -58,16 +58,13 @@ from __future__ import annotations
 
 from collections import deque
 from math import prod
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
-from radixserve.cache.copy_log import CopyKind, CopyLog, CopyOrder, slot_array
+from radixserve.cache.copy_log import CopyIssuer, CopyKind, CopyLog, CopyOrder, slot_array
 from radixserve.cache.host_memory import check_host_memory, pin_in_place
 from radixserve.cache.state_pool import RecurrentStatePool, RecurrentStateSpec
-
-if TYPE_CHECKING:
-    from radixserve.cache.host_pool import CopyEngine
 
 # Each layer's conv and ssm block of the host buffer starts at a multiple of this many bytes, so
 # its view in the state's dtype is aligned.
@@ -245,7 +242,7 @@ class HostStateSnapshots(_SlotFreeList):
     and the copies between them and the device snapshot slots of `device`, issued on the host
     tier's copy engine `copier` (its copy stream, its numbering)."""
 
-    def __init__(self, num_slots: int, device: StateSnapshots, *, pin: bool, copier: "CopyEngine"):
+    def __init__(self, num_slots: int, device: StateSnapshots, *, pin: bool, copier: CopyIssuer):
         if num_slots < 1:
             raise ValueError("a host snapshot pool holds at least one slot")
         self.copier = copier
