@@ -107,9 +107,9 @@ class CacheCounters:
 
 class RequestStates(Protocol):
     """A request's state beyond its KV that the cache keeps at chosen positions (a hybrid model's
-    recurrent state, stores/snapshots.py), as the scheduler and the model runner drive it: the
-    request runs in a state row; its prompt pieces end where the cache keeps a state
-    (`Admission.chunk_ends`)."""
+    recurrent state, stores/snapshots.py; its rows: stores/snapshot_rows.py), as the scheduler and
+    the model runner drive it: the request runs in a state row; its prompt pieces end where the
+    cache keeps a state (`Admission.chunk_ends`)."""
 
     def take_state(self, row: int, position: int) -> None:
         """The step being scheduled takes row's request to `position`, one of its chunk ends: keep

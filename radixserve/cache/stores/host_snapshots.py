@@ -58,7 +58,9 @@ class SnapshotOwner(Protocol):
     snapshots_held: int
     tree: RadixTree
     kv_host: object  # stores.host_kv.HostKV: whether a load being prepared reads a node's host KV
-    _unissued: list[tuple[int, int]]
+
+    @property
+    def queued_saves(self) -> set[int]: ...
 
     def issue(self, row: Optional[int] = None) -> None: ...
 
@@ -181,7 +183,7 @@ class HostSnapshots:
         if host_slot is None:
             return False
         state.worth = None  # kept on the host, as it is once loaded back
-        if any(s == state.slot for _, s in store._unissued):
+        if state.slot in store.queued_saves:
             store.issue()  # hung on the tree by a launched step whose copy is still queued there
         self.snapshots.write_back([state.slot], [host_slot])
         store.snapshots.free(state.slot)  # reused once the copy is done (or by a load queued after it)

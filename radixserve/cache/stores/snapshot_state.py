@@ -1,6 +1,6 @@
 """What the snapshot store (stores/snapshots.py) keeps: a node's snapshot (`Snapshot`, the
-payload in `TreeNode.state`), what it knows of a running request's state row (`RowStates`), and
-its counters."""
+payload in `TreeNode.state`), what it knows of a running request's state row (`RowStates`, kept
+by stores/snapshot_rows.py), and its counters."""
 
 from __future__ import annotations
 

@@ -41,16 +41,8 @@ Where snapshots are taken, so that later requests find them:
   not only the third. No piece ends at them: `capture_states` hands the forward pass the positions
   inside a piece and the slots it writes their states into (`ScheduledBatch.state_captures`).
 
-When a snapshot is copied: a restore into an admitted request's row at once (`resume`); a
-checkpoint inside a piece by that step's forward pass itself; the state at a chunk end (or a
-checkpoint at a piece's end) once the step that computes it is launched: `take_state` is called while that step
-is being scheduled, and the copy is issued at the next `poll` (the start of the next step's
-scheduling, before any later forward pass advances the row) or when the row is given back; the
-state at a sequence's end at once, when the request leaves (every step that advanced its row is
-already queued before). A step that failed part-way leaves its rows' states suspect:
-`discard_states` cancels what they had not copied yet, frees the checkpoints their forward passes
-were to write, and takes nothing more from them. A slot freed while its copy is still queued has
-the copy cancelled.
+When a snapshot is copied, and what the store knows of each running request's state row:
+`snapshot_rows.SnapshotRows`, the `RequestStates` side the store hands on.
 
 Eviction (`snapshot_policy.SnapshotEviction`): snapshots have their own pool and budget. Taking
 one when the pool is full evicts one snapshot: never one a waiting request will resume from (it is
@@ -84,11 +76,12 @@ from typing import Optional, Sequence
 import torch
 
 from radixserve.cache.prefix_cache import MatchResult, no_snapshot_stats
-from radixserve.cache.snapshot_policy import SnapshotEviction, plan_checkpoints, saves_below
+from radixserve.cache.snapshot_policy import SnapshotEviction
 from radixserve.cache.state_snapshots import StateSnapshots
 from radixserve.cache.stores.host_kv import HostKV
 from radixserve.cache.stores.host_snapshots import HostSnapshots
-from radixserve.cache.stores.snapshot_state import RowStates, Snapshot, SnapshotCounters, device_slot
+from radixserve.cache.stores.snapshot_rows import SnapshotRows
+from radixserve.cache.stores.snapshot_state import Snapshot, SnapshotCounters, device_slot
 from radixserve.cache.tree import ALL, EMPTY_SLOTS, NAMESPACE, PARTIAL, PROMPT_END_SLACK, RadixTree, TreeNode
 
 # A branch point is worth a prompt piece of its own (one more step for the request that computes
@@ -105,11 +98,9 @@ class SnapshotStore(SnapshotEviction):
         self.host = host  # the host tier's snapshot slots (None: no host tier)
         self.page_size = page_size
         self.branch_min_tokens = max(branch_min_tokens, page_size)
-        self.rows: dict[int, RowStates] = {}
-        # (row, slot): states taken for the step being scheduled, copied once it is launched.
-        self._unissued: list[tuple[int, int]] = []
         self.counters = SnapshotCounters()
         self._init_eviction()
+        self.requests = SnapshotRows(self)  # the running requests' state rows
         self.tree: RadixTree
         self.kv_host: Optional[HostKV] = None  # the KV's host tier, whose loads hold snapshots
         self.reset()
@@ -239,247 +230,39 @@ class SnapshotStore(SnapshotEviction):
         return length
 
     # ------------------------------------------------------------------ a request's state row
+    # The RequestStates side (cache/prefix_cache.py), kept by the rows (`snapshot_rows.SnapshotRows`).
     def resume(self, row: int, match: MatchResult, *, branch_at: int = 0,
                hints: Sequence[int] = ()) -> tuple[int, ...]:
-        assert row not in self.rows, f"state row {row} was not given back"
-        node = match.last_node
-        from_host = bool(match.length) and node.state.from_host
-        if from_host:
-            node.state.from_host = False
-            self.host.counters.hits += 1
-        if not match.length:
-            self._admitted_new()
-        chunk_ends = self._with_branch(match, branch_at)
-        ladder = self._plans_ladder(match.length)
-        checkpoints = plan_checkpoints(match.length, match.target_len, chunk_ends, hints, ladder=ladder,
-                                       min_gap=self.branch_min_tokens, page_size=self.page_size)
-        prompt_end = self.page_floor(match.target_len + 1 - PROMPT_END_SLACK)
-        states = self.rows[row] = RowStates(chunk_ends, checkpoints=checkpoints, target_len=match.target_len,
-                                            points={match.length, *chunk_ends, *(c.position for c in checkpoints)},
-                                            prompt_end=prompt_end if prompt_end in chunk_ends else 0,
-                                            deep_ladder=ladder and match.length > 0)
-        if match.length:
-            state = node.state
-            slot = state.slot if state is not None else None
-            assert slot is not None, f"a usable match ends at {match.last_node}, which holds no snapshot"
-            if any(s == slot for _, s in self._unissued):
-                self.issue()  # hung on the tree by a launched step whose copy is still queued here
-            self.snapshots.restore([slot], [row])
-            self.counters.hits += 1
-            self._end_outcome(node, resumed=True)
-            self._conversation_came_back(node)
-            states.resumed_from, states.used_before = node, state.used
-            states.worth_before = state.worth
-            if state.worth is not None:  # a checkpoint resumed from has proven itself
-                self.counters.checkpoint_hits += 1
-                state.worth = None
-            state.used = self._recency(node)
-            self._push_snapshot(node)
-        states.from_host = from_host
-        return states.chunk_ends
+        return self.requests.resume(row, match, branch_at=branch_at, hints=hints)
 
     def resumed_from_host(self, row: int) -> bool:
-        states = self.rows.get(row)
-        return states is not None and states.from_host
+        return self.requests.resumed_from_host(row)
 
     def cancel_resume(self, row: int) -> None:
-        states = self.rows[row]
-        if states.from_host:
-            self.host.counters.hits -= 1
-            if states.resumed_from.state is not None:
-                states.resumed_from.state.from_host = True
-        del self.rows[row]
-        assert not states.taken, f"state row {row} was scheduled before its admission was undone"
-        node = states.resumed_from
-        if node is not None:
-            self.counters.hits -= 1
-            self.counters.checkpoint_hits -= states.worth_before is not None
-            if device_slot(node) is not None:
-                node.state.used, node.state.worth = states.used_before, states.worth_before
-                self._push_snapshot(node)
-
-    def _with_branch(self, match: MatchResult, branch_at: int) -> tuple[int, ...]:
-        """match's chunk ends and, where a waiting request will branch off this one's prompt (both
-        wait to be computed: a burst of prompts on a new shared prefix), the branch point too, so
-        that the second one resumes there instead of computing the shared part again; only where it
-        lies at least branch_min_tokens from the match and every other chunk end."""
-        at = self.page_floor(branch_at)
-        ends = match.chunk_ends
-        if all(abs(at - end) >= self.branch_min_tokens for end in (match.length, *ends)) and at > match.length:
-            return tuple(sorted((*ends, at)))
-        return ends
+        self.requests.cancel_resume(row)
 
     def take_state(self, row: int, position: int) -> None:
-        self._take_row_state(row, position)
-
-    def _take_row_state(self, row: int, position: int, *, worth: Optional[float] = None,
-                        hinted: bool = False) -> None:
-        """take_state; worth: a checkpoint's (None: a kept snapshot's); hinted: at a client's hint."""
-        states = self.rows[row]
-        if not states.valid or any(p == position for p, _ in states.taken):
-            return
-        at_prompt_end = position == states.prompt_end
-        if at_prompt_end and not self._prompt_ends_pay():
-            worth = self._worth(saves_below(position, states.points) or position)
-        slot = self._take_slot(states, position, worth, hinted)
-        if slot is not None:  # no room: the next request branching there computes it again
-            self._unissued.append((row, slot))
-            if at_prompt_end:
-                states.prompt_end_slot = slot
+        self.requests.take_state(row, position)
 
     def capture_states(self, row: int, start: int, end: int) -> list[tuple[int, int]]:
-        """The checkpoints in (start, end) the pool has room for, each captured by the forward pass;
-        one at `end`, or `end` itself where a long prefill's chunk ends inside the prompt, copied
-        from the row as a chunk end's state is."""
-        states = self.rows[row]
-        if not states.valid:
-            return []
-        captures = []
-        # The ones that save most first: where the pool has room for only some, they get it.
-        for checkpoint in sorted(states.checkpoints, key=lambda c: (c.hinted, c.saves, c.position), reverse=True):
-            if not start < checkpoint.position <= end:
-                continue
-            worth = None if checkpoint.hinted else self._worth(checkpoint.saves)
-            if checkpoint.position == end:
-                self._take_row_state(row, end, worth=worth, hinted=checkpoint.hinted)
-                continue
-            slot = self._take_slot(states, checkpoint.position, worth, checkpoint.hinted)
-            if slot is not None:
-                states.captured.add(slot)
-                captures.append((checkpoint.position, slot))
-                self.counters.taken += 1
-        captures.sort()
-        saves = saves_below(end, states.points)
-        if end < states.target_len and saves is not None and end % self.page_size == 0 \
-                and all(abs(end - p) >= self.branch_min_tokens for p in states.points):
-            states.points.add(end)  # a chunk boundary: the row holds the state there anyway
-            self._take_row_state(row, end, worth=self._worth(saves))
-        return captures
-
-    def _take_slot(self, states: RowStates, position: int, worth: Optional[float],
-                   hinted: bool = False) -> Optional[int]:
-        """A slot for the state at `position` of the row (a checkpoint's when worth is given; at a
-        client's hint when hinted), owned by the row until it is hung on the tree; None when the
-        pool has none to give it."""
-        slot = self._alloc_snapshot(worth=worth)
-        if slot is None:
-            return None
-        states.taken.append((position, slot))
-        if hinted:
-            states.hinted.add(slot)
-        if worth is not None:
-            states.worth[slot] = worth
-            self.counters.checkpoints_taken += 1
-        return slot
+        return self.requests.capture_states(row, start, end)
 
     @property
     def queued_saves(self) -> set[int]:
-        """Snapshot slots whose copy out of a row is still queued here (their contents are not yet
-        the state they will hold)."""
-        return {slot for _, slot in self._unissued}
+        return self.requests.queued_saves
 
     def issue(self, row: Optional[int] = None) -> None:
-        """Copy the taken states not copied yet (of `row` only, when given). At the start of a
-        step's scheduling (`poll`), the steps that reached a chunk end are launched, so their
-        states are copied out now, before a later forward pass moves their rows on."""
-        if row is None:
-            batch, self._unissued = self._unissued, []
-        else:
-            batch = [e for e in self._unissued if e[0] == row]
-            self._unissued = [e for e in self._unissued if e[0] != row]
-        if batch:
-            self.snapshots.save([r for r, _ in batch], [s for _, s in batch])
-            self.counters.taken += len(batch)
+        self.requests.issue(row)
 
     def keep_states(self, row: int, tokens: Sequence[int], *, namespace: Optional[str] = None,
                     state_len: Optional[int] = None, readmitted: bool = False) -> None:
-        states = self.rows[row]
-        leaving = state_len is not None
-        if leaving:
-            self.issue(row)  # the row goes to another request next: its state is read now
-        n = len(tokens)
-        waiting = []
-        for position, slot in states.taken:
-            if 0 < position <= n:
-                worth = states.worth.pop(slot, None)
-                states.captured.discard(slot)
-                node = self.tree.node_ending_at(tokens, position, namespace)
-                if self._attach(node, slot, worth=worth, hinted=slot in states.hinted,
-                                saves=saves_below(position, states.points) or position):
-                    if device_slot(node) == slot and slot == states.prompt_end_slot:
-                        node.state.window = self._prompt_end_outcomes  # whether they pay
-                    elif device_slot(node) == slot and worth is not None and states.deep_ladder:
-                        node.state.window = self._deep_ladder_outcomes
-                    if position in states.chunk_ends:
-                        states.kept_chunk_end = True
-                    if position in states.chunk_ends or worth is None:  # not a guess on the way
-                        self._superseded(states)
-            else:
-                waiting.append((position, slot))
-        states.taken = waiting
-        if not leaving:
-            return
-        if states.valid and state_len == n and n > 0 and (readmitted or self._keeps_sequence_end(states.kept_chunk_end)):
-            node = self.tree.node_ending_at(tokens, n, namespace)
-            if node is not None and device_slot(node) is None:
-                saves = saves_below(n, states.points) or n
-                # A guess until such snapshots are known to pay (the window full), as a prompt's end.
-                guess = states.kept_chunk_end and not readmitted and not self._sequence_ends_proven()
-                worth = self._worth(saves) if guess else None
-                slot = self._alloc_snapshot(worth=worth)
-                if slot is not None:
-                    self.snapshots.save([row], [slot])
-                    self.counters.taken += 1
-                    if self._attach(node, slot, saves=saves, worth=worth):
-                        # Whether such snapshots pay is learnt from clients' next turns alone.
-                        if states.kept_chunk_end and not readmitted:
-                            node.state.window = self._end_outcomes
-                        self._superseded(states)  # where no snapshot near its prompt's end did already
-                elif guess:  # no slot for the guess: whether its next turn would have resumed there is learnt all the same
-                    self._ghost_end(node)
-        for _, slot in states.taken:
-            self.snapshots.free(slot)
-        del self.rows[row]
+        self.requests.keep_states(row, tokens, namespace=namespace, state_len=state_len, readmitted=readmitted)
 
     def discard_states(self, rows: Sequence[int]) -> None:
-        suspect = set(rows)
-        cancelled = {e for e in self._unissued if e[0] in suspect}
-        self._unissued = [e for e in self._unissued if e not in cancelled]
-        for row in suspect:
-            states = self.rows.get(row)
-            if states is None:
-                continue
-            states.valid = False
-            # Queued copies are cancelled; the states its steps' forward passes were to write are suspect.
-            for entry in [(p, s) for p, s in states.taken if (row, s) in cancelled or s in states.captured]:
-                states.taken.remove(entry)
-                states.captured.discard(entry[1])
-                states.worth.pop(entry[1], None)
-                self.snapshots.free(entry[1])
+        self.requests.discard_states(rows)
+
 
     # ------------------------------------------------------------------ the tree's snapshots
-    def _conversation_came_back(self, node: TreeNode) -> None:
-        """A request resumed at node: a snapshot near a prompt's end above it on its path paid too
-        (its conversation came back, to a deeper state: the reply sent back as generated)."""
-        node = node.parent
-        while node is not None and node.parent is not None:
-            if node.state is not None and node.state.window is self._prompt_end_outcomes:
-                self._end_outcome(node, resumed=True)
-            node = node.parent
-
-    def _superseded(self, states: RowStates) -> None:
-        """The row hung a snapshot below the one it resumed from: where nothing branches off between
-        them, the old one resumes nobody the new one would not, and loses its resume's recency; a
-        checkpoint it was (a second user's resume on a new prefix: the state where it branched is
-        kept now) is a checkpoint again, evicted before the kept snapshots."""
-        node, states.resumed_from = states.resumed_from, None
-        if node is not None and device_slot(node) is not None and len(node.children) == 1 \
-                and node.state.used > states.used_before:
-            node.state.used = states.used_before
-            if states.worth_before is not None:  # a checkpoint it proved: a guess again, the deeper one serves
-                node.state.worth = states.worth_before
-            self._push_snapshot(node)
-
     def _attach(self, node: Optional[TreeNode], slot: int, *,
                 worth: Optional[float] = None, hinted: bool = False, saves: int = 1) -> bool:
         """Hang a taken snapshot (a checkpoint's when worth is given; where a client hinted a branch,
@@ -549,8 +332,7 @@ class SnapshotStore(SnapshotEviction):
         """Free a snapshot slot a node held or a row took. Its copy out of a row may still be queued
         (a running request's chunk end, copied at the next poll): it is cancelled, or it would
         overwrite whatever the slot is taken for next."""
-        if any(s == slot for _, s in self._unissued):
-            self._unissued = [e for e in self._unissued if e[1] != slot]
+        self.requests.cancel_copies(slot)
         self.snapshots.free(slot)
 
     def _evict_snapshot(self, node: TreeNode) -> None:
@@ -642,11 +424,9 @@ class SnapshotStore(SnapshotEviction):
         assert len(owned) == self.snapshots_held, f"held counter {self.snapshots_held} != {len(owned)}"
         offered = {id(n) for _, n in self._snap_heap}
         assert all(id(n) in offered for n in nodes if device_slot(n) is not None), "a snapshot can never be evicted"
-        for states in self.rows.values():
-            owned.extend(slot for _, slot in states.taken)
+        owned.extend(self.requests.owned_slots())
         owned.extend(self.snapshots.free_slot_list())
         assert sorted(owned) == list(range(self.snapshots.num_slots)), "a snapshot slot is owned twice or by no one"
-        assert set(self.rows) == set(running_rows), f"state rows {sorted(self.rows)} != running {sorted(running_rows)}"
-        assert {row for row, _ in self._unissued} <= set(self.rows), "a copy is queued for a row given back"
+        self.requests.check(running_rows)
         if self.host is not None:
             self.host.check(nodes)
