@@ -228,10 +228,12 @@ def test_bench_one_batch_times_a_hybrid_against_its_floors(shape, tmp_path, gpu_
 
 
 def test_a_resume_point_inside_a_chunk_is_as_exact_as_one_on_its_boundary(tmp_path_factory):
-    """Every offset 1..130 past a 64-token base, float32 on the card (the CPU suite runs a few):
+    """Every offset 1..150 past a 64-token base, float32 on the card (the CPU suite runs a few):
     the request resumed at the branch point gives transformers' tokens wherever it falls in a
-    Gated DeltaNet chunk."""
+    Gated DeltaNet chunk, and the resume points fall at every position of a chunk (offsets 15 and
+    79 resume at a checkpoint instead, so 143 covers the fifteenth)."""
     from test_hybrid import build, check_resumes_inside_chunks_equal_transformers
 
-    check_resumes_inside_chunks_equal_transformers(build(tmp_path_factory, "qwen3_5", seed=4), range(1, 131),
-                                                   device="cuda")
+    resumed = check_resumes_inside_chunks_equal_transformers(build(tmp_path_factory, "qwen3_5", seed=4),
+                                                             range(1, 151), device="cuda")
+    assert {p % 64 for p in resumed} == set(range(64))
