@@ -83,12 +83,14 @@ def test_greedy_equals_hf_after_device_host_disk_and_back(oracle, tmp_path):
         engine.shutdown()
 
 
-def test_restart_on_the_same_directory_finds_the_prefixes(oracle, tmp_path):
+def check_restart_refinds_the_prefixes(make_engine, oracle, directory) -> None:
+    """Three prompts served, the engine shut down (what is still on the device or the host is
+    written now) and started again on the same directory: each prompt's whole pages are found."""
     path, prompts, expected = oracle
-    engine = storage_engine(path, tmp_path / "store")
+    engine = make_engine(path, directory)
     engine.generate(input_ids=prompts[:3], sampling_params=GREEDY)
-    engine.shutdown()  # what is still on the device or the host is written now
-    engine = storage_engine(path, tmp_path / "store")
+    engine.shutdown()
+    engine = make_engine(path, directory)
     try:
         assert engine.cache_stats()["storage_restored_pages"] > 0
         results = engine.generate(input_ids=prompts[:3], sampling_params=GREEDY)
@@ -97,6 +99,10 @@ def test_restart_on_the_same_directory_finds_the_prefixes(oracle, tmp_path):
         check_idle(engine)
     finally:
         engine.shutdown()
+
+
+def test_restart_on_the_same_directory_finds_the_prefixes(oracle, tmp_path):
+    check_restart_refinds_the_prefixes(storage_engine, oracle, tmp_path / "store")
 
 
 def test_a_directory_of_another_configuration_is_not_read(oracle, tmp_path, caplog):

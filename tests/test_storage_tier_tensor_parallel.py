@@ -24,7 +24,7 @@ from radixserve.cache.storage_shards import ShardedStore
 from radixserve.cache.stores.disk import ReadJob
 from radixserve.cache.stores.page_files import LocalFileBackend, PageRecord, StoreStamp
 from test_engine import check_idle, hf_greedy
-from test_storage_tier import GREEDY, NEW, PAGE, READS_PAY, long_prompts
+from test_storage_tier import GREEDY, NEW, PAGE, READS_PAY, check_restart_refinds_the_prefixes, long_prompts
 from test_storage_tier_hybrid import build_hybrid
 
 pytestmark = pytest.mark.timeout(600)
@@ -102,19 +102,7 @@ def test_tp2_serves_a_prefix_from_disk_after_it_left_the_device_and_the_host(ora
 
 
 def test_tp2_restart_refinds_the_pages_of_every_rank(oracle, tmp_path):
-    path, prompts, expected = oracle
-    engine = tp_engine(path, tmp_path / "store")
-    engine.generate(input_ids=prompts[:3], sampling_params=GREEDY)
-    engine.shutdown()  # what is on the device or the host is written now, on both ranks
-    engine = tp_engine(path, tmp_path / "store")
-    try:
-        assert engine.cache_stats()["storage_restored_pages"] > 0
-        results = engine.generate(input_ids=prompts[:3], sampling_params=GREEDY)
-        assert [r["output_ids"] for r in results] == expected[:3]
-        assert [r["meta_info"]["cached_tokens"] for r in results] == [aligned(p) for p in prompts[:3]]
-        check_idle(engine)
-    finally:
-        engine.shutdown()
+    check_restart_refinds_the_prefixes(tp_engine, oracle, tmp_path / "store")
 
 
 def test_a_page_one_rank_lacks_is_not_read(oracle, tmp_path, caplog):
