@@ -6,12 +6,14 @@ every rank's list of the pages it found.
 
 Rank 0 binds the socket (IPC on one node, TCP on a free port when ranks run on other nodes) and
 advertises its address in the group's store, under REPORTS_KEY; every rank connects to it there.
+A report is a tuple of numbers, strings and lists, sent as JSON: rank 0 never unpickles what
+arrives on a port it listens on.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 import threading
 from typing import Optional
 
@@ -20,6 +22,10 @@ import zmq
 from radixserve.cache.storage_shards import Report
 
 REPORTS_KEY = "radixserve/tp-storage-reports"
+
+
+def _decode(data: bytes) -> Report:
+    return tuple(json.loads(data))
 
 
 class ReportInbox:
@@ -40,14 +46,14 @@ class ReportInbox:
         reports = []
         while True:
             try:
-                reports.append(pickle.loads(self.sock.recv(zmq.NOBLOCK)))
+                reports.append(_decode(self.sock.recv(zmq.NOBLOCK)))
             except zmq.Again:
                 return reports
 
     def wait(self, timeout_s: float) -> Optional[Report]:
         if not self.sock.poll(int(timeout_s * 1000)):
             return None
-        return pickle.loads(self.sock.recv())
+        return _decode(self.sock.recv())
 
     def close(self) -> None:
         self.sock.close(0)
@@ -64,7 +70,7 @@ class ReportOutbox:
         self._lock = threading.Lock()
 
     def __call__(self, report: Report) -> None:
-        data = pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)
+        data = json.dumps(report).encode()
         with self._lock:
             if not self.sock.closed:
                 self.sock.send(data)
