@@ -271,6 +271,26 @@ def test_a_conversations_next_turn_resumes_where_the_last_one_ended(qwen3_5, pag
     assert second["output_ids"] == hf_greedy(path, [turn2])[0]
 
 
+def test_after_the_warm_up_a_conversations_next_turn_resumes_where_the_last_one_ended(qwen3_5):
+    """A CUDA engine serves 34 throw-away prompts at start-up (`warmup`) and flushes them. Their
+    snapshots never pay (nobody continues them): had the policy kept what they taught, it would
+    refuse the first real conversations their sequence-end snapshots, and turn 2 here would resume
+    at turn 1's prompt end (69) instead of its sequence end (93)."""
+    path, _, _ = qwen3_5
+    rng = random.Random(11)
+    system = [rng.randrange(3, 500) for _ in range(5)] * 10
+    batch = [system + [rng.randrange(3, 500) for _ in range(rng.randint(5, 20))] for _ in range(6)]
+    params = {**GREEDY, "max_new_tokens": 24}
+    with Engine(str(path), max_total_tokens=8192, chunked_prefill_size=16, mamba_cache_size=64) as engine:
+        engine.core.warmup()
+        first = [engine.generate(input_ids=batch, sampling_params=params) for _ in range(2)][0]
+        turn2 = batch[0] + first[0]["output_ids"] + [7, 8, 9, 10]
+        second = engine.generate(input_ids=[turn2], sampling_params=params)[0]
+        check_idle(engine)
+    assert second["meta_info"]["cached_tokens"] == len(batch[0]) + 24 - 1
+    assert second["output_ids"] == hf_greedy(path, [turn2], max_new=24)[0]
+
+
 def test_requests_branching_off_a_shared_prompt_resume_at_the_branch_point(qwen3_5):
     """a, b and c share a 60-token system prompt. a computes it all (nothing is cached), keeping
     checkpoints where its first two 16-token chunks end; b resumes at the deeper (32), finds KV past

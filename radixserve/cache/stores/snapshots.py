@@ -99,7 +99,6 @@ class SnapshotStore(SnapshotEviction):
         self.page_size = page_size
         self.branch_min_tokens = max(branch_min_tokens, page_size)
         self.counters = SnapshotCounters()
-        self._init_eviction()
         self.requests = SnapshotRows(self)  # the running requests' state rows
         self.tree: RadixTree
         self.kv_host: Optional[HostKV] = None  # the KV's host tier, whose loads hold snapshots
@@ -111,6 +110,11 @@ class SnapshotStore(SnapshotEviction):
             self.host.bind(self)
 
     def reset(self) -> None:
+        """The tree was flushed: nothing held, and nothing learnt of the snapshots that went (a flush
+        is no evidence that they would not have paid, and the engine's warm-up, whose throw-away
+        prompts are never continued, ends with one: what they taught would refuse the first real
+        conversations their sequence-end snapshots)."""
+        self._init_eviction()
         self.snapshots_held = 0
         self._snap_heap: list[tuple[tuple, TreeNode]] = []
         # Snapshots (on either tier) each node and its subtree hold; absent: none.
