@@ -14,6 +14,10 @@ the tools preamble is ours.
 reply's reasoning with it, and the engine starts a grammar after it (both read it here, in the
 leaf layer).
 
+`SystemTurns` finds where a ChatML prompt's leading system and developer turns end from its tokens
+alone, so that a prompt the client rendered itself (/v1/completions, token ids, the offline
+engine) marks that branch point for a hybrid model's cache as the chat API does.
+
 One variable is ours too: `keep_reasoning` true renders every earlier assistant turn with its
 reasoning as the model generated it (`<think>\\n` reasoning `\\n</think>\\n\\n` content), so the
 next turn's prompt extends the previous turn's whole sequence and the radix cache finds all of it
@@ -34,6 +38,9 @@ QWEN3_TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_r
 QWEN3_ADDED_TOKENS = ("<tool_response>", "</tool_response>", THINK_START, THINK_END)
 # The template variable that keeps every earlier turn's reasoning.
 KEEP_REASONING = "keep_reasoning"
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SYSTEM_ROLES = ("system", "developer")
 
 REASONING_PARSERS = ("qwen3",)
 # How far back from the end of a prompt its think tags are looked for: the generation prompt's
@@ -180,3 +187,40 @@ QWEN3_CHAT_TEMPLATE = """\
 
 # Templates `--chat-template` takes by name instead of a file.
 BUILTIN_CHAT_TEMPLATES = {"qwen3": QWEN3_CHAT_TEMPLATE}
+
+
+@dataclass(frozen=True)
+class SystemTurns:
+    """A ChatML tokenizer's turn markers as token ids: `<|im_start|>system` and
+    `<|im_start|>developer` (each role's head), `<|im_end|>` and the newline the template writes
+    after it."""
+
+    heads: tuple[tuple[int, ...], ...]
+    end: int
+    newline: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tokenizer) -> Optional["SystemTurns"]:
+        """The tokenizer's markers; None for a tokenizer without ChatML's control tokens."""
+        vocab = tokenizer.get_vocab()
+        if IM_START not in vocab or IM_END not in vocab:
+            return None
+        heads = tuple(tuple(tokenizer.encode(IM_START + role, add_special_tokens=False)) for role in SYSTEM_ROLES)
+        return cls(heads, vocab[IM_END], tuple(tokenizer.encode("\n", add_special_tokens=False)))
+
+    def end_of(self, ids: list[int]) -> Optional[int]:
+        """How many of a prompt's tokens its leading system and developer turns take (what every
+        chat on the same system prompt shares, the chat API's `system_turn_end` for a ChatML
+        template); None when it starts with no such turn or nothing follows it."""
+        pos = 0
+        while True:
+            head = next((h for h in self.heads if tuple(ids[pos:pos + len(h)]) == h), None)
+            if head is None:
+                break
+            try:
+                pos = ids.index(self.end, pos + len(head)) + 1
+            except ValueError:
+                return None  # an unfinished system turn: the prompt is all system prompt
+            if tuple(ids[pos:pos + len(self.newline)]) == self.newline:
+                pos += len(self.newline)
+        return pos if 0 < pos < len(ids) else None

@@ -14,7 +14,8 @@ the later turns that lost their previous prompt.
 `--chat` runs chat traffic (`scheduler_sim.chat_sessions`): 96 system prompts of 1,024-3,072
 tokens, each seen by 4 single-question requests (128 tokens) one after another, every system
 prompt's first request at t=0; once with the system turn's end marked as the chat API marks it,
-once unmarked (a /v1/completions client).
+once unmarked (prompts without a ChatML system turn: a client of /v1/completions that sends a
+ChatML prompt it rendered itself is marked from its tokens, as the chat API marks it).
 
 Every table also gives what the states cost: snapshots taken per request (of them, checkpoints
 taken on the way), admissions resumed from a checkpoint, and the extra rounds of the linear layers'
@@ -96,7 +97,7 @@ def run_rows(rows: list[tuple[str, dict]], base: dict) -> None:
 
 def chat_main() -> None:
     for marks in (True, False):
-        print(f"\nchat: {'system turns marked (the chat API)' if marks else 'nothing marked (/v1/completions)'}\n")
+        print(f"\nchat: {'system turns marked (the chat API)' if marks else 'nothing marked (no ChatML system turn)'}\n")
         print(HEADER.format(what="configuration", lost="requests that lost the system prompt"))
         run_rows(CHAT_ROWS, {**CHAT, "system_marks": marks})
 

@@ -660,7 +660,8 @@ def test_the_second_chat_on_a_2048_token_system_prompt_finds_it_cached(tmp_path_
     """Through the chat API: two users ask different questions under the same system prompt of
     over 2,048 tokens. The API marks where the system turn ends; the first request keeps the state
     there, and the second finds the whole system turn cached (an attention model finds the same);
-    both replies are transformers' greedy tokens."""
+    both replies are transformers' greedy tokens. Then the same through /v1/completions with the
+    template rendered by the client, on another system prompt."""
     path = build(tmp_path_factory, "qwen3_5", seed=8)
     tok = transformers.AutoTokenizer.from_pretrained(path)
     system = {"role": "system", "content": " ".join(f"Rule {i}: answer in one short sentence." for i in range(110))}
@@ -687,6 +688,19 @@ def test_the_second_chat_on_a_2048_token_system_prompt_finds_it_cached(tmp_path_
             assert reply.choices[0].message.content == tok.decode(want)
             cached.append(reply.usage.prompt_tokens_details.cached_tokens)
         assert cached == [0, len(system_turn)]
+        # A client that renders the template itself (/v1/completions): the system turn's end is
+        # found in the prompt's tokens, and the second user finds it cached the same.
+        other = {"role": "system", "content": " ".join(f"Law {i}: reply in two short words." for i in range(110))}
+        texts = [tok.apply_chat_template([other, chat[1]], tokenize=False, add_generation_prompt=True)
+                 for chat in chats]
+        expected = hf_greedy(path, [tok.encode(text, add_special_tokens=False) for text in texts], max_new=6)
+        cached = []
+        for text, want in zip(texts, expected):
+            reply = client.completions.create(model=path.name, prompt=text, temperature=0, max_tokens=6,
+                                              extra_body={"ignore_eos": True, "skip_special_tokens": False})
+            assert reply.choices[0].text == tok.decode(want)
+            cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+        assert cached == [0, len(ids([other], False))]
     finally:
         proc.stop()
 

@@ -23,7 +23,8 @@ tok/s simulated, 0.691 and 94.0k measured); absolute times are only as good as t
 average, half to one and a half times it), each seen by `--visits` single-question requests one
 after another (each sent after the one before finished plus a think time), every system prompt's
 first request at t=0; the end of each system turn marked as the chat API marks it for a hybrid
-model (`--no-system-marks`: as a client of /v1/completions, nothing marked).
+model, or as the engine finds it in a ChatML prompt (`--no-system-marks`: prompts without a
+system turn, nothing marked).
 
 A hybrid model (`--snapshots N`): its prefix cache is the engine's snapshot cache, N recurrent-state
 snapshot slots beside `--max-running` request rows, so a prefix resumes only where a snapshot lies.

@@ -25,7 +25,7 @@ from radixserve.cache.factory import build_prefix_cache, make_host_tier, make_st
 from radixserve.cache.stores.page_files import model_identity
 from radixserve.cache.namespace import is_cache_namespace
 from radixserve.cache.prefix_cache import OwnedPrefixCache
-from radixserve.chat_formats import reasoning_format
+from radixserve.chat_formats import SystemTurns, reasoning_format
 from radixserve.distributed import TensorParallel
 from radixserve.engine.cpu_affinity import bind_near_gpu
 from radixserve.engine.grammar_wait import GrammarWaitlist
@@ -95,6 +95,10 @@ class EngineCore:
         max_running = self.req_to_token.max_requests
         self.cache = self._make_cache(tp)
         self.storage = self._make_storage()
+        # A hybrid's cache keeps a state where the client marks a branch point; a prompt that comes
+        # unmarked (rendered by the client) marks the end of its ChatML system turn from its tokens.
+        self.system_turns = SystemTurns.of(self.tokenizer) \
+            if self.cache.states is not None and self.tokenizer is not None else None
         eos = list(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
@@ -225,7 +229,16 @@ class EngineCore:
         return Req(rid=request.rid, origin_input_ids=list(ids), sampling_params=params,
                    arrival_time=request.arrival_time or time.monotonic(), arrival_seq=-1, log=request.log,
                    stream=request.stream, cache_namespace=request.cache_namespace,
-                   branch_hints=tuple(p for p in request.branch_hints if 0 < p < len(ids)))
+                   branch_hints=self._branch_hints(request, ids))
+
+    def _branch_hints(self, request: GenerateRequest, ids: list[int]) -> tuple[int, ...]:
+        """Where the client marked that requests branch (the chat API: its system turn's end), else
+        where the prompt's ChatML system turn ends; only for a cache that keeps states there."""
+        hints = tuple(p for p in request.branch_hints if 0 < p < len(ids))
+        if hints or self.system_turns is None:
+            return hints
+        end = self.system_turns.end_of(ids)
+        return (end,) if end is not None else ()
 
     def add_request(self, request: GenerateRequest) -> None:
         self.submit(self.make_req(request))

@@ -32,7 +32,7 @@ from functools import lru_cache, partial
 from typing import Any, Optional
 
 from radixserve.cache.prefix import common_prefix_len
-from radixserve.chat_formats import KEEP_REASONING
+from radixserve.chat_formats import KEEP_REASONING, SYSTEM_ROLES
 from radixserve.server.errors import CONFLICTING_FIELDS, APIError, bad_request
 from radixserve.server.protocol import ROLES
 from radixserve.server.serving import ServingContext
@@ -48,7 +48,6 @@ MARK_END = "\U000f0001"
 SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
                                        "raise_exception", "strftime_now"})
 # The roles of the turns a chat's system prompt is made of (the leading ones).
-SYSTEM_ROLES = ("system", "developer")
 # Jinja's own globals and those transformers adds: a template reads them as undeclared names, and a
 # request that set one would replace the function (`namespace`, `range`) the template calls.
 JINJA_GLOBALS = frozenset({"range", "dict", "lipsum", "cycler", "joiner", "namespace"})
