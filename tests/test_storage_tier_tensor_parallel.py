@@ -154,12 +154,6 @@ def test_a_directory_tp1_wrote_is_not_read_at_tp2(oracle, tmp_path, caplog):
     assert any("written with tp_size 2 (2 rank directories" in r.getMessage() for r in caplog.records)
 
 
-def test_redis_is_refused_under_tensor_parallelism(oracle):
-    with pytest.raises(ValueError, match="redis is not implemented with tensor parallelism"):
-        Engine(str(oracle[0]), tp_size=2, page_size=PAGE, hicache_ratio=1, storage_backend="redis",
-               storage_url="redis://127.0.0.1:1/0")
-
-
 # ------------------------------------------------------------------------ a hybrid model
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
@@ -227,7 +221,7 @@ def test_rank_0_counts_a_page_once_every_rank_wrote_it_in_the_same_round(tmp_pat
         assert store.write(records[1], torch.zeros(16, dtype=torch.uint8), source=("host", torch.arange(2)))
         again = store.log.take()[0]
         assert again.seq > rounds[2]
-        inbox.queue += [("written", 1, 2, again.seq, True), ("lost", 1, 1, rounds[1])]
+        inbox.queue += [("written", 1, 2, again.seq, True), ("lost", 1, 1, rounds[1], "evicted")]
         store.finished()
         assert store.has(2) and not store.has(1)  # rank 1 lost page 1 (evicted there)
         # A read: done when both ranks are, counting the pages both read.
@@ -270,7 +264,7 @@ def test_a_rank_replays_rank_0s_storage_orders_on_its_own_shard_and_reports_them
     replica = StorageReplica(DiskStore(LocalFileBackend(str(tmp_path), 10_000), stamp), 1, reports.append, pool,
                              host, copier)
     try:
-        assert reports == [("keys", 1, [])]
+        assert reports == [("keys", 1, [], "")]
         host.buffer[4:6] = torch.arange(2 * host.bytes_per_token, dtype=torch.uint8).view(2, 1, 2, -1)
         record = PageRecord(11, None, [5, 6])
         store = CopyOrder(CopyKind.STORE_HOST_PAGE, slot_array([4, 5]), slot_array(()), 3, (record, False))
@@ -288,7 +282,29 @@ def test_a_rank_replays_rank_0s_storage_orders_on_its_own_shard_and_reports_them
         replay([CopyOrder(CopyKind.STORAGE_ATTACH, slot_array([0]), slot_array([8, 9]), 4),
                 CopyOrder(CopyKind.STORAGE_RELEASE, slot_array(()), slot_array(()), 4)], copier, None, replica)
         assert torch.equal(host.buffer[8:10], host.buffer[4:6])
-        replica.store._forget([11], evicted=True)  # evicted for room on this rank
-        assert reports[4] == ("lost", 1, 11, 8)
+        replica.store._forget([11], "evicted")  # evicted for room on this rank
+        assert reports[4] == ("lost", 1, 11, 8, "evicted")
     finally:
         replica.close()
+
+
+def test_a_read_that_found_a_shard_gone_drops_the_page_whatever_its_round_and_counts_it_once(tmp_path):
+    stamp = StoreStamp(model="m", page_size=2, kv_dtype="float32", bytes_per_token=8, num_layers=1, tp_size=2)
+    backend = LocalFileBackend(str(tmp_path / "r0"), 10_000)
+    backend.open(stamp)
+    for key in (5, 6):
+        backend.put(PageRecord(key, None, [1, 2]), memoryview(bytes(16)))
+    backend.close()
+    inbox = FakeInbox([5, 6])
+    store = ShardedStore(LocalFileBackend(str(tmp_path / "r0"), 10_000), stamp, tp_size=2, inbox=inbox,
+                         log=CopyLog())
+    try:
+        assert store.has(5) and store.has(6)
+        # Rank 1 evicted 5 in a round rank 0 no longer counts: a late report, ignored. Its read of 6
+        # found the shard gone (rank 1 thought it had it from an earlier round): dropped, counted.
+        inbox.queue += [("lost", 1, 5, 3, "evicted"), ("lost", 1, 6, 3, "missing"), ("lost", 1, 6, 0, "missing")]
+        store.finished()
+        assert store.has(5) and not store.has(6)
+        assert store.stats.missing_pages == 1 and store.stats.evicted_pages == 0
+    finally:
+        store.close()
