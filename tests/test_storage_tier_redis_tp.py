@@ -26,8 +26,10 @@ from radixserve import Engine
 from radixserve.cache.block_hash import page_hashes
 from radixserve.cache.stores.redis_pages import key_prefix
 from test_engine import check_idle
-from test_storage_tier import GREEDY, PAGE, READS_PAY, check_restart_refinds_the_prefixes, redis_url  # noqa: F401
-from test_storage_tier_tensor_parallel import aligned, oracle, serve_one  # noqa: F401
+from test_storage_tier import GREEDY, PAGE, READS_PAY, check_restart_refinds_the_prefixes
+from test_storage_tier import redis_url  # noqa: F401  (the fixture)
+from test_storage_tier_tensor_parallel import aligned, serve_one
+from test_storage_tier_tensor_parallel import oracle  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.timeout(600)
 

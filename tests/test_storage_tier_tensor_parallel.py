@@ -5,9 +5,12 @@ states) in its own directory, rank 0 deciding and the copy log carrying its orde
 Greedy tokens at tp 2 after prefixes went device -> host -> disk -> back equal tp 1's without a
 cache and Hugging Face's; a prefix that left the device and the host tier is served from disk
 (the storage counters); a restart re-finds the pages of both ranks; a page whose shard one rank
-lacks is not read; a directory tp 1 wrote is not read at tp 2 (one warning line); a hybrid's
-snapshots go to disk per rank and come back. Without processes: rank 0's store counts a page only
-once every rank reported it written in the same round, and a read counts the pages every rank read.
+lacks is not read, and the shards of such pages are removed from every rank at start-up; a
+directory tp 1 wrote is not read at tp 2 (one warning line); a hybrid's snapshots go to disk per
+rank and come back. Without processes: rank 0's store counts a page only once every rank reported
+it written in the same round, a read counts the pages every rank read, and a read that found a
+shard gone drops the page whatever round wrote it, counted once. The Redis backend under tensor
+parallelism: test_storage_tier_redis_tp.py.
 """
 
 from __future__ import annotations
@@ -128,6 +131,32 @@ def test_a_page_one_rank_lacks_is_not_read(oracle, tmp_path, caplog):
         engine.shutdown()
 
 
+def test_shards_of_pages_not_every_rank_holds_are_removed_at_start_up(oracle, tmp_path, caplog):
+    from radixserve.cache.block_hash import page_hashes
+
+    path, prompts, _ = oracle
+    store = tmp_path / "store"
+    engine = tp_engine(path, store)
+    engine.generate(input_ids=prompts[:2], sampling_params=GREEDY)
+    engine.shutdown()
+    hashes = page_hashes(prompts[0], PAGE, None)
+    ranks = [store / f"tp2-rank{r}" / "pages" for r in range(2)]
+    (ranks[1] / f"{hashes[2]:016x}.page").unlink()  # rank 0's shard of page 2 is left alone
+    (ranks[0] / f"{hashes[3]:016x}.page").unlink()  # rank 1's shard of page 3 likewise
+    with caplog.at_level(logging.INFO, logger="radixserve"):
+        engine = tp_engine(path, store)
+    try:
+        wait_until(lambda: not (ranks[0] / f"{hashes[2]:016x}.page").exists())  # rank 0 removes its own at once
+        assert any("removed 1 shards of pages not every rank holds (rank 0's)" in r.getMessage()
+                   for r in caplog.records)
+        serve_one(engine, prompts[4])  # another prompt's step carries rank 0's list to rank 1
+        wait_until(lambda: not (ranks[1] / f"{hashes[3]:016x}.page").exists())
+        assert page_names(ranks[0].parent) == page_names(ranks[1].parent)
+        assert f"{hashes[1]:016x}.page" in page_names(ranks[0].parent)  # the pages that count stay
+    finally:
+        engine.shutdown()
+
+
 def test_a_directory_tp1_wrote_is_not_read_at_tp2(oracle, tmp_path, caplog):
     path, prompts, _ = oracle
     store = tmp_path / "store"
@@ -205,6 +234,10 @@ def test_rank_0_counts_a_page_once_every_rank_wrote_it_in_the_same_round(tmp_pat
                          log=CopyLog())
     try:
         assert store.has(5) and not store.has(6) and not store.has(9) and store.restored_pages == 1
+        # Rank 0 removed its shard of 6; rank 1 is told to remove its shard of 9.
+        wait_until(lambda: not (tmp_path / "r0" / "pages" / f"{6:016x}.page").exists())
+        discard = store.log.take()
+        assert [(o.kind, o.payload) for o in discard] == [(CopyKind.STORAGE_DISCARD, [9])]
         records = [PageRecord(k, None, [k, k]) for k in (1, 2, 6)]
         for r in records:
             assert store.write(r, torch.full((16,), r.key, dtype=torch.uint8), source=("host", torch.arange(2)))

@@ -16,7 +16,11 @@ rank 0 counts a page as on disk (`has`, what its lookups ask) once every rank re
 in the same round; a failed write or a lost page on any rank drops it (a later save writes it
 again). A read is done when every rank's read is; it counts the pages every rank read (the fewest),
 so rank 0 never attaches a page another rank lacks. At start-up the ranks tell rank 0 the pages
-they found: a page counts only when every shard is there.
+they found: a page counts only when every shard is there. The shards of the others (a crash
+mid-write, a full disk on one rank) would stay on disk outside the accounting for good, so each
+rank deletes them: rank 0 its own at once, the others when rank 0's list of them reaches them in
+the copy log (with the first step), the log being the one channel from rank 0 to the ranks' stores.
+Not on a shared backend: there another worker may be writing the missing shard right now.
 
 Rounds: each save of a page is numbered (`wseq`), and each report carries the round it answers,
 so a late report of an earlier round (a page lost, then saved again) never counts for the next. A
@@ -90,6 +94,8 @@ class ShardedStore(DiskStore):
                  log: Optional[CopyLog], max_pending_bytes: int = 1 << 30, keys_wait_s: float = KEYS_WAIT_S):
         self.tp_size = tp_size
         self.inbox = inbox
+        self._log: Optional[CopyLog] = None
+        self._orphans: list[int] = []  # pages found on some ranks only, for the others to discard
         self.log = log  # rank 0's copy log (set by its runner once built)
         self._agg = threading.Lock()  # the rounds below: the engine thread's and the I/O thread's events
         self._wseq = 0
@@ -135,7 +141,27 @@ class ShardedStore(DiskStore):
         if partial:
             logger.warning("storage tier: %d pages found on some tensor-parallel ranks but not on all %d are not "
                            "read (a rank's shard is missing: a crash or an eviction on that rank); they are "
-                           "written again when saved", partial, self.tp_size)
+                           "written again when saved%s", partial, self.tp_size,
+                           "" if self.backend.shared else "; the shards there are removed")
+        if partial and not self.backend.shared:
+            removed = self.discard(sorted(found - every))
+            self._orphans = sorted(set().union(*lists.values()) - every)
+            logger.info("storage tier: removed %d shards of pages not every rank holds (rank 0's)", removed)
+            self._send_orphans()
+
+    @property
+    def log(self) -> Optional[CopyLog]:
+        return self._log
+
+    @log.setter
+    def log(self, log: Optional[CopyLog]) -> None:
+        self._log = log  # rank 0's runner sets it once built
+        self._send_orphans()
+
+    def _send_orphans(self) -> None:
+        if self._orphans and self._log is not None:
+            self._log.record(CopyKind.STORAGE_DISCARD, slot_array(()), slot_array(()), 0, self._orphans)
+            self._orphans = []
 
     def _refresh_keys(self) -> Optional[list[int]]:
         """A shared backend's pages other workers wrote: counted once every rank's namespace holds them."""
@@ -352,6 +378,12 @@ class StorageReplica:
         elif kind is CopyKind.STORAGE_RELEASE:
             self._jobs.pop(order.seq, None)
             self.store.finished()  # nobody waits on this rank's list of finished reads
+        elif kind is CopyKind.STORAGE_DISCARD:
+            for key in order.payload:
+                self._latest.pop(key, None)
+            removed = self.store.discard(order.payload)
+            logger.info("storage tier: removed %d shards of pages not every rank holds (rank %d's)", removed,
+                        self.rank)
         else:
             raise RuntimeError(f"rank 0 sent a {kind.value} order to the storage tier")
 

@@ -100,6 +100,7 @@ class DiskStore:
         self._writes: OrderedDict[int, tuple[PageRecord, torch.Tensor]] = OrderedDict()
         self.pending_bytes = 0
         self._reads: deque[ReadJob] = deque()
+        self._removals: list[int] = []  # keys discarded, for the I/O thread to delete
         self._done: deque[ReadJob] = deque()
         self._since_index = 0
         self._closed = False
@@ -173,6 +174,21 @@ class DiskStore:
         if self.synchronous:
             self._do_read(job)
 
+    def discard(self, keys: list[int]) -> int:
+        """Delete these pages from the backend (not counted as lost: nobody counted them); how many
+        of them this store held. A page queued for writing is kept."""
+        with self._lock:
+            held = [key for key in keys if key in self._keys and key not in self._writes]
+            self._keys.difference_update(held)
+            self._removals.extend(held)
+            self._lock.notify()
+        if self.synchronous:
+            with self._lock:
+                removals, self._removals = self._removals, []
+            for key in removals:
+                self.backend.remove(key)
+        return len(held)
+
     def finished(self) -> list[ReadJob]:
         with self._lock:
             done, self._done = list(self._done), deque()
@@ -199,20 +215,20 @@ class DiskStore:
                 refreshed = time.monotonic()
                 self._refresh_keys()
             with self._lock:
-                while not self._reads and not self._writes and not self._closed:
+                while not (self._reads or self._writes or self._removals or self._closed):
                     if not self._lock.wait(SHARED_REFRESH_S if self.backend.shared else None):
                         break  # time to list the shared backend's keys again
-                if not self._reads and not self._writes and not self._closed:
-                    continue
-                if self._reads:
-                    job = self._reads[0]
-                elif self._writes:
-                    job = None
-                else:
+                # Removals before writes: a page discarded and then saved again is written anew.
+                removals, self._removals = self._removals, []
+                job = self._reads[0] if self._reads else None
+                writing = job is None and bool(self._writes)
+                if job is None and not writing and not removals and self._closed:
                     return  # closed, nothing left
+            for key in removals:
+                self.backend.remove(key)
             if job is not None:
                 self._do_read(job)
-            else:
+            elif writing:
                 self._write_one()
 
     def _refresh_keys(self) -> Optional[list[int]]:
