@@ -170,7 +170,7 @@ class ServerSettings:
     storage_backend: str = _opt(
         "file", "Where the storage tier keeps its pages: file (--storage-dir on a local disk) or redis "
         "(--storage-url: a Redis server several workers share; run it with maxmemory-policy allkeys-lru; "
-        "not with --tp-size > 1).",
+        "with --tp-size N every rank reaches it and keeps its shard of each page under keys of its own).",
         choices=STORAGE_BACKENDS)
     storage_url: Optional[str] = _opt(
         None, "The Redis server of --storage-backend redis, e.g. redis://127.0.0.1:6379/0.", metavar="URL")
@@ -473,9 +473,6 @@ class ServerSettings:
             raise ValueError("storage_read_gbps and storage_prefill_tflops must be >= 0 (0: measured at start-up)")
         if self.storage_read_latency_ms < 0:
             raise ValueError(f"storage_read_latency_ms must be >= 0, got {self.storage_read_latency_ms}")
-        if self.tp_size > 1 and self.storage_backend == "redis":
-            raise ValueError("storage_backend redis is not implemented with tensor parallelism (tp_size > 1): use "
-                             "storage_backend file (each rank keeps its shard of every page in storage_dir)")
 
     def _validate_nodes(self) -> None:
         if self.nnodes < 1:

@@ -5,9 +5,12 @@ states) in its own directory, rank 0 deciding and the copy log carrying its orde
 Greedy tokens at tp 2 after prefixes went device -> host -> disk -> back equal tp 1's without a
 cache and Hugging Face's; a prefix that left the device and the host tier is served from disk
 (the storage counters); a restart re-finds the pages of both ranks; a page whose shard one rank
-lacks is not read; a directory tp 1 wrote is not read at tp 2 (one warning line); a hybrid's
-snapshots go to disk per rank and come back. Without processes: rank 0's store counts a page only
-once every rank reported it written in the same round, and a read counts the pages every rank read.
+lacks is not read, and the shards of such pages are removed from every rank at start-up; a
+directory tp 1 wrote is not read at tp 2 (one warning line); a hybrid's snapshots go to disk per
+rank and come back. Without processes: rank 0's store counts a page only once every rank reported
+it written in the same round, a read counts the pages every rank read, and a read that found a
+shard gone drops the page whatever round wrote it, counted once. The Redis backend under tensor
+parallelism: test_storage_tier_redis_tp.py.
 """
 
 from __future__ import annotations
@@ -128,6 +131,32 @@ def test_a_page_one_rank_lacks_is_not_read(oracle, tmp_path, caplog):
         engine.shutdown()
 
 
+def test_shards_of_pages_not_every_rank_holds_are_removed_at_start_up(oracle, tmp_path, caplog):
+    from radixserve.cache.block_hash import page_hashes
+
+    path, prompts, _ = oracle
+    store = tmp_path / "store"
+    engine = tp_engine(path, store)
+    engine.generate(input_ids=prompts[:2], sampling_params=GREEDY)
+    engine.shutdown()
+    hashes = page_hashes(prompts[0], PAGE, None)
+    ranks = [store / f"tp2-rank{r}" / "pages" for r in range(2)]
+    (ranks[1] / f"{hashes[2]:016x}.page").unlink()  # rank 0's shard of page 2 is left alone
+    (ranks[0] / f"{hashes[3]:016x}.page").unlink()  # rank 1's shard of page 3 likewise
+    with caplog.at_level(logging.INFO, logger="radixserve"):
+        engine = tp_engine(path, store)
+    try:
+        wait_until(lambda: not (ranks[0] / f"{hashes[2]:016x}.page").exists())  # rank 0 removes its own at once
+        assert any("removed 1 shards of pages not every rank holds (rank 0's)" in r.getMessage()
+                   for r in caplog.records)
+        serve_one(engine, prompts[4])  # another prompt's step carries rank 0's list to rank 1
+        wait_until(lambda: not (ranks[1] / f"{hashes[3]:016x}.page").exists())
+        assert page_names(ranks[0].parent) == page_names(ranks[1].parent)
+        assert f"{hashes[1]:016x}.page" in page_names(ranks[0].parent)  # the pages that count stay
+    finally:
+        engine.shutdown()
+
+
 def test_a_directory_tp1_wrote_is_not_read_at_tp2(oracle, tmp_path, caplog):
     path, prompts, _ = oracle
     store = tmp_path / "store"
@@ -152,12 +181,6 @@ def test_a_directory_tp1_wrote_is_not_read_at_tp2(oracle, tmp_path, caplog):
         single = Engine(str(path), max_total_tokens=256, page_size=PAGE, hicache_ratio=1, storage_dir=str(store))
     single.shutdown()
     assert any("written with tp_size 2 (2 rank directories" in r.getMessage() for r in caplog.records)
-
-
-def test_redis_is_refused_under_tensor_parallelism(oracle):
-    with pytest.raises(ValueError, match="redis is not implemented with tensor parallelism"):
-        Engine(str(oracle[0]), tp_size=2, page_size=PAGE, hicache_ratio=1, storage_backend="redis",
-               storage_url="redis://127.0.0.1:1/0")
 
 
 # ------------------------------------------------------------------------ a hybrid model
@@ -211,6 +234,10 @@ def test_rank_0_counts_a_page_once_every_rank_wrote_it_in_the_same_round(tmp_pat
                          log=CopyLog())
     try:
         assert store.has(5) and not store.has(6) and not store.has(9) and store.restored_pages == 1
+        # Rank 0 removed its shard of 6; rank 1 is told to remove its shard of 9.
+        wait_until(lambda: not (tmp_path / "r0" / "pages" / f"{6:016x}.page").exists())
+        discard = store.log.take()
+        assert [(o.kind, o.payload) for o in discard] == [(CopyKind.STORAGE_DISCARD, [9])]
         records = [PageRecord(k, None, [k, k]) for k in (1, 2, 6)]
         for r in records:
             assert store.write(r, torch.full((16,), r.key, dtype=torch.uint8), source=("host", torch.arange(2)))
@@ -227,7 +254,7 @@ def test_rank_0_counts_a_page_once_every_rank_wrote_it_in_the_same_round(tmp_pat
         assert store.write(records[1], torch.zeros(16, dtype=torch.uint8), source=("host", torch.arange(2)))
         again = store.log.take()[0]
         assert again.seq > rounds[2]
-        inbox.queue += [("written", 1, 2, again.seq, True), ("lost", 1, 1, rounds[1])]
+        inbox.queue += [("written", 1, 2, again.seq, True), ("lost", 1, 1, rounds[1], "evicted")]
         store.finished()
         assert store.has(2) and not store.has(1)  # rank 1 lost page 1 (evicted there)
         # A read: done when both ranks are, counting the pages both read.
@@ -270,7 +297,7 @@ def test_a_rank_replays_rank_0s_storage_orders_on_its_own_shard_and_reports_them
     replica = StorageReplica(DiskStore(LocalFileBackend(str(tmp_path), 10_000), stamp), 1, reports.append, pool,
                              host, copier)
     try:
-        assert reports == [("keys", 1, [])]
+        assert reports == [("keys", 1, [], "")]
         host.buffer[4:6] = torch.arange(2 * host.bytes_per_token, dtype=torch.uint8).view(2, 1, 2, -1)
         record = PageRecord(11, None, [5, 6])
         store = CopyOrder(CopyKind.STORE_HOST_PAGE, slot_array([4, 5]), slot_array(()), 3, (record, False))
@@ -288,7 +315,29 @@ def test_a_rank_replays_rank_0s_storage_orders_on_its_own_shard_and_reports_them
         replay([CopyOrder(CopyKind.STORAGE_ATTACH, slot_array([0]), slot_array([8, 9]), 4),
                 CopyOrder(CopyKind.STORAGE_RELEASE, slot_array(()), slot_array(()), 4)], copier, None, replica)
         assert torch.equal(host.buffer[8:10], host.buffer[4:6])
-        replica.store._forget([11], evicted=True)  # evicted for room on this rank
-        assert reports[4] == ("lost", 1, 11, 8)
+        replica.store._forget([11], "evicted")  # evicted for room on this rank
+        assert reports[4] == ("lost", 1, 11, 8, "evicted")
     finally:
         replica.close()
+
+
+def test_a_read_that_found_a_shard_gone_drops_the_page_whatever_its_round_and_counts_it_once(tmp_path):
+    stamp = StoreStamp(model="m", page_size=2, kv_dtype="float32", bytes_per_token=8, num_layers=1, tp_size=2)
+    backend = LocalFileBackend(str(tmp_path / "r0"), 10_000)
+    backend.open(stamp)
+    for key in (5, 6):
+        backend.put(PageRecord(key, None, [1, 2]), memoryview(bytes(16)))
+    backend.close()
+    inbox = FakeInbox([5, 6])
+    store = ShardedStore(LocalFileBackend(str(tmp_path / "r0"), 10_000), stamp, tp_size=2, inbox=inbox,
+                         log=CopyLog())
+    try:
+        assert store.has(5) and store.has(6)
+        # Rank 1 evicted 5 in a round rank 0 no longer counts: a late report, ignored. Its read of 6
+        # found the shard gone (rank 1 thought it had it from an earlier round): dropped, counted.
+        inbox.queue += [("lost", 1, 5, 3, "evicted"), ("lost", 1, 6, 3, "missing"), ("lost", 1, 6, 0, "missing")]
+        store.finished()
+        assert store.has(5) and not store.has(6)
+        assert store.stats.missing_pages == 1 and store.stats.evicted_pages == 0
+    finally:
+        store.close()

@@ -34,6 +34,7 @@ class CopyKind(enum.Enum):
     STORAGE_ATTACH = "storage_attach"  # read job `seq`'s rows from src[0] on -> host KV slots dst
     STORAGE_ATTACH_STATE = "storage_attach_state"  # read job `seq`'s snapshot -> host snapshot slot dst[0]
     STORAGE_RELEASE = "storage_release"  # read job `seq` is done with
+    STORAGE_DISCARD = "storage_discard"  # delete this rank's shards of the pages in the payload (start-up)
 
     @property
     def of_kv(self) -> bool:

@@ -224,7 +224,10 @@ def make_storage_tier(settings: ServerSettings, cache: OwnedPrefixCache, kv_pool
     disk_states = DiskSnapshots(states, store, kv_pool.page_size) if states is not None else None
     tier = StorageTier(store, host.host_pool, cost, disk_states)
     host.storage = tier
-    shards = f" (rank 0's shard; rank r's in tp{settings.tp_size}-rank<r> beside it)" if inbox is not None else ""
+    shards = ""
+    if inbox is not None:
+        shards = (" (rank 0's shard; each rank's under keys of its own)" if backend.shared else
+                  f" (rank 0's shard; rank r's in tp{settings.tp_size}-rank<r> beside it)")
     logger.info("storage tier: %s%s, %.1f GB, %d pages found (%.1f GB); reads %.2f GB/s, prefill %.2f TFLOP/s "
                 "(measured): a load pays from %.0f tokens of context", where, shards, settings.storage_size,
                 store.num_pages, store.used_bytes / 1e9, read_bytes_per_s / 1e9, prefill_flops_per_s / 1e12,
@@ -259,7 +262,7 @@ def _stamp(settings: ServerSettings, kv_pool: KVPool, host_pool: HostKVPool, mod
 
 def _backend(settings: ServerSettings, rank: int) -> tuple[str, PageBackend]:
     """Where rank `rank`'s pages live: --storage-dir (under tp N, its tp<N>-rank<r> directory), or
-    the Redis server."""
+    the Redis server (every rank's: its stamp, which names the rank, keeps its keys apart)."""
     latency, capacity = settings.storage_read_latency_ms / 1e3, int(settings.storage_size * 1e9)
     if settings.storage_backend == "redis":
         return settings.storage_url, RedisBackend(settings.storage_url, capacity, read_latency_s=latency)

@@ -16,10 +16,28 @@ rank 0 counts a page as on disk (`has`, what its lookups ask) once every rank re
 in the same round; a failed write or a lost page on any rank drops it (a later save writes it
 again). A read is done when every rank's read is; it counts the pages every rank read (the fewest),
 so rank 0 never attaches a page another rank lacks. At start-up the ranks tell rank 0 the pages
-they found: a page counts only when every shard is there.
+they found: a page counts only when every shard is there. The shards of the others (a crash
+mid-write, a full disk on one rank) would stay on disk outside the accounting for good, so each
+rank deletes them: rank 0 its own at once, the others when rank 0's list of them reaches them in
+the copy log (with the first step), the log being the one channel from rank 0 to the ranks' stores.
+Not on a shared backend: there another worker may be writing the missing shard right now.
 
 Rounds: each save of a page is numbered (`wseq`), and each report carries the round it answers,
-so a late report of an earlier round (a page lost, then saved again) never counts for the next.
+so a late report of an earlier round (a page lost, then saved again) never counts for the next. A
+read that found a shard gone is the exception: the shard is not there now, whatever round wrote it,
+so the page is dropped (and counted once, in rank 0's counters, whichever rank found it first).
+
+A shared backend (Redis, stores/redis_pages.py) holds each rank's shards under that rank's own
+namespace (its stamp names the tp size and the rank), and other workers of the same settings write
+into the same namespaces: their pages appear over time. Rank 0 learns them by listing, on each of
+its periodic refreshes, its own namespace and every other rank's (the ranks tell rank 0 their
+namespace with their start-up key list), and counts a page that every namespace holds. Rank 0
+reads the other namespaces itself rather than hearing each rank's refreshed list: the server every
+rank reaches is already the one truth about which shards exist, so this needs no new report, no
+per-rank lists kept on rank 0 and no agreement on when each rank listed; a full list a second
+from every rank would also cost the report channel as much as the store holds keys. A shard Redis
+evicted on one rank after rank 0 counted the page shows up when that rank's read of it fails: the
+read counts the pages every rank read, and the rank's "lost" report drops the page.
 """
 
 from __future__ import annotations
@@ -45,8 +63,10 @@ logger = logging.getLogger("radixserve")
 # How long rank 0 waits at start-up for every rank's list of the pages it found.
 KEYS_WAIT_S = 300.0
 
-# A report from a rank other than 0: ("keys", rank, [key, ...]) at start-up; ("written", rank, key,
-# wseq, kept); ("lost", rank, key, wseq); ("read", rank, job id, pages read, snapshot read).
+# A report from a rank other than 0: ("keys", rank, [key, ...], namespace) at start-up (namespace: a
+# shared backend's, else ""); ("written", rank, key, wseq, kept); ("lost", rank, key, wseq, why)
+# (why: "evicted", or what a read found: "missing", "corrupt", "error"); ("read", rank, job id,
+# pages read, snapshot read).
 Report = tuple
 
 _STORE_KINDS = {"host": CopyKind.STORE_HOST_PAGE, "device": CopyKind.STORE_DEVICE_PAGE,
@@ -74,6 +94,8 @@ class ShardedStore(DiskStore):
                  log: Optional[CopyLog], max_pending_bytes: int = 1 << 30, keys_wait_s: float = KEYS_WAIT_S):
         self.tp_size = tp_size
         self.inbox = inbox
+        self._log: Optional[CopyLog] = None
+        self._orphans: list[int] = []  # pages found on some ranks only, for the others to discard
         self.log = log  # rank 0's copy log (set by its runner once built)
         self._agg = threading.Lock()  # the rounds below: the engine thread's and the I/O thread's events
         self._wseq = 0
@@ -83,6 +105,8 @@ class ShardedStore(DiskStore):
         self._read_reports: dict[int, dict[int, tuple[int, bool]]] = {}  # job id -> rank -> (pages, snapshot)
         self._own_reads: dict[int, ReadJob] = {}
         self._early: list[Report] = []
+        # A shared backend's namespace of each other rank (None until the ranks said theirs).
+        self._namespaces: Optional[dict[int, str]] = None
         super().__init__(backend, stamp, max_pending_bytes=max_pending_bytes, on_event=self._own_event)
         self._agree_on_found(keys_wait_s)
 
@@ -92,6 +116,7 @@ class ShardedStore(DiskStore):
         with self._lock:
             found = set(self._keys)
         lists: dict[int, list[int]] = {}
+        namespaces: dict[int, str] = {}
         deadline = time.monotonic() + wait_s
         while len(lists) < self.tp_size - 1:
             report = self.inbox.wait(max(0.0, deadline - time.monotonic()))
@@ -100,19 +125,61 @@ class ShardedStore(DiskStore):
                                    f"say which pages they found within {wait_s:.0f} s")
             if report[0] == "keys":
                 lists[report[1]] = report[2]
+                namespaces[report[1]] = report[3] if len(report) > 3 else ""
             else:
                 self._early.append(report)
         every = set(found)
         for keys in lists.values():
             every &= set(keys)
         partial = len(found | set().union(*lists.values())) - len(every) if lists else 0
-        self._confirmed = every
-        self._round = dict.fromkeys(every, 0)
+        with self._agg:
+            self._confirmed = every
+            self._round = dict.fromkeys(every, 0)
         self.restored_pages = len(every)
+        if self.backend.shared:
+            self._namespaces = namespaces
         if partial:
             logger.warning("storage tier: %d pages found on some tensor-parallel ranks but not on all %d are not "
                            "read (a rank's shard is missing: a crash or an eviction on that rank); they are "
-                           "written again when saved", partial, self.tp_size)
+                           "written again when saved%s", partial, self.tp_size,
+                           "" if self.backend.shared else "; the shards there are removed")
+        if partial and not self.backend.shared:
+            removed = self.discard(sorted(found - every))
+            self._orphans = sorted(set().union(*lists.values()) - every)
+            logger.info("storage tier: removed %d shards of pages not every rank holds (rank 0's)", removed)
+            self._send_orphans()
+
+    @property
+    def log(self) -> Optional[CopyLog]:
+        return self._log
+
+    @log.setter
+    def log(self, log: Optional[CopyLog]) -> None:
+        self._log = log  # rank 0's runner sets it once built
+        self._send_orphans()
+
+    def _send_orphans(self) -> None:
+        if self._orphans and self._log is not None:
+            self._log.record(CopyKind.STORAGE_DISCARD, slot_array(()), slot_array(()), 0, self._orphans)
+            self._orphans = []
+
+    def _refresh_keys(self) -> Optional[list[int]]:
+        """A shared backend's pages other workers wrote: counted once every rank's namespace holds them."""
+        listed = super()._refresh_keys()
+        if listed is None or not self._namespaces:
+            return listed
+        every = set(listed)
+        try:
+            for namespace in self._namespaces.values():
+                every.intersection_update(self.backend.list_keys(namespace))
+        except Exception as e:  # noqa: BLE001: the pages already counted stay usable
+            logger.warning("storage tier: could not list the other tensor-parallel ranks' pages (%s)", e)
+            return listed
+        with self._agg:
+            for key in every.difference(self._round):
+                self._round[key] = 0
+                self._confirmed.add(key)
+        return listed
 
     # ------------------------------------------------------------------ lookups
     def __contains__(self, key: int) -> bool:
@@ -167,15 +234,20 @@ class ShardedStore(DiskStore):
                 del self._waiting[key]
                 self._confirmed.add(key)
 
-    def _drop(self, key: int, wseq: Optional[int] = None) -> None:
+    def _drop(self, key: int, wseq: Optional[int] = None) -> bool:
+        """Stop counting the page (only its round wseq's, when given); whether it was counted."""
         with self._agg:
             if wseq is None or self._round.get(key) == wseq:
-                self._drop_locked(key)
+                return self._drop_locked(key)
+        return False
 
-    def _drop_locked(self, key: int) -> None:
-        self._round.pop(key, None)
+    def _drop_locked(self, key: int) -> bool:
         self._waiting.pop(key, None)
         self._confirmed.discard(key)
+        return self._round.pop(key, None) is not None
+
+    def _loss_counts(self, key: int) -> bool:
+        return self._drop(key)  # a page another rank's report dropped is counted already
 
     def _own_event(self, what: str, subject: Any, kept: bool) -> None:
         """This rank's store's events (from its I/O thread)."""
@@ -231,8 +303,11 @@ class ShardedStore(DiskStore):
                 _, rank, key, wseq, kept = report
                 self._written(rank, key, wseq, kept)
             elif what == "lost":
-                _, rank, key, wseq = report
-                self._drop(key, wseq)
+                _, rank, key, wseq, why = report
+                if why == "evicted":  # for room, in that round: a later round wrote it again
+                    self._drop(key, wseq)
+                elif self._drop(key):  # a read found it gone: whatever round wrote it
+                    self.count_loss(why)
             elif what == "read":
                 _, rank, job_id, pages, snapshot = report
                 if job_id in self._read_reports:
@@ -260,7 +335,7 @@ class StorageReplica:
         with store._lock:
             found = list(store._keys)
         self._latest.update(dict.fromkeys(found, 0))
-        report(("keys", rank, found))
+        report(("keys", rank, found, getattr(store.backend, "namespace", "") if store.backend.shared else ""))
 
     def _event(self, what: str, subject: Any, kept: bool) -> None:
         if what == "written":
@@ -268,9 +343,9 @@ class StorageReplica:
             if wseq is not None:
                 self.report(("written", self.rank, subject, wseq, kept))
         elif what == "lost":
-            wseq = self._latest.pop(subject, None)
-            if wseq is not None:
-                self.report(("lost", self.rank, subject, wseq))
+            # 0: a page rank 0 may count without having asked this rank for it (found at start-up, or
+            # another worker's on a shared backend).
+            self.report(("lost", self.rank, subject, self._latest.pop(subject, 0), kept))
         elif what == "read":
             self.report(("read", self.rank, subject.job_id, subject.pages_read, subject.snapshot_read))
 
@@ -303,6 +378,12 @@ class StorageReplica:
         elif kind is CopyKind.STORAGE_RELEASE:
             self._jobs.pop(order.seq, None)
             self.store.finished()  # nobody waits on this rank's list of finished reads
+        elif kind is CopyKind.STORAGE_DISCARD:
+            for key in order.payload:
+                self._latest.pop(key, None)
+            removed = self.store.discard(order.payload)
+            logger.info("storage tier: removed %d shards of pages not every rank holds (rank %d's)", removed,
+                        self.rank)
         else:
             raise RuntimeError(f"rank 0 sent a {kind.value} order to the storage tier")
 

@@ -75,9 +75,9 @@ class ReadJob:
 
 
 # What a store tells its owner, from the I/O thread (never while it holds its lock): ("written",
-# key, kept) after a write was tried, ("lost", key, False) once a key is dropped (evicted for room,
-# found missing or corrupt), ("read", job, True) once a read is done.
-StoreEvent = Callable[[str, Any, bool], None]
+# key, kept) after a write was tried, ("lost", key, why) once a key is dropped (why: "evicted" for
+# room, or a read's "missing", "corrupt" or "error"), ("read", job, True) once a read is done.
+StoreEvent = Callable[[str, Any, Any], None]
 
 
 class DiskStore:
@@ -100,6 +100,7 @@ class DiskStore:
         self._writes: OrderedDict[int, tuple[PageRecord, torch.Tensor]] = OrderedDict()
         self.pending_bytes = 0
         self._reads: deque[ReadJob] = deque()
+        self._removals: list[int] = []  # keys discarded, for the I/O thread to delete
         self._done: deque[ReadJob] = deque()
         self._since_index = 0
         self._closed = False
@@ -173,6 +174,21 @@ class DiskStore:
         if self.synchronous:
             self._do_read(job)
 
+    def discard(self, keys: list[int]) -> int:
+        """Delete these pages from the backend (not counted as lost: nobody counted them); how many
+        of them this store held. A page queued for writing is kept."""
+        with self._lock:
+            held = [key for key in keys if key in self._keys and key not in self._writes]
+            self._keys.difference_update(held)
+            self._removals.extend(held)
+            self._lock.notify()
+        if self.synchronous:
+            with self._lock:
+                removals, self._removals = self._removals, []
+            for key in removals:
+                self.backend.remove(key)
+        return len(held)
+
     def finished(self) -> list[ReadJob]:
         with self._lock:
             done, self._done = list(self._done), deque()
@@ -199,30 +215,32 @@ class DiskStore:
                 refreshed = time.monotonic()
                 self._refresh_keys()
             with self._lock:
-                while not self._reads and not self._writes and not self._closed:
+                while not (self._reads or self._writes or self._removals or self._closed):
                     if not self._lock.wait(SHARED_REFRESH_S if self.backend.shared else None):
                         break  # time to list the shared backend's keys again
-                if not self._reads and not self._writes and not self._closed:
-                    continue
-                if self._reads:
-                    job = self._reads[0]
-                elif self._writes:
-                    job = None
-                else:
+                # Removals before writes: a page discarded and then saved again is written anew.
+                removals, self._removals = self._removals, []
+                job = self._reads[0] if self._reads else None
+                writing = job is None and bool(self._writes)
+                if job is None and not writing and not removals and self._closed:
                     return  # closed, nothing left
+            for key in removals:
+                self.backend.remove(key)
             if job is not None:
                 self._do_read(job)
-            else:
+            elif writing:
                 self._write_one()
 
-    def _refresh_keys(self) -> None:
+    def _refresh_keys(self) -> Optional[list[int]]:
+        """List the shared backend's keys again (others' new pages); the keys listed (None: it failed)."""
         try:
             keys = self.backend.list_keys()
         except Exception as e:  # noqa: BLE001: the pages already known stay usable
             logger.warning("storage tier: could not list the shared store's pages (%s)", e)
-            return
+            return None
         with self._lock:
             self._keys.update(keys)
+        return keys
 
     def _drain_writes(self) -> None:
         while self._writes:
@@ -234,7 +252,7 @@ class DiskStore:
         kept = False
         size = payload.numel()
         try:
-            self._forget(self.backend.make_room(size), evicted=True)
+            self._forget(self.backend.make_room(size), "evicted")
             self.backend.put(record, memoryview(payload.numpy()))
             kept = True
             self.stats.pages_written += 1
@@ -261,7 +279,8 @@ class DiskStore:
             except OSError:
                 pass  # the next start scans the directory instead
 
-    def _forget(self, keys: list[int], *, evicted: bool) -> None:
+    def _forget(self, keys: list[int], why: str) -> None:
+        """Drop keys from the store (why: "evicted" for room, else what a read found)."""
         if not keys:
             return
         with self._lock:
@@ -269,8 +288,8 @@ class DiskStore:
                 self._keys.discard(key)
         if self.on_event is not None:
             for key in keys:
-                self.on_event("lost", key, False)
-        if evicted:
+                self.on_event("lost", key, why)
+        if why == "evicted":
             self.stats.evicted_pages += len(keys)
 
     def _do_read(self, job: ReadJob) -> None:
@@ -314,12 +333,22 @@ class DiskStore:
         return True
 
     def _count_missing(self, record: PageRecord, e: PageMissing) -> None:
-        if e.reason == "missing":
+        if self._loss_counts(record.key):
+            self.count_loss(e.reason)
+        logger.warning("storage tier: %s %016x dropped: %s; its tokens are computed", record.kind, record.key, e)
+        self.backend.remove(record.key)
+        self._forget([record.key], e.reason)
+
+    def _loss_counts(self, key: int) -> bool:
+        """Whether a page this store failed to read counts in its stats (under tensor parallelism:
+        once per page, whichever rank found it gone first)."""
+        return True
+
+    def count_loss(self, reason: str) -> None:
+        """Count a page dropped because a read found it "missing", "corrupt", or failed ("error")."""
+        if reason == "missing":
             self.stats.missing_pages += 1
-        elif e.reason == "corrupt":
+        elif reason == "corrupt":
             self.stats.corrupt_pages += 1
         else:
             self.stats.read_errors += 1
-        logger.warning("storage tier: %s %016x dropped: %s; its tokens are computed", record.kind, record.key, e)
-        self.backend.remove(record.key)
-        self._forget([record.key], evicted=False)

@@ -6,15 +6,26 @@ or page size never sees them. Each value is a whole record (header, token ids, K
 as a file's is. Redis evicts by its own `maxmemory-policy` (run it with `allkeys-lru`): a page it
 dropped is a missing page to the reader, which computes it. The client library is imported only
 when this backend is chosen (`pip install redis`).
+
+Under tensor parallelism each rank keeps its shard of a page under its own prefix: the stamp names
+the tp size and the rank, so rank r of every tp-N worker shares one namespace, and a tp-1 worker's
+keys and a tp-2 worker's never mix. `namespace` is this rank's prefix; rank 0 lists the other
+ranks' namespaces too (`list_keys(namespace)`) to learn which pages every shard of is there
+(cache/storage_shards.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any
+from typing import Any, Optional
 
 from radixserve.cache.stores.page_files import PageMissing, PageRecord, StoreStamp, check_page, encode_page
+
+
+def key_prefix(stamp: StoreStamp) -> str:
+    """The prefix of the keys of the pages written under stamp (a digest of it)."""
+    return "rxkv:" + hashlib.blake2b(stamp.to_json().encode(), digest_size=8).hexdigest() + ":"
 
 
 class RedisBackend:
@@ -34,18 +45,25 @@ class RedisBackend:
         self.prefix = ""
 
     def open(self, stamp: StoreStamp) -> list[int]:
-        self.prefix = "rxkv:" + hashlib.blake2b(stamp.to_json().encode(), digest_size=8).hexdigest() + ":"
+        self.prefix = key_prefix(stamp)
         try:
             self.client.ping()
         except self._redis.RedisError as e:
             raise ValueError(f"storage_url {self.url}: the Redis server does not answer ({e})") from None
         return self.list_keys()
 
-    def list_keys(self) -> list[int]:
+    @property
+    def namespace(self) -> str:
+        """The prefix of this store's keys (set by open)."""
+        return self.prefix
+
+    def list_keys(self, namespace: Optional[str] = None) -> list[int]:
+        """The keys under this store's prefix, or under another store's (`namespace`)."""
+        prefix = self.prefix if namespace is None else namespace
         keys = []
-        for name in self.client.scan_iter(match=self.prefix + "*", count=1000):
+        for name in self.client.scan_iter(match=prefix + "*", count=1000):
             try:
-                keys.append(int(name[len(self.prefix):], 16))
+                keys.append(int(name[len(prefix):], 16))
             except ValueError:
                 continue
         return keys
