@@ -16,8 +16,9 @@
 #   peers27b    SGLang and vLLM on the same agent workload (their bundles unpacked under /tmp)
 #   qwen3       Qwen3-8B and Qwen3-30B-A3B beside the peers: random, rate 5, gsp
 #   storage     the storage tier on the 7B: a 16k-token prefix's TTFT from disk against computing it
-#               (scripts/gpu_storage_bench.py), then the agent workload with a host tier of 1x the pool,
-#               alone and with the storage tier below it, alternated
+#               (scripts/gpu_storage_bench.py; the directory under STORAGE_ROOT, default /tmp), then
+#               the agent workload with a host tier of 1x the pool (STORAGE_POOL tokens, default
+#               216825), alone and with the storage tier below it, alternated (STORAGE_CONFIGS)
 #
 # Writes under $OUT (else runs/verify): verify.jsonl, one line per finished row
 # ({"stage", "label", "commit", "device", ...the row}), suite.log, and logs-STAGE.tar.gz with each
@@ -196,13 +197,14 @@ stage_storage() {
   [ "$(left)" -lt 150 ] && { log "storage: skipped, $(left)s left"; return; }
   log "storage: a 16k prefix from disk against recompute, then the agent workload over a small host tier"
   mkdir -p "$WORK/storage"
-  timeout -k 5 $(( $(left) / 2 )) python3 scripts/gpu_storage_bench.py --out "$WORK/storage/ttft.json" \
-    > "$WORK/storage/ttft.log" 2>&1
+  local root=${STORAGE_ROOT:-/tmp}
+  timeout -k 5 $(( $(left) / 3 )) python3 scripts/gpu_storage_bench.py --out "$WORK/storage/ttft.json" \
+    --storage-dir "$root/radixserve-storage" > "$WORK/storage/ttft.log" 2>&1
   tail -5 "$WORK/storage/ttft.log"
-  [ -s "$WORK/storage/ttft.json" ] && row storage ttft-16k "$(cat "$WORK/storage/ttft.json")"
-  rm -rf /tmp/verify-storage-dir
-  OUT=$WORK/storage/agent DEADLINE_S=$(( $(left) - 20 )) \
-    CONFIGS="host1x:--hicache-ratio,1,--page-size,16 host1x-disk:--hicache-ratio,1,--page-size,16,--storage-dir,/tmp/verify-storage-dir" \
+  [ -s "$WORK/storage/ttft.json" ] && row storage "ttft-16k $root" "$(cat "$WORK/storage/ttft.json")"
+  rm -rf "$root/radixserve-storage" /tmp/verify-storage-dir /dev/shm/verify-storage-dir
+  OUT=$WORK/storage/agent DEADLINE_S=$(( $(left) - 20 )) POOL=${STORAGE_POOL:-216825} \
+    CONFIGS=${STORAGE_CONFIGS:-"host1x:--hicache-ratio,1,--page-size,16 host1x-disk:--hicache-ratio,1,--page-size,16,--storage-dir,/tmp/verify-storage-dir"} \
     bash scripts/gpu_agent_bench.sh
   bench_rows storage "$WORK/storage/agent/results.jsonl"
   pack_logs storage

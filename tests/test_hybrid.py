@@ -20,6 +20,7 @@ import json
 import random
 import re
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import openai
@@ -318,14 +319,17 @@ def test_requests_branching_off_a_shared_prompt_resume_at_the_branch_point(qwen3
 INSIDE_CHUNK_OFFSETS = (1, 31, 63, 64, 65, 129)
 
 
-def check_resumes_inside_chunks_equal_transformers(path: Path, offsets, device: str = "cpu") -> set[int]:
+def check_resumes_inside_chunks_equal_transformers(path: Path, offsets, device: str = "cpu",
+                                                   oracle: Callable[[Path, list[list[int]]], list[list[int]]] = hf_greedy
+                                                   ) -> set[int]:
     """For each offset, three requests share 64 + offset tokens and then differ: the second keeps the
     state at the branch point, the third resumes exactly there, and its tokens are transformers'.
     The prefill computes 64-token chunks from where it resumes, so a resume point inside a chunk
     must be as exact as one on its boundary. A branch point less than BRANCH_MIN_TOKENS past where
     the second request resumed is not worth a piece of its own (the first request's checkpoints lie
     at 32, 64, 128: offsets 15 and 79), so there the third resumes where the second did. Returns
-    the positions the third requests resumed at."""
+    the positions the third requests resumed at. oracle: transformers' greedy tokens (GREEDY's
+    count) of prompts."""
     rng = random.Random(11)
     shared = [rng.randrange(3, 100) for _ in range(64 + max(offsets))]
     cases = [[shared[:64 + k] + [(i * 7 + j) % 90 + 3 for j in range(9)] for i in range(3)] for k in offsets]
@@ -340,7 +344,7 @@ def check_resumes_inside_chunks_equal_transformers(path: Path, offsets, device: 
             resumed.add(expected)
             got.append(results[2]["output_ids"])
         check_idle(engine)
-    assert got == hf_greedy(path, [prompts[2] for prompts in cases])
+    assert got == oracle(path, [prompts[2] for prompts in cases])
     return resumed
 
 

@@ -141,6 +141,49 @@ def test_storage_settings_are_checked(tiny_dir, tmp_path):
         Engine(str(tiny_dir), hicache_ratio=1, page_size=PAGE, storage_dir=str(tmp_path), storage_read_gbps=-1)
 
 
+def test_a_disk_too_slow_for_short_prompts_writes_only_the_pages_a_load_could_pay_for(oracle, tmp_path, caplog):
+    """A load of the tokens [s, e) pays only when its middle lies past the break-even context, and e
+    is at most the context length: pages starting before 2 x break-even - context length cost more
+    to read than to compute whatever follows them. A disk read rate pinned so that this position is
+    64: only pages from 64 on are written (the rest counted), and the tokens stay transformers'. A
+    disk so slow that no load pays within the context length writes nothing, with one warning."""
+    path, prompts, expected = oracle
+    probe = storage_engine(path, tmp_path / "probe")
+    cost, context = probe.core.cache.host.storage.cost, probe.core.context_len
+    probe.shutdown()
+
+    def read_gbps(first_position: float) -> float:  # the read rate putting the first paying page there
+        break_even = (first_position + context) / 2
+        per_token_s = (cost.flops_per_token + break_even * cost.attention_flops_per_pair) / cost.prefill_flops_per_s
+        return cost.bytes_per_token / per_token_s / 1e9
+
+    engine = storage_engine(path, tmp_path / "deep", storage_read_gbps=read_gbps(64))
+    try:
+        assert engine.core.cache.host.storage.first_saved_position == pytest.approx(64)
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [r["output_ids"] for r in results] == expected
+        stats = engine.cache_stats()
+        assert stats["storage_pages_written"] > 0 and stats["storage_unpaying_pages"] > 0
+        store = engine.core.cache.host.storage.store
+        on_disk = [i * PAGE for p in prompts for i, h in enumerate(page_hashes(p[:len(p) // PAGE * PAGE], PAGE, None))
+                   if h in store]
+        assert on_disk and min(on_disk) == 64  # no page of the first 64 positions reached the disk
+        check_idle(engine)
+    finally:
+        engine.shutdown()
+    with caplog.at_level(logging.WARNING, logger="radixserve"):
+        slow = storage_engine(path, tmp_path / "slow", storage_read_gbps=read_gbps(2 * context))
+    try:
+        assert any("no load pays within the context length" in r.getMessage() for r in caplog.records)
+        results = slow.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [r["output_ids"] for r in results] == expected
+        stats = slow.cache_stats()
+        assert stats["storage_pages_written"] == 0 and stats["storage_unpaying_pages"] > 0
+        check_idle(slow)
+    finally:
+        slow.shutdown()
+
+
 # ------------------------------------------------------------------------ the page files alone
 def test_page_files_survive_a_torn_index_and_an_unfinished_write(tmp_path):
     from radixserve.cache.stores.page_files import LocalFileBackend, PageMissing, PageRecord, StoreStamp
@@ -290,22 +333,33 @@ def test_a_page_larger_than_the_store_is_not_kept(oracle, tmp_path):
         server.stop()
 
 
-def test_a_slow_disk_is_not_read(oracle, tmp_path):
+def test_a_slow_disk_is_neither_read_nor_written(oracle, tmp_path):
+    """Pages written by a server on a fast disk; the same directory then served with 200 ms a page
+    read (the start-up measurement sees it too), the prefill rate pinned at 50 GFLOP/s: computing a
+    page is far faster than reading it at any position of the context, so the pages found are not
+    read (each request's decision logged) and nothing new is written."""
     path, prompts, expected = oracle
-    # 200 ms a page read (the start-up measurement sees it too): computing 16 tokens is far faster.
-    # The read bandwidth measured (it sees the latency), the prefill rate pinned at 50 GFLOP/s.
-    server = start(path, tmp_path, tmp_path / "store", "--storage-read-latency-ms", "200",
+    store = tmp_path / "store"
+    fast = start(path, tmp_path, store)
+    try:
+        push_to_disk(fast, prompts)
+    finally:
+        assert fast.stop() == 0
+    server = start(path, tmp_path, store, "--storage-read-latency-ms", "200",
                    "--storage-read-gbps", "0", "--storage-prefill-tflops", "0.05")
     try:
+        assert metric_values(server.base_url)["radixserve:storage_pages"] > 0
         push_to_disk(server, prompts)
         assert generate(server, prompts[0])["output_ids"] == expected[0]
         values = metric_values(server.base_url)
-        assert values["radixserve:storage_pages_written_total"] > 0
+        assert values["radixserve:storage_pages_written_total"] == 0
+        assert values["radixserve:storage_unpaying_pages_total"] > 0
         assert values["radixserve:storage_skipped_loads_total"] > 0
         assert values["radixserve:storage_loads_total"] == 0
     finally:
         server.stop()
-    assert "computing" in server.output_path.read_text()
+    log = server.output_path.read_text()
+    assert "computing" in log and "no load pays within the context length" in log
 
 
 def test_simulated_agent_workload_with_a_small_host_tier_and_the_storage_tier():

@@ -10,7 +10,9 @@ what it could add beyond a request's cached prefix (`fetch`), and a place to put
 them to the device).
 
 - **Save**: when the host tier drops a host copy for room, its pages not on disk yet are copied out
-  of the host pool (its slots are reused at once) and queued for the I/O thread.
+  of the host pool (its slots are reused at once) and queued for the I/O thread; only the pages a
+  load could ever pay for (`LoadCost.first_paying_position`): on a disk slow for the model, the
+  shallow pages of a prompt cost more to read than to compute, whatever comes after them.
 - **Fetch** (a waiting request, on arrival and at each admission attempt, until it is decided):
   hash the request's pages, count the consecutive ones past its cached prefix that the store holds,
   and read them only when that pays: expected read time (bytes / the read bandwidth measured at
@@ -34,6 +36,7 @@ attach is told to the other ranks through the copy log, which they replay on the
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -58,6 +61,7 @@ STORAGE_STAT_KEYS = ("storage_pages", "storage_used_bytes", "storage_capacity_by
                      "storage_pending_write_bytes", "storage_pages_written", "storage_bytes_written",
                      "storage_pages_read", "storage_bytes_read", "storage_loads", "storage_skipped_loads",
                      "storage_loaded_tokens", "storage_attach_failures", "storage_write_drops",
+                     "storage_unpaying_pages",
                      "storage_evicted_pages", "storage_missing_pages", "storage_corrupt_pages",
                      "storage_read_errors", "storage_read_bandwidth_gbps", "storage_prefill_tflops",
                      "storage_snapshots_written", "storage_snapshots_loaded")
@@ -82,6 +86,26 @@ class LoadCost:
     def recompute_seconds(self, start: int, tokens: int) -> float:
         pairs = tokens * start + tokens * (tokens + 1) / 2  # each token attends to everything before it
         return (tokens * self.flops_per_token + pairs * self.attention_flops_per_pair) / self.prefill_flops_per_s
+
+    def break_even(self) -> float:
+        """The cached context after which reading a token beats computing it (0: always; inf: never)."""
+        per_token_read = self.read_seconds(1)
+        base = self.flops_per_token / self.prefill_flops_per_s
+        if base >= per_token_read:
+            return 0.0
+        if self.attention_flops_per_pair <= 0:
+            return float("inf")
+        return (per_token_read - base) * self.prefill_flops_per_s / self.attention_flops_per_pair
+
+    def first_paying_position(self, context_len: Optional[int]) -> float:
+        """The first position a page on disk may start at and still be read by a load that pays.
+        A load of the tokens [s, e) pays when its middle lies past the break-even context
+        ((s + e) / 2 > break_even: a token's recompute grows with the context before it, its read
+        does not); e is at most context_len and s at most the page's start p, so no load holding
+        the page pays unless p > 2 x break_even - context_len (None: no bound on e, every page)."""
+        if context_len is None:
+            return 0.0
+        return max(0.0, 2 * self.break_even() - context_len)
 
 
 def measure_prefill_flops(device: torch.device, dtype: torch.dtype, hidden: int, *, rows: int = 1024,
@@ -137,7 +161,7 @@ class TierSnapshots(Protocol):
 
 class StorageTier:
     def __init__(self, store: DiskStore, host_pool: HostKVPool, cost: LoadCost,
-                 states: Optional[TierSnapshots] = None):
+                 states: Optional[TierSnapshots] = None, *, context_len: Optional[int] = None):
         self.store = store
         self.states = states  # a hybrid model's snapshots (None: an attention model)
         self.host_pool = host_pool
@@ -145,6 +169,9 @@ class StorageTier:
         self.page_bytes = store.page_bytes
         assert self.page_bytes == self.page_size * host_pool.bytes_per_token
         self.cost = cost
+        # Pages starting before this position are never written: no load reading them pays.
+        self.first_saved_position = cost.first_paying_position(context_len)
+        self.unpaying_pages = 0  # pages not written for that
         self._decided: OrderedDict[str, _Decision] = OrderedDict()
         self._jobs = 0
         self.loads = 0
@@ -156,25 +183,37 @@ class StorageTier:
 
     # ------------------------------------------------------------------ save (host eviction)
     def save(self, node: TreeNode, host_slots: torch.Tensor) -> None:
-        """The host tier is about to drop node's host copy (host_slots): queue its pages not on disk yet."""
+        """The host tier is about to drop node's host copy (host_slots): queue its pages not on disk
+        yet that a load could pay for."""
         parent = path_page_hash(node.parent, self.page_size)
         hashes = page_hashes(node.key, self.page_size, parent)
         node.block_hash = hashes[-1]
-        todo = [i for i, h in enumerate(hashes) if h not in self.store]
-        if todo:  # a copy: the slots go now
-            self._write(node, parent, hashes, todo, self.host_pool.buffer[host_slots], ("host", host_slots))
-        if self.states is not None and hashes:
+        first = self._first_paying_page(node, len(hashes))
+        todo = [i for i in range(first, len(hashes)) if hashes[i] not in self.store]
+        if todo:  # a copy of those pages: the slots go now
+            self._write(node, parent, hashes, todo, lambda slots: self.host_pool.buffer[slots], ("host", host_slots))
+        if self.states is not None and first < len(hashes):
             self.states.save(node, hashes[-1])
 
+    def _first_paying_page(self, node: TreeNode, pages: int) -> int:
+        """The first of node's pages that starts where a load may pay (`first_saved_position`); the
+        pages before it are counted as not written."""
+        behind = self.first_saved_position - node_start(node)
+        first = pages if behind == float("inf") else min(pages, max(0, math.ceil(behind / self.page_size)))
+        self.unpaying_pages += first
+        return first
+
     def _write(self, node: TreeNode, parent: Optional[int], hashes: list[int], todo: list[int],
-               rows: torch.Tensor, source: tuple[str, torch.Tensor], *, wait: bool = False) -> None:
-        """Queue pages `todo` of node (rows: all its pages' KV, from `source`'s slots)."""
+               rows_of: Callable[[torch.Tensor], torch.Tensor], source: tuple[str, torch.Tensor], *,
+               wait: bool = False) -> None:
+        """Queue pages `todo` of node, their KV copied by rows_of(slots) out of `source`'s slots."""
         ps = self.page_size
-        rows = rows.reshape(len(hashes), self.page_bytes)
         where, slots = source
-        for i in todo:
+        todo_slots = torch.cat([slots[i * ps:(i + 1) * ps] for i in todo])
+        rows = rows_of(todo_slots).reshape(len(todo), self.page_bytes)
+        for n, i in enumerate(todo):
             prev = parent if i == 0 else hashes[i - 1]
-            self.store.write(PageRecord(hashes[i], prev, node.key[i * ps:(i + 1) * ps]), rows[i], wait=wait,
+            self.store.write(PageRecord(hashes[i], prev, node.key[i * ps:(i + 1) * ps]), rows[n], wait=wait,
                              source=(where, slots[i * ps:(i + 1) * ps]))
 
     # ------------------------------------------------------------------ fetch (a waiting request)
@@ -301,6 +340,7 @@ class StorageTier:
                 "storage_loads": self.loads, "storage_skipped_loads": self.skipped_loads,
                 "storage_loaded_tokens": self.loaded_tokens, "storage_attach_failures": self.attach_failures,
                 "storage_write_drops": s.write_drops_queue + s.write_drops_full + s.write_errors,
+                "storage_unpaying_pages": self.unpaying_pages,
                 "storage_evicted_pages": s.evicted_pages, "storage_missing_pages": s.missing_pages,
                 "storage_corrupt_pages": s.corrupt_pages, "storage_read_errors": s.read_errors,
                 "storage_read_bandwidth_gbps": self.cost.read_bytes_per_s / 1e9,
@@ -322,18 +362,19 @@ class StorageTier:
             parent = path_page_hash(node.parent, self.page_size)
             hashes = page_hashes(node.key, self.page_size, parent)
             node.block_hash = hashes[-1]
-            if self.states is not None and hashes and (node.host is not None or node.value is not None):
+            first = self._first_paying_page(node, len(hashes))
+            todo = [i for i in range(first, len(hashes)) if hashes[i] not in self.store]
+            if self.states is not None and first < len(hashes) and (node.host is not None or node.value is not None):
                 self.states.save(node, hashes[-1], wait=True)
-            todo = [i for i, h in enumerate(hashes) if h not in self.store]
             if not todo:
                 continue
             if node.host is not None:
-                rows, source = self.host_pool.buffer[node.host.slots], ("host", node.host.slots)
+                rows_of, source = (lambda slots: self.host_pool.buffer[slots]), ("host", node.host.slots)
             elif node.value is not None:
-                rows, source = device_rows(kv_pool, node.value), ("device", node.value)
+                rows_of, source = (lambda slots: device_rows(kv_pool, slots)), ("device", node.value)
             else:
                 continue
-            self._write(node, parent, hashes, todo, rows, source, wait=True)
+            self._write(node, parent, hashes, todo, rows_of, source, wait=True)
             queued += len(todo)
         return queued
 
@@ -346,6 +387,15 @@ class StorageTier:
             except Exception as e:  # noqa: BLE001: what is already on disk stays usable
                 logger.warning("storage tier: the cache's pages were not all written at shutdown (%s)", e)
         self.store.close()
+
+
+def node_start(node: TreeNode) -> int:
+    """The position of node's first token: the tokens on the path above it."""
+    start, up = 0, node.parent
+    while up is not None:
+        start += len(up.key)
+        up = up.parent
+    return start
 
 
 def device_rows(kv_pool, slots: torch.Tensor) -> torch.Tensor:

@@ -193,10 +193,12 @@ def make_storage_tier(settings: ServerSettings, cache: OwnedPrefixCache, kv_pool
                       flops_per_token: float, attention_flops_per_pair: float,
                       prefill_flops_per_s: Optional[float] = None,
                       read_bytes_per_s: Optional[float] = None, synchronous: bool = False,
-                      hidden: int = 4096, inbox: Optional[ReportInbox] = None) -> Optional[StorageTier]:
+                      hidden: int = 4096, inbox: Optional[ReportInbox] = None,
+                      context_len: Optional[int] = None) -> Optional[StorageTier]:
     """The storage tier --storage-dir asks for, attached under cache's host tier (None: not asked
     for, or nothing cached). The read bandwidth and prefill rate are measured here unless given
-    (the simulator gives its model's); `model` names the weights in the directory's version stamp.
+    (the simulator gives its model's); `model` names the weights in the directory's version stamp;
+    `context_len` bounds the loads, so the pages no load could pay for are not written.
     Under tensor parallelism this is rank 0's (its shard's store, `inbox`: the other ranks'
     reports); the other ranks build theirs with `make_storage_replica`, at the same point."""
     if not settings.storage_enabled or not cache.keeps_prefixes:
@@ -222,7 +224,7 @@ def make_storage_tier(settings: ServerSettings, cache: OwnedPrefixCache, kv_pool
     cost = LoadCost(read_bytes_per_s, host.host_pool.bytes_per_token, flops_per_token, attention_flops_per_pair,
                     prefill_flops_per_s)
     disk_states = DiskSnapshots(states, store, kv_pool.page_size) if states is not None else None
-    tier = StorageTier(store, host.host_pool, cost, disk_states)
+    tier = StorageTier(store, host.host_pool, cost, disk_states, context_len=context_len)
     host.storage = tier
     shards = ""
     if inbox is not None:
@@ -231,7 +233,14 @@ def make_storage_tier(settings: ServerSettings, cache: OwnedPrefixCache, kv_pool
     logger.info("storage tier: %s%s, %.1f GB, %d pages found (%.1f GB); reads %.2f GB/s, prefill %.2f TFLOP/s "
                 "(measured): a load pays from %.0f tokens of context", where, shards, settings.storage_size,
                 store.num_pages, store.used_bytes / 1e9, read_bytes_per_s / 1e9, prefill_flops_per_s / 1e12,
-                _break_even(cost))
+                cost.break_even())
+    if context_len is not None and tier.first_saved_position >= context_len:
+        logger.warning("storage tier: at %.2f GB/s no load pays within the context length (%d tokens): it writes "
+                       "nothing; a faster disk (or --storage-read-gbps, if the measurement was wrong) makes it pay",
+                       read_bytes_per_s / 1e9, context_len)
+    elif tier.first_saved_position > 0:
+        logger.info("storage tier: pages before position %.0f are not written (no load reading them pays)",
+                    tier.first_saved_position)
     return tier
 
 
@@ -279,14 +288,3 @@ def _backend(settings: ServerSettings, rank: int) -> tuple[str, PageBackend]:
     if settings.tp_size > 1:
         where = os.path.join(where, f"tp{settings.tp_size}-rank{rank}")
     return where, LocalFileBackend(where, capacity, read_latency_s=latency)
-
-
-def _break_even(cost: LoadCost) -> float:
-    """The cached context after which reading a page beats computing it (0: always; inf: never)."""
-    per_token_read = cost.read_seconds(1)
-    base = cost.flops_per_token / cost.prefill_flops_per_s
-    if base >= per_token_read:
-        return 0.0
-    if cost.attention_flops_per_pair <= 0:
-        return float("inf")
-    return (per_token_read - base) * cost.prefill_flops_per_s / cost.attention_flops_per_pair

@@ -173,7 +173,7 @@ class EngineCore:
         return make_storage_tier(self.settings, self.cache, self.kv_pool, model=model_identity(self.model_path),
                                  flops_per_token=2.0 * params, hidden=cfg.hidden_size,
                                  attention_flops_per_pair=4.0 * cfg.num_kv_layers * cfg.q_size / self.ranks.size,
-                                 inbox=self.ranks.storage_inbox)
+                                 inbox=self.ranks.storage_inbox, context_len=self.context_len)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any (a tp_size 1 engine holds nothing to stop),

@@ -59,6 +59,9 @@ ENGINE_COUNTERS = (
     ("storage_loaded_tokens", "storage_loaded_tokens", "Tokens read from the storage tier into the host tier."),
     ("storage_write_drops", "storage_write_drops",
      "Pages the storage tier did not keep: its write queue was full, the disk had no room, or a write failed."),
+    ("storage_unpaying_pages", "storage_unpaying_pages",
+     "Pages the host tier dropped that the storage tier did not write: they start where no load pays "
+     "(reading them takes longer than computing them, however long the prompt after them)."),
     ("storage_snapshots_written", "storage_snapshots_written",
      "A hybrid model's recurrent-state snapshots the storage tier wrote to disk beside their pages."),
     ("storage_snapshots_loaded", "storage_snapshots_loaded",

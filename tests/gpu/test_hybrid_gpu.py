@@ -231,9 +231,14 @@ def test_a_resume_point_inside_a_chunk_is_as_exact_as_one_on_its_boundary(tmp_pa
     """Every offset 1..150 past a 64-token base, float32 on the card (the CPU suite runs a few):
     the request resumed at the branch point gives transformers' tokens wherever it falls in a
     Gated DeltaNet chunk, and the resume points fall at every position of a chunk (offsets 15 and
-    79 resume at a checkpoint instead, so 143 covers the fifteenth)."""
+    79 resume at a checkpoint instead, so 143 covers the fifteenth). The oracle is transformers'
+    float32 torch path in a process without fla (whose kernels take no CPU tensors)."""
+    from test_engine import GREEDY
     from test_hybrid import build, check_resumes_inside_chunks_equal_transformers
 
+    def oracle(path, batch: list[list[int]]) -> list[list[int]]:
+        return [out[:GREEDY["max_new_tokens"]] for out in hf_greedy_fp32_torch(str(path), batch)]
+
     resumed = check_resumes_inside_chunks_equal_transformers(build(tmp_path_factory, "qwen3_5", seed=4),
-                                                             range(1, 151), device="cuda")
+                                                             range(1, 151), device="cuda", oracle=oracle)
     assert {p % 64 for p in resumed} == set(range(64))
