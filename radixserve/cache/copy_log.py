@@ -85,6 +85,9 @@ class CopyIssuer(Protocol):
 
     def issue(self, copy: Callable[[], None], *, waits: bool = True, uses: Sequence[Any] = ()) -> int: ...
 
+    def wait(self, seq: int) -> None:
+        """Block until copy seq (and every copy before it) has completed."""
+
     def drain(self) -> None: ...
 
 

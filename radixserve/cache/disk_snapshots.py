@@ -83,8 +83,10 @@ class DiskSnapshots:
         if state is None or page_hash is None or snapshot_key(page_hash) in self.store:
             return
         if state.host_slot is not None:
-            self.states.snapshots.sync()  # its write-back may still be on the copy stream
+            # Its write-back may still be on the copy stream: that copy alone is waited for (mostly
+            # long done: a host snapshot goes to disk when the host tier evicts it).
             host = self.host.snapshots
+            host.copier.wait(state.written_seq)
             data, source = state_bytes(host.conv, host.ssm, state.host_slot), ("host_state", state.host_slot)
         elif wait and state.slot is not None:
             self.states.snapshots.sync()  # its load may still be on the copy stream

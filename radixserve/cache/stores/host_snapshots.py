@@ -185,7 +185,7 @@ class HostSnapshots:
         state.worth = None  # kept on the host, as it is once loaded back
         if state.slot in store.queued_saves:
             store.issue()  # hung on the tree by a launched step whose copy is still queued there
-        self.snapshots.write_back([state.slot], [host_slot])
+        state.written_seq = self.snapshots.write_back([state.slot], [host_slot])
         store.snapshots.free(state.slot)  # reused once the copy is done (or by a load queued after it)
         state.slot = None
         state.from_host = False

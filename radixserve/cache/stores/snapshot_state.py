@@ -35,6 +35,7 @@ class Snapshot:
     saves: int = 1
     from_host: bool = False  # loaded back from the host and no request resumed from it yet
     loading_seq: int = 0  # the copy that loaded it back (usable once the copy engine saw it done)
+    written_seq: int = 0  # the copy that wrote it into its host slot (the slot is read once it is done)
 
     @property
     def held(self) -> bool:
