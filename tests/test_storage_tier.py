@@ -444,3 +444,39 @@ def test_two_workers_share_prefixes_through_redis(oracle, tmp_path, redis_url):
     finally:
         first.stop()
         second.stop()
+
+
+def test_a_read_takes_its_pages_in_parallel_and_ends_at_the_first_gap(tmp_path):
+    """A run of six pages read by the store's reader threads, page 2's file deleted and page 4's
+    bytes flipped: the read gives the two leading pages, exact, and both bad pages are dropped and
+    counted (a page after a gap is read too, but no prefix of anything)."""
+    import torch
+
+    from radixserve.cache.stores.disk import DiskStore, ReadJob
+    from radixserve.cache.stores.page_files import LocalFileBackend, PageRecord, StoreStamp
+
+    stamp = StoreStamp(model="m", page_size=2, kv_dtype="float32", bytes_per_token=4096, num_layers=1)
+    store = DiskStore(LocalFileBackend(str(tmp_path), 1 << 30), stamp)
+    records = [PageRecord(key, key - 1 if key > 1 else None, [key, key + 1]) for key in range(1, 7)]
+    pages = [torch.full((stamp.page_bytes,), key, dtype=torch.uint8) for key in range(1, 7)]
+    try:
+        for record, page in zip(records, pages):
+            store.write(record, page.clone(), wait=True)
+        deadline = time.monotonic() + 30
+        while store.pending_bytes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (tmp_path / "pages" / f"{3:016x}.page").unlink()
+        path = tmp_path / "pages" / f"{5:016x}.page"
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+        job = ReadJob(1, records, torch.zeros(6 * stamp.page_bytes, dtype=torch.uint8))
+        store.read(job)
+        while not store.finished() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert job.done and job.pages_read == 2
+        assert torch.equal(job.out[:2 * stamp.page_bytes], torch.cat(pages[:2]))
+        assert store.stats.missing_pages == 1 and store.stats.corrupt_pages == 1
+        assert 3 not in store and 5 not in store and 6 in store
+    finally:
+        store.close()

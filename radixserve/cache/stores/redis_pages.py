@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import hashlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-from radixserve.cache.stores.page_files import PageMissing, PageRecord, StoreStamp, check_page, encode_page
+from radixserve.cache.stores.page_files import (READ_THREADS, PageMissing, PageRecord, StoreStamp, check_page,
+                                                encode_page)
 
 
 def key_prefix(stamp: StoreStamp) -> str:
@@ -102,13 +104,17 @@ class RedisBackend:
     def probe_read_bandwidth(self, page_bytes: int) -> float:
         name = self.prefix + "bandwidth-probe"
         self.client.set(name, b"\0" * page_bytes)
-        try:
-            reads, start = 8, time.perf_counter()
-            for _ in range(reads):
-                if self.read_latency_s:
-                    time.sleep(self.read_latency_s)
-                self.client.get(name)
-            return reads * page_bytes / max(time.perf_counter() - start, 1e-9)
+        def read(_: int) -> None:
+            if self.read_latency_s:
+                time.sleep(self.read_latency_s)
+            self.client.get(name)
+
+        try:  # READ_THREADS at a time, as the store reads
+            reads = 2 * READ_THREADS
+            with ThreadPoolExecutor(READ_THREADS) as readers:
+                start = time.perf_counter()
+                list(readers.map(read, range(reads)))
+                return reads * page_bytes / max(time.perf_counter() - start, 1e-9)
         finally:
             self.client.delete(name)
 
