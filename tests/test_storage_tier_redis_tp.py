@@ -26,7 +26,8 @@ from radixserve import Engine
 from radixserve.cache.block_hash import page_hashes
 from radixserve.cache.stores.redis_pages import key_prefix
 from test_engine import check_idle
-from test_storage_tier import GREEDY, PAGE, READS_PAY, check_restart_refinds_the_prefixes
+from test_storage_tier import (GREEDY, PAGE, READS_PAY, check_restart_refinds_the_prefixes,
+                               check_served_twice_through_the_tier)
 from test_storage_tier import redis_url  # noqa: F401  (the fixture)
 from test_storage_tier_tensor_parallel import aligned, serve_one
 from test_storage_tier_tensor_parallel import oracle  # noqa: F401  (the fixture)
@@ -68,14 +69,7 @@ def test_tp2_on_redis_greedy_equals_hf_after_device_host_redis_and_back(oracle, 
     engine = redis_tp_engine(path, redis_url)
     try:
         prefixes = rank_prefixes(engine)
-        for _ in range(2):
-            results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-            assert [r["output_ids"] for r in results] == expected
-            check_idle(engine)
-        stats = engine.cache_stats()
-        assert stats["storage_pages_written"] > 0 and stats["storage_pages"] > 0
-        assert stats["storage_loads"] > 0 and stats["storage_loaded_tokens"] > 0
-        assert stats["storage_corrupt_pages"] == stats["storage_missing_pages"] == 0
+        check_served_twice_through_the_tier(engine, prompts, expected)
     finally:
         engine.shutdown()
     shards = [keys_under(redis_url, p) for p in prefixes]

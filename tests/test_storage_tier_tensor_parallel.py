@@ -27,7 +27,8 @@ from radixserve.cache.storage_shards import ShardedStore
 from radixserve.cache.stores.disk import ReadJob
 from radixserve.cache.stores.page_files import LocalFileBackend, PageRecord, StoreStamp
 from test_engine import check_idle, hf_greedy
-from test_storage_tier import GREEDY, NEW, PAGE, READS_PAY, check_restart_refinds_the_prefixes, long_prompts
+from test_storage_tier import (GREEDY, NEW, PAGE, READS_PAY, check_restart_refinds_the_prefixes,
+                               check_served_twice_through_the_tier, long_prompts)
 from test_storage_tier_hybrid import build_hybrid
 
 pytestmark = pytest.mark.timeout(600)
@@ -64,14 +65,7 @@ def test_tp2_greedy_equals_tp1_and_hf_after_device_host_disk_and_back(oracle, tm
     engine = tp_engine(path, tmp_path / "store")
     try:
         assert engine.core.kv_pool.k_buffers[0].shape[1] == 1  # this rank's KV head
-        for _ in range(2):
-            results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-            assert [r["output_ids"] for r in results] == expected
-            check_idle(engine)
-        stats = engine.cache_stats()
-        assert stats["storage_pages_written"] > 0 and stats["storage_pages"] > 0
-        assert stats["storage_loads"] > 0 and stats["storage_loaded_tokens"] > 0
-        assert stats["storage_corrupt_pages"] == stats["storage_missing_pages"] == 0
+        check_served_twice_through_the_tier(engine, prompts, expected)
     finally:
         engine.shutdown()
     ranks = [tmp_path / "store" / f"tp2-rank{r}" for r in range(2)]
