@@ -109,6 +109,36 @@ def check_restart_refinds_the_prefixes(make_engine, oracle, directory) -> None:
         engine.shutdown()
 
 
+def test_a_loop_whose_requests_wait_for_a_read_waits_instead_of_spinning(oracle, tmp_path):
+    """A request whose prefix is on disk waits for its read (50 ms a page, injected): meanwhile
+    each step launches nothing, and the core asks its loop to wait COPY_WAIT_S (the GIL let go for
+    the readers) instead of stepping again at once; once the pages are in, the step launches and
+    it asks no wait. The tokens are transformers'."""
+    from radixserve.engine.core import COPY_WAIT_S
+    from radixserve.engine.messages import GenerateRequest
+    from radixserve.sampling_params import sampling_params_from_dict
+
+    path, prompts, expected = oracle
+    engine = storage_engine(path, tmp_path / "store")
+    engine.generate(input_ids=prompts[:1], sampling_params=GREEDY)
+    engine.shutdown()  # its pages go to disk
+    engine = storage_engine(path, tmp_path / "store", storage_read_latency_ms=50, storage_read_gbps=0)
+    try:
+        core = engine.core
+        assert core.copy_wait_s == 0  # nothing to do: the loop's idle wait, not this one
+        core.add_request(GenerateRequest(rid="r", input_ids=prompts[0],
+                                         sampling_params=sampling_params_from_dict(GREEDY)))
+        waits, tokens = [], []
+        while core.has_work:
+            for out in core.step():
+                tokens += out.new_token_ids
+            waits.append(core.copy_wait_s)
+        assert tokens == expected[0] and engine.cache_stats()["storage_loads"] == 1
+        assert waits[0] == COPY_WAIT_S and waits[-1] == 0 and 0 in waits
+    finally:
+        engine.shutdown()
+
+
 def test_restart_on_the_same_directory_finds_the_prefixes(oracle, tmp_path):
     check_restart_refinds_the_prefixes(storage_engine, oracle, tmp_path / "store")
 

@@ -50,6 +50,10 @@ GRAMMAR_WAIT_S = 0.005
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+# How long a loop whose requests all wait on copies waits before stepping again (`copy_wait_s`).
+COPY_WAIT_S = 0.001
+
+
 @dataclass
 class StepInfo:
     """What the last step did, for batch log lines and metrics."""
@@ -257,6 +261,15 @@ class EngineCore:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or self.in_flight is not None or len(self.grammar_wait) > 0
+
+    @property
+    def copy_wait_s(self) -> float:
+        """How long the loop waits, the GIL let go, before the next step: COPY_WAIT_S when requests
+        wait yet the last step launched nothing and none is in flight (they wait for copies: a
+        host-tier load, a storage read; or for room), else 0. A loop spinning in Python holds the
+        GIL the storage tier's I/O threads need between their system calls (each waits up to the
+        switch interval for it): on two cores it cut their reads to about a third."""
+        return COPY_WAIT_S if self.in_flight is None and self.last_step.batch is None and self.has_work else 0.0
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Move requests whose grammar finished compiling into the scheduler; outputs for those

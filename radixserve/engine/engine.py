@@ -86,6 +86,8 @@ class Engine:
         logprobs: dict[str, list] = {r.rid: [] for r in reqs}
         prompt_logprobs: dict[str, list] = {r.rid: [] for r in reqs}
         while len(results) < len(reqs):
+            if self.core.copy_wait_s:
+                time.sleep(self.core.copy_wait_s)
             for out in self.core.step():
                 if out.rid not in outputs:
                     continue

@@ -289,7 +289,8 @@ class EngineLoop:
             if not self.parent_alive():
                 logger.warning("engine: the API process is gone; exiting")
                 return
-            self.drain(0 if self.core.has_work else IDLE_POLL_MS)
+            copy_wait_ms = round(self.core.copy_wait_s * 1e3)
+            self.drain(copy_wait_ms or (0 if self.core.has_work else IDLE_POLL_MS))
             if self.core.has_work:
                 self.checked_idle = False
                 self.idle_since = None
