@@ -188,20 +188,20 @@ class StorageTier:
         parent = path_page_hash(node.parent, self.page_size)
         hashes = page_hashes(node.key, self.page_size, parent)
         node.block_hash = hashes[-1]
-        first = self._first_paying_page(node, len(hashes))
-        todo = [i for i in range(first, len(hashes)) if hashes[i] not in self.store]
+        first, todo = self._pages_to_write(node, hashes)
         if todo:  # a copy of those pages: the slots go now
             self._write(node, parent, hashes, todo, lambda slots: self.host_pool.buffer[slots], ("host", host_slots))
         if self.states is not None and first < len(hashes):
             self.states.save(node, hashes[-1])
 
-    def _first_paying_page(self, node: TreeNode, pages: int) -> int:
-        """The first of node's pages that starts where a load may pay (`first_saved_position`); the
-        pages before it are counted as not written."""
+    def _pages_to_write(self, node: TreeNode, hashes: list[int]) -> tuple[int, list[int]]:
+        """(the first of node's pages that starts where a load may pay (`first_saved_position`),
+        those from it on not on disk yet); the pages before it are counted as not written."""
         behind = self.first_saved_position - node_start(node)
+        pages = len(hashes)
         first = pages if behind == float("inf") else min(pages, max(0, math.ceil(behind / self.page_size)))
         self.unpaying_pages += first
-        return first
+        return first, [i for i in range(first, pages) if hashes[i] not in self.store]
 
     def _write(self, node: TreeNode, parent: Optional[int], hashes: list[int], todo: list[int],
                rows_of: Callable[[torch.Tensor], torch.Tensor], source: tuple[str, torch.Tensor], *,
@@ -362,18 +362,17 @@ class StorageTier:
             parent = path_page_hash(node.parent, self.page_size)
             hashes = page_hashes(node.key, self.page_size, parent)
             node.block_hash = hashes[-1]
-            first = self._first_paying_page(node, len(hashes))
-            todo = [i for i in range(first, len(hashes)) if hashes[i] not in self.store]
-            if self.states is not None and first < len(hashes) and (node.host is not None or node.value is not None):
+            if node.host is None and node.value is None:
+                continue  # no copy of its KV left to write
+            first, todo = self._pages_to_write(node, hashes)
+            if self.states is not None and first < len(hashes):
                 self.states.save(node, hashes[-1], wait=True)
             if not todo:
                 continue
             if node.host is not None:
                 rows_of, source = (lambda slots: self.host_pool.buffer[slots]), ("host", node.host.slots)
-            elif node.value is not None:
-                rows_of, source = (lambda slots: device_rows(kv_pool, slots)), ("device", node.value)
             else:
-                continue
+                rows_of, source = (lambda slots: device_rows(kv_pool, slots)), ("device", node.value)
             self._write(node, parent, hashes, todo, rows_of, source, wait=True)
             queued += len(todo)
         return queued
