@@ -134,6 +134,8 @@ class EngineCore:
                 logger.warning("constrained decoding is off: xgrammar cannot read this tokenizer (%s)", e)
                 self.grammar_wait.disable(f"constrained decoding is off on this server: {e}")
         self.last_step = StepInfo(None, 0.0)
+        # The last step launched nothing and no request came since (`copy_wait_s`).
+        self.stepped_idle = False
         self.overlap = not settings.disable_overlap_schedule
         self.in_flight: Optional[StepInFlight] = None  # the launched step whose tokens are unread
         if self.device.type == "cuda" and not settings.skip_warmup:
@@ -249,6 +251,7 @@ class EngineCore:
 
     def submit(self, req: Req) -> None:
         """Queue a request made by `make_req`: to the scheduler, or to wait for its grammar."""
+        self.stepped_idle = False  # a new request may run at once
         if grammar_spec(req.sampling_params) is not None:
             if not self.grammar_wait.add(req):
                 return  # scheduled once its grammar is compiled (see _admit_compiled)
@@ -265,11 +268,11 @@ class EngineCore:
     @property
     def copy_wait_s(self) -> float:
         """How long the loop waits, the GIL let go, before the next step: COPY_WAIT_S when requests
-        wait yet the last step launched nothing and none is in flight (they wait for copies: a
-        host-tier load, a storage read; or for room), else 0. A loop spinning in Python holds the
-        GIL the storage tier's I/O threads need between their system calls (each waits up to the
-        switch interval for it): on two cores it cut their reads to about a third."""
-        return COPY_WAIT_S if self.in_flight is None and self.last_step.batch is None and self.has_work else 0.0
+        wait yet the last step launched nothing, none is in flight and no request came since (they
+        wait for copies: a host-tier load, a storage read; or for room), else 0. A loop spinning in
+        Python holds the GIL the storage tier's I/O threads need between their system calls (each
+        waits up to the switch interval for it): on two cores it cut their reads to about a third."""
+        return COPY_WAIT_S if self.stepped_idle and self.in_flight is None and self.has_work else 0.0
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Move requests whose grammar finished compiling into the scheduler; outputs for those
@@ -320,6 +323,7 @@ class EngineCore:
             outputs += self.sync()
         waited = sum(s.tokens.wait_s for s in collected if s is not None)
         self.last_step = StepInfo(batch, time.perf_counter() - start, start, waited)
+        self.stepped_idle = batch is None
         return outputs
 
     def _recover_from_alloc_failure(self, batch: ScheduledBatch, previous: Optional[StepInFlight],
