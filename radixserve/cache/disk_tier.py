@@ -143,6 +143,9 @@ class _Decision:
     matched: int  # its cached prefix then (one that shrank since, evicted while it waited, is decided again)
     job: Optional[ReadJob] = None  # the read in flight (None: decided, nothing in flight)
     reads: int = 0
+    # Its read came back to a host tier with no room for it (the pages of reads before it, whose
+    # requests are not in yet, fill it): decided again at its next admission attempt.
+    unplaced: bool = False
 
 
 class TierSnapshots(Protocol):
@@ -227,7 +230,8 @@ class StorageTier:
         ids = tokens()
         reads = 0
         if decided is not None:
-            if decided.tokens >= len(ids) and (decided.matched <= matched or decided.reads >= MAX_READS_PER_REQUEST):
+            if decided.tokens >= len(ids) and (decided.matched <= matched and not decided.unplaced
+                                               or decided.reads >= MAX_READS_PER_REQUEST):
                 return False
             reads = decided.reads
         ps = self.page_size
@@ -296,6 +300,8 @@ class StorageTier:
             decided = self._decided.get(p["key"])
             if decided is not None and decided.job is job:
                 decided.job = None
+            else:
+                decided = None  # the request was decided again since: this read is not its decision
             self.reading_tokens -= len(job.records) * self.page_size
             self.store.attaching = job.job_id
             try:
@@ -308,6 +314,8 @@ class StorageTier:
                 added = True
             elif got is not None:
                 self.attach_failures += 1
+                if decided is not None:
+                    decided.unplaced = True
         return added
 
     def _attach(self, job: ReadJob) -> Optional[int]:
