@@ -212,8 +212,7 @@ class StorageTier:
         """Queue pages `todo` of node, their KV copied by rows_of(slots) out of `source`'s slots."""
         ps = self.page_size
         where, slots = source
-        todo_slots = torch.cat([slots[i * ps:(i + 1) * ps] for i in todo])
-        rows = rows_of(todo_slots).reshape(len(todo), self.page_bytes)
+        rows = rows_of(slots.view(len(hashes), ps)[todo].reshape(-1)).reshape(len(todo), self.page_bytes)
         for n, i in enumerate(todo):
             prev = parent if i == 0 else hashes[i - 1]
             self.store.write(PageRecord(hashes[i], prev, node.key[i * ps:(i + 1) * ps]), rows[n], wait=wait,

@@ -19,6 +19,7 @@ import msgspec
 from fastapi import Depends, Request
 
 from radixserve.cache.namespace import cache_namespace as namespace_of
+from radixserve.chat_formats import SystemTurns
 from radixserve.engine.messages import GenerateRequest, RequestOutput
 from radixserve.http_common.api_keys import load_admin_key, load_key_ring
 from radixserve.http_common.auth import bearer_token
@@ -119,6 +120,8 @@ class ServingContext:
         self.executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
         self.max_token_chars = longest_token_chars(tokenizer)
         self.token_texts = TokenTexts(tokenizer)
+        # Where a ChatML prompt's system turn ends, read from its tokens (None: not a ChatML tokenizer).
+        self.system_turns = SystemTurns.of(tokenizer) if tokenizer is not None else None
         self.created = int(time.time())  # the model's `created` in /v1/models
         self.chat_control_tokens: Any = None  # radixserve.server.chat_prompt's, made on first use
         # --reasoning-parser's format (radixserve.server.reasoning.ReasoningFormat), or None: off.

@@ -330,7 +330,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     ids = await chat_prompt_ids(ctx, body, policy)
     hints: tuple[int, ...] = ()
     if ctx.engine.ready is not None and ctx.engine.ready.keeps_branch_states:
-        end = await system_turn_end(ctx, body, ids, policy)
+        # A ChatML prompt's system turn is read from its tokens; another template's system
+        # messages are rendered alone to find where it ends.
+        end = ctx.system_turns.end_of(ids) if ctx.system_turns is not None else None
+        if end is None:
+            end = await system_turn_end(ctx, body, ids, policy)
         hints = (end,) if end is not None else ()
     in_reasoning = ctx.reasoning is not None and ctx.reasoning.starts_in_reasoning(ids)
     reply = ReplyFormat(policy, ctx.reasoning if body.separate_reasoning else None, in_reasoning)
