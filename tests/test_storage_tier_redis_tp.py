@@ -61,7 +61,7 @@ def rank_prefixes(engine: Engine) -> list[str]:
     store = store_of(engine)
     rank1 = key_prefix(dataclasses.replace(store.stamp, tp_rank=1))
     assert store._namespaces == {1: rank1}
-    return [store.backend.namespace, rank1]
+    return [store.namespace, rank1]
 
 
 def test_tp2_on_redis_greedy_equals_hf_after_device_host_redis_and_back(oracle, redis_url):
@@ -78,7 +78,7 @@ def test_tp2_on_redis_greedy_equals_hf_after_device_host_redis_and_back(oracle, 
     single = Engine(str(path), max_total_tokens=256, page_size=PAGE, hicache_ratio=1, storage_backend="redis",
                     storage_url=redis_url, **READS_PAY)
     try:
-        assert store_of(single).backend.namespace not in prefixes
+        assert store_of(single).namespace not in prefixes
         assert single.cache_stats()["storage_restored_pages"] == 0
         assert serve_one(single, prompts[0])["meta_info"]["cached_tokens"] == 0
     finally:

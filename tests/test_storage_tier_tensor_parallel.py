@@ -309,7 +309,7 @@ def test_a_rank_replays_rank_0s_storage_orders_on_its_own_shard_and_reports_them
         replay([CopyOrder(CopyKind.STORAGE_ATTACH, slot_array([0]), slot_array([8, 9]), 4),
                 CopyOrder(CopyKind.STORAGE_RELEASE, slot_array(()), slot_array(()), 4)], copier, None, replica)
         assert torch.equal(host.buffer[8:10], host.buffer[4:6])
-        replica.store._forget([11], "evicted")  # evicted for room on this rank
+        replica.store._on_events([("lost", 11, "evicted", "for room")])  # the I/O process evicted it for room
         assert reports[4] == ("lost", 1, 11, 8, "evicted")
     finally:
         replica.close()

@@ -183,6 +183,9 @@ class StorageTier:
         self.attach_failures = 0
         self.reading_tokens = 0
         self.read_cap = max(self.page_size, host_pool.total_tokens // 2 // self.page_size * self.page_size)
+        # The most pages one read takes: what the store's read buffer holds beside a snapshot.
+        self.read_buffer_pages = max(1, (store.read_buffer_bytes - (states.state_bytes if states is not None else 0))
+                                     // self.page_bytes)
 
     # ------------------------------------------------------------------ save (host eviction)
     def save(self, node: TreeNode, host_slots: torch.Tensor) -> None:
@@ -243,7 +246,7 @@ class StorageTier:
         # Reads land in the host tier: one at most all of it; more than one in flight at most half
         # of it, so one read's pages are not pushed out by the next before their request copies
         # them to the device.
-        limit = self.host_pool.total_tokens // ps
+        limit = min(self.host_pool.total_tokens // ps, self.read_buffer_pages)
         while first + n < len(hashes) and n < limit and self.store.has(hashes[first + n]):
             n += 1
         if self.states is not None:  # a hybrid resumes only where a snapshot lies: pages past the last are no use
@@ -254,24 +257,28 @@ class StorageTier:
         start, count = first * ps, n * ps
         if self.reading_tokens and self.reading_tokens + count > self.read_cap:
             return True  # waits, undecided, for the reads in flight to be taken in
-        self._remember(key, _Decision(len(ids), matched, reads=reads))
         read_s, compute_s = self.cost.read_seconds(count), self.cost.recompute_seconds(start, count)
         if self.states is not None:
             read_s += self.states.state_bytes / self.cost.read_bytes_per_s
         if read_s >= compute_s:
+            self._remember(key, _Decision(len(ids), matched, reads=reads))
             self.skipped_loads += 1
             logger.info("storage tier: request %s computes %d tokens after %d cached: reading them would take "
                         "%.2f ms, computing %.2f ms", key, count, start, read_s * 1e3, compute_s * 1e3)
             return False
         records = [PageRecord(hashes[i], hashes[i - 1] if i else namespace_page_parent(namespace),
                               ids[i * ps:(i + 1) * ps]) for i in range(first, first + n)]
+        job = self.store.new_read(self._jobs + 1, records, snapshot=snapshot_record(hashes[first + n - 1])
+                                  if self.states is not None else None,
+                                  snapshot_bytes=self.states.state_bytes if self.states is not None else 0,
+                                  payload=dict(key=key, tokens=list(ids[:start + count]), start=start,
+                                               namespace=namespace, attach=attach))
+        if job is None and self.reading_tokens:
+            return True  # the reads in flight hold the read buffer: waits, undecided, for them to be taken in
+        self._remember(key, _Decision(len(ids), matched, reads=reads))
+        if job is None:
+            return False
         self._jobs += 1
-        job = ReadJob(self._jobs, records, torch.empty(n * self.page_bytes, dtype=torch.uint8),
-                      payload=dict(key=key, tokens=list(ids[:start + count]), start=start, namespace=namespace,
-                                   attach=attach))
-        if self.states is not None:
-            job.snapshot = snapshot_record(hashes[first + n - 1])
-            job.snapshot_out = torch.empty(self.states.state_bytes, dtype=torch.uint8)
         self._decided[key].job = job
         self._decided[key].reads += 1
         self.loads += 1

@@ -25,7 +25,7 @@ from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.state_pool import RecurrentStateSpec
 from radixserve.cache.state_snapshots import HostStateSnapshots
 from radixserve.cache.storage_shards import Report, ReportInbox, ShardedStore, StorageReplica
-from radixserve.cache.stores.disk import DiskStore
+from radixserve.cache.stores.disk import READ_BUFFER_MAX, DiskStore
 from radixserve.cache.stores.host_kv import HostKV
 from radixserve.cache.stores.host_snapshots import HostSnapshots
 from radixserve.cache.stores.page_files import LocalFileBackend, PageBackend, StoreStamp, other_tp_layouts
@@ -214,9 +214,11 @@ def make_storage_tier(settings: ServerSettings, cache: OwnedPrefixCache, kv_pool
     stamp = _stamp(settings, kv_pool, host.host_pool, model, states.snapshots if states is not None else None, 0)
     where, backend = _backend(settings, 0)
     if inbox is not None:  # rank 0 of a tensor-parallel engine
-        store: DiskStore = ShardedStore(backend, stamp, tp_size=settings.tp_size, inbox=inbox, log=None)
+        store: DiskStore = ShardedStore(backend, stamp, tp_size=settings.tp_size, inbox=inbox, log=None,
+                                        read_buffer_bytes=_read_buffer_bytes(host.host_pool, kv_pool))
     else:
-        store = DiskStore(backend, stamp, synchronous=synchronous)
+        store = DiskStore(backend, stamp, synchronous=synchronous,
+                          read_buffer_bytes=_read_buffer_bytes(host.host_pool, kv_pool))
     if read_bytes_per_s is None:
         read_bytes_per_s = settings.storage_read_gbps * 1e9 or backend.probe_read_bandwidth(stamp.page_bytes)
     if prefill_flops_per_s is None:
@@ -254,8 +256,16 @@ def make_storage_replica(settings: ServerSettings, kv_pool: KVPool, host: Option
         return None  # a hybrid without snapshots caches nothing (rank 0 builds no tier either)
     stamp = _stamp(settings, kv_pool, host.pool, model, kv_pool.snapshots, rank)
     _, backend = _backend(settings, rank)
-    store = DiskStore(backend, stamp)
+    store = DiskStore(backend, stamp, read_buffer_bytes=_read_buffer_bytes(host.pool, kv_pool))
     return StorageReplica(store, rank, report, kv_pool, host.pool, host.copier, kv_pool.snapshots)
+
+
+def _read_buffer_bytes(host_pool: HostKVPool, kv_pool: KVPool) -> int:
+    """What the reads in flight may hold together: the host tier's size (where they land: one read
+    may take it all, several in flight half of it), at most READ_BUFFER_MAX, and a hybrid's snapshot
+    beside it. Every rank's the same, so a read buffer with room on rank 0 has room on every rank."""
+    snapshot = kv_pool.snapshots.bytes_per_slot if kv_pool.snapshots is not None else 0
+    return min(host_pool.total_tokens * host_pool.bytes_per_token, READ_BUFFER_MAX) + snapshot
 
 
 def _stamp(settings: ServerSettings, kv_pool: KVPool, host_pool: HostKVPool, model: str, snapshots, rank: int

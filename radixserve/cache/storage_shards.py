@@ -55,7 +55,7 @@ from radixserve.cache.disk_tier import device_rows
 from radixserve.cache.host_pool import CopyEngine, HostKVPool
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.state_snapshots import StateSnapshots
-from radixserve.cache.stores.disk import DiskStore, ReadJob
+from radixserve.cache.stores.disk import READ_BUFFER_BYTES, DiskStore, ReadJob
 from radixserve.cache.stores.page_files import PageBackend, PageRecord, StoreStamp
 
 logger = logging.getLogger("radixserve")
@@ -91,7 +91,8 @@ class ShardedStore(DiskStore):
     """Rank 0's store under tp N: its own shard of every page, and which pages every rank holds."""
 
     def __init__(self, backend: PageBackend, stamp: StoreStamp, *, tp_size: int, inbox: ReportInbox,
-                 log: Optional[CopyLog], max_pending_bytes: int = 1 << 30, keys_wait_s: float = KEYS_WAIT_S):
+                 log: Optional[CopyLog], max_pending_bytes: int = 1 << 30, keys_wait_s: float = KEYS_WAIT_S,
+                 read_buffer_bytes: int = READ_BUFFER_BYTES):
         self.tp_size = tp_size
         self.inbox = inbox
         self._log: Optional[CopyLog] = None
@@ -107,7 +108,8 @@ class ShardedStore(DiskStore):
         self._early: list[Report] = []
         # A shared backend's namespace of each other rank (None until the ranks said theirs).
         self._namespaces: Optional[dict[int, str]] = None
-        super().__init__(backend, stamp, max_pending_bytes=max_pending_bytes, on_event=self._own_event)
+        super().__init__(backend, stamp, max_pending_bytes=max_pending_bytes, read_buffer_bytes=read_buffer_bytes,
+                         on_event=self._own_event)
         self._agree_on_found(keys_wait_s)
 
     # ------------------------------------------------------------------ start-up
@@ -138,6 +140,7 @@ class ShardedStore(DiskStore):
         self.restored_pages = len(every)
         if self.backend.shared:
             self._namespaces = namespaces
+            self.watch_namespaces(list(namespaces.values()))  # its refreshes list every rank's namespace
         if partial:
             logger.warning("storage tier: %d pages found on some tensor-parallel ranks but not on all %d are not "
                            "read (a rank's shard is missing: a crash or an eviction on that rank); they are "
@@ -163,23 +166,14 @@ class ShardedStore(DiskStore):
             self._log.record(CopyKind.STORAGE_DISCARD, slot_array(()), slot_array(()), 0, self._orphans)
             self._orphans = []
 
-    def _refresh_keys(self) -> Optional[list[int]]:
+    def _listed(self, every: Optional[list[int]]) -> None:
         """A shared backend's pages other workers wrote: counted once every rank's namespace holds them."""
-        listed = super()._refresh_keys()
-        if listed is None or not self._namespaces:
-            return listed
-        every = set(listed)
-        try:
-            for namespace in self._namespaces.values():
-                every.intersection_update(self.backend.list_keys(namespace))
-        except Exception as e:  # noqa: BLE001: the pages already counted stay usable
-            logger.warning("storage tier: could not list the other tensor-parallel ranks' pages (%s)", e)
-            return listed
+        if every is None:
+            return
         with self._agg:
-            for key in every.difference(self._round):
+            for key in set(every).difference(self._round):
                 self._round[key] = 0
                 self._confirmed.add(key)
-        return listed
 
     # ------------------------------------------------------------------ lookups
     def __contains__(self, key: int) -> bool:
@@ -293,6 +287,7 @@ class ShardedStore(DiskStore):
 
     def release(self, job: ReadJob) -> None:
         self.log.record(CopyKind.STORAGE_RELEASE, slot_array(()), slot_array(()), job.job_id)
+        super().release(job)
 
     # ------------------------------------------------------------------ the other ranks' reports
     def _take_reports(self) -> None:
@@ -335,7 +330,7 @@ class StorageReplica:
         with store._lock:
             found = list(store._keys)
         self._latest.update(dict.fromkeys(found, 0))
-        report(("keys", rank, found, getattr(store.backend, "namespace", "") if store.backend.shared else ""))
+        report(("keys", rank, found, store.namespace))
 
     def _event(self, what: str, subject: Any, kept: bool) -> None:
         if what == "written":
@@ -357,11 +352,12 @@ class StorageReplica:
             self._store(order)
         elif kind is CopyKind.STORAGE_READ:
             records, snapshot = order.payload
-            job = ReadJob(order.seq, records, torch.empty(len(records) * self.page_bytes, dtype=torch.uint8))
-            if snapshot is not None:
-                assert self.snapshots is not None, "rank 0 sent a snapshot read to a rank without snapshots"
-                job.snapshot = snapshot
-                job.snapshot_out = torch.empty(self.snapshots.bytes_per_slot, dtype=torch.uint8)
+            assert snapshot is None or self.snapshots is not None, "rank 0 sent a snapshot read to a rank without snapshots"
+            job = self.store.new_read(order.seq, records, snapshot=snapshot,
+                                      snapshot_bytes=self.snapshots.bytes_per_slot if snapshot is not None else 0)
+            if job is None:  # rank 0's read buffer had room, this rank's not: this rank reads nothing
+                self.report(("read", self.rank, order.seq, 0, False))
+                return
             self._jobs[order.seq] = job
             self.store.read(job)
         elif kind is CopyKind.STORAGE_ATTACH:
@@ -376,7 +372,9 @@ class StorageReplica:
             _sync(self.snapshots)
             fill_state(host.conv, host.ssm, order.dst[0], job.snapshot_out)
         elif kind is CopyKind.STORAGE_RELEASE:
-            self._jobs.pop(order.seq, None)
+            job = self._jobs.pop(order.seq, None)
+            if job is not None:
+                self.store.release(job)
             self.store.finished()  # nobody waits on this rank's list of finished reads
         elif kind is CopyKind.STORAGE_DISCARD:
             for key in order.payload:

@@ -1,17 +1,16 @@
-"""The storage tier's store: a set of pages on a backend, written and read off the step.
+"""The storage tier's store: the engine's side of a set of pages on a backend.
 
-The engine thread only queues: `write` hands a page (its bytes already copied out of the host
-tier, whose slots are reused at once) to the I/O thread, `read` asks for a run of pages into a
-buffer, `finished` takes the reads that are done. One I/O thread does both, reads first: a read
-is what a waiting request waits for, a write only keeps a page for later. A read's pages are read
-READ_THREADS at a time (one page read at a time leaves an NVMe drive at a fraction of its
-bandwidth: a drive serves many requests in flight; and the checksum of one page runs beside the
-read of the next); the start-up measurement of the read bandwidth reads the same way. A page still queued for
-writing is read from the queue, so a prefix evicted a moment ago is found at once.
+The engine thread only queues, and never waits for the disk: `write` copies a page (its bytes
+already out of the host tier, whose slots are reused at once) into the write buffer shared with
+the tier's I/O process (io_process.py, which does the I/O: page_io.py), `new_read` and `read` ask
+for a run of pages into the read buffer, `finished` takes the reads that are done, `release` gives
+a read's buffer back once its pages are in the host tier. What the I/O process did comes back as
+events, handled here on a thread of their own.
 
-Nothing here blocks the step on the disk: a write queue holding more than `max_pending_bytes` drops
-the new page (counted), a full disk drops the page that did not fit (counted), a read that fails
-ends its run there (the pages after a gap are no prefix of anything: the request computes them).
+Nothing blocks the step: a write buffer holding `max_pending_bytes` of queued pages drops the new
+page (counted), a full disk drops the page that did not fit (counted), a read that fails ends its
+run there (the pages after a gap are no prefix of anything: the request computes them), a read
+buffer with no room for a read leaves the request waiting for the reads before it.
 
 A hybrid model's state snapshots are records of a second kind (page_files.py) and of another size:
 a read of pages may carry the snapshot at their end (`ReadJob.snapshot`), read first (without it
@@ -19,33 +18,34 @@ the pages resume nobody, and are not read).
 
 Under tensor parallelism each rank has a store of its own shard of every page, and rank 0's store
 (storage_shards.ShardedStore) counts a page as stored only once every rank reported it written:
-the stores tell what became of each page and read through `on_event`, from the I/O thread.
+the stores tell what became of each page and read through `on_event`, from the events' thread.
 
-`synchronous=True` does the I/O at the call instead (the scheduler simulator, whose steps take no
-real time); completion is still observed through `finished`, so the caller's path is the same.
+`synchronous=True` does the I/O at the call instead, in this process (the scheduler simulator,
+whose steps take no real time); completion is still observed through `finished`, so the caller's
+path is the same.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
-import time
-from collections import OrderedDict, deque
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 
-from radixserve.cache.stores.page_files import READ_THREADS, PageBackend, PageMissing, PageRecord, StoreStamp
+from radixserve.cache.stores.io_process import IOProcess
+from radixserve.cache.stores.page_files import PageBackend, PageRecord, StoreStamp
+from radixserve.cache.stores.page_io import Event, PageIO
+from radixserve.cache.stores.shared_buffer import ALIGN, Regions
 
 logger = logging.getLogger("radixserve")
 
-# Pages written between two saves of the backend's LRU index.
-INDEX_SAVE_EVERY = 1024
-# How often the keys of a backend other servers write to too are listed again (their new pages).
-SHARED_REFRESH_S = 1.0
+# The read buffer's size unless the owner gives one (the factory: the host tier's size, at most
+# READ_BUFFER_MAX): what all reads in flight together may hold. Its memory is taken at start-up.
+READ_BUFFER_BYTES = 64 << 20
+READ_BUFFER_MAX = 4 << 30
 
 
 @dataclass
@@ -54,7 +54,7 @@ class StoreStats:
     bytes_written: int = 0
     pages_read: int = 0
     bytes_read: int = 0
-    write_drops_queue: int = 0  # the write queue was full: the page was not kept
+    write_drops_queue: int = 0  # the write buffer was full: the page was not kept
     write_drops_full: int = 0  # the disk had no room (ENOSPC), or one page is larger than storage_size
     write_errors: int = 0  # any other OSError on write
     evicted_pages: int = 0  # dropped for room (storage_size reached)
@@ -78,15 +78,23 @@ class ReadJob:
     snapshot_read: bool = False  # set when done: it was read and checked
 
 
-# What a store tells its owner, from the I/O thread (never while it holds its lock): ("written",
+# What a store tells its owner, from the events' thread (never while it holds its lock): ("written",
 # key, kept) after a write was tried, ("lost", key, why) once a key is dropped (why: "evicted" for
 # room, or a read's "missing", "corrupt" or "error"), ("read", job, True) once a read is done.
 StoreEvent = Callable[[str, Any, Any], None]
 
 
+@dataclass
+class _Reading:
+    job: ReadJob
+    lent: list[int]  # read-buffer offsets the job's own buffers are (given back by release)
+    copies: list[tuple[int, torch.Tensor]]  # (offset, the caller's tensor): filled from there when done
+
+
 class DiskStore:
     def __init__(self, backend: PageBackend, stamp: StoreStamp, *, synchronous: bool = False,
-                 max_pending_bytes: int = 1 << 30, on_event: Optional[StoreEvent] = None):
+                 max_pending_bytes: int = 1 << 30, read_buffer_bytes: int = READ_BUFFER_BYTES,
+                 on_event: Optional[StoreEvent] = None):
         self.backend = backend
         self.on_event = on_event
         # The read job whose pages the tier is putting into the host tier (tensor parallelism: the
@@ -97,23 +105,34 @@ class DiskStore:
         self.synchronous = synchronous
         self.max_pending_bytes = max(max_pending_bytes, self.page_bytes)
         self.stats = StoreStats()
-        # Every key on the backend or queued for it; the I/O thread removes what it drops.
-        self._keys: set[int] = set(backend.open(stamp))
-        self.restored_pages = len(self._keys)
         self._lock = threading.Condition()
-        self._writes: OrderedDict[int, tuple[PageRecord, torch.Tensor]] = OrderedDict()
+        self._writes: dict[int, tuple[Optional[int], int]] = {}  # key -> (write-buffer offset, bytes)
         self.pending_bytes = 0
-        self._reads: deque[ReadJob] = deque()
-        self._removals: list[int] = []  # keys discarded, for the I/O thread to delete
+        self._reads: dict[int, _Reading] = {}
         self._done: deque[ReadJob] = deque()
-        self._since_index = 0
         self._closed = False
-        self._thread: Optional[threading.Thread] = None
-        self._readers: Optional[ThreadPoolExecutor] = None
-        if not synchronous:
-            self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="storage-read")
-            self._thread = threading.Thread(target=self._run, name="storage-io", daemon=True)
-            self._thread.start()
+        self._failed = False  # the I/O process ended by itself: nothing is read or written any more
+        self._process: Optional[IOProcess] = None
+        self._inline: Optional[PageIO] = None
+        self._write_regions = self._read_regions = None
+        if synchronous:
+            self._inline = PageIO(backend, self._on_events, lambda handle, nbytes: handle, threaded=False)
+            keys, self.namespace, self.used_bytes = self._inline.open(stamp)
+            self.read_buffer_bytes = 1 << 62
+        else:
+            self._process = IOProcess(backend, stamp, write_bytes=self.max_pending_bytes,
+                                      read_bytes=max(read_buffer_bytes, self.page_bytes) + 2 * ALIGN,
+                                      on_events=self._on_events, on_exit=self._io_ended)
+            keys, self.namespace, self.used_bytes = self._process.keys, self._process.namespace, self._process.used_bytes
+            self._write_view = torch.frombuffer(self._process.write_buffer.map, dtype=torch.uint8)
+            self._read_view = torch.frombuffer(self._process.read_buffer.map, dtype=torch.uint8)
+            self._write_regions = Regions(self._process.write_buffer.nbytes)
+            self._read_regions = Regions(self._process.read_buffer.nbytes)
+            # What one read (pages and a snapshot, each rounded up to ALIGN) may take.
+            self.read_buffer_bytes = self._read_regions.capacity - 2 * ALIGN
+        # Every key on the backend or queued for it; the events remove what the I/O process drops.
+        self._keys: set[int] = set(keys)
+        self.restored_pages = len(self._keys)
 
     # ------------------------------------------------------------------ the engine thread's side
     def __contains__(self, key: int) -> bool:
@@ -138,47 +157,108 @@ class DiskStore:
     def placed_state(self, host_slot: int) -> None:
         """The tier put read job `attaching`'s snapshot into host snapshot slot host_slot."""
 
-    def release(self, job: ReadJob) -> None:
-        """The tier is done with a finished read."""
+    def _listed(self, every: Optional[list[int]]) -> None:
+        """A shared backend was listed again: `every`, the keys every watched namespace holds too."""
 
     @property
     def num_pages(self) -> int:
         return len(self._keys)
 
-    @property
-    def used_bytes(self) -> int:
-        return getattr(self.backend, "used_bytes", 0)
-
     def write(self, record: PageRecord, payload: torch.Tensor, *, wait: bool = False,
               source: Optional[tuple[str, Any]] = None) -> bool:
-        """Queue a page (uint8, page_bytes; a snapshot record: its state's bytes; owned by the store
-        from now); False: not kept. wait: for room in a full queue (at shutdown) instead of
-        dropping the page. source: where the bytes came from ("host" or "device" KV slots, "host_state"
-        or "device_state" a snapshot slot), for the other tensor-parallel ranks to copy theirs."""
+        """Queue a page (uint8, page_bytes; a snapshot record: its state's bytes); False: not kept.
+        wait: for room in a full write buffer (at shutdown) instead of dropping the page. source:
+        where the bytes came from ("host" or "device" KV slots, "host_state" or "device_state" a
+        snapshot slot), for the other tensor-parallel ranks to copy theirs."""
         size = payload.numel()
+        offset = None
         with self._lock:
             if record.key in self._keys:
                 return True
-            while wait and self._thread is not None and self.pending_bytes + size > self.max_pending_bytes \
-                    and self.pending_bytes:
-                self._lock.wait(0.1)
-            if self.pending_bytes + size > self.max_pending_bytes and self.pending_bytes:
-                self.stats.write_drops_queue += 1
+            if self._failed:
                 return False
+            if self._write_regions is not None:
+                offset = self._write_regions.alloc(size)
+                while offset is None and wait and self._writes and not self._failed:
+                    self._lock.wait(0.1)
+                    offset = self._write_regions.alloc(size)
+                if offset is None:
+                    self.stats.write_drops_queue += 1
+                    return False
             self._keys.add(record.key)
-            self._writes[record.key] = (record, payload)
+            self._writes[record.key] = (offset, size)
             self.pending_bytes += size
-            self._lock.notify()
-        if self.synchronous:
-            self._drain_writes()
+        if offset is None:
+            handle: Any = memoryview(payload.contiguous().numpy()).cast("B")
+        else:
+            self._write_view[offset:offset + size].copy_(payload.reshape(-1))
+            handle = ("w", offset)
+        self._submit(("put", record, handle, size))
         return True
 
+    def new_read(self, job_id: int, records: list[PageRecord], *, snapshot: Optional[PageRecord] = None,
+                 snapshot_bytes: int = 0, payload: Optional[dict] = None) -> Optional[ReadJob]:
+        """A read of records (and snapshot) into buffers of the read buffer, given back by `release`
+        (None: no room for it now, the reads in flight hold the buffer)."""
+        nbytes = len(records) * self.page_bytes
+        if self._read_regions is None:
+            out = torch.empty(nbytes, dtype=torch.uint8)
+            state = torch.empty(snapshot_bytes, dtype=torch.uint8) if snapshot is not None else None
+        else:
+            with self._lock:
+                at = self._read_regions.alloc(nbytes)
+                state_at = self._read_regions.alloc(snapshot_bytes) if snapshot is not None and at is not None else 0
+                if at is None or state_at is None:
+                    if at is not None:
+                        self._read_regions.free(at)
+                    return None
+            out = self._read_view[at:at + nbytes]
+            state = self._read_view[state_at:state_at + snapshot_bytes] if snapshot is not None else None
+        return ReadJob(job_id, records, out, payload=payload or {}, snapshot=snapshot, snapshot_out=state)
+
     def read(self, job: ReadJob) -> None:
+        """Read job's pages (its buffers from `new_read`, or the caller's own: those are filled from
+        the read buffer once done)."""
+        if self._process is None:
+            self._reads[job.job_id] = _Reading(job, [], [])
+            out = memoryview(job.out.numpy()).cast("B")
+            state = memoryview(job.snapshot_out.numpy()).cast("B") if job.snapshot is not None else None
+            self._inline.command(("read", job.job_id, job.records, out, job.snapshot, state,
+                                  state.nbytes if state is not None else 0))
+            return
+        buffers = [job.out] + ([job.snapshot_out] if job.snapshot is not None else [])
+        reading = _Reading(job, [], [])
+        offsets = []
         with self._lock:
-            self._reads.append(job)
-            self._lock.notify()
-        if self.synchronous:
-            self._do_read(job)
+            for tensor in buffers:
+                at = self._offset_of(tensor)
+                if at is not None:
+                    reading.lent.append(at)
+                else:
+                    at = self._read_regions.alloc(tensor.numel())
+                    if at is not None:
+                        reading.copies.append((at, tensor))
+                offsets.append(at)
+            self._reads[job.job_id] = reading
+        sent = None not in offsets and not self._failed and self._submit(
+            ("read", job.job_id, job.records, ("r", offsets[0]), job.snapshot,
+             ("r", offsets[1]) if job.snapshot is not None else None,
+             job.snapshot_out.numel() if job.snapshot is not None else 0))
+        if not sent:  # no room for a buffer of the caller's, or no I/O process: nothing read
+            self._on_events([("read", job.job_id, 0, False)])
+
+    def _offset_of(self, tensor: torch.Tensor) -> Optional[int]:
+        """Where tensor starts in the read buffer when it is a buffer `new_read` lent (else None)."""
+        at = tensor.data_ptr() - self._read_view.data_ptr()
+        return at if 0 <= at < self._read_view.numel() and at in self._read_regions else None
+
+    def release(self, job: ReadJob) -> None:
+        """The tier is done with a finished read: its buffers go back to the read buffer."""
+        with self._lock:
+            reading = self._reads.pop(job.job_id, None)
+            if reading is not None:
+                for at in reading.lent:
+                    self._read_regions.free(at)
 
     def discard(self, keys: list[int]) -> int:
         """Delete these pages from the backend (not counted as lost: nobody counted them); how many
@@ -186,14 +266,13 @@ class DiskStore:
         with self._lock:
             held = [key for key in keys if key in self._keys and key not in self._writes]
             self._keys.difference_update(held)
-            self._removals.extend(held)
-            self._lock.notify()
-        if self.synchronous:
-            with self._lock:
-                removals, self._removals = self._removals, []
-            for key in removals:
-                self.backend.remove(key)
+        if held:
+            self._submit(("remove", held))
         return len(held)
+
+    def watch_namespaces(self, namespaces: list[str]) -> None:
+        """A shared backend: list these namespaces too at each refresh (`_listed` gets the keys all hold)."""
+        self._submit(("watch", namespaces))
 
     def finished(self) -> list[ReadJob]:
         with self._lock:
@@ -204,164 +283,111 @@ class DiskStore:
         """Finish the queued writes, save the index and let go of the directory (once)."""
         if self._closed:
             return
-        with self._lock:
-            self._closed = True
-            self._lock.notify()
-        if self._thread is not None:
-            self._thread.join()
+        self._closed = True
+        if self._process is not None:
+            self._process.close()
         else:
-            self._drain_writes()
-        if self._readers is not None:
-            self._readers.shutdown()
-        self.backend.close()
+            self._inline.command(("close",))
 
-    # ------------------------------------------------------------------ the I/O thread
-    def _run(self) -> None:
-        refreshed = time.monotonic()
-        while True:
-            if self.backend.shared and time.monotonic() - refreshed >= SHARED_REFRESH_S:
-                refreshed = time.monotonic()
-                self._refresh_keys()
-            with self._lock:
-                while not (self._reads or self._writes or self._removals or self._closed):
-                    if not self._lock.wait(SHARED_REFRESH_S if self.backend.shared else None):
-                        break  # time to list the shared backend's keys again
-                # Removals before writes: a page discarded and then saved again is written anew.
-                removals, self._removals = self._removals, []
-                job = self._reads[0] if self._reads else None
-                writing = job is None and bool(self._writes)
-                if job is None and not writing and not removals and self._closed:
-                    return  # closed, nothing left
-            for key in removals:
-                self.backend.remove(key)
-            if job is not None:
-                self._do_read(job)
-            elif writing:
-                self._write_one()
+    def _submit(self, command: tuple) -> bool:
+        if self._process is not None:
+            return self._process.submit(command)
+        self._inline.command(command)
+        return True
 
-    def _refresh_keys(self) -> Optional[list[int]]:
-        """List the shared backend's keys again (others' new pages); the keys listed (None: it failed)."""
-        try:
-            keys = self.backend.list_keys()
-        except Exception as e:  # noqa: BLE001: the pages already known stay usable
-            logger.warning("storage tier: could not list the shared store's pages (%s)", e)
-            return None
+    # ------------------------------------------------------------------ what the I/O process did
+    def _on_events(self, events: list[Event]) -> None:
+        for event in events:
+            what = event[0]
+            if what == "written":
+                self._on_written(*event[1:])
+            elif what == "lost":
+                self._on_lost(*event[1:])
+            elif what == "read":
+                self._on_read_done(*event[1:])
+            elif what == "listed":
+                if event[1] is None:
+                    logger.warning("storage tier: %s", event[2])
+                    continue
+                with self._lock:
+                    self._keys.update(event[1])
+                self._listed(event[2])
+            elif what == "usage":
+                self.used_bytes = event[1]
+            elif what == "log":
+                logger.log(event[1], "%s", event[2])
+
+    def _on_written(self, key: int, kept: bool, why: str) -> None:
         with self._lock:
-            self._keys.update(keys)
-        return keys
-
-    def _drain_writes(self) -> None:
-        while self._writes:
-            self._write_one()
-
-    def _write_one(self) -> None:
-        with self._lock:
-            key, (record, payload) = next(iter(self._writes.items()))
-        kept = False
-        size = payload.numel()
-        try:
-            self._forget(self.backend.make_room(size), "evicted")
-            self.backend.put(record, memoryview(payload.numpy()))
-            kept = True
-            self.stats.pages_written += 1
-            self.stats.bytes_written += size
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                self.stats.write_drops_full += 1
-            else:
-                self.stats.write_errors += 1
-                logger.warning("storage tier: a page write failed (%s); the page is not kept", e)
-        with self._lock:
-            self._writes.pop(key, None)
+            offset, size = self._writes.pop(key, (None, 0))
+            if offset is not None:
+                self._write_regions.free(offset)
             self.pending_bytes -= size
-            if not kept:
+            if kept:
+                self.stats.pages_written += 1
+                self.stats.bytes_written += size
+            else:
                 self._keys.discard(key)
+                if why == "full":
+                    self.stats.write_drops_full += 1
+                else:
+                    self.stats.write_errors += 1
             self._lock.notify_all()  # a writer waiting for room
+        if not kept and why != "full":
+            logger.warning("storage tier: a page write failed (%s); the page is not kept", why)
         if self.on_event is not None:
             self.on_event("written", key, kept)
-        self._since_index += 1
-        if self._since_index >= INDEX_SAVE_EVERY and hasattr(self.backend, "save_index"):
-            self._since_index = 0
-            try:
-                self.backend.save_index()
-            except OSError:
-                pass  # the next start scans the directory instead
 
-    def _forget(self, keys: list[int], why: str) -> None:
-        """Drop keys from the store (why: "evicted" for room, else what a read found)."""
-        if not keys:
-            return
-        with self._lock:
-            for key in keys:
-                self._keys.discard(key)
-        if self.on_event is not None:
-            for key in keys:
-                self.on_event("lost", key, why)
+    def _on_lost(self, key: int, why: str, message: str) -> None:
         if why == "evicted":
-            self.stats.evicted_pages += len(keys)
-
-    def _do_read(self, job: ReadJob) -> None:
-        out = job.out.numpy()
-        n = 0
-        if job.snapshot is not None:
-            job.snapshot_read = self._read_one(job.snapshot, memoryview(job.snapshot_out.numpy()))
-            if job.snapshot_read:
-                self.stats.bytes_read += job.snapshot_out.numel()
-        records = job.records if job.snapshot is None or job.snapshot_read else []
-        views = [memoryview(out[i * self.page_bytes:(i + 1) * self.page_bytes]) for i in range(len(records))]
-        if self._readers is not None and len(records) > 1:
-            failures = list(self._readers.map(self._fetch_one, records, views))
-        else:  # one page, or no reader threads (synchronous): pages after a gap need not be read
-            failures = []
-            for record, view in zip(records, views):
-                failures.append(self._fetch_one(record, view))
-                if failures[-1] is not None:
-                    break
-        for record, failure in zip(records, failures):
-            if failure is not None:
-                self._count_missing(record, failure)
-        n = next((i for i, failure in enumerate(failures) if failure is not None), len(failures))
-        self.stats.pages_read += n
-        self.stats.bytes_read += n * self.page_bytes
-        job.pages_read = n
+            self.stats.evicted_pages += 1
+        else:
+            if self._loss_counts(key):
+                self.count_loss(why)
+            logger.warning("storage tier: %s dropped; its tokens are computed", message)
         with self._lock:
-            if self._reads and self._reads[0] is job:
-                self._reads.popleft()
-            else:
-                self._reads.remove(job)
+            self._keys.discard(key)
+        if self.on_event is not None:
+            self.on_event("lost", key, why)
+
+    def _on_read_done(self, job_id: int, pages: int, snapshot_read: bool) -> None:
+        with self._lock:
+            reading = self._reads.get(job_id)
+            if reading is None:
+                return
+            job = reading.job
+            for at, tensor in reading.copies:
+                n = tensor.numel() if tensor is job.snapshot_out else pages * self.page_bytes
+                tensor[:n] = self._read_view[at:at + n]
+                self._read_regions.free(at)
+            reading.copies = []
+            job.pages_read, job.snapshot_read = pages, snapshot_read
+            self.stats.pages_read += pages
+            self.stats.bytes_read += pages * self.page_bytes
+            if snapshot_read:
+                self.stats.bytes_read += job.snapshot_out.numel()
             job.done = True
             self._done.append(job)
         if self.on_event is not None:
             self.on_event("read", job, True)
 
-    def _read_one(self, record: PageRecord, view: memoryview) -> bool:
-        """Read one record into view; False: it could not be had (dropped and counted)."""
-        failure = self._fetch_one(record, view)
-        if failure is not None:
-            self._count_missing(record, failure)
-        return failure is None
-
-    def _fetch_one(self, record: PageRecord, view: memoryview) -> Optional[PageMissing]:
-        """Read one record into view (from the write queue when it is still there); what went wrong
-        (None: read and checked). Runs on a reader thread: counts nothing."""
+    def _io_ended(self, why: str) -> None:
+        """The I/O process ended by itself: the tier keeps serving without it (every request computes)."""
+        logger.error("storage tier: its I/O process ended (%s): the tier reads and writes nothing more", why)
         with self._lock:
-            queued = self._writes.get(record.key)
-        if queued is not None and list(queued[0].tokens) == list(record.tokens) and queued[0].parent == record.parent \
-                and queued[0].kind == record.kind and queued[1].numel() == view.nbytes:
-            view[:] = memoryview(queued[1].numpy())
-            return None
-        try:
-            self.backend.get_into(record, view)
-        except PageMissing as e:
-            return e
-        return None
-
-    def _count_missing(self, record: PageRecord, e: PageMissing) -> None:
-        if self._loss_counts(record.key):
-            self.count_loss(e.reason)
-        logger.warning("storage tier: %s %016x dropped: %s; its tokens are computed", record.kind, record.key, e)
-        self.backend.remove(record.key)
-        self._forget([record.key], e.reason)
+            self._failed = True
+            lost, self._keys = list(self._keys), set()
+            for offset, _ in self._writes.values():
+                self._write_regions.free(offset)
+            self._writes.clear()
+            self.pending_bytes = 0
+            waiting = [job_id for job_id, reading in self._reads.items() if not reading.job.done]
+            self._lock.notify_all()
+        for job_id in waiting:
+            self._on_read_done(job_id, 0, False)
+        if self.on_event is not None:
+            for key in lost:
+                self.on_event("lost", key, "evicted")
 
     def _loss_counts(self, key: int) -> bool:
         """Whether a page this store failed to read counts in its stats (under tensor parallelism:

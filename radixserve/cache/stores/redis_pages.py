@@ -16,6 +16,7 @@ ranks' namespaces too (`list_keys(namespace)`) to learn which pages every shard 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,10 @@ class RedisBackend:
         self.used_bytes = 0  # what this worker wrote (Redis holds the rest)
         self.client = redis.Redis.from_url(url, socket_timeout=10)
         self.prefix = ""
+
+    def __reduce__(self):
+        # Built again (unopened) in the storage tier's I/O process: a client does not cross processes.
+        return functools.partial(RedisBackend, read_latency_s=self.read_latency_s), (self.url, self.capacity_bytes)
 
     def open(self, stamp: StoreStamp) -> list[int]:
         self.prefix = key_prefix(stamp)
