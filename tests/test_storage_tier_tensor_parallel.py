@@ -24,7 +24,6 @@ import torch
 from radixserve import Engine
 from radixserve.cache.copy_log import CopyKind, CopyLog
 from radixserve.cache.storage_shards import ShardedStore
-from radixserve.cache.stores.disk import ReadJob
 from radixserve.cache.stores.page_files import LocalFileBackend, PageRecord, StoreStamp
 from test_engine import check_idle, hf_greedy
 from test_storage_tier import (GREEDY, NEW, PAGE, READS_PAY, check_restart_refinds_the_prefixes,
@@ -224,8 +223,13 @@ def test_rank_0_counts_a_page_once_every_rank_wrote_it_in_the_same_round(tmp_pat
     backend.put(PageRecord(6, 5, [3, 4]), memoryview(bytes(16)))  # rank 1 lacks it
     backend.close()
     inbox = FakeInbox([5, 9])
+    from radixserve.cache.host_pool import HostKVPool
+    from radixserve.cache.kv_pool import KVPool
+
+    host = HostKVPool(16, KVPool(64, 2, 1, 1, 1, torch.float32, "cpu"), pin=False, shared=True)
+    assert host.bytes_per_token == stamp.bytes_per_token
     store = ShardedStore(LocalFileBackend(str(tmp_path / "r0"), 10_000), stamp, tp_size=2, inbox=inbox,
-                         log=CopyLog())
+                         log=CopyLog(), host_pool=host)
     try:
         assert store.has(5) and not store.has(6) and not store.has(9) and store.restored_pages == 1
         # Rank 0 removed its shard of 6; rank 1 is told to remove its shard of 9.
@@ -251,19 +255,18 @@ def test_rank_0_counts_a_page_once_every_rank_wrote_it_in_the_same_round(tmp_pat
         inbox.queue += [("written", 1, 2, again.seq, True), ("lost", 1, 1, rounds[1], "evicted")]
         store.finished()
         assert store.has(2) and not store.has(1)  # rank 1 lost page 1 (evicted there)
-        # A read: done when both ranks are, counting the pages both read.
-        job = ReadJob(7, [records[1], PageRecord(1, 2, [1, 1])], torch.empty(32, dtype=torch.uint8))
+        # A read into host slots 4-7: done when both ranks are, counting the pages both read.
+        job = store.new_read(7, [records[1], PageRecord(1, 2, [1, 1])], torch.arange(4, 8))
         store.read(job)
-        assert store.log.take()[0].kind is CopyKind.STORAGE_READ
+        read = store.log.take()[0]
+        assert read.kind is CopyKind.STORAGE_READ and list(read.dst) == [4, 5, 6, 7]  # rank 1 reads into the same
         wait_until(lambda: job.done)
+        assert torch.equal(host.buffer[4:6].reshape(-1), torch.full((16,), 2, dtype=torch.uint8))  # page 2, in place
         assert store.finished() == []  # rank 1's read not reported yet
         inbox.queue.append(("read", 1, 7, 1, False))
         assert store.finished() == [job] and job.pages_read == 1
-        store.attaching = 7
-        store.placed_pages(torch.arange(4, 6), 0)
         store.release(job)
-        kinds = [o.kind for o in store.log.take()]
-        assert kinds == [CopyKind.STORAGE_ATTACH, CopyKind.STORAGE_RELEASE]
+        assert [o.kind for o in store.log.take()] == [CopyKind.STORAGE_RELEASE]
     finally:
         store.close()
 
@@ -283,13 +286,13 @@ def test_a_rank_replays_rank_0s_storage_orders_on_its_own_shard_and_reports_them
     from radixserve.cache.stores.disk import DiskStore
 
     pool = KVPool(64, 2, 1, 1, 4, torch.float32, "cpu")
-    host = HostKVPool(32, pool, pin=False)
+    host = HostKVPool(32, pool, pin=False, shared=True)
     copier = make_copy_engine(pool, host)
     stamp = StoreStamp(model="m", page_size=2, kv_dtype="float32", bytes_per_token=host.bytes_per_token,
                        num_layers=1, tp_size=2, tp_rank=1)
     reports = []
-    replica = StorageReplica(DiskStore(LocalFileBackend(str(tmp_path), 10_000), stamp), 1, reports.append, pool,
-                             host, copier)
+    replica = StorageReplica(DiskStore(LocalFileBackend(str(tmp_path), 10_000), stamp, host_pool=host), 1,
+                             reports.append, pool, host, copier)
     try:
         assert reports == [("keys", 1, [], "")]
         host.buffer[4:6] = torch.arange(2 * host.bytes_per_token, dtype=torch.uint8).view(2, 1, 2, -1)
@@ -301,14 +304,13 @@ def test_a_rank_replays_rank_0s_storage_orders_on_its_own_shard_and_reports_them
         replay([CopyOrder(CopyKind.STORE_HOST_PAGE, slot_array([4, 5]), slot_array(()), 8, (record, False))],
                copier, None, replica)
         assert reports[2] == ("written", 1, 11, 8, True)  # already here: said at once, for the new round
-        # Rank 0 reads the page, then puts it into host slots 8, 9.
-        replay([CopyOrder(CopyKind.STORAGE_READ, slot_array(()), slot_array(()), 4, ([record], None))],
+        # Rank 0 reads the page into host slots 8, 9: so does this rank.
+        replay([CopyOrder(CopyKind.STORAGE_READ, slot_array(()), slot_array([8, 9]), 4, ([record], None))],
                copier, None, replica)
         wait_until(lambda: len(reports) == 4)
         assert reports[3] == ("read", 1, 4, 1, False)
-        replay([CopyOrder(CopyKind.STORAGE_ATTACH, slot_array([0]), slot_array([8, 9]), 4),
-                CopyOrder(CopyKind.STORAGE_RELEASE, slot_array(()), slot_array(()), 4)], copier, None, replica)
         assert torch.equal(host.buffer[8:10], host.buffer[4:6])
+        replay([CopyOrder(CopyKind.STORAGE_RELEASE, slot_array(()), slot_array(()), 4)], copier, None, replica)
         replica.store._on_events([("lost", 11, "evicted", "for room")])  # the I/O process evicted it for room
         assert reports[4] == ("lost", 1, 11, 8, "evicted")
     finally:

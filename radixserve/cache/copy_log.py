@@ -30,8 +30,7 @@ class CopyKind(enum.Enum):
     STORE_DEVICE_PAGE = "store_device_page"  # device KV slots -> one page record (at shutdown)
     STORE_HOST_STATE = "store_host_state"  # a host snapshot slot -> a snapshot record
     STORE_DEVICE_STATE = "store_device_state"  # a device snapshot slot -> a snapshot record (at shutdown)
-    STORAGE_READ = "storage_read"  # read job `seq`: its records into this rank's buffer
-    STORAGE_ATTACH = "storage_attach"  # read job `seq`'s rows from src[0] on -> host KV slots dst
+    STORAGE_READ = "storage_read"  # read job `seq`: its records -> host KV slots dst (its snapshot: a buffer)
     STORAGE_ATTACH_STATE = "storage_attach_state"  # read job `seq`'s snapshot -> host snapshot slot dst[0]
     STORAGE_RELEASE = "storage_release"  # read job `seq` is done with
     STORAGE_DISCARD = "storage_discard"  # delete this rank's shards of the pages in the payload (start-up)

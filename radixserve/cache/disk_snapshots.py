@@ -20,7 +20,7 @@ whole prefix, so a snapshot found under it is the state after exactly those toke
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
@@ -30,6 +30,9 @@ from radixserve.cache.stores.disk import DiskStore
 from radixserve.cache.stores.page_files import snapshot_key, snapshot_record
 from radixserve.cache.stores.snapshots import SnapshotStore
 from radixserve.cache.tree import TreeNode
+
+if TYPE_CHECKING:
+    from radixserve.cache.disk_tier import HostPlace
 
 
 def state_stamp(spec: RecurrentStateSpec) -> str:
@@ -111,14 +114,17 @@ class DiskSnapshots:
         return 0
 
     # ------------------------------------------------------------------ attach
-    def attach(self, kv_attach: Callable[..., int], tokens: Sequence[int], start: int, rows: torch.Tensor,
+    def attach(self, host: HostPlace, tokens: Sequence[int], start: int, slots: torch.Tensor,
                namespace: Optional[str], data: torch.Tensor) -> int:
-        """Put pages tokens[start:] (rows) into the tree where it lacks them (kv_attach, HostKV.attach)
-        and the snapshot (data) on the node at their end; the tokens made resumable (0: none)."""
+        """Hang pages tokens[start:] (read into the reserved host slots `slots`) into the tree where
+        it lacks them (host.attach, which takes the slots) and the snapshot (data) on the node at
+        their end; the tokens made resumable (0: none)."""
         tree = self.states.tree
         end = len(tokens)
         held = max((pos + n for _, n, pos in tree.walk(tokens, namespace)), default=0)
-        if held < end and not kv_attach(tokens, start, rows, namespace):
+        if held >= end:
+            host.free_reserved(slots)  # the tree holds those pages again meanwhile
+        elif not host.attach(tokens, start, slots, namespace):
             return 0
         node = tree.node_ending_at(tokens, end, namespace)
         if node is None or node.removed:

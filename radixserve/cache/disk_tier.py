@@ -5,23 +5,26 @@ chained page hash (the KV events' hash, `page_events.path_page_hash`; a salted r
 chain from its namespace, so they never answer another namespace's lookup), and no tree node
 records what is on disk. So the tier survives restarts as it is, and needs three things of the
 tree's host store (`stores/host_kv.HostKV`): a host copy it is about to drop (`save`), a lookup of
-what it could add beyond a request's cached prefix (`fetch`), and a place to put what it read
-(`HostKV.attach`, the pages becoming a host-only leaf, from where the host store's own load copies
-them to the device).
+what it could add beyond a request's cached prefix (`fetch`), and host slots to read it into that
+then become a host-only leaf (`HostPlace`), from where the host store's own load copies them to
+the device.
 
 - **Save**: when the host tier drops a host copy for room, its pages not on disk yet are copied out
-  of the host pool (its slots are reused at once) and queued for the I/O thread; only the pages a
+  of the host pool (its slots are reused at once) and queued for the I/O process; only the pages a
   load could ever pay for (`LoadCost.first_paying_position`): on a disk slow for the model, the
   shallow pages of a prompt cost more to read than to compute, whatever comes after them.
 - **Fetch** (a waiting request, on arrival and at each admission attempt, until it is decided):
   hash the request's pages, count the consecutive ones past its cached prefix that the store holds,
   and read them only when that pays: expected read time (bytes / the read bandwidth measured at
   start-up) below the time computing them takes (their FLOPs / the prefill rate measured at
-  start-up). The decision is logged per request and counted. While the read runs, the request
-  waits (admission passes over it, as for a host-tier load); every waiting request's read starts
-  on arrival, so the LPM queue's next requests find theirs done.
-- **Poll** (each step's start): finished reads become host-only leaves; the waiting queue sees the
-  longer match and the host tier copies them back as any host hit.
+  start-up). The decision is logged per request and counted. A read takes its host slots at once
+  (making room as a host copy would) and the I/O process reads the pages straight into them: no
+  copy on the engine's side. While the read runs, the request waits (admission passes over it, as
+  for a host-tier load); every waiting request's read starts on arrival, so the LPM queue's next
+  requests find theirs done.
+- **Poll** (each step's start): finished reads become host-only leaves over the slots they were
+  read into; the waiting queue sees the longer match and the host tier copies them back as any
+  host hit.
 
 A hybrid model's tree resumes a request only where a recurrent-state snapshot lies, so its pages
 on disk need their snapshot beside them: a second record kind keyed by the hash of the page it
@@ -29,8 +32,9 @@ ends, saved when the host tier drops a node's host snapshot, fetched with the pa
 (only as far as the deepest one on disk) and attached as a host snapshot (`disk_snapshots.py`).
 
 Under tensor parallelism this policy runs on rank 0 alone, over a store that counts a page as on
-disk only once every rank wrote its shard (storage_shards.ShardedStore); every save, read and
-attach is told to the other ranks through the copy log, which they replay on their own shards.
+disk only once every rank wrote its shard (storage_shards.ShardedStore); every save and read (with
+the host slots it goes to) is told to the other ranks through the copy log, which they replay on
+their own shards.
 """
 
 from __future__ import annotations
@@ -143,9 +147,26 @@ class _Decision:
     matched: int  # its cached prefix then (one that shrank since, evicted while it waited, is decided again)
     job: Optional[ReadJob] = None  # the read in flight (None: decided, nothing in flight)
     reads: int = 0
-    # Its read came back to a host tier with no room for it (the pages of reads before it, whose
-    # requests are not in yet, fill it): decided again at its next admission attempt.
+    # Its read's pages could not be put into the tree (the path they hang from was evicted while
+    # they were read): decided again at its next admission attempt.
     unplaced: bool = False
+
+
+class HostPlace(Protocol):
+    """Where the tier's reads land: the tree's host store (stores/host_kv.HostKV)."""
+
+    def reserve_slots(self, tokens: int) -> Optional[torch.Tensor]:
+        """Host slots for tokens (whole pages, each page's consecutive), making room as for a host
+        copy; None: no room."""
+
+    def free_reserved(self, slots: torch.Tensor) -> None: ...
+
+    def copying(self) -> bool:
+        """Copies in flight hold host copies that may go once they are done."""
+
+    def attach(self, tokens: Sequence[int], start: int, slots: torch.Tensor, namespace: Optional[str]) -> int:
+        """Hang reserved slots holding tokens[start:] into the tree (taking them: what it does not
+        use it frees); the tokens added."""
 
 
 class TierSnapshots(Protocol):
@@ -158,7 +179,7 @@ class TierSnapshots(Protocol):
 
     def usable_pages(self, hashes: Sequence[int], first: int, n: int) -> int: ...
 
-    def attach(self, kv_attach: Callable[..., int], tokens: Sequence[int], start: int, rows: torch.Tensor,
+    def attach(self, host: HostPlace, tokens: Sequence[int], start: int, slots: torch.Tensor,
                namespace: Optional[str], data: torch.Tensor) -> int: ...
 
 
@@ -182,10 +203,8 @@ class StorageTier:
         self.loaded_tokens = 0
         self.attach_failures = 0
         self.reading_tokens = 0
+        self._in_flight: dict[int, ReadJob] = {}  # job id -> a read not taken in yet
         self.read_cap = max(self.page_size, host_pool.total_tokens // 2 // self.page_size * self.page_size)
-        # The most pages one read takes: what the store's read buffer holds beside a snapshot.
-        self.read_buffer_pages = max(1, (store.read_buffer_bytes - (states.state_bytes if states is not None else 0))
-                                     // self.page_bytes)
 
     # ------------------------------------------------------------------ save (host eviction)
     def save(self, node: TreeNode, host_slots: torch.Tensor) -> None:
@@ -223,7 +242,7 @@ class StorageTier:
 
     # ------------------------------------------------------------------ fetch (a waiting request)
     def fetch(self, key: str, tokens: Callable[[], Sequence[int]], matched: int, namespace: Optional[str],
-              attach: Callable[..., int]) -> bool:
+              host: HostPlace) -> bool:
         """Whether the request `key` waits for a read of the pages after its `matched` cached
         tokens (started here when they are on disk and reading them pays)."""
         decided = self._decided.get(key)
@@ -246,7 +265,7 @@ class StorageTier:
         # Reads land in the host tier: one at most all of it; more than one in flight at most half
         # of it, so one read's pages are not pushed out by the next before their request copies
         # them to the device.
-        limit = min(self.host_pool.total_tokens // ps, self.read_buffer_pages)
+        limit = self.host_pool.total_tokens // ps
         while first + n < len(hashes) and n < limit and self.store.has(hashes[first + n]):
             n += 1
         if self.states is not None:  # a hybrid resumes only where a snapshot lies: pages past the last are no use
@@ -268,17 +287,21 @@ class StorageTier:
             return False
         records = [PageRecord(hashes[i], hashes[i - 1] if i else namespace_page_parent(namespace),
                               ids[i * ps:(i + 1) * ps]) for i in range(first, first + n)]
-        job = self.store.new_read(self._jobs + 1, records, snapshot=snapshot_record(hashes[first + n - 1])
-                                  if self.states is not None else None,
-                                  snapshot_bytes=self.states.state_bytes if self.states is not None else 0,
-                                  payload=dict(key=key, tokens=list(ids[:start + count]), start=start,
-                                               namespace=namespace, attach=attach))
-        if job is None and self.reading_tokens:
-            return True  # the reads in flight hold the read buffer: waits, undecided, for them to be taken in
+        slots = host.reserve_slots(count)  # the I/O process reads the pages straight into them
+        job = None if slots is None else self.store.new_read(
+            self._jobs + 1, records, slots,
+            snapshot=snapshot_record(hashes[first + n - 1]) if self.states is not None else None,
+            snapshot_bytes=self.states.state_bytes if self.states is not None else 0,
+            payload=dict(key=key, tokens=list(ids[:start + count]), start=start, namespace=namespace, host=host))
+        if job is None and slots is not None:
+            host.free_reserved(slots)
+        if job is None and (self.reading_tokens or host.copying()):
+            return True  # the reads or copies in flight hold the room: waits, undecided, for them to end
         self._remember(key, _Decision(len(ids), matched, reads=reads))
         if job is None:
             return False
         self._jobs += 1
+        self._in_flight[job.job_id] = job
         self._decided[key].job = job
         self._decided[key].reads += 1
         self.loads += 1
@@ -309,6 +332,7 @@ class StorageTier:
             else:
                 decided = None  # the request was decided again since: this read is not its decision
             self.reading_tokens -= len(job.records) * self.page_size
+            del self._in_flight[job.job_id]
             self.store.attaching = job.job_id
             try:
                 got = self._attach(job)
@@ -325,23 +349,27 @@ class StorageTier:
         return added
 
     def _attach(self, job: ReadJob) -> Optional[int]:
-        """Put a finished read's pages (and snapshot) into the host tier: the tokens added, None when
-        there was nothing to put."""
+        """Hang a finished read's pages (and snapshot) into the host tier, where the I/O process put
+        them; the tokens added, None when there was nothing to put. Its slots are given back or taken."""
         p = job.payload
-        if not job.pages_read:
+        host: HostPlace = p["host"]
+        read = job.pages_read * self.page_size
+        slots, unread = job.host_slots[:read], job.host_slots[read:]
+        if len(unread):
+            host.free_reserved(unread)
+        end = p["start"] + read
+        if not read:
             return None
-        end = p["start"] + job.pages_read * self.page_size
-        rows = job.out[:job.pages_read * self.page_bytes]
         if self.states is None:
-            return p["attach"](p["tokens"][:end], p["start"], rows, p["namespace"])
+            return host.attach(p["tokens"][:end], p["start"], slots, p["namespace"])
         if job.snapshot_read and job.pages_read == len(job.records):
-            return self.states.attach(p["attach"], p["tokens"][:end], p["start"], rows, p["namespace"],
-                                      job.snapshot_out)
+            return self.states.attach(host, p["tokens"][:end], p["start"], slots, p["namespace"], job.snapshot_out)
+        host.free_reserved(slots)
         return None  # a page gone: the snapshot after it resumes nobody (the store counted the page)
 
-    def placed(self, host_slots: torch.Tensor, row_offset: int) -> None:
-        """HostKV.attach put the rows of the read being attached from row_offset on into host_slots."""
-        self.store.placed_pages(host_slots, row_offset)
+    def reserved_slots(self) -> list[torch.Tensor]:
+        """The host slots the reads in flight hold (the host store's checks count them)."""
+        return [job.host_slots for job in self._in_flight.values()]
 
     def stats(self) -> dict[str, float]:
         s = self.store.stats

@@ -25,7 +25,7 @@ from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.state_pool import RecurrentStateSpec
 from radixserve.cache.state_snapshots import HostStateSnapshots
 from radixserve.cache.storage_shards import Report, ReportInbox, ShardedStore, StorageReplica
-from radixserve.cache.stores.disk import READ_BUFFER_MAX, DiskStore
+from radixserve.cache.stores.disk import READ_BUFFER_BYTES, DiskStore
 from radixserve.cache.stores.host_kv import HostKV
 from radixserve.cache.stores.host_snapshots import HostSnapshots
 from radixserve.cache.stores.page_files import LocalFileBackend, PageBackend, StoreStamp, other_tp_layouts
@@ -136,12 +136,13 @@ class HostTier:
     snapshots: Optional[HostStateSnapshots]
 
 
-def host_tier(kv_pool: KVPool, tokens: int, snapshot_slots: int = 0) -> HostTier:
+def host_tier(kv_pool: KVPool, tokens: int, snapshot_slots: int = 0, *, shared: bool = False) -> HostTier:
     """A host tier of `tokens` KV slots and `snapshot_slots` state snapshot slots (with a hybrid
     model's snapshot pool, kv_pool.snapshots, to which they attach: kv_pool.snapshots.host), pinned
-    when the device pool is on CUDA."""
+    when the device pool is on CUDA; shared: its KV slots in memory the storage tier's I/O process
+    maps too (it reads pages straight into them)."""
     pinned = kv_pool.k_buffers[0].device.type == "cuda"
-    pool = HostKVPool(tokens, kv_pool, pin=pinned)
+    pool = HostKVPool(tokens, kv_pool, pin=pinned, shared=shared)
     copier = make_copy_engine(kv_pool, pool)
     snapshots = None
     if kv_pool.snapshots is not None and snapshot_slots:  # its copies go on the KV's copy stream
@@ -157,7 +158,7 @@ def make_host_tier(settings: ServerSettings, kv_pool: KVPool, agree: Agree = _al
     slots = 0
     if kv_pool.snapshots is not None:  # the device pool's slots are agreed: the same branch on every rank
         slots = agree(host_snapshot_slots(settings, kv_pool, tokens))
-    return host_tier(kv_pool, tokens, slots)
+    return host_tier(kv_pool, tokens, slots, shared=settings.storage_enabled)
 
 
 # ----------------------------------------------------------------------------------- the cache
@@ -189,6 +190,9 @@ def tree_cache(kv_pool: KVPool, host: Optional[HostTier] = None, *, eviction_pol
 
 
 # ----------------------------------------------------------------------------------- the storage tier
+# A hybrid's state snapshots the reads in flight may hold at once (each read carries one).
+READ_SNAPSHOTS = 4
+
 def make_storage_tier(settings: ServerSettings, cache: OwnedPrefixCache, kv_pool: KVPool, *, model: str,
                       flops_per_token: float, attention_flops_per_pair: float,
                       prefill_flops_per_s: Optional[float] = None,
@@ -215,10 +219,10 @@ def make_storage_tier(settings: ServerSettings, cache: OwnedPrefixCache, kv_pool
     where, backend = _backend(settings, 0)
     if inbox is not None:  # rank 0 of a tensor-parallel engine
         store: DiskStore = ShardedStore(backend, stamp, tp_size=settings.tp_size, inbox=inbox, log=None,
-                                        read_buffer_bytes=_read_buffer_bytes(host.host_pool, kv_pool))
+                                        read_buffer_bytes=_read_buffer_bytes(kv_pool), host_pool=host.host_pool)
     else:
-        store = DiskStore(backend, stamp, synchronous=synchronous,
-                          read_buffer_bytes=_read_buffer_bytes(host.host_pool, kv_pool))
+        store = DiskStore(backend, stamp, synchronous=synchronous, read_buffer_bytes=_read_buffer_bytes(kv_pool),
+                          host_pool=host.host_pool)
     if read_bytes_per_s is None:
         read_bytes_per_s = settings.storage_read_gbps * 1e9 or backend.probe_read_bandwidth(stamp.page_bytes)
     if prefill_flops_per_s is None:
@@ -256,16 +260,16 @@ def make_storage_replica(settings: ServerSettings, kv_pool: KVPool, host: Option
         return None  # a hybrid without snapshots caches nothing (rank 0 builds no tier either)
     stamp = _stamp(settings, kv_pool, host.pool, model, kv_pool.snapshots, rank)
     _, backend = _backend(settings, rank)
-    store = DiskStore(backend, stamp, read_buffer_bytes=_read_buffer_bytes(host.pool, kv_pool))
+    store = DiskStore(backend, stamp, read_buffer_bytes=_read_buffer_bytes(kv_pool), host_pool=host.pool)
     return StorageReplica(store, rank, report, kv_pool, host.pool, host.copier, kv_pool.snapshots)
 
 
-def _read_buffer_bytes(host_pool: HostKVPool, kv_pool: KVPool) -> int:
-    """What the reads in flight may hold together: the host tier's size (where they land: one read
-    may take it all, several in flight half of it), at most READ_BUFFER_MAX, and a hybrid's snapshot
-    beside it. Every rank's the same, so a read buffer with room on rank 0 has room on every rank."""
+def _read_buffer_bytes(kv_pool: KVPool) -> int:
+    """What the reads' state snapshots in flight may hold together (the pages go straight into the
+    host tier): a hybrid's READ_SNAPSHOTS; the rest of the read buffer's default beside them.
+    Every rank's the same, so a read buffer with room on rank 0 has room on every rank."""
     snapshot = kv_pool.snapshots.bytes_per_slot if kv_pool.snapshots is not None else 0
-    return min(host_pool.total_tokens * host_pool.bytes_per_token, READ_BUFFER_MAX) + snapshot
+    return READ_BUFFER_BYTES + READ_SNAPSHOTS * snapshot
 
 
 def _stamp(settings: ServerSettings, kv_pool: KVPool, host_pool: HostKVPool, model: str, snapshots, rank: int

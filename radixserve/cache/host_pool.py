@@ -44,6 +44,7 @@ import torch
 from radixserve.cache.copy_log import CopyKind, CopyLog, CopyOrder
 from radixserve.cache.host_memory import check_host_memory, pin_in_place
 from radixserve.cache.kv_pool import KVPool, PageAllocator
+from radixserve.cache.stores.shared_buffer import SharedBuffer
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
@@ -54,7 +55,7 @@ LOAD_CHUNK_TOKENS = 4096
 class HostKVPool:
     """Host slots in pages of the device pool's page size; page 0 is never handed out."""
 
-    def __init__(self, num_tokens: int, device_pool: KVPool, *, pin: bool):
+    def __init__(self, num_tokens: int, device_pool: KVPool, *, pin: bool, shared: bool = False):
         self.page_size = device_pool.page_size
         num_pages = num_tokens // self.page_size
         self.num_layers = len(device_pool.k_buffers)
@@ -65,7 +66,14 @@ class HostKVPool:
         check_host_memory(num_slots * self.bytes_per_token + 8 * num_pages,
                           f"the host tier ({num_tokens} tokens of {self.bytes_per_token} bytes)")
         self.allocator = PageAllocator(num_pages, self.page_size)
-        self.buffer = torch.empty((num_slots, self.num_layers, 2, self.row_bytes), dtype=torch.uint8)
+        shape = (num_slots, self.num_layers, 2, self.row_bytes)
+        # shared: in memory the storage tier's I/O process maps too, which reads pages straight into it.
+        self.shared_buffer = SharedBuffer(num_slots * self.bytes_per_token, "radixserve-host-tier") if shared else None
+        if self.shared_buffer is not None:
+            self.buffer = torch.frombuffer(self.shared_buffer.map, dtype=torch.uint8,
+                                           count=num_slots * self.bytes_per_token).view(shape)
+        else:
+            self.buffer = torch.empty(shape, dtype=torch.uint8)
         self.pinned = pin and pin_in_place(self, self.buffer, "the host tier")
 
     @staticmethod

@@ -92,7 +92,7 @@ class ShardedStore(DiskStore):
 
     def __init__(self, backend: PageBackend, stamp: StoreStamp, *, tp_size: int, inbox: ReportInbox,
                  log: Optional[CopyLog], max_pending_bytes: int = 1 << 30, keys_wait_s: float = KEYS_WAIT_S,
-                 read_buffer_bytes: int = READ_BUFFER_BYTES):
+                 read_buffer_bytes: int = READ_BUFFER_BYTES, host_pool: Optional[HostKVPool] = None):
         self.tp_size = tp_size
         self.inbox = inbox
         self._log: Optional[CopyLog] = None
@@ -109,7 +109,7 @@ class ShardedStore(DiskStore):
         # A shared backend's namespace of each other rank (None until the ranks said theirs).
         self._namespaces: Optional[dict[int, str]] = None
         super().__init__(backend, stamp, max_pending_bytes=max_pending_bytes, read_buffer_bytes=read_buffer_bytes,
-                         on_event=self._own_event)
+                         host_pool=host_pool, on_event=self._own_event)
         self._agree_on_found(keys_wait_s)
 
     # ------------------------------------------------------------------ start-up
@@ -255,7 +255,7 @@ class ShardedStore(DiskStore):
 
     # ------------------------------------------------------------------ reads
     def read(self, job: ReadJob) -> None:
-        self.log.record(CopyKind.STORAGE_READ, slot_array(()), slot_array(()), job.job_id,
+        self.log.record(CopyKind.STORAGE_READ, slot_array(()), _slots(job.host_slots), job.job_id,
                         (job.records, job.snapshot))
         self._read_reports[job.job_id] = {}
         super().read(job)
@@ -276,10 +276,6 @@ class ShardedStore(DiskStore):
             del self._own_reads[job_id], self._read_reports[job_id]
             done.append(job)
         return done
-
-    def placed_pages(self, host_slots: torch.Tensor, row_offset: int) -> None:
-        assert self.attaching is not None
-        self.log.record(CopyKind.STORAGE_ATTACH, slot_array([row_offset]), _slots(host_slots), self.attaching)
 
     def placed_state(self, host_slot: int) -> None:
         assert self.attaching is not None
@@ -353,19 +349,15 @@ class StorageReplica:
         elif kind is CopyKind.STORAGE_READ:
             records, snapshot = order.payload
             assert snapshot is None or self.snapshots is not None, "rank 0 sent a snapshot read to a rank without snapshots"
-            job = self.store.new_read(order.seq, records, snapshot=snapshot,
+            self.copier.drain()  # a load of this rank's may still read the slots' old bytes
+            job = self.store.new_read(order.seq, records, torch.frombuffer(order.dst, dtype=torch.int64),
+                                      snapshot=snapshot,
                                       snapshot_bytes=self.snapshots.bytes_per_slot if snapshot is not None else 0)
             if job is None:  # rank 0's read buffer had room, this rank's not: this rank reads nothing
                 self.report(("read", self.rank, order.seq, 0, False))
                 return
             self._jobs[order.seq] = job
             self.store.read(job)
-        elif kind is CopyKind.STORAGE_ATTACH:
-            job = self._done_job(order.seq)
-            self.copier.drain()  # a load of this rank's may still read the slots' old bytes
-            rows = job.out.view(-1, *self.host_pool.buffer.shape[1:])
-            offset, slots = order.src[0], torch.frombuffer(order.dst, dtype=torch.int64)
-            self.host_pool.buffer[slots] = rows[offset:offset + len(slots)]
         elif kind is CopyKind.STORAGE_ATTACH_STATE:
             job = self._done_job(order.seq)
             host = self._host_states()

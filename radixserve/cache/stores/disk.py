@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.stores.io_process import IOProcess
 from radixserve.cache.stores.page_files import PageBackend, PageRecord, StoreStamp
 from radixserve.cache.stores.page_io import Event, PageIO
@@ -42,10 +43,10 @@ from radixserve.cache.stores.shared_buffer import ALIGN, Regions
 
 logger = logging.getLogger("radixserve")
 
-# The read buffer's size unless the owner gives one (the factory: the host tier's size, at most
-# READ_BUFFER_MAX): what all reads in flight together may hold. Its memory is taken at start-up.
+# The read buffer's size unless the owner gives one: what the reads in flight hold beside the pages
+# they read into the host tier (a hybrid's snapshots; a caller's own buffers, through it). Its
+# memory is taken at start-up.
 READ_BUFFER_BYTES = 64 << 20
-READ_BUFFER_MAX = 4 << 30
 
 
 @dataclass
@@ -65,10 +66,13 @@ class StoreStats:
 
 @dataclass
 class ReadJob:
-    """A run of consecutive pages to read into `out` (page i at i * page_bytes)."""
+    """A run of consecutive pages to read: into host tier slots (`host_slots`: page_size of them a
+    page, each page's consecutive), where the I/O process puts them directly, or into a buffer of
+    the caller's own (`out`, page i at i * page_bytes)."""
     job_id: int
     records: list[PageRecord]
-    out: torch.Tensor  # uint8, len(records) * page_bytes
+    out: Optional[torch.Tensor] = None
+    host_slots: Optional[torch.Tensor] = None
     pages_read: int = 0  # set when done: the leading pages that were read and checked
     done: bool = False
     payload: dict = field(default_factory=dict)  # the caller's (what to do with the pages)
@@ -87,15 +91,18 @@ StoreEvent = Callable[[str, Any, Any], None]
 @dataclass
 class _Reading:
     job: ReadJob
-    lent: list[int]  # read-buffer offsets the job's own buffers are (given back by release)
-    copies: list[tuple[int, torch.Tensor]]  # (offset, the caller's tensor): filled from there when done
+    lent: list[int] = field(default_factory=list)  # read-buffer offsets lent to the job (back at release)
+    # (offset, the caller's tensor, bytes per page or 0 for a snapshot): filled from there when done
+    copies: list[tuple[int, torch.Tensor, int]] = field(default_factory=list)
 
 
 class DiskStore:
     def __init__(self, backend: PageBackend, stamp: StoreStamp, *, synchronous: bool = False,
                  max_pending_bytes: int = 1 << 30, read_buffer_bytes: int = READ_BUFFER_BYTES,
-                 on_event: Optional[StoreEvent] = None):
+                 host_pool: Optional[HostKVPool] = None, on_event: Optional[StoreEvent] = None):
         self.backend = backend
+        # The host tier's pool, whose slots reads go straight into (shared with the I/O process).
+        self.host_pool = host_pool
         self.on_event = on_event
         # The read job whose pages the tier is putting into the host tier (tensor parallelism: the
         # other ranks put theirs into the same slots).
@@ -120,16 +127,17 @@ class DiskStore:
             keys, self.namespace, self.used_bytes = self._inline.open(stamp)
             self.read_buffer_bytes = 1 << 62
         else:
+            host_buffer = host_pool.shared_buffer if host_pool is not None else None
+            assert host_pool is None or host_buffer is not None, "the host pool is not shared with the I/O process"
             self._process = IOProcess(backend, stamp, write_bytes=self.max_pending_bytes,
-                                      read_bytes=max(read_buffer_bytes, self.page_bytes) + 2 * ALIGN,
-                                      on_events=self._on_events, on_exit=self._io_ended)
+                                      read_bytes=max(read_buffer_bytes, self.page_bytes) + ALIGN,
+                                      host_buffer=host_buffer, on_events=self._on_events, on_exit=self._io_ended)
             keys, self.namespace, self.used_bytes = self._process.keys, self._process.namespace, self._process.used_bytes
             self._write_view = torch.frombuffer(self._process.write_buffer.map, dtype=torch.uint8)
             self._read_view = torch.frombuffer(self._process.read_buffer.map, dtype=torch.uint8)
             self._write_regions = Regions(self._process.write_buffer.nbytes)
             self._read_regions = Regions(self._process.read_buffer.nbytes)
-            # What one read (pages and a snapshot, each rounded up to ALIGN) may take.
-            self.read_buffer_bytes = self._read_regions.capacity - 2 * ALIGN
+            self.read_buffer_bytes = self._read_regions.capacity - ALIGN  # what one buffer may take
         # Every key on the backend or queued for it; the events remove what the I/O process drops.
         self._keys: set[int] = set(keys)
         self.restored_pages = len(self._keys)
@@ -151,9 +159,6 @@ class DiskStore:
             return "stored" if key in self._keys else "absent"
 
     # Tensor parallelism's hooks (storage_shards.ShardedStore records them for the other ranks).
-    def placed_pages(self, host_slots: torch.Tensor, row_offset: int) -> None:
-        """The tier put the pages of read job `attaching` from row row_offset on into host_slots."""
-
     def placed_state(self, host_slot: int) -> None:
         """The tier put read job `attaching`'s snapshot into host snapshot slot host_slot."""
 
@@ -196,61 +201,73 @@ class DiskStore:
         self._submit(("put", record, handle, size))
         return True
 
-    def new_read(self, job_id: int, records: list[PageRecord], *, snapshot: Optional[PageRecord] = None,
-                 snapshot_bytes: int = 0, payload: Optional[dict] = None) -> Optional[ReadJob]:
-        """A read of records (and snapshot) into buffers of the read buffer, given back by `release`
-        (None: no room for it now, the reads in flight hold the buffer)."""
-        nbytes = len(records) * self.page_bytes
-        if self._read_regions is None:
-            out = torch.empty(nbytes, dtype=torch.uint8)
-            state = torch.empty(snapshot_bytes, dtype=torch.uint8) if snapshot is not None else None
-        else:
-            with self._lock:
-                at = self._read_regions.alloc(nbytes)
-                state_at = self._read_regions.alloc(snapshot_bytes) if snapshot is not None and at is not None else 0
-                if at is None or state_at is None:
-                    if at is not None:
-                        self._read_regions.free(at)
+    def new_read(self, job_id: int, records: list[PageRecord], host_slots: torch.Tensor, *,
+                 snapshot: Optional[PageRecord] = None, snapshot_bytes: int = 0,
+                 payload: Optional[dict] = None) -> Optional[ReadJob]:
+        """A read of records into host_slots (and of snapshot into a buffer of the read buffer,
+        given back by `release`; None: no room for it now, the reads in flight hold it)."""
+        state = None
+        if snapshot is not None:
+            if self._read_regions is None:
+                state = torch.empty(snapshot_bytes, dtype=torch.uint8)
+            else:
+                with self._lock:
+                    at = self._read_regions.alloc(snapshot_bytes)
+                if at is None:
                     return None
-            out = self._read_view[at:at + nbytes]
-            state = self._read_view[state_at:state_at + snapshot_bytes] if snapshot is not None else None
-        return ReadJob(job_id, records, out, payload=payload or {}, snapshot=snapshot, snapshot_out=state)
+                state = self._read_view[at:at + snapshot_bytes]
+        return ReadJob(job_id, records, host_slots=host_slots, payload=payload or {}, snapshot=snapshot,
+                       snapshot_out=state)
 
     def read(self, job: ReadJob) -> None:
-        """Read job's pages (its buffers from `new_read`, or the caller's own: those are filled from
-        the read buffer once done)."""
-        if self._process is None:
-            self._reads[job.job_id] = _Reading(job, [], [])
-            out = memoryview(job.out.numpy()).cast("B")
-            state = memoryview(job.snapshot_out.numpy()).cast("B") if job.snapshot is not None else None
-            self._inline.command(("read", job.job_id, job.records, out, job.snapshot, state,
-                                  state.nbytes if state is not None else 0))
-            return
-        buffers = [job.out] + ([job.snapshot_out] if job.snapshot is not None else [])
-        reading = _Reading(job, [], [])
-        offsets = []
+        """Read job's pages (into its host slots, or its `out`: through the read buffer) and snapshot."""
+        reading = _Reading(job)
         with self._lock:
-            for tensor in buffers:
-                at = self._offset_of(tensor)
-                if at is not None:
-                    reading.lent.append(at)
-                else:
-                    at = self._read_regions.alloc(tensor.numel())
-                    if at is not None:
-                        reading.copies.append((at, tensor))
-                offsets.append(at)
+            pages = self._page_handles(job, reading)
+            state = None
+            if job.snapshot is not None:
+                state = self._handle(job.snapshot_out, reading, 0)
             self._reads[job.job_id] = reading
-        sent = None not in offsets and not self._failed and self._submit(
-            ("read", job.job_id, job.records, ("r", offsets[0]), job.snapshot,
-             ("r", offsets[1]) if job.snapshot is not None else None,
-             job.snapshot_out.numel() if job.snapshot is not None else 0))
-        if not sent:  # no room for a buffer of the caller's, or no I/O process: nothing read
+        sent = pages is not None and (job.snapshot is None or state is not None) and not self._failed \
+            and self._submit(("read", job.job_id, job.records, pages, job.snapshot, state,
+                              job.snapshot_out.numel() if job.snapshot is not None else 0))
+        if not sent:  # no room in the read buffer for a buffer of the caller's, or no I/O process
             self._on_events([("read", job.job_id, 0, False)])
 
-    def _offset_of(self, tensor: torch.Tensor) -> Optional[int]:
-        """Where tensor starts in the read buffer when it is a buffer `new_read` lent (else None)."""
+    def _page_handles(self, job: ReadJob, reading: _Reading) -> Optional[list]:
+        """Where each page of job goes, as the I/O side names it (None: no room)."""
+        n, pb = len(job.records), self.page_bytes
+        if job.host_slots is None:
+            whole = self._handle(job.out[:n * pb], reading, pb)
+            if whole is None:
+                return None
+            if self._process is None:
+                return [whole[i * pb:(i + 1) * pb] for i in range(n)]
+            return [("r", whole[1] + i * pb) for i in range(n)]
+        ps = self.stamp.page_size
+        pages = job.host_slots.view(n, ps)
+        firsts = pages[:, 0]
+        assert torch.equal(pages - firsts[:, None], torch.arange(ps).expand(n, ps)), "a page's host slots are not consecutive"
+        at = [first * self.host_pool.bytes_per_token for first in firsts.tolist()]
+        if self._process is None:
+            host = memoryview(self.host_pool.buffer.view(-1).numpy()).cast("B")
+            return [host[a:a + pb] for a in at]
+        return [("h", a) for a in at]
+
+    def _handle(self, tensor: torch.Tensor, reading: _Reading, page_bytes: int) -> Any:
+        """A buffer's name for the I/O side: the memory itself in this process; else its place in
+        the read buffer (lent by new_read, or taken now and copied into tensor when done; None: no room)."""
+        if self._process is None:
+            return memoryview(tensor.numpy()).cast("B")
         at = tensor.data_ptr() - self._read_view.data_ptr()
-        return at if 0 <= at < self._read_view.numel() and at in self._read_regions else None
+        if 0 <= at < self._read_view.numel() and at in self._read_regions:
+            reading.lent.append(at)
+            return ("r", at)
+        at = self._read_regions.alloc(tensor.numel())
+        if at is None:
+            return None
+        reading.copies.append((at, tensor, page_bytes))
+        return ("r", at)
 
     def release(self, job: ReadJob) -> None:
         """The tier is done with a finished read: its buffers go back to the read buffer."""
@@ -356,8 +373,8 @@ class DiskStore:
             if reading is None:
                 return
             job = reading.job
-            for at, tensor in reading.copies:
-                n = tensor.numel() if tensor is job.snapshot_out else pages * self.page_bytes
+            for at, tensor, page_bytes in reading.copies:
+                n = pages * page_bytes if page_bytes else tensor.numel()
                 tensor[:n] = self._read_view[at:at + n]
                 self._read_regions.free(at)
             reading.copies = []

@@ -157,7 +157,7 @@ class HostKV:
         cache's `load` (it stops at the deepest position a resume can use)."""
         record = waiter.admission_record
         if self.storage is not None and self.storage.fetch(waiter.rid, waiter.match_target, waiter.peek_len,
-                                                           waiter.cache_namespace, self.attach):
+                                                           waiter.cache_namespace, self):
             return Verdict.WAITS, 0  # more of its prefix is being read from the storage tier into this one
         peek_len = waiter.peek_len
         host, in_flight = self.host_part(peek_len, waiter.peek_node)
@@ -326,25 +326,37 @@ class HostKV:
             self._stored_on_host(leaf)
             self._copy_out([leaf], [leaf.value])
 
-    def attach(self, tokens: Sequence[int], start: int, rows: torch.Tensor, namespace: Optional[str]) -> int:
-        """Put tokens[start:] (whole pages; rows: their KV in the host pool's layout, read from the
-        storage tier) into the tree as a host-only leaf under the cached path of tokens[:start];
-        the tokens added (0: that path is no longer cached, or the host pool has no room)."""
+    # ------------------------------------------------------------------ the storage tier's reads
+    def reserve_slots(self, tokens: int) -> Optional[torch.Tensor]:
+        """Host slots for a storage read of tokens (whole pages), making room as for a host copy;
+        None: no room. They are the read's until `attach` takes them or `free_reserved` gives them back."""
+        return self._host_slots(tokens)
+
+    def copying(self) -> bool:
+        """Copies between the tiers are in flight: the host copies they use may go once they are done."""
+        return self.copier.issued_seq > self.copier.done_seq
+
+    def free_reserved(self, slots: torch.Tensor) -> None:
+        if len(slots):
+            self.host_allocator.free_slots(slots)
+
+    def attach(self, tokens: Sequence[int], start: int, slots: torch.Tensor, namespace: Optional[str]) -> int:
+        """Hang tokens[start:] (whole pages, read from the storage tier into the reserved host slots
+        `slots`) into the tree as a host-only leaf under the cached path of tokens[:start]; the
+        tokens added (0: that path is no longer cached). Takes the slots: those it does not use
+        (all of them, or the part the tree meanwhile holds) are freed."""
         tree = self.tree
         top = tree.namespace_root(namespace, create=True)
         node, pos = top, 0
         for child, n, child_pos in tree.walk(tokens, namespace):
             node, pos = (child if n == len(child.key) else tree.split(child, n)), child_pos + n
         need = len(tokens) - pos
-        host = self._host_slots(need) if start <= pos < len(tokens) else None
-        if host is None or node.removed:  # node, a host-only leaf, may have gone for room
-            if host is not None:
-                self.host_allocator.free_slots(host)
+        if not start <= pos < len(tokens) or node.removed:  # node, a host-only leaf, may have gone for room
+            self.free_reserved(slots)
             tree.drop_namespace_if_empty(top)
             return 0
-        self.host_pool.buffer[host] = rows.view(-1, *self.host_pool.buffer.shape[1:])[pos - start:]
-        if self.storage is not None:
-            self.storage.placed(host, pos - start)  # the other tensor-parallel ranks put theirs there too
+        self.free_reserved(slots[:pos - start])
+        host = slots[pos - start:]
         leaf = tree.new_node(list(tokens[pos:]), None, node, tree.next_tick())
         leaf.host = HostCopy(host)
         node.children[tree.child_key(tokens, pos)] = leaf
@@ -445,6 +457,9 @@ class HostKV:
         held = sum(len(s) for s in host_slots)
         assert held == self.host_size, f"host counter {self.host_size} != {held}"
         free = self.host_allocator.free_tokens
-        assert free + (held - busy) + busy == total, (
-            f"host: free {free} + evictable {held - busy} + busy {busy} != {total}")
-        check_slot_ownership(host_slots + [self.host_allocator.free_slot_tensor()], total, self.page_size, "host")
+        reading = self.storage.reserved_slots() if self.storage is not None else []  # storage reads in flight
+        read = sum(len(s) for s in reading)
+        assert free + (held - busy) + busy + read == total, (
+            f"host: free {free} + evictable {held - busy} + busy {busy} + storage reads {read} != {total}")
+        check_slot_ownership(host_slots + reading + [self.host_allocator.free_slot_tensor()], total, self.page_size,
+                             "host")

@@ -1,8 +1,9 @@
 """The storage tier's I/O process: `PageIO` in a process of its own, beside the engine's.
 
-The engine process starts it (`IOProcess`) with a socket pair and two shared buffers
-(shared_buffer.py): pages to write, copied there by the engine, and pages read, which the tier
-attaches from there. Over the socket go small pickled messages only: commands one way, batches of
+The engine process starts it (`IOProcess`) with a socket pair and three shared buffers
+(shared_buffer.py): pages to write, copied there by the engine; the host tier's KV slots, which
+pages are read straight into; and a read buffer for the rest (a hybrid's state snapshots, and
+buffers of a caller's own). Over the socket go small pickled messages only: commands one way, batches of
 events the other (page_io.py). A thread of the engine process waits on the socket and hands the
 events to the store; it takes the interpreter lock once per batch, where reading a page in the
 engine's process took it several times per page.
@@ -41,18 +42,20 @@ class IOProcess:
     process ended without being closed."""
 
     def __init__(self, backend: PageBackend, stamp: StoreStamp, *, write_bytes: int, read_bytes: int,
-                 on_events: Callable[[list[Event]], None], on_exit: Callable[[str], None]):
+                 host_buffer: Optional[SharedBuffer], on_events: Callable[[list[Event]], None],
+                 on_exit: Callable[[str], None]):
         self.on_events = on_events
         self.on_exit = on_exit
         self.write_buffer = SharedBuffer(write_bytes, "radixserve-storage-writes")
         self.read_buffer = SharedBuffer(read_bytes, "radixserve-storage-reads", populate=True)
         ours, theirs = socket.socketpair()
-        fds = (theirs.fileno(), self.write_buffer.fd, self.read_buffer.fd)
+        fds = (theirs.fileno(), self.write_buffer.fd, self.read_buffer.fd) + ((host_buffer.fd,) if host_buffer else ())
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[3])  # the directory holding the radixserve package
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         args = [str(theirs.fileno()), str(self.write_buffer.fd), str(self.write_buffer.nbytes),
-                str(self.read_buffer.fd), str(self.read_buffer.nbytes)]
+                str(self.read_buffer.fd), str(self.read_buffer.nbytes),
+                str(host_buffer.fd if host_buffer else -1), str(host_buffer.nbytes if host_buffer else 0)]
         self.process = subprocess.Popen([sys.executable, "-m", "radixserve.cache.stores.io_process", *args],
                                         pass_fds=fds, env=env, stdin=subprocess.DEVNULL)
         theirs.close()
@@ -119,9 +122,12 @@ class IOProcess:
 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sock_fd, write_fd, write_bytes, read_fd, read_bytes = (int(a) for a in argv)
+    sock_fd, write_fd, write_bytes, read_fd, read_bytes, host_fd, host_bytes = (int(a) for a in argv)
     conn = Connection(sock_fd)
     buffers = {"w": SharedBuffer.attach(write_fd, write_bytes), "r": SharedBuffer.attach(read_fd, read_bytes, populate=True)}
+    if host_fd >= 0:
+        buffers["h"] = SharedBuffer.attach(host_fd, host_bytes)
+        buffers["h"].populate_in_background()
     send_lock = threading.Lock()
 
     def send(events: list[Event]) -> None:

@@ -79,8 +79,8 @@ class PageIO:
     # ------------------------------------------------------------------ commands
     def command(self, cmd: tuple) -> None:
         """One command from the store: ("put", record, handle, size), ("read", job_id, records,
-        handle, snapshot, snapshot_handle, snapshot_size), ("remove", keys), ("watch", namespaces),
-        ("close",)."""
+        page handles (one a record), snapshot, snapshot_handle, snapshot_size), ("remove", keys),
+        ("watch", namespaces), ("close",)."""
         what = cmd[0]
         if not self.threaded:
             if what == "put":
@@ -188,15 +188,13 @@ class PageIO:
 
     # ------------------------------------------------------------------ reads
     def _do_read(self, job: tuple) -> None:
-        job_id, records, handle, snapshot, snapshot_handle, snapshot_size = job
+        job_id, records, pages, snapshot, snapshot_handle, snapshot_size = job
         snapshot_read = False
         if snapshot is not None:
             snapshot_read = self._read_one(snapshot, self.buffer(snapshot_handle, snapshot_size))
             if not snapshot_read:
                 records = []  # without it the pages resume nobody
-        page_bytes = self.page_bytes
-        whole = self.buffer(handle, len(records) * page_bytes) if records else memoryview(b"")
-        views = [whole[i * page_bytes:(i + 1) * page_bytes] for i in range(len(records))]
+        views = [self.buffer(handle, self.page_bytes) for handle in pages[:len(records)]]
         if self._readers is not None and len(records) > 1:
             failures = list(self._readers.map(self._fetch_one, records, views))
         else:  # one page, or no reader threads: pages after a gap need not be read

@@ -12,9 +12,11 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
+import threading
 from typing import Optional
 
 ALIGN = 4096  # regions start on a memory page: copies into them run at full speed
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14 (Python names it from 3.13 on)
 
 
 class SharedBuffer:
@@ -33,6 +35,22 @@ class SharedBuffer:
     def attach(cls, fd: int, nbytes: int, *, populate: bool = False) -> "SharedBuffer":
         """The other process's mapping of a buffer whose descriptor it was given."""
         return cls(nbytes, "", fd=fd, populate=populate)
+
+    def populate_in_background(self) -> None:
+        """Map all of it into this process on a thread of its own, so a first read into a part
+        pays no page faults then (a 16k-token prefix of a 7B model: 230,000 of them)."""
+        threading.Thread(target=self._populate, name="populate", daemon=True).start()
+
+    def _populate(self) -> None:
+        step = 64 << 20  # a call at a time: each holds the interpreter lock
+        for start in range(0, self.nbytes, step):
+            try:
+                self.map.madvise(MADV_POPULATE_WRITE, start, min(step, self.nbytes - start))
+            except (OSError, ValueError):  # an older kernel: read a byte of each memory page (never
+                view = memoryview(self.map)  # write one: the engine may be writing there)
+                for at in range(start, self.nbytes, mmap.PAGESIZE):
+                    view[at]
+                return
 
     def view(self, offset: int, size: int) -> memoryview:
         return memoryview(self.map)[offset:offset + size]
