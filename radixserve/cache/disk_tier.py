@@ -231,10 +231,17 @@ class StorageTier:
     def _write(self, node: TreeNode, parent: Optional[int], hashes: list[int], todo: list[int],
                rows_of: Callable[[torch.Tensor], torch.Tensor], source: tuple[str, torch.Tensor], *,
                wait: bool = False) -> None:
-        """Queue pages `todo` of node, their KV copied by rows_of(slots) out of `source`'s slots."""
+        """Queue pages `todo` of node, their KV copied by rows_of(slots) out of `source`'s slots (a
+        host page's slots are consecutive: its bytes are read where they lie, the store's copy into
+        its write buffer the one copy made)."""
         ps = self.page_size
         where, slots = source
-        rows = rows_of(slots.view(len(hashes), ps)[todo].reshape(-1)).reshape(len(todo), self.page_bytes)
+        pages = slots.view(len(hashes), ps)
+        if where == "host" and torch.equal(pages - pages[:, :1], torch.arange(ps).expand_as(pages)):
+            firsts = pages[todo, 0].tolist()
+            rows = [self.host_pool.buffer[first:first + ps].view(-1) for first in firsts]
+        else:
+            rows = list(rows_of(pages[todo].reshape(-1)).reshape(len(todo), self.page_bytes))
         for n, i in enumerate(todo):
             prev = parent if i == 0 else hashes[i - 1]
             self.store.write(PageRecord(hashes[i], prev, node.key[i * ps:(i + 1) * ps]), rows[n], wait=wait,
