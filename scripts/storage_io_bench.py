@@ -69,6 +69,8 @@ def main() -> None:
                    for i in range(args.pages)]
         for record in records:
             store.write(record, torch.randint(0, 256, (page_bytes,), dtype=torch.uint8), wait=True)
+        if hasattr(store, "flush"):
+            store.flush()
         while store.pending_bytes:
             time.sleep(0.01)
         for busy in (False, True):

@@ -500,6 +500,7 @@ def test_a_read_takes_its_pages_in_parallel_and_ends_at_the_first_gap(tmp_path):
     try:
         for record, page in zip(records, pages):
             store.write(record, page.clone(), wait=True)
+        store.flush()
         deadline = time.monotonic() + 30
         while store.pending_bytes and time.monotonic() < deadline:
             time.sleep(0.01)

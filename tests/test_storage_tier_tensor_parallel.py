@@ -239,6 +239,7 @@ def test_rank_0_counts_a_page_once_every_rank_wrote_it_in_the_same_round(tmp_pat
         records = [PageRecord(k, None, [k, k]) for k in (1, 2, 6)]
         for r in records:
             assert store.write(r, torch.full((16,), r.key, dtype=torch.uint8), source=("host", torch.arange(2)))
+        store.flush()
         orders = store.log.take()
         assert [(o.kind, o.payload[0].key) for o in orders] == [(CopyKind.STORE_HOST_PAGE, k) for k in (1, 2, 6)]
         rounds = {o.payload[0].key: o.seq for o in orders}
@@ -250,6 +251,7 @@ def test_rank_0_counts_a_page_once_every_rank_wrote_it_in_the_same_round(tmp_pat
         assert store.has(1) and not store.has(2) and not store.has(6)
         assert 2 not in store  # dropped: a later save writes it again
         assert store.write(records[1], torch.zeros(16, dtype=torch.uint8), source=("host", torch.arange(2)))
+        store.flush()
         again = store.log.take()[0]
         assert again.seq > rounds[2]
         inbox.queue += [("written", 1, 2, again.seq, True), ("lost", 1, 1, rounds[1], "evicted")]

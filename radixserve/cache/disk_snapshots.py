@@ -99,6 +99,7 @@ class DiskSnapshots:
             return
         if self.store.write(snapshot_record(page_hash), data, wait=wait, source=source):
             self.written += 1
+        self.store.flush()
 
     def _host_evicts(self, node: TreeNode) -> None:
         if node.key and len(node.key) % self.page_size == 0:

@@ -218,6 +218,7 @@ class StorageTier:
             self._write(node, parent, hashes, todo, lambda slots: self.host_pool.buffer[slots], ("host", host_slots))
         if self.states is not None and first < len(hashes):
             self.states.save(node, hashes[-1])
+        self.store.flush()  # the slots are reused once this returns
 
     def _pages_to_write(self, node: TreeNode, hashes: list[int]) -> tuple[int, list[int]]:
         """(the first of node's pages that starts where a load may pay (`first_saved_position`),
@@ -424,6 +425,7 @@ class StorageTier:
                 rows_of, source = (lambda slots: device_rows(kv_pool, slots)), ("device", node.value)
             self._write(node, parent, hashes, todo, rows_of, source, wait=True)
             queued += len(todo)
+        self.store.flush()
         return queued
 
     def close(self, cache=None, kv_pool=None) -> None:

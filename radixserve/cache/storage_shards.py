@@ -414,6 +414,7 @@ class StorageReplica:
         elif status == "absent" and not self.store.write(record, data, wait=wait):
             self._latest.pop(key, None)
             self.report(("written", self.rank, key, wseq, False))  # the write queue was full
+        self.store.flush()
 
     def close(self) -> None:
         self.store.close()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -47,6 +48,8 @@ logger = logging.getLogger("radixserve")
 # they read into the host tier (a hybrid's snapshots; a caller's own buffers, through it). Its
 # memory is taken at start-up.
 READ_BUFFER_BYTES = 64 << 20
+# Pages copied into the write buffer at once (torch's copies let go of the interpreter lock).
+COPY_THREADS = 4
 
 
 @dataclass
@@ -121,6 +124,8 @@ class DiskStore:
         self._failed = False  # the I/O process ended by itself: nothing is read or written any more
         self._process: Optional[IOProcess] = None
         self._inline: Optional[PageIO] = None
+        self._unsent: list[tuple[PageRecord, torch.Tensor, int, int]] = []  # written, not yet copied and sent
+        self._copiers: Optional[ThreadPoolExecutor] = None
         self._write_regions = self._read_regions = None
         if synchronous:
             self._inline = PageIO(backend, self._on_events, lambda handle, nbytes: handle, threaded=False)
@@ -136,6 +141,7 @@ class DiskStore:
             self._write_view = torch.frombuffer(self._process.write_buffer.map, dtype=torch.uint8)
             self._read_view = torch.frombuffer(self._process.read_buffer.map, dtype=torch.uint8)
             self._write_regions = Regions(self._process.write_buffer.nbytes)
+            self._copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="storage-copy")
             self._read_regions = Regions(self._process.read_buffer.nbytes)
             self.read_buffer_bytes = self._read_regions.capacity - ALIGN  # what one buffer may take
         # Every key on the backend or queued for it; the events remove what the I/O process drops.
@@ -172,34 +178,55 @@ class DiskStore:
     def write(self, record: PageRecord, payload: torch.Tensor, *, wait: bool = False,
               source: Optional[tuple[str, Any]] = None) -> bool:
         """Queue a page (uint8, page_bytes; a snapshot record: its state's bytes); False: not kept.
-        wait: for room in a full write buffer (at shutdown) instead of dropping the page. source:
-        where the bytes came from ("host" or "device" KV slots, "host_state" or "device_state" a
-        snapshot slot), for the other tensor-parallel ranks to copy theirs."""
+        Its bytes are copied at the next `flush`, which the caller makes before payload's memory
+        is reused. wait: for room in a full write buffer (at shutdown) instead of dropping the
+        page. source: where the bytes came from ("host" or "device" KV slots, "host_state" or
+        "device_state" a snapshot slot), for the other tensor-parallel ranks to copy theirs."""
         size = payload.numel()
-        offset = None
         with self._lock:
             if record.key in self._keys:
                 return True
             if self._failed:
                 return False
-            if self._write_regions is not None:
-                offset = self._write_regions.alloc(size)
-                while offset is None and wait and self._writes and not self._failed:
-                    self._lock.wait(0.1)
+            offset = self._write_regions.alloc(size) if self._write_regions is not None else None
+        if offset is None and self._write_regions is not None:
+            if wait:
+                self.flush()  # what is queued must be sent to make room
+                with self._lock:
                     offset = self._write_regions.alloc(size)
-                if offset is None:
-                    self.stats.write_drops_queue += 1
-                    return False
+                    while offset is None and self._writes and not self._failed:
+                        self._lock.wait(0.1)
+                        offset = self._write_regions.alloc(size)
+            if offset is None:
+                self.stats.write_drops_queue += 1
+                return False
+        with self._lock:
             self._keys.add(record.key)
             self._writes[record.key] = (offset, size)
             self.pending_bytes += size
-        if offset is None:
-            handle: Any = memoryview(payload.contiguous().numpy()).cast("B")
+        if offset is None:  # in this process: written at once
+            self._submit(("put", record, memoryview(payload.contiguous().numpy()).cast("B"), size))
         else:
-            self._write_view[offset:offset + size].copy_(payload.reshape(-1))
-            handle = ("w", offset)
-        self._submit(("put", record, handle, size))
+            self._unsent.append((record, payload, offset, size))
         return True
+
+    def flush(self) -> None:
+        """Copy the pages queued since the last flush into the write buffer, COPY_THREADS at once
+        (the engine waits for these copies: its torch runs one thread), and hand them to the I/O
+        process."""
+        unsent, self._unsent = self._unsent, []
+        if not unsent:
+            return
+
+        def copy(item: tuple) -> None:
+            _, payload, offset, size = item
+            self._write_view[offset:offset + size].copy_(payload.reshape(-1))
+
+        if len(unsent) > 1:
+            list(self._copiers.map(copy, unsent))
+        else:
+            copy(unsent[0])
+        self._submit(("put_many", [(record, ("w", offset), size) for record, _, offset, size in unsent]))
 
     def new_read(self, job_id: int, records: list[PageRecord], host_slots: torch.Tensor, *,
                  snapshot: Optional[PageRecord] = None, snapshot_bytes: int = 0,
@@ -221,6 +248,7 @@ class DiskStore:
 
     def read(self, job: ReadJob) -> None:
         """Read job's pages (into its host slots, or its `out`: through the read buffer) and snapshot."""
+        self.flush()  # a page read may still be queued for writing: it is read from the queue
         reading = _Reading(job)
         with self._lock:
             pages = self._page_handles(job, reading)
@@ -280,6 +308,7 @@ class DiskStore:
     def discard(self, keys: list[int]) -> int:
         """Delete these pages from the backend (not counted as lost: nobody counted them); how many
         of them this store held. A page queued for writing is kept."""
+        self.flush()
         with self._lock:
             held = [key for key in keys if key in self._keys and key not in self._writes]
             self._keys.difference_update(held)
@@ -300,9 +329,11 @@ class DiskStore:
         """Finish the queued writes, save the index and let go of the directory (once)."""
         if self._closed:
             return
+        self.flush()
         self._closed = True
         if self._process is not None:
             self._process.close()
+            self._copiers.shutdown()
         else:
             self._inline.command(("close",))
 
@@ -397,6 +428,7 @@ class DiskStore:
             for offset, _ in self._writes.values():
                 self._write_regions.free(offset)
             self._writes.clear()
+            self._unsent = []
             self.pending_bytes = 0
             waiting = [job_id for job_id, reading in self._reads.items() if not reading.job.done]
             self._lock.notify_all()

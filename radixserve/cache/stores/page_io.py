@@ -78,10 +78,15 @@ class PageIO:
 
     # ------------------------------------------------------------------ commands
     def command(self, cmd: tuple) -> None:
-        """One command from the store: ("put", record, handle, size), ("read", job_id, records,
+        """One command from the store: ("put", record, handle, size), ("put_many", [(record, handle,
+        size), ...]), ("read", job_id, records,
         page handles (one a record), snapshot, snapshot_handle, snapshot_size), ("remove", keys),
         ("watch", namespaces), ("close",)."""
         what = cmd[0]
+        if what == "put_many":  # one put each
+            for put in cmd[1]:
+                self.command(("put", *put))
+            return
         if not self.threaded:
             if what == "put":
                 self._write(*cmd[1:])
