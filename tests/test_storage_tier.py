@@ -262,6 +262,15 @@ def start(model_dir: Path, workdir: Path, store: Path, *extra: str) -> ServerPro
                          workdir).wait_ready()
 
 
+def reported(server: ServerProcess, name: str, timeout_s: float = 30.0) -> float:
+    """A metric from the engine's periodic stats: the first may come after the server answers."""
+    deadline = time.monotonic() + timeout_s
+    while name not in (values := metric_values(server.base_url)):
+        assert time.monotonic() < deadline, f"{name} never reported"
+        time.sleep(0.1)
+    return values[name]
+
+
 def generate(server: ServerProcess, prompt: list[int]) -> dict:
     with server.client() as http:
         reply = http.post("/generate", json={"input_ids": prompt, "sampling_params": GREEDY})
@@ -386,7 +395,7 @@ def test_a_slow_disk_is_neither_read_nor_written(oracle, tmp_path):
     server = start(path, tmp_path, store, "--storage-read-latency-ms", "200",
                    "--storage-read-gbps", "0", "--storage-prefill-tflops", "0.05")
     try:
-        assert metric_values(server.base_url)["radixserve:storage_pages"] > 0
+        assert reported(server, "radixserve:storage_pages") > 0
         push_to_disk(server, prompts)
         assert generate(server, prompts[0])["output_ids"] == expected[0]
         values = metric_values(server.base_url)
