@@ -60,6 +60,8 @@ logger = logging.getLogger("radixserve")
 
 # Requests whose storage decision is remembered (a request is decided once, until its prompt grows).
 REMEMBERED_REQUESTS = 4096
+# Requests waiting undecided whose page hashes are kept.
+HASHED_REQUESTS = 1024
 
 STORAGE_STAT_KEYS = ("storage_pages", "storage_used_bytes", "storage_capacity_bytes", "storage_restored_pages",
                      "storage_pending_write_bytes", "storage_pages_written", "storage_bytes_written",
@@ -197,6 +199,7 @@ class StorageTier:
         self.first_saved_position = cost.first_paying_position(context_len)
         self.unpaying_pages = 0  # pages not written for that
         self._decided: OrderedDict[str, _Decision] = OrderedDict()
+        self._hashes: OrderedDict[str, tuple[Optional[str], list[int]]] = OrderedDict()  # waiting undecided
         self._jobs = 0
         self.loads = 0
         self.skipped_loads = 0
@@ -268,7 +271,7 @@ class StorageTier:
         if (len(ids) // ps) <= first or not self.store.num_pages:
             self._remember(key, _Decision(len(ids), matched, reads=reads))
             return False
-        hashes = page_hashes(ids, ps, namespace_page_parent(namespace))
+        hashes = self._hashes_of(key, ids, namespace)
         n = 0
         # Reads land in the host tier: one at most all of it; more than one in flight at most half
         # of it, so one read's pages are not pushed out by the next before their request copies
@@ -319,7 +322,24 @@ class StorageTier:
         self.store.read(job)
         return True
 
+    def _hashes_of(self, key: str, ids: Sequence[int], namespace: Optional[str]) -> list[int]:
+        """The page hashes of request key's prompt ids, kept while it waits undecided (it asks at
+        each admission attempt, and hashing a 12k-token prompt takes a millisecond); a prompt that
+        grew (a retracted request's) is hashed on from where it was."""
+        ps = self.page_size
+        known = self._hashes.pop(key, None)
+        if known is None or known[0] != namespace or len(known[1]) > len(ids) // ps:
+            hashes = page_hashes(ids, ps, namespace_page_parent(namespace))
+        else:
+            done = known[1]
+            hashes = done + page_hashes(ids[len(done) * ps:], ps, done[-1] if done else namespace_page_parent(namespace))
+        self._hashes[key] = (namespace, hashes)
+        while len(self._hashes) > HASHED_REQUESTS:
+            self._hashes.popitem(last=False)
+        return hashes
+
     def _remember(self, key: str, decision: _Decision) -> None:
+        self._hashes.pop(key, None)  # decided: asked again only when its prompt changes
         self._decided[key] = decision
         self._decided.move_to_end(key)
         while len(self._decided) > REMEMBERED_REQUESTS:
