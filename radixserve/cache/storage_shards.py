@@ -98,7 +98,7 @@ class ShardedStore(DiskStore):
         self._log: Optional[CopyLog] = None
         self._orphans: list[int] = []  # pages found on some ranks only, for the others to discard
         self.log = log  # rank 0's copy log (set by its runner once built)
-        self._agg = threading.Lock()  # the rounds below: the engine thread's and the I/O thread's events
+        self._agg = threading.Lock()  # the rounds below: the engine thread's and the store's events thread's
         self._wseq = 0
         self._round: dict[int, int] = {}  # key -> the round of its last save (0: found at start-up)
         self._waiting: dict[int, set[int]] = {}  # key -> the ranks yet to report it written in that round
@@ -244,7 +244,7 @@ class ShardedStore(DiskStore):
         return self._drop(key)  # a page another rank's report dropped is counted already
 
     def _own_event(self, what: str, subject: Any, kept: bool) -> None:
-        """This rank's store's events (from its I/O thread)."""
+        """This rank's store's events (from its events thread)."""
         if what == "written":
             with self._agg:
                 wseq = self._round.get(subject)

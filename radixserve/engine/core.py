@@ -270,8 +270,9 @@ class EngineCore:
         """How long the loop waits, the GIL let go, before the next step: COPY_WAIT_S when requests
         wait yet the last step launched nothing, none is in flight and no request came since (they
         wait for copies: a host-tier load, a storage read; or for room), else 0. A loop spinning in
-        Python holds the GIL the storage tier's I/O threads need between their system calls (each
-        waits up to the switch interval for it): on two cores it cut their reads to about a third."""
+        Python holds the GIL the storage tier's events thread needs to hand over a finished read, and
+        a core its I/O process could use: on two cores, when the reads ran in this process, it cut
+        them to about a third."""
         return COPY_WAIT_S if self.stepped_idle and self.in_flight is None and self.has_work else 0.0
 
     def _admit_compiled(self) -> list[RequestOutput]:

@@ -60,7 +60,7 @@ class ReportInbox:
 
 
 class ReportOutbox:
-    """A rank's end (called from its engine thread and its store's I/O thread)."""
+    """A rank's end (called from its engine thread and its store's events thread)."""
 
     def __init__(self, ctx: zmq.Context, store):
         self.sock = ctx.socket(zmq.PUSH)

@@ -120,7 +120,7 @@ class PageMissing(Exception):
 
 
 class PageBackend(Protocol):
-    """Where pages live. Called from the storage tier's I/O thread only (never from the step)."""
+    """Where pages live. Called from the storage tier's I/O process only (never from the step)."""
     capacity_bytes: int
     shared: bool  # other servers write to it too: its keys are listed again from time to time
 
