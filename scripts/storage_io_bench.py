@@ -2,8 +2,8 @@
 
 Writes --pages pages of a 7B model's shape (16 tokens x 57,344 bytes: Qwen2-7B's bf16 KV) into a
 store under --dir (tmpfs by default: the disk is not what is measured), then reads them back as
-one run, --repeats times, first with the process otherwise idle and then beside a thread running
-Python without pause (the engine's thread between its kernel launches). What it shows: whether
+one run into a host tier's slots, --repeats times, first with the process otherwise idle and then
+beside a thread running Python without pause (the engine's thread between its kernel launches). What it shows: whether
 the store's I/O shares the engine's interpreter lock. One JSON line per configuration.
 
     python scripts/storage_io_bench.py [--dir /dev/shm] [--pages 400] [--repeats 5]
@@ -23,7 +23,9 @@ import time
 
 import torch
 
-from radixserve.cache.stores.disk import DiskStore, ReadJob
+from radixserve.cache.host_pool import HostKVPool
+from radixserve.cache.kv_pool import KVPool
+from radixserve.cache.stores.disk import DiskStore
 from radixserve.cache.stores.page_files import LocalFileBackend, PageRecord, StoreStamp
 
 PAGE_SIZE, BYTES_PER_TOKEN = 16, 57344
@@ -36,12 +38,10 @@ def spin(stop: threading.Event) -> None:
             x += i
 
 
-def read_once(store: DiskStore, records: list[PageRecord], job_id: int) -> float:
+def read_once(store: DiskStore, host: HostKVPool, records: list[PageRecord], job_id: int) -> float:
+    """One read of records into host tier slots, as the tier reads them; its bytes per second."""
     page_bytes = PAGE_SIZE * BYTES_PER_TOKEN
-    if hasattr(store, "new_read"):
-        job = store.new_read(job_id, records)
-    else:  # a store without a read buffer of its own
-        job = ReadJob(job_id, records, torch.empty(len(records) * page_bytes, dtype=torch.uint8))
+    job = store.new_read(job_id, records, host.alloc(len(records) * PAGE_SIZE))
     start = time.perf_counter()
     store.read(job)
     while not store.finished():
@@ -49,6 +49,7 @@ def read_once(store: DiskStore, records: list[PageRecord], job_id: int) -> float
     seconds = time.perf_counter() - start
     assert job.pages_read == len(records)
     store.release(job)
+    host.allocator.free_slots(job.host_slots)
     return len(records) * page_bytes / seconds
 
 
@@ -61,16 +62,19 @@ def main() -> None:
     root = tempfile.mkdtemp(dir=args.dir)
     stamp = StoreStamp("bench", PAGE_SIZE, "bfloat16", BYTES_PER_TOKEN, 28)
     page_bytes = stamp.page_bytes
-    kwargs = {"read_buffer_bytes": args.pages * page_bytes} if hasattr(DiskStore, "new_read") else {}
-    store = DiskStore(LocalFileBackend(root, 1 << 40), stamp, **kwargs)
+    # A host tier of the 7B's shape (28 layers, 4 KV heads of 128, bf16: 57,344 bytes a token)
+    # that the reads land in, shared with the store's I/O process as the engine's is.
+    device = KVPool(PAGE_SIZE, PAGE_SIZE, 28, 4, 128, torch.bfloat16, "cpu")
+    host = HostKVPool(args.pages * PAGE_SIZE, device, pin=False, shared=True)
+    assert host.bytes_per_token == BYTES_PER_TOKEN
+    store = DiskStore(LocalFileBackend(root, 1 << 40), stamp, host_pool=host)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     try:
         records = [PageRecord(i + 1, i or None, list(range(i * PAGE_SIZE, (i + 1) * PAGE_SIZE)))
                    for i in range(args.pages)]
         for record in records:
             store.write(record, torch.randint(0, 256, (page_bytes,), dtype=torch.uint8), wait=True)
-        if hasattr(store, "flush"):
-            store.flush()
+        store.flush()
         while store.pending_bytes:
             time.sleep(0.01)
         for busy in (False, True):
@@ -78,7 +82,7 @@ def main() -> None:
             spinner = threading.Thread(target=spin, args=(stop,), daemon=True)
             if busy:
                 spinner.start()
-            rates = [read_once(store, records, i) for i in range(args.repeats)]
+            rates = [read_once(store, host, records, i) for i in range(args.repeats)]
             stop.set()
             print(json.dumps({"engine_thread": "busy" if busy else "idle", "commit": commit, "dir": args.dir,
                               "pages": args.pages, "mb": round(args.pages * page_bytes / 1e6),
