@@ -20,7 +20,7 @@ whole prefix, so a snapshot found under it is the state after exactly those toke
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
