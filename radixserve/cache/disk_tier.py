@@ -205,7 +205,6 @@ class StorageTier:
         self.skipped_loads = 0
         self.loaded_tokens = 0
         self.attach_failures = 0
-        self.reading_tokens = 0
         self._in_flight: dict[int, ReadJob] = {}  # job id -> a read not taken in yet
         self.read_cap = max(self.page_size, host_pool.total_tokens // 2 // self.page_size * self.page_size)
 
@@ -218,7 +217,7 @@ class StorageTier:
         node.block_hash = hashes[-1]
         first, todo = self._pages_to_write(node, hashes)
         if todo:  # a copy of those pages: the slots go now
-            self._write(node, parent, hashes, todo, lambda slots: self.host_pool.buffer[slots], ("host", host_slots))
+            self._write(node, parent, hashes, todo, ("host", host_slots))
         if self.states is not None and first < len(hashes):
             self.states.save(node, hashes[-1])
         self.store.flush()  # the slots are reused once this returns
@@ -233,19 +232,17 @@ class StorageTier:
         return first, [i for i in range(first, pages) if hashes[i] not in self.store]
 
     def _write(self, node: TreeNode, parent: Optional[int], hashes: list[int], todo: list[int],
-               rows_of: Callable[[torch.Tensor], torch.Tensor], source: tuple[str, torch.Tensor], *,
-               wait: bool = False) -> None:
-        """Queue pages `todo` of node, their KV copied by rows_of(slots) out of `source`'s slots (a
-        host page's slots are consecutive: its bytes are read where they lie, the store's copy into
-        its write buffer the one copy made)."""
+               source: tuple[str, torch.Tensor], *, kv_pool=None, wait: bool = False) -> None:
+        """Queue pages `todo` of node from `source`'s slots: a host page's bytes where they lie (the
+        store's copy into its write buffer is the one copy made), a device page's gathered to the
+        CPU from kv_pool (at shutdown)."""
         ps = self.page_size
         where, slots = source
-        pages = slots.view(len(hashes), ps)
-        if where == "host" and torch.equal(pages - pages[:, :1], torch.arange(ps).expand_as(pages)):
-            firsts = pages[todo, 0].tolist()
-            rows = [self.host_pool.buffer[first:first + ps].view(-1) for first in firsts]
+        pages = slots.view(len(hashes), ps)[todo].reshape(-1)
+        if where == "host":
+            rows = [self.host_pool.buffer[first:first + ps].view(-1) for first in self.host_pool.page_starts(pages)]
         else:
-            rows = list(rows_of(pages[todo].reshape(-1)).reshape(len(todo), self.page_bytes))
+            rows = list(device_rows(kv_pool, pages).reshape(len(todo), self.page_bytes))
         for n, i in enumerate(todo):
             prev = parent if i == 0 else hashes[i - 1]
             self.store.write(PageRecord(hashes[i], prev, node.key[i * ps:(i + 1) * ps]), rows[n], wait=wait,
@@ -316,7 +313,6 @@ class StorageTier:
         self._decided[key].job = job
         self._decided[key].reads += 1
         self.loads += 1
-        self.reading_tokens += count
         logger.info("storage tier: request %s reads %d tokens after %d cached: %.2f ms expected, computing them "
                     "%.2f ms", key, count, start, read_s * 1e3, compute_s * 1e3)
         self.store.read(job)
@@ -359,7 +355,6 @@ class StorageTier:
                 decided.job = None
             else:
                 decided = None  # the request was decided again since: this read is not its decision
-            self.reading_tokens -= len(job.records) * self.page_size
             del self._in_flight[job.job_id]
             self.store.attaching = job.job_id
             try:
@@ -394,6 +389,11 @@ class StorageTier:
             return self.states.attach(host, p["tokens"][:end], p["start"], slots, p["namespace"], job.snapshot_out)
         host.free_reserved(slots)
         return None  # a page gone: the snapshot after it resumes nobody (the store counted the page)
+
+    @property
+    def reading_tokens(self) -> int:
+        """The tokens the reads in flight (not taken in yet) hold host slots for."""
+        return sum(len(job.host_slots) for job in self._in_flight.values())
 
     def reserved_slots(self) -> list[torch.Tensor]:
         """The host slots the reads in flight hold (the host store's checks count them)."""
@@ -439,11 +439,8 @@ class StorageTier:
                 self.states.save(node, hashes[-1], wait=True)
             if not todo:
                 continue
-            if node.host is not None:
-                rows_of, source = (lambda slots: self.host_pool.buffer[slots]), ("host", node.host.slots)
-            else:
-                rows_of, source = (lambda slots: device_rows(kv_pool, slots)), ("device", node.value)
-            self._write(node, parent, hashes, todo, rows_of, source, wait=True)
+            source = ("host", node.host.slots) if node.host is not None else ("device", node.value)
+            self._write(node, parent, hashes, todo, source, kv_pool=kv_pool, wait=True)
             queued += len(todo)
         self.store.flush()
         return queued

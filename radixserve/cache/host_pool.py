@@ -86,6 +86,15 @@ class HostKVPool:
     def total_tokens(self) -> int:
         return self.allocator.total_tokens
 
+    def page_starts(self, slots: torch.Tensor) -> list[int]:
+        """The first slot of each page of slots (whole pages from `alloc`, each page's slots
+        consecutive: its bytes are one run of the buffer)."""
+        pages = slots.view(-1, self.page_size)
+        firsts = pages[:, 0]
+        assert torch.equal(pages - firsts[:, None], torch.arange(self.page_size).expand_as(pages)), \
+            "a page's host slots are not consecutive"
+        return firsts.tolist()
+
     def alloc(self, num_tokens: int) -> Optional[torch.Tensor]:
         """Slots for num_tokens (whole pages), ascending so neighbours form long copy runs; None when short."""
         pages = self.allocator.alloc_pages(num_tokens // self.page_size)

@@ -272,11 +272,7 @@ class DiskStore:
             if self._process is None:
                 return [whole[i * pb:(i + 1) * pb] for i in range(n)]
             return [("r", whole[1] + i * pb) for i in range(n)]
-        ps = self.stamp.page_size
-        pages = job.host_slots.view(n, ps)
-        firsts = pages[:, 0]
-        assert torch.equal(pages - firsts[:, None], torch.arange(ps).expand(n, ps)), "a page's host slots are not consecutive"
-        at = [first * self.host_pool.bytes_per_token for first in firsts.tolist()]
+        at = [first * self.host_pool.bytes_per_token for first in self.host_pool.page_starts(job.host_slots)]
         if self._process is None:
             host = memoryview(self.host_pool.buffer.view(-1).numpy()).cast("B")
             return [host[a:a + pb] for a in at]
